@@ -1,0 +1,90 @@
+"""The `aqpipe` command: launch a run, and the tools around runs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve
+
+HELP = {
+    "model": "preset (gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl), HF checkpoint dir, hub id, or module:function",
+    "task": "lm (classify: not available yet)",
+    "data": "builtin, a text file, a directory with train.*/valid.*, or a hub dataset name[:config]",
+    "pp": "pipeline stages", "dp": "data-parallel replicas",
+    "partition": "parameters, time, or layers per stage like 2,3,3",
+    "schedule": "micro-batch schedule: gpipe",
+    "seq_len": "tokens per sample", "micro_batch_size": "samples per micro-batch",
+    "micro_batches": "micro-batches per optimizer step",
+    "epochs": "epochs to train", "steps": "optimizer steps to train (overrides --epochs)",
+    "optimizer": "adamw or sgd", "lr": "peak learning rate", "weight_decay": "weight decay",
+    "warmup_steps": "linear LR warm-up steps (then linear decay to 0)", "clip": "global gradient-norm clip (0: off)",
+    "fw": "forward activation codec: fp32, fp16, bf16", "bw": "backward gradient codec: fp32, fp16, bf16",
+    "warmup_epochs": "epochs sent uncompressed", "grad_sync": "DP gradient sync: none",
+    "store": "where m(xi) lives: memory", "store_dtype": "precision of stored m(xi)",
+    "bandwidth": "throttle every link with tc tbf, e.g. 100mbit (not available yet)",
+    "device": "cpu or cuda", "out": "run directory (default runs/<timestamp>)",
+    "resume": "continue a run (not available yet)", "checkpoint_every": "steps between checkpoints",
+    "eval_every": "steps between evaluations", "seed": "seed of all randomness",
+    "vocab_size": "BPE vocabulary trained when the model brings no tokenizer (default 4096)",
+    "dropout": "dropout of the model (preset default)", "max_samples": "use at most this many training samples",
+    "stall_timeout": "seconds without progress before a run is declared stalled",
+    "port": "rendezvous port (default: a free one)",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"aqpipe: error: {message} (see aqpipe {self.prog.split()[-1]} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="aqpipe", description="Pipeline-parallel training over slow networks with AQ-SGD.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    launch = sub.add_parser("launch", help="train a model split into pipeline stages")
+    launch.add_argument("config", nargs="?", help="YAML or JSON file of flag values (flags override it)")
+    for f in dataclasses.fields(RunConfig):
+        if f.name == "stage_bounds":
+            continue
+        launch.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, metavar=f.name.upper(),
+                            help=HELP.get(f.name, ""))
+    launch.add_argument("--local_rank", "--local-rank", dest="_local_rank", help=argparse.SUPPRESS)
+    launch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    store = sub.add_parser("store", help="inspect the activation store of a run (verify, stats)")
+    store.add_argument("action", choices=["verify", "stats"])
+    store.add_argument("run_dir")
+    report = sub.add_parser("report", help="compare runs: curves and a table")
+    report.add_argument("run_dirs", nargs="+")
+    netns = sub.add_parser("netns", help="the throttled network topology by hand")
+    netns.add_argument("action", choices=["up", "down", "show"])
+    sub.add_parser("bench", help="benchmarks")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `aqpipe` console script."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "launch":
+            return _launch(args)
+        raise ConfigError(f"'aqpipe {args.command}' is not available yet in this release")
+    except ConfigError as e:
+        print(f"aqpipe: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from aqpipe.launch.job import run_job
+
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stage_bounds"}
+    file_values = load_config_file(args.config) if args.config else {}
+    cfg = resolve(build_config(file_values, flags))
+    return run_job(cfg, progress=not args.no_progress)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Compression: link codecs for activations and gradients, and data-parallel gradient compressors."""

@@ -1,0 +1,274 @@
+"""One validated run configuration: defaults, config files, flags, and every check made before a worker starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A usage or configuration error: one line saying what is wrong and how to fix it (exit code 2)."""
+
+
+class NotAvailableYet(ConfigError):
+    """A contract feature that a later release delivers."""
+
+
+# Training defaults per model preset; a model that is not a preset takes the "default" row.
+PRESET_TRAINING: dict[str, dict[str, Any]] = {
+    "default": dict(seq_len=128, micro_batch_size=4, micro_batches=4, epochs=2, lr=5e-5, warmup_steps=10),
+    "gpt2-tiny": dict(seq_len=64, micro_batch_size=4, micro_batches=4, epochs=3, lr=1e-3, warmup_steps=10),
+    "gpt2-small": dict(seq_len=256, micro_batch_size=2, micro_batches=8, epochs=2, lr=3e-4, warmup_steps=50),
+    "gpt2-medium": dict(seq_len=512, micro_batch_size=1, micro_batches=8, epochs=2, lr=2e-4, warmup_steps=100),
+    "gpt2-large": dict(seq_len=1024, micro_batch_size=1, micro_batches=8, epochs=2, lr=1e-4, warmup_steps=100),
+    "gpt2-xl": dict(seq_len=1024, micro_batch_size=1, micro_batches=8, epochs=2, lr=5e-5, warmup_steps=100),
+}
+
+FW_AVAILABLE = ("fp32", "fp16", "bf16")
+BW_AVAILABLE = ("fp32", "fp16", "bf16")
+FW_LATER = re.compile(r"^(directq|aqsgd):\d+$")
+BW_LATER = re.compile(r"^(directq:\d+|topk:[0-9.]+:\d+)$")
+GRAD_SYNC_LATER = ("fp16", "bf16", "powersgd", "ef", "qadam", "topk", "sidco", "fft", "signsgd", "marsit")
+STORE_DTYPES = ("fp32", "fp16", "bf16", "q8", "q4", "q2")
+
+
+@dataclass
+class RunConfig:
+    """Every setting of a run; `None` means "take the model preset's default" until `resolve` fills it."""
+
+    model: str = "gpt2-tiny"
+    task: str | None = None
+    data: str = "builtin"
+    pp: int = 4
+    dp: int = 1
+    partition: str = "parameters"
+    schedule: str = "gpipe"
+    seq_len: int | None = None
+    micro_batch_size: int | None = None
+    micro_batches: int | None = None
+    epochs: int | None = None
+    steps: int | None = None
+    optimizer: str = "adamw"
+    lr: float | None = None
+    weight_decay: float = 0.0
+    warmup_steps: int | None = None
+    clip: float = 1.0
+    fw: str = "fp32"
+    bw: str = "fp32"
+    warmup_epochs: int = 1
+    grad_sync: str = "none"
+    store: str = "memory"
+    store_dtype: str = "fp16"
+    bandwidth: str | None = None
+    device: str | None = None
+    out: str | None = None
+    resume: str | None = None
+    checkpoint_every: int | None = None
+    eval_every: int | None = None
+    seed: int = 0
+    # Beyond the contract: knobs a demanding user needs.
+    vocab_size: int | None = None
+    dropout: float | None = None
+    max_samples: int | None = None
+    stall_timeout: float = 300.0
+    port: int | None = None
+    # Filled by `resolve`: the explicit stage boundaries (layer index where each stage starts, plus the end).
+    stage_bounds: list[int] | None = field(default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as plain JSON-able values."""
+        return dataclasses.asdict(self)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks: pp × dp."""
+        return self.pp * self.dp
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples one replica consumes per optimizer step."""
+        assert self.micro_batch_size is not None and self.micro_batches is not None
+        return self.micro_batch_size * self.micro_batches
+
+
+FIELD_NAMES = {f.name for f in dataclasses.fields(RunConfig)}
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML or JSON config whose keys are flag names with `_` for `-`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path!r} does not exist or is not a file")
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
+    try:
+        if p.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as e:  # noqa: BLE001 - any parse failure is a user error
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"config file {path!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {first}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of flag names to values, not {type(data).__name__}")
+    normalized = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(normalized) - FIELD_NAMES)
+    if unknown:
+        raise ConfigError(f"config file {path!r} has unknown key(s): {', '.join(unknown)}")
+    return normalized
+
+
+def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> RunConfig:
+    """Merge defaults < config file < flags into a RunConfig, checking value types."""
+    merged: dict[str, Any] = {}
+    merged.update(file_values)
+    merged.update({k: v for k, v in flag_values.items() if v is not None})
+    cfg = RunConfig()
+    for f in dataclasses.fields(RunConfig):
+        if f.name in merged:
+            setattr(cfg, f.name, _coerce(f.name, merged[f.name], f.type))
+    return cfg
+
+
+def _coerce(name: str, value: Any, annotation: Any) -> Any:
+    ann = str(annotation)
+    flag = "--" + name.replace("_", "-")
+    if value is None:
+        return None
+    if ann.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or not re.fullmatch(r"-?\d+", str(value).strip()):
+            raise ConfigError(f"{flag} must be an integer, got {value!r}")
+        return int(value)
+    if ann.startswith("float"):
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{flag} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not math.isfinite(out):
+            raise ConfigError(f"{flag} must be a finite number, got {value!r}")
+        return out
+    if ann.startswith("list"):
+        if not isinstance(value, list):
+            raise ConfigError(f"{name} must be a list of integers")
+        return [int(v) for v in value]
+    return str(value)
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """Fill preset defaults and validate every value; raises ConfigError on the first problem found."""
+    _check_available(cfg)
+    preset = PRESET_TRAINING.get(cfg.model, PRESET_TRAINING["default"])
+    for key, value in preset.items():
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
+    if cfg.device is None:
+        cfg.device = "cuda" if _cuda_available() else "cpu"
+    if cfg.out is None:
+        cfg.out = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    if cfg.task is None:
+        cfg.task = "lm"
+    _validate(cfg)
+    return cfg
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_available(cfg: RunConfig) -> None:
+    later = "is not available yet in this release"
+    if cfg.fw not in FW_AVAILABLE:
+        if FW_LATER.match(cfg.fw):
+            raise NotAvailableYet(f"--fw {cfg.fw} {later}; use one of {', '.join(FW_AVAILABLE)}")
+        raise ConfigError(f"--fw {cfg.fw!r} is not a forward codec; use fp32, fp16, bf16, directq:B or aqsgd:B (B = 1..8)")
+    if cfg.bw not in BW_AVAILABLE:
+        if BW_LATER.match(cfg.bw):
+            raise NotAvailableYet(f"--bw {cfg.bw} {later}; use one of {', '.join(BW_AVAILABLE)}")
+        raise ConfigError(f"--bw {cfg.bw!r} is not a backward codec; use fp32, fp16, bf16, directq:B or topk:F:B")
+    if cfg.grad_sync != "none":
+        if cfg.grad_sync.split(":")[0] in GRAD_SYNC_LATER:
+            raise NotAvailableYet(f"--grad-sync {cfg.grad_sync} {later}; use none")
+        raise ConfigError(f"--grad-sync {cfg.grad_sync!r} is not a gradient compressor; use none")
+    if cfg.store not in ("memory", "lmdb"):
+        raise ConfigError(f"--store {cfg.store!r} is not a store; use memory or lmdb")
+    if cfg.store == "lmdb":
+        raise NotAvailableYet(f"--store lmdb {later}; use --store memory")
+    if cfg.store_dtype not in STORE_DTYPES:
+        raise ConfigError(f"--store-dtype {cfg.store_dtype!r} is not one of {', '.join(STORE_DTYPES)}")
+    if cfg.bandwidth is not None:
+        raise NotAvailableYet(f"--bandwidth {later}; leave it out to run on the plain network")
+    if cfg.resume is not None:
+        raise NotAvailableYet(f"--resume {later}")
+    if cfg.checkpoint_every is not None:
+        raise NotAvailableYet(f"--checkpoint-every {later}")
+    if cfg.eval_every is not None:
+        raise NotAvailableYet(f"--eval-every {later}")
+    if cfg.task not in (None, "lm", "classify"):
+        raise ConfigError(f"--task {cfg.task!r} is not a task; use lm or classify")
+    if cfg.task == "classify":
+        raise NotAvailableYet(f"--task classify {later}; use --task lm")
+    if cfg.schedule not in ("gpipe", "1f1b"):
+        raise ConfigError(f"--schedule {cfg.schedule!r} is not a schedule; use gpipe")
+    if cfg.schedule == "1f1b":
+        raise NotAvailableYet(f"--schedule 1f1b {later}; use --schedule gpipe")
+
+
+def _validate(cfg: RunConfig) -> None:
+    def positive(name: str) -> None:
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+    for name in ("pp", "dp", "seq_len", "micro_batch_size", "micro_batches", "epochs", "steps", "max_samples"):
+        positive(name)
+    if cfg.lr is not None and cfg.lr < 0:
+        raise ConfigError(f"--lr must not be negative, got {cfg.lr}")
+    if cfg.weight_decay < 0:
+        raise ConfigError(f"--weight-decay must not be negative, got {cfg.weight_decay}")
+    if cfg.clip < 0:
+        raise ConfigError(f"--clip must not be negative (0 turns clipping off), got {cfg.clip}")
+    if cfg.warmup_steps is not None and cfg.warmup_steps < 0:
+        raise ConfigError(f"--warmup-steps must not be negative, got {cfg.warmup_steps}")
+    if cfg.warmup_epochs < 0:
+        raise ConfigError(f"--warmup-epochs must not be negative, got {cfg.warmup_epochs}")
+    if cfg.dropout is not None and not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.vocab_size is not None and cfg.vocab_size < 260:
+        raise ConfigError(f"--vocab-size must be at least 260 (256 bytes plus specials), got {cfg.vocab_size}")
+    if cfg.stall_timeout <= 0:
+        raise ConfigError(f"--stall-timeout must be positive, got {cfg.stall_timeout}")
+    if cfg.port is not None and not 1 <= cfg.port <= 65535:
+        raise ConfigError(f"--port must be in 1..65535, got {cfg.port}")
+    if cfg.optimizer not in ("adamw", "sgd"):
+        raise ConfigError(f"--optimizer {cfg.optimizer!r} is not supported; use adamw or sgd")
+    if cfg.device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {cfg.device!r} is not a device; use cpu or cuda")
+    if cfg.device == "cuda" and not _cuda_available():
+        raise ConfigError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
+    partition = cfg.partition
+    if partition not in ("parameters", "time") and not re.fullmatch(r"\d+(,\d+)*", partition):
+        raise ConfigError(f"--partition {partition!r} must be parameters, time, or a comma list of layers per stage like 2,3,3")
+    if re.fullmatch(r"\d+(,\d+)*", partition):
+        counts = [int(x) for x in partition.split(",")]
+        if len(counts) != cfg.pp:
+            raise ConfigError(f"--partition {partition} lists {len(counts)} stages but --pp is {cfg.pp}")
+        if any(c < 1 for c in counts):
+            raise ConfigError(f"--partition {partition}: every stage needs at least one layer")
+    out = Path(cfg.out or ".")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {cfg.out!r} exists and is not a directory")

@@ -1,0 +1,91 @@
+"""Tokenizers: the model's own when it brings one, otherwise a byte-level BPE trained on the corpus and cached."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Protocol
+
+from aqpipe.data.corpus import Corpus
+
+
+class TextTokenizer(Protocol):
+    """What aqpipe needs of a tokenizer."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def cache_dir() -> Path:
+    """Where aqpipe caches tokenizers and tokenized datasets ($AQPIPE_CACHE, default ~/.cache/aqpipe)."""
+    path = Path(os.environ.get("AQPIPE_CACHE", Path.home() / ".cache" / "aqpipe"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` so that readers see either the old file or the whole new one (ranks may race on a cache)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class BPETokenizer:
+    """A byte-level BPE from the `tokenizers` library."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def save(self, path: Path) -> None:
+        atomic_write_bytes(path, self._tok.to_str().encode())
+
+
+class HFTokenizer:
+    """A `transformers` tokenizer loaded from a checkpoint directory."""
+
+    def __init__(self, directory: str) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(directory)
+        self.vocab_size = len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok(text, add_special_tokens=False)["input_ids"]
+
+
+def corpus_key(corpus: Corpus) -> str:
+    """A short content hash of a corpus."""
+    h = hashlib.sha256()
+    h.update(corpus.train.encode())
+    h.update(b"\0")
+    h.update(corpus.valid.encode())
+    return h.hexdigest()[:16]
+
+
+def train_bpe(corpus: Corpus, vocab_size: int) -> BPETokenizer:
+    """Train (or load from the cache) a byte-level BPE of at most `vocab_size` tokens on the training text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path = cache_dir() / f"bpe-{corpus_key(corpus)}-{vocab_size}.json"
+    if path.is_file():
+        return BPETokenizer(Tokenizer.from_file(str(path)))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = corpus.train.splitlines()
+    tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
+    result = BPETokenizer(tok)
+    result.save(path)
+    return result

@@ -1,0 +1,1 @@
+"""Launching workers: locally, under torchrun or the DeepSpeed launcher."""

@@ -1,0 +1,191 @@
+"""Start the pp × dp workers on this machine, stream their logs, draw progress, and tear everything down on failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from aqpipe.runtime.train import EVENT_PREFIX
+
+# A worker whose error only says a peer went away is a consequence, not the cause.
+_SECONDARY = ("TransportError", "Connection closed", "Connection reset", "peer", "Broken pipe", "ECONNRESET")
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class _Worker:
+    rank: int
+    name: str
+    proc: subprocess.Popen
+    tail: deque = field(default_factory=lambda: deque(maxlen=30))
+    error: str | None = None
+    ended_at: float | None = None
+
+
+@dataclass
+class LaunchResult:
+    """How a local launch ended: exit code 0 or 1, and the failure message."""
+
+    code: int
+    message: str = ""
+    summary: dict | None = None
+
+
+def launch_local(
+    command: list[str], world_size: int, describe, env_extra: dict[str, str], total_steps: int,
+    stall_timeout: float, port: int | None = None, progress: bool = True,
+) -> LaunchResult:
+    """Run `command` once per rank with torch.distributed's environment; `describe(rank)` names a rank in messages."""
+    port = port or free_port()
+    events: queue.Queue = queue.Queue()
+    workers: list[_Worker] = []
+    for rank in range(world_size):
+        env = dict(os.environ, **env_extra, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   AQPIPE_EVENTS="1", AQPIPE_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1, start_new_session=True, errors="replace")
+        worker = _Worker(rank, describe(rank), proc)
+        workers.append(worker)
+        threading.Thread(target=_pump, args=(worker, events), daemon=True).start()
+
+    bar = _progress_bar(total_steps) if progress else None
+    result: LaunchResult | None = None
+    last_progress = time.monotonic()
+    summary = None
+    try:
+        while result is None:
+            try:
+                kind, payload = events.get(timeout=0.1)
+                if kind == "event":
+                    last_progress = time.monotonic()
+                    summary = _on_event(payload, workers, bar) or summary
+                else:
+                    _print_line(payload, bar)
+            except queue.Empty:
+                pass
+            failed = [w for w in workers if w.proc.poll() not in (None, 0)]
+            if failed:
+                time.sleep(1.0)  # let the neighbours of a dead rank finish failing, then pick the cause
+                _drain(events, workers, bar)
+                result = LaunchResult(1, _root_cause(workers))
+            elif all(w.proc.poll() == 0 for w in workers):
+                _drain(events, workers, bar)
+                for w in workers:
+                    w.proc.wait()
+                result = LaunchResult(0, summary=summary)
+            elif time.monotonic() - last_progress > stall_timeout:
+                result = LaunchResult(1, f"no progress from any rank for {stall_timeout:.0f} s (stalled); stopping all ranks")
+    except KeyboardInterrupt:
+        result = LaunchResult(1, "interrupted by the user; all ranks stopped")
+    finally:
+        _terminate(workers)
+        if bar is not None:
+            bar.close()
+    if result.code == 0 and result.summary is None:
+        result.summary = summary
+    return result
+
+
+def _pump(worker: _Worker, events: queue.Queue) -> None:
+    """Forward one worker's output lines: events to the launcher, everything else to the log."""
+    for line in worker.proc.stdout:
+        line = line.rstrip("\n")
+        if line.startswith(EVENT_PREFIX):
+            try:
+                events.put(("event", dict(json.loads(line[len(EVENT_PREFIX):]), _rank=worker.rank)))
+                continue
+            except ValueError:
+                pass
+        worker.tail.append(line)
+        events.put(("line", f"[rank {worker.rank}] {line}"))
+
+
+def _on_event(event: dict, workers: list[_Worker], bar) -> dict | None:
+    kind = event.get("event")
+    if kind == "step" and bar is not None and not bar.disable:
+        bar.n = event["step"]
+        bar.set_postfix(loss=f"{event['loss']:.4f}", sps=f"{event['samples_per_second']:.1f}", refresh=False)
+        bar.refresh()
+    elif kind == "step":  # no terminal to draw a bar on: a plain line every 5% of the run
+        step, total = event["step"], event["total_steps"]
+        if step % max(1, total // 20) == 0 or step == total:
+            print(f"step {step}/{total}  loss {event['loss']:.4f}  {event['samples_per_second']:.1f} samples/s",
+                  file=sys.stderr, flush=True)
+    elif kind == "error":
+        workers[event["_rank"]].error = event.get("message")
+    elif kind == "done":
+        return event.get("summary")
+    return None
+
+
+def _drain(events: queue.Queue, workers: list[_Worker], bar) -> None:
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        try:
+            kind, payload = events.get(timeout=0.05)
+        except queue.Empty:
+            if all(w.proc.poll() is not None for w in workers):
+                break
+            continue
+        if kind == "event":
+            _on_event(payload, workers, bar)
+        else:
+            _print_line(payload, bar)
+
+
+def _root_cause(workers: list[_Worker]) -> str:
+    """The message naming the rank whose failure started it all."""
+    failed = [w for w in workers if w.proc.poll() not in (None, 0)]
+    killed = [w for w in failed if w.proc.returncode < 0]
+    if killed:
+        w = killed[0]
+        return f"{w.name} died: killed by signal {signal.Signals(-w.proc.returncode).name}"
+    primary = [w for w in failed if not any(s in (w.error or "") for s in _SECONDARY)]
+    w = (primary or failed)[0]
+    cause = w.error or next((line for line in reversed(w.tail) if line.strip()), f"exit code {w.proc.returncode}")
+    return f"{w.name} failed: {cause}"
+
+
+def _terminate(workers: list[_Worker]) -> None:
+    """SIGTERM every live worker's process group, then SIGKILL whatever is left after 5 s."""
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        alive = [w for w in workers if w.proc.poll() is None]
+        for w in alive:
+            try:
+                os.killpg(w.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while alive and time.monotonic() < deadline:
+            alive = [w for w in alive if w.proc.poll() is None]
+            time.sleep(0.05)
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="training", unit="step", file=sys.stderr, dynamic_ncols=True,
+                disable=not sys.stderr.isatty())
+
+
+def _print_line(line: str, bar) -> None:
+    if bar is not None and not bar.disable:
+        bar.write(line, file=sys.stdout)
+    else:
+        print(line, flush=True)

@@ -1,0 +1,40 @@
+"""The process `aqpipe launch` starts for each rank: `python -m aqpipe.launch.worker_entry`.
+
+Reads the resolved configuration the launcher wrote ($AQPIPE_CONFIG) and runs this rank; any error is reported to
+the launcher as one event naming the cause, with the traceback on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+from aqpipe.launch.env import die_with_parent, rank_from_env
+
+
+def run_rank(spec_factory=None) -> int:
+    """Run the rank described by the environment; returns the process exit code."""
+    from aqpipe.config import RunConfig
+    from aqpipe.runtime.train import emit, run_worker
+
+    die_with_parent()
+    rank, world_size = rank_from_env()
+    try:
+        with open(os.environ["AQPIPE_CONFIG"]) as f:
+            cfg = RunConfig(**json.load(f))
+        run_worker(cfg, rank, world_size, spec_factory)
+        return 0
+    except BaseException as e:  # noqa: BLE001 - every failure is reported, then the process ends
+        if isinstance(e, KeyboardInterrupt):
+            return 1
+        text = str(e).strip().splitlines()
+        emit({"event": "error", "message": f"{type(e).__name__}: {text[0] if text else ''}"})
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(run_rank())

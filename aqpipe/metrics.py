@@ -1,0 +1,84 @@
+"""Run outputs: one JSON line per optimizer step, the run summary, and the loss curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically (a reader sees the old file or the complete new one)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+class MetricsLog:
+    """Appends per-step records to `metrics.jsonl` in the run directory and keeps them for the summary."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.records: list[dict] = []
+        self._file = open(self.out_dir / "metrics.jsonl", "a", buffering=1)
+
+    def log(self, record: dict) -> None:
+        """Record one step."""
+        self.records.append(record)
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall_seconds: float) -> dict:
+    """The run summary of CONTRACT.md from the per-step records.
+
+    final_loss: mean loss of the last epoch (of the last 10% of steps when the run was sized by --steps);
+    samples_per_second: median over the steps after the warm-up epochs (over all steps if none are after).
+    """
+    if not records:
+        raise ValueError("no steps were recorded")
+    if used_steps:
+        tail = records[-max(1, len(records) // 10):]
+    else:
+        last_epoch = records[-1]["epoch"]
+        tail = [r for r in records if r["epoch"] == last_epoch]
+    after_warmup = [r for r in records if r["epoch"] >= warmup_epochs] or records
+    return {
+        "final_loss": statistics.fmean(r["loss"] for r in tail),
+        "steps": len(records),
+        "epochs": records[-1]["epoch"] + 1,
+        "samples_per_second": statistics.median(r["samples_per_second"] for r in after_warmup),
+        "link_bytes": {"fwd": sum(r["fwd_bytes"] for r in records), "bwd": sum(r["bwd_bytes"] for r in records)},
+        "grad_sync_bytes": sum(r["grad_sync_bytes"] for r in records),
+        "wall_seconds": wall_seconds,
+        "compute_seconds": sum(r["compute_seconds"] for r in records),
+        "comm_wait_seconds": sum(r["comm_wait_seconds"] for r in records),
+        "store": {"hits": 0, "misses": 0, "reseeded": 0},
+    }
+
+
+def plot_loss(records: list[dict], path: Path, title: str = "") -> None:
+    """Training loss per step, with epoch boundaries marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2, label="train loss")
+    for r_prev, r in zip(records, records[1:]):
+        if r["epoch"] != r_prev["epoch"]:
+            ax.axvline(r["step"], color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

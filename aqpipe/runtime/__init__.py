@@ -1,0 +1,1 @@
+"""The pipeline runtime: rank grid, schedules, framed transport, stage worker, training loop."""

@@ -1,0 +1,91 @@
+"""The rank grid: world = pp × dp, rank = replica·pp + stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Where one rank sits: its stage in the pipeline and its replica among the data-parallel copies."""
+
+    pp: int
+    dp: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.pp < 1 or self.dp < 1:
+            raise ValueError(f"pp and dp must be at least 1, got pp={self.pp} dp={self.dp}")
+        if not 0 <= self.rank < self.pp * self.dp:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.pp * self.dp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.pp
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.pp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pp - 1
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        """The rank running `stage` of `replica`."""
+        return replica * self.pp + stage
+
+    @property
+    def prev_rank(self) -> int | None:
+        """The rank this one receives activations from, or None on the first stage."""
+        return None if self.is_first_stage else self.rank - 1
+
+    @property
+    def next_rank(self) -> int | None:
+        """The rank this one sends activations to, or None on the last stage."""
+        return None if self.is_last_stage else self.rank + 1
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        """The ranks of one whole pipeline, first stage first."""
+        return [self.rank_of(s, replica) for s in range(self.pp)]
+
+    def dp_ranks(self, stage: int) -> list[int]:
+        """The ranks holding `stage` in every replica."""
+        return [self.rank_of(stage, r) for r in range(self.dp)]
+
+    def describe(self, rank: int | None = None) -> str:
+        """'rank R (stage S, replica P)' for messages."""
+        rank = self.rank if rank is None else rank
+        return f"rank {rank} (stage {rank % self.pp}, replica {rank // self.pp})"
+
+
+@dataclass
+class ProcessGroups:
+    """The torch.distributed groups one rank uses: its pipeline and its stage's DP group."""
+
+    pipeline: object
+    data_parallel: object
+
+
+def create_groups(grid: Grid, backend: str | None = None) -> ProcessGroups:
+    """Create every pipeline and DP group (all ranks must call this, in the same order) and keep this rank's."""
+    import torch.distributed as dist
+
+    pipeline = data_parallel = None
+    for replica in range(grid.dp):
+        group = dist.new_group(grid.pipeline_ranks(replica), backend=backend)
+        if replica == grid.replica:
+            pipeline = group
+    for stage in range(grid.pp):
+        group = dist.new_group(grid.dp_ranks(stage), backend=backend)
+        if stage == grid.stage:
+            data_parallel = group
+    return ProcessGroups(pipeline=pipeline, data_parallel=data_parallel)

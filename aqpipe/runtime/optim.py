@@ -1,0 +1,52 @@
+"""Optimizer, linear warm-up then linear decay, and clipping on the gradient norm of the whole model."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def build_optimizer(
+    params: Sequence[torch.nn.Parameter], name: str, lr: float, weight_decay: float, warmup_steps: int, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW or SGD (momentum 0.9) with a linear warm-up over `warmup_steps`, then linear decay to 0 at `total_steps`."""
+    params = list(params)
+    if name == "adamw":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    elif name == "sgd":
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    else:
+        raise ValueError(f"unknown optimizer {name!r}")
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup_steps, total_steps))
+    return optimizer, schedule
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Multiplier of the base learning rate at `step` (0-based)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    remaining = total_steps - step
+    span = max(1, total_steps - warmup_steps)
+    return max(0.0, remaining / span)
+
+
+def local_grad_sq_norm(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+    """Sum of squared gradient entries of `params`, in float64 so that stages add up exactly enough."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            total += p.grad.detach().double().pow(2).sum().cpu()
+    return total
+
+
+def clip_by_global_norm(params: Sequence[torch.nn.Parameter], max_norm: float, global_sq_norm: torch.Tensor) -> float:
+    """Scale gradients so the whole model's norm is at most `max_norm` (0 = no clipping); returns the norm before."""
+    norm = float(global_sq_norm.sqrt())
+    if max_norm > 0:
+        coefficient = min(1.0, max_norm / (norm + 1e-6))
+        if coefficient < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coefficient)
+    return norm

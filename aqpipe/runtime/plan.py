@@ -1,0 +1,81 @@
+"""Everything decided before training starts: data, model spec, stage boundaries, steps — with every check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aqpipe.config import ConfigError, RunConfig
+from aqpipe.data import DataError, EpochPlan, LMDataset, prepare_lm_dataset, shard
+from aqpipe.stages import PipelineSpec, SpecError, partition
+from aqpipe.stages.models import build_spec, classify_model, tokenizer_directory
+
+
+@dataclass
+class RunPlan:
+    """A resolved run: the data, the model spec, stage boundaries and step counts."""
+
+    cfg: RunConfig
+    dataset: LMDataset
+    spec: PipelineSpec
+    bounds: list[int]
+    steps_per_epoch: int
+    total_steps: int
+
+    def epoch_plan(self, replica: int) -> EpochPlan:
+        """The sample order of one replica's shard."""
+        return EpochPlan(shard(len(self.dataset.train), replica, self.cfg.dp), self.cfg.seed,
+                         self.cfg.micro_batch_size, self.cfg.micro_batches)
+
+
+def make_plan(cfg: RunConfig, spec_factory=None, profile: bool = True) -> RunPlan:
+    """Prepare data and model spec and resolve the partition; raises ConfigError for anything the user must fix.
+
+    With `profile=False`, a time-based partition not yet resolved is left to the caller.
+    """
+    try:
+        if spec_factory is None:
+            classify_model(cfg.model)
+        tok_dir = None if spec_factory is not None else tokenizer_directory(cfg.model)
+        dataset = prepare_lm_dataset(cfg.data, cfg.seq_len, tok_dir, cfg.vocab_size, cfg.max_samples)
+        spec = build_spec(cfg.model, dataset.vocab_size, cfg.seq_len, cfg.dropout, spec_factory)
+    except (SpecError, DataError) as e:
+        raise ConfigError(str(e)) from None
+
+    per_step = cfg.micro_batch_size * cfg.micro_batches
+    shard_size = len(dataset.train) // cfg.dp
+    steps_per_epoch = shard_size // per_step
+    if steps_per_epoch < 1:
+        raise ConfigError(
+            f"batch settings do not fit the data: one step takes --micro-batch-size {cfg.micro_batch_size} x "
+            f"--micro-batches {cfg.micro_batches} = {per_step} samples per replica, but each of the {cfg.dp} "
+            f"replica(s) has only {shard_size} of the {len(dataset.train)} samples; lower them or use more data"
+        )
+    total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * steps_per_epoch
+
+    if len(spec) < cfg.pp:
+        raise ConfigError(
+            f"--pp {cfg.pp} is more stages than the model's {len(spec)} layers; use --pp {len(spec)} or fewer"
+        )
+    bounds = cfg.stage_bounds
+    if bounds is None:
+        bounds = resolve_bounds(cfg, spec, dataset) if (profile or cfg.partition != "time") else []
+    elif len(bounds) != cfg.pp + 1 or bounds[0] != 0 or bounds[-1] != len(spec):
+        raise ConfigError(f"stage_bounds {bounds} do not split {len(spec)} layers into {cfg.pp} stages")
+    return RunPlan(cfg, dataset, spec, bounds, steps_per_epoch, total_steps)
+
+
+def resolve_bounds(cfg: RunConfig, spec: PipelineSpec, dataset: LMDataset) -> list[int]:
+    """Stage boundaries for `--partition` (profiling a real micro-batch for "time")."""
+    method: str | list[int] = cfg.partition
+    if method not in ("parameters", "time"):
+        method = [int(x) for x in cfg.partition.split(",")]
+    example = None
+    if method == "time":
+        import torch
+
+        ids = torch.arange(min(cfg.micro_batch_size, len(dataset.train)))
+        example = (dataset.train.inputs(ids), dataset.train.targets(ids))
+    try:
+        return partition(spec, cfg.pp, method, example=example)
+    except SpecError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,167 @@
+"""One rank's whole run: join the process group, build the stage, train, and (rank 0) write the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from aqpipe.compress.codecs import build_codec
+from aqpipe.compress.grad import build_grad_sync
+from aqpipe.config import RunConfig
+from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
+from aqpipe.runtime.grid import Grid, create_groups
+from aqpipe.runtime.optim import build_optimizer
+from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds
+from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, Inbox, Outbox
+from aqpipe.runtime.worker import Links, StageWorker, StepStats
+
+EVENT_PREFIX = "@@aqpipe "
+_STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "grad_sync_bytes", "compute_seconds", "comm_wait_seconds", "grad_norm")
+
+
+def emit(event: dict) -> None:
+    """Tell the local launcher about progress (a machine-readable stdout line); no-op outside it."""
+    if os.environ.get("AQPIPE_EVENTS") == "1":
+        print(EVENT_PREFIX + json.dumps(event), flush=True)
+
+
+def run_worker(cfg: RunConfig, rank: int, world_size: int, spec_factory=None) -> dict | None:
+    """Train this rank's stage for the whole run; returns the summary on rank 0 (None elsewhere)."""
+    if world_size != cfg.world_size:
+        raise RuntimeError(f"the launcher started {world_size} processes but --pp {cfg.pp} x --dp {cfg.dp} needs {cfg.world_size}")
+    grid = Grid(cfg.pp, cfg.dp, rank)
+    device = torch.device(cfg.device if cfg.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    torch.manual_seed(cfg.seed)
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.stall_timeout))
+    try:
+        plan = make_plan(cfg, spec_factory, profile=False)
+        if not plan.bounds:  # a time partition nobody resolved yet: rank 0 profiles, everyone takes its answer
+            box = [resolve_bounds(cfg, plan.spec, plan.dataset) if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            plan.bounds = box[0]
+        return _train(plan, grid, device, backend)
+    finally:
+        dist.destroy_process_group()
+
+
+def _links(grid: Grid, device: torch.device, timeout: float) -> Links:
+    links = Links()
+    if grid.prev_rank is not None:
+        peer = grid.describe(grid.prev_rank)
+        links.act_in = Inbox(grid.prev_rank, peer, KIND_ACTIVATION, device, timeout)
+        links.grad_out = Outbox(grid.prev_rank, KIND_GRADIENT, device)
+    if grid.next_rank is not None:
+        peer = grid.describe(grid.next_rank)
+        links.grad_in = Inbox(grid.next_rank, peer, KIND_GRADIENT, device, timeout)
+        links.act_out = Outbox(grid.next_rank, KIND_ACTIVATION, device)
+    return links
+
+
+def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dict | None:
+    cfg = plan.cfg
+    groups = create_groups(grid, backend)
+    start, end = plan.bounds[grid.stage], plan.bounds[grid.stage + 1]
+    module = plan.spec.build_stage(start, end, cfg.seed).to(device)
+    optimizer, lr_schedule = build_optimizer(
+        [p for p in module.parameters() if p.requires_grad], cfg.optimizer, cfg.lr, cfg.weight_decay,
+        cfg.warmup_steps, plan.total_steps,
+    )
+    worker = StageWorker(
+        grid=grid, groups=groups, module=module, loss_fn=plan.spec.loss,
+        samples=plan.dataset.train if (grid.is_first_stage or grid.is_last_stage) else None,
+        links=_links(grid, device, cfg.stall_timeout), fw_codec=build_codec(cfg.fw), bw_codec=build_codec(cfg.bw),
+        grad_sync=build_grad_sync(cfg.grad_sync, groups.data_parallel, cfg.dp), optimizer=optimizer,
+        lr_schedule=lr_schedule, clip=cfg.clip, device=device, micro_batch_size=cfg.micro_batch_size,
+    )
+    epochs = plan.epoch_plan(grid.replica)
+    log = _open_outputs(cfg, plan) if grid.rank == 0 else None
+    emit({"event": "start", "total_steps": plan.total_steps, "rank": grid.rank})
+    wall_start = time.perf_counter()
+    try:
+        for step in range(plan.total_steps):
+            step_start = time.perf_counter()
+            lr = lr_schedule.get_last_lr()[0]
+            stats = worker.run_step(step, epochs.micro_batches_of(step))
+            step_seconds = time.perf_counter() - step_start
+            record = _gather_step(stats, grid, cfg, step, plan.steps_per_epoch, lr, step_seconds)
+            if log is not None:
+                log.log(record)
+                emit({"event": "step", "step": step + 1, "total_steps": plan.total_steps, "loss": record["loss"],
+                      "samples_per_second": record["samples_per_second"]})
+                _print_progress(record, plan.total_steps)
+    finally:
+        worker.links.close()
+    if log is None:
+        return None
+    log.close()
+    summary = summarize(log.records, used_steps=cfg.steps is not None, warmup_epochs=cfg.warmup_epochs,
+                        wall_seconds=time.perf_counter() - wall_start)
+    out = Path(cfg.out)
+    write_json(out / "summary.json", summary)
+    plot_loss(log.records, out / "loss.png", title=f"{cfg.model}  pp={cfg.pp} dp={cfg.dp}  fw={cfg.fw} bw={cfg.bw}")
+    emit({"event": "done", "summary": summary})
+    return summary
+
+
+def _open_outputs(cfg: RunConfig, plan: RunPlan) -> MetricsLog:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    resolved = cfg.to_dict()
+    resolved["stage_bounds"] = plan.bounds
+    write_json(out / "config.json", resolved)
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    return MetricsLog(out)
+
+
+def _gather_step(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_per_epoch: int, lr: float,
+                 step_seconds: float) -> dict:
+    """Collect every rank's numbers of this step on rank 0 and combine them into one metrics record."""
+    mine = torch.tensor([float(getattr(stats, f)) for f in _STAT_FIELDS] + [step_seconds], dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(grid.world_size)] if grid.rank == 0 else None
+    dist.gather(mine, gathered, dst=0)
+    if grid.rank != 0:
+        return {}
+    rows = torch.stack(gathered)
+    col = {name: rows[:, i] for i, name in enumerate(_STAT_FIELDS + ("step_seconds",))}
+    last_stage = [grid.rank_of(cfg.pp - 1, r) for r in range(cfg.dp)]
+    loss = float(col["loss_sum"][last_stage].sum()) / (cfg.micro_batches * cfg.dp)
+    slowest = float(col["step_seconds"].max())
+    return {
+        "step": step + 1,
+        "epoch": step // steps_per_epoch,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": float(col["grad_norm"][0]),
+        "samples_per_second": cfg.samples_per_step * cfg.dp / slowest,
+        "step_seconds": slowest,
+        "fwd_bytes": int(col["fwd_bytes"].sum()),
+        "bwd_bytes": int(col["bwd_bytes"].sum()),
+        "grad_sync_bytes": int(col["grad_sync_bytes"].sum()),
+        "compute_seconds": float(col["compute_seconds"].max()),
+        "comm_wait_seconds": float(col["comm_wait_seconds"].max()),
+        "stage_compute_seconds": [float(col["compute_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
+        "stage_comm_wait_seconds": [float(col["comm_wait_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
+    }
+
+
+def _print_progress(record: dict, total: int) -> None:
+    """A plain progress line every so often when no launcher draws a progress bar (torchrun, DeepSpeed)."""
+    if os.environ.get("AQPIPE_EVENTS") == "1":
+        return
+    every = max(1, total // 20)
+    if record["step"] % every == 0 or record["step"] == total:
+        print(f"step {record['step']}/{total}  loss {record['loss']:.4f}  {record['samples_per_second']:.1f} samples/s",
+              file=sys.stderr, flush=True)

@@ -1,0 +1,228 @@
+"""Framed point-to-point messages between stages: a fixed, validated header, then sample ids and the payload.
+
+A message is two torch.distributed sends on one tag: the 128-byte header, then a body of `n_ids` int64 sample
+ids followed by `payload_len` payload bytes. The receiver validates the header before it allocates the body,
+and checks the body's CRC32 before it hands the message on. A background thread per inbound link receives
+ahead of the compute thread, so a stage computes micro-batch i while i+1 is on the wire.
+"""
+
+from __future__ import annotations
+
+import queue
+import struct
+import threading
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+MAGIC = b"AQP1"
+HEADER_SIZE = 128
+MAX_DIMS = 8
+# magic, kind, dtype, ndim, codec, step, micro_batch, n_ids, payload_len, checksum, codec_check, flags, shape[8]
+_LAYOUT = struct.Struct("<4sBBBBqiiqIII8q")
+assert _LAYOUT.size <= HEADER_SIZE
+
+KIND_ACTIVATION = 1
+KIND_GRADIENT = 2
+KIND_NAMES = {KIND_ACTIVATION: "activation", KIND_GRADIENT: "gradient"}
+
+DTYPES: dict[int, torch.dtype] = {
+    1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.uint8, 5: torch.int64, 6: torch.int32,
+}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+# No single message may exceed this many bytes, whatever a header claims (a corrupt length must not allocate).
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 30
+
+
+class TransportError(RuntimeError):
+    """A message that is malformed, damaged, unexpected, or never arrives; the text names the peer."""
+
+
+@dataclass
+class Header:
+    """The fixed part of a message."""
+
+    kind: int
+    step: int
+    micro_batch: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    n_ids: int
+    payload_len: int
+    codec: int = 0
+    checksum: int = 0
+    codec_check: int = 0
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        """The 128 bytes on the wire."""
+        if len(self.shape) > MAX_DIMS:
+            raise ValueError(f"tensors of more than {MAX_DIMS} dimensions cannot be sent, got {len(self.shape)}")
+        shape = list(self.shape) + [0] * (MAX_DIMS - len(self.shape))
+        raw = _LAYOUT.pack(
+            MAGIC, self.kind, DTYPE_CODES[self.dtype], len(self.shape), self.codec, self.step, self.micro_batch,
+            self.n_ids, self.payload_len, self.checksum, self.codec_check, self.flags, *shape,
+        )
+        return raw.ljust(HEADER_SIZE, b"\0")
+
+
+@dataclass
+class Expect:
+    """What the receiver knows the next message must be."""
+
+    kind: int
+    step: int
+    micro_batch: int
+    n_ids: int
+    max_payload: int = DEFAULT_MAX_MESSAGE_BYTES
+
+
+def parse_header(raw: bytes, peer: str, expect: Expect) -> Header:
+    """Decode and validate a header; raise TransportError naming `peer` on anything malformed or unexpected."""
+    if len(raw) != HEADER_SIZE:
+        raise TransportError(f"malformed header from {peer}: {len(raw)} bytes, expected {HEADER_SIZE}")
+    fields = _LAYOUT.unpack_from(raw)
+    magic, kind, dtype_code, ndim, codec, step, mb, n_ids, payload_len, checksum, codec_check, flags = fields[:12]
+    dims = fields[12:]
+    if magic != MAGIC:
+        raise TransportError(f"malformed header from {peer}: bad magic {magic!r} (not an aqpipe peer, or a stream out of step)")
+    if kind != expect.kind:
+        raise TransportError(f"unexpected message from {peer}: kind {KIND_NAMES.get(kind, kind)}, expected {KIND_NAMES[expect.kind]}")
+    if (step, mb) != (expect.step, expect.micro_batch):
+        raise TransportError(
+            f"out-of-order message from {peer}: step {step} micro-batch {mb}, expected step {expect.step} "
+            f"micro-batch {expect.micro_batch}"
+        )
+    if dtype_code not in DTYPES:
+        raise TransportError(f"malformed header from {peer}: unknown dtype code {dtype_code}")
+    if not 0 <= ndim <= MAX_DIMS:
+        raise TransportError(f"malformed header from {peer}: {ndim} dimensions (at most {MAX_DIMS})")
+    shape = tuple(dims[:ndim])
+    if any(d < 0 for d in shape) or any(d != 0 for d in dims[ndim:]):
+        raise TransportError(f"malformed header from {peer}: absurd shape {tuple(dims)}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    # A codec shrinks a tensor at most 32x (1 bit per fp32 element); a claim beyond that is corrupt.
+    if numel * DTYPES[dtype_code].itemsize > expect.max_payload * 64:
+        raise TransportError(f"malformed header from {peer}: absurd shape {shape} for a {expect.max_payload}-byte limit")
+    if n_ids != expect.n_ids:
+        raise TransportError(f"malformed header from {peer}: {n_ids} sample ids, expected {expect.n_ids}")
+    if not 0 <= payload_len <= expect.max_payload:
+        raise TransportError(f"malformed header from {peer}: absurd payload length {payload_len} (limit {expect.max_payload})")
+    return Header(kind, step, mb, shape, DTYPES[dtype_code], n_ids, payload_len, codec, checksum, codec_check, flags)
+
+
+def body_checksum(ids: torch.Tensor, payload: torch.Tensor) -> int:
+    """CRC32 of the sample ids then the payload bytes."""
+    crc = zlib.crc32(ids.numpy().tobytes())
+    return zlib.crc32(memoryview(payload.numpy()), crc) & 0xFFFFFFFF
+
+
+@dataclass
+class Message:
+    """A received, validated message."""
+
+    header: Header
+    ids: torch.Tensor
+    payload: torch.Tensor
+    wire_bytes: int
+
+
+@dataclass
+class Outbox:
+    """Asynchronous sends to one peer on one tag; `flush` waits for everything still on the wire."""
+
+    peer_rank: int
+    tag: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _pending: list = field(default_factory=list)
+    bytes_sent: int = 0
+
+    def send(self, header: Header, ids: torch.Tensor, payload: torch.Tensor) -> None:
+        """Queue one message (header.checksum is filled here)."""
+        import torch.distributed as dist
+
+        ids = ids.to(torch.int64).contiguous().cpu()
+        payload = payload.contiguous().view(torch.uint8).reshape(-1).cpu()
+        header.n_ids, header.payload_len = ids.numel(), payload.numel()
+        header.checksum = body_checksum(ids, payload)
+        head = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
+        body = torch.cat([ids.view(torch.uint8), payload])
+        for tensor in (head, body):
+            tensor = tensor.to(self.device)
+            self._pending.append((dist.isend(tensor, self.peer_rank, tag=self.tag), tensor))
+        self.bytes_sent += HEADER_SIZE + body.numel()
+
+    def flush(self) -> None:
+        """Block until every queued message has left."""
+        for work, _tensor in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+class Inbox:
+    """Receives messages from one peer on one tag in a background thread, in the order they are expected."""
+
+    def __init__(self, peer_rank: int, peer_name: str, tag: int, device: torch.device, timeout: float) -> None:
+        self.peer_rank, self.peer_name, self.tag = peer_rank, peer_name, tag
+        self.device, self.timeout = device, timeout
+        self._expected: queue.Queue = queue.Queue()
+        self._received: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"inbox-{peer_rank}-{tag}", daemon=True)
+        self._thread.start()
+
+    def expect(self, expectation: Expect) -> None:
+        """Announce the next message; the thread starts receiving it at once."""
+        self._expected.put(expectation)
+
+    def close(self) -> None:
+        """Stop the thread once it has nothing more to receive."""
+        self._expected.put(None)
+
+    def get(self) -> Message:
+        """The next message, waiting up to the timeout; re-raises the thread's error with the peer named."""
+        try:
+            item = self._received.get(timeout=self.timeout)
+        except queue.Empty:
+            raise TransportError(f"no message from {self.peer_name} within {self.timeout:.0f} s (peer dead or stalled)") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _run(self) -> None:
+        while True:
+            expectation = self._expected.get()
+            if expectation is None:
+                return
+            try:
+                self._received.put(self._receive(expectation))
+            except BaseException as e:  # noqa: BLE001 - handed to the compute thread
+                if not isinstance(e, TransportError):
+                    e = TransportError(f"receiving from {self.peer_name} failed: {type(e).__name__}: {_first_line(e)}")
+                self._received.put(e)
+                return
+
+    def _receive(self, expect: Expect) -> Message:
+        import torch.distributed as dist
+
+        head = torch.empty(HEADER_SIZE, dtype=torch.uint8, device=self.device)
+        dist.recv(head, self.peer_rank, tag=self.tag)
+        header = parse_header(bytes(head.cpu().numpy()), self.peer_name, expect)
+        body = torch.empty(8 * header.n_ids + header.payload_len, dtype=torch.uint8, device=self.device)
+        dist.recv(body, self.peer_rank, tag=self.tag)
+        body = body.cpu()
+        ids = body[: 8 * header.n_ids].view(torch.int64)
+        payload = body[8 * header.n_ids :]
+        if body_checksum(ids, payload) != header.checksum:
+            raise TransportError(
+                f"damaged message from {self.peer_name}: step {header.step} micro-batch {header.micro_batch} fails its checksum"
+            )
+        return Message(header, ids, payload, HEADER_SIZE + body.numel())
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+

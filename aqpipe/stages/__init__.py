@@ -1,0 +1,6 @@
+"""Stage definitions: `PipelineSpec`, partitioning, and model adapters."""
+
+from aqpipe.stages.partition import partition
+from aqpipe.stages.spec import PipelineSpec, SpecError
+
+__all__ = ["PipelineSpec", "SpecError", "partition"]

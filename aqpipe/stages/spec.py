@@ -1,0 +1,76 @@
+"""`PipelineSpec`: a model as an ordered list of layers plus a loss, built stage by stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, Union
+
+import torch
+from torch import nn
+
+LayerSource = Union[nn.Module, Callable[[], nn.Module]]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class SpecError(ValueError):
+    """A pipeline specification that cannot be run as written."""
+
+
+@dataclass
+class PipelineSpec:
+    """An ordered list of layers (modules, or zero-argument factories building one) and a loss.
+
+    Each layer maps one tensor to one tensor; `loss(output_of_last_layer, target)` returns a scalar. Factories
+    let a rank build only the layers of its own stage.
+    """
+
+    layers: Sequence[LayerSource]
+    loss: LossFn
+    name: str = "custom"
+    extras: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.layers = list(self.layers)
+        if not self.layers:
+            raise SpecError("a PipelineSpec needs at least one layer")
+        for i, layer in enumerate(self.layers):
+            if not (isinstance(layer, nn.Module) or callable(layer)):
+                raise SpecError(f"layer {i} is neither an nn.Module nor a callable building one: {type(layer).__name__}")
+        if not callable(self.loss):
+            raise SpecError("the loss of a PipelineSpec must be callable as loss(output, target)")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def build_layer(self, index: int, seed: int = 0) -> nn.Module:
+        """Materialise layer `index`; a factory runs under an RNG seeded by (seed, index), so the same layer
+        gets the same initial weights on whichever rank builds it."""
+        source = self.layers[index]
+        if isinstance(source, nn.Module):
+            return source
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + index)
+            layer = source()
+        if not isinstance(layer, nn.Module):
+            raise SpecError(f"the factory of layer {index} returned {type(layer).__name__}, not an nn.Module")
+        return layer
+
+    def build_stage(self, start: int, end: int, seed: int = 0) -> nn.Sequential:
+        """The layers [start, end) as one module."""
+        return nn.Sequential(*(self.build_layer(i, seed) for i in range(start, end)))
+
+    def parameter_counts(self) -> list[int]:
+        """Parameters per layer, counted on the meta device so nothing is allocated."""
+        counts = []
+        for i, source in enumerate(self.layers):
+            if isinstance(source, nn.Module):
+                counts.append(sum(p.numel() for p in source.parameters()))
+                continue
+            try:
+                with torch.device("meta"):
+                    layer = source()
+            except Exception:  # noqa: BLE001 - a factory that cannot run on meta is built for real
+                layer = self.build_layer(i)
+            counts.append(sum(p.numel() for p in layer.parameters()))
+            del layer
+        return counts
