@@ -104,6 +104,8 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
                 _print_progress(record, plan.total_steps)
     finally:
         worker.links.close()
+    if grid.replica == 0:
+        save_stage_weights(module, Path(cfg.out), grid.stage)
     if log is None:
         return None
     log.close()
@@ -114,6 +116,17 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
     plot_loss(log.records, out / "loss.png", title=f"{cfg.model}  pp={cfg.pp} dp={cfg.dp}  fw={cfg.fw} bw={cfg.bw}")
     emit({"event": "done", "summary": summary})
     return summary
+
+
+def save_stage_weights(module: torch.nn.Module, out: Path, stage: int) -> Path:
+    """Write one stage's final weights to checkpoints/final/stage-<k>.pt (load with weights_only=True)."""
+    directory = out / "checkpoints" / "final"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"stage-{stage}.pt"
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, tmp)
+    os.replace(tmp, path)
+    return path
 
 
 def _open_outputs(cfg: RunConfig, plan: RunPlan) -> MetricsLog:

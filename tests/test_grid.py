@@ -1,0 +1,24 @@
+"""The rank grid: rank = replica·pp + stage."""
+
+import pytest
+
+from aqpipe.runtime.grid import Grid
+
+
+def test_rank_layout_and_neighbours():
+    pp, dp = 3, 2
+    for rank in range(pp * dp):
+        g = Grid(pp, dp, rank)
+        assert g.rank_of(g.stage, g.replica) == rank
+        assert g.rank in g.pipeline_ranks(g.replica) and g.rank in g.dp_ranks(g.stage)
+        assert g.prev_rank == (None if g.stage == 0 else rank - 1)
+        assert g.next_rank == (None if g.stage == pp - 1 else rank + 1)
+    assert Grid(pp, dp, 0).dp_ranks(1) == [1, 4]
+    assert Grid(pp, dp, 0).pipeline_ranks(1) == [3, 4, 5]
+    assert Grid(pp, dp, 4).describe() == "rank 4 (stage 1, replica 1)"
+
+
+@pytest.mark.parametrize("pp,dp,rank", [(0, 1, 0), (2, 0, 0), (2, 2, 4), (2, 2, -1)])
+def test_invalid_grids_are_rejected(pp, dp, rank):
+    with pytest.raises(ValueError):
+        Grid(pp, dp, rank)

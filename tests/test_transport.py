@@ -1,0 +1,107 @@
+"""Framed messages: header round trip, validation before allocation, checksums, and real gloo peers."""
+
+import struct
+
+import pytest
+import torch
+
+from aqpipe.runtime import transport as t
+from tests.distributed import run_ranks
+
+PEER = "rank 1 (stage 1, replica 0)"
+
+
+def header(**kw):
+    base = dict(kind=t.KIND_ACTIVATION, step=3, micro_batch=1, shape=(2, 8, 16), dtype=torch.float32, n_ids=2,
+                payload_len=2 * 8 * 16 * 4)
+    base.update(kw)
+    return t.Header(**base)
+
+
+def expect(**kw):
+    base = dict(kind=t.KIND_ACTIVATION, step=3, micro_batch=1, n_ids=2, max_payload=1 << 20)
+    base.update(kw)
+    return t.Expect(**base)
+
+
+def test_header_round_trip():
+    h = header(checksum=123, codec_check=456, flags=7, codec=2)
+    raw = h.pack()
+    assert len(raw) == t.HEADER_SIZE
+    assert t.parse_header(raw, PEER, expect()) == h
+
+
+def corrupt(raw: bytes, fmt: str, offset: int, value) -> bytes:
+    raw = bytearray(raw)
+    struct.pack_into(fmt, raw, offset, value)
+    return bytes(raw)
+
+
+# offsets in the packed layout: magic 0, kind 4, dtype 5, ndim 6, codec 7, step 8, mb 16, n_ids 20, payload_len 24,
+# checksum 32, codec_check 36, flags 40, shape 44..
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda r: r[:100], "100 bytes"),
+    (lambda r: r + b"x", "129 bytes"),
+    (lambda r: b"JUNK" + r[4:], "bad magic"),
+    (lambda r: corrupt(r, "<B", 4, 2), "kind gradient"),
+    (lambda r: corrupt(r, "<q", 8, 9), "out-of-order"),
+    (lambda r: corrupt(r, "<B", 5, 99), "dtype code"),
+    (lambda r: corrupt(r, "<B", 6, 40), "dimensions"),
+    (lambda r: corrupt(r, "<q", 44, -5), "absurd shape"),
+    (lambda r: corrupt(r, "<q", 44, 1 << 40), "absurd shape"),
+    (lambda r: corrupt(r, "<i", 20, 1 << 30), "sample ids"),
+    (lambda r: corrupt(r, "<q", 24, 1 << 50), "absurd payload length"),
+    (lambda r: corrupt(r, "<q", 24, -1), "absurd payload length"),
+])
+def test_malformed_headers_are_rejected_naming_the_peer(mutate, needle):
+    with pytest.raises(t.TransportError) as err:
+        t.parse_header(mutate(header().pack()), PEER, expect())
+    assert PEER in str(err.value) and needle in str(err.value)
+
+
+def _send_then_receive(rank, world, mode):
+    """Rank 1 sends (a good or a bad message); rank 0 receives through an Inbox and reports what it got."""
+    inbox_peer = "rank 1 (stage 1, replica 0)"
+    ids = torch.tensor([5, 9])
+    payload = torch.arange(64, dtype=torch.float32).view(torch.uint8)
+    if rank == 1:
+        import torch.distributed as dist
+
+        h = t.Header(t.KIND_ACTIVATION, 0, 0, (8, 8), torch.float32, 2, payload.numel())
+        if mode == "good":
+            box = t.Outbox(0, t.KIND_ACTIVATION)
+            box.send(h, ids, payload)
+            box.flush()
+        elif mode == "short":
+            dist.send(torch.zeros(100, dtype=torch.uint8), 0, tag=t.KIND_ACTIVATION)
+        elif mode == "huge":
+            h.payload_len = 1 << 45
+            dist.send(torch.frombuffer(bytearray(h.pack()), dtype=torch.uint8), 0, tag=t.KIND_ACTIVATION)
+        elif mode == "damaged":
+            h.checksum = t.body_checksum(ids, payload) ^ 1
+            dist.send(torch.frombuffer(bytearray(h.pack()), dtype=torch.uint8), 0, tag=t.KIND_ACTIVATION)
+            dist.send(torch.cat([ids.view(torch.uint8), payload]), 0, tag=t.KIND_ACTIVATION)
+        return None
+    inbox = t.Inbox(1, inbox_peer, t.KIND_ACTIVATION, torch.device("cpu"), timeout=20)
+    inbox.expect(t.Expect(t.KIND_ACTIVATION, 0, 0, 2, max_payload=1 << 20))
+    try:
+        msg = inbox.get()
+    except t.TransportError as e:
+        return ("error", str(e))
+    finally:
+        inbox.close()
+    return ("ok", msg.ids.tolist(), msg.payload.view(torch.float32).tolist(), msg.header.shape)
+
+
+def test_a_message_crosses_gloo_intact():
+    (_, got), _ = run_ranks(_send_then_receive, 2, "good")
+    assert got == ("ok", [5, 9], [float(i) for i in range(64)], (8, 8))
+
+
+@pytest.mark.parametrize("mode,needle", [("short", "rank 1"), ("huge", "absurd payload length"),
+                                         ("damaged", "fails its checksum")])
+def test_bad_messages_from_a_gloo_peer_are_rejected_naming_it(mode, needle):
+    (status, got), _ = run_ranks(_send_then_receive, 2, mode)
+    assert status == "ok", got
+    assert got[0] == "error"
+    assert "rank 1 (stage 1, replica 0)" in got[1] and needle in got[1]
