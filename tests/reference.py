@@ -1,0 +1,66 @@
+"""A plain single-process trainer: the ground truth a pipeline run must reproduce."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from aqpipe.config import RunConfig
+from aqpipe.runtime.optim import build_optimizer
+from aqpipe.runtime.plan import make_plan
+
+
+def train_single_process(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor], list[int]]:
+    """Train the whole model in this process on the same data order; returns (losses per step, params, bounds).
+
+    Runs on one thread like each pipeline worker here: a different thread count changes the summation order inside
+    matmuls, and Adam magnifies that rounding noise in parameters whose true gradient is zero (GPT-2's key biases).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor], list[int]]:
+    plan = make_plan(cfg)
+    spec = plan.spec
+    model = nn.Sequential(*(spec.build_layer(i, cfg.seed) for i in range(len(spec))))
+    optimizer, schedule = build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay,
+                                          cfg.warmup_steps, plan.total_steps)
+    replicas = [plan.epoch_plan(r) for r in range(cfg.dp)]
+    data = plan.dataset.train
+    n = cfg.micro_batches * cfg.dp
+    losses = []
+    for step in range(plan.total_steps):
+        total = 0.0
+        replica_grads = []
+        for replica in replicas:  # data parallelism done by hand: each replica's mean gradient, then their mean
+            for ids in replica.micro_batches_of(step):
+                loss = spec.loss(model(data.inputs(ids)), data.targets(ids))
+                (loss / cfg.micro_batches).backward()
+                total += float(loss.detach())
+            replica_grads.append([p.grad.clone() for p in model.parameters()])
+            optimizer.zero_grad(set_to_none=True)
+        for p, *grads in zip(model.parameters(), *replica_grads):
+            p.grad = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0) / len(grads)
+        if cfg.clip > 0:
+            clip_in_float64(model.parameters(), cfg.clip)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total / n)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, plan.bounds
+
+
+def clip_in_float64(params, max_norm: float) -> None:
+    """Global-norm clipping with the norm summed in float64 (torch's clip_grad_norm_ sums in float32, and that last-bit
+    difference in the coefficient is again magnified by Adam where gradients are zero)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = sum(float(g.double().pow(2).sum()) for g in grads) ** 0.5
+    coefficient = max_norm / (norm + 1e-6)
+    if coefficient < 1.0:
+        for g in grads:
+            g.mul_(coefficient)
