@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from aqpipe.runtime.train import EVENT_PREFIX
+from aqpipe.runtime.train import EVENT_PREFIX, HEARTBEAT_SECONDS
 
 # A worker whose error only says a peer went away is a consequence, not the cause.
 _SECONDARY = ("TransportError", "Connection closed", "Connection reset", "peer", "Broken pipe", "ECONNRESET")
@@ -34,7 +34,7 @@ class _Worker:
     proc: subprocess.Popen
     tail: deque = field(default_factory=lambda: deque(maxlen=30))
     error: str | None = None
-    ended_at: float | None = None
+    last_seen: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -73,7 +73,8 @@ def launch_local(
             try:
                 kind, payload = events.get(timeout=0.1)
                 if kind == "event":
-                    last_progress = time.monotonic()
+                    if payload.get("event") != "alive":
+                        last_progress = time.monotonic()
                     summary = _on_event(payload, workers, bar) or summary
                 else:
                     _print_line(payload, bar)
@@ -90,7 +91,9 @@ def launch_local(
                     w.proc.wait()
                 result = LaunchResult(0, summary=summary)
             elif time.monotonic() - last_progress > stall_timeout:
-                result = LaunchResult(1, f"no progress from any rank for {stall_timeout:.0f} s (stalled); stopping all ranks")
+                silent = _silent(workers)
+                who = f"{silent[0].name} stopped responding" if silent else "no rank is responsive"
+                result = LaunchResult(1, f"no progress for {stall_timeout:.0f} s (stalled): {who}; stopping all ranks")
     except KeyboardInterrupt:
         result = LaunchResult(1, "interrupted by the user; all ranks stopped")
     finally:
@@ -102,9 +105,16 @@ def launch_local(
     return result
 
 
+def _silent(workers: list[_Worker]) -> list[_Worker]:
+    """Live workers that sent nothing, not even a heartbeat, for several heartbeat periods: stopped or hung."""
+    now = time.monotonic()
+    return [w for w in workers if w.proc.poll() is None and now - w.last_seen > 5 * HEARTBEAT_SECONDS]
+
+
 def _pump(worker: _Worker, events: queue.Queue) -> None:
     """Forward one worker's output lines: events to the launcher, everything else to the log."""
     for line in worker.proc.stdout:
+        worker.last_seen = time.monotonic()
         line = line.rstrip("\n")
         if line.startswith(EVENT_PREFIX):
             try:
@@ -156,6 +166,9 @@ def _root_cause(workers: list[_Worker]) -> str:
     if killed:
         w = killed[0]
         return f"{w.name} died: killed by signal {signal.Signals(-w.proc.returncode).name}"
+    silent = _silent(workers)
+    if silent:  # its peers failed waiting for it
+        return f"{silent[0].name} stopped responding (no heartbeat for {time.monotonic() - silent[0].last_seen:.0f} s)"
     primary = [w for w in failed if not any(s in (w.error or "") for s in _SECONDARY)]
     w = (primary or failed)[0]
     cause = w.error or next((line for line in reversed(w.tail) if line.strip()), f"exit code {w.proc.returncode}")

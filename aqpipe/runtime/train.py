@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -23,13 +24,30 @@ from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, Inbox, Outb
 from aqpipe.runtime.worker import Links, StageWorker, StepStats
 
 EVENT_PREFIX = "@@aqpipe "
+HEARTBEAT_SECONDS = 1.0
+_EMIT_LOCK = threading.Lock()
 _STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "grad_sync_bytes", "compute_seconds", "comm_wait_seconds", "grad_norm")
 
 
 def emit(event: dict) -> None:
     """Tell the local launcher about progress (a machine-readable stdout line); no-op outside it."""
     if os.environ.get("AQPIPE_EVENTS") == "1":
-        print(EVENT_PREFIX + json.dumps(event), flush=True)
+        with _EMIT_LOCK:  # the heartbeat thread emits too; one write per line keeps lines whole
+            sys.stdout.write(EVENT_PREFIX + json.dumps(event) + "\n")
+            sys.stdout.flush()
+
+
+def start_heartbeat() -> None:
+    """Tell the local launcher every second that this process is alive (a stopped or hung rank falls silent)."""
+    if os.environ.get("AQPIPE_EVENTS") != "1":
+        return
+
+    def beat() -> None:
+        while True:
+            emit({"event": "alive"})
+            time.sleep(HEARTBEAT_SECONDS)
+
+    threading.Thread(target=beat, name="aqpipe-heartbeat", daemon=True).start()
 
 
 def run_worker(cfg: RunConfig, rank: int, world_size: int, spec_factory=None) -> dict | None:
@@ -37,6 +55,7 @@ def run_worker(cfg: RunConfig, rank: int, world_size: int, spec_factory=None) ->
     if world_size != cfg.world_size:
         raise RuntimeError(f"the launcher started {world_size} processes but --pp {cfg.pp} x --dp {cfg.dp} needs {cfg.world_size}")
     grid = Grid(cfg.pp, cfg.dp, rank)
+    start_heartbeat()
     device = torch.device(cfg.device if cfg.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -1,0 +1,113 @@
+"""Bad input gets one line on stderr and exit code 2, before any worker starts."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from aqpipe.cli import main
+
+FAST = ["--max-samples", "64", "--seq-len", "16", "--steps", "1"]
+
+
+def run_cli(capsys, args, tmp_path):
+    code = main(["launch", *args, "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "no-such-model"], "unknown --model"),
+    (["--model", "nosuchmodule_xyz:build"], "cannot import module"),
+    (["--model", "json:no_such_function"], "no callable"),
+    (["--data", "/no/such/file.txt"], "does not exist"),
+    (["--pp", "0"], "--pp must be at least 1"),
+    (["--pp", "-3"], "--pp must be at least 1"),
+    (["--pp", "7"], "more stages than the model's 6 layers"),
+    (["--dp", "0"], "--dp must be at least 1"),
+    (["--pp", "two"], "--pp must be an integer"),
+    (["--lr", "-0.1"], "--lr must not be negative"),
+    (["--lr", "nan"], "finite number"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
+    (["--micro-batch-size", "40", "--micro-batches", "4"], "batch settings do not fit"),
+    (["--seq-len", "100000"], "exceeds gpt2-tiny's 256 positions"),
+    (["--partition", "1,2"], "lists 2 stages but --pp is 4"),
+    (["--partition", "2,2,1,2"], "covers 7 layers but the model has 6"),
+    (["--partition", "bogus"], "must be parameters, time, or a comma list"),
+    (["--optimizer", "lamb"], "use adamw or sgd"),
+    (["--device", "tpu"], "cpu or cuda"),
+    (["--fw", "aqsgd:4"], "not available yet"),
+    (["--fw", "zip"], "not a forward codec"),
+    (["--bw", "topk:0.2:8"], "not available yet"),
+    (["--grad-sync", "marsit:0"], "not available yet"),
+    (["--store", "lmdb"], "not available yet"),
+    (["--store-dtype", "q3"], "--store-dtype"),
+    (["--bandwidth", "100mbit"], "not available yet"),
+    (["--resume", "runs/x"], "not available yet"),
+    (["--task", "classify"], "not available yet"),
+    (["--task", "translate"], "not a task"),
+    (["--schedule", "zigzag"], "not a schedule"),
+    (["--weight-decay", "-1"], "--weight-decay must not be negative"),
+    (["--clip", "-1"], "--clip must not be negative"),
+    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--warmup-steps", "-2"], "--warmup-steps must not be negative"),
+    (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+])
+def test_bad_flags_exit_2_with_one_line(capsys, tmp_path, args, needle):
+    code, err = run_cli(capsys, [*FAST, *args], tmp_path)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert needle in lines[0] and lines[0].startswith("aqpipe: error:")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_data_directory_without_train_file(capsys, tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "valid.txt").write_text("hello\n")
+    code, err = run_cli(capsys, [*FAST, "--data", str(tmp_path / "d")], tmp_path)
+    assert code == 2 and "has no train.* file" in err
+
+
+@pytest.mark.parametrize("name,content,needle", [
+    ("cfg.yaml", "pp: [1, 2\n", "not valid YAML"),
+    ("cfg.json", "{\"pp\": 2,,}", "not valid JSON"),
+    ("cfg.yaml", "- 1\n- 2\n", "must hold a mapping"),
+    ("cfg.yaml", "pipeline_stages: 2\n", "unknown key(s): pipeline_stages"),
+    ("cfg.yaml", "lr: fast\n", "--lr must be a number"),
+])
+def test_invalid_config_files(capsys, tmp_path, name, content, needle):
+    path = tmp_path / name
+    path.write_text(content)
+    code, err = run_cli(capsys, [str(path), *FAST], tmp_path)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_and_unreadable_config_files(capsys, tmp_path):
+    code, err = run_cli(capsys, [str(tmp_path / "absent.yaml")], tmp_path)
+    assert code == 2 and "does not exist" in err
+    code, err = run_cli(capsys, [str(tmp_path)], tmp_path)
+    assert code == 2 and "not a file" in err
+
+
+def test_config_file_values_and_flag_overrides(tmp_path):
+    from aqpipe.config import build_config, load_config_file, resolve
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text("pp: 2\nmicro-batches: 3\nlr: 0.01\n")
+    cfg = resolve(build_config(load_config_file(str(path)), {"lr": "0.5", "pp": None}))
+    assert (cfg.pp, cfg.micro_batches, cfg.lr) == (2, 3, 0.5)
+    assert cfg.seq_len == 64 and cfg.fw == "fp32"  # preset default; fp32 until AQ-SGD lands
+
+
+def test_unknown_flag_is_one_line_through_the_real_command(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", "--no-such-flag", "3"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "unrecognized arguments" in proc.stderr
+
+
+def test_not_yet_built_commands_answer_exit_2(capsys, tmp_path):
+    assert main(["store", "verify", str(tmp_path)]) == 2
+    assert "not available yet" in capsys.readouterr().err

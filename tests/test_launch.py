@@ -1,0 +1,111 @@
+"""The local launcher: failures end the run fast, naming the rank, and no process outlives it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+LONG_RUN = ["--steps", "5000", "--seq-len", "16", "--max-samples", "128", "--pp", "3", "--no-progress"]
+
+
+def tagged_processes(tag: str, rank: str | None = None) -> list[int]:
+    """PIDs of live processes whose environment carries AQPIPE_TEST_TAG=tag (and RANK=rank if given)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if state == "Z" or f"AQPIPE_TEST_TAG={tag}".encode() not in env:
+            continue
+        if rank is None or f"RANK={rank}".encode() in env:
+            pids.append(int(entry.name))
+    return pids
+
+
+def start_run(tmp_path, *extra):
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, AQPIPE_TEST_TAG=tag)
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", *LONG_RUN, *extra, "--out", str(out)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never started training"
+        time.sleep(0.2)
+    return proc, tag
+
+
+def finish(proc, timeout):
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err, time.monotonic() - start
+
+
+def test_killed_worker_ends_the_run_with_exit_1_naming_the_rank(tmp_path):
+    proc, tag = start_run(tmp_path)
+    victim = tagged_processes(tag, rank="1")
+    assert len(victim) == 1
+    os.kill(victim[0], signal.SIGKILL)
+    code, err, seconds = finish(proc, timeout=60)
+    assert code == 1
+    assert seconds < 30
+    assert "rank 1 (stage 1, replica 0) died: killed by signal SIGKILL" in err
+    time.sleep(0.5)
+    assert tagged_processes(tag) == []
+
+
+def test_stalled_worker_is_detected_and_everything_is_torn_down(tmp_path):
+    proc, tag = start_run(tmp_path, "--stall-timeout", "6")
+    victim = tagged_processes(tag, rank="2")
+    os.kill(victim[0], signal.SIGSTOP)
+    code, err, seconds = finish(proc, timeout=90)
+    assert code == 1
+    assert "rank 2 (stage 2, replica 0)" in err and ("stalled" in err or "within 6 s" in err)
+    time.sleep(0.5)
+    assert tagged_processes(tag) == []
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    proc, tag = start_run(tmp_path)
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 10
+    while tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tagged_processes(tag) == []
+
+
+def test_default_launch_completes_and_writes_the_run_directory(tmp_path):
+    """`aqpipe launch` with no arguments: the embedded default, end to end (about 1.5 minutes here)."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.monotonic() - start < 300
+    (run,) = (tmp_path / "runs").iterdir()
+    for name in ("config.json", "metrics.jsonl", "summary.json", "loss.png"):
+        assert (run / name).is_file(), name
+    import json
+
+    summary = json.loads((run / "summary.json").read_text())
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    required = {"step", "epoch", "loss", "lr", "samples_per_second", "fwd_bytes", "bwd_bytes", "grad_sync_bytes",
+                "compute_seconds", "comm_wait_seconds"}
+    assert required <= records[0].keys()
+    assert {"final_loss", "steps", "epochs", "samples_per_second", "link_bytes", "grad_sync_bytes", "wall_seconds",
+            "store"} <= summary.keys()
+    assert summary["steps"] == len(records) and summary["epochs"] == 3
+    assert summary["final_loss"] < records[0]["loss"] - 2.0  # it learned something real
+    config = json.loads((run / "config.json").read_text())
+    assert config["pp"] == 4 and config["model"] == "gpt2-tiny" and config["stage_bounds"][-1] == 6
