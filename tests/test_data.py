@@ -1,0 +1,104 @@
+"""Corpora, tokenization, samples with stable ids, shards and the per-epoch shuffle."""
+
+import pytest
+import torch
+
+from aqpipe.data import DataError, EpochPlan, load_corpus, prepare_lm_dataset, shard
+from aqpipe.data.samples import chunk, epoch_order
+
+WIKITEXT = "/work/shared/data/wikitext-2"
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
+
+
+def test_builtin_corpus_is_offline_prose():
+    corpus = load_corpus("builtin")
+    assert len(corpus.train) > 300_000 and len(corpus.valid) > 20_000
+    assert "the" in corpus.train and corpus.train != corpus.valid
+
+
+def test_text_file_and_directory(tmp_path):
+    text = "".join(f"line {i} of some text\n" for i in range(100))
+    (tmp_path / "corpus.txt").write_text(text)
+    corpus = load_corpus(str(tmp_path / "corpus.txt"))
+    assert corpus.train + corpus.valid == text and corpus.valid.startswith("line 90 ")
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "train.txt").write_text("train text\n")
+    (d / "valid.txt").write_text("valid text\n")
+    corpus = load_corpus(str(d))
+    assert (corpus.train, corpus.valid) == ("train text\n", "valid text\n")
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir(WIKITEXT), reason="the shared WikiText-2 copy is not on this machine")
+def test_a_real_corpus_file_tokenizes_into_samples():
+    data = prepare_lm_dataset(WIKITEXT + "/valid.txt", 64, vocab_size=1024)
+    assert len(data.train) > 1000 and len(data.valid) > 100 and data.vocab_size == 1024
+
+
+def test_empty_file_and_absent_paths(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DataError, match="empty"):
+        load_corpus(str(tmp_path / "empty.txt"))
+    with pytest.raises(DataError, match="does not exist"):
+        load_corpus(str(tmp_path / "nope.txt"))
+
+
+def test_chunks_are_consecutive_windows():
+    samples = chunk(list(range(23)), 5)
+    assert len(samples) == 4
+    assert samples.tokens[1].tolist() == [5, 6, 7, 8, 9, 10]
+    ids = torch.tensor([1])
+    assert samples.inputs(ids).tolist() == [[5, 6, 7, 8, 9]] and samples.targets(ids).tolist() == [[6, 7, 8, 9, 10]]
+
+
+def test_shards_are_disjoint_equal_and_cover_the_data():
+    shards = [shard(103, r, 4) for r in range(4)]
+    assert len({len(s) for s in shards}) == 1
+    joined = torch.cat(shards)
+    assert joined.unique().numel() == joined.numel() == 100
+
+
+def test_epoch_shuffle_is_seeded_and_changes_per_epoch():
+    ids = torch.arange(50)
+    assert torch.equal(epoch_order(ids, 3, 1), epoch_order(ids, 3, 1))
+    assert not torch.equal(epoch_order(ids, 3, 1), epoch_order(ids, 3, 2))
+    assert sorted(epoch_order(ids, 3, 1).tolist()) == list(range(50))
+
+
+def test_epoch_plan_visits_each_sample_once_per_epoch():
+    plan = EpochPlan(shard(100, 1, 2), seed=0, micro_batch_size=3, micro_batches=2)
+    assert plan.steps_per_epoch == 8
+    seen = torch.cat([ids for step in range(8) for ids in plan.micro_batches_of(step)])
+    assert seen.unique().numel() == 48 and set(seen.tolist()) <= set(range(1, 100, 2))
+    assert all(len(ids) == 3 for ids in plan.micro_batches_of(9))
+
+
+def test_bpe_is_trained_once_and_cached(tmp_path):
+    first = prepare_lm_dataset("builtin", 32, vocab_size=512)
+    assert first.vocab_size == 512 and int(first.train.tokens.max()) < 512
+    cached = list((tmp_path / "cache").iterdir())
+    assert any(p.name.startswith("bpe-") for p in cached) and any(p.name.startswith("samples-") for p in cached)
+    again = prepare_lm_dataset("builtin", 32, vocab_size=512)
+    assert torch.equal(first.train.tokens, again.train.tokens)
+
+
+def test_model_tokenizer_is_used_when_the_checkpoint_has_one(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    (tmp_path / "text.txt").write_text("hello world " * 200 + "\n")
+    data = prepare_lm_dataset(str(tmp_path / "text.txt"), 8, tokenizer_dir=str(tmp_path / "tok"))
+    assert data.vocab_size == 3 and set(data.train.tokens.unique().tolist()) == {1, 2}
+
+
+def test_too_little_data_for_one_sample(tmp_path):
+    (tmp_path / "tiny.txt").write_text("a b\n")
+    with pytest.raises(DataError, match="too short"):
+        prepare_lm_dataset(str(tmp_path / "tiny.txt"), 64)

@@ -1,0 +1,32 @@
+"""The run summary computed from per-step records."""
+
+import pytest
+
+from aqpipe.metrics import summarize
+
+
+def record(step, epoch, loss, sps=10.0):
+    return dict(step=step, epoch=epoch, loss=loss, samples_per_second=sps, fwd_bytes=100, bwd_bytes=50,
+                grad_sync_bytes=7, compute_seconds=0.1, comm_wait_seconds=0.2)
+
+
+def test_summary_by_epochs_uses_last_epoch_and_post_warmup_median():
+    records = [record(1, 0, 9.0, 1.0), record(2, 0, 8.0, 1.0), record(3, 1, 5.0, 20.0), record(4, 1, 3.0, 30.0),
+               record(5, 1, 4.0, 40.0)]
+    s = summarize(records, used_steps=False, warmup_epochs=1, wall_seconds=12.0)
+    assert s["final_loss"] == pytest.approx(4.0)
+    assert s["samples_per_second"] == 30.0
+    assert s["steps"] == 5 and s["epochs"] == 2
+    assert s["link_bytes"] == {"fwd": 500, "bwd": 250} and s["grad_sync_bytes"] == 35
+
+
+def test_summary_by_steps_uses_last_tenth():
+    records = [record(i + 1, 0, float(100 - i)) for i in range(20)]
+    s = summarize(records, used_steps=True, warmup_epochs=1, wall_seconds=1.0)
+    assert s["final_loss"] == pytest.approx((82 + 81) / 2)
+    assert s["samples_per_second"] == 10.0  # no step after the warm-up epoch: median over all
+
+
+def test_summary_of_nothing_is_an_error():
+    with pytest.raises(ValueError):
+        summarize([], used_steps=True, warmup_epochs=0, wall_seconds=0)
