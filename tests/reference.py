@@ -56,10 +56,11 @@ def _train(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor], list[i
 
 
 def clip_in_float64(params, max_norm: float) -> None:
-    """Global-norm clipping with the norm summed in float64 (torch's clip_grad_norm_ sums in float32, and that last-bit
-    difference in the coefficient is again magnified by Adam where gradients are zero)."""
+    """Global-norm clipping with per-tensor fp32 norms combined in float64, as the pipeline combines its stages'
+    shares (torch's clip_grad_norm_ combines in float32, and that last-bit difference in the coefficient is
+    again magnified by Adam where gradients are zero)."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = sum(float(g.double().pow(2).sum()) for g in grads) ** 0.5
+    norm = sum(float(torch.linalg.vector_norm(g)) ** 2 for g in grads) ** 0.5
     coefficient = max_norm / (norm + 1e-6)
     if coefficient < 1.0:
         for g in grads:

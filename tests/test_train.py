@@ -47,3 +47,37 @@ def test_pipeline_matches_single_process(tmp_path, pp, dp):
     assert params.keys() == ref_params.keys()
     for key, want in ref_params.items():
         assert relative_error(params[key], want) <= 1e-5, key
+
+
+def test_pretrained_checkpoint_directory_trains_from_its_own_weights_and_tokenizer(tmp_path, monkeypatch):
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    from aqpipe.data.corpus import builtin_corpus
+    from aqpipe.data.tokenizer import train_bpe
+    from aqpipe.runtime.plan import make_plan
+    from aqpipe.stages.gpt2 import lm_loss
+
+    monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
+    ckpt = tmp_path / "ckpt"
+    bpe = train_bpe(builtin_corpus(), 512)
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tok).save_pretrained(ckpt)
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_layer=2, n_embd=32, n_head=2, n_positions=64,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+    hf.save_pretrained(ckpt)
+    cfg = small_config(tmp_path / "run", model=str(ckpt), pp=2, steps=3)
+    assert run_job(cfg, progress=False) == 0
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    plan = make_plan(small_config(tmp_path / "ref", model=str(ckpt), pp=2, steps=3))
+    data = plan.dataset.train
+    with torch.no_grad():
+        losses = [float(lm_loss(hf(data.inputs(ids)).logits, data.targets(ids)))
+                  for ids in plan.epoch_plan(0).micro_batches_of(0)]
+    assert first["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
+
+def test_time_partition_is_resolved_before_the_workers_start(tmp_path):
+    cfg = small_config(tmp_path / "run", pp=3, partition="time", steps=2)
+    assert run_job(cfg, progress=False) == 0
+    bounds = json.loads((tmp_path / "run" / "config.json").read_text())["stage_bounds"]
+    assert bounds[0] == 0 and bounds[-1] == 6 and len(bounds) == 4 and all(a < b for a, b in zip(bounds, bounds[1:]))

@@ -59,6 +59,13 @@ def test_malformed_headers_are_rejected_naming_the_peer(mutate, needle):
     assert PEER in str(err.value) and needle in str(err.value)
 
 
+def test_payload_length_must_match_the_codec():
+    fixed = expect(payload_bytes=lambda shape, dtype: 2 * 8 * 16 * dtype.itemsize)
+    assert t.parse_header(header().pack(), PEER, fixed).payload_len == 1024
+    with pytest.raises(t.TransportError, match="does not match shape"):
+        t.parse_header(header(payload_len=1000).pack(), PEER, fixed)
+
+
 def _send_then_receive(rank, world, mode):
     """Rank 1 sends (a good or a bad message); rank 0 receives through an Inbox and reports what it got."""
     inbox_peer = "rank 1 (stage 1, replica 0)"
@@ -105,3 +112,31 @@ def test_bad_messages_from_a_gloo_peer_are_rejected_naming_it(mode, needle):
     assert status == "ok", got
     assert got[0] == "error"
     assert "rank 1 (stage 1, replica 0)" in got[1] and needle in got[1]
+
+
+def _async_send(rank, world):
+    """Rank 1 sends while rank 0 is still busy for 2 s: send() must return at once, flush() waits for delivery."""
+    import time
+
+    if rank == 0:
+        time.sleep(2.0)
+        inbox = t.Inbox(1, "rank 1", t.KIND_ACTIVATION, torch.device("cpu"), timeout=30)
+        inbox.expect(t.Expect(t.KIND_ACTIVATION, 0, 0, 1))
+        msg = inbox.get()
+        inbox.close()
+        return msg.payload.numel()
+    box = t.Outbox(0, t.KIND_ACTIVATION)
+    payload = torch.zeros(16 << 20, dtype=torch.uint8)
+    start = time.perf_counter()
+    box.send(t.Header(t.KIND_ACTIVATION, 0, 0, (payload.numel(),), torch.uint8, 1, payload.numel()),
+             torch.tensor([0]), payload)
+    queued = time.perf_counter() - start
+    box.flush()
+    return queued, time.perf_counter() - start
+
+
+def test_sends_are_asynchronous():
+    (s0, received), (s1, (queued, delivered)) = run_ranks(_async_send, 2)
+    assert s0 == s1 == "ok"
+    assert received == 16 << 20
+    assert queued < 1.0 < delivered  # the sender was free to compute while the message waited for its receiver

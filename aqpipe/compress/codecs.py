@@ -44,18 +44,18 @@ class FloatCodec:
         out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         """Bytes back to a tensor of `out_dtype`; the payload length must match the shape exactly."""
-        expected = wire_dtype.itemsize
-        for d in shape:
-            expected *= d
-        if wire_dtype != self.wire_dtype or payload.numel() != expected:
+        if wire_dtype != self.wire_dtype or payload.numel() != self.payload_bytes(shape, wire_dtype):
             raise CodecError(
                 f"{self.name} payload of {payload.numel()} bytes ({wire_dtype}) does not fit shape {shape}"
             )
         return payload.view(wire_dtype).reshape(shape).to(out_dtype)
 
-    def max_payload(self, numel_bound: int) -> int:
-        """The largest payload this codec can produce for a tensor of `numel_bound` elements."""
-        return numel_bound * self.wire_dtype.itemsize
+    def payload_bytes(self, shape: tuple[int, ...], wire_dtype: torch.dtype) -> int:
+        """The exact payload length for a tensor of `shape` sent as `wire_dtype` (checked before allocating)."""
+        n = wire_dtype.itemsize
+        for d in shape:
+            n *= d
+        return n
 
 
 FLOAT_CODECS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

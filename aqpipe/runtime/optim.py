@@ -32,12 +32,13 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 
 def local_grad_sq_norm(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
-    """Sum of squared gradient entries of `params`, in float64 so that stages add up exactly enough."""
-    total = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            total += p.grad.detach().double().pow(2).sum().cpu()
-    return total
+    """Sum of squared gradient entries of `params`: per-tensor norms in the gradients' dtype, squared and summed in
+    float64 so that the stages' shares add up to the same total in any order."""
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch.stack([n.reshape(()) for n in torch._foreach_norm(grads)])
+    return norms.double().pow(2).sum().cpu()
 
 
 def clip_by_global_norm(params: Sequence[torch.nn.Parameter], max_norm: float, global_sq_norm: torch.Tensor) -> float:

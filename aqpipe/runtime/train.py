@@ -117,6 +117,7 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
             step_seconds = time.perf_counter() - step_start
             record = _gather_step(stats, grid, cfg, step, plan.steps_per_epoch, lr, step_seconds)
             if log is not None:
+                record["elapsed_seconds"] = time.perf_counter() - wall_start
                 log.log(record)
                 emit({"event": "step", "step": step + 1, "total_steps": plan.total_steps, "loss": record["loss"],
                       "samples_per_second": record["samples_per_second"]})

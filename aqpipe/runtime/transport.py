@@ -13,6 +13,7 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -32,7 +33,7 @@ DTYPES: dict[int, torch.dtype] = {
 }
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 # No single message may exceed this many bytes, whatever a header claims (a corrupt length must not allocate).
-DEFAULT_MAX_MESSAGE_BYTES = 8 << 30
+DEFAULT_MAX_MESSAGE_BYTES = 2 << 30
 
 
 class TransportError(RuntimeError):
@@ -76,6 +77,8 @@ class Expect:
     micro_batch: int
     n_ids: int
     max_payload: int = DEFAULT_MAX_MESSAGE_BYTES
+    # The exact payload length the link's codec produces for a (shape, wire dtype), when it is fixed.
+    payload_bytes: Callable[[tuple[int, ...], torch.dtype], int] | None = None
 
 
 def parse_header(raw: bytes, peer: str, expect: Expect) -> Header:
@@ -111,6 +114,10 @@ def parse_header(raw: bytes, peer: str, expect: Expect) -> Header:
         raise TransportError(f"malformed header from {peer}: {n_ids} sample ids, expected {expect.n_ids}")
     if not 0 <= payload_len <= expect.max_payload:
         raise TransportError(f"malformed header from {peer}: absurd payload length {payload_len} (limit {expect.max_payload})")
+    if expect.payload_bytes is not None and payload_len != expect.payload_bytes(shape, DTYPES[dtype_code]):
+        raise TransportError(
+            f"malformed header from {peer}: payload length {payload_len} does not match shape {shape} of {DTYPES[dtype_code]}"
+        )
     return Header(kind, step, mb, shape, DTYPES[dtype_code], n_ids, payload_len, codec, checksum, codec_check, flags)
 
 

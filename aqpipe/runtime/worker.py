@@ -89,9 +89,11 @@ class StageWorker:
         self._mbs = {mb: _MicroBatch(ids=ids) for mb, ids in enumerate(micro_batch_ids)}
         for mb in range(n):  # post every receive of the step now so the inbox threads run ahead of compute
             if self.links.act_in is not None:
-                self.links.act_in.expect(Expect(KIND_ACTIVATION, step, mb, self.micro_batch_size))
+                self.links.act_in.expect(Expect(KIND_ACTIVATION, step, mb, self.micro_batch_size,
+                                                payload_bytes=self.fw_codec.payload_bytes))
             if self.links.grad_in is not None:
-                self.links.grad_in.expect(Expect(KIND_GRADIENT, step, mb, self.micro_batch_size))
+                self.links.grad_in.expect(Expect(KIND_GRADIENT, step, mb, self.micro_batch_size,
+                                                 payload_bytes=self.bw_codec.payload_bytes))
         self.module.train()
         sent_before = dict(self.payload_sent)
         for instruction in sch.gpipe(self.grid.stage, self.grid.pp, n):

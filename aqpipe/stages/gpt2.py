@@ -111,6 +111,8 @@ def _build(kind: str, config, index: int, weights: Callable[[str], dict] | None)
         layer, prefix = GPT2BlockLayer(config, index), f"transformer.h.{index}."
     else:
         layer, prefix = GPT2Head(config), "transformer."
+    if torch.empty(0).is_meta:  # being sized on the meta device (partitioning): nothing to initialise or load
+        return layer
     if weights is None:
         _init_like_hf(layer, config)
         return layer
