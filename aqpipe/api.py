@@ -6,6 +6,7 @@ import os
 import sys
 from typing import Callable
 
+from aqpipe.cli import one_line
 from aqpipe.config import ConfigError, build_config, resolve
 from aqpipe.stages import PipelineSpec
 
@@ -26,5 +27,5 @@ def train(spec_factory: Callable[..., PipelineSpec], **settings) -> int:
         cfg = resolve(build_config({}, settings))
         return run_job(cfg, spec_factory, worker_command=[sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]])
     except ConfigError as e:
-        print(f"aqpipe: error: {e}", file=sys.stderr)
+        print(f"aqpipe: error: {one_line(str(e))}", file=sys.stderr)
         return 2

@@ -73,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
             return _launch(args)
         raise ConfigError(f"'aqpipe {args.command}' is not available yet in this release")
     except ConfigError as e:
-        print(f"aqpipe: error: {e}", file=sys.stderr)
+        print(f"aqpipe: error: {one_line(str(e))}", file=sys.stderr)
         return 2
+
+
+def one_line(text: str) -> str:
+    """Collapse a message (some libraries' errors span lines) into the single line the contract promises."""
+    return " ".join(text.split())
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -63,6 +63,15 @@ def test_bad_flags_exit_2_with_one_line(capsys, tmp_path, args, needle):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_hub_names_offline_get_a_clear_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    code, err = run_cli(capsys, [*FAST, "--model", "no-such-org/no-such-model"], tmp_path)
+    assert code == 2 and "cannot fetch --model 'no-such-org/no-such-model'" in err and len(err.strip().splitlines()) == 1
+    code, err = run_cli(capsys, [*FAST, "--data", "no_such_hub_dataset_xyz"], tmp_path)
+    assert code == 2 and "cannot load hub dataset 'no_such_hub_dataset_xyz'" in err and len(err.strip().splitlines()) == 1
+
+
 def test_data_directory_without_train_file(capsys, tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "valid.txt").write_text("hello\n")

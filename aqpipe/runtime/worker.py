@@ -77,6 +77,8 @@ class StageWorker:
     micro_batch_size: int
     payload_sent: dict[str, int] = field(default_factory=lambda: {"fwd": 0, "bwd": 0})
     _mbs: dict[int, _MicroBatch] = field(default_factory=dict)
+    _step: int = 0
+    _n: int = 1
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -96,76 +98,92 @@ class StageWorker:
                                                  payload_bytes=self.bw_codec.payload_bytes))
         self.module.train()
         sent_before = dict(self.payload_sent)
-        for instruction in sch.gpipe(self.grid.stage, self.grid.pp, n):
-            self._execute(instruction, step, n, stats)
+        self._step, self._n = step, n
+        for ins in sch.gpipe(self.grid.stage, self.grid.pp, n):
+            handler, waits_on_peers = self._HANDLERS[type(ins)]
+            start = time.perf_counter()
+            handler(self, self._mbs.get(ins.micro_batch), ins.micro_batch, stats)
+            elapsed = time.perf_counter() - start
+            if waits_on_peers:
+                stats.comm_wait_seconds += elapsed
+            else:
+                stats.compute_seconds += elapsed
         stats.fwd_bytes = self.payload_sent["fwd"] - sent_before["fwd"]
         stats.bwd_bytes = self.payload_sent["bwd"] - sent_before["bwd"]
         self._mbs = {}
         return stats
 
-    def _execute(self, ins: sch.Instruction, step: int, n: int, stats: StepStats) -> None:
-        mb = self._mbs.get(ins.micro_batch) if ins.micro_batch is not None else None
-        start = time.perf_counter()
-        if isinstance(ins, sch.RecvActivation):
-            msg = self.links.act_in.get()
-            mb.ids = msg.ids
-            x = self.fw_codec.decode(msg.header.shape, msg.header.dtype, msg.payload, msg.ids).to(self.device)
-            mb.inputs = x.requires_grad_(True)
-            stats.comm_wait_seconds += time.perf_counter() - start
-        elif isinstance(ins, sch.LoadMicroBatch):
-            if self.grid.is_first_stage:
-                mb.inputs = self.samples.inputs(mb.ids).to(self.device)
-            if self.grid.is_last_stage:
-                mb.targets = self.samples.targets(mb.ids).to(self.device)
-        elif isinstance(ins, sch.Forward):
-            out = self.module(mb.inputs)
-            if self.grid.is_last_stage:
-                mb.loss = self.loss_fn(out, mb.targets)
-                stats.loss_sum += float(mb.loss.detach())
-            else:
-                mb.outputs = out
-            stats.compute_seconds += time.perf_counter() - start
-        elif isinstance(ins, sch.SendActivation):
-            self._send(self.links.act_out, self.fw_codec, KIND_ACTIVATION, step, ins.micro_batch, mb.outputs, mb.ids, "fwd")
-            stats.compute_seconds += time.perf_counter() - start
-        elif isinstance(ins, sch.RecvGrad):
-            msg = self.links.grad_in.get()
-            mb.output_grad = self.bw_codec.decode(msg.header.shape, msg.header.dtype, msg.payload, msg.ids).to(self.device)
-            stats.comm_wait_seconds += time.perf_counter() - start
-        elif isinstance(ins, sch.Backward):
-            if self.grid.is_last_stage:
-                (mb.loss / n).backward()
-            else:
-                mb.outputs.backward(mb.output_grad)
-            stats.compute_seconds += time.perf_counter() - start
-        elif isinstance(ins, sch.SendGrad):
-            self._send(self.links.grad_out, self.bw_codec, KIND_GRADIENT, step, ins.micro_batch, mb.inputs.grad, mb.ids, "bwd")
-            self._mbs[ins.micro_batch] = _MicroBatch(ids=mb.ids)  # free this micro-batch's activations
-            stats.compute_seconds += time.perf_counter() - start
-        elif isinstance(ins, sch.ReduceGrads):
-            for box in (self.links.act_out, self.links.grad_out):
-                if box is not None:
-                    box.flush()
-            before = self.grad_sync.bytes_sent
-            self.grad_sync.synchronize(self.params)
-            stats.grad_sync_bytes = self.grad_sync.bytes_sent - before
-            stats.comm_wait_seconds += time.perf_counter() - start
-        elif isinstance(ins, sch.OptimizerStep):
-            sq = local_grad_sq_norm(self.params)
-            if self.grid.pp > 1:
-                dist.all_reduce(sq, group=self.groups.pipeline)
-            stats.grad_norm = clip_by_global_norm(self.params, self.clip, sq)
-            self.optimizer.step()
-            self.lr_schedule.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            stats.compute_seconds += time.perf_counter() - start
-        else:
-            raise RuntimeError(f"unknown instruction {ins!r}")
+    def _recv_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
+        msg = self.links.act_in.get()
+        mb.ids = msg.ids
+        x = self.fw_codec.decode(msg.header.shape, msg.header.dtype, msg.payload, msg.ids).to(self.device)
+        mb.inputs = x.requires_grad_(True)
 
-    def _send(self, box: Outbox, codec: FloatCodec, kind: int, step: int, mb: int, tensor: torch.Tensor,
-              ids: torch.Tensor, direction: str) -> None:
+    def _load_micro_batch(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
+        if self.grid.is_first_stage:
+            mb.inputs = self.samples.inputs(mb.ids).to(self.device)
+        if self.grid.is_last_stage:
+            mb.targets = self.samples.targets(mb.ids).to(self.device)
+
+    def _forward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
+        out = self.module(mb.inputs)
+        if self.grid.is_last_stage:
+            mb.loss = self.loss_fn(out, mb.targets)
+            stats.loss_sum += float(mb.loss.detach())
+        else:
+            mb.outputs = out
+
+    def _send_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
+        self._send(self.links.act_out, self.fw_codec, KIND_ACTIVATION, index, mb.outputs, mb.ids, "fwd")
+
+    def _recv_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
+        msg = self.links.grad_in.get()
+        mb.output_grad = self.bw_codec.decode(msg.header.shape, msg.header.dtype, msg.payload, msg.ids).to(self.device)
+
+    def _backward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
+        if self.grid.is_last_stage:
+            (mb.loss / self._n).backward()  # the step's loss is the mean over micro-batches
+        else:
+            mb.outputs.backward(mb.output_grad)
+
+    def _send_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
+        self._send(self.links.grad_out, self.bw_codec, KIND_GRADIENT, index, mb.inputs.grad, mb.ids, "bwd")
+        self._mbs[index] = _MicroBatch(ids=mb.ids)  # free this micro-batch's activations
+
+    def _reduce_grads(self, mb: None, index: None, stats: StepStats) -> None:
+        for box in (self.links.act_out, self.links.grad_out):
+            if box is not None:
+                box.flush()
+        before = self.grad_sync.bytes_sent
+        self.grad_sync.synchronize(self.params)
+        stats.grad_sync_bytes = self.grad_sync.bytes_sent - before
+
+    def _optimizer_step(self, mb: None, index: None, stats: StepStats) -> None:
+        sq = local_grad_sq_norm(self.params)
+        if self.grid.pp > 1:  # clip on the norm of the whole model, not of this stage
+            dist.all_reduce(sq, group=self.groups.pipeline)
+        stats.grad_norm = clip_by_global_norm(self.params, self.clip, sq)
+        self.optimizer.step()
+        self.lr_schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # instruction type -> (handler, whether its time counts as waiting on peers rather than computing)
+    _HANDLERS = {
+        sch.RecvActivation: (_recv_activation, True),
+        sch.LoadMicroBatch: (_load_micro_batch, False),
+        sch.Forward: (_forward, False),
+        sch.SendActivation: (_send_activation, False),
+        sch.RecvGrad: (_recv_grad, True),
+        sch.Backward: (_backward, False),
+        sch.SendGrad: (_send_grad, False),
+        sch.ReduceGrads: (_reduce_grads, True),
+        sch.OptimizerStep: (_optimizer_step, False),
+    }
+
+    def _send(self, box: Outbox, codec: FloatCodec, kind: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor,
+              direction: str) -> None:
         encoded = codec.encode(tensor.detach(), ids)
-        header = Header(kind, step, mb, encoded.shape, encoded.wire_dtype, ids.numel(), encoded.payload.numel(),
+        header = Header(kind, self._step, mb, encoded.shape, encoded.wire_dtype, ids.numel(), encoded.payload.numel(),
                         codec=codec.code, codec_check=encoded.codec_check, flags=encoded.flags)
         box.send(header, ids, encoded.payload)
         self.payload_sent[direction] += encoded.payload.numel()
