@@ -31,10 +31,6 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
     "gpt2-xl": dict(seq_len=1024, micro_batch_size=1, micro_batches=8, epochs=2, lr=5e-5, warmup_steps=100),
 }
 
-FW_AVAILABLE = ("fp32", "fp16", "bf16")
-BW_AVAILABLE = ("fp32", "fp16", "bf16")
-FW_LATER = re.compile(r"^(directq|aqsgd):\d+$")
-BW_LATER = re.compile(r"^(directq:\d+|topk:[0-9.]+:\d+)$")
 GRAD_SYNC_LATER = ("fp16", "bf16", "powersgd", "ef", "qadam", "topk", "sidco", "fft", "signsgd", "marsit")
 STORE_DTYPES = ("fp32", "fp16", "bf16", "q8", "q4", "q2")
 
@@ -60,8 +56,8 @@ class RunConfig:
     weight_decay: float = 0.0
     warmup_steps: int | None = None
     clip: float = 1.0
-    fw: str = "fp32"
-    bw: str = "fp32"
+    fw: str = "aqsgd:4"
+    bw: str = "directq:8"
     warmup_epochs: int = 1
     grad_sync: str = "none"
     store: str = "memory"
@@ -77,6 +73,10 @@ class RunConfig:
     vocab_size: int | None = None
     dropout: float | None = None
     max_samples: int | None = None
+    quant_scales: str = "channel"
+    quant_rounding: str = "nearest"
+    store_check: str = "on"
+    store_dump: str = "off"
     stall_timeout: float = 300.0
     port: int | None = None
     # Filled by `resolve`: the explicit stage boundaries (layer index where each stage starts, plus the end).
@@ -192,14 +192,19 @@ def _cuda_available() -> bool:
 
 def _check_available(cfg: RunConfig) -> None:
     later = "is not available yet in this release"
-    if cfg.fw not in FW_AVAILABLE:
-        if FW_LATER.match(cfg.fw):
-            raise NotAvailableYet(f"--fw {cfg.fw} {later}; use one of {', '.join(FW_AVAILABLE)}")
-        raise ConfigError(f"--fw {cfg.fw!r} is not a forward codec; use fp32, fp16, bf16, directq:B or aqsgd:B (B = 1..8)")
-    if cfg.bw not in BW_AVAILABLE:
-        if BW_LATER.match(cfg.bw):
-            raise NotAvailableYet(f"--bw {cfg.bw} {later}; use one of {', '.join(BW_AVAILABLE)}")
-        raise ConfigError(f"--bw {cfg.bw!r} is not a backward codec; use fp32, fp16, bf16, directq:B or topk:F:B")
+    from aqpipe.compress.codecs import CodecError, parse_spec
+
+    try:
+        parse_spec(cfg.fw, "fw")
+        parse_spec(cfg.bw, "bw")
+    except CodecError as e:
+        raise ConfigError(str(e)) from None
+    for name, value, allowed in (("quant-scales", cfg.quant_scales, ("channel", "token")),
+                                 ("quant-rounding", cfg.quant_rounding, ("nearest", "stochastic")),
+                                 ("store-check", cfg.store_check, ("on", "off")),
+                                 ("store-dump", cfg.store_dump, ("on", "off"))):
+        if value not in allowed:
+            raise ConfigError(f"--{name} {value!r} is not one of {', '.join(allowed)}")
     if cfg.grad_sync != "none":
         if cfg.grad_sync.split(":")[0] in GRAD_SYNC_LATER:
             raise NotAvailableYet(f"--grad-sync {cfg.grad_sync} {later}; use none")
@@ -210,6 +215,8 @@ def _check_available(cfg: RunConfig) -> None:
         raise NotAvailableYet(f"--store lmdb {later}; use --store memory")
     if cfg.store_dtype not in STORE_DTYPES:
         raise ConfigError(f"--store-dtype {cfg.store_dtype!r} is not one of {', '.join(STORE_DTYPES)}")
+    if cfg.store_dtype.startswith("q"):
+        raise NotAvailableYet(f"--store-dtype {cfg.store_dtype} (low-bit m) {later}; use fp32, fp16 or bf16")
     if cfg.bandwidth is not None:
         raise NotAvailableYet(f"--bandwidth {later}; leave it out to run on the plain network")
     if cfg.resume is not None:

@@ -53,7 +53,12 @@ def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall
         "steps": len(records),
         "epochs": records[-1]["epoch"] + 1,
         "samples_per_second": statistics.median(r["samples_per_second"] for r in after_warmup),
-        "link_bytes": {"fwd": sum(r["fwd_bytes"] for r in records), "bwd": sum(r["bwd_bytes"] for r in records)},
+        "link_bytes": {
+            "fwd": sum(r["fwd_bytes"] for r in records),
+            "bwd": sum(r["bwd_bytes"] for r in records),
+            "per_link_fwd": [sum(v) for v in zip(*(r.get("link_fwd_bytes", []) for r in records))],
+            "per_link_bwd": [sum(v) for v in zip(*(r.get("link_bwd_bytes", []) for r in records))],
+        },
         "grad_sync_bytes": sum(r["grad_sync_bytes"] for r in records),
         "wall_seconds": wall_seconds,
         "compute_seconds": sum(r["compute_seconds"] for r in records),

@@ -37,9 +37,20 @@ def run_cli(capsys, args, tmp_path):
     (["--partition", "bogus"], "must be parameters, time, or a comma list"),
     (["--optimizer", "lamb"], "use adamw or sgd"),
     (["--device", "tpu"], "cpu or cuda"),
-    (["--fw", "aqsgd:4"], "not available yet"),
+    (["--fw", "aqsgd:0"], "bits must be an integer in 1..8"),
+    (["--fw", "aqsgd:9"], "bits must be an integer in 1..8"),
+    (["--fw", "aqsgd"], "must look like aqsgd:B"),
+    (["--fw", "directq:x"], "bits must be an integer in 1..8"),
     (["--fw", "zip"], "not a forward codec"),
-    (["--bw", "topk:0.2:8"], "not available yet"),
+    (["--fw", "topk:0.2:8"], "not a forward codec"),
+    (["--bw", "topk:1.5:8"], "kept fraction F must be in (0, 1]"),
+    (["--bw", "topk:0:8"], "kept fraction F must be in (0, 1]"),
+    (["--bw", "topk:abc:8"], "kept fraction F must be a number"),
+    (["--bw", "aqsgd:2"], "not a backward codec"),
+    (["--bw", "fp16:3"], "takes no parameters"),
+    (["--quant-scales", "tensor"], "--quant-scales"),
+    (["--quant-rounding", "up"], "--quant-rounding"),
+    (["--store-dtype", "q4"], "not available yet"),
     (["--grad-sync", "marsit:0"], "not available yet"),
     (["--store", "lmdb"], "not available yet"),
     (["--store-dtype", "q3"], "--store-dtype"),
@@ -107,7 +118,7 @@ def test_config_file_values_and_flag_overrides(tmp_path):
     path.write_text("pp: 2\nmicro-batches: 3\nlr: 0.01\n")
     cfg = resolve(build_config(load_config_file(str(path)), {"lr": "0.5", "pp": None}))
     assert (cfg.pp, cfg.micro_batches, cfg.lr) == (2, 3, 0.5)
-    assert cfg.seq_len == 64 and cfg.fw == "fp32"  # preset default; fp32 until AQ-SGD lands
+    assert cfg.seq_len == 64 and (cfg.fw, cfg.bw) == ("aqsgd:4", "directq:8")  # preset and contract defaults
 
 
 def test_unknown_flag_is_one_line_through_the_real_command(tmp_path):

@@ -7,7 +7,8 @@ from aqpipe.metrics import summarize
 
 def record(step, epoch, loss, sps=10.0):
     return dict(step=step, epoch=epoch, loss=loss, samples_per_second=sps, fwd_bytes=100, bwd_bytes=50,
-                grad_sync_bytes=7, compute_seconds=0.1, comm_wait_seconds=0.2)
+                grad_sync_bytes=7, compute_seconds=0.1, comm_wait_seconds=0.2, link_fwd_bytes=[60, 40],
+                link_bwd_bytes=[30, 20])
 
 
 def test_summary_by_epochs_uses_last_epoch_and_post_warmup_median():
@@ -17,7 +18,8 @@ def test_summary_by_epochs_uses_last_epoch_and_post_warmup_median():
     assert s["final_loss"] == pytest.approx(4.0)
     assert s["samples_per_second"] == 30.0
     assert s["steps"] == 5 and s["epochs"] == 2
-    assert s["link_bytes"] == {"fwd": 500, "bwd": 250} and s["grad_sync_bytes"] == 35
+    assert s["link_bytes"] == {"fwd": 500, "bwd": 250, "per_link_fwd": [300, 200], "per_link_bwd": [150, 100]}
+    assert s["grad_sync_bytes"] == 35
 
 
 def test_summary_by_steps_uses_last_tenth():

@@ -59,11 +59,17 @@ def test_malformed_headers_are_rejected_naming_the_peer(mutate, needle):
     assert PEER in str(err.value) and needle in str(err.value)
 
 
-def test_payload_length_must_match_the_codec():
-    fixed = expect(payload_bytes=lambda shape, dtype: 2 * 8 * 16 * dtype.itemsize)
-    assert t.parse_header(header().pack(), PEER, fixed).payload_len == 1024
+def test_the_link_codec_checks_the_header_before_allocation():
+    from aqpipe.compress.codecs import build_codec
+
+    codec = build_codec("fp32")
+    checked = expect(check=codec.check_header)
+    good = header(codec=codec.code, flags=codec.flags())
+    assert t.parse_header(good.pack(), PEER, checked).payload_len == 1024
     with pytest.raises(t.TransportError, match="does not match shape"):
-        t.parse_header(header(payload_len=1000).pack(), PEER, fixed)
+        t.parse_header(header(codec=codec.code, flags=codec.flags(), payload_len=1000).pack(), PEER, checked)
+    with pytest.raises(t.TransportError, match="this side decodes fp32"):
+        t.parse_header(header(codec=5, flags=2 << 8).pack(), PEER, checked)
 
 
 def _send_then_receive(rank, world, mode):

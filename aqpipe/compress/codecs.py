@@ -1,18 +1,25 @@
 """Link codecs: how one link encodes a tensor for the wire and decodes it on the other side.
 
-`encode(tensor, ids) -> Encoded` and `decode(shape, wire_dtype, payload, ids) -> tensor`. The float codecs here are
-stateless; compressed codecs (DirectQ, AQ-SGD, Top-k) plug into the same interface.
+Every codec has `encode(tensor, ids, compress) -> Encoded`, `decode(header, payload, ids) -> tensor`, and
+`check_header(header)`, which the transport calls before it allocates a payload. With `compress=False` (the
+warm-up epochs) a codec sends fp32 and flags the message raw. `build_codec` turns a `--fw`/`--bw` spec into a
+codec; `parse_spec` validates a spec without building anything.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
+FLAG_RAW = 1  # the payload is the tensor in fp32 (warm-up, or a codec asked not to compress)
+FLAG_NO_CHECK = 2  # AQ-SGD: the sender did not checksum m(ξ)
+CODE_FP32, CODE_FP16, CODE_BF16, CODE_DIRECTQ, CODE_AQSGD, CODE_TOPK = 1, 2, 3, 4, 5, 6
+
 
 class CodecError(ValueError):
-    """A codec spec that cannot be parsed or built."""
+    """A codec spec that cannot be parsed, or a payload that does not fit its codec."""
 
 
 @dataclass
@@ -26,43 +33,163 @@ class Encoded:
     flags: int = 0
 
 
-class FloatCodec:
+@dataclass(frozen=True)
+class CodecSpec:
+    """A parsed `--fw`/`--bw` value."""
+
+    kind: str  # fp32, fp16, bf16, directq, aqsgd, topk
+    bits: int = 0
+    fraction: float = 1.0
+
+    def __str__(self) -> str:
+        if self.kind == "topk":
+            return f"topk:{self.fraction:g}:{self.bits}"
+        return f"{self.kind}:{self.bits}" if self.bits else self.kind
+
+
+FORWARD_KINDS = ("fp32", "fp16", "bf16", "directq", "aqsgd")
+BACKWARD_KINDS = ("fp32", "fp16", "bf16", "directq", "topk")
+
+
+def parse_spec(spec: str, direction: str) -> CodecSpec:
+    """Parse and validate a codec spec for the forward ("fw") or backward ("bw") direction."""
+    flag = f"--{direction}"
+    allowed = FORWARD_KINDS if direction == "fw" else BACKWARD_KINDS
+    usage = ("fp32, fp16, bf16, directq:B or aqsgd:B" if direction == "fw" else "fp32, fp16, bf16, directq:B or topk:F:B")
+    kind, *args = spec.split(":")
+    if kind not in allowed:
+        raise CodecError(f"{flag} {spec!r} is not a {'forward' if direction == 'fw' else 'backward'} codec; use {usage} (B = 1..8 bits)")
+    if kind in ("fp32", "fp16", "bf16"):
+        if args:
+            raise CodecError(f"{flag} {spec!r}: {kind} takes no parameters")
+        return CodecSpec(kind)
+    expected = 2 if kind == "topk" else 1
+    if len(args) != expected:
+        raise CodecError(f"{flag} {spec!r} must look like {kind}:{'F:B' if kind == 'topk' else 'B'}")
+    if not re.fullmatch(r"\d+", args[-1]) or not 1 <= int(args[-1]) <= 8:
+        raise CodecError(f"{flag} {spec!r}: bits must be an integer in 1..8")
+    fraction = 1.0
+    if kind == "topk":
+        try:
+            fraction = float(args[0])
+        except ValueError:
+            raise CodecError(f"{flag} {spec!r}: the kept fraction F must be a number in (0, 1]") from None
+        if not 0.0 < fraction <= 1.0:
+            raise CodecError(f"{flag} {spec!r}: the kept fraction F must be in (0, 1], got {args[0]}")
+    return CodecSpec(kind, int(args[-1]), fraction)
+
+
+def bytes_as(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret uint8 rows [R, n] as `dtype` [R, n / itemsize] through a fresh copy (slices of a payload need not
+    be aligned for a wider type)."""
+    return rows.reshape(-1).clone().view(dtype).view(rows.shape[0], -1)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    """Elements in a tensor of `shape`."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class LinkCodec:
+    """Base of every codec: the raw fp32 path, header checks, and the codec identity carried in the header."""
+
+    code = CODE_FP32
+    name = "fp32"
+    bits = 0
+
+    def encode(self, tensor: torch.Tensor, ids: torch.Tensor, compress: bool = True) -> Encoded:
+        """The wire form of `tensor` (a batch whose first dimension matches `ids`)."""
+        if not compress:
+            return self._raw(tensor)
+        return self._encode(tensor.detach(), ids)
+
+    def decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 tensor a received message stands for."""
+        if header.flags & FLAG_RAW:
+            return bytes_as(payload.view(1, -1), torch.float32).view(header.shape)
+        return self._decode(header, payload, ids)
+
+    def check_header(self, header) -> str | None:
+        """Why a header cannot belong to this codec (None if it can); called before the payload is allocated."""
+        if header.codec != self.code or (header.flags >> 8) != self.bits:
+            return f"the peer sends codec {header.codec}/{header.flags >> 8} bits but this side decodes {self.name}"
+        if header.flags & FLAG_RAW:
+            expected = numel(header.shape) * 4
+        else:
+            expected = self.payload_bytes(header)
+        if expected is not None and header.payload_len != expected:
+            return f"payload length {header.payload_len} does not match shape {header.shape} ({expected} expected)"
+        return None
+
+    def flags(self, raw: bool = False) -> int:
+        """Header flags: the codec's bit width in bits 8-15, plus the raw flag."""
+        return (self.bits << 8) | (FLAG_RAW if raw else 0)
+
+    def _raw(self, tensor: torch.Tensor) -> Encoded:
+        wire = tensor.detach().to(torch.float32).contiguous().cpu()
+        return Encoded(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), torch.float32, flags=self.flags(raw=True))
+
+    def payload_bytes(self, header) -> int | None:
+        """The exact payload length of a compressed message with this header, or None when it varies."""
+        return numel(header.shape) * 4
+
+    def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
+        return self._raw(tensor)
+
+    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return bytes_as(payload.view(1, -1), torch.float32).view(header.shape)
+
+
+class FloatCodec(LinkCodec):
     """Sends the tensor cast to a float type (fp32 is lossless; fp16 and bf16 halve the bytes)."""
 
-    CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+    def __init__(self, name: str, wire_dtype: torch.dtype, code: int) -> None:
+        self.name, self.wire_dtype, self.code = name, wire_dtype, code
 
-    def __init__(self, name: str, wire_dtype: torch.dtype) -> None:
-        self.name, self.wire_dtype, self.code = name, wire_dtype, self.CODES[wire_dtype]
+    def payload_bytes(self, header) -> int | None:
+        return numel(header.shape) * self.wire_dtype.itemsize
 
-    def encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
-        """Cast and view as bytes."""
-        wire = tensor.detach().to(self.wire_dtype).contiguous()
-        return Encoded(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), self.wire_dtype)
+    def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
+        wire = tensor.to(self.wire_dtype).contiguous().cpu()
+        return Encoded(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), self.wire_dtype, flags=self.flags())
 
-    def decode(
-        self, shape: tuple[int, ...], wire_dtype: torch.dtype, payload: torch.Tensor, ids: torch.Tensor,
-        out_dtype: torch.dtype = torch.float32,
-    ) -> torch.Tensor:
-        """Bytes back to a tensor of `out_dtype`; the payload length must match the shape exactly."""
-        if wire_dtype != self.wire_dtype or payload.numel() != self.payload_bytes(shape, wire_dtype):
-            raise CodecError(
-                f"{self.name} payload of {payload.numel()} bytes ({wire_dtype}) does not fit shape {shape}"
-            )
-        return payload.view(wire_dtype).reshape(shape).to(out_dtype)
-
-    def payload_bytes(self, shape: tuple[int, ...], wire_dtype: torch.dtype) -> int:
-        """The exact payload length for a tensor of `shape` sent as `wire_dtype` (checked before allocating)."""
-        n = wire_dtype.itemsize
-        for d in shape:
-            n *= d
-        return n
+    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if header.dtype != self.wire_dtype:
+            raise CodecError(f"{self.name} payload arrived as {header.dtype}")
+        return payload.view(self.wire_dtype).reshape(header.shape).to(torch.float32)
 
 
-FLOAT_CODECS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+@dataclass
+class QuantOptions:
+    """How quantizing codecs round and scale."""
+
+    per: str = "channel"  # scale granularity: channel or token
+    stochastic: bool = False
+    seed: int = 0
 
 
-def build_codec(spec: str) -> FloatCodec:
-    """The codec for a `--fw`/`--bw` spec."""
-    if spec in FLOAT_CODECS:
-        return FloatCodec(spec, FLOAT_CODECS[spec])
-    raise CodecError(f"unknown link codec {spec!r}")
+def build_codec(spec: str | CodecSpec, direction: str = "fw", store_view=None, options: QuantOptions | None = None,
+                check: bool = True) -> LinkCodec:
+    """The codec for a spec; AQ-SGD needs `store_view` (one side of one link of the message store)."""
+    from aqpipe.compress.aqsgd import AQSGDCodec
+    from aqpipe.compress.directq import DirectQCodec
+    from aqpipe.compress.topk import TopKCodec
+
+    parsed = parse_spec(spec, direction) if isinstance(spec, str) else spec
+    options = options or QuantOptions()
+    if parsed.kind == "fp32":
+        return FloatCodec("fp32", torch.float32, CODE_FP32)
+    if parsed.kind == "fp16":
+        return FloatCodec("fp16", torch.float16, CODE_FP16)
+    if parsed.kind == "bf16":
+        return FloatCodec("bf16", torch.bfloat16, CODE_BF16)
+    if parsed.kind == "directq":
+        return DirectQCodec(parsed.bits, options)
+    if parsed.kind == "topk":
+        return TopKCodec(parsed.fraction, parsed.bits, options)
+    if store_view is None:
+        raise CodecError("the aqsgd codec needs a message store")
+    return AQSGDCodec(parsed.bits, store_view, options, check)

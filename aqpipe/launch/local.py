@@ -66,7 +66,9 @@ def launch_local(
 
     bar = _progress_bar(total_steps) if progress else None
     result: LaunchResult | None = None
-    last_progress = time.monotonic()
+    # Set by the first event of training; before it, start-up hangs are the ranks' own to time out (the process
+    # group's rendezvous timeout), because loading a large model legitimately takes long.
+    last_progress: float | None = None
     summary = None
     try:
         while result is None:
@@ -90,7 +92,7 @@ def launch_local(
                 for w in workers:
                     w.proc.wait()
                 result = LaunchResult(0, summary=summary)
-            elif time.monotonic() - last_progress > stall_timeout:
+            elif last_progress is not None and time.monotonic() - last_progress > stall_timeout:
                 silent = _silent(workers)
                 who = f"{silent[0].name} stopped responding" if silent else "no rank is responsive"
                 result = LaunchResult(1, f"no progress for {stall_timeout:.0f} s (stalled): {who}; stopping all ranks")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from aqpipe.compress.codecs import build_codec
+from aqpipe.compress.codecs import QuantOptions, build_codec
 from aqpipe.compress.grad import build_grad_sync
 from aqpipe.config import RunConfig
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
@@ -21,12 +21,14 @@ from aqpipe.runtime.grid import Grid, create_groups
 from aqpipe.runtime.optim import build_optimizer
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds
 from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, Inbox, Outbox
-from aqpipe.runtime.worker import Links, StageWorker, StepStats
+from aqpipe.runtime.worker import Codecs, Links, StageWorker, StepStats
+from aqpipe.storage import STORE_DTYPES, MemoryStore, StoreView
 
 EVENT_PREFIX = "@@aqpipe "
 HEARTBEAT_SECONDS = 1.0
 _EMIT_LOCK = threading.Lock()
-_STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "grad_sync_bytes", "compute_seconds", "comm_wait_seconds", "grad_norm")
+_STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elements", "grad_sync_bytes",
+                "compute_seconds", "comm_wait_seconds", "grad_norm", "store_hits", "store_misses", "store_reseeded")
 
 
 def emit(event: dict) -> None:
@@ -89,9 +91,25 @@ def _links(grid: Grid, device: torch.device, timeout: float) -> Links:
     return links
 
 
+def build_codecs(cfg: RunConfig, grid: Grid, store: MemoryStore) -> Codecs:
+    """This rank's codecs; the AQ-SGD ones hold the sender side of the outgoing link and the receiver side of the
+    incoming one (link k joins stage k to stage k+1)."""
+    options = QuantOptions(per=cfg.quant_scales, stochastic=cfg.quant_rounding == "stochastic", seed=cfg.seed + grid.rank)
+    check = cfg.store_check == "on"
+    codecs = Codecs()
+    if not grid.is_last_stage:
+        codecs.fw_send = build_codec(cfg.fw, "fw", StoreView(store, grid.stage, "send"), options, check)
+        codecs.bw_recv = build_codec(cfg.bw, "bw", options=options)
+    if not grid.is_first_stage:
+        codecs.fw_recv = build_codec(cfg.fw, "fw", StoreView(store, grid.stage - 1, "recv"), options, check)
+        codecs.bw_send = build_codec(cfg.bw, "bw", options=options)
+    return codecs
+
+
 def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dict | None:
     cfg = plan.cfg
     groups = create_groups(grid, backend)
+    store = MemoryStore(STORE_DTYPES[cfg.store_dtype])
     start, end = plan.bounds[grid.stage], plan.bounds[grid.stage + 1]
     module = plan.spec.build_stage(start, end, cfg.seed).to(device)
     optimizer, lr_schedule = build_optimizer(
@@ -101,7 +119,7 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
     worker = StageWorker(
         grid=grid, groups=groups, module=module, loss_fn=plan.spec.loss,
         samples=plan.dataset.train if (grid.is_first_stage or grid.is_last_stage) else None,
-        links=_links(grid, device, cfg.stall_timeout), fw_codec=build_codec(cfg.fw), bw_codec=build_codec(cfg.bw),
+        links=_links(grid, device, cfg.stall_timeout), codecs=build_codecs(cfg, grid, store),
         grad_sync=build_grad_sync(cfg.grad_sync, groups.data_parallel, cfg.dp), optimizer=optimizer,
         lr_schedule=lr_schedule, clip=cfg.clip, device=device, micro_batch_size=cfg.micro_batch_size,
     )
@@ -113,7 +131,10 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
         for step in range(plan.total_steps):
             step_start = time.perf_counter()
             lr = lr_schedule.get_last_lr()[0]
-            stats = worker.run_step(step, epochs.micro_batches_of(step))
+            epoch = step // plan.steps_per_epoch
+            stats = worker.run_step(step, epochs.micro_batches_of(step), compress=epoch >= cfg.warmup_epochs)
+            stats.store_hits, stats.store_misses, stats.store_reseeded = (
+                store.stats.hits, store.stats.misses, store.stats.reseeded)
             step_seconds = time.perf_counter() - step_start
             record = _gather_step(stats, grid, cfg, step, plan.steps_per_epoch, lr, step_seconds)
             if log is not None:
@@ -126,11 +147,16 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
         worker.links.close()
     if grid.replica == 0:
         save_stage_weights(module, Path(cfg.out), grid.stage)
+    if cfg.store_dump == "on":
+        (Path(cfg.out) / "store").mkdir(parents=True, exist_ok=True)
+        store.dump(Path(cfg.out) / "store" / f"rank-{grid.rank}.pt")
     if log is None:
         return None
     log.close()
     summary = summarize(log.records, used_steps=cfg.steps is not None, warmup_epochs=cfg.warmup_epochs,
                         wall_seconds=time.perf_counter() - wall_start)
+    last = log.records[-1]
+    summary["store"] = {"hits": last["store_hits"], "misses": last["store_misses"], "reseeded": last["store_reseeded"]}
     out = Path(cfg.out)
     write_json(out / "summary.json", summary)
     plot_loss(log.records, out / "loss.png", title=f"{cfg.model}  pp={cfg.pp} dp={cfg.dp}  fw={cfg.fw} bw={cfg.bw}")
@@ -172,6 +198,12 @@ def _gather_step(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_
     last_stage = [grid.rank_of(cfg.pp - 1, r) for r in range(cfg.dp)]
     loss = float(col["loss_sum"][last_stage].sum()) / (cfg.micro_batches * cfg.dp)
     slowest = float(col["step_seconds"].max())
+
+    def per_link(name: str, sender_offset: int) -> list[int]:
+        """Summed over replicas, for link k (stage k → k+1); gradients on link k are sent by stage k+1."""
+        return [int(sum(col[name][grid.rank_of(k + sender_offset, r)] for r in range(cfg.dp))) for k in range(cfg.pp - 1)]
+
+    fwd_elements, bwd_elements = int(col["fwd_elements"].sum()), int(col["bwd_elements"].sum())
     return {
         "step": step + 1,
         "epoch": step // steps_per_epoch,
@@ -183,6 +215,13 @@ def _gather_step(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_
         "fwd_bytes": int(col["fwd_bytes"].sum()),
         "bwd_bytes": int(col["bwd_bytes"].sum()),
         "grad_sync_bytes": int(col["grad_sync_bytes"].sum()),
+        "link_fwd_bytes": per_link("fwd_bytes", 0),
+        "link_bwd_bytes": per_link("bwd_bytes", 1),
+        "fwd_bytes_per_element": int(col["fwd_bytes"].sum()) / fwd_elements if fwd_elements else 0.0,
+        "bwd_bytes_per_element": int(col["bwd_bytes"].sum()) / bwd_elements if bwd_elements else 0.0,
+        "store_hits": int(col["store_hits"].sum()),
+        "store_misses": int(col["store_misses"].sum()),
+        "store_reseeded": int(col["store_reseeded"].sum()),
         "compute_seconds": float(col["compute_seconds"].max()),
         "comm_wait_seconds": float(col["comm_wait_seconds"].max()),
         "stage_compute_seconds": [float(col["compute_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],

@@ -77,8 +77,8 @@ class Expect:
     micro_batch: int
     n_ids: int
     max_payload: int = DEFAULT_MAX_MESSAGE_BYTES
-    # The exact payload length the link's codec produces for a (shape, wire dtype), when it is fixed.
-    payload_bytes: Callable[[tuple[int, ...], torch.dtype], int] | None = None
+    # The link codec's own check of a header (why it cannot decode it, or None), run before allocating.
+    check: Callable[[Header], str | None] | None = None
 
 
 def parse_header(raw: bytes, peer: str, expect: Expect) -> Header:
@@ -114,11 +114,11 @@ def parse_header(raw: bytes, peer: str, expect: Expect) -> Header:
         raise TransportError(f"malformed header from {peer}: {n_ids} sample ids, expected {expect.n_ids}")
     if not 0 <= payload_len <= expect.max_payload:
         raise TransportError(f"malformed header from {peer}: absurd payload length {payload_len} (limit {expect.max_payload})")
-    if expect.payload_bytes is not None and payload_len != expect.payload_bytes(shape, DTYPES[dtype_code]):
-        raise TransportError(
-            f"malformed header from {peer}: payload length {payload_len} does not match shape {shape} of {DTYPES[dtype_code]}"
-        )
-    return Header(kind, step, mb, shape, DTYPES[dtype_code], n_ids, payload_len, codec, checksum, codec_check, flags)
+    header = Header(kind, step, mb, shape, DTYPES[dtype_code], n_ids, payload_len, codec, checksum, codec_check, flags)
+    problem = expect.check(header) if expect.check is not None else None
+    if problem:
+        raise TransportError(f"malformed header from {peer}: {problem}")
+    return header
 
 
 def body_checksum(ids: torch.Tensor, payload: torch.Tensor) -> int:

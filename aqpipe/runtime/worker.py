@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from aqpipe.compress.codecs import FloatCodec
+from aqpipe.compress.codecs import LinkCodec
 from aqpipe.compress.grad import GradSync
 from aqpipe.data import TokenSamples
 from aqpipe.runtime import schedule as sch
@@ -26,6 +26,8 @@ class StepStats:
     loss_sum: float = 0.0  # sum over micro-batches of the loss (last stage only)
     fwd_bytes: int = 0  # activation payload bytes this rank sent
     bwd_bytes: int = 0  # gradient payload bytes this rank sent
+    fwd_elements: int = 0  # activation values those bytes stood for
+    bwd_elements: int = 0
     grad_sync_bytes: int = 0
     compute_seconds: float = 0.0
     comm_wait_seconds: float = 0.0
@@ -48,6 +50,16 @@ class Links:
 
 
 @dataclass
+class Codecs:
+    """The four codecs of a rank: each direction of its outgoing and incoming links (None where no link is)."""
+
+    fw_send: LinkCodec | None = None  # activations to the next stage
+    fw_recv: LinkCodec | None = None  # activations from the previous stage
+    bw_send: LinkCodec | None = None  # gradients to the previous stage
+    bw_recv: LinkCodec | None = None  # gradients from the next stage
+
+
+@dataclass
 class _MicroBatch:
     ids: torch.Tensor | None = None
     inputs: torch.Tensor | None = None
@@ -67,38 +79,37 @@ class StageWorker:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     samples: TokenSamples | None  # first and last stage only
     links: Links
-    fw_codec: FloatCodec
-    bw_codec: FloatCodec
+    codecs: Codecs
     grad_sync: GradSync
     optimizer: torch.optim.Optimizer
     lr_schedule: torch.optim.lr_scheduler.LambdaLR
     clip: float
     device: torch.device
     micro_batch_size: int
-    payload_sent: dict[str, int] = field(default_factory=lambda: {"fwd": 0, "bwd": 0})
     _mbs: dict[int, _MicroBatch] = field(default_factory=dict)
     _step: int = 0
     _n: int = 1
+    _compress: bool = True
 
     @property
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def run_step(self, step: int, micro_batch_ids: list[torch.Tensor]) -> StepStats:
-        """Run one optimizer step over the given micro-batches (sample ids per micro-batch)."""
+    def run_step(self, step: int, micro_batch_ids: list[torch.Tensor], compress: bool = True) -> StepStats:
+        """Run one optimizer step over the given micro-batches (sample ids per micro-batch); with `compress`
+        False (warm-up epochs) every link sends fp32 and AQ-SGD refreshes m(ξ)."""
         stats = StepStats()
         n = len(micro_batch_ids)
         self._mbs = {mb: _MicroBatch(ids=ids) for mb, ids in enumerate(micro_batch_ids)}
         for mb in range(n):  # post every receive of the step now so the inbox threads run ahead of compute
             if self.links.act_in is not None:
                 self.links.act_in.expect(Expect(KIND_ACTIVATION, step, mb, self.micro_batch_size,
-                                                payload_bytes=self.fw_codec.payload_bytes))
+                                                check=self.codecs.fw_recv.check_header))
             if self.links.grad_in is not None:
                 self.links.grad_in.expect(Expect(KIND_GRADIENT, step, mb, self.micro_batch_size,
-                                                 payload_bytes=self.bw_codec.payload_bytes))
+                                                 check=self.codecs.bw_recv.check_header))
         self.module.train()
-        sent_before = dict(self.payload_sent)
-        self._step, self._n = step, n
+        self._step, self._n, self._compress = step, n, compress
         for ins in sch.gpipe(self.grid.stage, self.grid.pp, n):
             handler, waits_on_peers = self._HANDLERS[type(ins)]
             start = time.perf_counter()
@@ -108,15 +119,13 @@ class StageWorker:
                 stats.comm_wait_seconds += elapsed
             else:
                 stats.compute_seconds += elapsed
-        stats.fwd_bytes = self.payload_sent["fwd"] - sent_before["fwd"]
-        stats.bwd_bytes = self.payload_sent["bwd"] - sent_before["bwd"]
         self._mbs = {}
         return stats
 
     def _recv_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         msg = self.links.act_in.get()
         mb.ids = msg.ids
-        x = self.fw_codec.decode(msg.header.shape, msg.header.dtype, msg.payload, msg.ids).to(self.device)
+        x = self.codecs.fw_recv.decode(msg.header, msg.payload, msg.ids).to(self.device)
         mb.inputs = x.requires_grad_(True)
 
     def _load_micro_batch(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
@@ -134,11 +143,13 @@ class StageWorker:
             mb.outputs = out
 
     def _send_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        self._send(self.links.act_out, self.fw_codec, KIND_ACTIVATION, index, mb.outputs, mb.ids, "fwd")
+        sent = self._send(self.links.act_out, self.codecs.fw_send, KIND_ACTIVATION, index, mb.outputs, mb.ids)
+        stats.fwd_bytes += sent
+        stats.fwd_elements += mb.outputs.numel()
 
     def _recv_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         msg = self.links.grad_in.get()
-        mb.output_grad = self.bw_codec.decode(msg.header.shape, msg.header.dtype, msg.payload, msg.ids).to(self.device)
+        mb.output_grad = self.codecs.bw_recv.decode(msg.header, msg.payload, msg.ids).to(self.device)
 
     def _backward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         if self.grid.is_last_stage:
@@ -147,7 +158,9 @@ class StageWorker:
             mb.outputs.backward(mb.output_grad)
 
     def _send_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        self._send(self.links.grad_out, self.bw_codec, KIND_GRADIENT, index, mb.inputs.grad, mb.ids, "bwd")
+        sent = self._send(self.links.grad_out, self.codecs.bw_send, KIND_GRADIENT, index, mb.inputs.grad, mb.ids)
+        stats.bwd_bytes += sent
+        stats.bwd_elements += mb.inputs.grad.numel()
         self._mbs[index] = _MicroBatch(ids=mb.ids)  # free this micro-batch's activations
 
     def _reduce_grads(self, mb: None, index: None, stats: StepStats) -> None:
@@ -180,10 +193,10 @@ class StageWorker:
         sch.OptimizerStep: (_optimizer_step, False),
     }
 
-    def _send(self, box: Outbox, codec: FloatCodec, kind: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor,
-              direction: str) -> None:
-        encoded = codec.encode(tensor.detach(), ids)
+    def _send(self, box: Outbox, codec: LinkCodec, kind: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor) -> int:
+        """Encode and queue one message; returns its payload bytes."""
+        encoded = codec.encode(tensor.detach(), ids, self._compress)
         header = Header(kind, self._step, mb, encoded.shape, encoded.wire_dtype, ids.numel(), encoded.payload.numel(),
                         codec=codec.code, codec_check=encoded.codec_check, flags=encoded.flags)
         box.send(header, ids, encoded.payload)
-        self.payload_sent[direction] += encoded.payload.numel()
+        return encoded.payload.numel()

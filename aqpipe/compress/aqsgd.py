@@ -1,0 +1,120 @@
+"""AQ-SGD (Wang et al. 2022, Algorithm 1): send Q(a(ξ) − m(ξ)) and let both sides set m(ξ) ← m(ξ) + Q(a(ξ) − m(ξ)).
+
+A sample with no m(ξ) yet (first sight, or any sample during the warm-up epochs) travels in fp32 and seeds
+m(ξ) on both sides. Payload: one mode byte per sample (0 = full fp32, 1 = quantized delta), then each sample's
+segment in order — its fp32 values, or its fp16 scales and packed codes. The header carries the CRC32 of the
+m(ξ) values the receiver must end up with, so a divergence of the two copies is caught at the first message.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from aqpipe.compress.codecs import (CODE_AQSGD, FLAG_NO_CHECK, CodecError, Encoded, LinkCodec, QuantOptions, bytes_as,
+                                    numel)
+from aqpipe.compress.directq import decode_samples, encode_samples, sample_bytes
+from aqpipe.compress.quantize import quantize
+from aqpipe.storage.base import StoreView
+
+MODE_FULL, MODE_DELTA = 0, 1
+
+
+def store_checksum(values: list[torch.Tensor]) -> int:
+    """CRC32 of m(ξ) values in sample order (their raw bytes in the store dtype)."""
+    crc = 0
+    for v in values:
+        crc = zlib.crc32(v.contiguous().view(torch.uint8).reshape(-1).numpy(), crc)
+    return crc & 0xFFFFFFFF
+
+
+class AQSGDCodec(LinkCodec):
+    """Delta quantization against the per-sample message store, one side of one link."""
+
+    code = CODE_AQSGD
+
+    def __init__(self, bits: int, view: StoreView, options: QuantOptions, check: bool = True) -> None:
+        self.bits, self.view, self.options, self.check = bits, view, options, check
+        self.name = f"aqsgd:{bits}"
+        self._generator = torch.Generator().manual_seed(options.seed * 7919 + view.link)
+
+    # -- sender ------------------------------------------------------------------------------------------------
+    def encode(self, tensor: torch.Tensor, ids: torch.Tensor, compress: bool = True) -> Encoded:
+        """Quantized deltas for samples with an m(ξ), fp32 for the others (all of them while not compressing)."""
+        x = tensor.detach().float().cpu().contiguous()
+        id_list = ids.tolist()
+        known = self.view.contains(id_list) if compress else [False] * len(id_list)
+        delta = [i for i, k in enumerate(known) if k]
+        segments: list[torch.Tensor | None] = [None] * len(id_list)
+        new_m: list[torch.Tensor | None] = [None] * len(id_list)
+        if delta:
+            m_old = torch.stack(self.view.get([id_list[i] for i in delta])).float()
+            q = quantize(x[delta] - m_old, self.bits, self.options.per, self.options.stochastic, self._generator)
+            rows = encode_samples(q)
+            # the sender updates its copy from exactly what the receiver will decode
+            m_new = (m_old + decode_samples(rows, tuple(m_old.shape), self.bits, self.options.per)).to(self.view.dtype)
+            for j, i in enumerate(delta):
+                segments[i], new_m[i] = rows[j], m_new[j]
+        for i, k in enumerate(known):
+            if not k:
+                segments[i] = x[i].view(torch.uint8).reshape(-1)
+                new_m[i] = x[i].to(self.view.dtype)
+        self.view.put(id_list, new_m)
+        modes = torch.tensor([MODE_DELTA if k else MODE_FULL for k in known], dtype=torch.uint8)
+        payload = torch.cat([modes, *segments])
+        flags = (self.bits << 8) | (0 if self.check else FLAG_NO_CHECK)
+        check = store_checksum(new_m) if self.check else 0
+        return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags)
+
+    # -- receiver ----------------------------------------------------------------------------------------------
+    def check_header(self, header) -> str | None:
+        if header.codec != self.code or (header.flags >> 8) != self.bits:
+            return f"the peer sends codec {header.codec}/{header.flags >> 8} bits but this side decodes {self.name}"
+        b = header.shape[0] if header.shape else 0
+        full, delta = numel(header.shape[1:]) * 4, sample_bytes(header.shape, self.bits, self.options.per)
+        low, high = b + b * min(full, delta), b + b * max(full, delta)
+        if not low <= header.payload_len <= high:
+            return f"payload length {header.payload_len} is outside {low}..{high} for shape {header.shape}"
+        return None
+
+    def decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rebuild the activation and update this side's m(ξ) exactly as the sender did."""
+        shape = header.shape
+        b = shape[0]
+        modes = payload[:b].tolist()
+        if any(m not in (MODE_FULL, MODE_DELTA) for m in modes):
+            raise CodecError(f"aqsgd payload has unknown sample modes {sorted(set(modes))}")
+        full, delta = numel(shape[1:]) * 4, sample_bytes(shape, self.bits, self.options.per)
+        sizes = [delta if m == MODE_DELTA else full for m in modes]
+        if b + sum(sizes) != payload.numel():
+            raise CodecError(f"aqsgd payload of {payload.numel()} bytes does not match its sample modes")
+        id_list = ids.tolist()
+        out = torch.empty(shape, dtype=torch.float32)
+        new_m: list[torch.Tensor | None] = [None] * b
+        offset, delta_rows, delta_at = b, [], []
+        for i, (mode, size) in enumerate(zip(modes, sizes)):
+            segment = payload[offset : offset + size]
+            offset += size
+            if mode == MODE_FULL:
+                out[i] = bytes_as(segment.view(1, -1), torch.float32).view(shape[1:])
+                new_m[i] = out[i].to(self.view.dtype)
+            else:
+                delta_rows.append(segment)
+                delta_at.append(i)
+        if delta_at:
+            try:
+                m_old = torch.stack(self.view.get([id_list[i] for i in delta_at])).float()
+            except KeyError as e:
+                raise CodecError(f"m(xi) diverged: the sender sent a delta but this side has never seen the sample "
+                                 f"({e.args[0]})") from None
+            m_new = (m_old + decode_samples(torch.stack(delta_rows), tuple(m_old.shape), self.bits, self.options.per)
+                     ).to(self.view.dtype)
+            for j, i in enumerate(delta_at):
+                new_m[i] = m_new[j]
+                out[i] = m_new[j].float()
+        if not header.flags & FLAG_NO_CHECK and store_checksum(new_m) != header.codec_check:
+            raise CodecError(f"m(xi) diverged on link {self.view.link}: this side's copy fails the sender's checksum "
+                             f"at step {header.step} micro-batch {header.micro_batch}")
+        self.view.put(id_list, new_m)
+        return out

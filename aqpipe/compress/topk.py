@@ -1,0 +1,88 @@
+"""Top-k + quantization for activation gradients (the paper's split-learning "bw8[0.2]"): keep the largest-magnitude
+fraction F of each sample's gradient, quantize the kept values to B bits with one fp16 scale per sample, and send
+their positions as a bitmap or as narrow integer indices, whichever is smaller (both sides derive which from the
+shape, so no byte says it).
+
+Payload per sample: fp16 scale, positions, packed codes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from aqpipe.compress.bitpack import pack, packed_bytes, unpack
+from aqpipe.compress.codecs import CODE_TOPK, CodecError, Encoded, LinkCodec, QuantOptions, bytes_as, numel
+from aqpipe.compress.quantize import Quantized, dequantize, quantize
+
+
+def kept(n: int, fraction: float) -> int:
+    """How many of n entries a sample keeps."""
+    return max(1, min(n, math.ceil(fraction * n)))
+
+
+def position_format(n: int, k: int) -> tuple[str, int]:
+    """("bitmap", bytes) or ("int16"/"int32", bytes): the smaller way to send k positions out of n."""
+    index = "int16" if n <= 1 << 15 else "int32"
+    index_bytes = k * (2 if index == "int16" else 4)
+    bitmap_bytes = packed_bytes(n, 1)
+    return ("bitmap", bitmap_bytes) if bitmap_bytes <= index_bytes else (index, index_bytes)
+
+
+class TopKCodec(LinkCodec):
+    """Per-sample top-k sparsification with B-bit values."""
+
+    code = CODE_TOPK
+
+    def __init__(self, fraction: float, bits: int, options: QuantOptions) -> None:
+        self.fraction, self.bits, self.options = fraction, bits, options
+        self.name = f"topk:{fraction:g}:{bits}"
+        self._generator = torch.Generator().manual_seed(options.seed + 17)
+
+    def _layout(self, shape: tuple[int, ...]) -> tuple[int, int, str, int, int]:
+        n = numel(shape[1:])
+        k = kept(n, self.fraction)
+        fmt, pos_bytes = position_format(n, k)
+        return n, k, fmt, pos_bytes, 2 + pos_bytes + packed_bytes(k, self.bits)
+
+    def payload_bytes(self, header) -> int:
+        return header.shape[0] * self._layout(header.shape)[4]
+
+    def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
+        g = tensor.float().cpu().reshape(tensor.shape[0], -1)
+        b = g.shape[0]
+        n, k, fmt, _, _ = self._layout(tuple(tensor.shape))
+        idx = g.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+        values = g.gather(1, idx)
+        q = quantize(values, self.bits, "channel", self.options.stochastic, self._generator)  # one scale per sample
+        if fmt == "bitmap":
+            mask = torch.zeros(b, n, dtype=torch.uint8)
+            mask.scatter_(1, idx, 1)
+            positions = pack(mask, 1)
+        else:
+            positions = idx.to(torch.int16 if fmt == "int16" else torch.int32).contiguous().view(torch.uint8)
+        rows = torch.cat([q.scales.contiguous().view(torch.uint8), positions, pack(q.codes, self.bits)], dim=1)
+        return Encoded(rows.reshape(-1), tuple(tensor.shape), torch.uint8, flags=self.flags())
+
+    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        shape = header.shape
+        b = shape[0]
+        n, k, fmt, pos_bytes, _ = self._layout(shape)
+        rows = payload.view(b, -1)
+        scales = bytes_as(rows[:, :2], torch.float16)
+        positions = rows[:, 2 : 2 + pos_bytes]
+        codes = unpack(rows[:, 2 + pos_bytes :], self.bits, k)
+        if fmt == "bitmap":
+            mask = unpack(positions.contiguous(), 1, n).bool()
+            if bool((mask.sum(dim=1) != k).any()):
+                raise CodecError(f"topk bitmap does not mark exactly {k} positions per sample")
+            idx = mask.nonzero()[:, 1].view(b, k)
+        else:
+            idx = bytes_as(positions, torch.int16 if fmt == "int16" else torch.int32).long()
+            if bool(((idx < 0) | (idx >= n)).any()):
+                raise CodecError("topk positions fall outside the tensor")
+        values = dequantize(Quantized(codes, scales, self.bits, "channel"), (b, k))
+        out = torch.zeros(b, n, dtype=torch.float32)
+        out.scatter_(1, idx, values)
+        return out.view(shape)

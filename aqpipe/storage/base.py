@@ -1,0 +1,67 @@
+"""The per-sample message store m(ξ): interface, counters, and the dtypes m can be kept in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+STORE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SIDES = ("send", "recv")
+
+
+@dataclass
+class StoreStats:
+    """How often a lookup found m(ξ) (hits), found none (misses: first sight), or found it damaged (reseeded)."""
+
+    hits: int = 0
+    misses: int = 0
+    reseeded: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "reseeded": self.reseeded}
+
+
+class MessageStore(Protocol):
+    """m(ξ) for every (link, side, sample id) this rank holds; values are kept in the store's dtype."""
+
+    dtype: torch.dtype
+    stats: StoreStats
+
+    def contains(self, link: int, side: str, ids: Sequence[int]) -> list[bool]: ...
+
+    def get(self, link: int, side: str, ids: Sequence[int]) -> list[torch.Tensor]: ...
+
+    def put(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None: ...
+
+    def items(self): ...
+
+
+@dataclass
+class StoreView:
+    """One side of one link of a store: what an AQ-SGD codec holds."""
+
+    store: MessageStore
+    link: int
+    side: str
+
+    def __post_init__(self) -> None:
+        if self.side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {self.side!r}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.store.dtype
+
+    def contains(self, ids: Sequence[int]) -> list[bool]:
+        """Whether m(ξ) exists for each id."""
+        return self.store.contains(self.link, self.side, ids)
+
+    def get(self, ids: Sequence[int]) -> list[torch.Tensor]:
+        """m(ξ) of each id (all must exist)."""
+        return self.store.get(self.link, self.side, ids)
+
+    def put(self, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
+        """Replace m(ξ) of each id (values already in the store dtype)."""
+        self.store.put(self.link, self.side, ids, values)

@@ -1,0 +1,49 @@
+"""The in-memory message store: a dict from (link, side, sample id) to a tensor in the store dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from aqpipe.storage.base import StoreStats
+
+
+class MemoryStore:
+    """m(ξ) kept in RAM (or device memory), one tensor per (link, side, sample id)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float16) -> None:
+        self.dtype = dtype
+        self.stats = StoreStats()
+        self._values: dict[tuple[int, str, int], torch.Tensor] = {}
+
+    def contains(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
+        found = [(link, side, int(i)) in self._values for i in ids]
+        hits = sum(found)
+        self.stats.hits += hits
+        self.stats.misses += len(found) - hits
+        return found
+
+    def get(self, link: int, side: str, ids: Sequence[int]) -> list[torch.Tensor]:
+        try:
+            return [self._values[(link, side, int(i))] for i in ids]
+        except KeyError as e:
+            raise KeyError(f"no m(xi) for link {link} side {side} sample {e.args[0][2]}") from None
+
+    def put(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
+        for i, v in zip(ids, values):
+            if v.dtype != self.dtype:
+                raise TypeError(f"the store keeps {self.dtype}, got {v.dtype}")
+            self._values[(link, side, int(i))] = v
+
+    def items(self):
+        """Every ((link, side, id), value) pair."""
+        return self._values.items()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def dump(self, path: Path) -> None:
+        """Save every entry (keys as 'link/side/id') for offline comparison of the two sides of a link."""
+        torch.save({f"{l}/{s}/{i}": v.cpu() for (l, s, i), v in self._values.items()}, path)

@@ -1,0 +1,68 @@
+"""AQ-SGD across real processes: both copies of m(ξ) agree bit for bit on every link, first sight is full precision,
+and the compressed epochs send b/8 bytes per value plus the scales."""
+
+import json
+
+import pytest
+import torch
+
+from aqpipe.compress.quantize import scale_count
+from aqpipe.config import RunConfig, resolve
+from aqpipe.launch.job import run_job
+
+
+def run(tmp_path, **kw):
+    settings = dict(model="gpt2-tiny", seq_len=16, micro_batch_size=2, micro_batches=3, epochs=3, lr=1e-3,
+                    max_samples=48, device="cpu", out=str(tmp_path / "run"), fw="aqsgd:2", bw="directq:4",
+                    store_dump="on", warmup_epochs=1)
+    settings.update(kw)
+    cfg = resolve(RunConfig(**settings))
+    assert run_job(cfg, progress=False) == 0
+    out = tmp_path / "run"
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    stores = {int(p.stem.split("-")[1]): torch.load(p, weights_only=True) for p in (out / "store").iterdir()}
+    return cfg, records, stores, json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("pp,dp", [(3, 1), (2, 2)])
+def test_both_copies_of_every_m_agree_after_several_epochs(tmp_path, pp, dp):
+    cfg, records, stores, summary = run(tmp_path, pp=pp, dp=dp)
+    samples_per_replica = 48 // dp
+    for replica in range(dp):
+        for link in range(pp - 1):
+            sender = stores[replica * pp + link]
+            receiver = stores[replica * pp + link + 1]
+            sent = {k: v for k, v in sender.items() if k.startswith(f"{link}/send/")}
+            got = {k.replace("/recv/", "/send/"): v for k, v in receiver.items() if k.startswith(f"{link}/recv/")}
+            assert len(sent) == samples_per_replica and sent.keys() == got.keys()
+            for key, value in sent.items():
+                assert value.dtype == torch.float16
+                assert torch.equal(value.view(torch.int16), got[key].view(torch.int16)), key
+    assert summary["store"]["misses"] == 0  # every sample was seeded in the warm-up epoch
+    assert summary["store"]["hits"] == (pp - 1) * 48 * 2  # two compressed epochs, each sample once per link
+
+
+def test_first_sight_is_full_precision_and_later_epochs_cost_b_over_8(tmp_path):
+    cfg, records, _, summary = run(tmp_path, pp=2, warmup_epochs=0, epochs=3, fw="aqsgd:2")
+    hidden, tokens = 128, cfg.seq_len
+    per_element_full = 4 + 1 / (tokens * hidden)  # fp32 values plus one mode byte per sample
+    first_epoch = [r for r in records if r["epoch"] == 0]
+    later = [r for r in records if r["epoch"] > 0]
+    for r in first_epoch:
+        assert r["fwd_bytes_per_element"] == pytest.approx(per_element_full, rel=1e-9)
+    expected = 2 / 8 + 2 * scale_count((1, tokens, hidden), "channel") / (tokens * hidden)
+    for r in later:
+        assert abs(r["fwd_bytes_per_element"] - expected) <= 0.02 * expected
+        assert r["bwd_bytes_per_element"] == pytest.approx(4 / 8 + 2 * hidden / (tokens * hidden), rel=1e-9)
+    assert summary["store"] == {"hits": 48 * 2, "misses": 48, "reseeded": 0}
+    assert summary["link_bytes"]["per_link_fwd"] == [summary["link_bytes"]["fwd"]]
+
+
+def test_warm_up_epochs_send_everything_uncompressed(tmp_path):
+    _, records, _, _ = run(tmp_path, pp=2, warmup_epochs=2, epochs=3, fw="aqsgd:3", bw="topk:0.2:8")
+    for r in records:
+        if r["epoch"] < 2:
+            assert r["fwd_bytes_per_element"] > 4 and r["bwd_bytes_per_element"] == 4
+        else:
+            assert r["fwd_bytes_per_element"] < 0.51 and r["bwd_bytes_per_element"] < 1  # 3/8 + scales; a 20% top-k
+    assert records[-1]["loss"] < records[0]["loss"]

@@ -1,0 +1,186 @@
+"""Link codecs: specs, wire round trips, per-sample payloads, AQ-SGD's two copies of m(ξ), Top-k."""
+
+import pytest
+import torch
+
+from aqpipe.compress.aqsgd import MODE_DELTA, MODE_FULL
+from aqpipe.compress.codecs import FLAG_RAW, CodecError, QuantOptions, build_codec, parse_spec
+from aqpipe.runtime.transport import KIND_ACTIVATION, Header
+from aqpipe.storage import MemoryStore, StoreView
+
+
+def wire(codec, encoded, ids, step=0, mb=0):
+    """The header a sender would put in front of `encoded`."""
+    return Header(KIND_ACTIVATION, step, mb, encoded.shape, encoded.wire_dtype, ids.numel(), encoded.payload.numel(),
+                  codec=codec.code, codec_check=encoded.codec_check, flags=encoded.flags)
+
+
+def send(sender, receiver, x, ids, compress=True):
+    encoded = sender.encode(x, ids, compress)
+    header = wire(sender, encoded, ids)
+    assert receiver.check_header(header) is None
+    return encoded, receiver.decode(header, encoded.payload.clone(), ids)
+
+
+def aqsgd_pair(bits, dtype=torch.float16, **options):
+    sender_store, receiver_store = MemoryStore(dtype), MemoryStore(dtype)
+    opts = QuantOptions(**options)
+    return (build_codec(f"aqsgd:{bits}", "fw", StoreView(sender_store, 0, "send"), opts),
+            build_codec(f"aqsgd:{bits}", "fw", StoreView(receiver_store, 0, "recv"), opts), sender_store, receiver_store)
+
+
+@pytest.mark.parametrize("spec,direction,parsed", [
+    ("aqsgd:2", "fw", ("aqsgd", 2, 1.0)), ("directq:8", "bw", ("directq", 8, 1.0)),
+    ("topk:0.2:8", "bw", ("topk", 8, 0.2)), ("bf16", "fw", ("bf16", 0, 1.0)),
+])
+def test_specs_parse(spec, direction, parsed):
+    p = parse_spec(spec, direction)
+    assert (p.kind, p.bits, p.fraction) == parsed and str(p) == spec
+
+
+@pytest.mark.parametrize("spec,direction", [("aqsgd:0", "fw"), ("aqsgd:9", "fw"), ("topk:1.5:8", "bw"),
+                                            ("gzip", "fw"), ("aqsgd:2", "bw"), ("topk:0.1:4", "fw")])
+def test_bad_specs(spec, direction):
+    with pytest.raises(CodecError):
+        parse_spec(spec, direction)
+
+
+@pytest.mark.parametrize("spec", ["fp32", "fp16", "bf16", "directq:1", "directq:3", "directq:8"])
+def test_stateless_codecs_round_trip_within_their_precision(spec):
+    codec = build_codec(spec)
+    x = torch.randn(3, 16, 32)
+    encoded, y = send(codec, build_codec(spec), x, torch.arange(3))
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    if spec == "fp32":
+        assert torch.equal(y, x)
+    elif spec in ("fp16", "bf16"):
+        assert torch.allclose(y, x, rtol=1e-2, atol=1e-2)
+    else:
+        bits = int(spec.split(":")[1])
+        step = 2 * x.abs().amax(dim=1, keepdim=True) / ((1 << bits) - 1)
+        assert bool(((y - x).abs() <= step / 2 * 1.01).all())
+        assert encoded.payload.numel() == 3 * (2 * 32 + (16 * 32 * bits + 7) // 8)
+
+
+def test_uncompressed_sends_are_raw_fp32_for_every_codec():
+    x = torch.randn(2, 4, 8)
+    for spec in ("fp16", "directq:2", "topk:0.1:4"):
+        codec = build_codec(spec, "bw" if spec.startswith("topk") else "fw")
+        encoded = codec.encode(x, torch.arange(2), compress=False)
+        assert encoded.flags & FLAG_RAW and encoded.payload.numel() == x.numel() * 4
+        assert torch.equal(codec.decode(wire(codec, encoded, torch.arange(2)), encoded.payload, torch.arange(2)), x)
+
+
+@pytest.mark.parametrize("spec", ["directq:3", "topk:0.25:4"])
+def test_a_sample_payload_does_not_depend_on_its_micro_batch(spec):
+    torch.manual_seed(0)
+    a, b, c = torch.randn(3, 1, 8, 16).unbind(0)
+    codec = build_codec(spec, "bw" if spec.startswith("topk") else "fw")
+    one = codec.encode(torch.cat([a, b]), torch.tensor([1, 2])).payload.view(2, -1)
+    two = codec.encode(torch.cat([c * 50, a]), torch.tensor([3, 1])).payload.view(2, -1)
+    assert torch.equal(one[0], two[1])
+
+
+def test_aqsgd_first_sight_is_full_precision_then_deltas():
+    sender, receiver, _, _ = aqsgd_pair(2)
+    x = torch.randn(4, 8, 16)
+    ids = torch.tensor([10, 11, 12, 13])
+    encoded, y = send(sender, receiver, x, ids)
+    assert encoded.payload[:4].tolist() == [MODE_FULL] * 4
+    assert torch.equal(y, x)  # the receiver computes on the exact activation the first time
+    x2 = x + 0.01 * torch.randn_like(x)
+    encoded2, y2 = send(sender, receiver, x2, ids)
+    assert encoded2.payload[:4].tolist() == [MODE_DELTA] * 4
+    per_sample = 2 * 16 + (8 * 16 * 2 + 7) // 8
+    assert encoded2.payload.numel() == 4 + 4 * per_sample
+    assert (y2 - x2).abs().max() < (x2 - x).abs().max()  # a 2-bit delta is finer than the change itself
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("options", [{}, {"stochastic": True}, {"per": "token"}])
+def test_aqsgd_both_copies_stay_bit_identical(dtype, options):
+    sender, receiver, s_store, r_store = aqsgd_pair(3, dtype, **options)
+    torch.manual_seed(1)
+    base = torch.randn(12, 6, 10)
+    for epoch in range(5):
+        order = torch.randperm(12)
+        for chunk in order.split(5):  # different micro-batch compositions every epoch
+            drift = base[chunk] + 0.1 * epoch * torch.randn(len(chunk), 6, 10)
+            _, y = send(sender, receiver, drift, chunk, compress=epoch > 0)
+            got = torch.stack(r_store.get(0, "recv", chunk.tolist()))
+            if epoch > 0:
+                assert torch.equal(y, got.float())
+    sent = dict(s_store.items())
+    received = dict(r_store.items())
+    assert len(sent) == len(received) == 12
+    for (link, side, sample), value in sent.items():
+        assert torch.equal(value.view(torch.uint8), received[(link, "recv", sample)].view(torch.uint8))
+        assert value.dtype == dtype
+
+
+def test_aqsgd_mixed_first_sight_and_known_samples_in_one_micro_batch():
+    sender, receiver, _, _ = aqsgd_pair(4)
+    x = torch.randn(3, 5, 7)
+    send(sender, receiver, x[:2], torch.tensor([0, 1]))
+    encoded, y = send(sender, receiver, x, torch.tensor([0, 1, 2]))
+    assert encoded.payload[:3].tolist() == [MODE_DELTA, MODE_DELTA, MODE_FULL]
+    assert torch.equal(y[2], x[2])
+
+
+def test_aqsgd_divergence_is_caught_by_the_checksum():
+    sender, receiver, _, r_store = aqsgd_pair(2)
+    x, ids = torch.randn(2, 4, 4), torch.tensor([5, 6])
+    send(sender, receiver, x, ids)
+    r_store.put(0, "recv", [6], [r_store.get(0, "recv", [6])[0] + 1])  # plant a divergence
+    encoded = sender.encode(x * 1.1, ids)
+    with pytest.raises(CodecError, match="diverged"):
+        receiver.decode(wire(sender, encoded, ids), encoded.payload, ids)
+
+
+def test_aqsgd_checksum_can_be_switched_off():
+    store = MemoryStore()
+    codec = build_codec("aqsgd:2", "fw", StoreView(store, 0, "send"), check=False)
+    encoded = codec.encode(torch.randn(1, 2, 2), torch.tensor([0]))
+    assert encoded.codec_check == 0
+
+
+def test_aqsgd_receiver_without_m_for_a_delta_fails_clearly():
+    sender, receiver, _, _ = aqsgd_pair(2)
+    x, ids = torch.randn(1, 3, 3), torch.tensor([9])
+    sender.encode(x, ids)  # the receiver never saw this message
+    encoded = sender.encode(x, ids)
+    with pytest.raises(CodecError, match="never seen"):
+        receiver.decode(wire(sender, encoded, ids), encoded.payload, ids)
+
+
+def test_header_checks_reject_a_mismatched_codec_or_length():
+    sender = build_codec("directq:4")
+    encoded = sender.encode(torch.randn(2, 3, 4), torch.arange(2))
+    header = wire(sender, encoded, torch.arange(2))
+    assert "this side decodes directq:2" in build_codec("directq:2").check_header(header)
+    header.payload_len += 1
+    assert "does not match" in sender.check_header(header)
+    aq, _, _, _ = aqsgd_pair(2)
+    header = Header(KIND_ACTIVATION, 0, 0, (2, 3, 4), torch.uint8, 2, 10**6, codec=aq.code, flags=aq.flags())
+    assert "outside" in aq.check_header(header)
+
+
+@pytest.mark.parametrize("fraction,n", [(0.2, 8 * 16), (0.01, 100_000), (1.0, 64)])
+def test_topk_keeps_the_largest_entries_of_each_sample(fraction, n):
+    codec = build_codec(f"topk:{fraction}:8", "bw")
+    torch.manual_seed(0)
+    g = torch.randn(3, n)
+    _, y = send(codec, build_codec(f"topk:{fraction}:8", "bw"), g, torch.arange(3))
+    k = max(1, int(-(-fraction * n // 1)))
+    for row, out in zip(g, y):
+        top = row.abs().topk(k).indices
+        assert int((out != 0).sum()) <= k and set(out.nonzero().flatten().tolist()) <= set(top.tolist())
+        assert torch.allclose(out[top], row[top], atol=float(row.abs().max()) / 100)
+
+
+def test_topk_position_format_is_the_smaller_one():
+    from aqpipe.compress.topk import position_format
+
+    assert position_format(1000, 200)[0] == "bitmap"
+    assert position_format(1000, 10) == ("int16", 20)
+    assert position_format(100_000, 10) == ("int32", 40)
