@@ -2,7 +2,8 @@
 
 Codes are grouped so that a group fills whole bytes (g = 8 / gcd(8, b) codes make b·g/8 bytes); each group is
 assembled in one integer word (at most 56 bits), so no per-bit array is ever materialised. Code i of a row
-occupies bits [b·i, b·(i+1)) of the row's little-endian bit stream.
+occupies bits [b·i, b·(i+1)) of the row's little-endian bit stream. (Words are reinterpreted as bytes, which
+assumes a little-endian host, as x86 and ARM are.)
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ def _group(bits: int) -> tuple[int, int]:
     return codes, codes * bits // 8
 
 
+def _word_dtype(group_bits: int) -> torch.dtype:
+    return torch.int32 if group_bits <= 31 else torch.int64  # int32 shifts are faster where a group fits
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [rows, n] (each < 2**bits) → uint8 bytes [rows, ⌈n·bits/8⌉]."""
     if not 1 <= bits <= 8:
@@ -33,12 +38,14 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     groups = -(-n // g)
     padded = torch.zeros(rows, groups * g, dtype=torch.uint8, device=codes.device)
     padded[:, :n] = codes
-    wide = torch.int32 if g * bits <= 31 else torch.int64  # int32 shifts are faster where a group fits
-    word = padded.view(rows, groups, g).to(wide)
-    shifts = torch.arange(g, device=codes.device, dtype=wide) * bits
-    word = (word << shifts).sum(dim=2, dtype=wide)  # disjoint bit ranges: the sum is an OR
-    byte_shifts = torch.arange(nbytes, device=codes.device, dtype=wide) * 8
-    out = ((word.unsqueeze(2) >> byte_shifts) & 0xFF).to(torch.uint8).view(rows, groups * nbytes)
+    columns = padded.view(rows, groups, g)
+    wide = _word_dtype(g * bits)
+    word = torch.empty(rows, groups, dtype=wide, device=codes.device)
+    word.copy_(columns[:, :, 0])
+    for i in range(1, g):  # disjoint bit ranges: OR-ing shifted columns builds each group's word
+        word |= columns[:, :, i].to(wide) << (bits * i)
+    # little-endian words: their first `nbytes` bytes are the group's packed bytes
+    out = word.view(torch.uint8).view(rows, groups, wide.itemsize)[:, :, :nbytes].reshape(rows, groups * nbytes)
     return out[:, : packed_bytes(n, bits)].contiguous()
 
 
@@ -53,11 +60,14 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         return packed.contiguous()
     g, nbytes = _group(bits)
     groups = -(-n // g)
-    full = torch.zeros(rows, groups * nbytes, dtype=torch.uint8, device=packed.device)
-    full[:, : packed.shape[1]] = packed
-    wide = torch.int32 if g * bits <= 31 else torch.int64
-    byte_shifts = torch.arange(nbytes, device=packed.device, dtype=wide) * 8
-    word = (full.view(rows, groups, nbytes).to(wide) << byte_shifts).sum(dim=2, dtype=wide)
-    shifts = torch.arange(g, device=packed.device, dtype=wide) * bits
-    codes = ((word.unsqueeze(2) >> shifts) & ((1 << bits) - 1)).to(torch.uint8).view(rows, groups * g)
-    return codes[:, :n].contiguous()
+    wide = _word_dtype(g * bits)
+    flat = torch.zeros(rows, groups * nbytes, dtype=torch.uint8, device=packed.device)
+    flat[:, : packed.shape[1]] = packed
+    buffer = torch.zeros(rows, groups, wide.itemsize, dtype=torch.uint8, device=packed.device)
+    buffer[:, :, :nbytes] = flat.view(rows, groups, nbytes)
+    word = buffer.view(wide).view(rows, groups)
+    codes = torch.empty(rows, groups, g, dtype=torch.uint8, device=packed.device)
+    mask = (1 << bits) - 1
+    for i in range(g):
+        codes[:, :, i] = (word >> (bits * i)) & mask
+    return codes.view(rows, groups * g)[:, :n].contiguous()
