@@ -1,0 +1,12 @@
+"""Model factories the benchmarks train through `--model benchmarks.models:<name>` (run from the repository root)."""
+
+from transformers import GPT2Config
+
+from aqpipe.stages.gpt2 import gpt2_spec
+
+
+def gpt2_6x128(vocab_size: int, seq_len: int):
+    """6 GPT-2 blocks of hidden 128 (4 heads), no dropout: the convergence benchmark's model."""
+    config = GPT2Config(vocab_size=vocab_size, n_layer=6, n_embd=128, n_head=4, n_positions=max(seq_len, 128),
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return gpt2_spec(config, name="gpt2-6x128")
