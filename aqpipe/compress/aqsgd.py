@@ -59,7 +59,7 @@ class AQSGDCodec(LinkCodec):
         for i, k in enumerate(known):
             if not k:
                 segments[i] = x[i].view(torch.uint8).reshape(-1)
-                new_m[i] = x[i].to(self.view.dtype)
+                new_m[i] = x[i].to(self.view.dtype, copy=True)  # never a view of the live activation
         self.view.put(id_list, new_m)
         modes = torch.tensor([MODE_DELTA if k else MODE_FULL for k in known], dtype=torch.uint8)
         payload = torch.cat([modes, *segments])
@@ -98,7 +98,7 @@ class AQSGDCodec(LinkCodec):
             offset += size
             if mode == MODE_FULL:
                 out[i] = bytes_as(segment.view(1, -1), torch.float32).view(shape[1:])
-                new_m[i] = out[i].to(self.view.dtype)
+                new_m[i] = out[i].to(self.view.dtype, copy=True)
             else:
                 delta_rows.append(segment)
                 delta_at.append(i)
