@@ -24,7 +24,9 @@ HELP = {
     "bw": "backward gradient codec: fp32, fp16, bf16, directq:B, topk:F:B (keep fraction F; default directq:8)",
     "warmup_epochs": "epochs sent uncompressed while AQ-SGD fills m(xi) (default 1)",
     "grad_sync": "DP gradient sync: none",
-    "store": "where m(xi) lives: memory", "store_dtype": "precision of stored m(xi): fp32, fp16, bf16",
+    "store": "where m(xi) lives: memory or lmdb (on disk, under the run directory)",
+    "store_dtype": "how m(xi) is kept: fp32, fp16, bf16; with lmdb also q8, q4, q2 (quantized)",
+    "store_max_gb": "cap on each rank's LMDB store (GB)",
     "quant_scales": "quantization scales per sample and channel (default) or per token",
     "quant_rounding": "nearest (default) or stochastic (unbiased) rounding",
     "store_check": "on: every AQ-SGD message carries a checksum of m(xi) the receiver verifies (default); off",
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "launch":
             return _launch(args)
+        if args.command == "store":
+            return _store(args)
         raise ConfigError(f"'aqpipe {args.command}' is not available yet in this release")
     except ConfigError as e:
         print(f"aqpipe: error: {one_line(str(e))}", file=sys.stderr)
@@ -86,6 +90,27 @@ def main(argv: list[str] | None = None) -> int:
 def one_line(text: str) -> str:
     """Collapse a message (some libraries' errors span lines) into the single line the contract promises."""
     return " ".join(text.split())
+
+
+def _store(args: argparse.Namespace) -> int:
+    from aqpipe.storage.inspect import InspectError, stats, verify
+
+    try:
+        if args.action == "verify":
+            compared, problems = verify(args.run_dir)
+            for line in problems:
+                print(line)
+            print(f"{len(problems)} mismatch(es) in {compared} m(xi) entries compared")
+            return 1 if problems else 0
+        rows = stats(args.run_dir)
+        print(f"{'replica':>7} {'link':>6} {'side':>4} {'entries':>8} {'stored MB':>10} {'raw MB':>8} {'ratio':>6}")
+        for row in rows[:-1]:
+            print(f"{row['replica']:>7} {row['link']:>6} {row['side']:>4} {row['entries']:>8} "
+                  f"{row['stored_bytes'] / 1e6:>10.3f} {row['raw_bytes'] / 1e6:>8.3f} {row['compression_ratio']:>6.2f}")
+        print(f"bytes on disk: {rows[-1]['bytes_on_disk']}")
+        return 0
+    except InspectError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _launch(args: argparse.Namespace) -> int:

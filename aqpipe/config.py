@@ -62,6 +62,7 @@ class RunConfig:
     grad_sync: str = "none"
     store: str = "memory"
     store_dtype: str = "fp16"
+    store_max_gb: float | None = None
     bandwidth: str | None = None
     device: str | None = None
     out: str | None = None
@@ -211,12 +212,12 @@ def _check_available(cfg: RunConfig) -> None:
         raise ConfigError(f"--grad-sync {cfg.grad_sync!r} is not a gradient compressor; use none")
     if cfg.store not in ("memory", "lmdb"):
         raise ConfigError(f"--store {cfg.store!r} is not a store; use memory or lmdb")
-    if cfg.store == "lmdb":
-        raise NotAvailableYet(f"--store lmdb {later}; use --store memory")
     if cfg.store_dtype not in STORE_DTYPES:
         raise ConfigError(f"--store-dtype {cfg.store_dtype!r} is not one of {', '.join(STORE_DTYPES)}")
-    if cfg.store_dtype.startswith("q"):
-        raise NotAvailableYet(f"--store-dtype {cfg.store_dtype} (low-bit m) {later}; use fp32, fp16 or bf16")
+    if cfg.store_dtype.startswith("q") and cfg.store != "lmdb":
+        raise ConfigError(f"--store-dtype {cfg.store_dtype} (low-bit m) needs --store lmdb; in memory use fp32, fp16 or bf16")
+    if cfg.store_max_gb is not None and cfg.store_max_gb <= 0:
+        raise ConfigError(f"--store-max-gb must be positive, got {cfg.store_max_gb}")
     if cfg.bandwidth is not None:
         raise NotAvailableYet(f"--bandwidth {later}; leave it out to run on the plain network")
     if cfg.resume is not None:

@@ -23,6 +23,7 @@ from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds
 from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, Inbox, Outbox
 from aqpipe.runtime.worker import Codecs, Links, StageWorker, StepStats
 from aqpipe.storage import STORE_DTYPES, MemoryStore, StoreView
+from aqpipe.storage.lmdb_store import LMDBStore, store_path
 
 EVENT_PREFIX = "@@aqpipe "
 HEARTBEAT_SECONDS = 1.0
@@ -91,7 +92,15 @@ def _links(grid: Grid, device: torch.device, timeout: float) -> Links:
     return links
 
 
-def build_codecs(cfg: RunConfig, grid: Grid, store: MemoryStore) -> Codecs:
+def open_store(cfg: RunConfig, rank: int):
+    """This rank's m(ξ) store: in memory, or an LMDB environment under the run directory."""
+    if cfg.store == "lmdb":
+        cap = int(cfg.store_max_gb * 1e9) if cfg.store_max_gb is not None else None
+        return LMDBStore(store_path(cfg.out, rank), cfg.store_dtype, max_bytes=cap)
+    return MemoryStore(STORE_DTYPES[cfg.store_dtype])
+
+
+def build_codecs(cfg: RunConfig, grid: Grid, store) -> Codecs:
     """This rank's codecs; the AQ-SGD ones hold the sender side of the outgoing link and the receiver side of the
     incoming one (link k joins stage k to stage k+1)."""
     options = QuantOptions(per=cfg.quant_scales, stochastic=cfg.quant_rounding == "stochastic", seed=cfg.seed + grid.rank)
@@ -109,7 +118,7 @@ def build_codecs(cfg: RunConfig, grid: Grid, store: MemoryStore) -> Codecs:
 def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dict | None:
     cfg = plan.cfg
     groups = create_groups(grid, backend)
-    store = MemoryStore(STORE_DTYPES[cfg.store_dtype])
+    store = open_store(cfg, grid.rank)
     start, end = plan.bounds[grid.stage], plan.bounds[grid.stage + 1]
     module = plan.spec.build_stage(start, end, cfg.seed).to(device)
     optimizer, lr_schedule = build_optimizer(
@@ -132,6 +141,7 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
             step_start = time.perf_counter()
             lr = lr_schedule.get_last_lr()[0]
             epoch = step // plan.steps_per_epoch
+            store.step = step
             stats = worker.run_step(step, epochs.micro_batches_of(step), compress=epoch >= cfg.warmup_epochs)
             stats.store_hits, stats.store_misses, stats.store_reseeded = (
                 store.stats.hits, store.stats.misses, store.stats.reseeded)
@@ -147,7 +157,9 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
         worker.links.close()
     if grid.replica == 0:
         save_stage_weights(module, Path(cfg.out), grid.stage)
-    if cfg.store_dump == "on":
+    if cfg.store == "lmdb":
+        store.close()
+    elif cfg.store_dump == "on":
         (Path(cfg.out) / "store").mkdir(parents=True, exist_ok=True)
         store.dump(Path(cfg.out) / "store" / f"rank-{grid.rank}.pt")
     if log is None:

@@ -1,0 +1,190 @@
+"""The on-disk message store: one LMDB environment per rank, values = a small header + a zstd-compressed body.
+
+Key: link (u16), side (u8), sample id (u64), big-endian so entries sort by link, side, id. Value header: magic,
+encoding, shape, the step it was written at, the CRC32 of the compressed body and its length. A value that fails
+its CRC on read is counted, deleted, and reported absent, so AQ-SGD re-seeds that sample at full precision; it is
+never used. Writes are single LMDB transactions, so a failed write (map or disk full) never leaves a torn store.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import zlib
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from aqpipe.storage.base import SIDES, StoreStats
+from aqpipe.storage.encoding import ENCODINGS, decode_value, encode_value, value_dtype
+
+_KEY = struct.Struct(">HBQ")
+_HEAD = struct.Struct("<4sBB8qqII")  # magic, encoding, ndim, shape[8], step, crc32, body length
+MAGIC = b"AQM1"
+_CODES = {v: k for k, v in ENCODINGS.items()}
+
+
+class StoreFullError(RuntimeError):
+    """The store cannot grow: its cap (--store-max-gb) or the disk is reached."""
+
+
+def pack_key(link: int, side: str, sample: int) -> bytes:
+    return _KEY.pack(link, SIDES.index(side), sample)
+
+
+def unpack_key(key: bytes) -> tuple[int, str, int]:
+    link, side, sample = _KEY.unpack(key)
+    return link, SIDES[side], sample
+
+
+class LMDBStore:
+    """m(ξ) on disk for one rank."""
+
+    def __init__(self, path: str | Path, encoding: str = "fp16", max_bytes: int | None = None,
+                 initial_map_bytes: int = 64 << 20, level: int = 1, readonly: bool = False) -> None:
+        import lmdb
+        import zstandard
+
+        if encoding not in ENCODINGS:
+            raise ValueError(f"unknown store encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
+        self.path, self.encoding, self.readonly = Path(path), encoding, readonly
+        self.dtype = value_dtype(encoding)
+        self.stats = StoreStats()
+        self.max_bytes = max_bytes
+        self.step = 0  # stamped into every value written
+        self._lmdb = lmdb
+        if not readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(str(self.path), map_size=initial_map_bytes, readonly=readonly, lock=not readonly,
+                             sync=False, metasync=False, readahead=False, max_dbs=0)
+        self._compress = zstandard.ZstdCompressor(level=level)
+        self._decompress = zstandard.ZstdDecompressor()
+        self._read_ahead: dict[tuple[int, str, int], torch.Tensor] = {}
+
+    # -- the MessageStore interface ------------------------------------------------------------------------------
+    def contains(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
+        """Whether a sound m(ξ) exists for each id; a damaged one is counted, dropped and reported absent."""
+        found = []
+        with self.env.begin() as txn:
+            for i in ids:
+                key = (link, side, int(i))
+                value = self._read(txn, key)
+                if value is not None:
+                    self._read_ahead[key] = value
+                found.append(value is not None)
+        hits = sum(found)
+        self.stats.hits += hits
+        self.stats.misses += len(found) - hits
+        return found
+
+    def get(self, link: int, side: str, ids: Sequence[int]) -> list[torch.Tensor]:
+        out = []
+        with self.env.begin() as txn:
+            for i in ids:
+                key = (link, side, int(i))
+                value = self._read_ahead.pop(key, None)
+                if value is None:
+                    value = self._read(txn, key)
+                if value is None:
+                    raise KeyError(f"no sound m(xi) for link {link} side {side} sample {int(i)}")
+                out.append(value)
+        return out
+
+    def put(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
+        records = [(pack_key(link, side, int(i)), self._encode(v)) for i, v in zip(ids, values)]
+        for _ in range(64):
+            try:
+                with self.env.begin(write=True) as txn:
+                    for key, value in records:
+                        txn.put(key, value)
+                return
+            except self._lmdb.MapFullError:
+                self._grow(sum(len(v) for _, v in records))
+            except self._lmdb.Error as e:
+                raise StoreFullError(f"writing m(xi) to {self.path} failed: {e}") from None
+        raise StoreFullError(f"the store at {self.path} kept running out of map space")
+
+    def items(self):
+        """Every ((link, side, id), value) pair; damaged values are skipped (and counted)."""
+        with self.env.begin() as txn:
+            keys = [bytes(k) for k, _ in txn.cursor()]
+            for key in keys:
+                value = self._read(txn, unpack_key(key))
+                if value is not None:
+                    yield unpack_key(key), value
+
+    def raw_records(self):
+        """(key, header fields, stored body length, raw length) of every entry, for statistics."""
+        with self.env.begin() as txn:
+            for key, value in txn.cursor():
+                fields = _HEAD.unpack_from(value)
+                yield unpack_key(bytes(key)), fields, len(value) - _HEAD.size
+
+    def close(self) -> None:
+        """Flush to disk (writers) and release the environment."""
+        if not self.readonly:
+            self.env.sync()
+        self.env.close()
+
+    # -- internals -------------------------------------------------------------------------------------------------
+    def _encode(self, value: torch.Tensor) -> bytes:
+        shape = list(value.shape)
+        if len(shape) > 8:
+            raise ValueError("m(xi) of more than 8 dimensions cannot be stored")
+        body = self._compress.compress(encode_value(value.detach().cpu(), self.encoding))
+        head = _HEAD.pack(MAGIC, ENCODINGS[self.encoding], len(shape), *(shape + [0] * (8 - len(shape))), self.step,
+                          zlib.crc32(body) & 0xFFFFFFFF, len(body))
+        return head + body
+
+    def _read(self, txn, key: tuple[int, str, int]) -> torch.Tensor | None:
+        raw = txn.get(pack_key(*key))
+        if raw is None:
+            return None
+        value = self.decode_record(bytes(raw))
+        if value is None:
+            self.stats.reseeded += 1
+            if not self.readonly:  # inspection only reports damage; a training run drops the entry to re-seed it
+                self._delete(key)
+        return value
+
+    def decode_record(self, raw: bytes) -> torch.Tensor | None:
+        """The m(ξ) a stored record holds, or None if the record is damaged in any way."""
+        if len(raw) < _HEAD.size:
+            return None
+        magic, encoding, ndim, *rest = _HEAD.unpack_from(raw)
+        shape, (step, crc, length) = rest[:8], rest[8:]
+        body = raw[_HEAD.size :]
+        if magic != MAGIC or _CODES.get(encoding) != self.encoding or ndim > 8 or length != len(body):
+            return None
+        if zlib.crc32(body) & 0xFFFFFFFF != crc:
+            return None
+        try:
+            return decode_value(self._decompress.decompress(body), self.encoding, tuple(shape[:ndim]))
+        except Exception:  # noqa: BLE001 - a body that passes its CRC but does not decode is damaged too
+            return None
+
+    def _delete(self, key: tuple[int, str, int]) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.delete(pack_key(*key))
+
+    def _grow(self, needed: int) -> None:
+        current = self.env.info()["map_size"]
+        target = max(current * 2, current + 4 * needed)
+        if self.max_bytes is not None and target > self.max_bytes:
+            if current >= self.max_bytes:
+                raise StoreFullError(f"the m(xi) store at {self.path} reached its cap of {self.max_bytes / 1e9:.2f} GB "
+                                     "(--store-max-gb); raise the cap or use a low-bit --store-dtype")
+            target = self.max_bytes
+        free = shutil.disk_usage(self.path).free
+        if target - current > free:
+            raise StoreFullError(f"the disk holding {self.path} has {free / 1e9:.2f} GB free, too little for the m(xi) "
+                                 f"store to grow to {target / 1e9:.2f} GB")
+        self.env.set_mapsize(target)
+
+
+def store_path(out: str | Path, rank: int) -> Path:
+    """Where rank `rank` keeps its LMDB store in a run directory."""
+    return Path(out) / "store" / f"rank-{rank}.lmdb"
+
+
