@@ -50,9 +50,10 @@ def run_cli(capsys, args, tmp_path):
     (["--bw", "fp16:3"], "takes no parameters"),
     (["--quant-scales", "tensor"], "--quant-scales"),
     (["--quant-rounding", "up"], "--quant-rounding"),
-    (["--store-dtype", "q4"], "not available yet"),
+    (["--store-dtype", "q4"], "needs --store lmdb"),
+    (["--store", "lmdb", "--store-max-gb", "0"], "--store-max-gb must be positive"),
     (["--grad-sync", "marsit:0"], "not available yet"),
-    (["--store", "lmdb"], "not available yet"),
+    (["--store", "disk"], "not a store"),
     (["--store-dtype", "q3"], "--store-dtype"),
     (["--bandwidth", "100mbit"], "not available yet"),
     (["--resume", "runs/x"], "not available yet"),
@@ -131,5 +132,7 @@ def test_unknown_flag_is_one_line_through_the_real_command(tmp_path):
 
 
 def test_not_yet_built_commands_answer_exit_2(capsys, tmp_path):
-    assert main(["store", "verify", str(tmp_path)]) == 2
+    assert main(["netns", "show"]) == 2
+    assert "not available yet" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == 2
     assert "not available yet" in capsys.readouterr().err
