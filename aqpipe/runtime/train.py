@@ -24,6 +24,7 @@ from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, Inbox, Outb
 from aqpipe.runtime.worker import Codecs, Links, StageWorker, StepStats
 from aqpipe.storage import STORE_DTYPES, MemoryStore, StoreView
 from aqpipe.storage.lmdb_store import LMDBStore, store_path
+from aqpipe.storage.prefetch import PrefetchingStore
 
 EVENT_PREFIX = "@@aqpipe "
 HEARTBEAT_SECONDS = 1.0
@@ -96,7 +97,7 @@ def open_store(cfg: RunConfig, rank: int):
     """This rank's m(ξ) store: in memory, or an LMDB environment under the run directory."""
     if cfg.store == "lmdb":
         cap = int(cfg.store_max_gb * 1e9) if cfg.store_max_gb is not None else None
-        return LMDBStore(store_path(cfg.out, rank), cfg.store_dtype, max_bytes=cap)
+        return PrefetchingStore(LMDBStore(store_path(cfg.out, rank), cfg.store_dtype, max_bytes=cap))
     return MemoryStore(STORE_DTYPES[cfg.store_dtype])
 
 
@@ -142,6 +143,10 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
             lr = lr_schedule.get_last_lr()[0]
             epoch = step // plan.steps_per_epoch
             store.step = step
+            if isinstance(store, PrefetchingStore):  # this step's m(ξ) (first step only) and the next step's
+                for ahead in ([step, step + 1] if step == 0 else [step + 1]):
+                    if ahead < plan.total_steps:
+                        _prefetch(store, grid, torch.cat(epochs.micro_batches_of(ahead)).tolist())
             stats = worker.run_step(step, epochs.micro_batches_of(step), compress=epoch >= cfg.warmup_epochs)
             stats.store_hits, stats.store_misses, stats.store_reseeded = (
                 store.stats.hits, store.stats.misses, store.stats.reseeded)
@@ -185,6 +190,14 @@ def save_stage_weights(module: torch.nn.Module, out: Path, stage: int) -> Path:
     torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, tmp)
     os.replace(tmp, path)
     return path
+
+
+def _prefetch(store: PrefetchingStore, grid: Grid, ids: list[int]) -> None:
+    """Read ahead the m(ξ) this rank will need for `ids`: its outgoing link's sender side, incoming link's receiver side."""
+    if not grid.is_last_stage:
+        store.prefetch(grid.stage, "send", ids)
+    if not grid.is_first_stage:
+        store.prefetch(grid.stage - 1, "recv", ids)
 
 
 def _open_outputs(cfg: RunConfig, plan: RunPlan) -> MetricsLog:

@@ -37,6 +37,8 @@ class MessageStore(Protocol):
 
     def items(self): ...
 
+    def close(self) -> None: ...
+
 
 @dataclass
 class StoreView:

@@ -41,6 +41,9 @@ class MemoryStore:
         """Every ((link, side, id), value) pair."""
         return self._values.items()
 
+    def close(self) -> None:
+        """Nothing to release: the values live as long as the process."""
+
     def __len__(self) -> int:
         return len(self._values)
 
