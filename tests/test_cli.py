@@ -52,6 +52,7 @@ def run_cli(capsys, args, tmp_path):
     (["--quant-rounding", "up"], "--quant-rounding"),
     (["--store-dtype", "q4"], "needs --store lmdb"),
     (["--store", "lmdb", "--store-max-gb", "0"], "--store-max-gb must be positive"),
+    (["--store", "lmdb", "--store-max-gb", "0.000001"], "store needs about"),
     (["--grad-sync", "marsit:0"], "not available yet"),
     (["--store", "disk"], "not a store"),
     (["--store-dtype", "q3"], "--store-dtype"),

@@ -61,7 +61,47 @@ def make_plan(cfg: RunConfig, spec_factory=None, profile: bool = True) -> RunPla
         bounds = resolve_bounds(cfg, spec, dataset) if (profile or cfg.partition != "time") else []
     elif len(bounds) != cfg.pp + 1 or bounds[0] != 0 or bounds[-1] != len(spec):
         raise ConfigError(f"stage_bounds {bounds} do not split {len(spec)} layers into {cfg.pp} stages")
+    if cfg.store == "lmdb":
+        check_store_capacity(cfg, spec, len(dataset.train))
     return RunPlan(cfg, dataset, spec, bounds, steps_per_epoch, total_steps)
+
+
+STORE_HEADROOM = 1.5  # LMDB pages, headers and growth slack over the raw value bytes
+
+
+def store_bytes_per_rank(cfg: RunConfig, spec: PipelineSpec, num_samples: int) -> int | None:
+    """Estimated LMDB bytes of a middle stage (both sides of two links), or None when the activation size is unknown.
+
+    Known for the GPT-2 adapter (seq_len × hidden per sample); other specs grow the store on demand.
+    """
+    hidden = spec.extras.get("hf_config", {}).get("n_embd")
+    if hidden is None or not cfg.fw.startswith("aqsgd"):
+        return None
+    per_value = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8": 1.0, "q4": 0.5, "q2": 0.25}[cfg.store_dtype]
+    samples = num_samples // cfg.dp
+    sides = 2 if cfg.pp > 2 else 1
+    return int(samples * cfg.seq_len * hidden * per_value * sides * STORE_HEADROOM)
+
+
+def check_store_capacity(cfg: RunConfig, spec: PipelineSpec, num_samples: int) -> None:
+    """Refuse before training when the disk or --store-max-gb cannot hold the m(ξ) stores."""
+    import shutil
+    from pathlib import Path
+
+    per_rank = store_bytes_per_rank(cfg, spec, num_samples)
+    if per_rank is None:
+        return
+    if cfg.store_max_gb is not None and per_rank > cfg.store_max_gb * 1e9:
+        raise ConfigError(f"each rank's m(xi) store needs about {per_rank / 1e9:.2f} GB but --store-max-gb is "
+                          f"{cfg.store_max_gb}; raise it, use a low-bit --store-dtype, or fewer samples")
+    target = Path(cfg.out).resolve()
+    while not target.exists():
+        target = target.parent
+    free = shutil.disk_usage(target).free
+    needed = per_rank * cfg.world_size  # every local rank writes to this disk
+    if needed > free:
+        raise ConfigError(f"the m(xi) stores need about {needed / 1e9:.2f} GB but the disk under {cfg.out} has "
+                          f"{free / 1e9:.2f} GB free; use a low-bit --store-dtype, fewer samples, or another --out")
 
 
 def resolve_bounds(cfg: RunConfig, spec: PipelineSpec, dataset: LMDataset) -> list[int]:

@@ -19,7 +19,7 @@ from aqpipe.config import RunConfig
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
 from aqpipe.runtime.grid import Grid, create_groups
 from aqpipe.runtime.optim import build_optimizer
-from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds
+from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds, store_bytes_per_rank
 from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, Inbox, Outbox
 from aqpipe.runtime.worker import Codecs, Links, StageWorker, StepStats
 from aqpipe.storage import STORE_DTYPES, MemoryStore, StoreView
@@ -93,11 +93,14 @@ def _links(grid: Grid, device: torch.device, timeout: float) -> Links:
     return links
 
 
-def open_store(cfg: RunConfig, rank: int):
-    """This rank's m(ξ) store: in memory, or an LMDB environment under the run directory."""
+def open_store(cfg: RunConfig, rank: int, estimate: int | None = None):
+    """This rank's m(ξ) store: in memory, or an LMDB environment under the run directory, its map sized from the
+    estimate when there is one (it grows on demand either way)."""
     if cfg.store == "lmdb":
         cap = int(cfg.store_max_gb * 1e9) if cfg.store_max_gb is not None else None
-        return PrefetchingStore(LMDBStore(store_path(cfg.out, rank), cfg.store_dtype, max_bytes=cap))
+        initial = min(estimate or (64 << 20), cap or (1 << 62))
+        return PrefetchingStore(LMDBStore(store_path(cfg.out, rank), cfg.store_dtype, max_bytes=cap,
+                                          initial_map_bytes=max(initial, 1 << 20)))
     return MemoryStore(STORE_DTYPES[cfg.store_dtype])
 
 
@@ -119,7 +122,7 @@ def build_codecs(cfg: RunConfig, grid: Grid, store) -> Codecs:
 def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dict | None:
     cfg = plan.cfg
     groups = create_groups(grid, backend)
-    store = open_store(cfg, grid.rank)
+    store = open_store(cfg, grid.rank, store_bytes_per_rank(cfg, plan.spec, len(plan.dataset.train)))
     start, end = plan.bounds[grid.stage], plan.bounds[grid.stage + 1]
     module = plan.spec.build_stage(start, end, cfg.seed).to(device)
     optimizer, lr_schedule = build_optimizer(

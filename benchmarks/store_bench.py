@@ -1,0 +1,86 @@
+"""The on-disk m(ξ) store: end-to-end samples/s with --store lmdb vs --store memory, store read/write MB/s, the zstd
+ratio and bytes on disk per sample for every encoding.
+
+    python benchmarks/store_bench.py --rounds 3 --out benchmarks/results/store
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path("/work/shared/data/wikitext-2/valid.txt")
+
+
+def end_to_end(store: str, args, work: Path) -> float:
+    out = work / f"{store}-{time.monotonic_ns()}"
+    cmd = [sys.executable, "-m", "aqpipe", "launch", "--model", "benchmarks.models:gpt2_6x128", "--pp", "4",
+           "--data", str(args.data), "--seq-len", "128", "--max-samples", str(args.samples), "--vocab-size", "260",
+           "--micro-batch-size", "4", "--micro-batches", "4", "--epochs", str(args.epochs), "--fw", "aqsgd:3",
+           "--bw", "directq:6", "--store", store, "--device", "cpu", "--out", str(out), "--no-progress"]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
+    return json.loads((out / "summary.json").read_text())["samples_per_second"]
+
+
+def store_speed(encoding: str, work: Path, samples: int = 512, shape=(128, 128)) -> dict:
+    from aqpipe.storage.lmdb_store import LMDBStore
+
+    store = LMDBStore(work / f"speed-{encoding}", encoding)
+    torch.manual_seed(0)
+    # activation-like values: a smooth per-channel profile plus noise, like m(ξ) of a transformer block
+    values = [(torch.randn(1, shape[1]) * 2 + torch.randn(shape) * 0.5).to(store.dtype) for _ in range(samples)]
+    raw = sum(v.numel() * 2 for v in values)  # measured against fp16 m(ξ), the default
+    start = time.perf_counter()
+    for i in range(0, samples, 16):
+        store.put(0, "send", list(range(i, i + 16)), values[i : i + 16])
+    write = time.perf_counter() - start
+    start = time.perf_counter()
+    for i in range(0, samples, 16):
+        store.get(0, "send", list(range(i, i + 16)))
+    read = time.perf_counter() - start
+    stored = sum(n for _, _, n in store.raw_records())
+    store.close()
+    disk = sum(f.stat().st_size for f in (work / f"speed-{encoding}").iterdir())
+    return {"encoding": encoding, "write_MBps": raw / write / 1e6, "read_MBps": raw / read / 1e6,
+            "zstd_ratio": sum(len(__import__("aqpipe.storage.encoding", fromlist=["x"]).encode_value(v, encoding))
+                              for v in values) / stored,
+            "stored_bytes_per_sample": stored / samples, "disk_bytes_per_sample": disk / samples,
+            "fp16_bytes_per_sample": shape[0] * shape[1] * 2}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "store"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        speeds = [store_speed(e, work) for e in ("fp32", "fp16", "bf16", "q8", "q4", "q2")]
+        for row in speeds:
+            print(row, flush=True)
+        runs = {"memory": [], "lmdb": []}
+        for r in range(args.rounds):
+            for store in ("memory", "lmdb"):
+                runs[store].append(end_to_end(store, args, work))
+            print(f"round {r + 1}: memory {runs['memory'][-1]:.1f}  lmdb {runs['lmdb'][-1]:.1f} samples/s", flush=True)
+    result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "store_speed": speeds,
+              "samples_per_second": runs,
+              "lmdb_over_memory": statistics.median(runs["lmdb"]) / statistics.median(runs["memory"])}
+    Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "store_speed"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
