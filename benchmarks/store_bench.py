@@ -32,6 +32,7 @@ def end_to_end(store: str, args, work: Path) -> float:
 
 
 def store_speed(encoding: str, work: Path, samples: int = 512, shape=(128, 128)) -> dict:
+    from aqpipe.storage.encoding import encode_value
     from aqpipe.storage.lmdb_store import LMDBStore
 
     store = LMDBStore(work / f"speed-{encoding}", encoding)
@@ -51,8 +52,7 @@ def store_speed(encoding: str, work: Path, samples: int = 512, shape=(128, 128))
     store.close()
     disk = sum(f.stat().st_size for f in (work / f"speed-{encoding}").iterdir())
     return {"encoding": encoding, "write_MBps": raw / write / 1e6, "read_MBps": raw / read / 1e6,
-            "zstd_ratio": sum(len(__import__("aqpipe.storage.encoding", fromlist=["x"]).encode_value(v, encoding))
-                              for v in values) / stored,
+            "zstd_ratio": sum(encode_value(v, encoding).nbytes for v in values) / stored,
             "stored_bytes_per_sample": stored / samples, "disk_bytes_per_sample": disk / samples,
             "fp16_bytes_per_sample": shape[0] * shape[1] * 2}
 

@@ -24,12 +24,12 @@ def bits_of(encoding: str) -> int:
     return int(encoding[1:])
 
 
-def encode_value(value: torch.Tensor, encoding: str) -> bytes:
-    """The raw (uncompressed) bytes of one m(ξ)."""
+def encode_value(value: torch.Tensor, encoding: str):
+    """The raw (uncompressed) bytes of one m(ξ), as a buffer (no copy for the float encodings)."""
     if encoding in FLOAT_ENCODINGS:
-        return value.to(FLOAT_ENCODINGS[encoding]).contiguous().view(torch.uint8).numpy().tobytes()
+        return value.to(FLOAT_ENCODINGS[encoding]).contiguous().view(torch.uint8).reshape(-1).numpy()
     batch = value.float().unsqueeze(0)
-    return encode_samples(quantize(batch, bits_of(encoding), "channel")).numpy().tobytes()
+    return encode_samples(quantize(batch, bits_of(encoding), "channel")).reshape(-1).numpy()
 
 
 def decode_value(raw: bytes, encoding: str, shape: tuple[int, ...]) -> torch.Tensor:
