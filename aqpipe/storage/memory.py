@@ -16,6 +16,7 @@ class MemoryStore:
     def __init__(self, dtype: torch.dtype = torch.float16) -> None:
         self.dtype = dtype
         self.stats = StoreStats()
+        self.step = 0  # the training step, set by the worker (the LMDB store stamps it into values)
         self._values: dict[tuple[int, str, int], torch.Tensor] = {}
 
     def contains(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
