@@ -170,7 +170,7 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
 
 def resolve(cfg: RunConfig) -> RunConfig:
     """Fill preset defaults and validate every value; raises ConfigError on the first problem found."""
-    _check_available(cfg)
+    _check_choices(cfg)
     preset = PRESET_TRAINING.get(cfg.model, PRESET_TRAINING["default"])
     for key, value in preset.items():
         if getattr(cfg, key) is None:
@@ -191,7 +191,8 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _check_available(cfg: RunConfig) -> None:
+def _check_choices(cfg: RunConfig) -> None:
+    """Codec specs and named choices are known, and contract features not built yet say so."""
     later = "is not available yet in this release"
     from aqpipe.compress.codecs import CodecError, parse_spec
 

@@ -68,9 +68,8 @@ class AQSGDCodec(LinkCodec):
         return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags)
 
     # -- receiver ----------------------------------------------------------------------------------------------
-    def check_header(self, header) -> str | None:
-        if header.codec != self.code or (header.flags >> 8) != self.bits:
-            return f"the peer sends codec {header.codec}/{header.flags >> 8} bits but this side decodes {self.name}"
+    def _payload_problem(self, header) -> str | None:
+        """The length varies with each sample's mode; it must lie between all-delta and all-full."""
         b = header.shape[0] if header.shape else 0
         full, delta = numel(header.shape[1:]) * 4, sample_bytes(header.shape, self.bits, self.options.per)
         low, high = b + b * min(full, delta), b + b * max(full, delta)

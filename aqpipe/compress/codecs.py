@@ -93,6 +93,12 @@ def numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _length_problem(header, expected: int) -> str | None:
+    if header.payload_len != expected:
+        return f"payload length {header.payload_len} does not match shape {header.shape} ({expected} expected)"
+    return None
+
+
 class LinkCodec:
     """Base of every codec: the raw fp32 path, header checks, and the codec identity carried in the header."""
 
@@ -117,12 +123,12 @@ class LinkCodec:
         if header.codec != self.code or (header.flags >> 8) != self.bits:
             return f"the peer sends codec {header.codec}/{header.flags >> 8} bits but this side decodes {self.name}"
         if header.flags & FLAG_RAW:
-            expected = numel(header.shape) * 4
-        else:
-            expected = self.payload_bytes(header)
-        if expected is not None and header.payload_len != expected:
-            return f"payload length {header.payload_len} does not match shape {header.shape} ({expected} expected)"
-        return None
+            return _length_problem(header, numel(header.shape) * 4)
+        return self._payload_problem(header)
+
+    def _payload_problem(self, header) -> str | None:
+        """Why a compressed payload's length cannot fit the header's shape (codecs of variable length override)."""
+        return _length_problem(header, self.payload_bytes(header))
 
     def flags(self, raw: bool = False) -> int:
         """Header flags: the codec's bit width in bits 8-15, plus the raw flag."""
@@ -132,8 +138,8 @@ class LinkCodec:
         wire = tensor.detach().to(torch.float32).contiguous().cpu()
         return Encoded(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), torch.float32, flags=self.flags(raw=True))
 
-    def payload_bytes(self, header) -> int | None:
-        """The exact payload length of a compressed message with this header, or None when it varies."""
+    def payload_bytes(self, header) -> int:
+        """The exact payload length of a compressed message with this header."""
         return numel(header.shape) * 4
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
@@ -149,7 +155,7 @@ class FloatCodec(LinkCodec):
     def __init__(self, name: str, wire_dtype: torch.dtype, code: int) -> None:
         self.name, self.wire_dtype, self.code = name, wire_dtype, code
 
-    def payload_bytes(self, header) -> int | None:
+    def payload_bytes(self, header) -> int:
         return numel(header.shape) * self.wire_dtype.itemsize
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 from aqpipe.config import ConfigError, RunConfig
 from aqpipe.data import DataError, EpochPlan, LMDataset, prepare_lm_dataset, shard
@@ -85,9 +87,6 @@ def store_bytes_per_rank(cfg: RunConfig, spec: PipelineSpec, num_samples: int) -
 
 def check_store_capacity(cfg: RunConfig, spec: PipelineSpec, num_samples: int) -> None:
     """Refuse before training when the disk or --store-max-gb cannot hold the m(ξ) stores."""
-    import shutil
-    from pathlib import Path
-
     per_rank = store_bytes_per_rank(cfg, spec, num_samples)
     if per_rank is None:
         return
