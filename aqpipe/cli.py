@@ -31,7 +31,7 @@ HELP = {
     "quant_rounding": "nearest (default) or stochastic (unbiased) rounding",
     "store_check": "on: every AQ-SGD message carries a checksum of m(xi) the receiver verifies (default); off",
     "store_dump": "on: save each rank's m(xi) store under <out>/store/ at the end (for inspection)",
-    "bandwidth": "throttle every link with tc tbf, e.g. 100mbit (not available yet)",
+    "bandwidth": "run every rank in its own network namespace with its link shaped by tc tbf to RATE, e.g. 100mbit or 1gbit (needs root and iproute2)",
     "device": "cpu or cuda", "out": "run directory (default runs/<timestamp>)",
     "resume": "continue a run (not available yet)", "checkpoint_every": "steps between checkpoints",
     "eval_every": "steps between evaluations", "seed": "seed of all randomness",
@@ -46,7 +46,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line and exit code 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"aqpipe: error: {message} (see aqpipe {self.prog.split()[-1]} --help)", file=sys.stderr)
+        print(f"aqpipe: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
 
 
@@ -67,8 +67,15 @@ def _parser() -> argparse.ArgumentParser:
     store.add_argument("run_dir")
     report = sub.add_parser("report", help="compare runs: curves and a table")
     report.add_argument("run_dirs", nargs="+")
-    netns = sub.add_parser("netns", help="the throttled network topology by hand")
+    netns = sub.add_parser(
+        "netns", help="the throttled network topology by hand (needs root)",
+        description="up: make RANKS namespaces joined by a bridge, each link shaped to --bandwidth by tc tbf; run a "
+                    "program in one with `ip netns exec aqpipe-NAME-K ...`. down: remove NAME, or every topology no "
+                    "running launcher owns. show: list topologies, addresses and qdiscs.")
     netns.add_argument("action", choices=["up", "down", "show"])
+    netns.add_argument("name", nargs="?", help="topology name (up: default random; down: default all unowned)")
+    netns.add_argument("--ranks", type=int, default=2, help="namespaces to make (up)")
+    netns.add_argument("--bandwidth", help="rate of every link, e.g. 100mbit (up)")
     sub.add_parser("bench", help="benchmarks")
     return parser
 
@@ -81,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             return _launch(args)
         if args.command == "store":
             return _store(args)
+        if args.command == "netns":
+            return _netns(args)
         raise ConfigError(f"'aqpipe {args.command}' is not available yet in this release")
     except ConfigError as e:
         print(f"aqpipe: error: {one_line(str(e))}", file=sys.stderr)
@@ -110,6 +119,44 @@ def _store(args: argparse.Namespace) -> int:
         print(f"bytes on disk: {rows[-1]['bytes_on_disk']}")
         return 0
     except InspectError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _netns(args: argparse.Namespace) -> int:
+    from aqpipe.launch import netns
+
+    problem = netns.can_throttle()
+    if problem:
+        raise ConfigError(problem.replace("--bandwidth needs", "aqpipe netns needs"))
+    try:
+        if args.action == "up":
+            if args.bandwidth is None:
+                raise ConfigError("aqpipe netns up needs --bandwidth RATE, e.g. --bandwidth 100mbit")
+            try:
+                rate = netns.parse_rate(args.bandwidth)
+            except ValueError as e:
+                raise ConfigError(f"--bandwidth: {e}") from None
+            topo = netns.create(args.ranks, rate, args.name, manual=True)
+            print(netns.describe(topo))
+            print(f"run rank K with: ip netns exec {topo.namespace(0)[:-1]}K <command>  "
+                  f"(MASTER_ADDR={topo.address(0)}, GLOO_SOCKET_IFNAME={netns.INTERFACE}); "
+                  f"remove with: aqpipe netns down {topo.name}")
+            return 0
+        if args.action == "down":
+            targets = [t for t in netns.topologies() if (t.name == args.name if args.name else t.owner_pid <= 0
+                                                         or netns.is_stale(t))]
+            if args.name and not targets:
+                raise ConfigError(f"no topology named {args.name!r}; see aqpipe netns show")
+            for topo in targets:
+                removed = netns.destroy(topo.name)
+                print(f"removed topology {topo.name} ({len(removed)} namespaces)")
+            if not targets:
+                print("no topology to remove")
+            return 0
+        found = netns.topologies()
+        print("\n".join(netns.describe(t) for t in found) if found else "no aqpipe topologies")
+        return 0
+    except netns.NetnsError as e:
         raise ConfigError(str(e)) from None
 
 

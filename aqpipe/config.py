@@ -220,7 +220,7 @@ def _check_choices(cfg: RunConfig) -> None:
     if cfg.store_max_gb is not None and cfg.store_max_gb <= 0:
         raise ConfigError(f"--store-max-gb must be positive, got {cfg.store_max_gb}")
     if cfg.bandwidth is not None:
-        raise NotAvailableYet(f"--bandwidth {later}; leave it out to run on the plain network")
+        _check_bandwidth(cfg.bandwidth)
     if cfg.resume is not None:
         raise NotAvailableYet(f"--resume {later}")
     if cfg.checkpoint_every is not None:
@@ -235,6 +235,19 @@ def _check_choices(cfg: RunConfig) -> None:
         raise ConfigError(f"--schedule {cfg.schedule!r} is not a schedule; use gpipe")
     if cfg.schedule == "1f1b":
         raise NotAvailableYet(f"--schedule 1f1b {later}; use --schedule gpipe")
+
+
+def _check_bandwidth(rate: str) -> None:
+    """A rate tc understands, and a machine where this process may build namespaces and qdiscs."""
+    from aqpipe.launch.netns import can_throttle, parse_rate
+
+    try:
+        parse_rate(rate)
+    except ValueError as e:
+        raise ConfigError(f"--bandwidth: {e}") from None
+    problem = can_throttle()
+    if problem:
+        raise ConfigError(problem)
 
 
 def _validate(cfg: RunConfig) -> None:

@@ -59,12 +59,26 @@ def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall
             "per_link_fwd": [sum(v) for v in zip(*(r.get("link_fwd_bytes", []) for r in records))],
             "per_link_bwd": [sum(v) for v in zip(*(r.get("link_bwd_bytes", []) for r in records))],
         },
+        "link_rate": {
+            "fwd_bytes_per_second": _mean_rate(records, "fwd"),
+            "bwd_bytes_per_second": _mean_rate(records, "bwd"),
+        },
         "grad_sync_bytes": sum(r["grad_sync_bytes"] for r in records),
         "wall_seconds": wall_seconds,
         "compute_seconds": sum(r["compute_seconds"] for r in records),
         "comm_wait_seconds": sum(r["comm_wait_seconds"] for r in records),
         "store": {"hits": 0, "misses": 0, "reseeded": 0},
     }
+
+
+def _mean_rate(records: list[dict], direction: str) -> list[float]:
+    """Each link's achieved bytes/s over the whole run: bytes moved over time on the wire, summed over steps."""
+    rates = [r.get(f"link_{direction}_bytes_per_second", []) for r in records]
+    seconds = [r.get(f"link_{direction}_wire_seconds", []) for r in records]
+    moved = [sum(rate * sec for rate, sec in zip(link_rates, link_secs))
+             for link_rates, link_secs in zip(zip(*rates), zip(*seconds))]
+    total = [sum(link_secs) for link_secs in zip(*seconds)]
+    return [m / t if t > 0 else 0.0 for m, t in zip(moved, total)]
 
 
 def plot_loss(records: list[dict], path: Path, title: str = "") -> None:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
 from aqpipe.config import ConfigError, RunConfig
 from aqpipe.launch.env import in_distributed_env, rank_from_env
+from aqpipe.launch import netns
 from aqpipe.launch.local import launch_local
+from aqpipe.launch.netns import format_rate
 from aqpipe.metrics import write_json
 from aqpipe.runtime.grid import Grid
 from aqpipe.runtime.plan import make_plan
@@ -26,6 +31,9 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
     if in_distributed_env() and "AQPIPE_CONFIG" not in os.environ:
         from aqpipe.runtime.train import run_worker
 
+        if cfg.bandwidth is not None:
+            raise ConfigError("--bandwidth works only when aqpipe launch starts the ranks itself, not under torchrun "
+                              "or the DeepSpeed launcher; shape the hosts' links with tc instead")
         rank, world_size = rank_from_env()
         run_worker(cfg, rank, world_size, spec_factory)
         return 0
@@ -40,17 +48,47 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
     write_json(config_path, cfg.to_dict())
     _announce(cfg, plan)
     grid = Grid(cfg.pp, cfg.dp, 0)
-    result = launch_local(
-        worker_command or WORKER_MODULE, cfg.world_size, grid.describe,
+    launch = functools.partial(
+        launch_local, worker_command or WORKER_MODULE, cfg.world_size, grid.describe,
         {"AQPIPE_CONFIG": str(config_path.resolve())}, plan.total_steps, cfg.stall_timeout, cfg.port, progress,
     )
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # so a terminated launcher still cleans up
+    try:
+        if cfg.bandwidth is None:
+            result = launch()
+        else:
+            with _topology(cfg) as topology:
+                result = launch(topology=topology)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if result.code != 0:
         print(f"aqpipe: run failed: {result.message}", file=sys.stderr)
         return 1
     summary = result.summary or json.loads((out / "summary.json").read_text())
+    rates = summary.get("link_rate", {}).get("fwd_bytes_per_second", [])
+    links = f"; links ran at {', '.join(format_rate(8 * r) for r in rates)}" if cfg.bandwidth and rates else ""
     print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-          f"{summary['samples_per_second']:.1f} samples/s, {summary['wall_seconds']:.0f} s; run directory {out}")
+          f"{summary['samples_per_second']:.1f} samples/s, {summary['wall_seconds']:.0f} s{links}; run directory {out}")
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _topology(cfg: RunConfig):
+    """The throttled namespaces of a --bandwidth run; a failure to build them is a configuration error."""
+    try:
+        topology = netns.create(cfg.world_size, netns.parse_rate(cfg.bandwidth))
+    except netns.NetnsError as e:
+        raise ConfigError(f"--bandwidth {cfg.bandwidth}: {e}") from None
+    print(f"aqpipe: every rank in its own network namespace (aqpipe-{topology.name}-*), links shaped to "
+          f"{format_rate(topology.rate_bits)} by tc tbf", file=sys.stderr, flush=True)
+    try:
+        yield topology
+    finally:
+        netns.destroy(topology)
 
 
 def _announce(cfg: RunConfig, plan) -> None:

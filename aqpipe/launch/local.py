@@ -14,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from aqpipe.launch.netns import INTERFACE, Topology
 from aqpipe.runtime.train import EVENT_PREFIX, HEARTBEAT_SECONDS
 
 # A worker whose error only says a peer went away is a consequence, not the cause.
@@ -48,9 +49,12 @@ class LaunchResult:
 
 def launch_local(
     command: list[str], world_size: int, describe, env_extra: dict[str, str], total_steps: int,
-    stall_timeout: float, port: int | None = None, progress: bool = True,
+    stall_timeout: float, port: int | None = None, progress: bool = True, topology: Topology | None = None,
 ) -> LaunchResult:
-    """Run `command` once per rank with torch.distributed's environment; `describe(rank)` names a rank in messages."""
+    """Run `command` once per rank with torch.distributed's environment; `describe(rank)` names a rank in messages.
+
+    With a `topology`, each rank runs inside its own network namespace and talks over the throttled bridge.
+    """
     port = port or free_port()
     events: queue.Queue = queue.Queue()
     workers: list[_Worker] = []
@@ -58,7 +62,11 @@ def launch_local(
         env = dict(os.environ, **env_extra, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    AQPIPE_EVENTS="1", AQPIPE_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        argv = command
+        if topology is not None:  # rendezvous and gloo both go over the shaped interface
+            env.update(MASTER_ADDR=topology.address(0), GLOO_SOCKET_IFNAME=INTERFACE)
+            argv = topology.exec_prefix(rank) + command
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1, start_new_session=True, errors="replace")
         worker = _Worker(rank, describe(rank), proc)
         workers.append(worker)
@@ -97,7 +105,7 @@ def launch_local(
                 who = f"{silent[0].name} stopped responding" if silent else "no rank is responsive"
                 result = LaunchResult(1, f"no progress for {stall_timeout:.0f} s (stalled): {who}; stopping all ranks")
     except KeyboardInterrupt:
-        result = LaunchResult(1, "interrupted by the user; all ranks stopped")
+        result = LaunchResult(1, "interrupted (Ctrl-C or SIGTERM); all ranks stopped")
     finally:
         _terminate(workers)
         if bar is not None:

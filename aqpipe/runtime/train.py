@@ -30,7 +30,8 @@ EVENT_PREFIX = "@@aqpipe "
 HEARTBEAT_SECONDS = 1.0
 _EMIT_LOCK = threading.Lock()
 _STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elements", "grad_sync_bytes",
-                "compute_seconds", "comm_wait_seconds", "grad_norm", "store_hits", "store_misses", "store_reseeded")
+                "compute_seconds", "comm_wait_seconds", "grad_norm", "store_hits", "store_misses", "store_reseeded",
+                "fwd_recv_bytes", "fwd_recv_seconds", "bwd_recv_bytes", "bwd_recv_seconds")
 
 
 def emit(event: dict) -> None:
@@ -227,9 +228,15 @@ def _gather_step(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_
     loss = float(col["loss_sum"][last_stage].sum()) / (cfg.micro_batches * cfg.dp)
     slowest = float(col["step_seconds"].max())
 
-    def per_link(name: str, sender_offset: int) -> list[int]:
-        """Summed over replicas, for link k (stage k → k+1); gradients on link k are sent by stage k+1."""
-        return [int(sum(col[name][grid.rank_of(k + sender_offset, r)] for r in range(cfg.dp))) for k in range(cfg.pp - 1)]
+    def per_link(name: str, offset: int) -> list[float]:
+        """Summed over replicas, for link k (stage k → k+1), of the number kept by stage k + offset (activations
+        are sent by stage k and received by k+1; gradients the other way)."""
+        return [float(sum(col[name][grid.rank_of(k + offset, r)] for r in range(cfg.dp))) for k in range(cfg.pp - 1)]
+
+    def rates(direction: str, receiver_offset: int) -> list[float]:
+        """Achieved bytes/s of each link in one direction while a message body was on the wire."""
+        moved, seconds = per_link(f"{direction}_recv_bytes", receiver_offset), per_link(f"{direction}_recv_seconds", receiver_offset)
+        return [b / s if s > 0 else 0.0 for b, s in zip(moved, seconds)]
 
     fwd_elements, bwd_elements = int(col["fwd_elements"].sum()), int(col["bwd_elements"].sum())
     return {
@@ -243,8 +250,12 @@ def _gather_step(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_
         "fwd_bytes": int(col["fwd_bytes"].sum()),
         "bwd_bytes": int(col["bwd_bytes"].sum()),
         "grad_sync_bytes": int(col["grad_sync_bytes"].sum()),
-        "link_fwd_bytes": per_link("fwd_bytes", 0),
-        "link_bwd_bytes": per_link("bwd_bytes", 1),
+        "link_fwd_bytes": [int(b) for b in per_link("fwd_bytes", 0)],
+        "link_bwd_bytes": [int(b) for b in per_link("bwd_bytes", 1)],
+        "link_fwd_wire_seconds": per_link("fwd_recv_seconds", 1),
+        "link_bwd_wire_seconds": per_link("bwd_recv_seconds", 0),
+        "link_fwd_bytes_per_second": rates("fwd", 1),
+        "link_bwd_bytes_per_second": rates("bwd", 0),
         "fwd_bytes_per_element": int(col["fwd_bytes"].sum()) / fwd_elements if fwd_elements else 0.0,
         "bwd_bytes_per_element": int(col["bwd_bytes"].sum()) / bwd_elements if bwd_elements else 0.0,
         "store_hits": int(col["store_hits"].sum()),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import struct
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -135,6 +136,9 @@ class Message:
     ids: torch.Tensor
     payload: torch.Tensor
     wire_bytes: int
+    # From posting the body's receive to its arrival: the time the body spent on the wire (gloo sends an unbound
+    # buffer only once the receiver has posted it), so body bytes / this is the link's achieved rate.
+    transfer_seconds: float = 0.0
 
 
 @dataclass
@@ -218,7 +222,9 @@ class Inbox:
         dist.recv(head, self.peer_rank, tag=self.tag)
         header = parse_header(bytes(head.cpu().numpy()), self.peer_name, expect)
         body = torch.empty(8 * header.n_ids + header.payload_len, dtype=torch.uint8, device=self.device)
+        start = time.perf_counter()
         dist.recv(body, self.peer_rank, tag=self.tag)
+        transfer_seconds = time.perf_counter() - start
         body = body.cpu()
         ids = body[: 8 * header.n_ids].view(torch.int64)
         payload = body[8 * header.n_ids :]
@@ -226,7 +232,7 @@ class Inbox:
             raise TransportError(
                 f"damaged message from {self.peer_name}: step {header.step} micro-batch {header.micro_batch} fails its checksum"
             )
-        return Message(header, ids, payload, HEADER_SIZE + body.numel())
+        return Message(header, ids, payload, HEADER_SIZE + body.numel(), transfer_seconds)
 
 
 def _first_line(e: BaseException) -> str:

@@ -16,7 +16,7 @@ from aqpipe.data import TokenSamples
 from aqpipe.runtime import schedule as sch
 from aqpipe.runtime.grid import Grid, ProcessGroups
 from aqpipe.runtime.optim import clip_by_global_norm, local_grad_sq_norm
-from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, Expect, Header, Inbox, Outbox
+from aqpipe.runtime.transport import HEADER_SIZE, KIND_ACTIVATION, KIND_GRADIENT, Expect, Header, Inbox, Outbox
 
 
 @dataclass
@@ -29,6 +29,10 @@ class StepStats:
     fwd_elements: int = 0  # activation values those bytes stood for
     bwd_elements: int = 0
     grad_sync_bytes: int = 0
+    fwd_recv_bytes: int = 0  # activation message bodies this rank received, and their time on the wire
+    fwd_recv_seconds: float = 0.0
+    bwd_recv_bytes: int = 0  # gradient message bodies this rank received, and their time on the wire
+    bwd_recv_seconds: float = 0.0
     compute_seconds: float = 0.0
     comm_wait_seconds: float = 0.0
     grad_norm: float = 0.0
@@ -124,6 +128,8 @@ class StageWorker:
 
     def _recv_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         msg = self.links.act_in.get()
+        stats.fwd_recv_bytes += msg.wire_bytes - HEADER_SIZE
+        stats.fwd_recv_seconds += msg.transfer_seconds
         mb.ids = msg.ids
         x = self.codecs.fw_recv.decode(msg.header, msg.payload, msg.ids).to(self.device)
         mb.inputs = x.requires_grad_(True)
@@ -149,6 +155,8 @@ class StageWorker:
 
     def _recv_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         msg = self.links.grad_in.get()
+        stats.bwd_recv_bytes += msg.wire_bytes - HEADER_SIZE
+        stats.bwd_recv_seconds += msg.transfer_seconds
         mb.output_grad = self.codecs.bw_recv.decode(msg.header, msg.payload, msg.ids).to(self.device)
 
     def _backward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:

@@ -1,0 +1,257 @@
+"""Throttled network topologies: every rank in its own network namespace, its link shaped by `tc tbf`.
+
+One namespace per rank holds a veth end `aq0` with an address in a private /24; the peer ends sit in a bridge
+inside a namespace of its own, so no interface, address or route is added to the machine's own namespace. A
+`tbf` qdisc on both ends of each veth limits what a rank sends and what it receives to the same rate. A state
+file per topology (owner pid, namespaces) lets `aqpipe netns down` and the next launch remove what a killed
+launcher could not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+PREFIX = "aqpipe-"
+INTERFACE = "aq0"
+SUBNET = "10.231.0"  # private; only the namespaces a topology creates hold addresses in it
+MAX_RANKS = 250
+MIN_RATE_BITS = 1_000_000
+MAX_RATE_BITS = 100_000_000_000
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
+          "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9}
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$")
+
+
+class NetnsError(RuntimeError):
+    """A topology cannot be made, used or removed; the text says what to do."""
+
+
+def parse_rate(text: str) -> int:
+    """Bits per second of a tc-style rate such as `100mbit`, `1gbit` or `12.5mbps` (bytes per second)."""
+    match = _RATE.match(str(text).lower())
+    if not match or match.group(2) not in _UNITS:
+        raise ValueError(f"bad rate {text!r}: write a number and a unit, e.g. 100mbit, 1gbit, 500kbit or 10mbps (bytes/s)")
+    bits = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if not MIN_RATE_BITS <= bits <= MAX_RATE_BITS:
+        raise ValueError(f"rate {text!r} is outside the range tc tbf shapes reliably here (1mbit to 100gbit)")
+    return bits
+
+
+def format_rate(bits: float) -> str:
+    """A rate in the units people read: `100 Mbit/s`, `1.5 Gbit/s`."""
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:.4g} {unit}"
+    return f"{bits:.0f} bit/s"
+
+
+def tbf_arguments(rate_bits: int) -> list[str]:
+    """The tbf parameters for a rate: a bucket of 4 ms of traffic (at least 16 KiB), small so that a message after an
+    idle pause does not ride a large burst, and a queue of 100 ms, deep enough that TCP fills the link instead of
+    collapsing on drops. (tbf splits GSO packets larger than the bucket, so the bucket need not hold 64 KiB.)"""
+    rate_bytes = rate_bits / 8
+    burst = max(16 * 1024, int(rate_bytes * 0.004))
+    return ["rate", f"{rate_bits}bit", "burst", str(burst), "latency", "100ms"]
+
+
+def can_throttle() -> str | None:
+    """Why this process cannot build a topology (None if it can): needs root, iproute2 and netns support."""
+    if os.geteuid() != 0:
+        return "--bandwidth needs root (it creates network namespaces and tc qdiscs); run as root or leave it out"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"--bandwidth needs the `{tool}` command of iproute2; install iproute2 or leave --bandwidth out"
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"--bandwidth needs network namespaces, and `ip netns list` failed: {probe.stderr.strip()}"
+    return None
+
+
+def state_dir() -> Path:
+    """Where topology state files live ($AQPIPE_NETNS_STATE, default /run/aqpipe/netns)."""
+    return Path(os.environ.get("AQPIPE_NETNS_STATE", "/run/aqpipe/netns"))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A throttled topology of `ranks` namespaces at `rate_bits` bits/s, named `aqpipe-<name>-…`."""
+
+    name: str
+    ranks: int
+    rate_bits: int
+    owner_pid: int = 0  # the launcher that removes it when done; 0 for one made by hand (`aqpipe netns up`)
+
+    def namespace(self, rank: int) -> str:
+        """The namespace rank `rank` runs in."""
+        return f"{PREFIX}{self.name}-{rank}"
+
+    @property
+    def bridge_namespace(self) -> str:
+        return f"{PREFIX}{self.name}-br"
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.bridge_namespace] + [self.namespace(r) for r in range(self.ranks)]
+
+    def address(self, rank: int) -> str:
+        """Rank `rank`'s IPv4 address on the bridge."""
+        return f"{SUBNET}.{rank + 1}"
+
+    def exec_prefix(self, rank: int) -> list[str]:
+        """The command prefix that runs a program inside rank `rank`'s namespace (it execs, keeping the pid)."""
+        return ["ip", "netns", "exec", self.namespace(rank)]
+
+
+def _run(*args: str) -> str:
+    proc = subprocess.run(list(args), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise NetnsError(f"`{' '.join(args)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+def _state_file(name: str) -> Path:
+    return state_dir() / f"{name}.json"
+
+
+def create(ranks: int, rate_bits: int, name: str | None = None, manual: bool = False) -> Topology:
+    """Build a topology (removing stale ones of dead launchers first); on any failure nothing is left behind.
+    A `manual` one stays until `aqpipe netns down`; otherwise it belongs to this process."""
+    if not 1 <= ranks <= MAX_RANKS:
+        raise NetnsError(f"a throttled topology holds 1 to {MAX_RANKS} ranks, not {ranks}")
+    problem = can_throttle()
+    if problem:
+        raise NetnsError(problem)
+    remove_stale()
+    name = name or secrets.token_hex(3)
+    if not re.fullmatch(r"[a-z0-9]{1,12}", name):
+        raise NetnsError(f"bad topology name {name!r}: use 1 to 12 lower-case letters or digits")
+    if _state_file(name).exists() or any(ns.startswith(f"{PREFIX}{name}-") for ns in _namespaces()):
+        raise NetnsError(f"a topology named {name!r} exists already; remove it with `aqpipe netns down {name}`")
+    topo = Topology(name, ranks, rate_bits, 0 if manual else os.getpid())
+    state_dir().mkdir(parents=True, exist_ok=True)
+    _state_file(name).write_text(json.dumps(asdict(topo)))  # first, so a crash mid-way is still cleanable
+    try:
+        _build(topo)
+    except BaseException:
+        destroy(topo)
+        raise
+    return topo
+
+
+def _build(topo: Topology) -> None:
+    br = topo.bridge_namespace
+    _run("ip", "netns", "add", br)
+    _run("ip", "-n", br, "link", "set", "lo", "up")
+    _run("ip", "-n", br, "link", "add", "br0", "type", "bridge", "forward_delay", "0", "stp_state", "0")
+    _run("ip", "-n", br, "link", "set", "br0", "up")
+    tbf = tbf_arguments(topo.rate_bits)
+    for rank in range(topo.ranks):
+        ns, port = topo.namespace(rank), f"r{rank}"
+        _run("ip", "netns", "add", ns)
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _run("ip", "link", "add", INTERFACE, "netns", ns, "type", "veth", "peer", "name", port, "netns", br)
+        _run("ip", "-n", ns, "addr", "add", f"{topo.address(rank)}/24", "dev", INTERFACE)
+        _run("ip", "-n", ns, "link", "set", INTERFACE, "up")
+        _run("ip", "-n", br, "link", "set", port, "master", "br0")
+        _run("ip", "-n", br, "link", "set", port, "up")
+        _run("tc", "-n", ns, "qdisc", "add", "dev", INTERFACE, "root", "tbf", *tbf)
+        _run("tc", "-n", br, "qdisc", "add", "dev", port, "root", "tbf", *tbf)
+
+
+def destroy(topo: Topology | str) -> list[str]:
+    """Remove a topology's namespaces (their links and qdiscs go with them) and its state file; returns what was
+    removed. Safe to call on a half-built or already removed topology."""
+    name = topo if isinstance(topo, str) else topo.name
+    removed, errors = [], []
+    for ns in _namespaces():
+        if ns.startswith(f"{PREFIX}{name}-"):
+            proc = subprocess.run(["ip", "netns", "delete", ns], capture_output=True, text=True)
+            (removed.append(ns) if proc.returncode == 0 else errors.append(f"{ns}: {proc.stderr.strip()}"))
+    if errors:
+        raise NetnsError("could not remove namespaces: " + "; ".join(errors))
+    _state_file(name).unlink(missing_ok=True)
+    return removed
+
+
+def _namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def topologies() -> list[Topology]:
+    """Every topology with a state file, plus namespaces named like ours that have none (orphans, owner pid -1)."""
+    # Namespaces first: a state file is written before its namespaces and removed after them, so every
+    # namespace listed here either has its state file below or is an orphan.
+    namespaces = [ns for ns in _namespaces() if ns.startswith(PREFIX)]
+    found: dict[str, Topology] = {}
+    if state_dir().is_dir():
+        for path in sorted(state_dir().glob("*.json")):
+            try:
+                found[path.stem] = Topology(**json.loads(path.read_text()))
+            except (ValueError, TypeError):
+                found[path.stem] = Topology(path.stem, 0, 0, -1)
+    for ns in namespaces:
+        name = ns[len(PREFIX):].rsplit("-", 1)[0]
+        found.setdefault(name, Topology(name, 0, 0, -1))
+    return list(found.values())
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_stale(topo: Topology) -> bool:
+    """Left behind: its launcher is gone (killed before it could clean up), or it has no state file."""
+    return topo.owner_pid != 0 and not _alive(topo.owner_pid)
+
+
+def remove_stale() -> list[str]:
+    """Remove every stale topology; returns their names."""
+    stale = [t.name for t in topologies() if is_stale(t)]
+    for name in stale:
+        destroy(name)
+    return stale
+
+
+def describe(topo: Topology) -> str:
+    """A few lines per namespace: its address and the qdisc shaping it."""
+    owner = {0: "made by hand", -1: "no state file"}.get(topo.owner_pid, f"launcher pid {topo.owner_pid}")
+    lines = [f"topology {topo.name}: {topo.ranks} ranks at {format_rate(topo.rate_bits)}, {owner}"
+             + (" (stale)" if is_stale(topo) else "")]
+    present = [ns for ns in _namespaces() if ns.startswith(f"{PREFIX}{topo.name}-") and not ns.endswith("-br")]
+    expected = [topo.namespace(r) for r in range(topo.ranks)] or sorted(present)
+    for ns in expected:
+        if ns not in present:
+            lines.append(f"  {ns}: missing")
+            continue
+        address = f"{SUBNET}.{int(ns.rsplit('-', 1)[1]) + 1}"
+        qdisc = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", INTERFACE], capture_output=True, text=True)
+        lines.append(f"  {ns}: {address} on {INTERFACE}; {qdisc.stdout.strip() or 'no qdisc'}")
+    return "\n".join(lines)
+
+
+@contextmanager
+def throttled(ranks: int, rate_bits: int) -> Iterator[Topology]:
+    """A topology for the duration of a `with` block, removed on every way out of it."""
+    topo = create(ranks, rate_bits)
+    try:
+        yield topo
+    finally:
+        destroy(topo)

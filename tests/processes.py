@@ -1,0 +1,51 @@
+"""Helpers for tests that start `aqpipe launch` and look for the processes it left."""
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+LONG_RUN = ["--steps", "5000", "--seq-len", "16", "--max-samples", "128", "--pp", "3", "--no-progress"]
+
+
+def tagged_processes(tag: str, rank: str | None = None) -> list[int]:
+    """PIDs of live processes whose environment carries AQPIPE_TEST_TAG=tag (and RANK=rank if given)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if state == "Z" or f"AQPIPE_TEST_TAG={tag}".encode() not in env:
+            continue
+        if rank is None or f"RANK={rank}".encode() in env:
+            pids.append(int(entry.name))
+    return pids
+
+
+def start_run(tmp_path, *extra) -> tuple[subprocess.Popen, str]:
+    """Start a long `aqpipe launch` tagged with a fresh AQPIPE_TEST_TAG; return once it has logged 3 steps."""
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, AQPIPE_TEST_TAG=tag)
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", *LONG_RUN, *extra, "--out", str(out)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never started training"
+        time.sleep(0.2)
+    return proc, tag
+
+
+def finish(proc, timeout) -> tuple[int, str, float]:
+    """Wait for a launcher to end: (exit code, stderr, seconds waited)."""
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err, time.monotonic() - start

@@ -1,0 +1,223 @@
+"""Throttled topologies: tc tbf really caps a link, runs slow down with the rate, and nothing is left behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from aqpipe.cli import main
+from aqpipe.launch import netns
+from tests.processes import finish, start_run, tagged_processes
+
+REPO = Path(__file__).resolve().parent.parent
+CANNOT = netns.can_throttle()
+needs_root = pytest.mark.skipif(CANNOT is not None, reason=f"cannot build namespaces here: {CANNOT}")
+
+
+def network_state() -> dict[str, str]:
+    """What a topology could leak: namespaces, interfaces and qdiscs of the machine's own namespace, state files."""
+    def run(*args: str) -> str:
+        return subprocess.run(args, capture_output=True, text=True).stdout
+
+    links = "\n".join(line.split("@")[0] for line in run("ip", "-o", "link", "show").splitlines())
+    files = sorted(p.name for p in netns.state_dir().glob("*.json")) if netns.state_dir().is_dir() else []
+    return {"namespaces": run("ip", "netns", "list"), "links": links, "qdiscs": run("tc", "qdisc", "show"),
+            "state": " ".join(files)}
+
+
+@pytest.mark.parametrize("text, bits", [("100mbit", 100_000_000), ("1gbit", 10**9), ("1GBit", 10**9),
+                                         ("12.5mbps", 100_000_000), ("500kbit", 1_000_000 // 2 * 1)])
+def test_rates_parse_in_tc_units(text, bits):
+    if bits < netns.MIN_RATE_BITS:
+        with pytest.raises(ValueError, match="outside the range"):
+            netns.parse_rate(text)
+    else:
+        assert netns.parse_rate(text) == bits
+
+
+@pytest.mark.parametrize("text", ["100", "fast", "-5mbit", "100 mbits", "", "200gbit"])
+def test_bad_rates_are_refused_with_the_fix(text):
+    with pytest.raises(ValueError, match="bad rate|outside the range"):
+        netns.parse_rate(text)
+
+
+def test_tbf_bucket_holds_4_ms_and_at_least_16_kib():
+    args = netns.tbf_arguments(10**9)
+    assert args[args.index("burst") + 1] == str(500_000)
+    args = netns.tbf_arguments(10**6)
+    assert args[args.index("burst") + 1] == str(16 * 1024)
+    assert args[args.index("rate") + 1] == "1000000bit"
+
+
+def test_bandwidth_without_root_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["launch", "--bandwidth", "100mbit", "--steps", "1"]) == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+def test_bandwidth_without_iproute2_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else "/usr/bin/" + tool)
+    assert main(["launch", "--bandwidth", "100mbit", "--steps", "1"]) == 2
+    assert "needs the `tc` command of iproute2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rate", ["100", "lots", "0mbit"])
+def test_bad_bandwidth_flag_is_a_usage_error(rate, capsys):
+    assert main(["launch", "--bandwidth", rate, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aqpipe: error: --bandwidth:") and err.count("\n") == 1
+
+
+@needs_root
+def test_topology_is_shaped_on_both_ends_and_removed_completely():
+    before = network_state()
+    topo = netns.create(3, netns.parse_rate("100mbit"))
+    try:
+        for rank in range(3):
+            qdisc = subprocess.run(["tc", "-n", topo.namespace(rank), "qdisc", "show", "dev", netns.INTERFACE],
+                                   capture_output=True, text=True).stdout
+            assert "tbf" in qdisc and "rate 100Mbit" in qdisc
+            port = subprocess.run(["tc", "-n", topo.bridge_namespace, "qdisc", "show", "dev", f"r{rank}"],
+                                  capture_output=True, text=True).stdout
+            assert "tbf" in port and "rate 100Mbit" in port
+        ping = subprocess.run(topo.exec_prefix(2) + [sys.executable, "-c",
+                              f"import socket; socket.create_connection(('{topo.address(0)}', 9), 2)"],
+                              capture_output=True, text=True)
+        assert "refused" in ping.stderr  # rank 0 answered (with a reset): the bridge forwards
+        assert network_state()["links"] == before["links"]  # nothing in the machine's own namespace
+    finally:
+        netns.destroy(topo)
+    assert network_state() == before
+
+
+@needs_root
+def test_a_failed_build_leaves_nothing(monkeypatch):
+    before = network_state()
+    monkeypatch.setattr(netns, "tbf_arguments", lambda bits: ["rate", "nonsense"])
+    with pytest.raises(netns.NetnsError, match="tc"):
+        netns.create(2, 10**8)
+    assert network_state() == before
+
+
+@needs_root
+def test_topology_of_a_killed_launcher_is_removed_by_the_next_one():
+    before = network_state()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = netns.Topology("deadbeef", 2, 10**8, owner_pid=dead.pid)
+    netns.state_dir().mkdir(parents=True, exist_ok=True)
+    (netns.state_dir() / "deadbeef.json").write_text(json.dumps(orphan.__dict__))
+    subprocess.run(["ip", "netns", "add", orphan.namespace(0)], check=True)
+    assert netns.is_stale(netns.Topology(**json.loads((netns.state_dir() / "deadbeef.json").read_text())))
+    with netns.throttled(1, 10**8):
+        assert orphan.namespace(0) not in network_state()["namespaces"]
+    assert network_state() == before
+
+
+@needs_root
+def test_tbf_caps_the_measured_link_rate_near_the_rate():
+    """2 MB messages through aqpipe's transport between two namespaces at 50 Mbit/s: the transport's own measure
+    (bytes / time on the wire) is within 15% of the rate, and the wall clock agrees that the link is capped."""
+    rate = 50_000_000
+    with netns.throttled(2, rate) as topo:
+        procs = [
+            subprocess.Popen(topo.exec_prefix(rank) + [sys.executable, str(REPO / "tests" / "netns_probe.py"), "2000000", "6"],
+                             env=dict(os.environ, RANK=str(rank), MASTER_ADDR=topo.address(0), MASTER_PORT="29511",
+                                      GLOO_SOCKET_IFNAME=netns.INTERFACE, PYTHONPATH=str(REPO)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank in range(2)
+        ]
+        outputs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    result = json.loads(outputs[1][0].strip().splitlines()[-1])
+    measured = 8 * result["bytes"] / result["wire_seconds"]
+    wall = 8 * result["bytes"] / result["wall_seconds"]
+    assert 0.85 * rate <= measured <= 1.15 * rate, measured
+    assert wall <= 1.05 * rate  # the cap is real, not an artefact of how the transport times messages
+
+
+def _fp32_run(tmp_path: Path, rate: str) -> dict:
+    out = tmp_path / rate
+    proc = subprocess.run(
+        [sys.executable, "-m", "aqpipe", "launch", "--pp", "2", "--fw", "fp32", "--bw", "fp32", "--steps", "4",
+         "--seq-len", "128", "--micro-batch-size", "4", "--micro-batches", "4", "--max-samples", "64",
+         "--bandwidth", rate, "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "links ran at" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records[-1]["link_fwd_bytes_per_second"]) == 1 and records[-1]["link_fwd_wire_seconds"][0] > 0
+    return summary
+
+
+@needs_root
+def test_fp32_run_slows_as_the_rate_drops_and_records_the_rate_it_achieved(tmp_path):
+    before = network_state()
+    fast, slow = _fp32_run(tmp_path, "400mbit"), _fp32_run(tmp_path, "20mbit")
+    # 4 x 128 x 128 fp32 activations: 262 kB per message, 1 MB per step each way
+    assert slow["samples_per_second"] < 0.5 * fast["samples_per_second"]
+    for direction in ("fwd", "bwd"):
+        (achieved,) = slow["link_rate"][f"{direction}_bytes_per_second"]
+        assert 0.85 * 20e6 <= 8 * achieved <= 1.15 * 20e6, (direction, achieved)
+    assert network_state() == before
+
+
+@needs_root
+def test_killed_worker_under_bandwidth_leaves_no_namespace_link_or_qdisc(tmp_path):
+    before = network_state()
+    proc, tag = start_run(tmp_path, "--bandwidth", "200mbit")
+    assert network_state()["namespaces"] != before["namespaces"]  # it really runs in namespaces
+    os.kill(tagged_processes(tag, rank="1")[0], signal.SIGKILL)
+    code, err, _ = finish(proc, timeout=60)
+    assert code == 1 and "rank 1 (stage 1, replica 0) died: killed by signal SIGKILL" in err
+    assert tagged_processes(tag) == []
+    assert network_state() == before
+
+
+@needs_root
+def test_interrupted_launcher_under_bandwidth_cleans_up(tmp_path):
+    before = network_state()
+    proc, tag = start_run(tmp_path, "--bandwidth", "200mbit")
+    proc.send_signal(signal.SIGINT)
+    code, err, _ = finish(proc, timeout=60)
+    assert code == 1 and "interrupted" in err
+    assert tagged_processes(tag) == []
+    assert network_state() == before
+
+
+@needs_root
+def test_netns_command_makes_shows_and_removes_a_topology(capsys):
+    before = network_state()
+    assert main(["netns", "up", "handmade", "--ranks", "2", "--bandwidth", "30mbit"]) == 0
+    try:
+        assert "aqpipe-handmade-1: 10.231.0.2 on aq0" in capsys.readouterr().out
+        assert main(["netns", "up", "handmade", "--bandwidth", "30mbit"]) == 2
+        assert "exists already" in capsys.readouterr().err
+        netns.remove_stale()  # a launcher starting now must not take a hand-made topology for a stale one
+        assert main(["netns", "show"]) == 0
+        shown = capsys.readouterr().out
+        assert "topology handmade: 2 ranks at 30 Mbit/s, made by hand" in shown and "rate 30Mbit" in shown
+    finally:
+        assert main(["netns", "down", "handmade"]) == 0
+    assert "removed topology handmade (3 namespaces)" in capsys.readouterr().out
+    assert network_state() == before
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["netns", "up"], "needs --bandwidth"),
+    (["netns", "up", "Bad-Name", "--bandwidth", "10mbit"], "bad topology name"),
+    (["netns", "up", "--ranks", "0", "--bandwidth", "10mbit"], "1 to 250 ranks"),
+    (["netns", "down", "nosuchtopo"], "no topology named"),
+])
+def test_netns_command_bad_input_is_a_usage_error(argv, message, capsys):
+    if CANNOT is not None:
+        pytest.skip(f"cannot build namespaces here: {CANNOT}")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
