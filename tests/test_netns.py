@@ -46,9 +46,9 @@ def test_bad_rates_are_refused_with_the_fix(text):
         netns.parse_rate(text)
 
 
-def test_tbf_bucket_holds_4_ms_and_at_least_16_kib():
+def test_tbf_bucket_holds_1_ms_and_at_least_16_kib():
     args = netns.tbf_arguments(10**9)
-    assert args[args.index("burst") + 1] == str(500_000)
+    assert args[args.index("burst") + 1] == str(125_000)
     args = netns.tbf_arguments(10**6)
     assert args[args.index("burst") + 1] == str(16 * 1024)
     assert args[args.index("rate") + 1] == "1000000bit"

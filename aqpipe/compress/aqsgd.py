@@ -15,7 +15,7 @@ import torch
 from aqpipe.compress.codecs import (CODE_AQSGD, FLAG_NO_CHECK, CodecError, Encoded, LinkCodec, QuantOptions, bytes_as,
                                     numel)
 from aqpipe.compress.directq import decode_samples, encode_samples, sample_bytes
-from aqpipe.compress.quantize import quantize
+from aqpipe.compress.quantize import dequantize, quantize
 from aqpipe.storage.base import StoreView
 
 MODE_FULL, MODE_DELTA = 0, 1
@@ -52,8 +52,8 @@ class AQSGDCodec(LinkCodec):
             m_old = torch.stack(self.view.get([id_list[i] for i in delta])).float()
             q = quantize(x[delta] - m_old, self.bits, self.options.per, self.options.stochastic, self._generator)
             rows = encode_samples(q)
-            # the sender updates its copy from exactly what the receiver will decode
-            m_new = (m_old + decode_samples(rows, tuple(m_old.shape), self.bits, self.options.per)).to(self.view.dtype)
+            # the sender updates its copy from exactly the codes and fp16 scales the receiver will unpack
+            m_new = (m_old + dequantize(q, tuple(m_old.shape))).to(self.view.dtype)
             for j, i in enumerate(delta):
                 segments[i], new_m[i] = rows[j], m_new[j]
         for i, k in enumerate(known):

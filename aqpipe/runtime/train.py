@@ -31,7 +31,8 @@ HEARTBEAT_SECONDS = 1.0
 _EMIT_LOCK = threading.Lock()
 _STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elements", "grad_sync_bytes",
                 "compute_seconds", "comm_wait_seconds", "grad_norm", "store_hits", "store_misses", "store_reseeded",
-                "fwd_recv_bytes", "fwd_recv_seconds", "bwd_recv_bytes", "bwd_recv_seconds")
+                "fwd_recv_bytes", "fwd_recv_seconds", "bwd_recv_bytes", "bwd_recv_seconds", "forward_seconds",
+                "backward_seconds")
 
 
 def emit(event: dict) -> None:
@@ -265,6 +266,8 @@ def _gather_step(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_
         "comm_wait_seconds": float(col["comm_wait_seconds"].max()),
         "stage_compute_seconds": [float(col["compute_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
         "stage_comm_wait_seconds": [float(col["comm_wait_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
+        "stage_forward_seconds": [float(col["forward_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
+        "stage_backward_seconds": [float(col["backward_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
     }
 
 

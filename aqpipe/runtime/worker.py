@@ -35,6 +35,8 @@ class StepStats:
     bwd_recv_seconds: float = 0.0
     compute_seconds: float = 0.0
     comm_wait_seconds: float = 0.0
+    forward_seconds: float = 0.0  # the model's forward and backward alone, parts of compute_seconds
+    backward_seconds: float = 0.0
     grad_norm: float = 0.0
 
 
@@ -123,6 +125,8 @@ class StageWorker:
                 stats.comm_wait_seconds += elapsed
             else:
                 stats.compute_seconds += elapsed
+            if type(ins) in self._MODEL_TIMERS:
+                setattr(stats, self._MODEL_TIMERS[type(ins)], getattr(stats, self._MODEL_TIMERS[type(ins)]) + elapsed)
         self._mbs = {}
         return stats
 
@@ -200,6 +204,8 @@ class StageWorker:
         sch.ReduceGrads: (_reduce_grads, True),
         sch.OptimizerStep: (_optimizer_step, False),
     }
+
+    _MODEL_TIMERS = {sch.Forward: "forward_seconds", sch.Backward: "backward_seconds"}
 
     def _send(self, box: Outbox, codec: LinkCodec, kind: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor) -> int:
         """Encode and queue one message; returns its payload bytes."""

@@ -1,0 +1,231 @@
+"""Throughput vs bandwidth on tc-throttled links, like Tables 2, 3 and 5 of the AQ-SGD paper.
+
+Every system trains the same communication-bound model (benchmarks.models:gpt2_2x128 over 2 stages: one GPT-2
+block of hidden 128 per stage, a 512-token vocabulary) on WikiText-2 at bandwidths {unthrottled (loopback), 1gbit,
+500mbit, 300mbit, 100mbit, 30mbit, 25mbit}: aqpipe with fp32, fp16, directq fw3 bw6, aqsgd fw3 bw6 and aqsgd fw4 bw8,
+and DeepSpeed's pipeline engine (fp32), each rank in its own network namespace behind `tc tbf` (aqpipe's own
+--bandwidth; DeepSpeed's ranks are started inside an aqpipe topology). Variants alternate inside each round.
+Throughput is measured after the first epoch (AQ-SGD's first sight of every sample goes in fp32 by design).
+
+    python benchmarks/throughput.py --rounds 3 --out benchmarks/results/throughput     # about 45 minutes here
+Writes <out>.json (every measurement), <out>.md (Table 2 and Table 3 shapes, targets) and <out>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from aqpipe.launch import netns  # noqa: E402
+from benchmarks.pipeline_throughput import machine  # noqa: E402
+
+DATA = Path("/work/shared/data/wikitext-2/valid.txt")
+# 25mbit: where fp32's comm/compute ratio is about 12 on this machine, the paper's 100 Mbps regime (BENCHMARKS.md)
+BANDWIDTHS = ["unthrottled", "1gbit", "500mbit", "300mbit", "100mbit", "30mbit", "25mbit"]
+VARIANTS = {"fp32": ("fp32", "fp32"), "fp16": ("fp16", "fp16"), "directq fw3 bw6": ("directq:3", "directq:6"),
+            "aqsgd fw3 bw6": ("aqsgd:3", "directq:6"), "aqsgd fw4 bw8": ("aqsgd:4", "directq:8")}
+DEEPSPEED = "DeepSpeed fp32"
+
+
+def launch_args(args, fw: str, bw: str, bandwidth: str, out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "aqpipe", "launch", "--model", "benchmarks.models:gpt2_2x128", "--pp", "2",
+           "--data", str(args.data), "--vocab-size", "512", "--seq-len", str(args.seq_len),
+           "--micro-batch-size", str(args.mbs), "--micro-batches", str(args.mb),
+           "--max-samples", str(args.mbs * args.mb * args.steps_per_epoch), "--epochs", str(args.epochs),
+           "--warmup-epochs", "0", "--fw", fw, "--bw", bw, "--device", "cpu", "--out", str(out), "--no-progress"]
+    return cmd + ([] if bandwidth == "unthrottled" else ["--bandwidth", bandwidth])
+
+
+def run_aqpipe(args, variant: str, bandwidth: str, work: Path) -> dict:
+    """One run; its throughput and per-micro-batch breakdown over the epochs after the first."""
+    fw, bw = VARIANTS[variant]
+    out = work / f"{variant.replace(' ', '_')}-{bandwidth}-{time.monotonic_ns()}"
+    proc = subprocess.run(launch_args(args, fw, bw, bandwidth, out), capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{variant} at {bandwidth} failed: {proc.stderr[-1500:]}")
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    measured = [r for r in records if r["epoch"] >= 1][1:]  # the first compressed step still fills caches
+    ends = [r["elapsed_seconds"] for r in records if r["epoch"] >= 1]
+    period = statistics.median(b - a for a, b in zip(ends[1:], ends[2:]))
+    per_mb = args.mb
+
+    def median_of(key, index=None, reduce=max):
+        return statistics.median(reduce(r[key]) if index is None else r[key][index] for r in measured)
+
+    return {
+        "samples_per_second": args.mbs * args.mb / period,
+        "forward_ms": 1000 * median_of("stage_forward_seconds") / per_mb,
+        "backward_ms": 1000 * median_of("stage_backward_seconds") / per_mb,
+        "fwd_wire_ms": 1000 * median_of("link_fwd_wire_seconds", 0) / per_mb,
+        "bwd_wire_ms": 1000 * median_of("link_bwd_wire_seconds", 0) / per_mb,
+        "fwd_bytes_per_micro_batch": median_of("link_fwd_bytes", 0) / per_mb,
+        "bwd_bytes_per_micro_batch": median_of("link_bwd_bytes", 0) / per_mb,
+        "fwd_rate_mbit": 8 * median_of("link_fwd_bytes_per_second", 0) / 1e6,
+        "bwd_rate_mbit": 8 * median_of("link_bwd_bytes_per_second", 0) / 1e6,
+        "config": str(out / "config.json"),
+    }
+
+
+def run_deepspeed(args, config: str, bandwidth: str, work: Path) -> dict:
+    """DeepSpeed's engine on the config of an aqpipe fp32 run, its two ranks in a topology at `bandwidth`."""
+    result = work / f"ds-{bandwidth}-{time.monotonic_ns()}.json"
+    steps = args.epochs * args.steps_per_epoch
+    command = [sys.executable, str(ROOT / "benchmarks" / "deepspeed_pipe.py"), "--config", config,
+               "--steps", str(steps), "--result", str(result)]
+    port = str(29600 + time.monotonic_ns() % 300)
+
+    def start(prefixes: list[list[str]], address: str, interface: str | None) -> None:
+        procs = []
+        for rank, prefix in enumerate(prefixes):
+            env = dict(os.environ, DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                       LOCAL_WORLD_SIZE="2", MASTER_ADDR=address, MASTER_PORT=port, PYTHONPATH=str(ROOT))
+            if interface:
+                env["GLOO_SOCKET_IFNAME"] = interface
+            procs.append(subprocess.Popen(prefix + command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=1800)[0] for p in procs]
+        if any(p.returncode != 0 for p in procs):
+            raise RuntimeError(f"DeepSpeed at {bandwidth} failed: {outputs[0][-1500:]}")
+
+    if bandwidth == "unthrottled":
+        start([[], []], "127.0.0.1", None)
+    else:
+        with netns.throttled(2, netns.parse_rate(bandwidth)) as topo:
+            start([topo.exec_prefix(0), topo.exec_prefix(1)], topo.address(0), netns.INTERFACE)
+    seconds = json.loads(result.read_text())["step_seconds"][args.steps_per_epoch + 1:]
+    return {"samples_per_second": args.mbs * args.mb / statistics.median(seconds)}
+
+
+def summarize(runs: dict, bandwidths: list[str]) -> dict:
+    """Medians over rounds of every number, per system and bandwidth."""
+    table: dict = {}
+    for system, by_bw in runs.items():
+        table[system] = {}
+        for bw in bandwidths:
+            rounds = by_bw.get(bw, [])
+            if rounds:
+                table[system][bw] = {k: statistics.median(r[k] for r in rounds)
+                                     for k in rounds[0] if isinstance(rounds[0][k], (int, float))}
+                table[system][bw]["range"] = [min(r["samples_per_second"] for r in rounds),
+                                              max(r["samples_per_second"] for r in rounds)]
+    return table
+
+
+def regime_ratio(table: dict, bw: str) -> float:
+    """fp32's comm/compute ratio as the paper counts it: one activation's time on the wire over one micro-batch's
+    forward on a stage (BENCHMARKS.md: about 12 in the paper at 100 Mbps)."""
+    row = table["fp32"][bw]
+    return row["fwd_wire_ms"] / row["forward_ms"]
+
+
+def write_markdown(table: dict, bandwidths: list[str], info: dict, path: Path) -> None:
+    sps = {s: {bw: table[s][bw]["samples_per_second"] for bw in table[s]} for s in table}
+    lines = [f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}; {info['date']}, commit "
+             f"{info['commit']}. Median of {info['rounds']} rounds; samples/s after the first epoch.", "",
+             "### Throughput (samples/s), like the paper's Table 2", "",
+             "| system | " + " | ".join(bandwidths) + " |", "|---|" + "---|" * len(bandwidths)]
+    for system in table:
+        lines.append(f"| {system} | " + " | ".join(f"{sps[system].get(bw, float('nan')):.1f}" for bw in bandwidths) + " |")
+    lines.append("| fp32 comm/compute ratio | " + " | ".join(f"{regime_ratio(table, bw):.2f}" for bw in bandwidths) + " |")
+    lines.append("| fp32 achieved link rate (Mbit/s) | " + " | ".join(
+        f"{table['fp32'][bw]['fwd_rate_mbit']:.0f}" for bw in bandwidths) + " |")
+    lines += ["", "### Per micro-batch: compute vs communication (ms), like the paper's Table 3", "",
+              "| system | bandwidth | forward | backward | activation on the wire | gradient on the wire | "
+              "activation bytes | gradient bytes | achieved Mbit/s (fwd) |", "|---|---|---|---|---|---|---|---|---|"]
+    for system in VARIANTS:
+        for bw in bandwidths:
+            row = table.get(system, {}).get(bw)
+            if row:
+                lines.append(f"| {system} | {bw} | {row['forward_ms']:.1f} | {row['backward_ms']:.1f} | "
+                             f"{row['fwd_wire_ms']:.1f} | {row['bwd_wire_ms']:.1f} | {row['fwd_bytes_per_micro_batch']:.0f} | "
+                             f"{row['bwd_bytes_per_micro_batch']:.0f} | {row['fwd_rate_mbit']:.0f} |")
+    lines += ["", "### Targets", ""]
+    aq, dq = "aqsgd fw3 bw6", "directq fw3 bw6"
+    for bw in [b for b in ("100mbit", "30mbit", "25mbit") if b in bandwidths]:
+        own = sps[aq][bw] / sps[aq]["unthrottled"] if "unthrottled" in sps[aq] else float("nan")
+        lines += [f"At {bw} (fp32 comm/compute ratio {regime_ratio(table, bw):.1f}):",
+                  f"- aqsgd fw3bw6 / its own unthrottled: {own:.2f} (target ≥ 0.85)",
+                  f"- aqsgd fw3bw6 / fp32: {sps[aq][bw] / sps['fp32'][bw]:.2f} (target ≥ 4)",
+                  f"- aqsgd fw3bw6 / DeepSpeed fp32: {sps[aq][bw] / sps[DEEPSPEED][bw]:.2f} (target ≥ 4)"
+                  if DEEPSPEED in sps and bw in sps[DEEPSPEED] else "- DeepSpeed: not measured",
+                  f"- aqsgd fw3bw6 / directq fw3bw6: {sps[aq][bw] / sps[dq][bw]:.3f} (target ≥ 0.97)", ""]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(table: dict, bandwidths: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    xs = list(range(len(bandwidths)))
+    for system in table:
+        ys = [table[system].get(bw, {}).get("samples_per_second", float("nan")) for bw in bandwidths]
+        ax.plot(xs, ys, marker="o", ls="--" if system == DEEPSPEED else "-", label=system)
+    ax.set_xticks(xs, bandwidths)
+    ax.set_xlabel("bandwidth per link (tc tbf)")
+    ax.set_ylabel("samples / s")
+    ax.set_title("gpt2-2x128, pp=2: throughput vs bandwidth")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bandwidths", default=",".join(BANDWIDTHS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of aqpipe variants")
+    parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--mbs", type=int, default=4)
+    parser.add_argument("--mb", type=int, default=8)
+    parser.add_argument("--steps-per-epoch", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput"))
+    args = parser.parse_args()
+    problem = netns.can_throttle()
+    if problem:
+        sys.exit(f"throughput benchmark: {problem}")
+    bandwidths, variants = args.bandwidths.split(","), args.variants.split(",")
+    systems = variants + ([] if args.no_deepspeed else [DEEPSPEED])
+    runs: dict[str, dict[str, list[dict]]] = {s: {bw: [] for bw in bandwidths} for s in systems}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for bw in bandwidths:
+                for variant in variants:
+                    runs[variant][bw].append(run_aqpipe(args, variant, bw, Path(tmp)))
+                    print(f"round {r + 1} {bw:>11} {variant:>16}: {runs[variant][bw][-1]['samples_per_second']:.1f} "
+                          f"samples/s", flush=True)
+                if not args.no_deepspeed:
+                    config = next(runs[v][bw][-1]["config"] for v in variants)
+                    runs[DEEPSPEED][bw].append(run_deepspeed(args, config, bw, Path(tmp)))
+                    print(f"round {r + 1} {bw:>11} {DEEPSPEED:>16}: {runs[DEEPSPEED][bw][-1]['samples_per_second']:.1f} "
+                          f"samples/s", flush=True)
+    info = dict(machine(), rounds=args.rounds)
+    table = summarize(runs, bandwidths)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"machine": info, "settings": vars(args) | {"data": str(args.data)},
+                                                    "runs": runs, "medians": table}, indent=2) + "\n")
+    write_markdown(table, bandwidths, info, out.with_suffix(".md"))
+    plot(table, bandwidths, out.with_suffix(".png"))
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
