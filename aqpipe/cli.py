@@ -23,7 +23,10 @@ HELP = {
     "fw": "forward activation codec: fp32, fp16, bf16, directq:B, aqsgd:B (B = 1..8 bits; default aqsgd:4)",
     "bw": "backward gradient codec: fp32, fp16, bf16, directq:B, topk:F:B (keep fraction F; default directq:8)",
     "warmup_epochs": "epochs sent uncompressed while AQ-SGD fills m(xi) (default 1)",
-    "grad_sync": "DP gradient sync: none",
+    "grad_sync": "DP gradient compressor: none (fp32 average), fp16, bf16, powersgd:R, ef:B, topk:F, "
+                 "sidco:exp|gamma|gpareto:F, fft:THETA:N, signsgd, marsit:K, qadam:B (with adamw). "
+                 "signsgd and marsit are optimizers in effect (the update is lr*sign): use them with --optimizer sgd; "
+                 "gradient clipping does not apply to signsgd's ±1 updates",
     "store": "where m(xi) lives: memory or lmdb (on disk, under the run directory)",
     "store_dtype": "how m(xi) is kept: fp32, fp16, bf16; with lmdb also q8, q4, q2 (quantized)",
     "store_max_gb": "cap on each rank's LMDB store (GB)",

@@ -31,7 +31,6 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
     "gpt2-xl": dict(seq_len=1024, micro_batch_size=1, micro_batches=8, epochs=2, lr=5e-5, warmup_steps=100),
 }
 
-GRAD_SYNC_LATER = ("fp16", "bf16", "powersgd", "ef", "qadam", "topk", "sidco", "fft", "signsgd", "marsit")
 STORE_DTYPES = ("fp32", "fp16", "bf16", "q8", "q4", "q2")
 
 
@@ -207,10 +206,12 @@ def _check_choices(cfg: RunConfig) -> None:
                                  ("store-dump", cfg.store_dump, ("on", "off"))):
         if value not in allowed:
             raise ConfigError(f"--{name} {value!r} is not one of {', '.join(allowed)}")
-    if cfg.grad_sync != "none":
-        if cfg.grad_sync.split(":")[0] in GRAD_SYNC_LATER:
-            raise NotAvailableYet(f"--grad-sync {cfg.grad_sync} {later}; use none")
-        raise ConfigError(f"--grad-sync {cfg.grad_sync!r} is not a gradient compressor; use none")
+    from aqpipe.compress.grad.registry import GradSpecError, check_pairing, parse_grad_spec
+
+    try:
+        check_pairing(parse_grad_spec(cfg.grad_sync), cfg.optimizer)
+    except GradSpecError as e:
+        raise ConfigError(str(e)) from None
     if cfg.store not in ("memory", "lmdb"):
         raise ConfigError(f"--store {cfg.store!r} is not a store; use memory or lmdb")
     if cfg.store_dtype not in STORE_DTYPES:

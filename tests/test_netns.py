@@ -221,3 +221,9 @@ def test_netns_command_bad_input_is_a_usage_error(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_netns_command_without_root_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["netns", "show"]) == 2
+    assert "aqpipe netns needs root" in capsys.readouterr().err

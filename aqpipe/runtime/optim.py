@@ -8,12 +8,18 @@ import torch
 
 
 def build_optimizer(
-    params: Sequence[torch.nn.Parameter], name: str, lr: float, weight_decay: float, warmup_steps: int, total_steps: int
+    params: Sequence[torch.nn.Parameter], name: str, lr: float, weight_decay: float, warmup_steps: int, total_steps: int,
+    grad_sync=None,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW or SGD (momentum 0.9) with a linear warm-up over `warmup_steps`, then linear decay to 0 at `total_steps`."""
+    """AdamW or SGD (momentum 0.9) with a linear warm-up over `warmup_steps`, then linear decay to 0 at `total_steps`.
+    With the qadam grad sync, AdamW is its QuantizedAdam, which exchanges the momentum through that sync."""
+    from aqpipe.compress.grad.qadam import QAdamSync, QuantizedAdam
+
     params = list(params)
-    if name == "adamw":
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw" and isinstance(grad_sync, QAdamSync):
+        optimizer: torch.optim.Optimizer = QuantizedAdam(params, grad_sync, lr=lr, weight_decay=weight_decay)
+    elif name == "adamw":
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     elif name == "sgd":
         optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
     else:

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from aqpipe.compress.codecs import QuantOptions, build_codec
-from aqpipe.compress.grad import build_grad_sync
+from aqpipe.compress.grad import DPGroup, build_grad_sync
+from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.config import RunConfig
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
 from aqpipe.runtime.grid import Grid, create_groups
@@ -127,15 +128,17 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
     store = open_store(cfg, grid.rank, store_bytes_per_rank(cfg, plan.spec, len(plan.dataset.train)))
     start, end = plan.bounds[grid.stage], plan.bounds[grid.stage + 1]
     module = plan.spec.build_stage(start, end, cfg.seed).to(device)
+    dp_group = DPGroup(groups.data_parallel, tuple(grid.dp_ranks(grid.stage)), grid.replica)
+    grad_sync = build_grad_sync(cfg.grad_sync, dp_group, cfg.seed, freeze_step(plan.total_steps, cfg.warmup_steps))
     optimizer, lr_schedule = build_optimizer(
         [p for p in module.parameters() if p.requires_grad], cfg.optimizer, cfg.lr, cfg.weight_decay,
-        cfg.warmup_steps, plan.total_steps,
+        cfg.warmup_steps, plan.total_steps, grad_sync=grad_sync,
     )
     worker = StageWorker(
         grid=grid, groups=groups, module=module, loss_fn=plan.spec.loss,
         samples=plan.dataset.train if (grid.is_first_stage or grid.is_last_stage) else None,
         links=_links(grid, device, cfg.stall_timeout), codecs=build_codecs(cfg, grid, store),
-        grad_sync=build_grad_sync(cfg.grad_sync, groups.data_parallel, cfg.dp), optimizer=optimizer,
+        grad_sync=grad_sync, optimizer=optimizer,
         lr_schedule=lr_schedule, clip=cfg.clip, device=device, micro_batch_size=cfg.micro_batch_size,
     )
     epochs = plan.epoch_plan(grid.replica)

@@ -96,6 +96,7 @@ class StageWorker:
     _step: int = 0
     _n: int = 1
     _compress: bool = True
+    _sync_bytes_before: int = 0
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -179,16 +180,19 @@ class StageWorker:
         for box in (self.links.act_out, self.links.grad_out):
             if box is not None:
                 box.flush()
-        before = self.grad_sync.bytes_sent
+        self._sync_bytes_before = self.grad_sync.bytes_sent
         self.grad_sync.synchronize(self.params)
-        stats.grad_sync_bytes = self.grad_sync.bytes_sent - before
 
     def _optimizer_step(self, mb: None, index: None, stats: StepStats) -> None:
         sq = local_grad_sq_norm(self.params)
         if self.grid.pp > 1:  # clip on the norm of the whole model, not of this stage
             dist.all_reduce(sq, group=self.groups.pipeline)
-        stats.grad_norm = clip_by_global_norm(self.params, self.clip, sq)
+        # signSGD's ±1 vector is the update itself: clipping its norm would only shrink every step
+        clip = self.clip if self.grad_sync.clippable else 0.0
+        stats.grad_norm = clip_by_global_norm(self.params, clip, sq)
         self.optimizer.step()
+        # counted after the optimizer: qadam's optimizer exchanges the momentum through the grad sync
+        stats.grad_sync_bytes = self.grad_sync.bytes_sent - self._sync_bytes_before
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -1,0 +1,28 @@
+"""Error feedback: what compression dropped this step is added back to the next step's gradient."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ErrorFeedback:
+    """The residual memory e of one replica: compensate g → g + e, then remember (g + e) − what was sent."""
+
+    def __init__(self) -> None:
+        self.residual: torch.Tensor | None = None
+
+    def compensate(self, flat: torch.Tensor) -> torch.Tensor:
+        """This step's gradient plus what earlier steps could not send."""
+        if self.residual is None or self.residual.numel() != flat.numel():
+            self.residual = torch.zeros_like(flat)
+        return flat + self.residual
+
+    def update(self, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
+        """Keep what the compressed message failed to carry."""
+        self.residual = compensated - transmitted
+
+    def state_dict(self) -> dict:
+        return {"residual": self.residual}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residual = state.get("residual")

@@ -1,0 +1,173 @@
+"""`--grad-sync fft:THETA:N`: FFT-based gradient sparsification (Wang et al., HPDC 2020, §3).
+
+Flatten the gradient, take its real FFT, keep the (1−θ) fraction of frequency components of largest magnitude,
+and send a bitmap of which were kept plus their real and imaginary parts in the paper's offset-based N-bit float
+(its Algorithm 1); every replica rebuilds every replica's spectrum, averages them and inverts the FFT once (the
+transform is linear). N = 32 sends the parts as fp32.
+
+The N-bit float: the bit pattern of |v| shifted right by 23−m keeps the exponent and m mantissa bits; subtracting
+the pattern of the smallest representable magnitude eps (and adding 1) gives codes 1 … 2**(N−1)−1, code 0 is
+zero, and one bit holds the sign — a symmetric range, the paper's balanced P = 2**N / 2. The range max is
+estimated over the first CALIBRATION calls (sent as fp32 meanwhile); eps follows from max, and m is the mantissa
+width that reconstructs the calibration values best.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from aqpipe.compress.bitpack import pack, packed_bytes, unpack
+from aqpipe.compress.grad.base import Compressor, DPGroup
+from aqpipe.compress.grad.gather import all_gather_bytes_payloads
+
+CALIBRATION = 3
+
+
+class OffsetFloat:
+    """The offset-based N-bit float of one range: encode fp32 values to N-bit codes and back."""
+
+    def __init__(self, bits: int, mantissa: int, max_value: float) -> None:
+        if not 2 <= bits <= 16:
+            raise ValueError(f"the offset float needs 2..16 bits, got {bits}")
+        self.bits, self.mantissa, self.max_value = bits, mantissa, float(max_value)
+        self.shift = 23 - mantissa
+        top = _pattern(self.max_value) >> self.shift
+        self.levels = (1 << (bits - 1)) - 1  # magnitude codes 1..levels; 0 is zero
+        self.base = top - self.levels + 1  # the shifted pattern code 1 stands for (eps's)
+
+    @property
+    def eps(self) -> float:
+        """The smallest non-zero magnitude it represents."""
+        return _value(self.base << self.shift)
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        """N-bit codes (sign bit on top) of fp32 values; magnitudes above max saturate, below eps become 0."""
+        magnitude = values.abs().clamp(max=self.max_value).float()
+        shifted = magnitude.view(torch.int32) >> self.shift
+        codes = (shifted.long() - self.base + 1).clamp(min=0, max=self.levels)
+        sign = (values < 0).long() << (self.bits - 1)
+        return (codes | sign).to(torch.int32)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """fp32 values of N-bit codes."""
+        codes = codes.long()
+        magnitude_code = codes & self.levels
+        patterns = ((magnitude_code + self.base - 1).clamp(min=0) << self.shift).to(torch.int32)
+        values = torch.where(magnitude_code > 0, patterns.view(torch.float32), torch.zeros(()))
+        return torch.where((codes >> (self.bits - 1)) & 1 == 1, -values, values)
+
+
+def _pattern(value: float) -> int:
+    return int(torch.tensor([value], dtype=torch.float32).view(torch.int32).item())
+
+
+def _value(pattern: int) -> float:
+    return float(torch.tensor([pattern], dtype=torch.int32).view(torch.float32).item())
+
+
+def best_offset_float(bits: int, samples: torch.Tensor, top: float | None = None) -> OffsetFloat:
+    """The mantissa width that reconstructs `samples` with least error, for the range [−top, top] (default: the
+    samples' own max)."""
+    top = float(top if top is not None else samples.abs().max()) or 1.0
+    best, best_error = None, math.inf
+    for mantissa in range(0, min(23, bits + 8)):
+        fmt = OffsetFloat(bits, mantissa, top)
+        if fmt.base < 1:  # eps would fall below the smallest fp32 pattern
+            continue
+        error = float((fmt.decode(fmt.encode(samples)) - samples).pow(2).mean())
+        if error < best_error:
+            best, best_error = fmt, error
+    return best or OffsetFloat(bits, 0, top)
+
+
+def kept_count(length: int, theta: float) -> int:
+    """Frequency components kept out of `length` at drop ratio θ (at least one)."""
+    return max(1, min(length, math.ceil((1.0 - theta) * length)))
+
+
+class FFTSparsifier(Compressor):
+    """Top-(1−θ) frequency components, bitmap + N-bit offset floats, all-gathered."""
+
+    pattern = "all-gather"
+
+    def __init__(self, dp: DPGroup, theta: float, bits: int) -> None:
+        super().__init__(dp)
+        self.theta, self.bits = theta, bits
+        self.name = f"fft:{theta:g}:{bits}"
+        self.calibration: list[float] = []
+        self.format: OffsetFloat | None = None
+
+    def encode(self, flat: torch.Tensor) -> torch.Tensor:
+        """This replica's message: [bitmap of kept components | their real, imaginary parts]."""
+        spectrum = torch.fft.rfft(flat.double()).to(torch.complex64)
+        k = kept_count(spectrum.numel(), self.theta)
+        kept = spectrum.abs().topk(k, sorted=False).indices.sort().values
+        mask = torch.zeros(spectrum.numel(), dtype=torch.uint8)
+        mask[kept] = 1
+        parts = torch.view_as_real(spectrum[kept]).reshape(-1)
+        return torch.cat([pack(mask.view(1, -1), 1).view(-1), self._encode_values(parts)])
+
+    def _encode_values(self, parts: torch.Tensor) -> torch.Tensor:
+        """A flag byte (0: fp32 follows, 1: N-bit codes follow) and the values."""
+        calibrating = self.bits != 32 and self.format is None
+        if calibrating:
+            self.calibration.append(float(parts.abs().max()))
+            if len(self.calibration) == CALIBRATION:  # the range is known from the next message on
+                self.format = best_offset_float(self.bits, parts, top=max(self.calibration))
+        if self.bits == 32 or calibrating:
+            return torch.cat([torch.zeros(1, dtype=torch.uint8), parts.float().contiguous().view(torch.uint8)])
+        return torch.cat([torch.ones(1, dtype=torch.uint8), _pack_wide(self.format.encode(parts), self.bits)])
+
+    def decode_spectrum(self, payload: torch.Tensor, length: int) -> torch.Tensor:
+        """The (sparse) spectrum a replica's message stands for, for a gradient of `length` values."""
+        bins = length // 2 + 1
+        k = kept_count(bins, self.theta)
+        mask_bytes = packed_bytes(bins, 1)
+        mask = unpack(payload[:mask_bytes].view(1, -1), 1, bins).view(-1).bool()
+        if int(mask.sum()) != k:
+            raise ValueError(f"an fft message marks {int(mask.sum())} components, expected {k}")
+        quantized, body = int(payload[mask_bytes]), payload[mask_bytes + 1 :]
+        if quantized:
+            parts = self.format.decode(_unpack_wide(body, self.bits, 2 * k))
+        else:
+            parts = body.clone().view(torch.float32)  # clone: the body starts at an odd offset
+        spectrum = torch.zeros(bins, dtype=torch.complex64)
+        spectrum[mask] = torch.view_as_complex(parts.view(-1, 2).contiguous())
+        return spectrum
+
+    def combine(self, flat: torch.Tensor) -> torch.Tensor:
+        payloads, sent = all_gather_bytes_payloads(self.dp, self.encode(flat))
+        self.bytes_sent += sent
+        total = sum(self.decode_spectrum(p, flat.numel()) for p in payloads) / len(payloads)
+        return torch.fft.irfft(total.to(torch.complex128), n=flat.numel()).float()
+
+    def state_dict(self) -> dict:
+        fmt = self.format
+        return dict(super().state_dict(), calibration=list(self.calibration),
+                    format=None if fmt is None else [fmt.bits, fmt.mantissa, fmt.max_value])
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.calibration = [float(x) for x in state.get("calibration", [])]
+        fmt = state.get("format")
+        self.format = None if fmt is None else OffsetFloat(int(fmt[0]), int(fmt[1]), float(fmt[2]))
+
+
+def _pack_wide(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """N-bit codes (N ≤ 16) packed as a low byte stream (8 bits) and a high stream (N−8 bits) when N > 8."""
+    codes = codes.to(torch.int64).view(1, -1)
+    if bits <= 8:
+        return pack(codes.to(torch.uint8), bits).view(-1)
+    low = pack((codes & 0xFF).to(torch.uint8), 8).view(-1)
+    high = pack((codes >> 8).to(torch.uint8), bits - 8).view(-1)
+    return torch.cat([low, high])
+
+
+def _unpack_wide(payload: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    if bits <= 8:
+        return unpack(payload.view(1, -1), bits, n).view(-1).long()
+    low = unpack(payload[:n].view(1, -1), 8, n).view(-1).long()
+    high = unpack(payload[n:].view(1, -1), bits - 8, n).view(-1).long()
+    return low | (high << 8)

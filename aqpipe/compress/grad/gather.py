@@ -1,0 +1,29 @@
+"""All-gather of per-replica byte payloads, equal or not in size: the communicator of the compressors whose
+messages cannot be summed on the wire (quantized codes, sparse values and indices)."""
+
+from __future__ import annotations
+
+import torch
+
+from aqpipe.compress.grad.base import DPGroup, all_gather_bytes
+
+
+def all_gather_bytes_payloads(dp: DPGroup, payload: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+    """Every replica's uint8 payload, in replica order, and the bytes this replica sent. Sizes may differ: the
+    lengths go first, then every payload padded to the longest (torch.distributed gathers equal shapes only)."""
+    import torch.distributed as dist
+
+    n = dp.size
+    if n == 1:
+        return [payload], 0
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(lengths, length, group=dp.group)
+    sizes = [int(x) for x in lengths]
+    longest = max(sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(out, padded, group=dp.group)
+    sent = all_gather_bytes(8 + longest, n)
+    return [o[:size] for o, size in zip(out, sizes)], sent

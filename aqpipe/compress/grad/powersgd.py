@@ -1,0 +1,85 @@
+"""`--grad-sync powersgd:R`: rank-R PowerSGD with error feedback and warm start, run by torch's own DDP hook.
+
+torch's `powerSGD_hook` works on a DDP gradient bucket; a stage's gradients here are one flat buffer with a view
+per parameter, which is what a bucket is, so the hook runs unchanged on a small object with the bucket's
+interface. The first two steps are plain all-reduces (torch's hook compresses from its iteration 2 on).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+from aqpipe.compress.grad.base import Compressor, DPGroup, flatten, gradients, ring_all_reduce_bytes
+
+
+class _Bucket:
+    """What `powerSGD_hook` reads of a `dist.GradBucket`: a flat buffer and per-parameter views of it."""
+
+    def __init__(self, flat: torch.Tensor, shapes: list[torch.Size]) -> None:
+        self._flat, self._views = flat, []
+        offset = 0
+        for shape in shapes:
+            n = int(np.prod(shape)) if len(shape) else 1
+            self._views.append(flat[offset : offset + n].view(shape))
+            offset += n
+
+    def buffer(self) -> torch.Tensor:
+        return self._flat
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+class PowerSGD(Compressor):
+    """Low-rank gradient approximation P·Qᵀ per weight matrix; vectors and small matrices go uncompressed."""
+
+    pattern = "multi-round"  # two all-reduces (P, then Q) per step
+
+    def __init__(self, dp: DPGroup, rank: int, seed: int = 0) -> None:
+        super().__init__(dp)
+        self.name = f"powersgd:{rank}"
+        self.state = psgd.PowerSGDState(process_group=dp.group, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                                        min_compression_rate=2, use_error_feedback=True, warm_start=True,
+                                        random_seed=seed)
+
+    def synchronize(self, params: Sequence[torch.nn.Parameter]) -> None:
+        if self.dp.size == 1:
+            self.calls += 1
+            return
+        grads = gradients(params)
+        flat = flatten(grads)
+        before = self.state.total_numel_after_compression
+        plain = self.state.iter < self.state.start_powerSGD_iter
+        result = psgd.powerSGD_hook(self.state, _Bucket(flat, [g.shape for g in grads])).wait()
+        result = result[0] if isinstance(result, list) else result
+        sent = flat.numel() if plain else self.state.total_numel_after_compression - before
+        self.bytes_sent += ring_all_reduce_bytes(4 * sent, self.dp.size)
+        offset = 0
+        for g in grads:
+            g.copy_(result[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        self.calls += 1
+
+    def state_dict(self) -> dict:
+        kind, keys, pos, has_gauss, gauss = self.state.rng.get_state()
+        return dict(super().state_dict(), iter=self.state.iter, error=dict(self.state.error_dict),
+                    p=dict(self.state.p_memory_dict), q=dict(self.state.q_memory_dict),
+                    rng=[torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss])
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.state.iter = int(state["iter"])
+        self.state.error_dict = dict(state["error"])
+        self.state.p_memory_dict, self.state.q_memory_dict = dict(state["p"]), dict(state["q"])
+        keys, pos, has_gauss, gauss = state["rng"]
+        self.state.rng.set_state(("MT19937", keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(gauss)))

@@ -1,0 +1,60 @@
+"""`--grad-sync topk:F`: keep the largest fraction F of the compensated gradient by magnitude, error feedback for
+the rest; replicas all-gather (value, index) pairs and average the scattered sums."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from aqpipe.compress.grad.base import Compressor, DPGroup
+from aqpipe.compress.grad.feedback import ErrorFeedback
+from aqpipe.compress.grad.gather import all_gather_bytes_payloads
+
+
+def sparse_payload(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """fp32 values then int32 indices, as bytes."""
+    return torch.cat([values.float().contiguous().view(torch.uint8), indices.to(torch.int32).contiguous().view(torch.uint8)])
+
+
+def scatter_payloads(payloads: list[torch.Tensor], numel: int) -> torch.Tensor:
+    """The mean over replicas of their sparse vectors, densified."""
+    total = torch.zeros(numel)
+    for payload in payloads:
+        k = payload.numel() // 8
+        values = payload[: 4 * k].view(torch.float32)
+        indices = payload[4 * k :].view(torch.int32).long()
+        if k and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+            raise ValueError(f"a replica sent indices outside 0..{numel - 1}")
+        total.index_add_(0, indices, values)
+    return total.div_(len(payloads))
+
+
+class TopK(Compressor):
+    """Top-k sparsification with error feedback, all-gather pattern."""
+
+    pattern = "all-gather"
+
+    def __init__(self, dp: DPGroup, fraction: float) -> None:
+        super().__init__(dp)
+        self.fraction = fraction
+        self.name = f"topk:{fraction:g}"
+        self.feedback = ErrorFeedback()
+
+    def combine(self, flat: torch.Tensor) -> torch.Tensor:
+        compensated = self.feedback.compensate(flat)
+        k = max(1, math.ceil(self.fraction * flat.numel()))
+        indices = compensated.abs().topk(k, sorted=False).indices
+        values = compensated[indices]
+        transmitted = torch.zeros_like(compensated).index_put_((indices,), values)
+        self.feedback.update(compensated, transmitted)
+        payloads, sent = all_gather_bytes_payloads(self.dp, sparse_payload(values, indices))
+        self.bytes_sent += sent
+        return scatter_payloads(payloads, flat.numel())
+
+    def state_dict(self) -> dict:
+        return dict(super().state_dict(), feedback=self.feedback.state_dict())
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.feedback.load_state_dict(state.get("feedback", {}))

@@ -1,0 +1,103 @@
+"""FFT sparsification: exact at θ=0 with fp32 values, better than Top-k on smooth signals, and its N-bit float."""
+
+import math
+
+import pytest
+import torch
+
+from aqpipe.compress.grad import DPGroup
+from aqpipe.compress.grad.fft import CALIBRATION, FFTSparsifier, OffsetFloat, best_offset_float, kept_count
+from tests.distributed import run_ranks
+
+
+def one_replica(theta: float, bits: int) -> FFTSparsifier:
+    return FFTSparsifier(DPGroup(None, (0,), 0), theta, bits)
+
+
+def test_theta_zero_with_32_bit_values_reconstructs_the_gradient():
+    g = torch.randn(4097, generator=torch.Generator().manual_seed(0))
+    out = one_replica(0.0, 32).combine(g.clone())
+    assert torch.allclose(out, g, atol=1e-5)
+
+
+def smooth(n: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    t = torch.linspace(0, 1, n)
+    waves = sum(torch.randn(1, generator=generator) * torch.sin(2 * math.pi * f * t + float(torch.rand(1, generator=generator)) * 6)
+                for f in (1, 3, 7, 12))
+    return waves + 0.02 * torch.randn(n, generator=generator)
+
+
+@pytest.mark.parametrize("theta", [0.5, 0.8, 0.95])
+def test_at_an_equal_kept_fraction_fft_beats_top_k_on_smooth_signals(theta):
+    g = smooth(10_000, int(theta * 100))
+    fft_error = (one_replica(theta, 32).combine(g.clone()) - g).norm()
+    kept_values = 2 * kept_count(g.numel() // 2 + 1, theta)  # real and imaginary parts
+    top = g.abs().topk(kept_values).indices
+    sparse = torch.zeros_like(g).index_put_((top,), g[top])
+    assert fft_error < 0.5 * (sparse - g).norm()
+
+
+@pytest.mark.parametrize("bits", [4, 8, 10, 16])
+def test_offset_float_follows_algorithm_1(bits):
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(bits)) * 0.01
+    fmt = best_offset_float(bits, x)
+    codes = fmt.encode(x)
+    assert int(codes.min()) >= 0 and int(codes.max()) < (1 << bits)
+    decoded = fmt.decode(codes)
+    assert torch.equal(decoded.sign()[decoded != 0], x.sign()[decoded != 0])
+    # magnitudes keep the exponent and m mantissa bits: relative error below 2**-m except below eps or above max
+    inside = (x.abs() >= fmt.eps) & (x.abs() <= fmt.max_value)
+    rel = ((decoded - x).abs() / x.abs())[inside]
+    assert float(rel.max()) <= 2.0 ** -fmt.mantissa
+    assert float(fmt.decode(fmt.encode(torch.tensor([1.0]))).item()) <= fmt.max_value  # saturates at max
+    assert float(fmt.decode(fmt.encode(torch.tensor([fmt.eps / 4]))).item()) == 0.0
+
+
+def test_more_bits_reconstruct_better():
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    errors = [float((f.decode(f.encode(x)) - x).norm()) for f in (best_offset_float(b, x) for b in (4, 8, 12, 16))]
+    assert errors == sorted(errors, reverse=True)
+
+
+def test_values_go_as_fp32_while_the_range_is_calibrated_then_n_bit():
+    sync = one_replica(0.9, 8)
+    sizes = [sync.encode(smooth(3000, step)).numel() for step in range(CALIBRATION + 2)]
+    assert sync.format is not None and sync.format.bits == 8
+    k = kept_count(1501, 0.9)
+    bitmap = (1501 + 7) // 8
+    assert sizes[-1] == bitmap + 1 + 2 * k  # one byte per part at N = 8
+    assert sizes[0] == bitmap + 1 + 8 * k
+
+
+def test_state_survives_a_checkpoint_round_trip(tmp_path):
+    sync = one_replica(0.5, 10)
+    for step in range(CALIBRATION + 1):
+        sync.combine(smooth(500, step))
+    torch.save(sync.state_dict(), tmp_path / "fft.pt")
+    other = one_replica(0.5, 10)
+    other.load_state_dict(torch.load(tmp_path / "fft.pt", weights_only=True))
+    g = smooth(500, 99)
+    assert torch.equal(other.encode(g), sync.encode(g))
+
+
+def _sync(rank: int, world: int):
+    g = smooth(2000, rank)
+    param = torch.nn.Parameter(torch.zeros(2000))
+    param.grad = g.clone()
+    sync = FFTSparsifier(DPGroup(None, tuple(range(world)), rank), 0.0, 32)
+    sync.synchronize([param])
+    return g, param.grad
+
+
+def test_replicas_get_the_average():
+    results = run_ranks(_sync, 2)
+    assert all(status == "ok" for status, _ in results), results
+    mean = (results[0][1][0] + results[1][1][0]) / 2
+    for _, (_, out) in results:
+        assert torch.allclose(out, mean, atol=1e-5)
+
+
+def test_offset_float_refuses_widths_it_cannot_pack():
+    with pytest.raises(ValueError, match="2..16 bits"):
+        OffsetFloat(20, 3, 1.0)
