@@ -1,6 +1,5 @@
 """Bad input gets one line on stderr and exit code 2, before any worker starts."""
 
-import json
 import subprocess
 import sys
 

@@ -6,8 +6,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from tests.processes import finish, start_run, tagged_processes
 
 

@@ -156,7 +156,7 @@ class LMDBStore:
         if len(raw) < _HEAD.size:
             return None
         magic, encoding, ndim, *rest = _HEAD.unpack_from(raw)
-        shape, (step, crc, length) = rest[:8], rest[8:]
+        shape, crc, length = rest[:8], rest[9], rest[10]  # rest[8]: the step it was written at
         body = raw[_HEAD.size :]
         if magic != MAGIC or _CODES.get(encoding) != self.encoding or ndim > 8 or length != len(body):
             return None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from aqpipe.compress.grad.base import Compressor, DPGroup
+
 
 class ErrorFeedback:
     """The residual memory e of one replica: compensate g → g + e, then remember (g + e) − what was sent."""
@@ -26,3 +28,18 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict) -> None:
         self.residual = state.get("residual")
+
+
+class FeedbackCompressor(Compressor):
+    """A compressor with one replica-local error-feedback memory, kept in its checkpointable state."""
+
+    def __init__(self, dp: DPGroup) -> None:
+        super().__init__(dp)
+        self.feedback = ErrorFeedback()
+
+    def state_dict(self) -> dict:
+        return dict(super().state_dict(), feedback=self.feedback.state_dict())
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.feedback.load_state_dict(state.get("feedback", {}))

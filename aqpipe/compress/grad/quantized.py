@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
-from aqpipe.compress.grad.base import Compressor, DPGroup
-from aqpipe.compress.grad.feedback import ErrorFeedback
+from aqpipe.compress.grad.base import DPGroup
+from aqpipe.compress.grad.feedback import FeedbackCompressor
 from aqpipe.compress.grad.gather import all_gather_bytes_payloads
 from aqpipe.compress.quantize import Quantized, dequantize, quantize
 
@@ -36,7 +36,7 @@ def decode(payload: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     return dequantize(Quantized(codes, scales, bits, "channel"), (rows, CHUNK)).view(-1)[:numel]
 
 
-class ErrorFeedbackQuantized(Compressor):
+class ErrorFeedbackQuantized(FeedbackCompressor):
     """EF + B-bit quantization; all-gather pattern (quantized codes cannot be summed on the wire)."""
 
     pattern = "all-gather"
@@ -45,7 +45,6 @@ class ErrorFeedbackQuantized(Compressor):
         super().__init__(dp)
         self.bits = bits
         self.name = f"ef:{bits}"
-        self.feedback = ErrorFeedback()
 
     def combine(self, flat: torch.Tensor) -> torch.Tensor:
         compensated = self.feedback.compensate(flat)
@@ -55,9 +54,3 @@ class ErrorFeedbackQuantized(Compressor):
         self.bytes_sent += sent
         return torch.stack([decode(p, flat.numel(), self.bits) for p in payloads]).mean(dim=0)
 
-    def state_dict(self) -> dict:
-        return dict(super().state_dict(), feedback=self.feedback.state_dict())
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.feedback.load_state_dict(state.get("feedback", {}))

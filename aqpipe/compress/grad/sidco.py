@@ -8,8 +8,8 @@ previous threshold, shifted by it — exponential again for `exp` (Corollary 2.1
 calls the number of stages M moves by one when the average selected count left [k(1−ε), k(1+ε)], ε = 0.2
 (Algorithm 1, Adapt_Stages). The printed Adapt_Stages lowers M on an overshoot; but an exponential fitted to
 heavier-tailed data overshoots less with more stages (|g| ~ gamma(0.5), δ = 0.001: 8.7·k selected at M = 1, 1.5·k
-at M = 2, 1.1·k at M = 3), so here M moves the way that last shrank the error. Error feedback keeps what was not sent; replicas all-gather their (value, index)
-lists, whose lengths differ.
+at M = 2, 1.1·k at M = 3), so here M moves the way that last shrank the error. Error feedback keeps what was
+not sent; replicas all-gather their (value, index) lists, whose lengths differ.
 
 Closed forms (δ the stage ratio; μ, σ² mean and variance of the fitted magnitudes):
   exp      η = μ·log(1/δ)                                   (6), (10)
@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from aqpipe.compress.grad.base import Compressor, DPGroup
-from aqpipe.compress.grad.feedback import ErrorFeedback
+from aqpipe.compress.grad.base import DPGroup
+from aqpipe.compress.grad.feedback import FeedbackCompressor
 from aqpipe.compress.grad.gather import all_gather_bytes_payloads
 from aqpipe.compress.grad.topk import scatter_payloads, sparse_payload
 
@@ -90,7 +90,7 @@ def estimate_threshold(flat: torch.Tensor, target: float, distribution: str, sta
     return threshold
 
 
-class SIDCo(Compressor):
+class SIDCo(FeedbackCompressor):
     """Statistical threshold sparsification with adaptive stages and error feedback; all-gather pattern."""
 
     pattern = "all-gather"
@@ -105,7 +105,6 @@ class SIDCo(Compressor):
         self.direction = 1
         self.last_error: float | None = None
         self.selected_since_adapt: list[int] = []
-        self.feedback = ErrorFeedback()
 
     def select(self, flat: torch.Tensor) -> torch.Tensor:
         """Indices of the values at or above the estimated threshold; adapts the stage count every Q calls."""
@@ -145,8 +144,7 @@ class SIDCo(Compressor):
 
     def state_dict(self) -> dict:
         return dict(super().state_dict(), stages=self.stages, direction=self.direction, last_error=self.last_error,
-                    selected=list(self.selected_since_adapt),
-                    feedback=self.feedback.state_dict())
+                    selected=list(self.selected_since_adapt))
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -154,4 +152,3 @@ class SIDCo(Compressor):
         self.direction = int(state.get("direction", 1))
         self.last_error = state.get("last_error")
         self.selected_since_adapt = [int(x) for x in state.get("selected", [])]
-        self.feedback.load_state_dict(state.get("feedback", {}))

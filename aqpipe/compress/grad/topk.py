@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from aqpipe.compress.grad.base import Compressor, DPGroup
-from aqpipe.compress.grad.feedback import ErrorFeedback
+from aqpipe.compress.grad.base import DPGroup
+from aqpipe.compress.grad.feedback import FeedbackCompressor
 from aqpipe.compress.grad.gather import all_gather_bytes_payloads
 
 
@@ -30,7 +30,7 @@ def scatter_payloads(payloads: list[torch.Tensor], numel: int) -> torch.Tensor:
     return total.div_(len(payloads))
 
 
-class TopK(Compressor):
+class TopK(FeedbackCompressor):
     """Top-k sparsification with error feedback, all-gather pattern."""
 
     pattern = "all-gather"
@@ -39,7 +39,6 @@ class TopK(Compressor):
         super().__init__(dp)
         self.fraction = fraction
         self.name = f"topk:{fraction:g}"
-        self.feedback = ErrorFeedback()
 
     def combine(self, flat: torch.Tensor) -> torch.Tensor:
         compensated = self.feedback.compensate(flat)
@@ -52,9 +51,3 @@ class TopK(Compressor):
         self.bytes_sent += sent
         return scatter_payloads(payloads, flat.numel())
 
-    def state_dict(self) -> dict:
-        return dict(super().state_dict(), feedback=self.feedback.state_dict())
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.feedback.load_state_dict(state.get("feedback", {}))
