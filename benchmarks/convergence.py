@@ -30,12 +30,16 @@ EXTRA = {
     "directq fw2 bw32": ("directq:2", "fp32"),
     "aqsgd fw2 bw32": ("aqsgd:2", "fp32"),
     "fp32 fw32 bw4": ("fp32", "directq:4"),
+    # end-to-end compression (the paper's Figure 5): AQ-SGD activations, quantized gradients, QuantizedAdam
+    # across replicas; run with --dp 2
+    "e2e aqsgd fw3 bw6 qadam4": ("aqsgd:3", "directq:6", "qadam:4"),
 }
 
 
-def train(name: str, fw: str, bw: str, args, work: Path) -> Path:
+def train(name: str, fw: str, bw: str, args, work: Path, grad_sync: str = "none") -> Path:
     out = work / name.replace(" ", "_")
     cmd = [sys.executable, "-m", "aqpipe", "launch", "--model", "benchmarks.models:gpt2_6x128", "--pp", "4",
+           "--dp", str(args.dp), "--grad-sync", grad_sync,
            "--data", str(args.data / "valid.txt"), "--seq-len", "128", "--max-samples", str(args.samples),
            "--vocab-size", "260", "--micro-batch-size", "4", "--micro-batches", "4", "--epochs", str(args.epochs),
            "--lr", "1e-3", "--warmup-steps", "10", "--fw", fw, "--bw", bw, "--quant-rounding", "stochastic",
@@ -78,6 +82,7 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=512)
     parser.add_argument("--scales", default="token", help="quantization scale granularity (per row = token)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each with its shard of the samples)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma list from: {', '.join([*VARIANTS, *EXTRA])} (fp32 is always run first)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "convergence"))
@@ -89,12 +94,12 @@ def main() -> None:
     work = out.parent / (out.name + "-runs")
     work.mkdir(parents=True, exist_ok=True)
     results = {}
-    for name, (fw, bw) in chosen.items():
+    for name, (fw, bw, *sync) in chosen.items():
         start = time.monotonic()
-        run = train(name, fw, bw, args, work)
+        run = train(name, fw, bw, args, work, *sync)
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((run / "summary.json").read_text())
-        results[name] = {"fw": fw, "bw": bw, "final_loss": summary["final_loss"], "test_loss": test_loss(run, args),
+        results[name] = {"fw": fw, "bw": bw, "grad_sync": sync[0] if sync else "none", "final_loss": summary["final_loss"], "test_loss": test_loss(run, args),
                          "losses": [r["loss"] for r in records], "fwd_bytes": summary["link_bytes"]["fwd"],
                          "bwd_bytes": summary["link_bytes"]["bwd"], "minutes": (time.monotonic() - start) / 60}
         print(f"{name:16s} final train loss {summary['final_loss']:.4f}  test loss {results[name]['test_loss']:.4f}",
@@ -102,9 +107,10 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "settings": vars(args) | {"data": str(args.data)},
                                                     "results": results}, indent=2) + "\n")
     base = results["fp32"]["final_loss"]
-    lines = ["| variant | fw | bw | final train loss | gap to fp32 | test loss | fwd MB | bwd MB |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | fw | bw | grad sync | final train loss | gap to fp32 | test loss | fwd MB | bwd MB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['fw']} | {r['bw']} | {r['final_loss']:.4f} | {100 * (r['final_loss'] / base - 1):+.1f}% | "
+        lines.append(f"| {name} | {r['fw']} | {r['bw']} | {r['grad_sync']} | {r['final_loss']:.4f} | {100 * (r['final_loss'] / base - 1):+.1f}% | "
                      f"{r['test_loss']:.4f} | {r['fwd_bytes'] / 1e6:.1f} | {r['bwd_bytes'] / 1e6:.1f} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -226,3 +226,31 @@ def test_netns_command_without_root_is_a_usage_error(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["netns", "show"]) == 2
     assert "aqpipe netns needs root" in capsys.readouterr().err
+
+
+@needs_root
+def test_two_clusters_share_one_slow_link():
+    """Ranks 0,1 | 2,3 at 200mbit each, the link between the halves at 20mbit: a transfer inside a cluster runs
+    fast, one across the clusters at the slow rate."""
+    before = network_state()
+    with netns.throttled(4, 200_000_000, slow_link_bits=20_000_000) as topo:
+        assert [topo.cluster(r) for r in range(4)] == [0, 0, 1, 1]
+        slow = subprocess.run(["tc", "-n", topo.bridge_namespace, "qdisc", "show", "dev", "xa"],
+                              capture_output=True, text=True).stdout
+        assert "rate 20Mbit" in slow
+        rates = {}
+        for pair in ((0, 1), (1, 2)):
+            procs = [
+                subprocess.Popen(topo.exec_prefix(rank) + [sys.executable, str(REPO / "tests" / "netns_probe.py"),
+                                                           "1000000", "3"],
+                                 env=dict(os.environ, RANK=str(i), MASTER_ADDR=topo.address(pair[0]),
+                                          MASTER_PORT="29512", GLOO_SOCKET_IFNAME=netns.INTERFACE, PYTHONPATH=str(REPO)),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for i, rank in enumerate(pair)
+            ]
+            outputs = [p.communicate(timeout=120) for p in procs]
+            assert all(p.returncode == 0 for p in procs), outputs
+            result = json.loads(outputs[1][0].strip().splitlines()[-1])
+            rates[pair] = 8 * result["bytes"] / result["wall_seconds"]
+        assert rates[(1, 2)] <= 1.05 * 20e6 and rates[(0, 1)] > 3 * rates[(1, 2)], rates
+    assert network_state() == before

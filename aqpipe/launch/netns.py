@@ -89,6 +89,12 @@ class Topology:
     ranks: int
     rate_bits: int
     owner_pid: int = 0  # the launcher that removes it when done; 0 for one made by hand (`aqpipe netns up`)
+    # > 0: two clusters (ranks below ranks/2 on one bridge, the rest on another) joined by a link of this rate
+    slow_link_bits: int = 0
+
+    def cluster(self, rank: int) -> int:
+        """Which bridge a rank hangs on: 0, or 1 for the upper half when there is a slow link."""
+        return int(self.slow_link_bits > 0 and rank >= (self.ranks + 1) // 2)
 
     def namespace(self, rank: int) -> str:
         """The namespace rank `rank` runs in."""
@@ -122,9 +128,11 @@ def _state_file(name: str) -> Path:
     return state_dir() / f"{name}.json"
 
 
-def create(ranks: int, rate_bits: int, name: str | None = None, manual: bool = False) -> Topology:
+def create(ranks: int, rate_bits: int, name: str | None = None, manual: bool = False,
+           slow_link_bits: int = 0) -> Topology:
     """Build a topology (removing stale ones of dead launchers first); on any failure nothing is left behind.
-    A `manual` one stays until `aqpipe netns down`; otherwise it belongs to this process."""
+    A `manual` one stays until `aqpipe netns down`; otherwise it belongs to this process. With `slow_link_bits`,
+    the ranks form two clusters whose bridges are joined by one link of that rate (the slow link of a chain)."""
     if not 1 <= ranks <= MAX_RANKS:
         raise NetnsError(f"a throttled topology holds 1 to {MAX_RANKS} ranks, not {ranks}")
     problem = can_throttle()
@@ -136,7 +144,7 @@ def create(ranks: int, rate_bits: int, name: str | None = None, manual: bool = F
         raise NetnsError(f"bad topology name {name!r}: use 1 to 12 lower-case letters or digits")
     if _state_file(name).exists() or any(ns.startswith(f"{PREFIX}{name}-") for ns in _namespaces()):
         raise NetnsError(f"a topology named {name!r} exists already; remove it with `aqpipe netns down {name}`")
-    topo = Topology(name, ranks, rate_bits, 0 if manual else os.getpid())
+    topo = Topology(name, ranks, rate_bits, 0 if manual else os.getpid(), slow_link_bits)
     state_dir().mkdir(parents=True, exist_ok=True)
     _state_file(name).write_text(json.dumps(asdict(topo)))  # first, so a crash mid-way is still cleanable
     try:
@@ -151,8 +159,16 @@ def _build(topo: Topology) -> None:
     br = topo.bridge_namespace
     _run("ip", "netns", "add", br)
     _run("ip", "-n", br, "link", "set", "lo", "up")
-    _run("ip", "-n", br, "link", "add", "br0", "type", "bridge", "forward_delay", "0", "stp_state", "0")
-    _run("ip", "-n", br, "link", "set", "br0", "up")
+    bridges = ["br0", "br1"] if topo.slow_link_bits else ["br0"]
+    for bridge in bridges:
+        _run("ip", "-n", br, "link", "add", bridge, "type", "bridge", "forward_delay", "0", "stp_state", "0")
+        _run("ip", "-n", br, "link", "set", bridge, "up")
+    if topo.slow_link_bits:  # the slow link between the clusters, shaped on both ends
+        _run("ip", "-n", br, "link", "add", "xa", "type", "veth", "peer", "name", "xb")
+        for end, bridge in (("xa", "br0"), ("xb", "br1")):
+            _run("ip", "-n", br, "link", "set", end, "master", bridge)
+            _run("ip", "-n", br, "link", "set", end, "up")
+            _run("tc", "-n", br, "qdisc", "add", "dev", end, "root", "tbf", *tbf_arguments(topo.slow_link_bits))
     tbf = tbf_arguments(topo.rate_bits)
     for rank in range(topo.ranks):
         ns, port = topo.namespace(rank), f"r{rank}"
@@ -161,7 +177,7 @@ def _build(topo: Topology) -> None:
         _run("ip", "link", "add", INTERFACE, "netns", ns, "type", "veth", "peer", "name", port, "netns", br)
         _run("ip", "-n", ns, "addr", "add", f"{topo.address(rank)}/24", "dev", INTERFACE)
         _run("ip", "-n", ns, "link", "set", INTERFACE, "up")
-        _run("ip", "-n", br, "link", "set", port, "master", "br0")
+        _run("ip", "-n", br, "link", "set", port, "master", bridges[topo.cluster(rank)])
         _run("ip", "-n", br, "link", "set", port, "up")
         _run("tc", "-n", ns, "qdisc", "add", "dev", INTERFACE, "root", "tbf", *tbf)
         _run("tc", "-n", br, "qdisc", "add", "dev", port, "root", "tbf", *tbf)
@@ -233,7 +249,8 @@ def remove_stale() -> list[str]:
 def describe(topo: Topology) -> str:
     """A few lines per namespace: its address and the qdisc shaping it."""
     owner = {0: "made by hand", -1: "no state file"}.get(topo.owner_pid, f"launcher pid {topo.owner_pid}")
-    lines = [f"topology {topo.name}: {topo.ranks} ranks at {format_rate(topo.rate_bits)}, {owner}"
+    slow = (f", two clusters joined at {format_rate(topo.slow_link_bits)}" if topo.slow_link_bits else "")
+    lines = [f"topology {topo.name}: {topo.ranks} ranks at {format_rate(topo.rate_bits)}{slow}, {owner}"
              + (" (stale)" if is_stale(topo) else "")]
     present = [ns for ns in _namespaces() if ns.startswith(f"{PREFIX}{topo.name}-") and not ns.endswith("-br")]
     expected = [topo.namespace(r) for r in range(topo.ranks)] or sorted(present)
@@ -248,9 +265,9 @@ def describe(topo: Topology) -> str:
 
 
 @contextmanager
-def throttled(ranks: int, rate_bits: int) -> Iterator[Topology]:
+def throttled(ranks: int, rate_bits: int, slow_link_bits: int = 0) -> Iterator[Topology]:
     """A topology for the duration of a `with` block, removed on every way out of it."""
-    topo = create(ranks, rate_bits)
+    topo = create(ranks, rate_bits, slow_link_bits=slow_link_bits)
     try:
         yield topo
     finally:
