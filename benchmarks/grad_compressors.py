@@ -2,8 +2,8 @@
 
 Two gloo replicas on loopback synchronize a 25.2M-value gradient (24 weight matrices of 1024×1024 plus 24 bias
 vectors, GPT-2-like magnitudes) with every `--grad-sync` method; each method first runs the steps it needs to
-reach its steady state (PowerSGD's two plain steps, FFT's range calibration, qadam's warm-up), then is timed over
-`--steps` steps. Alongside, one process times each method's local encode and decode alone, and SIDCo's threshold
+reach its steady state (PowerSGD's two plain steps, FFT's range calibration, qadam's warm-up, SIDCo's first three
+stage adaptations), then is timed over `--steps` steps. Alongside, one process times each method's local encode and decode alone, and SIDCo's threshold
 estimation against torch.topk at ratios 0.1, 0.01, 0.001.
 
     python benchmarks/grad_compressors.py --steps 3 --out benchmarks/results/grad_compressors
@@ -53,7 +53,9 @@ def _replica(rank: int, world: int, port: int, method: str, steps: int, queue) -
     params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
     sync = build_grad_sync(method, DPGroup(None, tuple(range(world)), rank), seed=0, freeze_after=1)
     optimizer = QuantizedAdam(params, sync) if isinstance(sync, QAdamSync) else None
-    warmup = {"powersgd": 2, "fft": 3, "qadam": 1}.get(method.split(":")[0], 0)
+    # steps to the steady state: PowerSGD's plain steps, FFT's range calibration, qadam's warm-up, and three of
+    # SIDCo's stage adaptations (every 5 calls)
+    warmup = {"powersgd": 2, "fft": 3, "qadam": 1, "sidco": 15}.get(method.split(":")[0], 0)
     seconds, sent = [], []
     for step in range(warmup + steps):
         for p, g in zip(params, gradient(100 * step + rank)):

@@ -101,7 +101,7 @@ class FFTSparsifier(Compressor):
 
     def encode(self, flat: torch.Tensor) -> torch.Tensor:
         """This replica's message: [bitmap of kept components | their real, imaginary parts]."""
-        spectrum = torch.fft.rfft(flat.double()).to(torch.complex64)
+        spectrum = torch.fft.rfft(flat.float())
         k = kept_count(spectrum.numel(), self.theta)
         kept = spectrum.abs().topk(k, sorted=False).indices.sort().values
         mask = torch.zeros(spectrum.numel(), dtype=torch.uint8)
@@ -141,7 +141,7 @@ class FFTSparsifier(Compressor):
         payloads, sent = all_gather_bytes_payloads(self.dp, self.encode(flat))
         self.bytes_sent += sent
         total = sum(self.decode_spectrum(p, flat.numel()) for p in payloads) / len(payloads)
-        return torch.fft.irfft(total.to(torch.complex128), n=flat.numel()).float()
+        return torch.fft.irfft(total, n=flat.numel())
 
     def state_dict(self) -> dict:
         fmt = self.format

@@ -37,14 +37,19 @@ MAX_STAGES = 10
 
 def exponential_threshold(magnitudes: torch.Tensor, ratio: float) -> float:
     """η = μ·log(1/δ): the (1−δ) quantile of an exponential fitted by maximum likelihood."""
-    return float(magnitudes.mean()) * math.log(1.0 / ratio)
+    return float(magnitudes.sum(dtype=torch.float64)) / magnitudes.numel() * math.log(1.0 / ratio)
 
 
 def gamma_threshold(magnitudes: torch.Tensor, ratio: float) -> float:
     """η = −β(log δ + log Γ(α)) with Minka's closed-form shape estimate (the paper's (15)–(16))."""
-    positive = magnitudes[magnitudes > 0].double()
-    mu = float(positive.mean())
-    s = math.log(mu) - float(positive.log().mean())
+    positive = magnitudes > 0
+    count = int(positive.sum())
+    if count == 0:
+        return 0.0
+    # float32 logs, float64 sums: the statistics of 25M values without a float64 copy of them
+    mu = float(magnitudes.sum(dtype=torch.float64)) / count
+    logs = torch.where(positive, magnitudes, torch.ones(())).log_()
+    s = math.log(mu) - float(logs.sum(dtype=torch.float64)) / count
     if s <= 0:  # all magnitudes equal: no spread to fit
         return mu
     alpha = (3 - s + math.sqrt((s - 3) ** 2 + 24 * s)) / (12 * s)
@@ -54,8 +59,9 @@ def gamma_threshold(magnitudes: torch.Tensor, ratio: float) -> float:
 
 def pareto_threshold(magnitudes: torch.Tensor, ratio: float) -> float:
     """η = β/α·(δ^−α − 1) with moment-matched shape α and scale β (the paper's (28)–(29), location 0)."""
-    values = magnitudes.double()
-    mu, var = float(values.mean()), float(values.var(unbiased=False))
+    n = magnitudes.numel()
+    mu = float(magnitudes.sum(dtype=torch.float64)) / n
+    var = float(magnitudes.square().sum(dtype=torch.float64)) / n - mu * mu
     if var <= 0:
         return mu
     alpha = 0.5 * (1 - mu * mu / var)
