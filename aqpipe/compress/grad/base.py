@@ -68,7 +68,7 @@ def gradients(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
 
 def flatten(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """One fp32 vector of all gradients, in order."""
-    return torch.cat([g.reshape(-1).float() for g in grads]) if grads else torch.zeros(0)
+    return torch.cat([g.reshape(-1).float() for g in grads]) if grads else torch.zeros(0)  # on the grads' device
 
 
 def write_back(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:

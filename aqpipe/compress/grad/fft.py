@@ -104,7 +104,7 @@ class FFTSparsifier(Compressor):
         spectrum = torch.fft.rfft(flat.float())
         k = kept_count(spectrum.numel(), self.theta)
         kept = spectrum.abs().topk(k, sorted=False).indices.sort().values
-        mask = torch.zeros(spectrum.numel(), dtype=torch.uint8)
+        mask = torch.zeros(spectrum.numel(), dtype=torch.uint8, device=flat.device)
         mask[kept] = 1
         parts = torch.view_as_real(spectrum[kept]).reshape(-1)
         return torch.cat([pack(mask.view(1, -1), 1).view(-1), self._encode_values(parts)])
@@ -117,8 +117,10 @@ class FFTSparsifier(Compressor):
             if len(self.calibration) == CALIBRATION:  # the range is known from the next message on
                 self.format = best_offset_float(self.bits, parts, top=max(self.calibration))
         if self.bits == 32 or calibrating:
-            return torch.cat([torch.zeros(1, dtype=torch.uint8), parts.float().contiguous().view(torch.uint8)])
-        return torch.cat([torch.ones(1, dtype=torch.uint8), _pack_wide(self.format.encode(parts), self.bits)])
+            flag = torch.zeros(1, dtype=torch.uint8, device=parts.device)
+            return torch.cat([flag, parts.float().contiguous().view(torch.uint8)])
+        flag = torch.ones(1, dtype=torch.uint8, device=parts.device)
+        return torch.cat([flag, _pack_wide(self.format.encode(parts), self.bits)])
 
     def decode_spectrum(self, payload: torch.Tensor, length: int) -> torch.Tensor:
         """The (sparse) spectrum a replica's message stands for, for a gradient of `length` values."""
@@ -133,7 +135,7 @@ class FFTSparsifier(Compressor):
             parts = self.format.decode(_unpack_wide(body, self.bits, 2 * k))
         else:
             parts = body.clone().view(torch.float32)  # clone: the body starts at an odd offset
-        spectrum = torch.zeros(bins, dtype=torch.complex64)
+        spectrum = torch.zeros(bins, dtype=torch.complex64, device=payload.device)
         spectrum[mask] = torch.view_as_complex(parts.view(-1, 2).contiguous())
         return spectrum
 

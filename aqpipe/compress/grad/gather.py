@@ -16,14 +16,14 @@ def all_gather_bytes_payloads(dp: DPGroup, payload: torch.Tensor) -> tuple[list[
     n = dp.size
     if n == 1:
         return [payload], 0
-    length = torch.tensor([payload.numel()], dtype=torch.int64)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
+    lengths = [torch.zeros_like(length) for _ in range(n)]
     dist.all_gather(lengths, length, group=dp.group)
     sizes = [int(x) for x in lengths]
     longest = max(sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
     padded[: payload.numel()] = payload
-    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+    out = [torch.empty_like(padded) for _ in range(n)]
     dist.all_gather(out, padded, group=dp.group)
     sent = all_gather_bytes(8 + longest, n)
     return [o[:size] for o, size in zip(out, sizes)], sent

@@ -24,7 +24,8 @@ from aqpipe.compress.grad.base import Compressor, DPGroup, ring_all_reduce_bytes
 def fold(received: torch.Tensor, own: torch.Tensor, m: int, generator: torch.Generator) -> torch.Tensor:
     """v ⊙ v* for the m-th member to fold its bits in (m ≥ 2): unbiased running aggregation of sign bits."""
     p_one = torch.where(own.bool(), 1.0 / m, (m - 1) / m)
-    transient = (torch.rand(own.shape, generator=generator) < p_one).to(torch.uint8)
+    # drawn on the CPU generator (checkpointable, the same on every device), compared where the bits live
+    transient = (torch.rand(own.shape, generator=generator).to(own.device) < p_one).to(torch.uint8)
     return (received & own) | ((received ^ own) & transient)
 
 
@@ -81,7 +82,7 @@ class Marsit(Compressor):
             dist.all_reduce(scales, group=self.dp.group)
             scales.div_(self.dp.size)
             self.bytes_sent += ring_all_reduce_bytes(4 * scales.numel(), self.dp.size)
-        return torch.repeat_interleave(scales, torch.tensor(sizes))
+        return torch.repeat_interleave(scales, torch.tensor(sizes, device=scales.device))
 
     def state_dict(self) -> dict:
         return dict(super().state_dict(), compensation=self.compensation, generator=self.generator.get_state())

@@ -57,7 +57,7 @@ class QAdamSync(AllReduceMean):
             self.worker_feedback.update(compensated, sent_values)
             return sent_values
         c = chunk_size(momentum.numel(), n)
-        padded = torch.zeros(c * n)
+        padded = torch.zeros(c * n, device=momentum.device)
         padded[: momentum.numel()] = compensated
         chunks = list(padded.view(n, c))
         encoded = [encode(chunk, self.bits) for chunk in chunks]

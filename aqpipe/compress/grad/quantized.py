@@ -21,7 +21,7 @@ CHUNK = 512
 def encode(flat: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(payload bytes, the values the payload decodes to) of a flat fp32 vector at `bits` bits."""
     rows = -(-flat.numel() // CHUNK)
-    padded = torch.zeros(rows * CHUNK)
+    padded = torch.zeros(rows * CHUNK, device=flat.device)
     padded[: flat.numel()] = flat
     q = quantize(padded.view(rows, CHUNK), bits, "channel")
     payload = torch.cat([q.scales.reshape(-1).view(torch.uint8), pack(q.codes, bits).reshape(-1)])

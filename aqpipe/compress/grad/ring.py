@@ -25,7 +25,7 @@ def chunk_size(length: int, members: int) -> int:
 def split(codes: torch.Tensor, members: int) -> list[torch.Tensor]:
     """`members` equal chunks of a uint8 vector, the last zero-padded."""
     c = chunk_size(codes.numel(), members)
-    padded = torch.zeros(c * members, dtype=torch.uint8)
+    padded = torch.zeros(c * members, dtype=torch.uint8, device=codes.device)
     padded[: codes.numel()] = codes
     return list(padded.view(members, c))
 
@@ -34,7 +34,7 @@ def exchange(dp: DPGroup, send: torch.Tensor, recv_bytes: int) -> torch.Tensor:
     """Send bytes to the next member while receiving `recv_bytes` from the previous one."""
     import torch.distributed as dist
 
-    recv = torch.empty(recv_bytes, dtype=torch.uint8)
+    recv = torch.empty(recv_bytes, dtype=torch.uint8, device=send.device)
     work = dist.isend(send.contiguous(), dp.next_rank, tag=RING_TAG)
     dist.recv(recv, dp.prev_rank, tag=RING_TAG)
     work.wait()

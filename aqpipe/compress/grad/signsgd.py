@@ -33,7 +33,7 @@ def bits_per_element(members: int) -> float:
 def majority(count: torch.Tensor, members: int, generator: torch.Generator) -> torch.Tensor:
     """1 where more than half the members voted +1, 0 where fewer; a fair coin for a tie."""
     twice = count.to(torch.int32) * 2
-    coin = torch.randint(0, 2, count.shape, generator=generator, dtype=torch.uint8)
+    coin = torch.randint(0, 2, count.shape, generator=generator, dtype=torch.uint8).to(count.device)
     return torch.where(twice > members, 1, torch.where(twice < members, 0, coin)).to(torch.uint8)
 
 

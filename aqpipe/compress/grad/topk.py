@@ -19,7 +19,7 @@ def sparse_payload(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 def scatter_payloads(payloads: list[torch.Tensor], numel: int) -> torch.Tensor:
     """The mean over replicas of their sparse vectors, densified."""
-    total = torch.zeros(numel)
+    total = torch.zeros(numel, device=payloads[0].device)
     for payload in payloads:
         k = payload.numel() // 8
         values = payload[: 4 * k].view(torch.float32)
