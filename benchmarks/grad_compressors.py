@@ -173,8 +173,8 @@ def main() -> None:
     for method, r in results.items():
         b = statistics.median(r["bytes"])
         codec = codecs.get(method, {})
-        lines.append(f"| {method} | {b / 1e6:.2f} | {b / numel:.4f} | {statistics.median(r['seconds']):.2f} | "
-                     f"{codec.get('encode', float('nan')):.3f} | {codec.get('decode', float('nan')):.3f} |")
+        times = f"{codec['encode']:.3f} | {codec['decode']:.3f} |" if codec else "— | — |"
+        lines.append(f"| {method} | {b / 1e6:.2f} | {b / numel:.4f} | {statistics.median(r['seconds']):.2f} | " + times)
     lines += ["", "| ratio | distribution | stages | SIDCo threshold s | torch.topk s | speed-up | achieved/target |",
               "|---|---|---|---|---|---|---|"]
     for row in thresholds:
