@@ -68,8 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     store = sub.add_parser("store", help="inspect the activation store of a run (verify, stats)")
     store.add_argument("action", choices=["verify", "stats"])
     store.add_argument("run_dir")
-    report = sub.add_parser("report", help="compare runs: curves and a table")
-    report.add_argument("run_dirs", nargs="+")
+    report = sub.add_parser("report", help="compare runs: their loss curves on one plot and a table of summaries")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    report.add_argument("--out", default="report.png", help="where the plot goes (default report.png)")
     netns = sub.add_parser(
         "netns", help="the throttled network topology by hand (needs root)",
         description="up: make RANKS namespaces joined by a bridge, each link shaped to --bandwidth by tc tbf; run a "
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             return _store(args)
         if args.command == "netns":
             return _netns(args)
+        if args.command == "report":
+            return _report(args)
         raise ConfigError(f"'aqpipe {args.command}' is not available yet in this release")
     except ConfigError as e:
         print(f"aqpipe: error: {one_line(str(e))}", file=sys.stderr)
@@ -123,6 +126,17 @@ def _store(args: argparse.Namespace) -> int:
         return 0
     except InspectError as e:
         raise ConfigError(str(e)) from None
+
+
+def _report(args: argparse.Namespace) -> int:
+    from aqpipe.report import ReportError, report
+
+    try:
+        print(report(args.run_dirs, args.out))
+    except ReportError as e:
+        raise ConfigError(str(e)) from None
+    print(f"plot: {args.out}")
+    return 0
 
 
 def _netns(args: argparse.Namespace) -> int:
