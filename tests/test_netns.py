@@ -184,7 +184,8 @@ def test_interrupted_launcher_under_bandwidth_cleans_up(tmp_path):
     before = network_state()
     proc, tag = start_run(tmp_path, "--bandwidth", "200mbit")
     proc.send_signal(signal.SIGINT)
-    code, err, _ = finish(proc, timeout=60)
+    # one CI run on a clean clone took over 60 s here (not reproduced in 8 local runs, with and without load)
+    code, err, _ = finish(proc, timeout=180)
     assert code == 1 and "interrupted" in err
     assert tagged_processes(tag) == []
     assert network_state() == before
