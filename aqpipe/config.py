@@ -29,7 +29,16 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
     "gpt2-medium": dict(seq_len=512, micro_batch_size=1, micro_batches=8, epochs=2, lr=2e-4, warmup_steps=100),
     "gpt2-large": dict(seq_len=1024, micro_batch_size=1, micro_batches=8, epochs=2, lr=1e-4, warmup_steps=100),
     "gpt2-xl": dict(seq_len=1024, micro_batch_size=1, micro_batches=8, epochs=2, lr=5e-5, warmup_steps=100),
+    "bert-tiny": dict(seq_len=64, micro_batch_size=8, micro_batches=4, epochs=3, lr=1e-3, warmup_steps=10),
+    "bert-mini": dict(seq_len=64, micro_batch_size=8, micro_batches=4, epochs=3, lr=5e-4, warmup_steps=10),
+    "bert-small": dict(seq_len=128, micro_batch_size=8, micro_batches=4, epochs=3, lr=3e-4, warmup_steps=20),
+    "bert-base": dict(seq_len=128, micro_batch_size=8, micro_batches=4, epochs=3, lr=5e-5, warmup_steps=50),
+    "bert-large": dict(seq_len=128, micro_batch_size=4, micro_batches=8, epochs=3, lr=3e-5, warmup_steps=50),
+    "minilm-l6": dict(seq_len=64, micro_batch_size=8, micro_batches=4, epochs=3, lr=1e-4, warmup_steps=10),
 }
+# What `--resume` may change about a run; everything else must stay as the run was configured.
+RESUME_MAY_CHANGE = {"resume", "out", "steps", "epochs", "eval_every", "checkpoint_every", "bandwidth", "device",
+                     "stall_timeout", "port"}
 
 STORE_DTYPES = ("fp32", "fp16", "bf16", "q8", "q4", "q2")
 
@@ -179,9 +188,42 @@ def resolve(cfg: RunConfig) -> RunConfig:
     if cfg.out is None:
         cfg.out = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     if cfg.task is None:
-        cfg.task = "lm"
+        from aqpipe.stages.models import model_task
+
+        cfg.task = model_task(cfg.model) or "lm"
     _validate(cfg)
     return cfg
+
+
+def resume_values(run_dir: str, file_values: dict[str, Any], flag_values: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a run being resumed: its recorded config.json, with only the settings a resume may change
+    taken from the config file or flags; anything else given must equal what the run used."""
+    path = Path(run_dir) / "config.json"
+    if not Path(run_dir).is_dir():
+        raise ConfigError(f"--resume {run_dir!r} is not a run directory")
+    try:
+        saved = json.loads(path.read_text())
+    except OSError:
+        raise ConfigError(f"--resume {run_dir!r} has no config.json; is it an aqpipe run directory?") from None
+    except ValueError:
+        raise ConfigError(f"--resume: {path} is damaged (not JSON)") from None
+    if not isinstance(saved, dict) or set(saved) - FIELD_NAMES:
+        raise ConfigError(f"--resume: {path} is not an aqpipe config (unknown keys)")
+    given = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
+    if given.get("out") is not None and Path(str(given["out"])).resolve() != Path(run_dir).resolve():
+        raise ConfigError(f"--out {given['out']!r} differs from --resume {run_dir!r}; a resumed run writes to its own directory")
+    values = dict(saved)
+    for key, value in given.items():
+        if key in RESUME_MAY_CHANGE:
+            values[key] = value
+            continue
+        before = build_config({}, {key: saved.get(key)}) if saved.get(key) is not None else RunConfig()
+        after = build_config({}, {key: value})
+        if getattr(before, key) != getattr(after, key):
+            raise ConfigError(f"--{key.replace('_', '-')} cannot change on --resume: the run used "
+                              f"{getattr(before, key)!r}, got {getattr(after, key)!r}")
+    values["out"], values["resume"] = run_dir, run_dir
+    return values
 
 
 def _cuda_available() -> bool:
@@ -222,16 +264,8 @@ def _check_choices(cfg: RunConfig) -> None:
         raise ConfigError(f"--store-max-gb must be positive, got {cfg.store_max_gb}")
     if cfg.bandwidth is not None:
         _check_bandwidth(cfg.bandwidth)
-    if cfg.resume is not None:
-        raise NotAvailableYet(f"--resume {later}")
-    if cfg.checkpoint_every is not None:
-        raise NotAvailableYet(f"--checkpoint-every {later}")
-    if cfg.eval_every is not None:
-        raise NotAvailableYet(f"--eval-every {later}")
     if cfg.task not in (None, "lm", "classify"):
         raise ConfigError(f"--task {cfg.task!r} is not a task; use lm or classify")
-    if cfg.task == "classify":
-        raise NotAvailableYet(f"--task classify {later}; use --task lm")
     if cfg.schedule not in ("gpipe", "1f1b"):
         raise ConfigError(f"--schedule {cfg.schedule!r} is not a schedule; use gpipe")
     if cfg.schedule == "1f1b":
@@ -257,8 +291,11 @@ def _validate(cfg: RunConfig) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
-    for name in ("pp", "dp", "seq_len", "micro_batch_size", "micro_batches", "epochs", "steps", "max_samples"):
+    for name in ("pp", "dp", "seq_len", "micro_batch_size", "micro_batches", "epochs", "steps", "max_samples",
+                 "checkpoint_every"):
         positive(name)
+    if cfg.eval_every is not None and cfg.eval_every < 0:
+        raise ConfigError(f"--eval-every must be at least 0 (0: never evaluate), got {cfg.eval_every}")
     if cfg.lr is not None and cfg.lr < 0:
         raise ConfigError(f"--lr must not be negative, got {cfg.lr}")
     if cfg.weight_decay < 0:

@@ -19,14 +19,18 @@ def write_json(path: Path, data: Any) -> None:
 class MetricsLog:
     """Appends per-step records to `metrics.jsonl` in the run directory and keeps them for the summary."""
 
-    def __init__(self, out_dir: str | Path) -> None:
+    def __init__(self, out_dir: str | Path, records: list[dict] | None = None) -> None:
+        """Start `metrics.jsonl` afresh, holding `records` (a resumed run's history up to its checkpoint)."""
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.records: list[dict] = []
+        self.records: list[dict] = list(records or [])
+        tmp = self.out_dir / ".metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records))
+        os.replace(tmp, self.out_dir / "metrics.jsonl")
         self._file = open(self.out_dir / "metrics.jsonl", "a", buffering=1)
 
     def log(self, record: dict) -> None:
-        """Record one step."""
+        """Record one step (with `eval_*` fields when an evaluation ran after it)."""
         self.records.append(record)
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
 
@@ -82,7 +86,7 @@ def _mean_rate(records: list[dict], direction: str) -> list[float]:
 
 
 def plot_loss(records: list[dict], path: Path, title: str = "") -> None:
-    """Training loss per step, with epoch boundaries marked."""
+    """Training loss per step, with epoch boundaries marked and held-out losses as points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,6 +97,9 @@ def plot_loss(records: list[dict], path: Path, title: str = "") -> None:
     for r_prev, r in zip(records, records[1:]):
         if r["epoch"] != r_prev["epoch"]:
             ax.axvline(r["step"], color="grey", lw=0.6, ls=":")
+    evals = [r for r in records if "eval_loss" in r]
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["eval_loss"] for e in evals], "o--", ms=4, lw=0.8, label="held-out loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)

@@ -50,7 +50,9 @@ def load_run(directory: str | Path) -> Run:
             record = json.loads(line)
         except ValueError:
             raise ReportError(f"{metrics}: line {number} is not JSON (a damaged or truncated file)") from None
-        (evals if record.get("kind") == "eval" else records).append(record)
+        records.append(record)
+        if "eval_loss" in record:
+            evals.append({"step": record["step"], "loss": record["eval_loss"], "accuracy": record.get("eval_accuracy")})
     if not records:
         raise ReportError(f"{metrics}: no training steps recorded")
     config = _read_json(path / "config.json") or {}
@@ -68,7 +70,7 @@ def _read_json(path: Path) -> dict | None:
 
 def summary_table(runs: list[Run]) -> str:
     """A markdown table with one row per run; an unfinished run shows what its records tell."""
-    header = ("| run | model | pp×dp | fw | bw | grad sync | steps | final loss | eval loss | samples/s | "
+    header = ("| run | model | pp×dp | fw | bw | grad sync | steps | final loss | eval loss | eval acc | samples/s | "
               "link MB | grad-sync MB | wall s |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for run in runs:
@@ -76,11 +78,13 @@ def summary_table(runs: list[Run]) -> str:
         link = s.get("link_bytes", {})
         link_mb = (link.get("fwd", 0) + link.get("bwd", 0)) / 1e6 if link else None
         final = s.get("final_loss", run.records[-1]["loss"])
-        eval_loss = run.evals[-1].get("loss") if run.evals else s.get("eval", {}).get("loss")
+        eval_loss = run.evals[-1]["loss"] if run.evals else s.get("eval_loss")
+        eval_accuracy = run.evals[-1]["accuracy"] if run.evals else s.get("eval_accuracy")
         cells = [
             run.name, c.get("model", "?"), f"{c.get('pp', '?')}×{c.get('dp', '?')}", c.get("fw", "?"),
             c.get("bw", "?"), c.get("grad_sync", "none"), str(s.get("steps", len(run.records))) + ("" if s else " (unfinished)"),
             f"{final:.4f}", "—" if eval_loss is None else f"{eval_loss:.4f}",
+            "—" if eval_accuracy is None else f"{eval_accuracy:.4f}",
             "—" if "samples_per_second" not in s else f"{s['samples_per_second']:.1f}",
             "—" if link_mb is None else f"{link_mb:.1f}",
             "—" if "grad_sync_bytes" not in s else f"{s['grad_sync_bytes'] / 1e6:.1f}",

@@ -13,7 +13,9 @@ def make_run(path, fw, losses, finished=True, evals=()):
     (path / "config.json").write_text(json.dumps({"model": "gpt2-tiny", "pp": 2, "dp": 1, "fw": fw, "bw": "directq:8",
                                                   "grad_sync": "none"}))
     lines = [json.dumps({"step": i + 1, "epoch": 0, "loss": loss}) for i, loss in enumerate(losses)]
-    lines += [json.dumps({"kind": "eval", "step": step, "loss": loss}) for step, loss in evals]
+    evaluated = dict(evals)
+    lines = [json.dumps({**json.loads(line), "eval_loss": evaluated[json.loads(line)["step"]]})
+             if json.loads(line)["step"] in evaluated else line for line in lines]
     (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     if finished:
         (path / "summary.json").write_text(json.dumps({
@@ -29,7 +31,7 @@ def test_report_tables_every_run_and_writes_one_plot(tmp_path):
     table = report([str(a), str(b), str(c)], tmp_path / "out" / "report.png")
     rows = table.splitlines()
     assert len(rows) == 5
-    assert "| fp32 | gpt2-tiny | 2×1 | fp32 | directq:8 | none | 3 | 3.5000 | 3.9000 | 12.5 | 4.0 |" in rows[2]
+    assert "| fp32 | gpt2-tiny | 2×1 | fp32 | directq:8 | none | 3 | 3.5000 | 3.9000 | — | 12.5 | 4.0 |" in rows[2]
     assert "aqsgd:3" in rows[3] and "3.6000" in rows[3]
     assert "2 (unfinished)" in rows[4] and "4.5000" in rows[4]
     assert (tmp_path / "out" / "report.png").stat().st_size > 10_000

@@ -142,6 +142,17 @@ class LinkCodec:
         """The exact payload length of a compressed message with this header."""
         return numel(header.shape) * 4
 
+    def state_dict(self) -> dict:
+        """What a checkpoint must keep to continue exactly: the stochastic-rounding generator's state."""
+        generator = getattr(self, "_generator", None)
+        return {} if generator is None else {"generator": generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s output."""
+        generator = getattr(self, "_generator", None)
+        if generator is not None and "generator" in state:
+            generator.set_state(state["generator"])
+
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
         return self._raw(tensor)
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from aqpipe.data.corpus import DataError, load_corpus
+from aqpipe.data.classify import ClassifySamples, encode_examples, labeled_text
+from aqpipe.data.corpus import Corpus, DataError, load_corpus
+from aqpipe.data.labeled import load_labeled
 from aqpipe.data.samples import TokenSamples, chunk, epoch_order
 from aqpipe.data.tokenizer import HFTokenizer, atomic_write_bytes, cache_dir, corpus_key, train_bpe
 
@@ -16,13 +18,18 @@ DEFAULT_BPE_VOCAB = 4096
 
 
 @dataclass
-class LMDataset:
-    """Tokenized training and validation samples of one corpus."""
+class TaskDataset:
+    """Tokenized training and validation samples of one task (LM windows, or labelled examples to classify)."""
 
-    train: TokenSamples
-    valid: TokenSamples
+    train: TokenSamples | ClassifySamples
+    valid: TokenSamples | ClassifySamples
     vocab_size: int
     tokenizer: str
+    label_names: list[str] = field(default_factory=list)  # classification only
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_names)
 
 
 def prepare_lm_dataset(
@@ -31,7 +38,7 @@ def prepare_lm_dataset(
     tokenizer_dir: str | None = None,
     vocab_size: int | None = None,
     max_samples: int | None = None,
-) -> LMDataset:
+) -> TaskDataset:
     """Load, tokenize and chunk `data` into samples of `seq_len` tokens; cached, so every rank can call it."""
     corpus = load_corpus(data)
     if tokenizer_dir is not None:
@@ -55,7 +62,55 @@ def prepare_lm_dataset(
         raise DataError(f"--data {data!r} is too short for even one sample of --seq-len {seq_len}")
     if max_samples is not None:
         train = TokenSamples(train.tokens[:max_samples])
-    return LMDataset(train, valid, vocab, tok_name)
+    return TaskDataset(train, valid, vocab, tok_name)
+
+
+def prepare_classify_dataset(
+    data: str,
+    seq_len: int,
+    tokenizer_dir: str | None = None,
+    vocab_size: int | None = None,
+    max_samples: int | None = None,
+) -> TaskDataset:
+    """Load and tokenize labelled examples of `data` to `seq_len` tokens; cached, so every rank can call it."""
+    task = load_labeled(data)
+    if tokenizer_dir is not None:
+        tok_name = "hf:" + hashlib.sha256(tokenizer_dir.encode()).hexdigest()[:12]
+    else:
+        tok_name = f"bpe{vocab_size or DEFAULT_BPE_VOCAB}"
+    text = Corpus(task.name, labeled_text(task), "")
+    content = hashlib.sha256(repr((task.train, task.valid, task.labels)).encode()).hexdigest()[:16]
+    path = cache_dir() / f"classify-{content}-{tok_name}-{seq_len}.pt"
+    if path.is_file():
+        cached = torch.load(path, weights_only=True)
+        train, valid = ClassifySamples(**cached["train"]), ClassifySamples(**cached["valid"])
+        vocab = int(cached["vocab_size"])
+    else:
+        tokenizer = HFTokenizer(tokenizer_dir) if tokenizer_dir else train_bpe(text, vocab_size or DEFAULT_BPE_VOCAB)
+        train = encode_examples(task.train, tokenizer, seq_len)
+        valid = encode_examples(task.valid, tokenizer, seq_len)
+        vocab = tokenizer.vocab_size
+        buf = io.BytesIO()
+        torch.save({"train": train.to_dict(), "valid": valid.to_dict(), "vocab_size": vocab}, buf)
+        atomic_write_bytes(path, buf.getvalue())
+    if max_samples is not None:
+        train = ClassifySamples(**{k: v[:max_samples] for k, v in train.to_dict().items()})
+    return TaskDataset(train, valid, vocab, tok_name, list(task.labels))
+
+
+def export_tokenizer(task: str, data: str, tokenizer_dir: str | None, vocab_size: int | None):
+    """The run's tokenizer as a `transformers` tokenizer, to save beside an exported model: the model's own, or
+    aqpipe's BPE (trained on the same text, so the cached one) wrapped as a fast tokenizer."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if tokenizer_dir is not None:
+        return AutoTokenizer.from_pretrained(tokenizer_dir)
+    corpus = Corpus("labeled", labeled_text(load_labeled(data)), "") if task == "classify" else load_corpus(data)
+    bpe = train_bpe(corpus, vocab_size or DEFAULT_BPE_VOCAB)
+    special = "<|endoftext|>"
+    extra = dict(cls_token=special, sep_token=special, pad_token=special) if task == "classify" else {}
+    return PreTrainedTokenizerFast(tokenizer_object=bpe.tokenizer, bos_token=special, eos_token=special,
+                                   unk_token=special, **extra)
 
 
 class EpochPlan:

@@ -28,6 +28,10 @@ class TokenSamples:
         """Next-token targets of the samples `ids`, shape [len(ids), seq_len]."""
         return self.tokens[ids, 1:]
 
+    def mask(self, ids: torch.Tensor) -> None:
+        """LM windows are never padded: no mask travels with them."""
+        return None
+
 
 def chunk(token_ids: list[int] | torch.Tensor, seq_len: int) -> TokenSamples:
     """Cut a token stream into non-overlapping windows of seq_len + 1 (consecutive windows share one token)."""

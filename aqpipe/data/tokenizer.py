@@ -36,14 +36,14 @@ class BPETokenizer:
     """A byte-level BPE from the `tokenizers` library."""
 
     def __init__(self, tokenizer) -> None:
-        self._tok = tokenizer
+        self.tokenizer = tokenizer  # a `tokenizers.Tokenizer`
         self.vocab_size = tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        return self.tokenizer.encode(text).ids
 
     def save(self, path: Path) -> None:
-        atomic_write_bytes(path, self._tok.to_str().encode())
+        atomic_write_bytes(path, self.tokenizer.to_str().encode())
 
 
 class HFTokenizer:
@@ -52,11 +52,11 @@ class HFTokenizer:
     def __init__(self, directory: str) -> None:
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(directory)
-        self.vocab_size = len(self._tok)
+        self.hf = AutoTokenizer.from_pretrained(directory)
+        self.vocab_size = len(self.hf)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok(text, add_special_tokens=False)["input_ids"]
+        return self.hf(text, add_special_tokens=False)["input_ids"]
 
 
 def corpus_key(corpus: Corpus) -> str:

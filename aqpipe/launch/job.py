@@ -39,6 +39,8 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
         return 0
     plan = make_plan(cfg, spec_factory)
     cfg.stage_bounds = plan.bounds
+    if cfg.resume is not None:
+        _check_checkpoint(cfg)
     out = Path(cfg.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -70,6 +72,21 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
     print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
           f"{summary['samples_per_second']:.1f} samples/s, {summary['wall_seconds']:.0f} s{links}; run directory {out}")
     return 0
+
+
+def _check_checkpoint(cfg: RunConfig) -> None:
+    """The run to resume has a complete, undamaged checkpoint (checked before any worker starts)."""
+    from aqpipe.runtime.checkpoint import CheckpointError, latest_step, verify
+
+    step = latest_step(cfg.resume)
+    if step is None:
+        raise ConfigError(f"--resume {cfg.resume}: no complete checkpoint under {cfg.resume}/checkpoints "
+                          "(the run stopped before its first --checkpoint-every)")
+    try:
+        verify(cfg.resume, step, cfg.world_size)
+    except CheckpointError as e:
+        raise ConfigError(f"--resume: {e}") from None
+    print(f"aqpipe: resuming {cfg.resume} after step {step}", file=sys.stderr, flush=True)
 
 
 def _interrupt(signum, frame) -> None:

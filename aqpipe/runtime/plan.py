@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aqpipe.config import ConfigError, RunConfig
-from aqpipe.data import DataError, EpochPlan, LMDataset, prepare_lm_dataset, shard
+from aqpipe.data import DataError, EpochPlan, TaskDataset, prepare_classify_dataset, prepare_lm_dataset, shard
 from aqpipe.stages import PipelineSpec, SpecError, partition
-from aqpipe.stages.models import build_spec, classify_model, tokenizer_directory
+from aqpipe.stages.models import build_spec, check_task, classify_model, tokenizer_directory
 
 
 @dataclass
@@ -17,7 +17,7 @@ class RunPlan:
     """A resolved run: the data, the model spec, stage boundaries and step counts."""
 
     cfg: RunConfig
-    dataset: LMDataset
+    dataset: TaskDataset
     spec: PipelineSpec
     bounds: list[int]
     steps_per_epoch: int
@@ -37,11 +37,15 @@ def make_plan(cfg: RunConfig, spec_factory=None, profile: bool = True) -> RunPla
     try:
         if spec_factory is None:
             classify_model(cfg.model)
+            check_task(cfg.model, cfg.task)
         tok_dir = None if spec_factory is not None else tokenizer_directory(cfg.model)
-        dataset = prepare_lm_dataset(cfg.data, cfg.seq_len, tok_dir, cfg.vocab_size, cfg.max_samples)
-        spec = build_spec(cfg.model, dataset.vocab_size, cfg.seq_len, cfg.dropout, spec_factory)
+        prepare = prepare_classify_dataset if cfg.task == "classify" else prepare_lm_dataset
+        dataset = prepare(cfg.data, cfg.seq_len, tok_dir, cfg.vocab_size, cfg.max_samples)
+        spec = build_spec(cfg.model, dataset.vocab_size, cfg.seq_len, cfg.dropout, spec_factory, dataset.num_labels)
     except (SpecError, DataError) as e:
         raise ConfigError(str(e)) from None
+    if spec.extras.get("task", cfg.task) != cfg.task:
+        raise ConfigError(f"--model {cfg.model} is built for --task {spec.extras['task']}, not {cfg.task}")
 
     per_step = cfg.micro_batch_size * cfg.micro_batches
     shard_size = len(dataset.train) // cfg.dp
@@ -103,7 +107,7 @@ def check_store_capacity(cfg: RunConfig, spec: PipelineSpec, num_samples: int) -
                           f"{free / 1e9:.2f} GB free; use a low-bit --store-dtype, fewer samples, or another --out")
 
 
-def resolve_bounds(cfg: RunConfig, spec: PipelineSpec, dataset: LMDataset) -> list[int]:
+def resolve_bounds(cfg: RunConfig, spec: PipelineSpec, dataset: TaskDataset) -> list[int]:
     """Stage boundaries for `--partition` (profiling a real micro-batch for "time")."""
     method: str | list[int] = cfg.partition
     if method not in ("parameters", "time"):

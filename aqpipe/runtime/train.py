@@ -17,12 +17,19 @@ from aqpipe.compress.codecs import QuantOptions, build_codec
 from aqpipe.compress.grad import DPGroup, build_grad_sync
 from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.config import RunConfig
+from aqpipe.data.dataset import export_tokenizer
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
+from aqpipe.runtime.checkpoint import CheckpointError, latest_step, load_rank, mark_complete, save_rank
+from aqpipe.runtime.evaluate import eval_batches, evaluate_stage, gather_eval
 from aqpipe.runtime.grid import Grid, create_groups
 from aqpipe.runtime.optim import build_optimizer
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds, store_bytes_per_rank
+from aqpipe.runtime.reconcile import reconcile
+from aqpipe.runtime.resume import apply_state, collect_state, describe, kept_records
 from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, Inbox, Outbox
 from aqpipe.runtime.worker import Codecs, Links, StageWorker, StepStats
+from aqpipe.stages.export import export_hf
+from aqpipe.stages.models import tokenizer_directory
 from aqpipe.storage import STORE_DTYPES, MemoryStore, StoreView
 from aqpipe.storage.lmdb_store import LMDBStore, store_path
 from aqpipe.storage.prefetch import PrefetchingStore
@@ -134,25 +141,48 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
         [p for p in module.parameters() if p.requires_grad], cfg.optimizer, cfg.lr, cfg.weight_decay,
         cfg.warmup_steps, plan.total_steps, grad_sync=grad_sync,
     )
+    codecs = build_codecs(cfg, grid, store)
+    ends = grid.is_first_stage or grid.is_last_stage
     worker = StageWorker(
         grid=grid, groups=groups, module=module, loss_fn=plan.spec.loss,
-        samples=plan.dataset.train if (grid.is_first_stage or grid.is_last_stage) else None,
-        links=_links(grid, device, cfg.stall_timeout), codecs=build_codecs(cfg, grid, store),
+        samples=plan.dataset.train if ends else None,
+        links=_links(grid, device, cfg.stall_timeout), codecs=codecs,
         grad_sync=grad_sync, optimizer=optimizer,
         lr_schedule=lr_schedule, clip=cfg.clip, device=device, micro_batch_size=cfg.micro_batch_size,
     )
+    first_step = _resume(cfg, worker, codecs, store, groups) if cfg.resume else 0
     epochs = plan.epoch_plan(grid.replica)
-    log = _open_outputs(cfg, plan) if grid.rank == 0 else None
-    emit({"event": "start", "total_steps": plan.total_steps, "rank": grid.rank})
-    wall_start = time.perf_counter()
+    log = _open_outputs(cfg, plan, first_step) if grid.rank == 0 else None
+    emit({"event": "start", "total_steps": plan.total_steps, "rank": grid.rank, "first_step": first_step})
+    wall_start = time.perf_counter() - (log.records[-1]["elapsed_seconds"] if log is not None and log.records else 0.0)
+
+    def evaluate(step: int) -> dict:
+        """One pass over the held-out split (all ranks); on rank 0 its numbers as `eval_*` record fields."""
+        batches = eval_batches(len(plan.dataset.valid), grid.replica, cfg.dp, cfg.micro_batch_size)
+        totals = evaluate_stage(worker, step, batches, plan.dataset.valid if ends else None, plan.dataset.num_labels)
+        result = gather_eval(totals, grid, plan.dataset.num_labels)
+        if result is None:
+            return {}
+        emit({"event": "eval", "step": step, "loss": result["loss"], "accuracy": result.get("accuracy")})
+        _print_eval(step, result)
+        return {f"eval_{k}": v for k, v in result.items()}
+
+    def checkpoint(step: int) -> None:
+        """Every rank writes its state after `step` steps; rank 0 marks the checkpoint complete."""
+        save_rank(cfg.out, step, grid.rank, collect_state(worker, codecs, store))
+        dist.barrier()
+        if grid.rank == 0:
+            mark_complete(cfg.out, step, grid.world_size)
+
+    evaluating = len(plan.dataset.valid) > 0 and cfg.eval_every != 0
     try:
-        for step in range(plan.total_steps):
+        for step in range(first_step, plan.total_steps):
             step_start = time.perf_counter()
             lr = lr_schedule.get_last_lr()[0]
             epoch = step // plan.steps_per_epoch
             store.step = step
             if isinstance(store, PrefetchingStore):  # this step's m(ξ) (first step only) and the next step's
-                for ahead in ([step, step + 1] if step == 0 else [step + 1]):
+                for ahead in ([step, step + 1] if step == first_step else [step + 1]):
                     if ahead < plan.total_steps:
                         _prefetch(store, grid, torch.cat(epochs.micro_batches_of(ahead)).tolist())
             stats = worker.run_step(step, epochs.micro_batches_of(step), compress=epoch >= cfg.warmup_epochs)
@@ -160,16 +190,24 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
                 store.stats.hits, store.stats.misses, store.stats.reseeded)
             step_seconds = time.perf_counter() - step_start
             record = _gather_step(stats, grid, cfg, step, plan.steps_per_epoch, lr, step_seconds)
+            done = step + 1
+            if evaluating and (done == plan.total_steps or (cfg.eval_every and done % cfg.eval_every == 0)):
+                record.update(evaluate(done))
             if log is not None:
                 record["elapsed_seconds"] = time.perf_counter() - wall_start
                 log.log(record)
-                emit({"event": "step", "step": step + 1, "total_steps": plan.total_steps, "loss": record["loss"],
+                emit({"event": "step", "step": done, "total_steps": plan.total_steps, "loss": record["loss"],
                       "samples_per_second": record["samples_per_second"]})
                 _print_progress(record, plan.total_steps)
+            if done == plan.total_steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+                if isinstance(store, PrefetchingStore):
+                    store.flush()
+                checkpoint(done)
     finally:
         worker.links.close()
     if grid.replica == 0:
         save_stage_weights(module, Path(cfg.out), grid.stage)
+    dist.barrier()  # every stage's final weights are on disk before rank 0 merges them
     if cfg.store == "lmdb":
         store.close()
     elif cfg.store_dump == "on":
@@ -182,11 +220,58 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
                         wall_seconds=time.perf_counter() - wall_start)
     last = log.records[-1]
     summary["store"] = {"hits": last["store_hits"], "misses": last["store_misses"], "reseeded": last["store_reseeded"]}
+    summary.update(eval_summary(log.records))
+    summary["export"] = _export(plan)
     out = Path(cfg.out)
     write_json(out / "summary.json", summary)
     plot_loss(log.records, out / "loss.png", title=f"{cfg.model}  pp={cfg.pp} dp={cfg.dp}  fw={cfg.fw} bw={cfg.bw}")
     emit({"event": "done", "summary": summary})
     return summary
+
+
+def _resume(cfg: RunConfig, worker: StageWorker, codecs: Codecs, store, groups) -> int:
+    """Load this rank's part of the run's last checkpoint and make every link's two m(ξ) copies agree; returns
+    the step to continue from."""
+    step = latest_step(cfg.resume)
+    if step is None:
+        raise CheckpointError(f"--resume {cfg.resume}: no complete checkpoint under {cfg.resume}/checkpoints")
+    apply_state(load_rank(cfg.resume, step, worker.grid.rank), worker, codecs, store,
+                describe(cfg.resume, step, worker.grid.rank))
+    reseeded = reconcile(store, worker.grid, groups.pipeline)
+    store.stats.reseeded += reseeded
+    emit({"event": "resumed", "step": step, "rank": worker.grid.rank, "reseeded": reseeded})
+    return step
+
+
+def eval_summary(records: list[dict]) -> dict:
+    """The last evaluation's numbers as summary fields (eval_loss, eval_accuracy, …), with the step it ran at."""
+    evaluated = [r for r in records if "eval_loss" in r]
+    if not evaluated:
+        return {}
+    final = evaluated[-1]
+    return {**{k: v for k, v in final.items() if k.startswith("eval_")}, "eval_step": final["step"]}
+
+
+def _export(plan: RunPlan) -> str | None:
+    """Merge the final stage weights into an HF checkpoint directory `<out>/export` (None for custom models)."""
+    architecture = plan.spec.extras.get("architecture")
+    if architecture is None:
+        return None
+    out = Path(plan.cfg.out)
+    states = [torch.load(out / "checkpoints" / "final" / f"stage-{k}.pt", weights_only=True) for k in range(plan.cfg.pp)]
+    tokenizer = export_tokenizer(plan.cfg.task, plan.cfg.data, tokenizer_directory(plan.cfg.model), plan.cfg.vocab_size)
+    path = export_hf(states, plan.bounds, architecture, plan.spec.extras["hf_config"], out / "export", tokenizer,
+                     plan.dataset.label_names)
+    return str(path)
+
+
+def _print_eval(step: int, result: dict) -> None:
+    parts = [f"eval after step {step}: loss {result['loss']:.4f}"]
+    if "accuracy" in result:
+        parts.append(f"accuracy {result['accuracy']:.4f}, MCC {result['mcc']:.4f}")
+    if "perplexity" in result:
+        parts.append(f"perplexity {result['perplexity']:.2f}")
+    print(", ".join(parts), file=sys.stderr, flush=True)
 
 
 def save_stage_weights(module: torch.nn.Module, out: Path, stage: int) -> Path:
@@ -208,14 +293,14 @@ def _prefetch(store: PrefetchingStore, grid: Grid, ids: list[int]) -> None:
         store.prefetch(grid.stage - 1, "recv", ids)
 
 
-def _open_outputs(cfg: RunConfig, plan: RunPlan) -> MetricsLog:
+def _open_outputs(cfg: RunConfig, plan: RunPlan, first_step: int) -> MetricsLog:
+    """config.json, and the metrics log (a resumed run keeps the records up to its checkpoint)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     resolved = cfg.to_dict()
     resolved["stage_bounds"] = plan.bounds
     write_json(out / "config.json", resolved)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    return MetricsLog(out)
+    return MetricsLog(out, kept_records(out, first_step) if first_step else [])
 
 
 def _gather_step(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_per_epoch: int, lr: float,

@@ -1,7 +1,8 @@
 """Framed point-to-point messages between stages: a fixed, validated header, then sample ids and the payload.
 
 A message is two torch.distributed sends on one tag: the 128-byte header, then a body of `n_ids` int64 sample
-ids followed by `payload_len` payload bytes. The receiver validates the header before it allocates the body,
+ids, `side_len` bytes of lossless per-sample side information (the attention mask, when the model has one),
+and `payload_len` payload bytes. The receiver validates the header before it allocates the body,
 and checks the body's CRC32 before it hands the message on. A background thread per inbound link receives
 ahead of the compute thread, so a stage computes micro-batch i while i+1 is on the wire.
 """
@@ -21,13 +22,15 @@ import torch
 MAGIC = b"AQP1"
 HEADER_SIZE = 128
 MAX_DIMS = 8
-# magic, kind, dtype, ndim, codec, step, micro_batch, n_ids, payload_len, checksum, codec_check, flags, shape[8]
-_LAYOUT = struct.Struct("<4sBBBBqiiqIII8q")
+# magic, kind, dtype, ndim, codec, step, micro_batch, n_ids, payload_len, checksum, codec_check, flags, side_len,
+# shape[8]
+_LAYOUT = struct.Struct("<4sBBBBqiiqIIIi8q")
 assert _LAYOUT.size <= HEADER_SIZE
 
 KIND_ACTIVATION = 1
 KIND_GRADIENT = 2
-KIND_NAMES = {KIND_ACTIVATION: "activation", KIND_GRADIENT: "gradient"}
+KIND_EVAL = 3  # an evaluation activation: fp32, never through a compressing codec or the store
+KIND_NAMES = {KIND_ACTIVATION: "activation", KIND_GRADIENT: "gradient", KIND_EVAL: "evaluation activation"}
 
 DTYPES: dict[int, torch.dtype] = {
     1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.uint8, 5: torch.int64, 6: torch.int32,
@@ -56,6 +59,7 @@ class Header:
     checksum: int = 0
     codec_check: int = 0
     flags: int = 0
+    side_len: int = 0
 
     def pack(self) -> bytes:
         """The 128 bytes on the wire."""
@@ -64,7 +68,7 @@ class Header:
         shape = list(self.shape) + [0] * (MAX_DIMS - len(self.shape))
         raw = _LAYOUT.pack(
             MAGIC, self.kind, DTYPE_CODES[self.dtype], len(self.shape), self.codec, self.step, self.micro_batch,
-            self.n_ids, self.payload_len, self.checksum, self.codec_check, self.flags, *shape,
+            self.n_ids, self.payload_len, self.checksum, self.codec_check, self.flags, self.side_len, *shape,
         )
         return raw.ljust(HEADER_SIZE, b"\0")
 
@@ -87,8 +91,8 @@ def parse_header(raw: bytes, peer: str, expect: Expect) -> Header:
     if len(raw) != HEADER_SIZE:
         raise TransportError(f"malformed header from {peer}: {len(raw)} bytes, expected {HEADER_SIZE}")
     fields = _LAYOUT.unpack_from(raw)
-    magic, kind, dtype_code, ndim, codec, step, mb, n_ids, payload_len, checksum, codec_check, flags = fields[:12]
-    dims = fields[12:]
+    magic, kind, dtype_code, ndim, codec, step, mb, n_ids, payload_len, checksum, codec_check, flags, side_len = fields[:13]
+    dims = fields[13:]
     if magic != MAGIC:
         raise TransportError(f"malformed header from {peer}: bad magic {magic!r} (not an aqpipe peer, or a stream out of step)")
     if kind != expect.kind:
@@ -115,16 +119,21 @@ def parse_header(raw: bytes, peer: str, expect: Expect) -> Header:
         raise TransportError(f"malformed header from {peer}: {n_ids} sample ids, expected {expect.n_ids}")
     if not 0 <= payload_len <= expect.max_payload:
         raise TransportError(f"malformed header from {peer}: absurd payload length {payload_len} (limit {expect.max_payload})")
-    header = Header(kind, step, mb, shape, DTYPES[dtype_code], n_ids, payload_len, codec, checksum, codec_check, flags)
+    if not 0 <= side_len <= expect.max_payload or (side_len and (n_ids == 0 or side_len % n_ids)):
+        raise TransportError(f"malformed header from {peer}: side information of {side_len} bytes for {n_ids} samples")
+    header = Header(kind, step, mb, shape, DTYPES[dtype_code], n_ids, payload_len, codec, checksum, codec_check, flags,
+                    side_len)
     problem = expect.check(header) if expect.check is not None else None
     if problem:
         raise TransportError(f"malformed header from {peer}: {problem}")
     return header
 
 
-def body_checksum(ids: torch.Tensor, payload: torch.Tensor) -> int:
-    """CRC32 of the sample ids then the payload bytes."""
+def body_checksum(ids: torch.Tensor, payload: torch.Tensor, side: torch.Tensor | None = None) -> int:
+    """CRC32 of the sample ids, the side information, then the payload bytes."""
     crc = zlib.crc32(ids.numpy().tobytes())
+    if side is not None and side.numel():
+        crc = zlib.crc32(side.numpy().tobytes(), crc)
     return zlib.crc32(memoryview(payload.numpy()), crc) & 0xFFFFFFFF
 
 
@@ -136,6 +145,7 @@ class Message:
     ids: torch.Tensor
     payload: torch.Tensor
     wire_bytes: int
+    side: torch.Tensor | None = None  # [n_ids, side_len / n_ids] uint8, or None
     # From posting the body's receive to its arrival: the time the body spent on the wire (gloo sends an unbound
     # buffer only once the receiver has posted it), so body bytes / this is the link's achieved rate.
     transfer_seconds: float = 0.0
@@ -151,16 +161,17 @@ class Outbox:
     _pending: list = field(default_factory=list)
     bytes_sent: int = 0
 
-    def send(self, header: Header, ids: torch.Tensor, payload: torch.Tensor) -> None:
-        """Queue one message (header.checksum is filled here)."""
+    def send(self, header: Header, ids: torch.Tensor, payload: torch.Tensor, side: torch.Tensor | None = None) -> None:
+        """Queue one message (header.checksum is filled here); `side` is per-sample uint8 data, one row per id."""
         import torch.distributed as dist
 
         ids = ids.to(torch.int64).contiguous().cpu()
         payload = payload.contiguous().view(torch.uint8).reshape(-1).cpu()
-        header.n_ids, header.payload_len = ids.numel(), payload.numel()
-        header.checksum = body_checksum(ids, payload)
+        side = torch.empty(0, dtype=torch.uint8) if side is None else side.to(torch.uint8).contiguous().reshape(-1).cpu()
+        header.n_ids, header.payload_len, header.side_len = ids.numel(), payload.numel(), side.numel()
+        header.checksum = body_checksum(ids, payload, side)
         head = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
-        body = torch.cat([ids.view(torch.uint8), payload])
+        body = torch.cat([ids.view(torch.uint8), side, payload])
         for tensor in (head, body):
             tensor = tensor.to(self.device)
             self._pending.append((dist.isend(tensor, self.peer_rank, tag=self.tag), tensor))
@@ -221,18 +232,20 @@ class Inbox:
         head = torch.empty(HEADER_SIZE, dtype=torch.uint8, device=self.device)
         dist.recv(head, self.peer_rank, tag=self.tag)
         header = parse_header(bytes(head.cpu().numpy()), self.peer_name, expect)
-        body = torch.empty(8 * header.n_ids + header.payload_len, dtype=torch.uint8, device=self.device)
+        body = torch.empty(8 * header.n_ids + header.side_len + header.payload_len, dtype=torch.uint8, device=self.device)
         start = time.perf_counter()
         dist.recv(body, self.peer_rank, tag=self.tag)
         transfer_seconds = time.perf_counter() - start
         body = body.cpu()
         ids = body[: 8 * header.n_ids].view(torch.int64)
-        payload = body[8 * header.n_ids :]
-        if body_checksum(ids, payload) != header.checksum:
+        side = body[8 * header.n_ids : 8 * header.n_ids + header.side_len]
+        payload = body[8 * header.n_ids + header.side_len :]
+        if body_checksum(ids, payload, side) != header.checksum:
             raise TransportError(
                 f"damaged message from {self.peer_name}: step {header.step} micro-batch {header.micro_batch} fails its checksum"
             )
-        return Message(header, ids, payload, HEADER_SIZE + body.numel(), transfer_seconds)
+        rows = side.view(header.n_ids, -1) if header.side_len else None
+        return Message(header, ids, payload, HEADER_SIZE + body.numel(), rows, transfer_seconds)
 
 
 def _first_line(e: BaseException) -> str:

@@ -12,7 +12,7 @@ from torch import nn
 
 from aqpipe.compress.codecs import LinkCodec
 from aqpipe.compress.grad import GradSync
-from aqpipe.data import TokenSamples
+from aqpipe.data import ClassifySamples, TokenSamples
 from aqpipe.runtime import schedule as sch
 from aqpipe.runtime.grid import Grid, ProcessGroups
 from aqpipe.runtime.optim import clip_by_global_norm, local_grad_sq_norm
@@ -68,6 +68,7 @@ class Codecs:
 @dataclass
 class _MicroBatch:
     ids: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # per-sample side information (attention mask), sent losslessly
     inputs: torch.Tensor | None = None
     outputs: torch.Tensor | None = None
     targets: torch.Tensor | None = None
@@ -83,7 +84,7 @@ class StageWorker:
     groups: ProcessGroups
     module: nn.Module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    samples: TokenSamples | None  # first and last stage only
+    samples: TokenSamples | ClassifySamples | None  # first and last stage only
     links: Links
     codecs: Codecs
     grad_sync: GradSync
@@ -135,18 +136,19 @@ class StageWorker:
         msg = self.links.act_in.get()
         stats.fwd_recv_bytes += msg.wire_bytes - HEADER_SIZE
         stats.fwd_recv_seconds += msg.transfer_seconds
-        mb.ids = msg.ids
+        mb.ids, mb.mask = msg.ids, msg.side
         x = self.codecs.fw_recv.decode(msg.header, msg.payload, msg.ids).to(self.device)
         mb.inputs = x.requires_grad_(True)
 
     def _load_micro_batch(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         if self.grid.is_first_stage:
             mb.inputs = self.samples.inputs(mb.ids).to(self.device)
+            mb.mask = self.samples.mask(mb.ids)
         if self.grid.is_last_stage:
             mb.targets = self.samples.targets(mb.ids).to(self.device)
 
     def _forward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        out = self.module(mb.inputs)
+        out = self.module(mb.inputs, None if mb.mask is None else mb.mask.to(self.device))
         if self.grid.is_last_stage:
             mb.loss = self.loss_fn(out, mb.targets)
             stats.loss_sum += float(mb.loss.detach())
@@ -154,7 +156,7 @@ class StageWorker:
             mb.outputs = out
 
     def _send_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        sent = self._send(self.links.act_out, self.codecs.fw_send, KIND_ACTIVATION, index, mb.outputs, mb.ids)
+        sent = self._send(self.links.act_out, self.codecs.fw_send, KIND_ACTIVATION, index, mb.outputs, mb.ids, mb.mask)
         stats.fwd_bytes += sent
         stats.fwd_elements += mb.outputs.numel()
 
@@ -211,10 +213,17 @@ class StageWorker:
 
     _MODEL_TIMERS = {sch.Forward: "forward_seconds", sch.Backward: "backward_seconds"}
 
-    def _send(self, box: Outbox, codec: LinkCodec, kind: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor) -> int:
+    def _send(self, box: Outbox, codec: LinkCodec, kind: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor,
+              side: torch.Tensor | None = None) -> int:
         """Encode and queue one message; returns its payload bytes."""
-        encoded = codec.encode(tensor.detach(), ids, self._compress)
-        header = Header(kind, self._step, mb, encoded.shape, encoded.wire_dtype, ids.numel(), encoded.payload.numel(),
-                        codec=codec.code, codec_check=encoded.codec_check, flags=encoded.flags)
-        box.send(header, ids, encoded.payload)
-        return encoded.payload.numel()
+        return send_encoded(box, codec, kind, self._step, mb, tensor, ids, self._compress, side)
+
+
+def send_encoded(box: Outbox, codec: LinkCodec, kind: int, step: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor,
+                 compress: bool, side: torch.Tensor | None = None) -> int:
+    """Encode `tensor` with `codec` and queue it (with the side information) on `box`; returns its payload bytes."""
+    encoded = codec.encode(tensor.detach(), ids, compress)
+    header = Header(kind, step, mb, encoded.shape, encoded.wire_dtype, ids.numel(), encoded.payload.numel(),
+                    codec=codec.code, codec_check=encoded.codec_check, flags=encoded.flags)
+    box.send(header, ids, encoded.payload, side)
+    return encoded.payload.numel()

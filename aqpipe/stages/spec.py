@@ -16,12 +16,25 @@ class SpecError(ValueError):
     """A pipeline specification that cannot be run as written."""
 
 
+class Stage(nn.Sequential):
+    """Consecutive layers run as one stage; a layer with `takes_mask = True` is called as layer(x, mask).
+
+    The mask (e.g. BERT's attention mask [B, T]) is per-sample side information that travels with the
+    activations losslessly; layers without the attribute see only the tensor.
+    """
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        for layer in self:
+            x = layer(x, mask) if getattr(layer, "takes_mask", False) else layer(x)
+        return x
+
+
 @dataclass
 class PipelineSpec:
     """An ordered list of layers (modules, or zero-argument factories building one) and a loss.
 
-    Each layer maps one tensor to one tensor; `loss(output_of_last_layer, target)` returns a scalar. Factories
-    let a rank build only the layers of its own stage.
+    Each layer maps one tensor to one tensor (a layer may also take the sample's mask, see `Stage`);
+    `loss(output_of_last_layer, target)` returns a scalar. Factories let a rank build only its own layers.
     """
 
     layers: Sequence[LayerSource]
@@ -55,9 +68,9 @@ class PipelineSpec:
             raise SpecError(f"the factory of layer {index} returned {type(layer).__name__}, not an nn.Module")
         return layer
 
-    def build_stage(self, start: int, end: int, seed: int = 0) -> nn.Sequential:
+    def build_stage(self, start: int, end: int, seed: int = 0) -> Stage:
         """The layers [start, end) as one module."""
-        return nn.Sequential(*(self.build_layer(i, seed) for i in range(start, end)))
+        return Stage(*(self.build_layer(i, seed) for i in range(start, end)))
 
     def parameter_counts(self) -> list[int]:
         """Parameters per layer, counted on the meta device so nothing is allocated."""

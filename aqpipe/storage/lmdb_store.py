@@ -108,6 +108,13 @@ class LMDBStore:
                 raise StoreFullError(f"writing m(xi) to {self.path} failed: {e}") from None
         raise StoreFullError(f"the store at {self.path} kept running out of map space")
 
+    def delete(self, link: int, side: str, ids: Sequence[int]) -> None:
+        """Remove m(ξ) of each id (its next sight goes at full precision and re-seeds it)."""
+        with self.env.begin(write=True) as txn:
+            for i in ids:
+                txn.delete(pack_key(link, side, int(i)))
+                self._read_ahead.pop((link, side, int(i)), None)
+
     def items(self):
         """Every ((link, side, id), value) pair; damaged values are skipped (and counted)."""
         with self.env.begin() as txn:

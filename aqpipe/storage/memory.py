@@ -38,6 +38,22 @@ class MemoryStore:
                 raise TypeError(f"the store keeps {self.dtype}, got {v.dtype}")
             self._values[(link, side, int(i))] = v
 
+    def delete(self, link: int, side: str, ids: Sequence[int]) -> None:
+        """Forget m(ξ) of each id (its next sight goes at full precision and re-seeds it)."""
+        for i in ids:
+            self._values.pop((link, side, int(i)), None)
+
+    def load(self, entries: dict[str, torch.Tensor]) -> None:
+        """Replace the contents with `dump`-style entries ('link/side/id' → value), e.g. from a checkpoint."""
+        self._values = {}
+        for key, value in entries.items():
+            link, side, sample = key.split("/")
+            self._values[(int(link), side, int(sample))] = value.to(self.dtype)
+
+    def entries(self) -> dict[str, torch.Tensor]:
+        """Every entry keyed 'link/side/id' (what `dump` writes and `load` reads)."""
+        return {f"{l}/{s}/{i}": v.cpu() for (l, s, i), v in self._values.items()}
+
     def items(self):
         """Every ((link, side, id), value) pair."""
         return self._values.items()
@@ -50,4 +66,4 @@ class MemoryStore:
 
     def dump(self, path: Path) -> None:
         """Save every entry (keys as 'link/side/id') for offline comparison of the two sides of a link."""
-        torch.save({f"{l}/{s}/{i}": v.cpu() for (l, s, i), v in self._values.items()}, path)
+        torch.save(self.entries(), path)

@@ -155,6 +155,16 @@ class PrefetchingStore:
         self.flush()
         return self.backend.items()
 
+    def delete(self, link: int, side: str, ids: Sequence[int]) -> None:
+        """Remove m(ξ) of each id once pending writes are on disk, and forget any read-ahead copy."""
+        self.flush()
+        with self._lock:
+            for i in ids:
+                key = (link, side, int(i))
+                self._cache.pop(key, None)
+                self._version[key] = self._version.get(key, 0) + 1  # a read still in flight is stale
+        self.backend.delete(link, side, ids)
+
     def close(self) -> None:
         """Persist everything, stop the threads, close the backend."""
         try:

@@ -1,0 +1,107 @@
+"""Evaluation on the held-out split: a forward-only pass through the pipeline with fp32 links.
+
+As in the AQ-SGD authors' code, evaluation activations are sent uncompressed and never touch m(ξ): they use
+their own message kind and a stateless fp32 codec, so training's codecs and stores are left exactly as they were.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from aqpipe.compress.codecs import build_codec
+from aqpipe.runtime.grid import Grid
+from aqpipe.runtime.transport import HEADER_SIZE, KIND_EVAL, Expect
+from aqpipe.runtime.worker import StageWorker, send_encoded
+
+
+def eval_batches(num_samples: int, replica: int, replicas: int, micro_batch_size: int) -> list[torch.Tensor]:
+    """The held-out sample ids one replica evaluates (every `replicas`-th, none dropped), in micro-batches."""
+    return list(torch.arange(replica, num_samples, replicas).split(micro_batch_size))
+
+
+@dataclass
+class EvalTotals:
+    """What one rank counted in one evaluation: summed per-sample losses, samples, and (classification) the
+    confusion matrix, rows = true label, columns = predicted."""
+
+    loss_sum: float = 0.0
+    samples: int = 0
+    confusion: torch.Tensor | None = None
+    bytes_sent: int = 0
+
+
+def evaluate_stage(worker: StageWorker, step: int, batches: list[torch.Tensor], samples, num_labels: int) -> EvalTotals:
+    """Run this stage's part of one evaluation pass (every rank of a replica calls it with the same batches)."""
+    grid, links = worker.grid, worker.links
+    codec = build_codec("fp32", "fw")
+    totals = EvalTotals(confusion=torch.zeros(num_labels, num_labels, dtype=torch.int64) if num_labels else None)
+    if links.act_in is not None:
+        for mb, ids in enumerate(batches):
+            links.act_in.expect(Expect(KIND_EVAL, step, mb, ids.numel(), check=codec.check_header))
+    was_training = worker.module.training
+    worker.module.eval()
+    try:
+        with torch.no_grad():
+            for mb, ids in enumerate(batches):
+                if grid.is_first_stage:
+                    x, mask = samples.inputs(ids), samples.mask(ids)
+                else:
+                    msg = links.act_in.get()
+                    x, mask, ids = codec.decode(msg.header, msg.payload, msg.ids), msg.side, msg.ids
+                out = worker.module(x.to(worker.device), None if mask is None else mask.to(worker.device))
+                if grid.is_last_stage:
+                    _count(totals, out, samples.targets(ids).to(worker.device), worker.loss_fn)
+                else:
+                    sent = send_encoded(links.act_out, codec, KIND_EVAL, step, mb, out, ids, False, mask)
+                    totals.bytes_sent += sent + HEADER_SIZE
+            if links.act_out is not None:
+                links.act_out.flush()
+    finally:
+        worker.module.train(was_training)
+    return totals
+
+
+def _count(totals: EvalTotals, out: torch.Tensor, targets: torch.Tensor, loss_fn) -> None:
+    n = targets.shape[0]
+    totals.loss_sum += float(loss_fn(out, targets)) * n
+    totals.samples += n
+    if totals.confusion is not None:
+        predicted = out.argmax(dim=-1).cpu()
+        flat = targets.cpu() * totals.confusion.shape[0] + predicted
+        totals.confusion += torch.bincount(flat, minlength=totals.confusion.numel()).view_as(totals.confusion)
+
+
+def gather_eval(totals: EvalTotals, grid: Grid, num_labels: int) -> dict | None:
+    """Sum every rank's totals on rank 0 and turn them into metrics (None on other ranks)."""
+    confusion = totals.confusion if totals.confusion is not None else torch.zeros(0, dtype=torch.int64)
+    mine = torch.cat([torch.tensor([totals.loss_sum, float(totals.samples)], dtype=torch.float64),
+                      confusion.reshape(-1).to(torch.float64)])
+    gathered = [torch.zeros_like(mine) for _ in range(grid.world_size)] if grid.rank == 0 else None
+    dist.gather(mine, gathered, dst=0)
+    if grid.rank != 0:
+        return None
+    total = torch.stack(gathered).sum(dim=0)
+    loss_sum, count = float(total[0]), int(total[1])
+    result: dict = {"loss": loss_sum / count if count else float("nan"), "samples": count}
+    if num_labels:
+        result.update(classification_metrics(total[2:].round().to(torch.int64).view(num_labels, num_labels)))
+    else:
+        result["perplexity"] = math.exp(min(result["loss"], 700.0))
+    return result
+
+
+def classification_metrics(confusion: torch.Tensor) -> dict:
+    """Accuracy and Matthews correlation (the multi-class form; for two classes the usual MCC) of a confusion
+    matrix with true labels on rows."""
+    c = confusion.to(torch.float64)
+    n = float(c.sum())
+    correct = float(c.diagonal().sum())
+    true_counts, predicted_counts = c.sum(dim=1), c.sum(dim=0)
+    covariance = correct * n - float((true_counts * predicted_counts).sum())
+    denominator = math.sqrt((n * n - float((predicted_counts ** 2).sum())) * (n * n - float((true_counts ** 2).sum())))
+    return {"accuracy": correct / n if n else float("nan"), "mcc": covariance / denominator if denominator else 0.0,
+            "confusion": confusion.tolist()}

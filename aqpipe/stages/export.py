@@ -1,0 +1,87 @@
+"""Merge the stages' weights into one Hugging Face checkpoint directory (`save_pretrained` + tokenizer).
+
+The result loads with `AutoModelForCausalLM.from_pretrained` (GPT-2; its LM head is saved untied, since the
+pipeline trained it apart from the token embedding) or `AutoModelForSequenceClassification.from_pretrained`
+(BERT family).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+
+class ExportError(RuntimeError):
+    """A model that cannot be exported as an HF checkpoint."""
+
+
+def _gpt2_key(layer: int, last: int, key: str) -> str:
+    if layer == 0:
+        return "transformer." + key
+    if layer == last:
+        return key if key.startswith("lm_head.") else "transformer." + key
+    return f"transformer.h.{layer - 1}." + key.removeprefix("block.")
+
+
+def _bert_key(layer: int, last: int, key: str) -> str:
+    if layer == 0:
+        return "bert." + key
+    if layer == last:
+        return "bert." + key if key.startswith("pooler.") else key
+    return f"bert.encoder.layer.{layer - 1}." + key.removeprefix("layer.")
+
+
+_KEYS = {"gpt2": _gpt2_key, "bert": _bert_key}
+
+
+def merged_state(stage_states: list[dict[str, torch.Tensor]], bounds: list[int], architecture: str) -> dict:
+    """One HF-named state dict from each stage's state dict (keys `<local layer>.<name>`)."""
+    if architecture not in _KEYS:
+        raise ExportError(f"cannot export a {architecture!r} model as an HF checkpoint (gpt2 and bert can be)")
+    rename, last = _KEYS[architecture], bounds[-1] - 1
+    merged = {}
+    for stage, state in enumerate(stage_states):
+        for key, value in state.items():
+            match = re.match(r"(\d+)\.(.*)", key)
+            if match is None:
+                raise ExportError(f"stage {stage} weight {key!r} is not named by its layer")
+            merged[rename(bounds[stage] + int(match.group(1)), last, match.group(2))] = value
+    return merged
+
+
+def build_hf_model(hf_config: dict, architecture: str, state: dict):
+    """The `transformers` model with `state` loaded; every weight must be accounted for."""
+    if architecture == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config.from_dict({**hf_config, "tie_word_embeddings": False})
+        model = GPT2LMHeadModel(config)
+    elif architecture == "bert":
+        from transformers import BertConfig, BertForSequenceClassification
+
+        model = BertForSequenceClassification(BertConfig.from_dict(hf_config))
+    else:
+        raise ExportError(f"cannot export a {architecture!r} model as an HF checkpoint (gpt2 and bert can be)")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias", "position_ids", "token_type_ids"))]
+    if missing or unexpected:
+        raise ExportError(f"the stages' weights do not make a whole {architecture} model: missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]}")
+    return model.eval()
+
+
+def export_hf(stage_states: list[dict], bounds: list[int], architecture: str, hf_config: dict, out_dir: str | Path,
+              tokenizer=None, label_names: list[str] | None = None) -> Path:
+    """Write `out_dir` as an HF checkpoint directory (model, config, and the tokenizer when given)."""
+    model = build_hf_model(hf_config, architecture, merged_state(stage_states, bounds, architecture))
+    if label_names:
+        model.config.id2label = dict(enumerate(label_names))
+        model.config.label2id = {name: i for i, name in enumerate(label_names)}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
