@@ -61,7 +61,7 @@ def test_pretrained_checkpoint_directory_trains_from_its_own_weights_and_tokeniz
     monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
     ckpt = tmp_path / "ckpt"
     bpe = train_bpe(builtin_corpus(), 512)
-    PreTrainedTokenizerFast(tokenizer_object=bpe._tok).save_pretrained(ckpt)
+    PreTrainedTokenizerFast(tokenizer_object=bpe.tokenizer).save_pretrained(ckpt)
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_layer=2, n_embd=32, n_head=2, n_positions=64,
                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).eval()

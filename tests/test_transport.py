@@ -38,7 +38,7 @@ def corrupt(raw: bytes, fmt: str, offset: int, value) -> bytes:
 
 
 # offsets in the packed layout: magic 0, kind 4, dtype 5, ndim 6, codec 7, step 8, mb 16, n_ids 20, payload_len 24,
-# checksum 32, codec_check 36, flags 40, shape 44..
+# checksum 32, codec_check 36, flags 40, side_len 44, shape 48..
 @pytest.mark.parametrize("mutate,needle", [
     (lambda r: r[:100], "100 bytes"),
     (lambda r: r + b"x", "129 bytes"),
@@ -47,8 +47,10 @@ def corrupt(raw: bytes, fmt: str, offset: int, value) -> bytes:
     (lambda r: corrupt(r, "<q", 8, 9), "out-of-order"),
     (lambda r: corrupt(r, "<B", 5, 99), "dtype code"),
     (lambda r: corrupt(r, "<B", 6, 40), "dimensions"),
-    (lambda r: corrupt(r, "<q", 44, -5), "absurd shape"),
-    (lambda r: corrupt(r, "<q", 44, 1 << 40), "absurd shape"),
+    (lambda r: corrupt(r, "<q", 48, -5), "absurd shape"),
+    (lambda r: corrupt(r, "<q", 48, 1 << 40), "absurd shape"),
+    (lambda r: corrupt(r, "<i", 44, -1), "side information"),
+    (lambda r: corrupt(r, "<i", 44, 1 << 30), "side information"),
     (lambda r: corrupt(r, "<i", 20, 1 << 30), "sample ids"),
     (lambda r: corrupt(r, "<q", 24, 1 << 50), "absurd payload length"),
     (lambda r: corrupt(r, "<q", 24, -1), "absurd payload length"),
@@ -81,10 +83,17 @@ def _send_then_receive(rank, world, mode):
         import torch.distributed as dist
 
         h = t.Header(t.KIND_ACTIVATION, 0, 0, (8, 8), torch.float32, 2, payload.numel())
-        if mode == "good":
+        if mode in ("good", "side"):
             box = t.Outbox(0, t.KIND_ACTIVATION)
-            box.send(h, ids, payload)
+            box.send(h, ids, payload, SIDE if mode == "side" else None)
             box.flush()
+        elif mode == "damaged side":
+            h.side_len = SIDE.numel()
+            h.checksum = t.body_checksum(ids, payload, SIDE)
+            bad = SIDE.clone()
+            bad[1, 2] ^= 1  # one flipped mask bit: the attention pattern would change silently
+            dist.send(torch.frombuffer(bytearray(h.pack()), dtype=torch.uint8), 0, tag=t.KIND_ACTIVATION)
+            dist.send(torch.cat([ids.view(torch.uint8), payload, bad.reshape(-1)]), 0, tag=t.KIND_ACTIVATION)
         elif mode == "short":
             dist.send(torch.zeros(100, dtype=torch.uint8), 0, tag=t.KIND_ACTIVATION)
         elif mode == "huge":
@@ -103,16 +112,25 @@ def _send_then_receive(rank, world, mode):
         return ("error", str(e))
     finally:
         inbox.close()
-    return ("ok", msg.ids.tolist(), msg.payload.view(torch.float32).tolist(), msg.header.shape)
+    side = None if msg.side is None else msg.side.tolist()
+    return ("ok", msg.ids.tolist(), msg.payload.view(torch.float32).tolist(), msg.header.shape, side)
+
+
+SIDE = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.uint8)  # a padded batch's attention mask
 
 
 def test_a_message_crosses_gloo_intact():
     (_, got), _ = run_ranks(_send_then_receive, 2, "good")
-    assert got == ("ok", [5, 9], [float(i) for i in range(64)], (8, 8))
+    assert got == ("ok", [5, 9], [float(i) for i in range(64)], (8, 8), None)
+
+
+def test_side_information_crosses_gloo_losslessly_one_row_per_sample():
+    (_, got), _ = run_ranks(_send_then_receive, 2, "side")
+    assert got == ("ok", [5, 9], [float(i) for i in range(64)], (8, 8), SIDE.tolist())
 
 
 @pytest.mark.parametrize("mode,needle", [("short", "rank 1"), ("huge", "absurd payload length"),
-                                         ("damaged", "fails its checksum")])
+                                         ("damaged", "fails its checksum"), ("damaged side", "fails its checksum")])
 def test_bad_messages_from_a_gloo_peer_are_rejected_naming_it(mode, needle):
     (status, got), _ = run_ranks(_send_then_receive, 2, mode)
     assert status == "ok", got

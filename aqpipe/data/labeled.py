@@ -85,13 +85,24 @@ def _shuffle_words(sentence: str, rng: random.Random) -> str | None:
 def acceptability_task(data: str) -> Labeled:
     """The built-in acceptability task over a text corpus (`--data builtin`, a text file or directory)."""
     corpus = load_corpus(data)
-    train = acceptability_examples(corpus.train)
+    train = _unique(acceptability_examples(corpus.train), set())
     valid = acceptability_examples(corpus.valid) if corpus.valid.strip() else []
     if not valid:
         train, valid = _hold_out(train)
+    valid = _unique(valid, {text for text, _, _ in train})  # a sentence the corpus repeats is held out only once
     if len(train) < 2:
         raise DataError(f"--data {data!r} has too little prose for the acceptability task ({len(train)} sentences)")
     return Labeled(f"acceptability:{corpus.name}", train, valid, ["unacceptable", "acceptable"])
+
+
+def _unique(examples: list, seen: set[str]) -> list:
+    """The examples whose text is not in `seen` nor earlier in the list."""
+    out = []
+    for example in examples:
+        if example[0] not in seen:
+            seen.add(example[0])
+            out.append(example)
+    return out
 
 
 def _hold_out(examples: list) -> tuple[list, list]:
@@ -169,7 +180,7 @@ def table_task(data: str) -> Labeled:
         train, names = _examples(_rows(data), data, None)
         train, valid = _hold_out(train)
     labels = [name for name, _ in sorted(names.items(), key=lambda kv: kv[1])]
-    if max(names.values()) + 1 < 2:
+    if len(names) < 2:
         raise DataError(f"--data {data!r} has a single class; classification needs at least two")
     return Labeled(os.path.basename(os.path.normpath(data)), train, valid, labels)
 

@@ -257,6 +257,9 @@ def _export(plan: RunPlan) -> str | None:
     architecture = plan.spec.extras.get("architecture")
     if architecture is None:
         return None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with the launcher's output
     out = Path(plan.cfg.out)
     states = [torch.load(out / "checkpoints" / "final" / f"stage-{k}.pt", weights_only=True) for k in range(plan.cfg.pp)]
     tokenizer = export_tokenizer(plan.cfg.task, plan.cfg.data, tokenizer_directory(plan.cfg.model), plan.cfg.vocab_size)

@@ -1,8 +1,8 @@
 """Framed point-to-point messages between stages: a fixed, validated header, then sample ids and the payload.
 
 A message is two torch.distributed sends on one tag: the 128-byte header, then a body of `n_ids` int64 sample
-ids, `side_len` bytes of lossless per-sample side information (the attention mask, when the model has one),
-and `payload_len` payload bytes. The receiver validates the header before it allocates the body,
+ids, `payload_len` payload bytes, and `side_len` bytes of lossless per-sample side information (the attention
+mask, when the model has one; last, so the payload stays aligned for its dtype). The receiver validates the header before it allocates the body,
 and checks the body's CRC32 before it hands the message on. A background thread per inbound link receives
 ahead of the compute thread, so a stage computes micro-batch i while i+1 is on the wire.
 """
@@ -130,11 +130,12 @@ def parse_header(raw: bytes, peer: str, expect: Expect) -> Header:
 
 
 def body_checksum(ids: torch.Tensor, payload: torch.Tensor, side: torch.Tensor | None = None) -> int:
-    """CRC32 of the sample ids, the side information, then the payload bytes."""
+    """CRC32 of the sample ids, the payload bytes, then the side information."""
     crc = zlib.crc32(ids.numpy().tobytes())
+    crc = zlib.crc32(memoryview(payload.numpy()), crc)
     if side is not None and side.numel():
         crc = zlib.crc32(side.numpy().tobytes(), crc)
-    return zlib.crc32(memoryview(payload.numpy()), crc) & 0xFFFFFFFF
+    return crc & 0xFFFFFFFF
 
 
 @dataclass
@@ -171,7 +172,7 @@ class Outbox:
         header.n_ids, header.payload_len, header.side_len = ids.numel(), payload.numel(), side.numel()
         header.checksum = body_checksum(ids, payload, side)
         head = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
-        body = torch.cat([ids.view(torch.uint8), side, payload])
+        body = torch.cat([ids.view(torch.uint8), payload, side])
         for tensor in (head, body):
             tensor = tensor.to(self.device)
             self._pending.append((dist.isend(tensor, self.peer_rank, tag=self.tag), tensor))
@@ -238,8 +239,8 @@ class Inbox:
         transfer_seconds = time.perf_counter() - start
         body = body.cpu()
         ids = body[: 8 * header.n_ids].view(torch.int64)
-        side = body[8 * header.n_ids : 8 * header.n_ids + header.side_len]
-        payload = body[8 * header.n_ids + header.side_len :]
+        payload = body[8 * header.n_ids : 8 * header.n_ids + header.payload_len]
+        side = body[8 * header.n_ids + header.payload_len :]
         if body_checksum(ids, payload, side) != header.checksum:
             raise TransportError(
                 f"damaged message from {self.peer_name}: step {header.step} micro-batch {header.micro_batch} fails its checksum"

@@ -1,0 +1,86 @@
+"""Checkpoint files: atomic, checksummed, complete-or-ignored, and every damage named."""
+
+import pytest
+import torch
+
+from aqpipe.runtime import checkpoint as ck
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"0.weight": torch.randn(4, 3, generator=g)}, "rng": {"torch": torch.get_rng_state()}}
+
+
+def _save(tmp_path, step, world=2):
+    for rank in range(world):
+        ck.save_rank(tmp_path, step, rank, _state(rank))
+    ck.mark_complete(tmp_path, step, world)
+
+
+def test_round_trip_with_weights_only_loading(tmp_path):
+    _save(tmp_path, 5)
+    state = ck.load_rank(tmp_path, 5, 1)
+    assert torch.equal(state["model"]["0.weight"], _state(1)["model"]["0.weight"])
+    assert state["step"] == 5 and state["rank"] == 1
+    ck.verify(tmp_path, 5, 2)
+
+
+def test_latest_is_the_newest_complete_checkpoint_and_old_ones_are_pruned(tmp_path):
+    for step in (2, 4, 6):
+        _save(tmp_path, step)
+    ck.save_rank(tmp_path, 8, 0, _state())  # a run killed while saving step 8: no COMPLETE marker
+    assert ck.latest_step(tmp_path) == 6
+    kept = sorted(p.name for p in ck.root(tmp_path).glob("step-*"))
+    assert kept == ["step-00000004", "step-00000006", "step-00000008"]
+    assert ck.latest_step(tmp_path / "elsewhere") is None
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda f: f.write_bytes(f.read_bytes()[:-100]), "damaged or truncated"),
+    (lambda f: f.write_bytes(f.read_bytes()[:50] + b"X" + f.read_bytes()[51:]), "damaged or truncated"),
+    (lambda f: f.unlink(), "is missing"),
+    (lambda f: f.with_suffix(".sha256").unlink(), "has no checksum file"),
+])
+def test_damage_is_an_error_naming_the_file(tmp_path, damage, message):
+    _save(tmp_path, 3)
+    victim = ck.rank_file(ck.step_dir(tmp_path, 3), 1)
+    damage(victim)
+    with pytest.raises(ck.CheckpointError, match=message) as err:
+        ck.verify(tmp_path, 3, 2)
+    assert str(victim) in str(err.value)
+    with pytest.raises(ck.CheckpointError, match=message):
+        ck.load_rank(tmp_path, 3, 1)
+    ck.load_rank(tmp_path, 3, 0)  # the sound file still loads
+
+
+def test_a_checkpoint_of_another_world_size_or_not_complete_is_refused(tmp_path):
+    _save(tmp_path, 3)
+    with pytest.raises(ck.CheckpointError, match="written by 2 ranks, this run has 4"):
+        ck.verify(tmp_path, 3, 4)
+    ck.save_rank(tmp_path, 9, 0, _state())
+    with pytest.raises(ck.CheckpointError, match="incomplete"):
+        ck.verify(tmp_path, 9, 1)
+
+
+def test_a_file_that_is_not_an_aqpipe_checkpoint_is_refused(tmp_path):
+    import hashlib
+    import io
+
+    _save(tmp_path, 3)
+    path = ck.rank_file(ck.step_dir(tmp_path, 3), 0)
+    buf = io.BytesIO()
+    torch.save({"something": 1}, buf)
+    path.write_bytes(buf.getvalue())
+    path.with_suffix(".sha256").write_text(hashlib.sha256(buf.getvalue()).hexdigest())
+    with pytest.raises(ck.CheckpointError, match="not an aqpipe checkpoint"):
+        ck.load_rank(tmp_path, 3, 0)
+
+
+def test_a_model_state_that_does_not_fit_the_stage_is_refused_before_loading():
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4))
+    before = module[0].weight.detach().clone()
+    with pytest.raises(ck.CheckpointError, match="has shape"):
+        ck.check_model_state("x", module, {"0.weight": torch.zeros(5, 3), "0.bias": torch.zeros(4)})
+    with pytest.raises(ck.CheckpointError, match="missing"):
+        ck.check_model_state("x", module, {"0.weight": torch.zeros(4, 3)})
+    assert torch.equal(module[0].weight, before)

