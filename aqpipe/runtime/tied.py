@@ -1,0 +1,65 @@
+"""Parameters that are one tensor in the model but have a copy on several layers or stages (DeBERTa's relative
+position table): their gradients are summed over every copy, so each copy takes the same update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """One tied tensor group: its parameters' shapes and how many copies the whole model holds."""
+
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    copies: int
+
+
+def tied_groups(extras: dict) -> list[TiedGroup]:
+    """The tied groups a spec declares (`extras["tied"]`: name → shapes, `extras["tied_copies"]`: name → count)."""
+    shapes, copies = extras.get("tied", {}), extras.get("tied_copies", {})
+    return [TiedGroup(name, tuple(tuple(s) for s in shapes[name]), int(copies[name])) for name in sorted(shapes)]
+
+
+def local_copies(module: nn.Module) -> dict[str, list[list[nn.Parameter]]]:
+    """The copies this stage holds, by group name (each copy: its parameters in declaration order)."""
+    found: dict[str, list[list[nn.Parameter]]] = {}
+    for sub in module.modules():
+        declare = getattr(sub, "tied_parameters", None)
+        if callable(declare):
+            for name, params in declare().items():
+                found.setdefault(name, []).append(list(params))
+    return found
+
+
+def tied_ids(module: nn.Module) -> set[int]:
+    """`id()` of every parameter that belongs to a tied copy (kept out of the plain gradient norm)."""
+    return {id(p) for copies in local_copies(module).values() for copy in copies for p in copy}
+
+
+def sum_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int) -> torch.Tensor:
+    """Give every copy of each tied group the sum of all copies' gradients (all stages must call this); returns this
+    stage's share of the tied gradients' squared norm (the summed gradient counted once over the whole model)."""
+    copies = local_copies(module)
+    share = torch.zeros((), dtype=torch.float64)
+    for tied in groups:
+        mine = copies.get(tied.name, [])
+        device = mine[0][0].device if mine else torch.device("cpu")
+        total = [torch.zeros(shape, dtype=torch.float32, device=device) for shape in tied.shapes]
+        for copy in mine:
+            for acc, p in zip(total, copy):
+                if p.grad is not None:
+                    acc.add_(p.grad.float())
+        flat = torch.cat([t.reshape(-1) for t in total])
+        if pp > 1:
+            dist.all_reduce(flat, group=group)
+        pieces = list(flat.split([t.numel() for t in total]))
+        for copy in mine:
+            for p, piece, shape in zip(copy, pieces, tied.shapes):
+                p.grad = piece.view(shape).to(p.dtype).clone()
+        share += float(flat.double().pow(2).sum()) * len(mine) / tied.copies
+    return share
