@@ -71,8 +71,9 @@ def summarize(results: dict[str, list[dict]]) -> str:
     for name, runs in results.items():
         s = [r["summary"] for r in runs]
         acc = statistics.fmean(x["eval_accuracy"] for x in s)
+        per_seed = ", ".join(f"{x['eval_accuracy']:.4f}" for x in s)
         rows.append(
-            f"| {name} | {acc:.4f} ({100 * (acc - base):+.1f} pt) | {', '.join(f'{x['eval_accuracy']:.4f}' for x in s)} | "
+            f"| {name} | {acc:.4f} ({100 * (acc - base):+.1f} pt) | {per_seed} | "
             f"{statistics.fmean(x['eval_mcc'] for x in s):.4f} | {statistics.fmean(x['eval_loss'] for x in s):.4f} | "
             f"{statistics.fmean(x['final_loss'] for x in s):.4f} | {statistics.fmean(x['link_bytes']['fwd'] for x in s) / 1e6:.1f} | "
             f"{statistics.fmean(x['link_bytes']['bwd'] for x in s) / 1e6:.1f} | "
@@ -88,13 +89,15 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, runs in results.items():
+        color = None  # one colour per variant, its seeds drawn alike
         for i, run in enumerate(runs):
             evals = [r for r in run["records"] if "eval_accuracy" in r]
             label = name if i == 0 else None
             line, = left.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", ms=3,
-                              label=label, alpha=0.8, color=None if i == 0 else line.get_color())
+                              label=label, alpha=0.8, color=color)
+            color = line.get_color()
             right.plot([r["step"] for r in run["records"]], [r["loss"] for r in run["records"]], lw=0.8,
-                       color=line.get_color(), label=label, alpha=0.8)
+                       color=color, label=label, alpha=0.8)
     left.set(xlabel="step", ylabel="held-out accuracy", title="MiniLM-L6, acceptability, pp=3")
     right.set(xlabel="step", ylabel="training loss")
     for ax in (left, right):

@@ -49,8 +49,8 @@ def corrupt(raw: bytes, fmt: str, offset: int, value) -> bytes:
     (lambda r: corrupt(r, "<B", 6, 40), "dimensions"),
     (lambda r: corrupt(r, "<q", 48, -5), "absurd shape"),
     (lambda r: corrupt(r, "<q", 48, 1 << 40), "absurd shape"),
-    (lambda r: corrupt(r, "<i", 44, -1), "side information"),
-    (lambda r: corrupt(r, "<i", 44, 1 << 30), "side information"),
+    (lambda r: corrupt(r, "<i", 44, -1), "side information length"),
+    (lambda r: corrupt(r, "<i", 44, 1 << 30), "side information length"),
     (lambda r: corrupt(r, "<i", 20, 1 << 30), "sample ids"),
     (lambda r: corrupt(r, "<q", 24, 1 << 50), "absurd payload length"),
     (lambda r: corrupt(r, "<q", 24, -1), "absurd payload length"),
@@ -124,9 +124,18 @@ def test_a_message_crosses_gloo_intact():
     assert got == ("ok", [5, 9], [float(i) for i in range(64)], (8, 8), None)
 
 
-def test_side_information_crosses_gloo_losslessly_one_row_per_sample():
+def test_side_information_crosses_gloo_losslessly():
     (_, got), _ = run_ranks(_send_then_receive, 2, "side")
-    assert got == ("ok", [5, 9], [float(i) for i in range(64)], (8, 8), SIDE.tolist())
+    assert got == ("ok", [5, 9], [float(i) for i in range(64)], (8, 8), SIDE.reshape(-1).tolist())
+
+
+def test_an_activations_side_information_is_one_row_per_sample_or_an_error():
+    from aqpipe.runtime.worker import per_sample
+
+    assert torch.equal(per_sample(SIDE.reshape(-1), torch.tensor([5, 9])), SIDE)
+    assert per_sample(None, torch.tensor([5, 9])) is None
+    with pytest.raises(t.TransportError, match="does not split over 3 samples"):
+        per_sample(SIDE.reshape(-1), torch.tensor([1, 2, 3]))
 
 
 @pytest.mark.parametrize("mode,needle", [("short", "rank 1"), ("huge", "absurd payload length"),

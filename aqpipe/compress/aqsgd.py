@@ -67,7 +67,16 @@ class AQSGDCodec(LinkCodec):
         check = store_checksum(new_m) if self.check else 0
         return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags)
 
+    def forget(self, ids: list[int]) -> None:
+        """Drop m(ξ) of samples the receiver lacks, so that their next message goes at full precision."""
+        if ids:
+            self.view.delete(ids)
+
     # -- receiver ----------------------------------------------------------------------------------------------
+    def missing(self, ids: list[int]) -> list[int]:
+        """The samples among `ids` whose m(ξ) this side lacks (never seen, or found damaged and dropped)."""
+        return [i for i, present in zip(ids, self.view.present(ids)) if not present]
+
     def _payload_problem(self, header) -> str | None:
         """The length varies with each sample's mode; it must lie between all-delta and all-full."""
         b = header.shape[0] if header.shape else 0

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from aqpipe.compress.codecs import build_codec
 from aqpipe.runtime.grid import Grid
 from aqpipe.runtime.transport import HEADER_SIZE, KIND_EVAL, Expect
-from aqpipe.runtime.worker import StageWorker, send_encoded
+from aqpipe.runtime.worker import StageWorker, per_sample, send_encoded
 
 
 def eval_batches(num_samples: int, replica: int, replicas: int, micro_batch_size: int) -> list[torch.Tensor]:
@@ -51,7 +51,7 @@ def evaluate_stage(worker: StageWorker, step: int, batches: list[torch.Tensor], 
                     x, mask = samples.inputs(ids), samples.mask(ids)
                 else:
                     msg = links.act_in.get()
-                    x, mask, ids = codec.decode(msg.header, msg.payload, msg.ids), msg.side, msg.ids
+                    x, mask, ids = codec.decode(msg.header, msg.payload, msg.ids), per_sample(msg.side, msg.ids), msg.ids
                 out = worker.module(x.to(worker.device), None if mask is None else mask.to(worker.device))
                 if grid.is_last_stage:
                     _count(totals, out, samples.targets(ids).to(worker.device), worker.loss_fn)

@@ -25,6 +25,7 @@ from aqpipe.runtime.grid import Grid, create_groups
 from aqpipe.runtime.optim import build_optimizer
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds, store_bytes_per_rank
 from aqpipe.runtime.reconcile import reconcile
+from aqpipe.runtime.tied import tied_groups
 from aqpipe.runtime.resume import apply_state, collect_state, describe, kept_records
 from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, Inbox, Outbox
 from aqpipe.runtime.worker import Codecs, Links, StageWorker, StepStats
@@ -149,6 +150,7 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
         links=_links(grid, device, cfg.stall_timeout), codecs=codecs,
         grad_sync=grad_sync, optimizer=optimizer,
         lr_schedule=lr_schedule, clip=cfg.clip, device=device, micro_batch_size=cfg.micro_batch_size,
+        tied=tied_groups(plan.spec.extras),
     )
     first_step = _resume(cfg, worker, codecs, store, groups) if cfg.resume else 0
     epochs = plan.epoch_plan(grid.replica)
@@ -185,7 +187,11 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
                 for ahead in ([step, step + 1] if step == first_step else [step + 1]):
                     if ahead < plan.total_steps:
                         _prefetch(store, grid, torch.cat(epochs.micro_batches_of(ahead)).tolist())
-            stats = worker.run_step(step, epochs.micro_batches_of(step), compress=epoch >= cfg.warmup_epochs)
+            following = step + 1
+            next_ids = (torch.cat(epochs.micro_batches_of(following)).tolist()
+                        if following < plan.total_steps and following // plan.steps_per_epoch >= cfg.warmup_epochs else None)
+            stats = worker.run_step(step, epochs.micro_batches_of(step), compress=epoch >= cfg.warmup_epochs,
+                                    next_ids=next_ids)
             stats.store_hits, stats.store_misses, stats.store_reseeded = (
                 store.stats.hits, store.stats.misses, store.stats.reseeded)
             step_seconds = time.perf_counter() - step_start

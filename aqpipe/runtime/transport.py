@@ -119,8 +119,8 @@ def parse_header(raw: bytes, peer: str, expect: Expect) -> Header:
         raise TransportError(f"malformed header from {peer}: {n_ids} sample ids, expected {expect.n_ids}")
     if not 0 <= payload_len <= expect.max_payload:
         raise TransportError(f"malformed header from {peer}: absurd payload length {payload_len} (limit {expect.max_payload})")
-    if not 0 <= side_len <= expect.max_payload or (side_len and (n_ids == 0 or side_len % n_ids)):
-        raise TransportError(f"malformed header from {peer}: side information of {side_len} bytes for {n_ids} samples")
+    if not 0 <= side_len <= expect.max_payload:
+        raise TransportError(f"malformed header from {peer}: absurd side information length {side_len}")
     header = Header(kind, step, mb, shape, DTYPES[dtype_code], n_ids, payload_len, codec, checksum, codec_check, flags,
                     side_len)
     problem = expect.check(header) if expect.check is not None else None
@@ -146,7 +146,7 @@ class Message:
     ids: torch.Tensor
     payload: torch.Tensor
     wire_bytes: int
-    side: torch.Tensor | None = None  # [n_ids, side_len / n_ids] uint8, or None
+    side: torch.Tensor | None = None  # side information (flat uint8), or None; its meaning depends on the kind
     # From posting the body's receive to its arrival: the time the body spent on the wire (gloo sends an unbound
     # buffer only once the receiver has posted it), so body bytes / this is the link's achieved rate.
     transfer_seconds: float = 0.0
@@ -163,12 +163,12 @@ class Outbox:
     bytes_sent: int = 0
 
     def send(self, header: Header, ids: torch.Tensor, payload: torch.Tensor, side: torch.Tensor | None = None) -> None:
-        """Queue one message (header.checksum is filled here); `side` is per-sample uint8 data, one row per id."""
+        """Queue one message (header.checksum is filled here); `side` is lossless extra data sent as raw bytes."""
         import torch.distributed as dist
 
         ids = ids.to(torch.int64).contiguous().cpu()
         payload = payload.contiguous().view(torch.uint8).reshape(-1).cpu()
-        side = torch.empty(0, dtype=torch.uint8) if side is None else side.to(torch.uint8).contiguous().reshape(-1).cpu()
+        side = torch.empty(0, dtype=torch.uint8) if side is None else side.contiguous().cpu().view(torch.uint8).reshape(-1)
         header.n_ids, header.payload_len, header.side_len = ids.numel(), payload.numel(), side.numel()
         header.checksum = body_checksum(ids, payload, side)
         head = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
@@ -245,8 +245,8 @@ class Inbox:
             raise TransportError(
                 f"damaged message from {self.peer_name}: step {header.step} micro-batch {header.micro_batch} fails its checksum"
             )
-        rows = side.view(header.n_ids, -1) if header.side_len else None
-        return Message(header, ids, payload, HEADER_SIZE + body.numel(), rows, transfer_seconds)
+        return Message(header, ids, payload, HEADER_SIZE + body.numel(), side if header.side_len else None,
+                       transfer_seconds)
 
 
 def _first_line(e: BaseException) -> str:

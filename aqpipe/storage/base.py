@@ -37,6 +37,8 @@ class MessageStore(Protocol):
 
     def delete(self, link: int, side: str, ids: Sequence[int]) -> None: ...
 
+    def present(self, link: int, side: str, ids: Sequence[int]) -> list[bool]: ...
+
     def items(self): ...
 
     def close(self) -> None: ...
@@ -69,3 +71,11 @@ class StoreView:
     def put(self, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
         """Replace m(ξ) of each id (values already in the store dtype)."""
         self.store.put(self.link, self.side, ids, values)
+
+    def present(self, ids: Sequence[int]) -> list[bool]:
+        """Whether a sound m(ξ) exists for each id, without counting lookups (a damaged one is dropped and counted)."""
+        return self.store.present(self.link, self.side, ids)
+
+    def delete(self, ids: Sequence[int]) -> None:
+        """Forget m(ξ) of each id."""
+        self.store.delete(self.link, self.side, ids)

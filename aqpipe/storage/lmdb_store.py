@@ -69,7 +69,7 @@ class LMDBStore:
     def contains(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
         """Whether a sound m(ξ) exists for each id; a damaged one is counted, dropped and reported absent."""
         found = []
-        with self.env.begin() as txn:
+        with self._begin() as txn:
             for i in ids:
                 key = (link, side, int(i))
                 value = self._read(txn, key)
@@ -83,7 +83,7 @@ class LMDBStore:
 
     def get(self, link: int, side: str, ids: Sequence[int]) -> list[torch.Tensor]:
         out = []
-        with self.env.begin() as txn:
+        with self._begin() as txn:
             for i in ids:
                 key = (link, side, int(i))
                 value = self._read_ahead.pop(key, None)
@@ -98,7 +98,7 @@ class LMDBStore:
         records = [(pack_key(link, side, int(i)), self._encode(v)) for i, v in zip(ids, values)]
         for _ in range(64):
             try:
-                with self.env.begin(write=True) as txn:
+                with self._begin(write=True) as txn:
                     for key, value in records:
                         txn.put(key, value)
                 return
@@ -108,16 +108,26 @@ class LMDBStore:
                 raise StoreFullError(f"writing m(xi) to {self.path} failed: {e}") from None
         raise StoreFullError(f"the store at {self.path} kept running out of map space")
 
+    def present(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
+        """Whether a sound m(ξ) exists for each id; not counted as lookups, but a damaged entry found here is
+        dropped and counted as re-seeded, like on any read."""
+        found = []
+        with self._begin() as txn:
+            for i in ids:
+                key = (link, side, int(i))
+                found.append(key in self._read_ahead or self._read(txn, key) is not None)
+        return found
+
     def delete(self, link: int, side: str, ids: Sequence[int]) -> None:
         """Remove m(ξ) of each id (its next sight goes at full precision and re-seeds it)."""
-        with self.env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             for i in ids:
                 txn.delete(pack_key(link, side, int(i)))
                 self._read_ahead.pop((link, side, int(i)), None)
 
     def items(self):
         """Every ((link, side, id), value) pair; damaged values are skipped (and counted)."""
-        with self.env.begin() as txn:
+        with self._begin() as txn:
             keys = [bytes(k) for k, _ in txn.cursor()]
             for key in keys:
                 value = self._read(txn, unpack_key(key))
@@ -126,7 +136,7 @@ class LMDBStore:
 
     def raw_records(self):
         """(key, header fields, stored body length, raw length) of every entry, for statistics."""
-        with self.env.begin() as txn:
+        with self._begin() as txn:
             for key, value in txn.cursor():
                 fields = _HEAD.unpack_from(value)
                 yield unpack_key(bytes(key)), fields, len(value) - _HEAD.size
@@ -138,6 +148,14 @@ class LMDBStore:
         self.env.close()
 
     # -- internals -------------------------------------------------------------------------------------------------
+    def _begin(self, write: bool = False):
+        """A transaction; if another process grew the map (e.g. a repair tool), adopt its size first."""
+        try:
+            return self.env.begin(write=write)
+        except self._lmdb.MapResizedError:
+            self.env.set_mapsize(0)
+            return self.env.begin(write=write)
+
     def _encode(self, value: torch.Tensor) -> bytes:
         shape = list(value.shape)
         if len(shape) > 8:
@@ -175,7 +193,7 @@ class LMDBStore:
             return None
 
     def _delete(self, key: tuple[int, str, int]) -> None:
-        with self.env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             txn.delete(pack_key(*key))
 
     def _grow(self, needed: int) -> None:

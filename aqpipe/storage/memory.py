@@ -38,6 +38,10 @@ class MemoryStore:
                 raise TypeError(f"the store keeps {self.dtype}, got {v.dtype}")
             self._values[(link, side, int(i))] = v
 
+    def present(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
+        """Whether m(ξ) exists for each id (not counted as lookups)."""
+        return [(link, side, int(i)) in self._values for i in ids]
+
     def delete(self, link: int, side: str, ids: Sequence[int]) -> None:
         """Forget m(ξ) of each id (its next sight goes at full precision and re-seeds it)."""
         for i in ids:

@@ -155,6 +155,14 @@ class PrefetchingStore:
         self.flush()
         return self.backend.items()
 
+    def present(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
+        """Whether a sound m(ξ) exists for each id (pending writes and read-ahead first; not counted as lookups)."""
+        found = []
+        for i in ids:
+            known, value = self._lookup((link, side, int(i)))
+            found.append(value is not None if known else self.backend.present(link, side, [i])[0])
+        return found
+
     def delete(self, link: int, side: str, ids: Sequence[int]) -> None:
         """Remove m(ξ) of each id once pending writes are on disk, and forget any read-ahead copy."""
         self.flush()
