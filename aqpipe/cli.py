@@ -108,6 +108,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` prints every thread's Python stack to stderr (a run that seems stuck says where it is)."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def one_line(text: str) -> str:
     """Collapse a message (some libraries' errors span lines) into the single line the contract promises."""
     return " ".join(text.split())
@@ -186,6 +195,7 @@ def _netns(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     from aqpipe.launch.job import run_job
 
+    dump_stacks_on_sigusr1()
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stage_bounds"}
     file_values = load_config_file(args.config) if args.config else {}
     resume = flags.get("resume") or file_values.get("resume")

@@ -1,6 +1,7 @@
 """Helpers for tests that start `aqpipe launch` and look for the processes it left."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,13 +29,13 @@ def tagged_processes(tag: str, rank: str | None = None) -> list[int]:
     return pids
 
 
-def start_run(tmp_path, *extra) -> tuple[subprocess.Popen, str]:
+def start_run(tmp_path, *extra, **popen) -> tuple[subprocess.Popen, str]:
     """Start a long `aqpipe launch` tagged with a fresh AQPIPE_TEST_TAG; return once it has logged 3 steps."""
     tag = uuid.uuid4().hex
     env = dict(os.environ, AQPIPE_TEST_TAG=tag)
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", *LONG_RUN, *extra, "--out", str(out)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
     deadline = time.monotonic() + 120
     metrics = out / "metrics.jsonl"
     while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
@@ -45,7 +46,26 @@ def start_run(tmp_path, *extra) -> tuple[subprocess.Popen, str]:
 
 
 def finish(proc, timeout) -> tuple[int, str, float]:
-    """Wait for a launcher to end: (exit code, stderr, seconds waited)."""
+    """Wait for a launcher to end: (exit code, stderr, seconds waited). If it does not end in time, fail with what
+    it was doing: its threads' Python stacks (SIGUSR1 makes aqpipe print them), its kernel wait channel, its
+    children and the namespaces left, and everything it wrote to stderr."""
     start = time.monotonic()
-    _, err = proc.communicate(timeout=timeout)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        def read(path: str) -> str:
+            try:
+                return Path(path).read_text().strip()
+            except OSError as e:
+                return f"({e.strerror})"
+
+        state = {"wchan": read(f"/proc/{proc.pid}/wchan"), "kernel stack": read(f"/proc/{proc.pid}/stack"),
+                 "children": subprocess.run(["ps", "-o", "pid,stat,wchan:30,etime,args", "--ppid", str(proc.pid)],
+                                            capture_output=True, text=True).stdout,
+                 "namespaces": subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout}
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2.0)
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"the launcher did not end within {timeout} s; {state}\nstderr:\n{err[-6000:]}") from None
     return proc.returncode, err, time.monotonic() - start

@@ -104,3 +104,28 @@ def test_prepared_dataset_with_a_model_tokenizer_is_cached_and_masked():
     assert (lengths >= 8).all() and (lengths <= 32).all()
     again = prepare_classify_dataset("builtin", 32, str(minilm.get_model_path()), max_samples=10)
     assert len(again.train) == 10 and torch.equal(again.train.input_ids, data.train.input_ids[:10])
+
+
+def test_a_hub_task_is_read_through_datasets(monkeypatch):
+    datasets = pytest.importorskip("datasets", reason="the hub extra (datasets) is not installed")
+    from aqpipe.data import labeled
+
+    features = datasets.Features({"question": datasets.Value("string"), "sentence": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["entailment", "not_entailment"]),
+                                  "idx": datasets.Value("int32")})
+    rows = {"question": ["q1", "q2", "q3"], "sentence": ["s1", "s2", "s3"], "label": [0, 1, -1], "idx": [0, 1, 2]}
+    fake = datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows, features=features),
+                                 "validation": datasets.Dataset.from_dict(rows, features=features)})
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, config=None: asked.append((path, config)) or fake)
+    task = labeled.load_labeled("glue:qnli")
+    assert asked == [("glue", "qnli")]
+    assert task.labels == ["entailment", "not_entailment"]
+    assert task.train == [("q1", "s1", 0), ("q2", "s2", 1)]  # unlabelled rows (-1, GLUE's test split style) dropped
+
+
+def test_an_unreachable_hub_dataset_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match="cannot load hub dataset 'glue:cola'|install the 'hub' extra"):
+        load_labeled("glue:cola")

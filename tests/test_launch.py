@@ -33,6 +33,18 @@ def test_stalled_worker_is_detected_and_everything_is_torn_down(tmp_path):
     assert tagged_processes(tag) == []
 
 
+def test_sigint_stops_a_launcher_whose_parent_ignored_it(tmp_path):
+    """A shell's background job (or nohup, or a CI runner) starts with SIGINT ignored, and Python keeps an inherited
+    ignore; `kill -INT` must still stop the run and its ranks."""
+    proc, tag = start_run(tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc.send_signal(signal.SIGINT)
+    code, err, seconds = finish(proc, timeout=60)
+    assert code == 1 and "interrupted" in err
+    assert seconds < 30
+    time.sleep(0.5)
+    assert tagged_processes(tag) == []
+
+
 def test_workers_die_with_a_killed_launcher(tmp_path):
     proc, tag = start_run(tmp_path)
     proc.kill()

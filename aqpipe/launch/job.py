@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from aqpipe.config import ConfigError, RunConfig
@@ -54,7 +55,9 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
         launch_local, worker_command or WORKER_MODULE, cfg.world_size, grid.describe,
         {"AQPIPE_CONFIG": str(config_path.resolve())}, plan.total_steps, cfg.stall_timeout, cfg.port, progress,
     )
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # so a terminated launcher still cleans up
+    # SIGTERM, and SIGINT even when the parent ignores it (a shell's background job, nohup: Python then leaves
+    # it ignored, and `kill -INT` would do nothing), take the interrupt path that stops the ranks and cleans up.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if cfg.bandwidth is None:
             result = launch()
@@ -62,7 +65,8 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
             with _topology(cfg) as topology:
                 result = launch(topology=topology)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if result.code != 0:
         print(f"aqpipe: run failed: {result.message}", file=sys.stderr)
         return 1
@@ -105,7 +109,11 @@ def _topology(cfg: RunConfig):
     try:
         yield topology
     finally:
+        start = time.monotonic()
         netns.destroy(topology)
+        if time.monotonic() - start > 2.0:  # the kernel can be slow to tear namespaces down; say so, not hang silently
+            print(f"aqpipe: removing the network namespaces took {time.monotonic() - start:.0f} s", file=sys.stderr,
+                  flush=True)
 
 
 def _announce(cfg: RunConfig, plan) -> None:

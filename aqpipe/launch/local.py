@@ -105,6 +105,7 @@ def launch_local(
                 who = f"{silent[0].name} stopped responding" if silent else "no rank is responsive"
                 result = LaunchResult(1, f"no progress for {stall_timeout:.0f} s (stalled): {who}; stopping all ranks")
     except KeyboardInterrupt:
+        print(f"aqpipe: interrupted; stopping {world_size} ranks", file=sys.stderr, flush=True)
         result = LaunchResult(1, "interrupted (Ctrl-C or SIGTERM); all ranks stopped")
     finally:
         _terminate(workers)

@@ -20,6 +20,9 @@ def run_rank(spec_factory=None) -> int:
     from aqpipe.runtime.train import emit, run_worker
 
     die_with_parent()
+    from aqpipe.cli import dump_stacks_on_sigusr1
+
+    dump_stacks_on_sigusr1()
     rank, world_size = rank_from_env()
     try:
         with open(os.environ["AQPIPE_CONFIG"]) as f:
