@@ -71,17 +71,22 @@ def directory_corpus(directory: str) -> Corpus:
     return Corpus(os.path.basename(os.path.normpath(directory)), text, _read(valid) if valid else "")
 
 
-def hub_corpus(name: str) -> Corpus:
-    """A dataset from the Hugging Face hub via `datasets`: `name` or `name:config`, using its `text` column."""
+def load_hub_dataset(name: str):
+    """`datasets.load_dataset` of `name` or `name:config`; any failure (no `datasets`, offline, unknown) a DataError."""
     try:
         import datasets
     except ImportError:
         raise DataError(f"--data {name!r} looks like a hub dataset; install the 'hub' extra (pip install aqpipe[hub])") from None
     path, _, config = name.partition(":")
     try:
-        ds = datasets.load_dataset(path, config or None)
+        return datasets.load_dataset(path, config or None)
     except Exception as e:  # noqa: BLE001 - offline, unknown name, …
         raise DataError(f"cannot load hub dataset {name!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def hub_corpus(name: str) -> Corpus:
+    """A dataset from the Hugging Face hub via `datasets`: `name` or `name:config`, using its `text` column."""
+    ds = load_hub_dataset(name)
     if "train" not in ds:
         raise DataError(f"hub dataset {name!r} has no train split")
     column = "text" if "text" in ds["train"].column_names else ds["train"].column_names[0]

@@ -32,6 +32,13 @@ class TaskDataset:
         return len(self.label_names)
 
 
+def tokenizer_name(tokenizer_dir: str | None, vocab_size: int | None) -> str:
+    """A short name of the tokenizer a run uses, part of its cache keys: the model's own, or aqpipe's BPE size."""
+    if tokenizer_dir is not None:
+        return "hf:" + hashlib.sha256(tokenizer_dir.encode()).hexdigest()[:12]
+    return f"bpe{vocab_size or DEFAULT_BPE_VOCAB}"
+
+
 def prepare_lm_dataset(
     data: str,
     seq_len: int,
@@ -41,10 +48,7 @@ def prepare_lm_dataset(
 ) -> TaskDataset:
     """Load, tokenize and chunk `data` into samples of `seq_len` tokens; cached, so every rank can call it."""
     corpus = load_corpus(data)
-    if tokenizer_dir is not None:
-        tok_name = "hf:" + hashlib.sha256(tokenizer_dir.encode()).hexdigest()[:12]
-    else:
-        tok_name = f"bpe{vocab_size or DEFAULT_BPE_VOCAB}"
+    tok_name = tokenizer_name(tokenizer_dir, vocab_size)
     key = f"{corpus_key(corpus)}-{tok_name}-{seq_len}"
     path = cache_dir() / f"samples-{key}.pt"
     if path.is_file():
@@ -74,10 +78,7 @@ def prepare_classify_dataset(
 ) -> TaskDataset:
     """Load and tokenize labelled examples of `data` to `seq_len` tokens; cached, so every rank can call it."""
     task = load_labeled(data)
-    if tokenizer_dir is not None:
-        tok_name = "hf:" + hashlib.sha256(tokenizer_dir.encode()).hexdigest()[:12]
-    else:
-        tok_name = f"bpe{vocab_size or DEFAULT_BPE_VOCAB}"
+    tok_name = tokenizer_name(tokenizer_dir, vocab_size)
     text = Corpus(task.name, labeled_text(task), "")
     content = hashlib.sha256(repr((task.train, task.valid, task.labels)).encode()).hexdigest()[:16]
     path = cache_dir() / f"classify-{content}-{tok_name}-{seq_len}.pt"

@@ -10,7 +10,7 @@ import re
 import zlib
 from dataclasses import dataclass
 
-from aqpipe.data.corpus import DataError, load_corpus
+from aqpipe.data.corpus import DataError, load_corpus, load_hub_dataset
 
 # Column pairs read as (first text, second text or None), in the order they are looked for.
 TEXT_COLUMNS = (("sentence1", "sentence2"), ("question1", "question2"), ("premise", "hypothesis"),
@@ -187,16 +187,8 @@ def table_task(data: str) -> Labeled:
 
 def hub_task(name: str) -> Labeled:
     """A hub dataset through `datasets`: `glue:cola`, `glue:qnli`, … or `path[:config]` with a label column."""
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(f"--data {name!r} looks like a hub dataset; install the 'hub' extra (pip install aqpipe[hub])") from None
+    ds = load_hub_dataset(name)
     path, _, config = name.partition(":")
-    try:
-        ds = datasets.load_dataset(path, config or None)
-    except Exception as e:  # noqa: BLE001 - offline, unknown name, …
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise DataError(f"cannot load hub dataset {name!r}: {type(e).__name__}: {first}") from None
     valid_split = GLUE_VALID.get(config) if path == "glue" else None
     valid_split = valid_split or next((s for s in ("validation", "valid", "test") if s in ds), None)
     if "train" not in ds or valid_split is None:
