@@ -114,7 +114,10 @@ def dump_stacks_on_sigusr1() -> None:
     import signal
 
     if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (AttributeError, ValueError, OSError):  # stderr is not a real file (captured, embedded): no dumps
+            pass
 
 
 def one_line(text: str) -> str:

@@ -97,3 +97,15 @@ def test_an_unsupported_checkpoint_type_is_named(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "t5"}')
     with pytest.raises(SpecError, match="is a t5 checkpoint"):
         classify_model(str(tmp_path))
+
+
+def test_a_checkpoint_without_a_tokenizer_is_a_clear_error(tmp_path, capsys):
+    import shutil
+
+    from aqpipe.cli import main
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{MINILM}/{name}", tmp_path / name)
+    code = main(["launch", "--model", str(tmp_path), "--pp", "2", "--steps", "1", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot load the tokenizer of" in err and len(err.strip().splitlines()) == 1

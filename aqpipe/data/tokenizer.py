@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from aqpipe.data.corpus import Corpus
+from aqpipe.data.corpus import Corpus, DataError
 
 
 class TextTokenizer(Protocol):
@@ -52,7 +52,14 @@ class HFTokenizer:
     def __init__(self, directory: str) -> None:
         from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(directory)
+        try:
+            self.hf = AutoTokenizer.from_pretrained(directory)
+        except Exception as e:  # noqa: BLE001 - missing files, unknown class, a sentencepiece model without the library
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise DataError(f"cannot load the tokenizer of {directory}: {type(e).__name__}: {first}") from None
+        if len(self.hf) < 100:  # transformers builds an empty vocabulary when the files are missing: all [UNK]
+            raise DataError(f"cannot load the tokenizer of {directory}: it holds no tokenizer files (tokenizer.json, "
+                            f"vocab.txt, …), so the tokenizer would have {len(self.hf)} tokens")
         self.vocab_size = len(self.hf)
 
     def encode(self, text: str) -> list[int]:
