@@ -187,16 +187,15 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
                 for ahead in ([step, step + 1] if step == first_step else [step + 1]):
                     if ahead < plan.total_steps:
                         _prefetch(store, grid, torch.cat(epochs.micro_batches_of(ahead)).tolist())
-            following = step + 1
-            next_ids = (torch.cat(epochs.micro_batches_of(following)).tolist()
-                        if following < plan.total_steps and following // plan.steps_per_epoch >= cfg.warmup_epochs else None)
+            done = step + 1  # also the index of the next step
+            next_ids = (torch.cat(epochs.micro_batches_of(done)).tolist()
+                        if done < plan.total_steps and done // plan.steps_per_epoch >= cfg.warmup_epochs else None)
             stats = worker.run_step(step, epochs.micro_batches_of(step), compress=epoch >= cfg.warmup_epochs,
                                     next_ids=next_ids)
             stats.store_hits, stats.store_misses, stats.store_reseeded = (
                 store.stats.hits, store.stats.misses, store.stats.reseeded)
             step_seconds = time.perf_counter() - step_start
             record = _gather_step(stats, grid, cfg, step, plan.steps_per_epoch, lr, step_seconds)
-            done = step + 1
             if evaluating and (done == plan.total_steps or (cfg.eval_every and done % cfg.eval_every == 0)):
                 record.update(evaluate(done))
             if log is not None:
