@@ -46,20 +46,25 @@ class BPETokenizer:
         atomic_write_bytes(path, self.tokenizer.to_str().encode())
 
 
+# The files that carry a `transformers` tokenizer's vocabulary, in the usual formats.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spm.model", "tokenizer.model", "sentencepiece.bpe.model")
+
+
 class HFTokenizer:
     """A `transformers` tokenizer loaded from a checkpoint directory."""
 
     def __init__(self, directory: str) -> None:
         from transformers import AutoTokenizer
 
+        # without these files transformers builds an empty vocabulary (every word [UNK]) instead of failing
+        if not any((Path(directory) / name).is_file() for name in TOKENIZER_FILES):
+            raise DataError(f"cannot load the tokenizer of {directory}: it holds none of {', '.join(TOKENIZER_FILES)}")
         try:
             self.hf = AutoTokenizer.from_pretrained(directory)
         except Exception as e:  # noqa: BLE001 - missing files, unknown class, a sentencepiece model without the library
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise DataError(f"cannot load the tokenizer of {directory}: {type(e).__name__}: {first}") from None
-        if len(self.hf) < 100:  # transformers builds an empty vocabulary when the files are missing: all [UNK]
-            raise DataError(f"cannot load the tokenizer of {directory}: it holds no tokenizer files (tokenizer.json, "
-                            f"vocab.txt, …), so the tokenizer would have {len(self.hf)} tokens")
+
         self.vocab_size = len(self.hf)
 
     def encode(self, text: str) -> list[int]:
