@@ -102,7 +102,7 @@ def classify_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels)
 
 
-def _init_like_hf(module: nn.Module, std: float) -> None:
+def init_like_bert(module: nn.Module, std: float) -> None:
     """BERT's initialisation: normal(0, initializer_range) weights, zero biases and padding rows, unit norms."""
     for sub in module.modules():
         if isinstance(sub, nn.Linear):
@@ -128,22 +128,36 @@ def _build(kind: str, config, index: int, weights: Callable[[str], dict] | None)
         layer, prefix, inner = BertClassifierHead(config), "", ""
     if torch.empty(0).is_meta:  # being sized on the meta device (partitioning): nothing to initialise or load
         return layer
-    _init_like_hf(layer, config.initializer_range)
+    init_like_bert(layer, config.initializer_range)
     if weights is None:
         return layer
     if kind == "head":
-        state = {"pooler." + k: v for k, v in weights("bert.pooler.").items()}
-        classifier = weights("classifier.")
-        if classifier.get("weight") is not None and classifier["weight"].shape[0] == config.num_labels:
-            state.update({"classifier." + k: v for k, v in classifier.items()})
-        layer.load_state_dict(state, strict=False)  # a pretrained encoder brings no head for a new task
-        return layer
+        return load_head(layer, weights, "bert.pooler.", config.num_labels)
     state = {inner + k: v for k, v in weights(prefix).items() if k not in ("position_ids", "token_type_ids")}
     missing, _unexpected = layer.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.endswith(("position_ids", "token_type_ids"))]
     if missing:
         raise SpecError(f"the checkpoint lacks weights for {kind} {index}: {', '.join(missing[:5])}")
     return layer
+
+
+def load_head(head: nn.Module, weights: Callable[[str], dict], pooler_prefix: str, num_labels: int) -> nn.Module:
+    """Load a classifier head's pretrained pooler, and its classifier only when the checkpoint's has `num_labels`
+    classes (a pretrained encoder brings no head for a new task: that part keeps its fresh initialisation)."""
+    state = {"pooler." + k: v for k, v in weights(pooler_prefix).items()}
+    classifier = weights("classifier.")
+    if classifier.get("weight") is not None and classifier["weight"].shape[0] == num_labels:
+        state.update({"classifier." + k: v for k, v in classifier.items()})
+    head.load_state_dict(state, strict=False)
+    return head
+
+
+def classifier_config(config, num_labels: int, dropout: float | None):
+    """A checkpoint's config set up for `num_labels` classes (and a dropout override)."""
+    config.num_labels = num_labels
+    if dropout is not None:
+        config.hidden_dropout_prob = config.attention_probs_dropout_prob = dropout
+    return config
 
 
 def bert_spec(config, weights: Callable[[str], dict] | None = None, name: str = "bert") -> PipelineSpec:
@@ -169,9 +183,6 @@ def pretrained_bert_spec(directory: str, num_labels: int, dropout: float | None 
     """A BERT classifier spec whose layers load their own weights from a local HF checkpoint directory."""
     from transformers import BertConfig
 
-    config = BertConfig.from_pretrained(directory)
-    config.num_labels = num_labels
-    if dropout is not None:
-        config.hidden_dropout_prob = config.attention_probs_dropout_prob = dropout
+    config = classifier_config(BertConfig.from_pretrained(directory), num_labels, dropout)
     weights = CheckpointWeights(directory, normalise=_normalise)
     return bert_spec(config, weights, name=os.path.basename(os.path.normpath(directory)))

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from aqpipe.stages.bert import _init_like_hf, classify_loss
+from aqpipe.stages.bert import init_like_bert, classifier_config, classify_loss, load_head
 from aqpipe.stages.hf_weights import CheckpointWeights
 from aqpipe.stages.spec import PipelineSpec, SpecError
 
@@ -134,11 +134,11 @@ def _build(kind: str, config, index: int, weights: Callable[[str], dict] | None)
         layer = DebertaClassifierHead(config)
     if torch.empty(0).is_meta:
         return layer
-    _init_like_hf(layer, config.initializer_range)
+    init_like_bert(layer, config.initializer_range)
     if kind == "layer":  # every copy of the tied table starts equal, whichever rank builds it
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(1_000_003)
-            _init_like_hf(layer.rel, config.initializer_range)
+            init_like_bert(layer.rel, config.initializer_range)
     if weights is None:
         return layer
     if kind == "embed":
@@ -150,12 +150,7 @@ def _build(kind: str, config, index: int, weights: Callable[[str], dict] | None)
         if layer.conv is not None:
             state.update({"conv." + k[len("conv."):]: v for k, v in shared.items() if k.startswith("conv.")})
     else:
-        state = {"pooler." + k: v for k, v in weights("pooler.").items()}
-        classifier = weights("classifier.")
-        if classifier.get("weight") is not None and classifier["weight"].shape[0] == config.num_labels:
-            state.update({"classifier." + k: v for k, v in classifier.items()})
-        layer.load_state_dict(state, strict=False)  # a pretrained encoder brings no head for a new task
-        return layer
+        return load_head(layer, weights, "pooler.", config.num_labels)
     missing, _ = layer.load_state_dict(state, strict=False)
     if missing:
         raise SpecError(f"the checkpoint lacks weights for DeBERTa {kind} {index}: {', '.join(missing[:5])}")
@@ -189,10 +184,7 @@ def pretrained_deberta_spec(directory: str, num_labels: int, dropout: float | No
     """A DeBERTa-v2 classifier spec whose layers load their own weights from a local HF checkpoint directory."""
     from transformers import DebertaV2Config
 
-    config = DebertaV2Config.from_pretrained(directory)
-    config.num_labels = num_labels
-    if dropout is not None:
-        config.hidden_dropout_prob = config.attention_probs_dropout_prob = dropout
+    config = classifier_config(DebertaV2Config.from_pretrained(directory), num_labels, dropout)
     return deberta_spec(config, CheckpointWeights(directory, normalise=_normalise),
                         name=os.path.basename(os.path.normpath(directory)))
 
