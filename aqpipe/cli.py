@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 
+from aqpipe.compress.grids import GRIDS
 from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values
 
 HELP = {
@@ -35,6 +36,8 @@ HELP = {
     "store_max_gb": "cap on each rank's LMDB store (GB)",
     "quant_scales": "quantization scales per sample and channel (default) or per token",
     "quant_rounding": "nearest (default) or stochastic (unbiased) rounding",
+    "quant_grid": f"the levels a quantized code stands for: {', '.join(GRIDS)} (default {GRIDS[0]}; all but uniform "
+                  "hold an exact zero; see aqpipe.compress.quantize)",
     "store_check": "on: every AQ-SGD message carries a checksum of m(xi) the receiver verifies (default); off",
     "store_dump": "on: save each rank's m(xi) store under <out>/store/ at the end (for inspection)",
     "bandwidth": "run every rank in its own network namespace with its link shaped by tc tbf to RATE, e.g. 100mbit or 1gbit (needs root and iproute2)",

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aqpipe.compress.grids import DEFAULT_GRID, GRIDS
+
 
 class ConfigError(ValueError):
     """A usage or configuration error: one line saying what is wrong and how to fix it (exit code 2)."""
@@ -84,6 +86,7 @@ class RunConfig:
     max_samples: int | None = None
     quant_scales: str = "channel"
     quant_rounding: str = "nearest"
+    quant_grid: str = DEFAULT_GRID
     store_check: str = "on"
     store_dump: str = "off"
     stall_timeout: float = 300.0
@@ -244,6 +247,7 @@ def _check_choices(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     for name, value, allowed in (("quant-scales", cfg.quant_scales, ("channel", "token")),
                                  ("quant-rounding", cfg.quant_rounding, ("nearest", "stochastic")),
+                                 ("quant-grid", cfg.quant_grid, GRIDS),
                                  ("store-check", cfg.store_check, ("on", "off")),
                                  ("store-dump", cfg.store_dump, ("on", "off"))):
         if value not in allowed:

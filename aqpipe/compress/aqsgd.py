@@ -50,7 +50,8 @@ class AQSGDCodec(LinkCodec):
         new_m: list[torch.Tensor | None] = [None] * len(id_list)
         if delta:
             m_old = torch.stack(self.view.get([id_list[i] for i in delta])).float()
-            q = quantize(x[delta] - m_old, self.bits, self.options.per, self.options.stochastic, self._generator)
+            q = quantize(x[delta] - m_old, self.bits, self.options.per, self.options.stochastic, self._generator,
+                         self.options.grid)
             rows = encode_samples(q)
             # the sender updates its copy from exactly the codes and fp16 scales the receiver will unpack
             m_new = (m_old + dequantize(q, tuple(m_old.shape))).to(self.view.dtype)
@@ -116,8 +117,9 @@ class AQSGDCodec(LinkCodec):
             except KeyError as e:
                 raise CodecError(f"m(xi) diverged: the sender sent a delta but this side has never seen the sample "
                                  f"({e.args[0]})") from None
-            m_new = (m_old + decode_samples(torch.stack(delta_rows), tuple(m_old.shape), self.bits, self.options.per)
-                     ).to(self.view.dtype)
+            deltas = decode_samples(torch.stack(delta_rows), tuple(m_old.shape), self.bits, self.options.per,
+                                    self.options.grid)
+            m_new = (m_old + deltas).to(self.view.dtype)
             for j, i in enumerate(delta_at):
                 new_m[i] = m_new[j]
                 out[i] = m_new[j].float()

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from aqpipe.compress.quantize import DEFAULT_GRID
+
 FLAG_RAW = 1  # the payload is the tensor in fp32 (warm-up, or a codec asked not to compress)
 FLAG_NO_CHECK = 2  # AQ-SGD: the sender did not checksum m(ξ)
 CODE_FP32, CODE_FP16, CODE_BF16, CODE_DIRECTQ, CODE_AQSGD, CODE_TOPK = 1, 2, 3, 4, 5, 6
@@ -186,6 +188,7 @@ class QuantOptions:
     per: str = "channel"  # scale granularity: channel or token
     stochastic: bool = False
     seed: int = 0
+    grid: str = DEFAULT_GRID  # which levels a code stands for (aqpipe.compress.quantize.GRIDS)
 
 
 def build_codec(spec: str | CodecSpec, direction: str = "fw", store_view=None, options: QuantOptions | None = None,

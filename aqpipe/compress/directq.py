@@ -10,7 +10,7 @@ import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
 from aqpipe.compress.codecs import CODE_DIRECTQ, Encoded, LinkCodec, QuantOptions, bytes_as, numel
-from aqpipe.compress.quantize import Quantized, dequantize, quantize, scale_count
+from aqpipe.compress.quantize import DEFAULT_GRID, Quantized, dequantize, quantize, scale_count
 
 
 def sample_bytes(shape: tuple[int, ...], bits: int, per: str) -> int:
@@ -23,12 +23,13 @@ def encode_samples(q: Quantized) -> torch.Tensor:
     return torch.cat([q.scales.contiguous().view(torch.uint8), pack(q.codes, q.bits)], dim=1)
 
 
-def decode_samples(rows: torch.Tensor, shape: tuple[int, ...], bits: int, per: str) -> torch.Tensor:
-    """Inverse of `encode_samples` for rows [B, sample_bytes] of a tensor of `shape`."""
+def decode_samples(rows: torch.Tensor, shape: tuple[int, ...], bits: int, per: str, grid: str = DEFAULT_GRID
+                   ) -> torch.Tensor:
+    """Inverse of `encode_samples` for rows [B, sample_bytes] of a tensor of `shape` quantized on `grid`."""
     s = scale_count(shape, per)
     scales = bytes_as(rows[:, : 2 * s], torch.float16)
     codes = unpack(rows[:, 2 * s :], bits, numel(shape[1:]))
-    return dequantize(Quantized(codes, scales, bits, per), shape)
+    return dequantize(Quantized(codes, scales, bits, per, grid), shape)
 
 
 class DirectQCodec(LinkCodec):
@@ -46,9 +47,9 @@ class DirectQCodec(LinkCodec):
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
         x = tensor.float().cpu()
-        q = quantize(x, self.bits, self.options.per, self.options.stochastic, self._generator)
+        q = quantize(x, self.bits, self.options.per, self.options.stochastic, self._generator, self.options.grid)
         return Encoded(encode_samples(q).reshape(-1), tuple(x.shape), torch.uint8, flags=self.flags())
 
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         rows = payload.view(header.shape[0], -1)
-        return decode_samples(rows, header.shape, self.bits, self.options.per)
+        return decode_samples(rows, header.shape, self.bits, self.options.per, self.options.grid)

@@ -1,10 +1,25 @@
-"""b-bit uniform quantization with max-abs scales, per sample and channel (default) or per token.
+"""b-bit uniform quantization with per-sample scales, per channel (default) or per token, on one of a few grids.
 
-A tensor [B, ..., C] is viewed as [B, T, C] (T = the product of the middle dimensions). Per-channel scales are
-the max |x| over T for each (sample, channel); per-token scales the max over C for each (sample, token); a 2-D
-tensor [B, C] gets one scale per sample. Scales travel as fp16, rounded *up* so no value exceeds its scale, and
-both sides dequantize from that fp16 value. The 2**b levels span [-scale, scale] evenly (1 bit: ±scale).
-Dequantization is one table lookup and one multiply, so every device reconstructs bit-identical values.
+A tensor [B, ..., C] is viewed as [B, T, C] (T = the product of the middle dimensions). Per-channel scales cover
+the values over T for each (sample, channel); per-token scales the values over C for each (sample, token); a 2-D
+tensor [B, C] gets one scale per sample. Scales travel as fp16, their magnitude rounded *up* so no value needs
+more than its scale, and both sides dequantize from that fp16 value: code k stands for level(k) · scale, one table
+lookup and one multiply, so every device reconstructs bit-identical values.
+
+`GRIDS` is the one table of grids (the levels a code can stand for). All but `uniform` hold an exact 0, so padding,
+unused coordinates and unchanged activations stay untouched:
+
+- `signed` (the default): the integers −2^(b−1) … 2^(b−1)−1 times scale/2^(b−1) — every code used, steps of
+  scale/2^(b−1). The grid is one level longer on one side; the scale's sign (free in fp16) puts that side where
+  the group's largest |x| lies, so the extreme is exact and values on the short side beyond its last level clip.
+- `fit`: the same levels with the scale chosen so nothing clips: the step is the smaller of
+  max(P/(2^(b−1)−1), N/2^(b−1)) and its mirror, for the group's largest positive P and negative N magnitudes.
+- `symmetric`: 2^b − 1 levels k/(2^(b−1)−1) · scale, |k| ≤ 2^(b−1)−1 (one code unused): the authors' reference code.
+- `uniform`: the first release's 2^b levels spread evenly over [−scale, scale]; no zero (0 comes back as ±s/n).
+
+One bit has no room for a zero: every grid sends sign · scale. With nearest rounding the scale is the group's mean
+|x| (1-bit Adam's choice), which makes the code contractive (‖x − Q(x)‖² = ‖x‖² − ‖x‖₁²/n < ‖x‖²), so error
+feedback stays bounded; stochastic rounding keeps the max |x| scale, the one that makes it unbiased.
 """
 
 from __future__ import annotations
@@ -13,17 +28,20 @@ from dataclasses import dataclass
 
 import torch
 
+from aqpipe.compress.grids import DEFAULT_GRID, GRIDS
+
 FP16_MAX = 65504.0
 
 
 @dataclass
 class Quantized:
-    """Codes [B, T·C] (uint8, < 2**bits) and fp16 scales [B, S] of one tensor."""
+    """Codes [B, T·C] (uint8, < 2**bits) and fp16 scales [B, S] of one tensor, on `grid`."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     bits: int
     per: str
+    grid: str = DEFAULT_GRID
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -45,43 +63,85 @@ def scale_count(shape: tuple[int, ...], per: str) -> int:
     return shape[-1] if per == "channel" else t
 
 
-def levels(bits: int, device: torch.device | None = None) -> torch.Tensor:
-    """The 2**bits reconstruction points in [-1, 1], computed in float64 then rounded once."""
-    n = (1 << bits) - 1
-    return ((torch.arange(n + 1, dtype=torch.float64) * 2 - n) / n).to(torch.float32).to(device)
+def check_grid(grid: str) -> None:
+    """Raise a ValueError naming the grids if `grid` is not one of them."""
+    if grid not in GRIDS:
+        raise ValueError(f"quantization grid must be one of {', '.join(GRIDS)}, got {grid!r}")
 
 
-def fp16_scales(absmax: torch.Tensor) -> torch.Tensor:
-    """fp16 scales ≥ the true max |x| (rounded up; capped at the fp16 maximum)."""
-    absmax = absmax.float().clamp(max=FP16_MAX)
-    half = absmax.to(torch.float16)
-    low = half.float() < absmax
+def _offset_steps(bits: int, grid: str) -> tuple[float, float, int]:
+    """(offset, steps, top code): code k stands for (k − offset) / steps · scale; codes run 0..top."""
+    if bits == 1 or grid == "uniform":
+        half = ((1 << bits) - 1) / 2
+        return half, half, (1 << bits) - 1
+    if grid == "symmetric":
+        h = (1 << (bits - 1)) - 1
+        return float(h), float(h), 2 * h
+    h = 1 << (bits - 1)
+    return float(h), float(h), (1 << bits) - 1
+
+
+def levels(bits: int, device: torch.device | None = None, grid: str = DEFAULT_GRID) -> torch.Tensor:
+    """The 2**bits reconstruction points of a unit scale (codes past the grid's top repeat it), computed in float64
+    then rounded once."""
+    check_grid(grid)
+    offset, steps, top = _offset_steps(bits, grid)
+    k = torch.arange(1 << bits, dtype=torch.float64).clamp(max=top)
+    return ((k - offset) / steps).to(torch.float32).to(device)
+
+
+def fp16_scales(scale: torch.Tensor) -> torch.Tensor:
+    """fp16 scales whose magnitude is ≥ the given one (rounded up; capped at the fp16 maximum), sign kept."""
+    magnitude = scale.float().abs().clamp(max=FP16_MAX)
+    half = magnitude.to(torch.float16)
+    low = half.float() < magnitude
     if bool(low.any()):
         half = torch.where(low, torch.nextafter(half, torch.full_like(half, float("inf"))), half)
-    return half
+    return torch.where(scale < 0, -half, half)
 
 
-def quantize(
-    x: torch.Tensor, bits: int, per: str = "channel", stochastic: bool = False, generator: torch.Generator | None = None
-) -> Quantized:
-    """Quantize a batch [B, ...] to `bits` bits; stochastic rounding is unbiased, nearest is deterministic."""
+def _scales(rows: torch.Tensor, dim: int, bits: int, grid: str, stochastic: bool) -> torch.Tensor:
+    """The (signed) scale of each group of `rows` reduced over `dim`, before fp16 rounding."""
+    if bits == 1 and grid != "uniform" and not stochastic:
+        return rows.abs().mean(dim=dim, keepdim=True)
+    if grid in ("uniform", "symmetric") or bits == 1:
+        return rows.abs().amax(dim=dim, keepdim=True)
+    positive = rows.amax(dim=dim, keepdim=True).clamp(min=0)
+    negative = (-rows).amax(dim=dim, keepdim=True).clamp(min=0)
+    h = float(1 << (bits - 1))
+    if grid == "signed":  # the long side (−1 … ) goes where the largest magnitude is: scale = −(that value)
+        return torch.where(positive > negative, -positive, negative)
+    # fit: the smaller step that covers both sides with no clipping; the long side is the negative one (scale > 0)
+    # or, mirrored, the positive one (scale < 0)
+    step_long_negative = torch.maximum(positive / (h - 1), negative / h)
+    step_long_positive = torch.maximum(negative / (h - 1), positive / h)
+    return torch.where(step_long_positive < step_long_negative, -step_long_positive * h, step_long_negative * h)
+
+
+def quantize(x: torch.Tensor, bits: int, per: str = "channel", stochastic: bool = False,
+             generator: torch.Generator | None = None, grid: str = DEFAULT_GRID) -> Quantized:
+    """Quantize a batch [B, ...] to `bits` bits; stochastic rounding is unbiased (within the grid's range), nearest
+    is deterministic."""
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
     if per not in ("channel", "token"):
         raise ValueError(f"scale granularity must be 'channel' or 'token', got {per!r}")
+    check_grid(grid)
     rows = as_rows(x.detach().float())
     reduce_dim = 1 if (per == "channel" or x.dim() == 2) else 2
-    scales = fp16_scales(rows.abs().amax(dim=reduce_dim, keepdim=True))
+    scales = fp16_scales(_scales(rows, reduce_dim, bits, grid, stochastic))
     s = scales.float()
     s = torch.where(s == 0, torch.ones_like(s), s)
-    half_span = ((1 << bits) - 1) / 2
-    u = (rows / s + 1.0).mul_(half_span)
+    offset, steps, top = _offset_steps(bits, grid)
+    u = (rows / s).mul_(steps).add_(offset)
     if stochastic:
         u.add_(torch.rand(u.shape, generator=generator, device=u.device)).floor_()
+    elif bits == 1:
+        u = (rows > 0).float()  # sign; an exact 0 (no room for it in one bit) goes to +scale
     else:
         u.round_()
-    codes = u.clamp_(0, (1 << bits) - 1).to(torch.uint8)
-    return Quantized(codes.reshape(x.shape[0], -1), scales.reshape(x.shape[0], -1), bits, per)
+    codes = u.clamp_(0, top).to(torch.uint8)
+    return Quantized(codes.reshape(x.shape[0], -1), scales.reshape(x.shape[0], -1), bits, per, grid)
 
 
 def dequantize(q: Quantized, shape: tuple[int, ...]) -> torch.Tensor:
@@ -91,7 +151,8 @@ def dequantize(q: Quantized, shape: tuple[int, ...]) -> torch.Tensor:
     t, c = view.shape[1], view.shape[2]
     # a table lookup (index_select with int32 indices: 3x faster than indexing with int64) keeps every device's
     # reconstruction bit-identical
-    values = torch.index_select(levels(q.bits, q.codes.device), 0, q.codes.reshape(-1).int()).view(b, t, c)
+    table = levels(q.bits, q.codes.device, q.grid)
+    values = torch.index_select(table, 0, q.codes.reshape(-1).int()).view(b, t, c)
     if len(shape) == 2 or q.per == "channel":
         s = q.scales.float().view(b, 1, -1) if len(shape) > 2 else q.scales.float().view(b, 1, 1)
     else:

@@ -55,7 +55,7 @@ class TopKCodec(LinkCodec):
         n, k, fmt, _, _ = self._layout(tuple(tensor.shape))
         idx = g.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
         values = g.gather(1, idx)
-        q = quantize(values, self.bits, "channel", self.options.stochastic, self._generator)  # one scale per sample
+        q = quantize(values, self.bits, "channel", self.options.stochastic, self._generator, self.options.grid)  # one scale per sample
         if fmt == "bitmap":
             mask = torch.zeros(b, n, dtype=torch.uint8)
             mask.scatter_(1, idx, 1)
@@ -82,7 +82,7 @@ class TopKCodec(LinkCodec):
             idx = bytes_as(positions, torch.int16 if fmt == "int16" else torch.int32).long()
             if bool(((idx < 0) | (idx >= n)).any()):
                 raise CodecError("topk positions fall outside the tensor")
-        values = dequantize(Quantized(codes, scales, self.bits, "channel"), (b, k))
+        values = dequantize(Quantized(codes, scales, self.bits, "channel", self.options.grid), (b, k))
         out = torch.zeros(b, n, dtype=torch.float32)
         out.scatter_(1, idx, values)
         return out.view(shape)

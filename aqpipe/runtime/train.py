@@ -118,7 +118,8 @@ def open_store(cfg: RunConfig, rank: int, estimate: int | None = None):
 def build_codecs(cfg: RunConfig, grid: Grid, store) -> Codecs:
     """This rank's codecs; the AQ-SGD ones hold the sender side of the outgoing link and the receiver side of the
     incoming one (link k joins stage k to stage k+1)."""
-    options = QuantOptions(per=cfg.quant_scales, stochastic=cfg.quant_rounding == "stochastic", seed=cfg.seed + grid.rank)
+    options = QuantOptions(per=cfg.quant_scales, stochastic=cfg.quant_rounding == "stochastic", seed=cfg.seed + grid.rank,
+                           grid=cfg.quant_grid)
     check = cfg.store_check == "on"
     codecs = Codecs()
     if not grid.is_last_stage:

@@ -24,7 +24,7 @@ from aqpipe.storage.encoding import ENCODINGS, decode_value, encode_value, value
 
 _KEY = struct.Struct(">HBQ")
 _HEAD = struct.Struct("<4sBB8qqII")  # magic, encoding, ndim, shape[8], step, crc32, body length
-MAGIC = b"AQM1"
+MAGIC = b"AQM2"  # 2: quantized values on the zero-holding default grid
 _CODES = {v: k for k, v in ENCODINGS.items()}
 
 
