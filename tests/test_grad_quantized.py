@@ -36,6 +36,22 @@ def test_error_feedback_carries_what_was_dropped_into_later_steps():
     assert torch.allclose(sent_total + sync.feedback.residual, grad_total, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [1, 2])
+def test_error_feedback_is_contractive_and_stays_bounded_on_a_constant_gradient(bits):
+    """Every step the code drops less than it was given (||e'|| < ||g + e||), which bounds the residual; the ±max|x|
+    1-bit code broke that at the first step (residual 2.6 ||g||, 99 ||g|| after 200 steps)."""
+    sync = ErrorFeedbackQuantized(DPGroup(None, (0, 1), 0), bits=bits)
+    g = torch.randn(3 * CHUNK, generator=torch.Generator().manual_seed(3))
+    ratios = []
+    for _ in range(200):
+        compensated = sync.feedback.compensate(g)
+        _, transmitted = encode(compensated, bits)
+        sync.feedback.update(compensated, transmitted)
+        assert float(sync.feedback.residual.norm()) < float(compensated.norm())
+        ratios.append(float(sync.feedback.residual.norm() / g.norm()))
+    assert ratios[0] < 1.0 and ratios[-1] < 20.0
+
+
 def _sync(rank: int, world: int):
     grad = torch.randn(2000, generator=torch.Generator().manual_seed(rank))
     param = torch.nn.Parameter(torch.zeros(2000))

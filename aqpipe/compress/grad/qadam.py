@@ -51,11 +51,9 @@ class QAdamSync(AllReduceMean):
     def average_momentum(self, momentum: torch.Tensor) -> torch.Tensor:
         """The replicas' mean momentum through the compressed two-phase all-reduce with error feedback."""
         n = self.dp.size
+        if n == 1:  # nothing to exchange, so nothing to compress: one replica runs exactly AdamW with a frozen v
+            return momentum
         compensated = self.worker_feedback.compensate(momentum)
-        if n == 1:
-            payload, sent_values = encode(compensated, self.bits)
-            self.worker_feedback.update(compensated, sent_values)
-            return sent_values
         c = chunk_size(momentum.numel(), n)
         padded = torch.zeros(c * n, device=momentum.device)
         padded[: momentum.numel()] = compensated
