@@ -129,6 +129,34 @@ def test_side_information_crosses_gloo_losslessly():
     assert got == ("ok", [5, 9], [float(i) for i in range(64)], (8, 8), SIDE.reshape(-1).tolist())
 
 
+def _reseed_list_behind_an_odd_payload(rank, world, payload_len):
+    """Rank 1 sends a gradient whose payload has an odd length, with a list of sample ids as side information (the
+    receiver's re-seed request); rank 0 reads the list the way the worker does."""
+    ids = torch.tensor([5, 9])
+    payload = torch.arange(payload_len, dtype=torch.int64).to(torch.uint8)
+    request = torch.tensor([3, 11, 1 << 40], dtype=torch.int64)
+    if rank == 1:
+        box = t.Outbox(0, t.KIND_GRADIENT)
+        box.send(t.Header(t.KIND_GRADIENT, 0, 0, (payload_len,), torch.uint8, 2, payload_len), ids, payload,
+                 request.view(torch.uint8))
+        box.flush()
+        return None
+    inbox = t.Inbox(1, "rank 1 (stage 1, replica 0)", t.KIND_GRADIENT, torch.device("cpu"), timeout=20)
+    inbox.expect(t.Expect(t.KIND_GRADIENT, 0, 0, 2, max_payload=1 << 20))
+    try:
+        msg = inbox.get()
+    finally:
+        inbox.close()
+    return msg.side.view(torch.int64).tolist(), msg.payload.tolist() == payload.tolist()
+
+
+@pytest.mark.parametrize("payload_len", [7, 532_482])
+def test_side_information_behind_an_odd_payload_reads_as_int64(payload_len):
+    """`--bw topk:0.2:8` on a 1x1024x1600 gradient is 532,482 bytes: the id list after it sat at an unaligned offset."""
+    results = run_ranks(_reseed_list_behind_an_odd_payload, 2, payload_len)
+    assert results[0] == ("ok", ([3, 11, 1 << 40], True)), results
+
+
 def test_an_activations_side_information_is_one_row_per_sample_or_an_error():
     from aqpipe.runtime.worker import per_sample
 

@@ -245,7 +245,9 @@ class Inbox:
             raise TransportError(
                 f"damaged message from {self.peer_name}: step {header.step} micro-batch {header.micro_batch} fails its checksum"
             )
-        return Message(header, ids, payload, HEADER_SIZE + body.numel(), side if header.side_len else None,
+        # the side information starts wherever the payload ends, often at an odd offset: a copy of its own lets it be
+        # read as any type (a re-seed request is a list of int64 sample ids)
+        return Message(header, ids, payload, HEADER_SIZE + body.numel(), side.clone() if header.side_len else None,
                        transfer_seconds)
 
 
