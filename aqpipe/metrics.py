@@ -71,7 +71,7 @@ def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall
         "wall_seconds": wall_seconds,
         "compute_seconds": sum(r["compute_seconds"] for r in records),
         "comm_wait_seconds": sum(r["comm_wait_seconds"] for r in records),
-        "store": {"hits": 0, "misses": 0, "reseeded": 0},
+        "store": {"hits": 0, "misses": 0, "reseeded": 0, "overflow": 0},
     }
 
 

@@ -54,7 +54,7 @@ def test_first_sight_is_full_precision_and_later_epochs_cost_b_over_8(tmp_path):
     for r in later:
         assert abs(r["fwd_bytes_per_element"] - expected) <= 0.02 * expected
         assert r["bwd_bytes_per_element"] == pytest.approx(4 / 8 + 2 * hidden / (tokens * hidden), rel=1e-9)
-    assert summary["store"] == {"hits": 48 * 2, "misses": 48, "reseeded": 0}
+    assert summary["store"] == {"hits": 48 * 2, "misses": 48, "reseeded": 0, "overflow": 0}
     assert summary["link_bytes"]["per_link_fwd"] == [summary["link_bytes"]["fwd"]]
 
 

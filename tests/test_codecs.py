@@ -184,3 +184,49 @@ def test_topk_position_format_is_the_smaller_one():
     assert position_format(1000, 200)[0] == "bitmap"
     assert position_format(1000, 10) == ("int16", 20)
     assert position_format(100_000, 10) == ("int32", 40)
+
+
+@pytest.mark.parametrize("poison", [70000.0, float("inf"), float("nan")])
+def test_a_value_not_finite_in_the_store_dtype_is_never_stored(poison):
+    """One activation above 65504 made an fp16 m(xi) inf, and the receiver computed on inf in every later epoch."""
+    sender, receiver, sender_store, receiver_store = aqsgd_pair(3)
+    ids = torch.tensor([0, 1, 2])
+    x = torch.randn(3, 4, 8)
+    encoded, _ = send(sender, receiver, x, ids)  # first sight: both copies seeded
+    spiked = x.clone()
+    spiked[1, 2, 3] = poison
+    encoded, out = send(sender, receiver, spiked, ids)
+    assert encoded.payload[:3].tolist() == [MODE_DELTA, MODE_FULL, MODE_DELTA]
+    assert encoded.unstored == [1] and sender_store.stats.overflow == 1 and receiver_store.stats.overflow == 0
+    assert sender_store.contains(0, "send", [1]) == [False] and receiver_store.present(0, "recv", [1]) == [False]
+    assert torch.allclose(out[1], spiked[1], equal_nan=True, rtol=0, atol=0)  # the activation itself, in full
+    encoded, out = send(sender, receiver, x, ids)  # back to normal: a first sight again, stored, finite everywhere
+    assert encoded.payload[:3].tolist() == [MODE_DELTA, MODE_FULL, MODE_DELTA] and encoded.unstored == []
+    assert torch.equal(out[1], x[1]) and bool(torch.isfinite(out).all())
+    for (key, value) in sender_store.items():
+        assert torch.equal(value, receiver_store.get(0, "recv", [key[2]])[0]) and bool(torch.isfinite(value).all())
+
+
+def test_a_delta_whose_sum_would_overflow_goes_in_full_and_is_stored_when_it_fits():
+    """m + deQ(Q(a - m)) can leave fp16's range while a itself does not: that sample is sent (and stored) in full."""
+    sender, receiver, sender_store, receiver_store = aqsgd_pair(3)
+    ids = torch.tensor([4])
+    x = torch.full((1, 2, 2), 60000.0)
+    send(sender, receiver, x, ids)
+    y = x.clone()
+    y[0, 0, 0] = 65500.0  # fp16-finite; the 3-bit delta's reconstruction may overshoot
+    encoded, out = send(sender, receiver, y, ids)
+    kept_send, kept_recv = sender_store.get(0, "send", [4])[0], receiver_store.get(0, "recv", [4])[0]
+    assert torch.equal(kept_send, kept_recv) and bool(torch.isfinite(kept_send).all())
+    assert bool(torch.isfinite(out).all())
+
+
+def test_a_non_finite_activation_is_reported_naming_step_stage_and_sample(capsys):
+    from aqpipe.runtime.worker import report_nonfinite
+
+    x = torch.randn(3, 4)
+    assert report_nonfinite(x, torch.tensor([10, 11, 12]), 4, 1) == []
+    x[2, 1] = float("nan")
+    assert report_nonfinite(x, torch.tensor([10, 11, 12]), 4, 1) == [12]
+    err = capsys.readouterr().err
+    assert "step 5, stage 1" in err and "[12]" in err and "not finite" in err

@@ -1,6 +1,8 @@
 """The LMDB message store: every encoding round-trips, damage is detected and re-seeded, the map grows, caps hold,
 and `aqpipe store verify|stats` check a real run."""
 
+import threading
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ def test_float_encodings_round_trip_exactly(tmp_path, encoding):
     assert store.contains(0, "send", [1, 2, 3, 4]) == [True, True, True, False]
     for got, want in zip(store.get(0, "send", [1, 2, 3]), values):
         assert got.dtype == want.dtype and torch.equal(got, want)
-    assert store.stats.as_dict() == {"hits": 3, "misses": 1, "reseeded": 0}
+    assert store.stats.as_dict() == {"hits": 3, "misses": 1, "reseeded": 0, "overflow": 0}
     store.close()
 
 
@@ -92,3 +94,76 @@ def test_store_commands_on_a_memory_run_give_a_clear_error(tmp_path, capsys):
     assert main(["store", "verify", str(tmp_path)]) == 2
     assert "not --store lmdb" in capsys.readouterr().err
     assert main(["store", "stats", str(tmp_path / "nothing")]) == 2
+
+
+class WatchedEnv:
+    """An LMDB environment that counts this process's open transactions and notes a resize made while any is open
+    (LMDB forbids it without checking)."""
+
+    def __init__(self, env):
+        self._env, self._lock = env, threading.Lock()
+        self.open = self.resizes = self.violations = 0
+
+    def begin(self, **kwargs):
+        txn = self._env.begin(**kwargs)
+        with self._lock:
+            self.open += 1
+        return WatchedTxn(txn, self)
+
+    def closed(self):
+        with self._lock:
+            self.open -= 1
+
+    def set_mapsize(self, size):
+        with self._lock:
+            self.resizes += 1
+            self.violations += self.open > 0
+        self._env.set_mapsize(size)
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+
+class WatchedTxn:
+    def __init__(self, txn, env):
+        self._txn, self._env = txn, env
+
+    def __enter__(self):
+        self._txn.__enter__()
+        return self._txn
+
+    def __exit__(self, *exc):
+        try:
+            return self._txn.__exit__(*exc)
+        finally:
+            self._env.closed()
+
+
+def test_the_map_grows_only_while_no_transaction_is_open(tmp_path):
+    store = LMDBStore(tmp_path / "s", "fp32", initial_map_bytes=1 << 20)
+    store.env = WatchedEnv(store.env)
+    known = torch.randn(4, 64)
+    store.put(0, "recv", [0], [known])
+    stop, failures = threading.Event(), []
+
+    def read():
+        while not stop.is_set():
+            try:
+                assert torch.equal(store.get(0, "recv", [0])[0], known)
+                store.present(0, "recv", [0, 1])
+            except Exception as e:  # noqa: BLE001 - reported by the test
+                failures.append(repr(e))
+                return
+
+    readers = [threading.Thread(target=read, daemon=True) for _ in range(2)]
+    for thread in readers:
+        thread.start()
+    for i in range(1, 40):  # ~16 MB of incompressible values: the 1 MB map grows several times under the readers
+        store.put(0, "send", [i], [torch.randn(64, 1024)])
+    stop.set()
+    for thread in readers:
+        thread.join(10)
+    assert not failures, failures
+    assert store.env.resizes >= 3 and store.env.violations == 0
+    assert store.contains(0, "send", list(range(1, 40))) == [True] * 39
+    store.close()

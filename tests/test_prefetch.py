@@ -2,9 +2,11 @@
 
 import threading
 
+import pytest
 import torch
 
 from aqpipe.storage import MemoryStore
+from aqpipe.storage.lmdb_store import LMDBStore
 from aqpipe.storage.prefetch import PrefetchingStore
 
 
@@ -70,4 +72,76 @@ def test_absent_samples_and_write_order():
         store.put(1, "send", [1], [value(v)])
     store.flush()
     assert torch.equal(backend.get(1, "send", [1])[0], value(5))
+    store.close()
+
+
+class GatedLMDB(LMDBStore):
+    """An LMDB store whose writes wait until the test opens their gate."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.write_gate = threading.Event()
+        self.write_gate.set()
+
+    def put(self, link, side, ids, values):
+        self.write_gate.wait(10)
+        super().put(link, side, ids, values)
+
+    def put_raw(self, link, side, ids, raws, shapes):
+        self.write_gate.wait(10)
+        super().put_raw(link, side, ids, raws, shapes)
+
+
+@pytest.mark.parametrize("encoding", ["q8", "q4", "q2", "fp16"])
+def test_a_store_returns_the_same_bits_before_and_after_the_write_lands(tmp_path, encoding):
+    """Sender and receiver flush at different times: a quantized store served the unquantized pending value first
+    and the re-quantized one after (0.19 apart), so the two copies of m(xi) differed."""
+    backend = GatedLMDB(tmp_path / "s", encoding)
+    store = PrefetchingStore(backend)
+    value = torch.randn(6, 16).to(store.dtype)
+    backend.write_gate.clear()
+    store.put(0, "send", [7], [value])
+    before = store.get(0, "send", [7])[0]  # served from the pending table
+    backend.write_gate.set()
+    store.flush()
+    after = store.get(0, "send", [7])[0]  # read from disk
+    assert before.dtype == after.dtype and torch.equal(before, after)
+    store.close()
+
+
+def test_the_write_queue_is_bounded_and_a_producer_ahead_of_the_disk_waits():
+    backend = GatedStore()
+    store = PrefetchingStore(backend, max_queued_writes=2)
+    backend.write_gate.clear()
+    done = threading.Event()
+
+    def produce():
+        for i in range(8):
+            store.put(0, "send", [i], [value(i)])
+        done.set()
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    assert not done.wait(1.0)  # blocked: the disk has not taken a write yet
+    assert store._writes.qsize() <= 2
+    backend.write_gate.set()
+    assert done.wait(10)
+    store.flush()
+    assert all(torch.equal(backend.get(0, "send", [i])[0], value(i)) for i in range(8))
+    store.close()
+
+
+def test_bookkeeping_does_not_grow_with_the_samples_seen():
+    """A per-key version table grew one entry per sample forever."""
+    store = PrefetchingStore(MemoryStore(torch.float32))
+    for epoch in range(2):
+        for i in range(0, 2000, 8):
+            ids = list(range(i, i + 8))
+            store.prefetch(0, "send", ids)
+            if epoch:
+                store.get(0, "send", ids)
+            store.put(0, "send", ids, [value(epoch)] * 8)
+    store.flush()
+    held = sum(len(v) for v in vars(store).values() if isinstance(v, (dict, set)))
+    assert held == 0, {k: len(v) for k, v in vars(store).items() if isinstance(v, (dict, set))}
     store.close()

@@ -15,18 +15,31 @@ import torch
 from aqpipe.compress.codecs import (CODE_AQSGD, FLAG_NO_CHECK, CodecError, Encoded, LinkCodec, QuantOptions, bytes_as,
                                     numel)
 from aqpipe.compress.directq import decode_samples, encode_samples, sample_bytes
-from aqpipe.compress.quantize import dequantize, quantize
+from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize
 from aqpipe.storage.base import StoreView
 
 MODE_FULL, MODE_DELTA = 0, 1
 
 
-def store_checksum(values: list[torch.Tensor]) -> int:
-    """CRC32 of m(ξ) values in sample order (their raw bytes in the store dtype)."""
+def store_checksum(values: list[torch.Tensor | None]) -> int:
+    """CRC32 of the m(ξ) values kept, in sample order (their raw bytes in the store dtype; None: not kept)."""
     crc = 0
     for v in values:
-        crc = zlib.crc32(v.contiguous().view(torch.uint8).reshape(-1).numpy(), crc)
+        if v is not None:
+            crc = zlib.crc32(v.contiguous().view(torch.uint8).reshape(-1).numpy(), crc)
     return crc & 0xFFFFFFFF
+
+
+def keep(view: StoreView, ids: list[int], values: list[torch.Tensor | None]) -> list[int]:
+    """Store the new m(ξ) of each sample; a sample whose value is None (not storable) loses any m(ξ) it had, so its
+    next sight goes at full precision on both sides. Returns those samples."""
+    kept = [(i, v) for i, v in zip(ids, values) if v is not None]
+    dropped = [i for i, v in zip(ids, values) if v is None]
+    if kept:
+        view.put([i for i, _ in kept], [v for _, v in kept])
+    if dropped:
+        view.delete(dropped)
+    return dropped
 
 
 class AQSGDCodec(LinkCodec):
@@ -41,7 +54,11 @@ class AQSGDCodec(LinkCodec):
 
     # -- sender ------------------------------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, ids: torch.Tensor, compress: bool = True) -> Encoded:
-        """Quantized deltas for samples with an m(ξ), fp32 for the others (all of them while not compressing)."""
+        """Quantized deltas for samples with an m(ξ), fp32 for the others (all of them while not compressing).
+
+        A sample whose new m(ξ) would not be finite in the store's dtype (an activation beyond fp16's range, an inf
+        or NaN) goes at full precision instead, and if even its fp32 value cannot be stored, m(ξ) is dropped on both
+        sides (counted as `overflow`) rather than kept poisoned for every later epoch."""
         x = tensor.detach().float().cpu().contiguous()
         id_list = ids.tolist()
         known = self.view.contains(id_list) if compress else [False] * len(id_list)
@@ -50,23 +67,37 @@ class AQSGDCodec(LinkCodec):
         new_m: list[torch.Tensor | None] = [None] * len(id_list)
         if delta:
             m_old = torch.stack(self.view.get([id_list[i] for i in delta])).float()
-            q = quantize(x[delta] - m_old, self.bits, self.options.per, self.options.stochastic, self._generator,
+            change = x[delta] - m_old
+            # an fp16 scale cannot span a change beyond 65504 (nor an inf or NaN): those samples go in full
+            in_range = (change.abs() <= FP16_MAX).reshape(len(delta), -1).all(dim=1).tolist()
+            for i, ok in zip(delta, in_range):
+                known[i] = ok
+            if not all(in_range):
+                rows_in_range = torch.tensor(in_range)
+                delta, m_old, change = [i for i, ok in zip(delta, in_range) if ok], m_old[rows_in_range], change[rows_in_range]
+        if delta:
+            q = quantize(change, self.bits, self.options.per, self.options.stochastic, self._generator,
                          self.options.grid)
             rows = encode_samples(q)
             # the sender updates its copy from exactly the codes and fp16 scales the receiver will unpack
             m_new = (m_old + dequantize(q, tuple(m_old.shape))).to(self.view.dtype)
-            for j, i in enumerate(delta):
-                segments[i], new_m[i] = rows[j], m_new[j]
-        for i, k in enumerate(known):
-            if not k:
-                segments[i] = x[i].view(torch.uint8).reshape(-1)
-                new_m[i] = x[i].to(self.view.dtype, copy=True)  # never a view of the live activation
-        self.view.put(id_list, new_m)
+            for j, (i, fits) in enumerate(zip(delta, self.view.storable(list(m_new)))):
+                if fits:
+                    segments[i], new_m[i] = rows[j], m_new[j]
+                else:
+                    known[i] = False  # sent in full below; the receiver does the same with the same fp32 value
+        full = [i for i, k in enumerate(known) if not k]
+        firsts = [x[i].to(self.view.dtype, copy=True) for i in full]  # never a view of the live activation
+        for i, value, fits in zip(full, firsts, self.view.storable(firsts)):
+            segments[i] = x[i].view(torch.uint8).reshape(-1)
+            new_m[i] = value if fits else None
+        dropped = keep(self.view, id_list, new_m)
+        self.view.store.stats.overflow += len(dropped)
         modes = torch.tensor([MODE_DELTA if k else MODE_FULL for k in known], dtype=torch.uint8)
         payload = torch.cat([modes, *segments])
         flags = (self.bits << 8) | (0 if self.check else FLAG_NO_CHECK)
         check = store_checksum(new_m) if self.check else 0
-        return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags)
+        return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags, unstored=dropped)
 
     def forget(self, ids: list[int]) -> None:
         """Drop m(ξ) of samples the receiver lacks, so that their next message goes at full precision."""
@@ -107,7 +138,8 @@ class AQSGDCodec(LinkCodec):
             offset += size
             if mode == MODE_FULL:
                 out[i] = bytes_as(segment.view(1, -1), torch.float32).view(shape[1:])
-                new_m[i] = out[i].to(self.view.dtype, copy=True)
+                value = out[i].to(self.view.dtype, copy=True)
+                new_m[i] = value if self.view.storable([value])[0] else None  # the sender's rule, on the same value
             else:
                 delta_rows.append(segment)
                 delta_at.append(i)
@@ -126,5 +158,5 @@ class AQSGDCodec(LinkCodec):
         if not header.flags & FLAG_NO_CHECK and store_checksum(new_m) != header.codec_check:
             raise CodecError(f"m(xi) diverged on link {self.view.link}: this side's copy fails the sender's checksum "
                              f"at step {header.step} micro-batch {header.micro_batch}")
-        self.view.put(id_list, new_m)
+        keep(self.view, id_list, new_m)
         return out

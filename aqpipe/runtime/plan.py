@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from aqpipe.config import ConfigError, RunConfig
 from aqpipe.data import DataError, EpochPlan, TaskDataset, prepare_classify_dataset, prepare_lm_dataset, shard
 from aqpipe.stages import PipelineSpec, SpecError, partition
 from aqpipe.stages.models import build_spec, check_task, classify_model, tokenizer_directory
+from aqpipe.storage.encoding import VALUE_BYTES
 
 
 @dataclass
@@ -67,8 +69,7 @@ def make_plan(cfg: RunConfig, spec_factory=None, profile: bool = True) -> RunPla
         bounds = resolve_bounds(cfg, spec, dataset) if (profile or cfg.partition != "time") else []
     elif len(bounds) != cfg.pp + 1 or bounds[0] != 0 or bounds[-1] != len(spec):
         raise ConfigError(f"stage_bounds {bounds} do not split {len(spec)} layers into {cfg.pp} stages")
-    if cfg.store == "lmdb":
-        check_store_capacity(cfg, spec, len(dataset.train))
+    check_store_capacity(cfg, spec, len(dataset.train))
     return RunPlan(cfg, dataset, spec, bounds, steps_per_epoch, total_steps)
 
 
@@ -76,23 +77,43 @@ STORE_HEADROOM = 1.5  # LMDB pages, headers and growth slack over the raw value 
 
 
 def store_bytes_per_rank(cfg: RunConfig, spec: PipelineSpec, num_samples: int) -> int | None:
-    """Estimated LMDB bytes of a middle stage (both sides of two links), or None when the activation size is unknown.
+    """Estimated bytes of a middle stage's m(ξ) (both sides of two links) — on disk with LMDB's headroom, or in RAM —
+    or None when the activation size is unknown.
 
-    Known for the GPT-2 adapter (seq_len × hidden per sample); other specs grow the store on demand.
+    Known for the HF adapters (seq_len × hidden per sample); other specs grow the store on demand.
     """
-    hidden = spec.extras.get("hf_config", {}).get("n_embd")
+    config = spec.extras.get("hf_config", {})
+    hidden = config.get("n_embd", config.get("hidden_size"))
     if hidden is None or not cfg.fw.startswith("aqsgd"):
         return None
-    per_value = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8": 1.0, "q4": 0.5, "q2": 0.25}[cfg.store_dtype]
-    samples = num_samples // cfg.dp
+    samples = -(-num_samples // cfg.dp)
     sides = 2 if cfg.pp > 2 else 1
-    return int(samples * cfg.seq_len * hidden * per_value * sides * STORE_HEADROOM)
+    headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
+    return int(samples * cfg.seq_len * hidden * VALUE_BYTES[cfg.store_dtype] * sides * headroom)
+
+
+def available_memory() -> int:
+    """Bytes of RAM the kernel says new allocations can take (MemAvailable), or the physical total if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_store_capacity(cfg: RunConfig, spec: PipelineSpec, num_samples: int) -> None:
-    """Refuse before training when the disk or --store-max-gb cannot hold the m(ξ) stores."""
+    """Refuse before training when RAM (--store memory), the disk or --store-max-gb cannot hold the m(ξ) stores."""
     per_rank = store_bytes_per_rank(cfg, spec, num_samples)
     if per_rank is None:
+        return
+    if cfg.store == "memory":
+        needed, free = per_rank * cfg.world_size, available_memory()  # every local rank keeps its own
+        if needed > free:
+            raise ConfigError(f"the m(xi) stores need about {needed / 1e9:.2f} GB of RAM ({cfg.world_size} ranks, "
+                              f"--store-dtype {cfg.store_dtype}) but {free / 1e9:.2f} GB is available; use --store lmdb, "
+                              "fewer samples, or a smaller --store-dtype")
         return
     if cfg.store_max_gb is not None and per_rank > cfg.store_max_gb * 1e9:
         raise ConfigError(f"each rank's m(xi) store needs about {per_rank / 1e9:.2f} GB but --store-max-gb is "

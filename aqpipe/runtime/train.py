@@ -40,6 +40,7 @@ HEARTBEAT_SECONDS = 1.0
 _EMIT_LOCK = threading.Lock()
 _STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elements", "grad_sync_bytes",
                 "compute_seconds", "comm_wait_seconds", "grad_norm", "store_hits", "store_misses", "store_reseeded",
+                "store_overflow",
                 "fwd_recv_bytes", "fwd_recv_seconds", "bwd_recv_bytes", "bwd_recv_seconds", "forward_seconds",
                 "backward_seconds")
 
@@ -193,8 +194,8 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
                         if done < plan.total_steps and done // plan.steps_per_epoch >= cfg.warmup_epochs else None)
             stats = worker.run_step(step, epochs.micro_batches_of(step), compress=epoch >= cfg.warmup_epochs,
                                     next_ids=next_ids)
-            stats.store_hits, stats.store_misses, stats.store_reseeded = (
-                store.stats.hits, store.stats.misses, store.stats.reseeded)
+            stats.store_hits, stats.store_misses, stats.store_reseeded, stats.store_overflow = (
+                store.stats.hits, store.stats.misses, store.stats.reseeded, store.stats.overflow)
             step_seconds = time.perf_counter() - step_start
             record = _gather_step(stats, grid, cfg, step, plan.steps_per_epoch, lr, step_seconds)
             if evaluating and (done == plan.total_steps or (cfg.eval_every and done % cfg.eval_every == 0)):
@@ -225,7 +226,8 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
     summary = summarize(log.records, used_steps=cfg.steps is not None, warmup_epochs=cfg.warmup_epochs,
                         wall_seconds=time.perf_counter() - wall_start)
     last = log.records[-1]
-    summary["store"] = {"hits": last["store_hits"], "misses": last["store_misses"], "reseeded": last["store_reseeded"]}
+    summary["store"] = {"hits": last["store_hits"], "misses": last["store_misses"], "reseeded": last["store_reseeded"],
+                        "overflow": last.get("store_overflow", 0)}
     summary.update(eval_summary(log.records))
     summary["export"] = _export(plan)
     out = Path(cfg.out)
@@ -359,6 +361,7 @@ def _gather_step(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_
         "store_hits": int(col["store_hits"].sum()),
         "store_misses": int(col["store_misses"].sum()),
         "store_reseeded": int(col["store_reseeded"].sum()),
+        "store_overflow": int(col["store_overflow"].sum()),
         "compute_seconds": float(col["compute_seconds"].max()),
         "comm_wait_seconds": float(col["comm_wait_seconds"].max()),
         "stage_compute_seconds": [float(col["compute_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],

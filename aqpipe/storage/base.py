@@ -13,14 +13,17 @@ SIDES = ("send", "recv")
 
 @dataclass
 class StoreStats:
-    """How often a lookup found m(ξ) (hits), found none (misses: first sight), or found it damaged (reseeded)."""
+    """How often a lookup found m(ξ) (hits), found none (misses: first sight), or found it damaged (reseeded), and
+    how many values were not stored because they were not finite in the store's dtype (overflow; counted by the
+    sender, so each sample once)."""
 
     hits: int = 0
     misses: int = 0
     reseeded: int = 0
+    overflow: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"hits": self.hits, "misses": self.misses, "reseeded": self.reseeded}
+        return {"hits": self.hits, "misses": self.misses, "reseeded": self.reseeded, "overflow": self.overflow}
 
 
 class MessageStore(Protocol):
@@ -38,6 +41,8 @@ class MessageStore(Protocol):
     def delete(self, link: int, side: str, ids: Sequence[int]) -> None: ...
 
     def present(self, link: int, side: str, ids: Sequence[int]) -> list[bool]: ...
+
+    def storable(self, values: Sequence[torch.Tensor]) -> list[bool]: ...
 
     def items(self): ...
 
@@ -75,6 +80,10 @@ class StoreView:
     def present(self, ids: Sequence[int]) -> list[bool]:
         """Whether a sound m(ξ) exists for each id, without counting lookups (a damaged one is dropped and counted)."""
         return self.store.present(self.link, self.side, ids)
+
+    def storable(self, values: Sequence[torch.Tensor]) -> list[bool]:
+        """Whether each value (in the store dtype) can be kept: finite, and in range of a low-bit encoding."""
+        return self.store.storable(values)
 
     def delete(self, ids: Sequence[int]) -> None:
         """Forget m(ξ) of each id."""

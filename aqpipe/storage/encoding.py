@@ -1,7 +1,8 @@
 """How one m(ξ) value is laid out on disk: fp32, fp16, bf16, or quantized to 8/4/2 bits (the paper's "m in z bits").
 
-A quantized m(ξ) is encoded with round-to-nearest, so the same m gives the same bytes on both sides of a link and
-both sides read back the same values.
+A quantized m(ξ) is encoded with round-to-nearest on the default grid, so the same m gives the same bytes on both
+sides of a link and both sides read back the same values. `canonical` is what a value becomes once stored: a store
+serves exactly that, before and after it reaches the disk.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 import torch
 
 from aqpipe.compress.directq import decode_samples, encode_samples
-from aqpipe.compress.quantize import quantize
+from aqpipe.compress.quantize import FP16_MAX, quantize
 
 ENCODINGS = {"fp32": 1, "fp16": 2, "bf16": 3, "q8": 8, "q4": 4, "q2": 6}
 FLOAT_ENCODINGS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+VALUE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8": 1.0, "q4": 0.5, "q2": 0.25}  # per value, scales aside
 
 
 def value_dtype(encoding: str) -> torch.dtype:
@@ -24,6 +26,14 @@ def bits_of(encoding: str) -> int:
     return int(encoding[1:])
 
 
+def storable(value: torch.Tensor, encoding: str) -> bool:
+    """Whether `value` (already in `value_dtype`) survives the encoding: every element finite in the store dtype and,
+    for the quantized encodings, within the fp16 range of their scales."""
+    if not bool(torch.isfinite(value).all()):
+        return False
+    return encoding in FLOAT_ENCODINGS or value.numel() == 0 or float(value.abs().max()) <= FP16_MAX
+
+
 def encode_value(value: torch.Tensor, encoding: str):
     """The raw (uncompressed) bytes of one m(ξ), as a buffer (no copy for the float encodings)."""
     if encoding in FLOAT_ENCODINGS:
@@ -32,7 +42,7 @@ def encode_value(value: torch.Tensor, encoding: str):
     return encode_samples(quantize(batch, bits_of(encoding), "channel")).reshape(-1).numpy()
 
 
-def decode_value(raw: bytes, encoding: str, shape: tuple[int, ...]) -> torch.Tensor:
+def decode_value(raw, encoding: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Inverse of `encode_value`: a tensor of `shape` in `value_dtype(encoding)`."""
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     if encoding in FLOAT_ENCODINGS:

@@ -7,20 +7,26 @@ Key: link (u16), side (u8), sample id (u64), big-endian so entries sort by link,
 encoding, shape, the step it was written at, the CRC32 of the compressed body and its length. A value that fails
 its CRC on read is counted, deleted, and reported absent, so AQ-SGD re-seeds that sample at full precision; it is
 never used. Writes are single LMDB transactions, so a failed write (map or disk full) never leaves a torn store.
+
+The prefetch, writer and main threads share one environment. LMDB lets the map be resized only while this process
+has no transaction open (it does not check), so every transaction holds the environment's gate shared and a resize
+holds it exclusively.
 """
 
 from __future__ import annotations
 
 import shutil
 import struct
+import threading
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from aqpipe.storage.base import SIDES, StoreStats
-from aqpipe.storage.encoding import ENCODINGS, decode_value, encode_value, value_dtype
+from aqpipe.storage.encoding import ENCODINGS, decode_value, encode_value, storable, value_dtype
 
 _KEY = struct.Struct(">HBQ")
 _HEAD = struct.Struct("<4sBB8qqII")  # magic, encoding, ndim, shape[8], step, crc32, body length
@@ -39,6 +45,41 @@ def pack_key(link: int, side: str, sample: int) -> bytes:
 def unpack_key(key: bytes) -> tuple[int, str, int]:
     link, side, sample = _KEY.unpack(key)
     return link, SIDES[side], sample
+
+
+class TransactionGate:
+    """Shared for transactions (any number, any thread, nested), exclusive for a map resize (once none is open)."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._open = 0
+        self._resizing = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._condition:
+            while self._resizing:
+                self._condition.wait()
+            self._open += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._open -= 1
+                self._condition.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._condition:
+            while self._resizing or self._open:
+                self._condition.wait()
+            self._resizing = True
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._resizing = False
+                self._condition.notify_all()
 
 
 class LMDBStore:
@@ -64,12 +105,13 @@ class LMDBStore:
         self._compress = zstandard.ZstdCompressor(level=level)
         self._decompress = zstandard.ZstdDecompressor()
         self._read_ahead: dict[tuple[int, str, int], torch.Tensor] = {}
+        self._gate = TransactionGate()
 
     # -- the MessageStore interface ------------------------------------------------------------------------------
     def contains(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
         """Whether a sound m(ξ) exists for each id; a damaged one is counted, dropped and reported absent."""
         found = []
-        with self._begin() as txn:
+        with self._transaction() as txn:
             for i in ids:
                 key = (link, side, int(i))
                 value = self._read(txn, key)
@@ -83,7 +125,7 @@ class LMDBStore:
 
     def get(self, link: int, side: str, ids: Sequence[int]) -> list[torch.Tensor]:
         out = []
-        with self._begin() as txn:
+        with self._transaction() as txn:
             for i in ids:
                 key = (link, side, int(i))
                 value = self._read_ahead.pop(key, None)
@@ -95,10 +137,29 @@ class LMDBStore:
         return out
 
     def put(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
-        records = [(pack_key(link, side, int(i)), self._encode(v)) for i, v in zip(ids, values)]
+        self.put_raw(link, side, ids, [self.encode_raw(v) for v in values], [tuple(v.shape) for v in values])
+
+    def encode_raw(self, value: torch.Tensor):
+        """The uncompressed bytes `value` is stored as (quantized, for the low-bit encodings)."""
+        if value.dim() > 8:
+            raise ValueError("m(xi) of more than 8 dimensions cannot be stored")
+        return encode_value(value.detach().cpu(), self.encoding)
+
+    def decode_raw(self, raw, shape: tuple[int, ...]) -> torch.Tensor:
+        """The value `encode_raw` bytes stand for: what a read of them returns."""
+        return decode_value(raw, self.encoding, shape)
+
+    def storable(self, values: Sequence[torch.Tensor]) -> list[bool]:
+        """Whether each value survives this store's encoding (finite, and in range for the quantized ones)."""
+        return [storable(v, self.encoding) for v in values]
+
+    def put_raw(self, link: int, side: str, ids: Sequence[int], raws: Sequence, shapes: Sequence[tuple[int, ...]]
+                ) -> None:
+        """Write values already turned into bytes by `encode_raw`, in one transaction."""
+        records = [(pack_key(link, side, int(i)), self._record(raw, shape)) for i, raw, shape in zip(ids, raws, shapes)]
         for _ in range(64):
             try:
-                with self._begin(write=True) as txn:
+                with self._transaction(write=True) as txn:
                     for key, value in records:
                         txn.put(key, value)
                 return
@@ -112,7 +173,7 @@ class LMDBStore:
         """Whether a sound m(ξ) exists for each id; not counted as lookups, but a damaged entry found here is
         dropped and counted as re-seeded, like on any read."""
         found = []
-        with self._begin() as txn:
+        with self._transaction() as txn:
             for i in ids:
                 key = (link, side, int(i))
                 found.append(key in self._read_ahead or self._read(txn, key) is not None)
@@ -120,14 +181,14 @@ class LMDBStore:
 
     def delete(self, link: int, side: str, ids: Sequence[int]) -> None:
         """Remove m(ξ) of each id (its next sight goes at full precision and re-seeds it)."""
-        with self._begin(write=True) as txn:
+        with self._transaction(write=True) as txn:
             for i in ids:
                 txn.delete(pack_key(link, side, int(i)))
                 self._read_ahead.pop((link, side, int(i)), None)
 
     def items(self):
         """Every ((link, side, id), value) pair; damaged values are skipped (and counted)."""
-        with self._begin() as txn:
+        with self._transaction() as txn:
             keys = [bytes(k) for k, _ in txn.cursor()]
             for key in keys:
                 value = self._read(txn, unpack_key(key))
@@ -136,7 +197,7 @@ class LMDBStore:
 
     def raw_records(self):
         """(key, header fields, stored body length, raw length) of every entry, for statistics."""
-        with self._begin() as txn:
+        with self._transaction() as txn:
             for key, value in txn.cursor():
                 fields = _HEAD.unpack_from(value)
                 yield unpack_key(bytes(key)), fields, len(value) - _HEAD.size
@@ -148,20 +209,30 @@ class LMDBStore:
         self.env.close()
 
     # -- internals -------------------------------------------------------------------------------------------------
-    def _begin(self, write: bool = False):
-        """A transaction; if another process grew the map (e.g. a repair tool), adopt its size first."""
-        try:
-            return self.env.begin(write=write)
-        except self._lmdb.MapResizedError:
-            self.env.set_mapsize(0)
-            return self.env.begin(write=write)
+    @contextmanager
+    def _transaction(self, write: bool = False):
+        """A transaction under the shared gate; if another process grew the map (a repair tool, the other side of a
+        shared disk), adopt its size first, with no transaction of this process open."""
+        for attempt in range(2):
+            with self._gate.shared():
+                try:
+                    txn = self.env.begin(write=write)
+                except self._lmdb.MapResizedError:
+                    if attempt:
+                        raise
+                else:
+                    with txn as handle:
+                        yield handle
+                    return
+            with self._gate.exclusive():
+                self.env.set_mapsize(0)
 
-    def _encode(self, value: torch.Tensor) -> bytes:
-        shape = list(value.shape)
-        if len(shape) > 8:
+    def _record(self, raw, shape: tuple[int, ...]) -> bytes:
+        dims = list(shape)
+        if len(dims) > 8:
             raise ValueError("m(xi) of more than 8 dimensions cannot be stored")
-        body = self._compress.compress(encode_value(value.detach().cpu(), self.encoding))
-        head = _HEAD.pack(MAGIC, ENCODINGS[self.encoding], len(shape), *(shape + [0] * (8 - len(shape))), self.step,
+        body = self._compress.compress(raw)
+        head = _HEAD.pack(MAGIC, ENCODINGS[self.encoding], len(dims), *(dims + [0] * (8 - len(dims))), self.step,
                           zlib.crc32(body) & 0xFFFFFFFF, len(body))
         return head + body
 
@@ -193,7 +264,7 @@ class LMDBStore:
             return None
 
     def _delete(self, key: tuple[int, str, int]) -> None:
-        with self._begin(write=True) as txn:
+        with self._transaction(write=True) as txn:
             txn.delete(pack_key(*key))
 
     def _grow(self, needed: int) -> None:
@@ -208,7 +279,9 @@ class LMDBStore:
         if target - current > free:
             raise StoreFullError(f"the disk holding {self.path} has {free / 1e9:.2f} GB free, too little for the m(xi) "
                                  f"store to grow to {target / 1e9:.2f} GB")
-        self.env.set_mapsize(target)
+        with self._gate.exclusive():  # LMDB forbids a resize while this process has a transaction open
+            if self.env.info()["map_size"] < target:  # another thread may have grown it meanwhile
+                self.env.set_mapsize(target)
 
 
 def store_path(out: str | Path, rank: int) -> Path:

@@ -10,6 +10,14 @@ import torch
 from aqpipe.storage.base import StoreStats
 
 
+def compact(value: torch.Tensor) -> torch.Tensor:
+    """`value` if it owns exactly its own storage, else a contiguous copy that does."""
+    whole = value.is_contiguous() and value.storage_offset() == 0
+    if whole and value.untyped_storage().nbytes() == value.numel() * value.element_size():
+        return value
+    return value.clone(memory_format=torch.contiguous_format)
+
+
 class MemoryStore:
     """m(ξ) kept in RAM (or device memory), one tensor per (link, side, sample id)."""
 
@@ -33,10 +41,30 @@ class MemoryStore:
             raise KeyError(f"no m(xi) for link {link} side {side} sample {e.args[0][2]}") from None
 
     def put(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
+        """Keep each value as a compact tensor of its own: a row of a stacked micro-batch would pin the whole batch."""
         for i, v in zip(ids, values):
             if v.dtype != self.dtype:
                 raise TypeError(f"the store keeps {self.dtype}, got {v.dtype}")
-            self._values[(link, side, int(i))] = v
+            self._values[(link, side, int(i))] = compact(v)
+
+    def storable(self, values: Sequence[torch.Tensor]) -> list[bool]:
+        """Whether each value (in the store dtype) is finite: an inf or NaN m(ξ) would poison every later epoch."""
+        return [bool(torch.isfinite(v).all()) for v in values]
+
+    def encode_raw(self, value: torch.Tensor) -> torch.Tensor:
+        """What a value is kept as (the write-behind interface; in memory, a compact copy of the value itself)."""
+        return compact(value.to(self.dtype))
+
+    def decode_raw(self, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return raw.view(shape)
+
+    def put_raw(self, link: int, side: str, ids: Sequence[int], raws: Sequence[torch.Tensor],
+                shapes: Sequence[tuple[int, ...]]) -> None:
+        self.put(link, side, ids, [r.view(shape) for r, shape in zip(raws, shapes)])
+
+    def value_bytes(self) -> int:
+        """Bytes of storage the kept values hold."""
+        return sum(v.untyped_storage().nbytes() for v in self._values.values())
 
     def present(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
         """Whether m(ξ) exists for each id (not counted as lookups)."""
@@ -52,7 +80,7 @@ class MemoryStore:
         self._values = {}
         for key, value in entries.items():
             link, side, sample = key.split("/")
-            self._values[(int(link), side, int(sample))] = value.to(self.dtype)
+            self._values[(int(link), side, int(sample))] = compact(value.to(self.dtype))
 
     def entries(self) -> dict[str, torch.Tensor]:
         """Every entry keyed 'link/side/id' (what `dump` writes and `load` reads)."""

@@ -1,14 +1,17 @@
 """Prefetch and write-behind around a message store, so disk reads and writes of m(ξ) hide behind compute.
 
-`prefetch(link, side, ids)` loads the m(ξ) of coming micro-batches on a reader thread; `put` returns at once
-and a single writer thread persists values in the order they were put. Reads always see the newest value:
-a value whose write is still pending is served from the pending table, and every put bumps a per-key version
-so that a prefetch which started before the put can never install its older value afterwards. Reads and writes
-use separate threads and separate buffers (values are immutable tensors), so nothing is shared unordered.
+`prefetch(link, side, ids)` loads the m(ξ) of coming micro-batches on a reader thread; `put` returns once the value
+is queued and a single writer thread persists values in the order they were put. Reads always see the newest value,
+and exactly the value the disk will hold: `put` encodes a value the way the backend stores it (a low-bit store
+quantizes it) on the calling thread, keeps what those bytes decode to in the pending table, and the writer stores
+those very bytes — so a read before and after the write lands returns the same bits, whenever each side of a link
+flushes. A read still in flight when its key is written or deleted is marked stale and never installed. The writer
+queue is bounded: a producer that runs ahead of the disk waits (backpressure) instead of growing memory.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,22 +20,24 @@ from typing import Sequence
 import torch
 
 Key = tuple[int, str, int]
+MAX_QUEUED_WRITES = 16  # put batches (one micro-batch of one link each) waiting for the disk
 
 
 class PrefetchingStore:
     """A MessageStore that reads ahead and writes behind on background threads."""
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend, max_queued_writes: int = MAX_QUEUED_WRITES) -> None:
         self.backend = backend
         self.dtype = backend.dtype
         self.stats = backend.stats
         self._lock = threading.Lock()
-        self._version: dict[Key, int] = {}
-        self._pending: dict[Key, tuple[int, torch.Tensor]] = {}  # written, not yet on disk: (version, value)
-        self._cache: dict[Key, tuple[int, torch.Tensor | None]] = {}  # prefetched: (version read at, value or None)
+        self._sequence = itertools.count(1)
+        self._pending: dict[Key, tuple[int, torch.Tensor]] = {}  # written, not yet on disk: (put number, value)
+        self._cache: dict[Key, torch.Tensor | None] = {}  # prefetched: value, or None for absent/damaged
+        self._stale: set[Key] = set()  # reads in flight that a put or delete overtook
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mstore-read")
         self._inflight: dict[Key, Future] = {}
-        self._writes: queue.Queue = queue.Queue()
+        self._writes: queue.Queue = queue.Queue(maxsize=max_queued_writes)
         self._write_error: BaseException | None = None
         self._writer = threading.Thread(target=self._write_loop, name="mstore-write", daemon=True)
         self._writer.start()
@@ -52,26 +57,27 @@ class PrefetchingStore:
             keys = [(link, side, int(i)) for i in ids]
             todo = [k for k in keys if k not in self._pending and k not in self._cache and k not in self._inflight]
             for key in todo:
-                self._inflight[key] = self._reader.submit(self._load, key, self._version.get(key, 0))
+                self._inflight[key] = self._reader.submit(self._load, key)
 
-    def _load(self, key: Key, version: int) -> None:
+    def _load(self, key: Key) -> None:
         try:
             value = self.backend.get(key[0], key[1], [key[2]])[0]
         except KeyError:  # absent or damaged: the codec will send this sample at full precision
             value = None
         with self._lock:
             self._inflight.pop(key, None)
-            if self._version.get(key, 0) == version:  # no put happened meanwhile: the value is still current
-                self._cache[key] = (version, value)
+            if key in self._stale:  # a put or delete came after this read started: its value is not current
+                self._stale.discard(key)
+            else:
+                self._cache[key] = value
 
     def _lookup(self, key: Key) -> tuple[bool, torch.Tensor | None]:
         """(known, value) from the pending writes or the prefetch cache; (False, None) if neither has the key."""
         with self._lock:
             if key in self._pending:
                 return True, self._pending[key][1]
-            cached = self._cache.get(key)
-            if cached is not None and cached[0] == self._version.get(key, 0):
-                return True, cached[1]
+            if key in self._cache:
+                return True, self._cache[key]
             future = self._inflight.get(key)
         if future is not None:
             future.result()
@@ -107,19 +113,27 @@ class PrefetchingStore:
         return out
 
     # -- writing ---------------------------------------------------------------------------------------------------
+    def storable(self, values: Sequence[torch.Tensor]) -> list[bool]:
+        """Whether each value survives the backend's encoding."""
+        return self.backend.storable(values)
+
     def put(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
-        """Make the values visible to reads at once and queue them for the disk."""
+        """Make the values visible to reads at once — as the store will hold them — and queue them for the disk;
+        waits while the writer is MAX_QUEUED_WRITES batches behind."""
         if self._write_error is not None:
             raise self._write_error
+        raws = [self.backend.encode_raw(v) for v in values]
+        stored = [self.backend.decode_raw(raw, tuple(v.shape)) for raw, v in zip(raws, values)]
         batch = []
         with self._lock:
-            for i, v in zip(ids, values):
+            for i, raw, value in zip(ids, raws, stored):
                 key = (link, side, int(i))
-                version = self._version.get(key, 0) + 1
-                self._version[key] = version
-                self._pending[key] = (version, v)
+                number = next(self._sequence)
+                self._pending[key] = (number, value)
                 self._cache.pop(key, None)
-                batch.append((key, version, v))
+                if key in self._inflight:
+                    self._stale.add(key)
+                batch.append((key, number, raw, tuple(value.shape)))
         self._writes.put(batch)
 
     def _write_loop(self) -> None:
@@ -129,16 +143,17 @@ class PrefetchingStore:
                 self._writes.task_done()
                 return
             try:
-                by_link: dict[tuple[int, str], tuple[list[int], list[torch.Tensor]]] = {}
-                for (link, side, sample), _version, value in batch:
-                    ids, vals = by_link.setdefault((link, side), ([], []))
+                by_link: dict[tuple[int, str], tuple[list[int], list, list]] = {}
+                for (link, side, sample), _number, raw, shape in batch:
+                    ids, raws, shapes = by_link.setdefault((link, side), ([], [], []))
                     ids.append(sample)
-                    vals.append(value)
-                for (link, side), (ids, vals) in by_link.items():
-                    self.backend.put(link, side, ids, vals)
+                    raws.append(raw)
+                    shapes.append(shape)
+                for (link, side), (ids, raws, shapes) in by_link.items():
+                    self.backend.put_raw(link, side, ids, raws, shapes)
                 with self._lock:
-                    for key, version, _value in batch:
-                        if self._pending.get(key, (None,))[0] == version:  # a newer put keeps its own entry
+                    for key, number, _raw, _shape in batch:
+                        if self._pending.get(key, (None,))[0] == number:  # a newer put keeps its own entry
                             del self._pending[key]
             except BaseException as e:  # noqa: BLE001 - surfaced on the next put or flush
                 self._write_error = e
@@ -170,8 +185,15 @@ class PrefetchingStore:
             for i in ids:
                 key = (link, side, int(i))
                 self._cache.pop(key, None)
-                self._version[key] = self._version.get(key, 0) + 1  # a read still in flight is stale
+                if key in self._inflight:
+                    self._stale.add(key)
         self.backend.delete(link, side, ids)
+
+    def bookkeeping_entries(self) -> int:
+        """Entries held for coordination (pending writes, read-ahead, stale marks): bounded by what is in flight, not
+        by the number of samples ever seen."""
+        with self._lock:
+            return len(self._pending) + len(self._cache) + len(self._stale) + len(self._inflight)
 
     def close(self) -> None:
         """Persist everything, stop the threads, close the backend."""
