@@ -13,7 +13,9 @@ not sent; replicas all-gather their (value, index) lists, whose lengths differ.
 
 Closed forms (δ the stage ratio; μ, σ² mean and variance of the fitted magnitudes):
   exp      η = μ·log(1/δ)                                   (6), (10)
-  gamma    η = −β(log δ + log Γ(α)), α = (3 − s + √((s−3)² + 24s)) / 12s, s = log μ − mean(log|g|), β = μ/α   (15), (16)
+  gamma    η = β·Q⁻¹(α, δ), α = (3 − s + √((s−3)² + 24s)) / 12s, s = log μ − mean(log|g|), β = μ/α   (16); the
+           paper's (15) approximates this quantile by −β(log δ + log Γ(α)), which turns negative for heavy tails (α ≲
+           0.2 at δ = 0.25) and for large α, so the fitted gamma's exact quantile is computed instead
   gpareto  η = β/α·(δ^−α − 1), α = ½(1 − μ²/σ²), β = ½μ(μ²/σ² + 1)      (28), (29); + the previous threshold (7)
 """
 
@@ -41,7 +43,7 @@ def exponential_threshold(magnitudes: torch.Tensor, ratio: float) -> float:
 
 
 def gamma_threshold(magnitudes: torch.Tensor, ratio: float) -> float:
-    """η = −β(log δ + log Γ(α)) with Minka's closed-form shape estimate (the paper's (15)–(16))."""
+    """The (1 − δ) quantile of a gamma fitted with Minka's closed-form shape estimate (the paper's (16))."""
     positive = magnitudes > 0
     count = int(positive.sum())
     if count == 0:
@@ -54,7 +56,26 @@ def gamma_threshold(magnitudes: torch.Tensor, ratio: float) -> float:
         return mu
     alpha = (3 - s + math.sqrt((s - 3) ** 2 + 24 * s)) / (12 * s)
     beta = mu / alpha
-    return -beta * (math.log(ratio) + math.lgamma(alpha))
+    # the paper's −β(log δ + log Γ(α)) approximates this quantile only near α = 1: at the first stage's δ = 0.25 it
+    # turns negative for α ≲ 0.2 (selecting nearly everything) and for large α; the exact quantile does neither
+    return beta * gamma_quantile(alpha, 1.0 - ratio)
+
+
+def gamma_quantile(alpha: float, probability: float) -> float:
+    """x with P(X ≤ x) = probability for X ~ Gamma(shape α, scale 1): bisection on the regularized incomplete gamma
+    function (float64), on a log scale because heavy-tailed quantiles span many orders of magnitude."""
+    shape = torch.tensor(alpha, dtype=torch.float64)
+    tail = 1.0 - probability
+    low, high = -60.0, math.log(max(1.0, alpha)) + 10.0
+    while float(torch.special.gammaincc(shape, torch.tensor(math.exp(high), dtype=torch.float64))) > tail:
+        high += 5.0
+    for _ in range(100):
+        middle = (low + high) / 2
+        if float(torch.special.gammaincc(shape, torch.tensor(math.exp(middle), dtype=torch.float64))) > tail:
+            low = middle
+        else:
+            high = middle
+    return math.exp((low + high) / 2)
 
 
 def pareto_threshold(magnitudes: torch.Tensor, ratio: float) -> float:
