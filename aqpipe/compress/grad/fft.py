@@ -19,7 +19,7 @@ import math
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
-from aqpipe.compress.grad.base import Compressor, DPGroup
+from aqpipe.compress.grad.base import Compressor, DPGroup, ring_all_reduce_bytes
 from aqpipe.compress.grad.gather import all_gather_bytes_payloads
 
 CALIBRATION = 3
@@ -67,19 +67,42 @@ def _value(pattern: int) -> float:
     return float(torch.tensor([pattern], dtype=torch.int32).view(torch.float32).item())
 
 
+def mantissa_errors(bits: int, samples: torch.Tensor, top: float) -> torch.Tensor:
+    """Mean squared reconstruction error of `samples` for each mantissa width 0 … min(22, bits+7) over the range
+    [−top, top] (inf where eps would fall below the smallest fp32 pattern)."""
+    errors = torch.full((min(23, bits + 8),), math.inf, dtype=torch.float64)
+    for mantissa in range(errors.numel()):
+        fmt = OffsetFloat(bits, mantissa, top)
+        if fmt.base >= 1:
+            errors[mantissa] = float((fmt.decode(fmt.encode(samples)) - samples).pow(2).mean())
+    return errors
+
+
 def best_offset_float(bits: int, samples: torch.Tensor, top: float | None = None) -> OffsetFloat:
     """The mantissa width that reconstructs `samples` with least error, for the range [−top, top] (default: the
     samples' own max)."""
     top = float(top if top is not None else samples.abs().max()) or 1.0
-    best, best_error = None, math.inf
-    for mantissa in range(0, min(23, bits + 8)):
-        fmt = OffsetFloat(bits, mantissa, top)
-        if fmt.base < 1:  # eps would fall below the smallest fp32 pattern
-            continue
-        error = float((fmt.decode(fmt.encode(samples)) - samples).pow(2).mean())
-        if error < best_error:
-            best, best_error = fmt, error
-    return best or OffsetFloat(bits, 0, top)
+    errors = mantissa_errors(bits, samples, top)
+    return OffsetFloat(bits, int(errors.argmin()) if bool(torch.isfinite(errors).any()) else 0, top)
+
+
+def agreed_offset_float(bits: int, samples: torch.Tensor, top: float, dp: DPGroup) -> tuple[OffsetFloat, int]:
+    """One format for the whole DP group — the largest range any replica calibrated, and the mantissa width with the
+    least error summed over the replicas' samples — so every replica decodes every payload the same way; and the
+    bytes this replica sent to agree on it."""
+    import torch.distributed as dist
+
+    if dp.size == 1:
+        return best_offset_float(bits, samples, top), 0
+    device = samples.device
+    shared_top = torch.tensor([top], dtype=torch.float64, device=device)
+    dist.all_reduce(shared_top, op=dist.ReduceOp.MAX, group=dp.group)
+    top = float(shared_top) or 1.0
+    errors = mantissa_errors(bits, samples, top).to(device)
+    dist.all_reduce(errors, group=dp.group)  # inf stays inf: every replica shares the range, so the same widths fail
+    sent = ring_all_reduce_bytes(8, dp.size) + ring_all_reduce_bytes(8 * errors.numel(), dp.size)
+    errors = errors.cpu()
+    return OffsetFloat(bits, int(errors.argmin()) if bool(torch.isfinite(errors).any()) else 0, top), sent
 
 
 def kept_count(length: int, theta: float) -> int:
@@ -115,7 +138,8 @@ class FFTSparsifier(Compressor):
         if calibrating:
             self.calibration.append(float(parts.abs().max()))
             if len(self.calibration) == CALIBRATION:  # the range is known from the next message on
-                self.format = best_offset_float(self.bits, parts, top=max(self.calibration))
+                self.format, sent = agreed_offset_float(self.bits, parts, max(self.calibration), self.dp)
+                self.bytes_sent += sent
         if self.bits == 32 or calibrating:
             flag = torch.zeros(1, dtype=torch.uint8, device=parts.device)
             return torch.cat([flag, parts.float().contiguous().view(torch.uint8)])
