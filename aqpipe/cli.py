@@ -23,14 +23,18 @@ HELP = {
     "micro_batches": "micro-batches per optimizer step",
     "epochs": "epochs to train", "steps": "optimizer steps to train (overrides --epochs)",
     "optimizer": "adamw or sgd", "lr": "peak learning rate", "weight_decay": "weight decay",
+    "momentum": "SGD momentum (default 0.9; 0 with --grad-sync signsgd or marsit, whose update is then what their papers "
+                "specify: lr*sign, and Marsit's Algorithm 2; a value > 0 there makes each replica vote on its local "
+                "momentum, i.e. Signum)",
     "warmup_steps": "linear LR warm-up steps (then linear decay to 0)", "clip": "global gradient-norm clip (0: off)",
     "fw": "forward activation codec: fp32, fp16, bf16, directq:B, aqsgd:B (B = 1..8 bits; default aqsgd:4)",
     "bw": "backward gradient codec: fp32, fp16, bf16, directq:B, topk:F:B (keep fraction F; default directq:8)",
     "warmup_epochs": "epochs sent uncompressed while AQ-SGD fills m(xi) (default 1)",
     "grad_sync": "DP gradient compressor: none (fp32 average), fp16, bf16, powersgd:R, ef:B, topk:F, "
                  "sidco:exp|gamma|gpareto:F, fft:THETA:N, signsgd, marsit:K, qadam:B (with adamw). "
-                 "signsgd and marsit are optimizers in effect (the update is lr*sign): use them with --optimizer sgd; "
-                 "gradient clipping does not apply to signsgd's ±1 updates",
+                 "signsgd and marsit are optimizers in effect (the update is lr*sign, or Marsit's global step): use them "
+                 "with --optimizer sgd (momentum 0 unless --momentum); their gradients are clipped before the vote "
+                 "and unused rows (zero on every replica) do not move",
     "store": "where m(xi) lives: memory or lmdb (on disk, under the run directory)",
     "store_dtype": "how m(xi) is kept: fp32, fp16, bf16; with lmdb also q8, q4, q2 (quantized)",
     "store_max_gb": "cap on each rank's LMDB store (GB)",

@@ -64,6 +64,7 @@ class RunConfig:
     optimizer: str = "adamw"
     lr: float | None = None
     weight_decay: float = 0.0
+    momentum: float | None = None  # sgd only; None: 0.9, or 0 under a sign-based --grad-sync
     warmup_steps: int | None = None
     clip: float = 1.0
     fw: str = "aqsgd:4"
@@ -304,6 +305,10 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"--lr must not be negative, got {cfg.lr}")
     if cfg.weight_decay < 0:
         raise ConfigError(f"--weight-decay must not be negative, got {cfg.weight_decay}")
+    if cfg.momentum is not None and not 0.0 <= cfg.momentum < 1.0:
+        raise ConfigError(f"--momentum must be in [0, 1), got {cfg.momentum}")
+    if cfg.momentum is not None and cfg.optimizer != "sgd":
+        raise ConfigError(f"--momentum applies to --optimizer sgd; {cfg.optimizer} keeps its own moment estimates")
     if cfg.clip < 0:
         raise ConfigError(f"--clip must not be negative (0 turns clipping off), got {cfg.clip}")
     if cfg.warmup_steps is not None and cfg.warmup_steps < 0:

@@ -120,3 +120,44 @@ def test_state_survives_a_checkpoint_round_trip(tmp_path):
     b.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
     assert torch.equal(a.compensation, b.compensation) and b.calls == 3
     assert torch.equal(step(a, pa, 9), step(b, pb, 9))
+
+
+def test_compensation_is_kept_in_update_units_across_a_learning_rate_change():
+    """Algorithm 2 hands Marsit η_l·g: u = η_l·g + c, the parameter moves by exactly η_s·sign(u), c = u − that. The
+    compensation used to live in gradient units, so a learning-rate schedule rescaled old compensation."""
+    sync = Marsit(DPGroup(None, (0,), 0), period=0)
+    param = torch.nn.Parameter(torch.zeros(6))
+    compensation = torch.zeros(6)
+    for step, lr in enumerate([0.5, 0.25, 0.1]):
+        g = torch.randn(6, generator=torch.Generator().manual_seed(step))
+        param.grad = g.clone()
+        sync.lr = lr
+        sync.synchronize([param])
+        u = lr * g + compensation
+        applied = u.abs().mean() * torch.where(u > 0, 1.0, -1.0)
+        assert torch.allclose(param.grad * lr, applied, atol=1e-6)  # SGD's lr·grad is exactly the Marsit update
+        compensation = u - applied
+        assert torch.allclose(sync.compensation, compensation, atol=1e-6)
+
+
+def _unused_rows(rank: int, world: int, steps: int):
+    torch.manual_seed(0)
+    embedding = torch.nn.Parameter(torch.randn(12, 3))
+    start = embedding.detach().clone()
+    sync = Marsit(DPGroup(None, tuple(range(world)), rank), period=4, seed=2)
+    optimizer = torch.optim.SGD([embedding], lr=0.1)
+    for step in range(steps):
+        grad = torch.randn(12, 3, generator=torch.Generator().manual_seed(10 * step + rank))
+        grad[:5] = 0.0
+        embedding.grad = grad
+        sync.lr = 0.1
+        sync.synchronize([embedding])
+        optimizer.step()
+    return start, embedding.detach().clone()
+
+
+def test_rows_zero_on_every_replica_do_not_move():
+    results = run_ranks(_unused_rows, 2, 6)
+    assert all(status == "ok" for status, _ in results), results
+    (start, end), (_, other) = [value for _, value in results]
+    assert torch.equal(end[:5], start[:5]) and not torch.equal(end[5:], start[5:]) and torch.equal(end, other)

@@ -7,6 +7,7 @@ import torch
 
 from aqpipe.compress.bitpack import packed_bytes
 from aqpipe.compress.grad import DPGroup
+from aqpipe.compress.grad.base import ring_all_reduce_bytes
 from aqpipe.compress.grad.ring import chunk_size
 from aqpipe.compress.grad.signsgd import SignSGD, bits_per_element, count_bits, majority
 from tests.distributed import run_ranks
@@ -62,9 +63,48 @@ def test_ring_result_is_the_exact_majority_of_every_replica(world):
     d = first.numel()
     c = chunk_size(d, world)
     wire = sum(packed_bytes(c, count_bits(i)) for i in range(1, world)) + (world - 1) * packed_bytes(c, 1)
+    rows = ring_all_reduce_bytes(13 + 701 + 5, world)  # one byte per row agrees which rows are active
     for _, (_, sent) in results:
-        assert sent == wire
-        assert abs(8 * sent / d - bits_per_element(world)) < 0.05 * bits_per_element(world) + 8 * world / d
+        assert sent == wire + rows
+        assert abs(8 * wire / d - bits_per_element(world)) < 0.05 * bits_per_element(world) + 8 * world / d
+
+
+def _sync_with_unused_rows(rank: int, world: int, steps: int):
+    """An embedding whose rows 0-9 no replica uses (gradient exactly 0), row 10 only replica 0 uses, and a parameter
+    that gets no gradient at all; SGD with momentum 0.9 (weight decay would shrink any row, used or not)."""
+    torch.manual_seed(0)
+    embedding = torch.nn.Parameter(torch.randn(20, 4))
+    unused = torch.nn.Parameter(torch.randn(3))
+    start = [embedding.detach().clone(), unused.detach().clone()]
+    sync = SignSGD(DPGroup(None, tuple(range(world)), rank), seed=1)
+    optimizer = torch.optim.SGD([embedding, unused], lr=0.1, momentum=0.9)
+    for step in range(steps):
+        grad = torch.randn(20, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        grad[:10] = 0.0
+        if rank != 0:
+            grad[10] = 0.0
+        embedding.grad, unused.grad = grad, None
+        sync.synchronize([embedding, unused])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return start, [embedding.detach().clone(), unused.detach().clone()], sync.bytes_sent
+
+
+def test_rows_zero_on_every_replica_and_parameters_without_a_gradient_do_not_move():
+    """A zero gradient voted -1, so unused rows drifted by lr every step (about 10 lr with momentum 0.9)."""
+    results = run_ranks(_sync_with_unused_rows, 2, 5)
+    assert all(status == "ok" for status, _ in results), results
+    (start, end, _), (_, other, _) = [value for _, value in results]
+    assert torch.equal(end[0][:10], start[0][:10]) and torch.equal(end[1], start[1])
+    assert not torch.equal(end[0][10], start[0][10])  # used by one replica: it votes
+    assert all(torch.equal(a, b) for a, b in zip(end, other))
+
+
+def test_one_replica_leaves_zero_rows_alone():
+    params = [torch.nn.Parameter(torch.zeros(3, 2))]
+    params[0].grad = torch.tensor([[0.5, -2.0], [0.0, 0.0], [3.0, 0.0]])
+    SignSGD(DPGroup(None, (0,), 0)).synchronize(params)
+    assert params[0].grad.tolist() == [[1.0, -1.0], [0.0, 0.0], [1.0, -1.0]]
 
 
 def test_one_replica_still_takes_the_sign():

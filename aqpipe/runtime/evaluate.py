@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from aqpipe.compress.codecs import build_codec
-from aqpipe.runtime.grid import Grid
+from aqpipe.runtime.grid import Grid, gather_rows
 from aqpipe.runtime.transport import HEADER_SIZE, KIND_EVAL, Expect
 from aqpipe.runtime.worker import StageWorker, per_sample, send_encoded
 
@@ -75,16 +75,16 @@ def _count(totals: EvalTotals, out: torch.Tensor, targets: torch.Tensor, loss_fn
         totals.confusion += torch.bincount(flat, minlength=totals.confusion.numel()).view_as(totals.confusion)
 
 
-def gather_eval(totals: EvalTotals, grid: Grid, num_labels: int) -> dict | None:
+def gather_eval(totals: EvalTotals, grid: Grid, num_labels: int, device: torch.device = torch.device("cpu")
+                ) -> dict | None:
     """Sum every rank's totals on rank 0 and turn them into metrics (None on other ranks)."""
     confusion = totals.confusion if totals.confusion is not None else torch.zeros(0, dtype=torch.int64)
     mine = torch.cat([torch.tensor([totals.loss_sum, float(totals.samples)], dtype=torch.float64),
                       confusion.reshape(-1).to(torch.float64)])
-    gathered = [torch.zeros_like(mine) for _ in range(grid.world_size)] if grid.rank == 0 else None
-    dist.gather(mine, gathered, dst=0)
-    if grid.rank != 0:
+    rows = gather_rows(mine, grid, device)
+    if rows is None:
         return None
-    total = torch.stack(gathered).sum(dim=0)
+    total = rows.sum(dim=0)
     loss_sum, count = float(total[0]), int(total[1])
     result: dict = {"loss": loss_sum / count if count else float("nan"), "samples": count}
     if num_labels:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class Grid:
@@ -89,3 +91,22 @@ def create_groups(grid: Grid, backend: str | None = None) -> ProcessGroups:
         if stage == grid.stage:
             data_parallel = group
     return ProcessGroups(pipeline=pipeline, data_parallel=data_parallel)
+
+
+def collective_device(device: torch.device) -> torch.device:
+    """Where a tensor handed to a collective must live: on `device` under NCCL (it refuses host tensors), on the host
+    under gloo."""
+    import torch.distributed as dist
+
+    return device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def gather_rows(mine: torch.Tensor, grid: Grid, device: torch.device) -> torch.Tensor | None:
+    """Every rank's 1-D `mine` stacked in rank order on rank 0 (on the host); None elsewhere."""
+    import torch.distributed as dist
+
+    where = collective_device(device)
+    mine = mine.to(where)
+    gathered = [torch.zeros_like(mine) for _ in range(grid.world_size)] if grid.rank == 0 else None
+    dist.gather(mine, gathered, dst=0)
+    return torch.stack(gathered).cpu() if gathered is not None else None

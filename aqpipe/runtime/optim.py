@@ -7,12 +7,25 @@ from typing import Sequence
 import torch
 
 
+SGD_MOMENTUM = 0.9
+
+
+def momenta(momentum: float | None, sign_based: bool) -> tuple[float, float]:
+    """(the SGD optimizer's momentum, the sign-based grad sync's local momentum) for a --momentum value: by default
+    SGD keeps 0.9, but a sign method runs as its paper specifies (lr·sign, no momentum); asked-for momentum under a
+    sign method goes before the vote (Signum), never onto the signs."""
+    if sign_based:
+        return 0.0, momentum or 0.0
+    return (SGD_MOMENTUM if momentum is None else momentum), 0.0
+
+
 def build_optimizer(
     params: Sequence[torch.nn.Parameter], name: str, lr: float, weight_decay: float, warmup_steps: int, total_steps: int,
-    grad_sync=None,
+    grad_sync=None, momentum: float = SGD_MOMENTUM,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW or SGD (momentum 0.9) with a linear warm-up over `warmup_steps`, then linear decay to 0 at `total_steps`.
-    With the qadam grad sync, AdamW is its QuantizedAdam, which exchanges the momentum through that sync."""
+    """AdamW or SGD (with `momentum`) with a linear warm-up over `warmup_steps`, then linear decay to 0 at
+    `total_steps`. With the qadam grad sync, AdamW is its QuantizedAdam, which exchanges the momentum through that
+    sync."""
     from aqpipe.compress.grad.qadam import QAdamSync, QuantizedAdam
 
     params = list(params)
@@ -21,7 +34,7 @@ def build_optimizer(
     elif name == "adamw":
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     elif name == "sgd":
-        optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     else:
         raise ValueError(f"unknown optimizer {name!r}")
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup_steps, total_steps))

@@ -44,11 +44,34 @@ def tied_ids(module: nn.Module) -> set[int]:
 def sum_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int) -> torch.Tensor:
     """Give every copy of each tied group the sum of all copies' gradients (all stages must call this); returns this
     stage's share of the tied gradients' squared norm (the summed gradient counted once over the whole model)."""
+    return _combine_copies(module, groups, group, pp, mean=False)
+
+
+def agree_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int) -> None:
+    """After the grad sync, give every copy the mean of the copies' synchronized gradients (all stages must call
+    this): a compressor that selects or randomizes per coordinate (top-k, Marsit's transient bits, PowerSGD's
+    projections) can treat two copies differently, and the copies must stay one tensor."""
+    _combine_copies(module, groups, group, pp, mean=True)
+
+
+def tied_sq_norm(module: nn.Module, groups: list[TiedGroup]) -> torch.Tensor:
+    """This stage's share of the tied gradients' squared norm: each group's (common) gradient counted once over the
+    whole model, split over the copies."""
+    copies = local_copies(module)
+    share = torch.zeros((), dtype=torch.float64)
+    for tied in groups:
+        for copy in copies.get(tied.name, []):
+            grads = [p.grad for p in copy if p.grad is not None]
+            share += sum(float(g.double().pow(2).sum()) for g in grads) / tied.copies
+    return share
+
+
+def _combine_copies(module: nn.Module, groups: list[TiedGroup], group, pp: int, mean: bool) -> torch.Tensor:
     copies = local_copies(module)
     share = torch.zeros((), dtype=torch.float64)
     for tied in groups:
         mine = copies.get(tied.name, [])
-        device = mine[0][0].device if mine else torch.device("cpu")
+        device = mine[0][0].device if mine else next(module.parameters()).device  # NCCL: never a host tensor
         total = [torch.zeros(shape, dtype=torch.float32, device=device) for shape in tied.shapes]
         for copy in mine:
             for acc, p in zip(total, copy):
@@ -57,6 +80,8 @@ def sum_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int) -
         flat = torch.cat([t.reshape(-1) for t in total])
         if pp > 1:
             dist.all_reduce(flat, group=group)
+        if mean:
+            flat.div_(tied.copies)
         pieces = list(flat.split([t.numel() for t in total]))
         for copy in mine:
             for p, piece, shape in zip(copy, pieces, tied.shapes):

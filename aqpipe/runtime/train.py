@@ -15,14 +15,15 @@ import torch.distributed as dist
 
 from aqpipe.compress.codecs import QuantOptions, build_codec
 from aqpipe.compress.grad import DPGroup, build_grad_sync
+from aqpipe.compress.grad.registry import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.config import RunConfig
 from aqpipe.data.dataset import export_tokenizer
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
 from aqpipe.runtime.checkpoint import CheckpointError, latest_step, load_rank, mark_complete, save_rank
 from aqpipe.runtime.evaluate import eval_batches, evaluate_stage, gather_eval
-from aqpipe.runtime.grid import Grid, create_groups
-from aqpipe.runtime.optim import build_optimizer
+from aqpipe.runtime.grid import Grid, create_groups, gather_rows
+from aqpipe.runtime.optim import build_optimizer, momenta
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds, store_bytes_per_rank
 from aqpipe.runtime.reconcile import reconcile
 from aqpipe.runtime.tied import tied_groups
@@ -139,10 +140,12 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
     start, end = plan.bounds[grid.stage], plan.bounds[grid.stage + 1]
     module = plan.spec.build_stage(start, end, cfg.seed).to(device)
     dp_group = DPGroup(groups.data_parallel, tuple(grid.dp_ranks(grid.stage)), grid.replica)
-    grad_sync = build_grad_sync(cfg.grad_sync, dp_group, cfg.seed, freeze_step(plan.total_steps, cfg.warmup_steps))
+    optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)
+    grad_sync = build_grad_sync(cfg.grad_sync, dp_group, cfg.seed, freeze_step(plan.total_steps, cfg.warmup_steps),
+                                momentum=vote_momentum)
     optimizer, lr_schedule = build_optimizer(
         [p for p in module.parameters() if p.requires_grad], cfg.optimizer, cfg.lr, cfg.weight_decay,
-        cfg.warmup_steps, plan.total_steps, grad_sync=grad_sync,
+        cfg.warmup_steps, plan.total_steps, grad_sync=grad_sync, momentum=optimizer_momentum,
     )
     codecs = build_codecs(cfg, grid, store)
     ends = grid.is_first_stage or grid.is_last_stage
@@ -164,7 +167,7 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
         """One pass over the held-out split (all ranks); on rank 0 its numbers as `eval_*` record fields."""
         batches = eval_batches(len(plan.dataset.valid), grid.replica, cfg.dp, cfg.micro_batch_size)
         totals = evaluate_stage(worker, step, batches, plan.dataset.valid if ends else None, plan.dataset.num_labels)
-        result = gather_eval(totals, grid, plan.dataset.num_labels)
+        result = gather_eval(totals, grid, plan.dataset.num_labels, device)
         if result is None:
             return {}
         emit({"event": "eval", "step": step, "loss": result["loss"], "accuracy": result.get("accuracy")})
@@ -197,7 +200,7 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
             stats.store_hits, stats.store_misses, stats.store_reseeded, stats.store_overflow = (
                 store.stats.hits, store.stats.misses, store.stats.reseeded, store.stats.overflow)
             step_seconds = time.perf_counter() - step_start
-            record = _gather_step(stats, grid, cfg, step, plan.steps_per_epoch, lr, step_seconds)
+            record = _gather_step(stats, grid, cfg, step, plan.steps_per_epoch, lr, step_seconds, device)
             if evaluating and (done == plan.total_steps or (cfg.eval_every and done % cfg.eval_every == 0)):
                 record.update(evaluate(done))
             if log is not None:
@@ -315,14 +318,12 @@ def _open_outputs(cfg: RunConfig, plan: RunPlan, first_step: int) -> MetricsLog:
 
 
 def _gather_step(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_per_epoch: int, lr: float,
-                 step_seconds: float) -> dict:
+                 step_seconds: float, device: torch.device) -> dict:
     """Collect every rank's numbers of this step on rank 0 and combine them into one metrics record."""
     mine = torch.tensor([float(getattr(stats, f)) for f in _STAT_FIELDS] + [step_seconds], dtype=torch.float64)
-    gathered = [torch.zeros_like(mine) for _ in range(grid.world_size)] if grid.rank == 0 else None
-    dist.gather(mine, gathered, dst=0)
-    if grid.rank != 0:
+    rows = gather_rows(mine, grid, device)
+    if rows is None:
         return {}
-    rows = torch.stack(gathered)
     col = {name: rows[:, i] for i, name in enumerate(_STAT_FIELDS + ("step_seconds",))}
     last_stage = [grid.rank_of(cfg.pp - 1, r) for r in range(cfg.dp)]
     loss = float(col["loss_sum"][last_stage].sum()) / (cfg.micro_batches * cfg.dp)

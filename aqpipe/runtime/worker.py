@@ -15,9 +15,9 @@ from aqpipe.compress.codecs import LinkCodec
 from aqpipe.compress.grad import GradSync
 from aqpipe.data import ClassifySamples, TokenSamples
 from aqpipe.runtime import schedule as sch
-from aqpipe.runtime.grid import Grid, ProcessGroups
+from aqpipe.runtime.grid import Grid, ProcessGroups, collective_device
 from aqpipe.runtime.optim import clip_by_global_norm, local_grad_sq_norm
-from aqpipe.runtime.tied import TiedGroup, sum_tied_grads, tied_ids
+from aqpipe.runtime.tied import TiedGroup, agree_tied_grads, sum_tied_grads, tied_ids, tied_sq_norm
 from aqpipe.runtime.transport import (HEADER_SIZE, KIND_ACTIVATION, KIND_GRADIENT, Expect, Header, Inbox, Outbox,
                                      TransportError)
 
@@ -204,20 +204,30 @@ class StageWorker:
             if box is not None:
                 box.flush()
         self._sync_bytes_before = self.grad_sync.bytes_sent
+        if self.tied:  # first every copy takes the sum of all copies' gradients, so the sync sees the true gradient
+            sum_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp)
+        if self.grad_sync.sign_based:  # a sign method's input is clipped (Marsit: before its compensation is formed)
+            stats.grad_norm = self._clip()
+        self.grad_sync.lr = self.lr_schedule.get_last_lr()[0]
         self.grad_sync.synchronize(self.params)
+        if self.tied and self.grid.dp > 1:  # a compressor may treat two copies' coordinates differently: re-agree
+            agree_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp)
 
-    def _optimizer_step(self, mb: None, index: None, stats: StepStats) -> None:
-        if self.tied:  # every copy takes the sum of all copies' gradients, counted once in the norm
-            share = sum_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp)
-            skip = tied_ids(self.module)
-            sq = local_grad_sq_norm([p for p in self.params if id(p) not in skip]) + share
-        else:
-            sq = local_grad_sq_norm(self.params)
+    def _clip(self) -> float:
+        """Clip the gradients on the norm of the whole model (every stage, tied copies counted once); returns it."""
+        skip = tied_ids(self.module) if self.tied else set()
+        sq = local_grad_sq_norm([p for p in self.params if id(p) not in skip])
+        if self.tied:
+            sq = sq + tied_sq_norm(self.module, self.tied)
         if self.grid.pp > 1:  # clip on the norm of the whole model, not of this stage
+            sq = sq.to(collective_device(self.device))
             dist.all_reduce(sq, group=self.groups.pipeline)
         # signSGD's ±1 vector is the update itself: clipping its norm would only shrink every step
-        clip = self.clip if self.grad_sync.clippable else 0.0
-        stats.grad_norm = clip_by_global_norm(self.params, clip, sq)
+        return clip_by_global_norm(self.params, self.clip if self.grad_sync.clippable else 0.0, sq.cpu())
+
+    def _optimizer_step(self, mb: None, index: None, stats: StepStats) -> None:
+        if not self.grad_sync.sign_based:
+            stats.grad_norm = self._clip()
         self.optimizer.step()
         # counted after the optimizer: qadam's optimizer exchanges the momentum through the grad sync
         stats.grad_sync_bytes = self.grad_sync.bytes_sent - self._sync_bytes_before

@@ -4,6 +4,12 @@ A grad sync replaces the gradients of one stage's parameters, in place, by what 
 the replicas' mean for the averaging methods, a (scaled) sign vector for the sign-based ones. Each declares its
 collective pattern, counts the bytes it hands to the network, and keeps its state (error feedback, counters) in
 `state_dict` so that a checkpoint can restore it.
+
+Sign-based methods see only the *active* part of the gradient: the rows (first dimension; single elements of a 1-D
+tensor) that are non-zero on at least one replica, agreed by a one-byte-per-row all-reduce. A sign has no zero, so
+without this every unused embedding row would vote −1 and drift by lr each step; a parameter with no active row
+gets no gradient at all, so the optimizer leaves it alone. With `momentum` β > 0 they vote on each replica's local
+momentum β·m + (1−β)·g instead of its gradient (Signum).
 """
 
 from __future__ import annotations
@@ -66,6 +72,25 @@ def gradients(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
     return grads
 
 
+def row_counts(grads: Sequence[torch.Tensor]) -> list[int]:
+    """Rows of each gradient: its first dimension, or each element of a 1-D (or 0-D) tensor."""
+    return [g.shape[0] if g.dim() >= 2 else g.numel() for g in grads]
+
+
+def active_rows(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """uint8 per row of every gradient: 1 where the row holds a non-zero value."""
+    flags = [(g.reshape(n, -1) != 0).any(dim=1) for g, n in zip(grads, row_counts(grads))]
+    return torch.cat(flags).to(torch.uint8) if flags else torch.zeros(0, dtype=torch.uint8)
+
+
+def expand_rows(rows: torch.Tensor, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-row flags as per-element flags of the flat vector of `grads`."""
+    counts = row_counts(grads)
+    per_tensor = torch.tensor([g.numel() // n if n else 0 for g, n in zip(grads, counts)], device=rows.device)
+    widths = torch.repeat_interleave(per_tensor, torch.tensor(counts, device=rows.device))
+    return torch.repeat_interleave(rows, widths) if rows.numel() else rows
+
+
 def flatten(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """One fp32 vector of all gradients, in order."""
     return torch.cat([g.reshape(-1).float() for g in grads]) if grads else torch.zeros(0)  # on the grads' device
@@ -87,11 +112,15 @@ class Compressor:
     sign_based = False
     clippable = True
 
-    def __init__(self, dp: DPGroup) -> None:
+    def __init__(self, dp: DPGroup, momentum: float = 0.0) -> None:
         self.dp = dp
         self.bytes_sent = 0
         self.calls = 0
         self.sizes: list[int] = []  # elements of each gradient tensor in the flat vector, set before `combine`
+        self.active: torch.Tensor | None = None  # sign-based: which elements of the full flat vector `combine` sees
+        self.momentum = momentum  # sign-based: vote on the local momentum (Signum) when > 0
+        self.local_momentum: torch.Tensor | None = None
+        self.lr = 1.0  # the learning rate of the coming step, set by the worker (Marsit works in update units)
 
     def synchronize(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Replace the gradients of `params` by the synchronized update (for one replica only sign-based methods
@@ -102,22 +131,48 @@ class Compressor:
             grads = gradients(params)
             if not grads:
                 return
-            self.sizes = [g.numel() for g in grads]
-            write_back(self.combine(flatten(grads)), grads)
+            if not self.sign_based:
+                self.sizes = [g.numel() for g in grads]
+                write_back(self.combine(flatten(grads)), grads)
+                return
+            self._synchronize_signs(params, grads)
         finally:
             self.calls += 1  # after `combine`, which may read the index of the current call
+
+    def _synchronize_signs(self, params: Sequence[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+        """The sign-based path: vote on the active elements only, leave the rest untouched."""
+        rows = active_rows(grads)
+        if self.dp.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=self.dp.group)
+            self.bytes_sent += ring_all_reduce_bytes(rows.numel(), self.dp.size)
+        self.active = expand_rows(rows.bool(), grads)
+        flat = flatten(grads)
+        if self.momentum > 0:
+            if self.local_momentum is None or self.local_momentum.numel() != flat.numel():
+                self.local_momentum = torch.zeros_like(flat)
+            flat = self.local_momentum.mul_(self.momentum).add_(flat, alpha=1 - self.momentum).clone()
+        self.sizes = [int(a.sum()) for a in self.active.split([g.numel() for g in grads])]
+        result = torch.zeros_like(flat)
+        result[self.active] = self.combine(flat[self.active])
+        write_back(result, grads)
+        for p, count in zip(params, self.sizes):
+            if count == 0:  # nothing active: the optimizer skips a parameter without a gradient (no decay either)
+                p.grad = None
 
     def combine(self, flat: torch.Tensor) -> torch.Tensor:
         """The synchronized version of this rank's flat gradient."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:
-        """Counters and buffers (error feedback) for a checkpoint."""
-        return {"bytes_sent": self.bytes_sent, "calls": self.calls}
+        """Counters and buffers (error feedback, local momentum) for a checkpoint."""
+        return {"bytes_sent": self.bytes_sent, "calls": self.calls, "local_momentum": self.local_momentum}
 
     def load_state_dict(self, state: dict) -> None:
         self.bytes_sent = int(state.get("bytes_sent", 0))
         self.calls = int(state.get("calls", 0))
+        self.local_momentum = state.get("local_momentum")
 
 
 class AllReduceMean(Compressor):

@@ -8,9 +8,13 @@ of replicas whose bit is 1 (unbiased aggregation, no re-compression per hop). A 
 The update is g_t = η_s · sign, and each replica keeps the compensation c ← u − g_t. Every K-th step (t mod K = 0,
 the first step included; K = 0: never) the replicas instead average u in full precision and reset c to 0.
 
-The global step size η_s is a free hyper-parameter in the paper; here it is, per parameter tensor, the mean |u|
-averaged over the replicas (one small all-reduce), which makes η_s·sign the same size as the gradient it
-replaces and lets the SGD learning rate keep its usual meaning. Pair with SGD.
+As in Algorithm 2, everything is in update units: u = η_l·g + c with η_l the step's learning rate, the parameter
+moves by exactly g_t (handed to SGD as g_t / η_l), and c carries what the sign did not apply — so a learning-rate
+schedule does not rescale old compensation. The worker clips g before it gets here. The global step size η_s is a
+free hyper-parameter in the paper; here it is, per parameter tensor, the mean |u| averaged over the replicas (one
+small all-reduce), which makes η_s·sign the same size as the update it replaces. Only the active elements (rows
+non-zero on some replica) take part; the others keep their compensation and do not move. Pair with SGD (its
+momentum 0; `--momentum` makes each replica compensate its local momentum instead of its gradient).
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ class Marsit(Compressor):
     pattern = "ring"
     sign_based = True
 
-    def __init__(self, dp: DPGroup, period: int, seed: int = 0) -> None:
-        super().__init__(dp)
+    def __init__(self, dp: DPGroup, period: int, seed: int = 0, momentum: float = 0.0) -> None:
+        super().__init__(dp, momentum)
         self.period = period
         self.name = f"marsit:{period}"
         self.compensation: torch.Tensor | None = None
@@ -50,17 +54,20 @@ class Marsit(Compressor):
         import torch.distributed as dist
 
         n = self.dp.size
-        if self.compensation is None or self.compensation.numel() != flat.numel():
-            self.compensation = torch.zeros_like(flat)
-        update = flat + self.compensation
+        active = self.active if self.active is not None else torch.ones(flat.numel(), dtype=torch.bool)
+        if self.compensation is None or self.compensation.numel() != active.numel():
+            self.compensation = torch.zeros(active.numel(), device=flat.device)
+        if self.lr == 0:  # a step that moves nothing: keep the compensation for the next one
+            return torch.zeros_like(flat)
+        update = flat * self.lr + self.compensation[active]
         if self.full_precision_now():
             mean = update.clone()
             if n > 1:
                 dist.all_reduce(mean, group=self.dp.group)
                 mean.div_(n)
             self.bytes_sent += ring_all_reduce_bytes(4 * mean.numel(), n)
-            self.compensation.zero_()
-            return mean
+            self.compensation[active] = 0.0
+            return mean / self.lr
         bits = ring.split((update > 0).to(torch.uint8), n)
         owned, aggregated, sent = ring.reduce_scatter(
             self.dp, bits, lambda s: 1, lambda s, received, own: fold(received, own, s + 2, self.generator))
@@ -68,8 +75,8 @@ class Marsit(Compressor):
         signs = torch.cat(chunks)[: flat.numel()].float().mul_(2).sub_(1)
         result = signs.mul_(self.step_sizes(update))
         self.bytes_sent += sent + gathered
-        self.compensation = update - result
-        return result
+        self.compensation[active] = update - result
+        return result / self.lr  # SGD multiplies by the learning rate again: the parameter moves by exactly `result`
 
     def step_sizes(self, update: torch.Tensor) -> torch.Tensor:
         """η_s per element: each tensor's mean |u|, averaged over the replicas."""

@@ -74,14 +74,14 @@ class QAdamSync(AllReduceMean):
 
         me, n = self.dp.index, self.dp.size
         received: list[torch.Tensor] = [payloads[me]] * n
-        works = []
-        for j in range(n):
+        ops = []
+        for j in range(n):  # one batch of paired ops: NCCL deadlocks on unpaired point-to-point calls
             if j != me:
-                works.append(dist.isend(payloads[j], self.dp.ranks[j], tag=0x5141))
                 received[j] = torch.empty_like(payloads[me])
-                works.append(dist.irecv(received[j], self.dp.ranks[j], tag=0x5141))
+                ops.append(dist.P2POp(dist.isend, payloads[j].contiguous(), self.dp.ranks[j], self.dp.group, 0x5141))
+                ops.append(dist.P2POp(dist.irecv, received[j], self.dp.ranks[j], self.dp.group, 0x5141))
                 self.bytes_sent += payloads[j].numel()
-        for work in works:
+        for work in dist.batch_isend_irecv(ops):
             work.wait()
         return received
 

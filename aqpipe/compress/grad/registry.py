@@ -22,8 +22,10 @@ METHODS = {
                             "DIST = exp, gamma or gpareto (multi-stage, adaptive), error feedback"),
     "fft": (("THETA", "N"), "drop the fraction THETA of the gradient's frequency components, send the rest as N-bit "
                              "offset floats (N = 2..16, or 32 for fp32)"),
-    "signsgd": ((), "majority-vote signSGD on a ring of packed vote counts; the update is lr*sign (use SGD)"),
-    "marsit": (("K",), "Marsit 1-bit ring with global compensation, full precision every K steps (0: never; use SGD)"),
+    "signsgd": ((), "majority-vote signSGD on a ring of packed vote counts; the update is lr*sign (use SGD; "
+                    "--momentum votes on the local momentum: Signum)"),
+    "marsit": (("K",), "Marsit 1-bit ring with global compensation in update units, full precision every K steps "
+                       "(0: never; use SGD)"),
 }
 SIGN_BASED = ("signsgd", "marsit")
 
@@ -111,8 +113,9 @@ def check_pairing(spec: GradSpec, optimizer: str) -> None:
                             f"use --optimizer adamw")
 
 
-def build_grad_sync(text: str, dp: DPGroup, seed: int = 0, freeze_after: int = 1) -> GradSync:
-    """The compressor of one stage's DP group for a --grad-sync value (qadam freezes v after `freeze_after` steps)."""
+def build_grad_sync(text: str, dp: DPGroup, seed: int = 0, freeze_after: int = 1, momentum: float = 0.0) -> GradSync:
+    """The compressor of one stage's DP group for a --grad-sync value (qadam freezes v after `freeze_after` steps; the
+    sign-based methods vote on a local momentum when `momentum` > 0)."""
     from aqpipe.compress.grad.cast import CastAllReduce
     from aqpipe.compress.grad.fft import FFTSparsifier
     from aqpipe.compress.grad.marsit import Marsit
@@ -134,7 +137,7 @@ def build_grad_sync(text: str, dp: DPGroup, seed: int = 0, freeze_after: int = 1
         "topk": lambda: TopK(dp, *spec.args),
         "sidco": lambda: SIDCo(dp, *spec.args),
         "fft": lambda: FFTSparsifier(dp, *spec.args),
-        "signsgd": lambda: SignSGD(dp, seed=seed),
-        "marsit": lambda: Marsit(dp, *spec.args, seed=seed),
+        "signsgd": lambda: SignSGD(dp, seed=seed, momentum=momentum),
+        "marsit": lambda: Marsit(dp, *spec.args, seed=seed, momentum=momentum),
     }
     return builders[spec.method]()

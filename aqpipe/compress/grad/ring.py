@@ -31,13 +31,15 @@ def split(codes: torch.Tensor, members: int) -> list[torch.Tensor]:
 
 
 def exchange(dp: DPGroup, send: torch.Tensor, recv_bytes: int) -> torch.Tensor:
-    """Send bytes to the next member while receiving `recv_bytes` from the previous one."""
+    """Send bytes to the next member while receiving `recv_bytes` from the previous one, as one batch of paired
+    point-to-point ops (NCCL deadlocks on an unpaired isend-then-recv, and at dp=2 next and previous are one peer)."""
     import torch.distributed as dist
 
     recv = torch.empty(recv_bytes, dtype=torch.uint8, device=send.device)
-    work = dist.isend(send.contiguous(), dp.next_rank, tag=RING_TAG)
-    dist.recv(recv, dp.prev_rank, tag=RING_TAG)
-    work.wait()
+    ops = [dist.P2POp(dist.isend, send.contiguous(), dp.next_rank, dp.group, RING_TAG),
+           dist.P2POp(dist.irecv, recv, dp.prev_rank, dp.group, RING_TAG)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
     return recv
 
 

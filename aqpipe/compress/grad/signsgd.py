@@ -3,7 +3,9 @@
 Each replica votes +1 where its gradient is positive. A ring reduce-scatter carries the running count of +1 votes
 — at hop i (1..N−1) a count over i replicas, sent in ⌈log2(i+1)⌉ bits — so each member ends up owning the exact
 vote count of one chunk; it turns that into the majority sign, and a 1-bit ring all-gather hands every member
-every chunk's majority. The gradient becomes that sign (±1): the optimizer step is lr·sign, so pair it with SGD.
+every chunk's majority. The gradient becomes that sign (±1): the optimizer step is lr·sign, so pair it with SGD
+(its momentum 0 unless asked; `--momentum β` votes on each replica's local momentum instead: Signum). Only the
+active elements vote (rows non-zero on some replica, see `base`); the rest do not move.
 
 Bits sent per element per member: (Σ_{i=1}^{N−1} ⌈log2(i+1)⌉ + (N−1)) / N (the reduce, then the gather).
 A tie (possible for even N) is broken by a fair coin at the chunk's owner, so the sign stays 1 bit and unbiased;
@@ -45,8 +47,8 @@ class SignSGD(Compressor):
     sign_based = True
     clippable = False  # ±1 per coordinate is the update itself; clipping its norm would only shrink every step
 
-    def __init__(self, dp: DPGroup, seed: int = 0) -> None:
-        super().__init__(dp)
+    def __init__(self, dp: DPGroup, seed: int = 0, momentum: float = 0.0) -> None:
+        super().__init__(dp, momentum)
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + dp.ranks[dp.index])
 
     def combine(self, flat: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,64 @@
+"""Tied parameters under a compressing grad sync: the copies' gradients are summed before the sync sees them, and
+the copies stay one tensor after it."""
+
+import torch
+from torch import nn
+
+from tests.distributed import run_ranks
+
+
+class Copy(nn.Module):
+    """A layer holding its own copy of a tied table (as each DeBERTa layer holds the relative-position table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(4, 3))
+
+    def tied_parameters(self) -> dict:
+        return {"table": [self.table]}
+
+
+def _step(rank: int, world: int, method: str):
+    """One stage (pp=1) of `world` replicas whose module holds two copies of a tied table; run the worker's grad
+    reduction and optimizer step with per-copy gradients that differ, and return both copies after the step."""
+    from aqpipe.compress.grad import DPGroup, build_grad_sync
+    from aqpipe.runtime.grid import Grid, create_groups
+    from aqpipe.runtime.optim import build_optimizer
+    from aqpipe.runtime.tied import TiedGroup
+    from aqpipe.runtime.worker import Links, Codecs, StageWorker, StepStats
+
+    grid = Grid(1, world, rank)
+    groups = create_groups(grid)
+    module = nn.Sequential(Copy(), Copy())
+    sync = build_grad_sync(method, DPGroup(groups.data_parallel, tuple(grid.dp_ranks(0)), rank), seed=3)
+    optimizer, schedule = build_optimizer(module.parameters(), "sgd", 1.0, 0.0, 0, 10, momentum=0.0)
+    worker = StageWorker(grid=grid, groups=groups, module=module, loss_fn=None, samples=None, links=Links(),
+                         codecs=Codecs(), grad_sync=sync, optimizer=optimizer, lr_schedule=schedule, clip=0.0,
+                         device=torch.device("cpu"), micro_batch_size=1, tied=[TiedGroup("table", ((4, 3),), 2)])
+    generator = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(4, 3, generator=generator) for _ in range(2)]
+    for layer, g in zip(module, grads):
+        layer.table.grad = g.clone()
+    stats = StepStats()
+    worker._reduce_grads(None, None, stats)
+    worker._optimizer_step(None, None, stats)
+    return grads, [layer.table.detach().clone() for layer in module]
+
+
+def test_a_sign_sync_votes_on_the_summed_tied_gradient_once():
+    """The sync ran before the copies were summed, so signSGD added one vote per copy (updates of 2, 0, -2)."""
+    results = run_ranks(_step, 3, "signsgd")
+    assert all(status == "ok" for status, _ in results), results
+    summed = [sum(value[0]) for _, value in results]  # each replica's true gradient of the one tensor
+    votes = sum((g > 0).int() for g in summed)
+    expected = -torch.where(2 * votes > 3, 1.0, -1.0)  # lr 1, plain SGD: the parameter moves by -sign
+    for _, (_, copies) in results:
+        assert torch.equal(copies[0], copies[1]) and torch.equal(copies[0], expected)
+
+
+def test_a_randomized_sync_leaves_the_copies_one_tensor():
+    results = run_ranks(_step, 2, "marsit:0")
+    assert all(status == "ok" for status, _ in results), results
+    first = results[0][1][1][0]
+    for _, (_, copies) in results:
+        assert torch.equal(copies[0], copies[1]) and torch.equal(copies[0], first)
