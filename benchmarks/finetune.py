@@ -28,7 +28,7 @@ def train(name: str, fw: str, bw: str, seed: int, args, work: Path) -> dict:
     out = work / f"{name.replace(' ', '_')}-seed{seed}"
     cmd = [sys.executable, "-m", "aqpipe", "launch", "--model", "minilm-l6", "--pp", "3", "--partition", "3,3,2",
            "--seq-len", "32", "--epochs", str(args.epochs), "--fw", fw, "--bw", bw, "--eval-every", str(args.eval_every),
-           "--seed", str(seed), "--device", "cpu", "--out", str(out), "--no-progress"]
+           "--seed", str(seed), "--quant-grid", args.grid, "--device", "cpu", "--out", str(out), "--no-progress"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} seed {seed} failed:\n{proc.stderr[-3000:]}")
@@ -43,13 +43,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=15)
+    parser.add_argument("--grid", default="signed", help="quantization grid (--quant-grid): signed, fit, symmetric, uniform")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from: {', '.join(VARIANTS)} "
+                                                                        "(fp32 always runs: it is the baseline)")
     args = parser.parse_args()
+    chosen = {"fp32": VARIANTS["fp32"], **{n: VARIANTS[n] for n in args.variants.split(",")}}
     out = Path(args.out)
     work = out.parent / (out.name + "-runs")
     work.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    results: dict[str, list[dict]] = {name: [] for name in chosen}
     for seed in args.seeds:  # variants alternate within each seed, so drifting machine load hits all alike
-        for name, (fw, bw) in VARIANTS.items():
+        for name, (fw, bw) in chosen.items():
             result = train(name, fw, bw, seed, args, work)
             s = result["summary"]
             print(f"{name} seed {seed}: accuracy {s['eval_accuracy']:.4f} MCC {s['eval_mcc']:.4f} "

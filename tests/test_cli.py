@@ -74,6 +74,9 @@ def run_cli(capsys, args, tmp_path):
     (["--epochs", "0"], "--epochs must be at least 1"),
     (["--warmup-steps", "-2"], "--warmup-steps must not be negative"),
     (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["--momentum", "1.0", "--optimizer", "sgd"], "--momentum must be in [0, 1)"),
+    (["--momentum", "0.9"], "--momentum applies to --optimizer sgd"),
+    (["--quant-grid", "log"], "--quant-grid"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, tmp_path, args, needle):
     code, err = run_cli(capsys, [*FAST, *args], tmp_path)

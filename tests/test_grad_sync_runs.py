@@ -1,26 +1,139 @@
-"""Every gradient compressor trains a pp=2 x dp=2 pipeline through `aqpipe launch` and lowers the loss."""
+"""Every gradient compressor trains a pp=2 x dp=2 pipeline through `aqpipe launch`: the loss falls, the replicas end
+bit-identical (and the run's own digest check passed), and the bytes per step follow the method's formula; and
+every method keeps pp=1 x dp=3 replicas bit-identical over 15 steps of a model with unused vocabulary rows."""
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from aqpipe.compress.bitpack import packed_bytes
+from aqpipe.compress.grad.base import all_gather_bytes, ring_all_reduce_bytes
+from aqpipe.compress.grad.quantized import CHUNK
+from aqpipe.compress.grad.ring import chunk_size
+from aqpipe.compress.grad.signsgd import count_bits
+from tests.distributed import run_ranks
 
 RUN = ["--pp", "2", "--dp", "2", "--seq-len", "32", "--max-samples", "256", "--micro-batch-size", "4",
        "--micro-batches", "2", "--epochs", "3", "--no-progress"]
+PP, DP = 2, 2
+
+
+def stage_shapes(out, stage: int) -> list[torch.Size]:
+    state = torch.load(out / "checkpoints" / "final" / f"stage-{stage}.pt", weights_only=True)
+    return [t.shape for t in state.values()]
+
+
+def rows(shapes) -> int:
+    return sum(s[0] if len(s) >= 2 else math.prod(s) for s in shapes)
+
+
+def expected_bytes(spec: str, shapes) -> tuple[int, int]:
+    """(least, most) bytes one rank of a stage with parameters of `shapes` sends per step."""
+    p, n = sum(math.prod(s) for s in shapes), DP
+    if spec == "none":
+        exact = ring_all_reduce_bytes(4 * p, n)
+    elif spec in ("fp16", "bf16"):
+        exact = ring_all_reduce_bytes(2 * p, n)
+    elif spec.startswith("ef:"):
+        bits, chunks = int(spec[3:]), -(-p // CHUNK)
+        exact = all_gather_bytes(8 + 2 * chunks + chunks * packed_bytes(CHUNK, bits), n)
+    elif spec.startswith("topk:"):
+        exact = all_gather_bytes(8 + 8 * math.ceil(float(spec[5:]) * p), n)
+    elif spec == "signsgd":  # the row mask, then the ring over the active elements (at most all of them)
+        c = chunk_size(p, n)
+        most = sum(packed_bytes(c, count_bits(i)) for i in range(1, n)) + (n - 1) * packed_bytes(c, 1)
+        return ring_all_reduce_bytes(rows(shapes), n) + 1, ring_all_reduce_bytes(rows(shapes), n) + most
+    elif spec.startswith("marsit:"):  # the row mask, then a 1-bit ring plus step sizes, or a full-precision round
+        tensors = len(shapes)
+        most = max(2 * (n - 1) * packed_bytes(chunk_size(p, n), 1) + ring_all_reduce_bytes(4 * tensors, n),
+                   ring_all_reduce_bytes(4 * p, n))
+        return ring_all_reduce_bytes(rows(shapes), n) + 1, ring_all_reduce_bytes(rows(shapes), n) + most
+    else:
+        return 1, 1 << 40
+    return exact, exact
 
 
 @pytest.mark.parametrize("spec, optimizer, lr", [
-    ("fp16", "adamw", "1e-3"), ("bf16", "adamw", "1e-3"), ("powersgd:2", "adamw", "1e-3"), ("ef:4", "adamw", "1e-3"),
-    ("topk:0.05", "adamw", "1e-3"), ("sidco:exp:0.05", "adamw", "1e-3"), ("fft:0.5:10", "adamw", "1e-3"), ("qadam:4", "adamw", "1e-3"), ("signsgd", "sgd", "2e-3"), ("marsit:10", "sgd", "0.2"),
+    ("none", "adamw", "1e-3"), ("fp16", "adamw", "1e-3"), ("bf16", "adamw", "1e-3"), ("powersgd:2", "adamw", "1e-3"),
+    ("ef:4", "adamw", "1e-3"), ("topk:0.05", "adamw", "1e-3"), ("sidco:exp:0.05", "adamw", "1e-3"),
+    ("fft:0.5:10", "adamw", "1e-3"), ("qadam:4", "adamw", "1e-3"), ("signsgd", "sgd", "2e-3"),
+    ("marsit:10", "sgd", "0.2"),
 ])
 def test_compressor_trains_through_launch(tmp_path, spec, optimizer, lr):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", *RUN, "--grad-sync", spec, "--optimizer", optimizer,
-                           "--lr", lr, "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--lr", lr, "--checkpoint-every", "16", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     first = sum(r["loss"] for r in records[:3]) / 3
     last = json.loads((out / "summary.json").read_text())["final_loss"]
     assert last < first - 0.5, (first, last)
-    assert all(r["grad_sync_bytes"] > 0 for r in records)
+    # replicas bit-identical at the checkpoints kept (the two newest; each rank saves its own copy)
+    for step in (32, 48):
+        directory = out / "checkpoints" / f"step-{step:08d}"
+        for stage in range(PP):
+            a, b = (torch.load(directory / f"rank-{stage + r * PP}.pt", weights_only=True)["model"] for r in range(DP))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (step, stage)
+    # bytes per step: every rank of every stage, by the method's formula
+    bounds = [expected_bytes(spec, stage_shapes(out, stage)) for stage in range(PP)]
+    least, most = DP * sum(b[0] for b in bounds), DP * sum(b[1] for b in bounds)
+    for r in records:
+        if spec.startswith("qadam") or spec.startswith("powersgd") or spec.startswith("sidco") or spec.startswith("fft"):
+            assert r["grad_sync_bytes"] > 0
+        else:
+            assert least <= r["grad_sync_bytes"] <= most, (r["step"], r["grad_sync_bytes"], least, most)
+
+
+METHODS = [("none", "adamw"), ("fp16", "adamw"), ("bf16", "adamw"), ("powersgd:2", "adamw"), ("ef:2", "adamw"),
+           ("ef:1", "adamw"), ("qadam:2", "adamw"), ("topk:0.1", "adamw"), ("sidco:gamma:0.1", "adamw"),
+           ("fft:0.5:8", "adamw"), ("signsgd", "sgd"), ("marsit:4", "sgd")]
+VOCAB, USED = 64, 40
+
+
+def _train_replicas(rank: int, world: int):
+    """Each method in turn: 15 steps of a tiny LM whose vocabulary rows USED.. are never used, every replica on its
+    own data; returns, per method, the final parameters and whether the unused rows kept their initial values."""
+    from aqpipe.compress.grad import DPGroup, build_grad_sync
+    from aqpipe.compress.grad.qadam import freeze_step
+    from aqpipe.runtime.optim import build_optimizer, momenta
+
+    out = {}
+    for method, optimizer_name in METHODS:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB))
+        start = model[0].weight.detach().clone()
+        sign = method.split(":")[0] in ("signsgd", "marsit")
+        optimizer_momentum, vote_momentum = momenta(None, sign)
+        sync = build_grad_sync(method, DPGroup(None, tuple(range(world)), rank), seed=5,
+                               freeze_after=freeze_step(15, 2), momentum=vote_momentum)
+        optimizer, schedule = build_optimizer(model.parameters(), optimizer_name, 0.01, 0.0, 2, 15, grad_sync=sync,
+                                              momentum=optimizer_momentum)
+        generator = torch.Generator().manual_seed(100 + rank)
+        for _ in range(15):
+            tokens = torch.randint(0, USED, (8, 12), generator=generator)
+            loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            sync.lr = schedule.get_last_lr()[0]
+            sync.synchronize([p for p in model.parameters()])
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+        out[method] = ([p.detach().clone() for p in model.parameters()],
+                       torch.equal(model[0].weight[USED:].detach(), start[USED:]))
+    return out
+
+
+def test_every_method_keeps_three_replicas_bit_identical():
+    results = run_ranks(_train_replicas, 3)
+    assert all(status == "ok" for status, _ in results), results
+    first = results[0][1]
+    for method, _ in METHODS:
+        for _, replica in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(first[method][0], replica[method][0])), method
+        if method in ("none", "fp16", "bf16", "signsgd", "marsit:4", "ef:2", "topk:0.1"):  # ef:1 has no zero code
+            assert first[method][1], f"{method} moved vocabulary rows no replica used"

@@ -74,7 +74,8 @@ class AQSGDCodec(LinkCodec):
                 known[i] = ok
             if not all(in_range):
                 rows_in_range = torch.tensor(in_range)
-                delta, m_old, change = [i for i, ok in zip(delta, in_range) if ok], m_old[rows_in_range], change[rows_in_range]
+                delta = [i for i, ok in zip(delta, in_range) if ok]
+                m_old, change = m_old[rows_in_range], change[rows_in_range]
         if delta:
             q = quantize(change, self.bits, self.options.per, self.options.stochastic, self._generator,
                          self.options.grid)

@@ -55,7 +55,8 @@ class TopKCodec(LinkCodec):
         n, k, fmt, _, _ = self._layout(tuple(tensor.shape))
         idx = g.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
         values = g.gather(1, idx)
-        q = quantize(values, self.bits, "channel", self.options.stochastic, self._generator, self.options.grid)  # one scale per sample
+        # "channel" scales of a [b, k] tensor: one scale per sample
+        q = quantize(values, self.bits, "channel", self.options.stochastic, self._generator, self.options.grid)
         if fmt == "bitmap":
             mask = torch.zeros(b, n, dtype=torch.uint8)
             mask.scatter_(1, idx, 1)

@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from aqpipe.compress.codecs import build_codec
 from aqpipe.runtime.grid import Grid, gather_rows

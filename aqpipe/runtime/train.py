@@ -26,6 +26,7 @@ from aqpipe.runtime.grid import Grid, create_groups, gather_rows
 from aqpipe.runtime.optim import build_optimizer, momenta
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds, store_bytes_per_rank
 from aqpipe.runtime.reconcile import reconcile
+from aqpipe.runtime.replicas import check_replicas
 from aqpipe.runtime.tied import tied_groups
 from aqpipe.runtime.resume import apply_state, collect_state, describe, kept_records
 from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, Inbox, Outbox
@@ -120,8 +121,8 @@ def open_store(cfg: RunConfig, rank: int, estimate: int | None = None):
 def build_codecs(cfg: RunConfig, grid: Grid, store) -> Codecs:
     """This rank's codecs; the AQ-SGD ones hold the sender side of the outgoing link and the receiver side of the
     incoming one (link k joins stage k to stage k+1)."""
-    options = QuantOptions(per=cfg.quant_scales, stochastic=cfg.quant_rounding == "stochastic", seed=cfg.seed + grid.rank,
-                           grid=cfg.quant_grid)
+    options = QuantOptions(per=cfg.quant_scales, stochastic=cfg.quant_rounding == "stochastic",
+                           seed=cfg.seed + grid.rank, grid=cfg.quant_grid)
     check = cfg.store_check == "on"
     codecs = Codecs()
     if not grid.is_last_stage:
@@ -175,7 +176,9 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
         return {f"eval_{k}": v for k, v in result.items()}
 
     def checkpoint(step: int) -> None:
-        """Every rank writes its state after `step` steps; rank 0 marks the checkpoint complete."""
+        """Every rank writes its state after `step` steps (once the replicas of its stage agree on their parameters);
+        rank 0 marks the checkpoint complete."""
+        check_replicas(module, grid, groups.data_parallel, step, device)
         save_rank(cfg.out, step, grid.rank, collect_state(worker, codecs, store))
         dist.barrier()
         if grid.rank == 0:
@@ -215,6 +218,8 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
                 checkpoint(done)
     finally:
         worker.links.close()
+    if first_step >= plan.total_steps:  # no step ran, so no checkpoint compared the replicas
+        check_replicas(module, grid, groups.data_parallel, plan.total_steps, device)
     if grid.replica == 0:
         save_stage_weights(module, Path(cfg.out), grid.stage)
     dist.barrier()  # every stage's final weights are on disk before rank 0 merges them

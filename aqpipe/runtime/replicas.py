@@ -1,0 +1,42 @@
+"""The replicas-stay-identical invariant, checked: the replicas of a stage compare a digest of their parameters at
+every checkpoint and at the end of a run, and a mismatch ends the run naming the stage, the step and the replicas."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from aqpipe.runtime.grid import Grid, collective_device
+
+
+class ReplicaDivergence(RuntimeError):
+    """The data-parallel replicas of a stage hold different parameters."""
+
+
+def parameter_digest(module: nn.Module) -> int:
+    """A 63-bit digest (SHA-256) of every parameter and buffer of `module`, by name and raw bytes."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+    return int.from_bytes(digest.digest()[:8], "little") >> 1
+
+
+def check_replicas(module: nn.Module, grid: Grid, dp_group, step: int, device: torch.device) -> None:
+    """All replicas of this stage must call this together; raises ReplicaDivergence on every one of them if any
+    replica's parameters differ from replica 0's."""
+    if grid.dp == 1:
+        return
+    import torch.distributed as dist
+
+    where = collective_device(device)
+    mine = torch.tensor([parameter_digest(module)], dtype=torch.int64, device=where)
+    everyone = [torch.zeros_like(mine) for _ in range(grid.dp)]
+    dist.all_gather(everyone, mine, group=dp_group)
+    digests = [int(d) for d in everyone]
+    differ = [replica for replica, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise ReplicaDivergence(f"the data-parallel replicas of stage {grid.stage} hold different parameters after "
+                                f"step {step}: replica(s) {', '.join(map(str, differ))} differ from replica 0")
