@@ -42,7 +42,7 @@ def train(name: str, fw: str, bw: str, args, work: Path, grad_sync: str = "none"
            "--dp", str(args.dp), "--grad-sync", grad_sync,
            "--data", str(args.data / "valid.txt"), "--seq-len", "128", "--max-samples", str(args.samples),
            "--vocab-size", "260", "--micro-batch-size", "4", "--micro-batches", "4", "--epochs", str(args.epochs),
-           "--lr", "1e-3", "--warmup-steps", "10", "--fw", fw, "--bw", bw, "--quant-rounding", "stochastic",
+           "--lr", "1e-3", "--warmup-steps", "10", "--fw", fw, "--bw", bw, "--quant-rounding", args.rounding,
            "--quant-scales", args.scales, "--quant-grid", args.grid, "--seed", str(args.seed), "--device", "cpu", "--out", str(out), "--no-progress"]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
     return out
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=512)
     parser.add_argument("--scales", default="token", help="quantization scale granularity (per row = token)")
     parser.add_argument("--grid", default="signed", help="quantization grid (--quant-grid): signed, fit, symmetric, uniform")
+    parser.add_argument("--rounding", default="stochastic", help="quantization rounding: stochastic or nearest")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each with its shard of the samples)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
