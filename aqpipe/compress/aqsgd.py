@@ -92,13 +92,12 @@ class AQSGDCodec(LinkCodec):
         for i, value, fits in zip(full, firsts, self.view.storable(firsts)):
             segments[i] = x[i].view(torch.uint8).reshape(-1)
             new_m[i] = value if fits else None
-        dropped = keep(self.view, id_list, new_m)
-        self.view.store.stats.overflow += len(dropped)
+        self.view.store.stats.overflow += len(keep(self.view, id_list, new_m))
         modes = torch.tensor([MODE_DELTA if k else MODE_FULL for k in known], dtype=torch.uint8)
         payload = torch.cat([modes, *segments])
         flags = (self.bits << 8) | (0 if self.check else FLAG_NO_CHECK)
         check = store_checksum(new_m) if self.check else 0
-        return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags, unstored=dropped)
+        return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags)
 
     def forget(self, ids: list[int]) -> None:
         """Drop m(ξ) of samples the receiver lacks, so that their next message goes at full precision."""

@@ -9,7 +9,7 @@ codec; `parse_spec` validates a spec without building anything.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +33,6 @@ class Encoded:
     wire_dtype: torch.dtype
     codec_check: int = 0
     flags: int = 0
-    unstored: list[int] = field(default_factory=list)  # samples whose m(ξ) could not be kept (not finite in its dtype)
 
 
 @dataclass(frozen=True)

@@ -133,14 +133,15 @@ def quantize(x: torch.Tensor, bits: int, per: str = "channel", stochastic: bool 
     s = scales.float()
     s = torch.where(s == 0, torch.ones_like(s), s)
     offset, steps, top = _offset_steps(bits, grid)
-    u = (rows / s).mul_(steps).add_(offset)
-    if stochastic:
-        u.add_(torch.rand(u.shape, generator=generator, device=u.device)).floor_()
-    elif bits == 1:
-        u = (rows > 0).float()  # sign; an exact 0 (no room for it in one bit) goes to +scale
+    if bits == 1 and not stochastic:  # the sign; an exact 0 (no room for it in one bit) goes to +scale
+        codes = (rows > 0).to(torch.uint8)
     else:
-        u.round_()
-    codes = u.clamp_(0, top).to(torch.uint8)
+        u = (rows / s).mul_(steps).add_(offset)
+        if stochastic:
+            u.add_(torch.rand(u.shape, generator=generator, device=u.device)).floor_()
+        else:
+            u.round_()
+        codes = u.clamp_(0, top).to(torch.uint8)
     return Quantized(codes.reshape(x.shape[0], -1), scales.reshape(x.shape[0], -1), bits, per, grid)
 
 

@@ -41,10 +41,9 @@ def tied_ids(module: nn.Module) -> set[int]:
     return {id(p) for copies in local_copies(module).values() for copy in copies for p in copy}
 
 
-def sum_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int) -> torch.Tensor:
-    """Give every copy of each tied group the sum of all copies' gradients (all stages must call this); returns this
-    stage's share of the tied gradients' squared norm (the summed gradient counted once over the whole model)."""
-    return _combine_copies(module, groups, group, pp, mean=False)
+def sum_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int) -> None:
+    """Give every copy of each tied group the sum of all copies' gradients (all stages must call this)."""
+    _combine_copies(module, groups, group, pp, mean=False)
 
 
 def agree_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int) -> None:
@@ -66,9 +65,9 @@ def tied_sq_norm(module: nn.Module, groups: list[TiedGroup]) -> torch.Tensor:
     return share
 
 
-def _combine_copies(module: nn.Module, groups: list[TiedGroup], group, pp: int, mean: bool) -> torch.Tensor:
+def _combine_copies(module: nn.Module, groups: list[TiedGroup], group, pp: int, mean: bool) -> None:
+    """Every copy of each group gets the sum (or mean) over the whole pipeline of the copies' gradients."""
     copies = local_copies(module)
-    share = torch.zeros((), dtype=torch.float64)
     for tied in groups:
         mine = copies.get(tied.name, [])
         device = mine[0][0].device if mine else next(module.parameters()).device  # NCCL: never a host tensor
@@ -86,5 +85,3 @@ def _combine_copies(module: nn.Module, groups: list[TiedGroup], group, pp: int, 
         for copy in mine:
             for p, piece, shape in zip(copy, pieces, tied.shapes):
                 p.grad = piece.view(shape).to(p.dtype).clone()
-        share += float(flat.double().pow(2).sum()) * len(mine) / tied.copies
-    return share

@@ -164,7 +164,7 @@ class StageWorker:
             mb.outputs = out
 
     def _send_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        report_nonfinite(mb.outputs, mb.ids, self._step, self.grid.stage)
+        report_nonfinite(mb.outputs, mb.ids, self._step, self.grid.stage, hasattr(self.codecs.fw_send, "view"))
         sent = self._send(self.links.act_out, self.codecs.fw_send, KIND_ACTIVATION, index, mb.outputs, mb.ids, mb.mask)
         stats.fwd_bytes += sent
         stats.fwd_elements += mb.outputs.numel()
@@ -255,15 +255,16 @@ class StageWorker:
         return send_encoded(box, codec, kind, self._step, mb, tensor, ids, self._compress, side)
 
 
-def report_nonfinite(activation: torch.Tensor, ids: torch.Tensor, step: int, stage: int) -> list[int]:
-    """Name on stderr the samples whose activation holds an inf or NaN (AQ-SGD sends them at full precision and keeps
-    no m(ξ) for them); returns their ids."""
+def report_nonfinite(activation: torch.Tensor, ids: torch.Tensor, step: int, stage: int, aqsgd: bool = True
+                     ) -> list[int]:
+    """Name on stderr the samples whose activation holds an inf or NaN (an AQ-SGD link sends them at full precision
+    and keeps no m(ξ) for them); returns their ids."""
     finite = torch.isfinite(activation.detach().reshape(activation.shape[0], -1)).all(dim=1)
     if bool(finite.all()):
         return []
     bad = ids[~finite.cpu()].tolist()
-    print(f"warning: step {step + 1}, stage {stage}: the activation of sample(s) {bad} is not finite (inf or NaN); "
-          f"sent at full precision, its m(xi) not stored", file=sys.stderr, flush=True)
+    print(f"warning: step {step + 1}, stage {stage}: the activation of sample(s) {bad} is not finite (inf or NaN)"
+          f"{'; sent at full precision, its m(xi) not stored' if aqsgd else ''}", file=sys.stderr, flush=True)
     return bad
 
 

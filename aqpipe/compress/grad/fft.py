@@ -78,12 +78,16 @@ def mantissa_errors(bits: int, samples: torch.Tensor, top: float) -> torch.Tenso
     return errors
 
 
+def _least_error(bits: int, errors: torch.Tensor, top: float) -> OffsetFloat:
+    """The format whose mantissa width has the least error (width 0 if none is usable)."""
+    return OffsetFloat(bits, int(errors.argmin()) if bool(torch.isfinite(errors).any()) else 0, top)
+
+
 def best_offset_float(bits: int, samples: torch.Tensor, top: float | None = None) -> OffsetFloat:
     """The mantissa width that reconstructs `samples` with least error, for the range [−top, top] (default: the
     samples' own max)."""
     top = float(top if top is not None else samples.abs().max()) or 1.0
-    errors = mantissa_errors(bits, samples, top)
-    return OffsetFloat(bits, int(errors.argmin()) if bool(torch.isfinite(errors).any()) else 0, top)
+    return _least_error(bits, mantissa_errors(bits, samples, top), top)
 
 
 def agreed_offset_float(bits: int, samples: torch.Tensor, top: float, dp: DPGroup) -> tuple[OffsetFloat, int]:
@@ -101,8 +105,7 @@ def agreed_offset_float(bits: int, samples: torch.Tensor, top: float, dp: DPGrou
     errors = mantissa_errors(bits, samples, top).to(device)
     dist.all_reduce(errors, group=dp.group)  # inf stays inf: every replica shares the range, so the same widths fail
     sent = ring_all_reduce_bytes(8, dp.size) + ring_all_reduce_bytes(8 * errors.numel(), dp.size)
-    errors = errors.cpu()
-    return OffsetFloat(bits, int(errors.argmin()) if bool(torch.isfinite(errors).any()) else 0, top), sent
+    return _least_error(bits, errors.cpu(), top), sent
 
 
 def kept_count(length: int, theta: float) -> int:
