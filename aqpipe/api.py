@@ -11,21 +11,23 @@ from aqpipe.config import ConfigError, build_config, resolve
 from aqpipe.stages import PipelineSpec
 
 
-def train(spec_factory: Callable[..., PipelineSpec], **settings) -> int:
-    """Train the model `spec_factory` builds, with any `aqpipe launch` setting as a keyword (`pp=2, lr=1e-3`).
+def train(spec_factory: Callable[..., PipelineSpec], overwrite: bool = False, **settings) -> int:
+    """Train the model `spec_factory` builds, with any `aqpipe launch` setting as a keyword (`pp=2, lr=1e-3`);
+    `overwrite=True` is `--overwrite` (replace a run already in `out`).
 
     `spec_factory` may take `vocab_size` and `seq_len`. Started plainly (`python script.py`), this process checks
     everything and re-runs the script once per rank; inside a rank, it trains that rank. Returns the exit code.
     """
-    from aqpipe.launch.env import in_distributed_env
+    from aqpipe.launch.env import CONFIG_ENV, in_distributed_env
     from aqpipe.launch.job import run_job
     from aqpipe.launch.worker_entry import run_rank
 
-    if "AQPIPE_CONFIG" in os.environ and in_distributed_env():
+    if CONFIG_ENV in os.environ and in_distributed_env():
         return run_rank(spec_factory)
     try:
         cfg = resolve(build_config({}, settings))
-        return run_job(cfg, spec_factory, worker_command=[sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]])
+        return run_job(cfg, spec_factory, worker_command=[sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]],
+                       overwrite=overwrite)
     except ConfigError as e:
         print(f"aqpipe: error: {one_line(str(e))}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ import sys
 
 from aqpipe.compress.grids import GRIDS
 from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values
+from aqpipe.launch.signals import interrupts_raise
 
 HELP = {
     "model": "preset (gpt2-tiny … gpt2-xl; bert-tiny … bert-large; minilm-l6, the pretrained MiniLM of the PyPI "
@@ -78,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
                             help=HELP.get(f.name, ""))
     launch.add_argument("--local_rank", "--local-rank", dest="_local_rank", help=argparse.SUPPRESS)
     launch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    launch.add_argument("--overwrite", action="store_true",
+                        help="--out already holds a run: delete it first (without this, such a launch is refused)")
     store = sub.add_parser("store", help="inspect the activation store of a run (verify, stats)")
     store.add_argument("action", choices=["verify", "stats"])
     store.add_argument("run_dir")
@@ -99,6 +102,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `aqpipe` console script."""
+    interrupts_raise()  # Ctrl-C or SIGTERM at any moment: exit 1 with one line (below), never a traceback
+    try:
+        return _command(argv)
+    except KeyboardInterrupt:
+        print("aqpipe: interrupted (Ctrl-C or SIGTERM) before the ranks started; nothing was left running",
+              file=sys.stderr)
+        return 1
+
+
+def _command(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "launch":
@@ -212,7 +225,7 @@ def _launch(args: argparse.Namespace) -> int:
     if resume:
         file_values, flags = resume_values(str(resume), file_values, flags), {}
     cfg = resolve(build_config(file_values, flags))
-    return run_job(cfg, progress=not args.no_progress)
+    return run_job(cfg, progress=not args.no_progress, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

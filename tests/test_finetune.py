@@ -183,7 +183,12 @@ def test_a_finished_run_extended_by_resume_continues_its_curve(finished_run, tmp
 
     run = tmp_path / "copy"
     shutil.copytree(finished_run, run)
+    before = torch.load(run / "checkpoints" / "final" / "stage-0.pt", weights_only=True)
     proc = launch("--resume", str(run), "--steps", "7", "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["step"] for r in records(run)] == list(range(1, 8))
+    assert records(run)[3]["lr"] == 0.0  # the 4-step schedule ended at 0 ...
+    assert records(run)[4]["lr"] > 0.0  # ... the 7-step one applies from the first resumed step
+    after = torch.load(run / "checkpoints" / "final" / "stage-0.pt", weights_only=True)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
     assert json.loads((run / "summary.json").read_text())["steps"] == 7

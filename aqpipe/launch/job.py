@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 
 from aqpipe.config import ConfigError, RunConfig
-from aqpipe.launch.env import in_distributed_env, rank_from_env
+from aqpipe.launch.env import CONFIG_ENV, in_distributed_env, rank_from_env
 from aqpipe.launch import netns
 from aqpipe.launch.local import launch_local
 from aqpipe.launch.netns import format_rate
+from aqpipe.launch.rundir import RunDirectory
+from aqpipe.launch.signals import INTERRUPTS, deferred_interrupts, interrupts_raise
 from aqpipe.metrics import write_json
 from aqpipe.runtime.grid import Grid
 from aqpipe.runtime.plan import make_plan
@@ -23,13 +25,15 @@ from aqpipe.runtime.plan import make_plan
 WORKER_MODULE = [sys.executable, "-m", "aqpipe.launch.worker_entry"]
 
 
-def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None = None, progress: bool = True) -> int:
+def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None = None, progress: bool = True,
+            overwrite: bool = False) -> int:
     """Run a resolved configuration; returns the exit code (0 done, 1 failed during the run).
 
-    Inside torchrun or the DeepSpeed launcher this process is one rank. Otherwise every check runs here, then
-    `worker_command` (default: aqpipe's worker module) starts once per rank.
+    Inside torchrun or the DeepSpeed launcher this process is one rank. Otherwise the run directory is locked,
+    every check runs here, then `worker_command` (default: aqpipe's worker module) starts once per rank. A run
+    directory that already holds a run is refused unless `overwrite`.
     """
-    if in_distributed_env() and "AQPIPE_CONFIG" not in os.environ:
+    if in_distributed_env() and CONFIG_ENV not in os.environ:
         from aqpipe.runtime.train import run_worker
 
         if cfg.bandwidth is not None:
@@ -38,26 +42,38 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
         rank, world_size = rank_from_env()
         run_worker(cfg, rank, world_size, spec_factory)
         return 0
-    plan = make_plan(cfg, spec_factory)
-    cfg.stage_bounds = plan.bounds
-    if cfg.resume is not None:
-        _check_checkpoint(cfg)
-    out = Path(cfg.out)
+    run_dir = RunDirectory(cfg.out)
+    run_dir.claim(resuming=cfg.resume is not None, overwrite=overwrite)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"cannot create the run directory --out {cfg.out!r}: {e.strerror}") from None
-    config_path = out / "config.json"
-    write_json(config_path, cfg.to_dict())
+        plan = make_plan(cfg, spec_factory)
+        cfg.stage_bounds = plan.bounds
+        if cfg.resume is not None:
+            _check_checkpoint(cfg)
+    except BaseException:
+        run_dir.release(failed_before_start=True)
+        raise
+    try:
+        run_dir.clear_previous()
+        return _run_ranks(cfg, plan, worker_command or WORKER_MODULE, progress)
+    finally:
+        run_dir.release()
+
+
+def _run_ranks(cfg: RunConfig, plan, worker_command: list[str], progress: bool) -> int:
+    """Start every rank with the resolved configuration, wait for the run to end, and report how it ended."""
+    out = Path(cfg.out)
+    write_json(out / "config.json", cfg.to_dict())
     _announce(cfg, plan)
     grid = Grid(cfg.pp, cfg.dp, 0)
+    # The workers get the configuration from here, never from a file another process could rewrite meanwhile.
     launch = functools.partial(
-        launch_local, worker_command or WORKER_MODULE, cfg.world_size, grid.describe,
-        {"AQPIPE_CONFIG": str(config_path.resolve())}, plan.total_steps, cfg.stall_timeout, cfg.port, progress,
+        launch_local, worker_command, cfg.world_size, grid.describe, {CONFIG_ENV: json.dumps(cfg.to_dict())},
+        plan.total_steps, cfg.stall_timeout, cfg.port, progress, log_dir=out / "logs",
     )
     # SIGTERM, and SIGINT even when the parent ignores it (a shell's background job, nohup: Python then leaves
     # it ignored, and `kill -INT` would do nothing), take the interrupt path that stops the ranks and cleans up.
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.getsignal(sig) for sig in INTERRUPTS}
+    interrupts_raise()
     try:
         if cfg.bandwidth is None:
             result = launch()
@@ -93,10 +109,6 @@ def _check_checkpoint(cfg: RunConfig) -> None:
     print(f"aqpipe: resuming {cfg.resume} after step {step}", file=sys.stderr, flush=True)
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 @contextlib.contextmanager
 def _topology(cfg: RunConfig):
     """The throttled namespaces of a --bandwidth run; a failure to build them is a configuration error."""
@@ -109,11 +121,12 @@ def _topology(cfg: RunConfig):
     try:
         yield topology
     finally:
-        start = time.monotonic()
-        netns.destroy(topology)
-        if time.monotonic() - start > 2.0:  # the kernel can be slow to tear namespaces down; say so, not hang silently
-            print(f"aqpipe: removing the network namespaces took {time.monotonic() - start:.0f} s", file=sys.stderr,
-                  flush=True)
+        with deferred_interrupts():  # a second Ctrl-C must not leave namespaces behind
+            start = time.monotonic()
+            netns.destroy(topology)
+            if time.monotonic() - start > 2.0:  # the kernel can be slow to tear namespaces down; say so
+                print(f"aqpipe: removing the network namespaces took {time.monotonic() - start:.0f} s",
+                      file=sys.stderr, flush=True)
 
 
 def _announce(cfg: RunConfig, plan) -> None:

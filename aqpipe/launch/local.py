@@ -1,10 +1,15 @@
-"""Start the pp × dp workers on this machine, stream their logs, draw progress, and tear everything down on failure."""
+"""Start the pp × dp workers on this machine, stream their logs, draw progress, and tear everything down on failure.
+
+Every line a rank prints goes to its log file (`<out>/logs/rank-K.log`). The terminal gets the ordinary lines, but
+not tracebacks and torch's C++ log lines, and nothing once a rank has failed: the one-line cause stands alone.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -13,12 +18,18 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
 
+from aqpipe.launch.env import LOOPBACK_ENV
 from aqpipe.launch.netns import INTERFACE, Topology
+from aqpipe.launch.signals import deferred_interrupts
 from aqpipe.runtime.train import EVENT_PREFIX, HEARTBEAT_SECONDS
 
 # A worker whose error only says a peer went away is a consequence, not the cause.
 _SECONDARY = ("TransportError", "Connection closed", "Connection reset", "peer", "Broken pipe", "ECONNRESET")
+# torch's C++ log lines ("[W1123 13:00:00.123 ProcessGroupGloo.cpp:…]") and gloo's abort text: details, for the log.
+_NATIVE_LOG = re.compile(r"^(\[[WEFI]\d{4} |terminate called|  what\(\): )")
 
 
 def free_port() -> int:
@@ -33,9 +44,12 @@ class _Worker:
     rank: int
     name: str
     proc: subprocess.Popen
+    log: TextIO | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=30))
     error: str | None = None
     last_seen: float = field(default_factory=time.monotonic)
+    in_traceback: bool = False  # the lines now arriving belong to a traceback (log only)
+    tracebacks: int = 0
 
 
 @dataclass
@@ -50,28 +64,18 @@ class LaunchResult:
 def launch_local(
     command: list[str], world_size: int, describe, env_extra: dict[str, str], total_steps: int,
     stall_timeout: float, port: int | None = None, progress: bool = True, topology: Topology | None = None,
+    log_dir: Path | None = None,
 ) -> LaunchResult:
     """Run `command` once per rank with torch.distributed's environment; `describe(rank)` names a rank in messages.
 
     With a `topology`, each rank runs inside its own network namespace and talks over the throttled bridge.
+    With a `log_dir`, each rank's output is appended to `rank-K.log` there.
     """
     port = port or free_port()
     events: queue.Queue = queue.Queue()
     workers: list[_Worker] = []
-    for rank in range(world_size):
-        env = dict(os.environ, **env_extra, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   AQPIPE_EVENTS="1", AQPIPE_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
-        argv = command
-        if topology is not None:  # rendezvous and gloo both go over the shaped interface
-            env.update(MASTER_ADDR=topology.address(0), GLOO_SOCKET_IFNAME=INTERFACE)
-            argv = topology.exec_prefix(rank) + command
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, start_new_session=True, errors="replace")
-        worker = _Worker(rank, describe(rank), proc)
-        workers.append(worker)
-        threading.Thread(target=_pump, args=(worker, events), daemon=True).start()
-
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
     bar = _progress_bar(total_steps) if progress else None
     result: LaunchResult | None = None
     # Set by the first event of training; before it, start-up hangs are the ranks' own to time out (the process
@@ -79,6 +83,21 @@ def launch_local(
     last_progress: float | None = None
     summary = None
     try:
+        for rank in range(world_size):
+            env = dict(os.environ, **env_extra, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       AQPIPE_EVENTS="1", AQPIPE_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
+            argv = command
+            if topology is not None:  # rendezvous and gloo both go over the shaped interface
+                env.update(MASTER_ADDR=topology.address(0), GLOO_SOCKET_IFNAME=INTERFACE)
+                argv = topology.exec_prefix(rank) + command
+            else:  # one machine: nothing listens beyond loopback
+                env.update({LOOPBACK_ENV: "1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
+            proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    bufsize=1, start_new_session=True, errors="replace")
+            worker = _Worker(rank, describe(rank), proc, log=_open_log(log_dir, rank))
+            workers.append(worker)
+            threading.Thread(target=_pump, args=(worker, events), daemon=True).start()
         while result is None:
             try:
                 kind, payload = events.get(timeout=0.1)
@@ -93,8 +112,8 @@ def launch_local(
             failed = [w for w in workers if w.proc.poll() not in (None, 0)]
             if failed:
                 time.sleep(1.0)  # let the neighbours of a dead rank finish failing, then pick the cause
-                _drain(events, workers, bar)
-                result = LaunchResult(1, _root_cause(workers))
+                _drain(events, workers, None, quiet=True)
+                result = LaunchResult(1, _root_cause(workers) + _log_hint(log_dir))
             elif all(w.proc.poll() == 0 for w in workers):
                 _drain(events, workers, bar)
                 for w in workers:
@@ -103,17 +122,43 @@ def launch_local(
             elif last_progress is not None and time.monotonic() - last_progress > stall_timeout:
                 silent = _silent(workers)
                 who = f"{silent[0].name} stopped responding" if silent else "no rank is responsive"
-                result = LaunchResult(1, f"no progress for {stall_timeout:.0f} s (stalled): {who}; stopping all ranks")
+                result = LaunchResult(1, f"no progress for {stall_timeout:.0f} s (stalled): {who}; stopping all ranks"
+                                      + _log_hint(log_dir))
     except KeyboardInterrupt:
-        print(f"aqpipe: interrupted; stopping {world_size} ranks", file=sys.stderr, flush=True)
         result = LaunchResult(1, "interrupted (Ctrl-C or SIGTERM); all ranks stopped")
     finally:
-        _terminate(workers)
-        if bar is not None:
-            bar.close()
+        with deferred_interrupts():  # a second Ctrl-C must not cut the teardown short
+            _terminate(workers)
+            if bar is not None:
+                bar.close()
+            for w in workers:
+                _close_log(w)
     if result.code == 0 and result.summary is None:
         result.summary = summary
+    if result.code == 0:
+        for w in workers:
+            if w.tracebacks:
+                print(f"aqpipe: {w.name} logged {w.tracebacks} traceback(s) and went on; see "
+                      f"{log_dir / f'rank-{w.rank}.log' if log_dir else 'its output'}", file=sys.stderr, flush=True)
     return result
+
+
+def _open_log(log_dir: Path | None, rank: int) -> TextIO | None:
+    if log_dir is None:
+        return None
+    log = open(log_dir / f"rank-{rank}.log", "a", buffering=1, errors="replace")
+    log.write(f"=== aqpipe launch {time.strftime('%Y-%m-%d %H:%M:%S')} (launcher pid {os.getpid()}) ===\n")
+    return log
+
+
+def _close_log(worker: _Worker) -> None:
+    log, worker.log = worker.log, None
+    if log is not None:
+        log.close()
+
+
+def _log_hint(log_dir: Path | None) -> str:
+    return f" (every rank's output: {log_dir}/rank-K.log)" if log_dir is not None else ""
 
 
 def _silent(workers: list[_Worker]) -> list[_Worker]:
@@ -123,18 +168,35 @@ def _silent(workers: list[_Worker]) -> list[_Worker]:
 
 
 def _pump(worker: _Worker, events: queue.Queue) -> None:
-    """Forward one worker's output lines: events to the launcher, everything else to the log."""
+    """Forward one worker's output lines: events to the launcher, everything else to its log file, and the
+    ordinary lines (not tracebacks, not native log lines) to the terminal."""
     for line in worker.proc.stdout:
         worker.last_seen = time.monotonic()
         line = line.rstrip("\n")
         if line.startswith(EVENT_PREFIX):
             try:
-                events.put(("event", dict(json.loads(line[len(EVENT_PREFIX):]), _rank=worker.rank)))
+                event = json.loads(line[len(EVENT_PREFIX):])
+                if event.get("event") == "error":  # the traceback that follows is for the log
+                    worker.in_traceback = True
+                events.put(("event", dict(event, _rank=worker.rank)))
                 continue
             except ValueError:
                 pass
         worker.tail.append(line)
-        events.put(("line", f"[rank {worker.rank}] {line}"))
+        log = worker.log
+        if log is not None:
+            try:
+                log.write(line + "\n")
+            except (OSError, ValueError):  # disk full, or closed at teardown: the terminal still has the cause
+                pass
+        if line.startswith(("Traceback (most recent call last)", "Exception in thread")):
+            worker.tracebacks += not worker.in_traceback
+            worker.in_traceback = True
+        elif worker.in_traceback and line and not line[0].isspace() and ":" in line and not line.startswith("During"):
+            worker.in_traceback = False  # "SomeError: message" ends a traceback; this line is part of it
+            continue
+        if not worker.in_traceback and not _NATIVE_LOG.match(line):
+            events.put(("line", f"[rank {worker.rank}] {line}"))
 
 
 def _on_event(event: dict, workers: list[_Worker], bar) -> dict | None:
@@ -155,7 +217,8 @@ def _on_event(event: dict, workers: list[_Worker], bar) -> dict | None:
     return None
 
 
-def _drain(events: queue.Queue, workers: list[_Worker], bar) -> None:
+def _drain(events: queue.Queue, workers: list[_Worker], bar, quiet: bool = False) -> None:
+    """Take in what the workers still had to say; `quiet` (a rank failed): keep their lines off the terminal."""
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
         try:
@@ -166,7 +229,7 @@ def _drain(events: queue.Queue, workers: list[_Worker], bar) -> None:
             continue
         if kind == "event":
             _on_event(payload, workers, bar)
-        else:
+        elif not quiet:
             _print_line(payload, bar)
 
 

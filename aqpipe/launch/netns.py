@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
+from aqpipe.launch.signals import deferred_interrupts
+
 PREFIX = "aqpipe-"
 INTERFACE = "aq0"
 SUBNET = "10.231.0"  # private; only the namespaces a topology creates hold addresses in it
@@ -150,7 +152,8 @@ def create(ranks: int, rate_bits: int, name: str | None = None, manual: bool = F
     try:
         _build(topo)
     except BaseException:
-        destroy(topo)
+        with deferred_interrupts():  # interrupted mid-way (Ctrl-C, SIGTERM): remove what was built, whatever comes
+            destroy(topo)
         raise
     return topo
 

@@ -1,6 +1,6 @@
 """The process `aqpipe launch` starts for each rank: `python -m aqpipe.launch.worker_entry`.
 
-Reads the resolved configuration the launcher wrote ($AQPIPE_CONFIG) and runs this rank; any error is reported to
+Takes the resolved configuration from its launcher ($AQPIPE_CONFIG_JSON) and runs this rank; any error is reported to
 the launcher as one event naming the cause, with the traceback on stderr.
 """
 
@@ -11,7 +11,7 @@ import os
 import sys
 import traceback
 
-from aqpipe.launch.env import die_with_parent, rank_from_env
+from aqpipe.launch.env import CONFIG_ENV, die_with_parent, rank_from_env
 
 
 def run_rank(spec_factory=None) -> int:
@@ -25,8 +25,7 @@ def run_rank(spec_factory=None) -> int:
     dump_stacks_on_sigusr1()
     rank, world_size = rank_from_env()
     try:
-        with open(os.environ["AQPIPE_CONFIG"]) as f:
-            cfg = RunConfig(**json.load(f))
+        cfg = RunConfig(**json.loads(os.environ[CONFIG_ENV]))
         run_worker(cfg, rank, world_size, spec_factory)
         return 0
     except BaseException as e:  # noqa: BLE001 - every failure is reported, then the process ends

@@ -41,6 +41,17 @@ def build_optimizer(
     return optimizer, schedule
 
 
+def continue_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer) -> None:
+    """After loading a checkpoint's optimizer and schedule state: set every learning rate to what *this* run's
+    schedule gives at the step reached. The saved rates belong to the saved schedule: a finished run extended with
+    more steps would otherwise take its first new step at the old schedule's final rate (0)."""
+    step = schedule.last_epoch
+    rates = [base * fn(step) for base, fn in zip(schedule.base_lrs, schedule.lr_lambdas)]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    schedule._last_lr = rates  # what get_last_lr() reports
+
+
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     """Multiplier of the base learning rate at `step` (0-based)."""
     if warmup_steps > 0 and step < warmup_steps:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from aqpipe.runtime.optim import continue_schedule
 from aqpipe.runtime.checkpoint import CheckpointError, check_model_state, rank_file, step_dir
 from aqpipe.runtime.worker import Codecs, StageWorker
 from aqpipe.storage import MemoryStore
@@ -45,6 +46,7 @@ def apply_state(state: dict, worker: StageWorker, codecs: Codecs, store, where: 
     try:
         worker.optimizer.load_state_dict(state["optimizer"])
         worker.lr_schedule.load_state_dict(state["lr_schedule"])
+        continue_schedule(worker.lr_schedule, worker.optimizer)
         worker.grad_sync.load_state_dict(state["grad_sync"])
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise CheckpointError(f"checkpoint {where} does not fit this run's optimizer or grad sync: {e}") from None

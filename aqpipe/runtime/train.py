@@ -19,6 +19,7 @@ from aqpipe.compress.grad.registry import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.config import RunConfig
 from aqpipe.data.dataset import export_tokenizer
+from aqpipe.launch.env import loopback_rendezvous
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
 from aqpipe.runtime.checkpoint import CheckpointError, latest_step, load_rank, mark_complete, save_rank
 from aqpipe.runtime.evaluate import eval_batches, evaluate_stage, gather_eval
@@ -82,7 +83,9 @@ def run_worker(cfg: RunConfig, rank: int, world_size: int, spec_factory=None) ->
     torch.manual_seed(cfg.seed)
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.stall_timeout))
+    timeout = timedelta(seconds=cfg.stall_timeout)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                            store=loopback_rendezvous(rank, world_size, timeout))
     try:
         plan = make_plan(cfg, spec_factory, profile=False)
         if not plan.bounds:  # a time partition nobody resolved yet: rank 0 profiles, everyone takes its answer

@@ -1,0 +1,124 @@
+"""A run directory holds one run: a launch into a finished run is refused (or replaces it with --overwrite), a
+second launch into a running one gets exit 2 naming the holder, and workers never read another run's config."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aqpipe.config import ConfigError
+from aqpipe.launch.rundir import LOCK_NAME, RunDirectory
+from tests.processes import finish, start_run, tagged_processes
+
+QUICK = ["--pp", "2", "--seq-len", "16", "--max-samples", "64", "--no-progress"]
+
+
+def launch(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aqpipe", "launch", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def snapshot(run) -> dict[str, bytes]:
+    """Every file of a run directory and its bytes (the lock file aside)."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()
+            and p.name != LOCK_NAME}
+
+
+def test_a_launch_into_a_finished_run_is_refused_and_changes_nothing(tmp_path):
+    run = tmp_path / "run"
+    first = launch(*QUICK, "--steps", "4", "--checkpoint-every", "1", "--out", str(run))
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = snapshot(run)
+    again = launch(*QUICK, "--steps", "6", "--checkpoint-every", "2", "--seed", "1", "--out", str(run))
+    assert again.returncode == 2
+    assert again.stderr.strip().count("\n") == 0  # one line
+    assert "already holds a run" in again.stderr and "--resume" in again.stderr and "--overwrite" in again.stderr
+    assert snapshot(run) == before
+
+    replaced = launch(*QUICK, "--steps", "2", "--seed", "1", "--overwrite", "--out", str(run))
+    assert replaced.returncode == 0, replaced.stderr[-2000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert steps == ["step-00000002"]  # the old run's step-3/step-4 went with it, the new run's own stayed
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+    assert json.loads((run / "config.json").read_text())["seed"] == 1
+
+
+def test_a_refused_launch_leaves_no_directory_behind(tmp_path):
+    proc = launch(*QUICK, "--steps", "2", "--fw", "nonsense", "--out", str(tmp_path / "new"))
+    assert proc.returncode == 2
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_second_launch_into_a_running_directory_gets_exit_2_naming_the_holder(tmp_path):
+    proc, tag = start_run(tmp_path)
+    run = tmp_path / "run"
+    config_before = (run / "config.json").read_bytes()
+    try:
+        second = launch(*QUICK, "--steps", "3", "--seed", "7", "--out", str(run))
+        assert second.returncode == 2
+        assert f"in use by another aqpipe launch (pid {proc.pid})" in second.stderr
+        assert second.stderr.strip().count("\n") == 0
+        overwrite = launch(*QUICK, "--steps", "3", "--overwrite", "--out", str(run))
+        assert overwrite.returncode == 2 and f"pid {proc.pid}" in overwrite.stderr
+        resume = launch("--resume", str(run), "--no-progress")
+        assert resume.returncode == 2 and f"pid {proc.pid}" in resume.stderr
+        assert (run / "config.json").read_bytes() == config_before
+        assert proc.poll() is None  # the first run goes on
+    finally:
+        proc.terminate()
+        finish(proc, timeout=60)
+    time.sleep(0.5)
+    assert tagged_processes(tag) == []
+
+
+def test_the_lock_dies_with_its_holder(tmp_path):
+    """A killed launcher leaves no stale lock: the kernel drops it with the process."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from aqpipe.launch.rundir import RunDirectory; "
+                               f"RunDirectory({str(tmp_path)!r}).claim(False, False); print('locked', flush=True); "
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(ConfigError, match=f"pid {holder.pid}"):
+        RunDirectory(tmp_path).claim(False, False)
+    holder.kill()
+    holder.wait()
+    claim = RunDirectory(tmp_path)
+    claim.claim(False, False)
+    assert (tmp_path / LOCK_NAME).read_text().strip() == str(os.getpid())
+    claim.release()
+
+
+def test_workers_take_their_configuration_from_the_launcher_not_from_the_run_directory(tmp_path, monkeypatch):
+    """The rank reads the configuration its launcher handed it; a config.json rewritten meanwhile (another
+    launch, an editor) changes nothing."""
+    from aqpipe.config import RunConfig, resolve
+    from aqpipe.launch import worker_entry
+    from aqpipe.launch.env import CONFIG_ENV
+
+    cfg = resolve(RunConfig(out=str(tmp_path), seed=3, device="cpu"))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "seed": 99}))
+    seen = {}
+    monkeypatch.setenv(CONFIG_ENV, json.dumps(cfg.to_dict()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr("aqpipe.runtime.train.run_worker", lambda c, *a: seen.update(seed=c.seed))
+    assert worker_entry.run_rank() == 0
+    assert seen == {"seed": 3}
+
+
+def test_a_local_launch_listens_on_loopback_only(tmp_path):
+    proc, tag = start_run(tmp_path)
+    try:
+        pids = set(tagged_processes(tag))
+        listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+        ours = [line for line in listening if any(f"pid={pid}," in line for pid in pids)]
+        assert ours, listening  # the rendezvous store and gloo listen somewhere
+        local = [line.split()[3] for line in ours]
+        assert all(addr.startswith(("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:")) for addr in local), local
+    finally:
+        proc.terminate()
+        finish(proc, timeout=60)
