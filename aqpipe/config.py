@@ -99,6 +99,12 @@ class RunConfig:
         """The configuration as plain JSON-able values."""
         return dataclasses.asdict(self)
 
+    def fixed_settings(self) -> dict[str, Any]:
+        """The settings a resume may not change (everything but RESUME_MAY_CHANGE), as their JSON values: what a
+        checkpoint records and a resume must match."""
+        fixed = {k: v for k, v in self.to_dict().items() if k not in RESUME_MAY_CHANGE}
+        return json.loads(json.dumps(fixed))
+
     @property
     def world_size(self) -> int:
         """Number of ranks: pp × dp."""

@@ -11,10 +11,13 @@ def _state(seed=0):
     return {"model": {"0.weight": torch.randn(4, 3, generator=g)}, "rng": {"torch": torch.get_rng_state()}}
 
 
-def _save(tmp_path, step, world=2):
+SETTINGS = {"model": "gpt2-tiny", "seq_len": 16, "fw": "aqsgd:4"}
+
+
+def _save(tmp_path, step, world=2, settings=SETTINGS):
     for rank in range(world):
-        ck.save_rank(tmp_path, step, rank, _state(rank))
-    ck.mark_complete(tmp_path, step, world)
+        ck.save_rank(tmp_path, step, rank, _state(rank), settings)
+    ck.mark_complete(tmp_path, step, world, settings)
 
 
 def test_round_trip_with_weights_only_loading(tmp_path):
@@ -22,13 +25,13 @@ def test_round_trip_with_weights_only_loading(tmp_path):
     state = ck.load_rank(tmp_path, 5, 1)
     assert torch.equal(state["model"]["0.weight"], _state(1)["model"]["0.weight"])
     assert state["step"] == 5 and state["rank"] == 1
-    ck.verify(tmp_path, 5, 2)
+    ck.verify(tmp_path, 5, 2, SETTINGS)
 
 
 def test_latest_is_the_newest_complete_checkpoint_and_old_ones_are_pruned(tmp_path):
     for step in (2, 4, 6):
         _save(tmp_path, step)
-    ck.save_rank(tmp_path, 8, 0, _state())  # a run killed while saving step 8: no COMPLETE marker
+    ck.save_rank(tmp_path, 8, 0, _state(), SETTINGS)  # a run killed while saving step 8: no COMPLETE marker
     assert ck.latest_step(tmp_path) == 6
     kept = sorted(p.name for p in ck.root(tmp_path).glob("step-*"))
     assert kept == ["step-00000004", "step-00000006", "step-00000008"]
@@ -46,7 +49,7 @@ def test_damage_is_an_error_naming_the_file(tmp_path, damage, message):
     victim = ck.rank_file(ck.step_dir(tmp_path, 3), 1)
     damage(victim)
     with pytest.raises(ck.CheckpointError, match=message) as err:
-        ck.verify(tmp_path, 3, 2)
+        ck.verify(tmp_path, 3, 2, SETTINGS)
     assert str(victim) in str(err.value)
     with pytest.raises(ck.CheckpointError, match=message):
         ck.load_rank(tmp_path, 3, 1)
@@ -56,10 +59,10 @@ def test_damage_is_an_error_naming_the_file(tmp_path, damage, message):
 def test_a_checkpoint_of_another_world_size_or_not_complete_is_refused(tmp_path):
     _save(tmp_path, 3)
     with pytest.raises(ck.CheckpointError, match="written by 2 ranks, this run has 4"):
-        ck.verify(tmp_path, 3, 4)
-    ck.save_rank(tmp_path, 9, 0, _state())
+        ck.verify(tmp_path, 3, 4, SETTINGS)
+    ck.save_rank(tmp_path, 9, 0, _state(), SETTINGS)
     with pytest.raises(ck.CheckpointError, match="incomplete"):
-        ck.verify(tmp_path, 9, 1)
+        ck.verify(tmp_path, 9, 1, SETTINGS)
 
 
 def test_a_file_that_is_not_an_aqpipe_checkpoint_is_refused(tmp_path):
@@ -71,7 +74,7 @@ def test_a_file_that_is_not_an_aqpipe_checkpoint_is_refused(tmp_path):
     buf = io.BytesIO()
     torch.save({"something": 1}, buf)
     path.write_bytes(buf.getvalue())
-    path.with_suffix(".sha256").write_text(hashlib.sha256(buf.getvalue()).hexdigest())
+    path.with_suffix(".sha256").write_text(hashlib.sha256(buf.getvalue()).hexdigest() + " rank=0 step=3")
     with pytest.raises(ck.CheckpointError, match="not an aqpipe checkpoint"):
         ck.load_rank(tmp_path, 3, 0)
 
@@ -84,3 +87,41 @@ def test_a_model_state_that_does_not_fit_the_stage_is_refused_before_loading():
     with pytest.raises(ck.CheckpointError, match="missing"):
         ck.check_model_state("x", module, {"0.weight": torch.zeros(4, 3)})
     assert torch.equal(module[0].weight, before)
+
+
+def test_a_changed_setting_is_named_before_anything_loads(tmp_path):
+    _save(tmp_path, 3)
+    with pytest.raises(ck.CheckpointError, match="written with seq_len = 16, but the run's configuration now says 32"):
+        ck.verify(tmp_path, 3, 2, {**SETTINGS, "seq_len": 32})
+    with pytest.raises(ck.CheckpointError, match="written with fw = 'aqsgd:4', but .* now says 'fp32'"):
+        ck.verify(tmp_path, 3, 2, {**SETTINGS, "fw": "fp32"})
+    with pytest.raises(ck.CheckpointError, match="other settings"):
+        ck.load_rank(tmp_path, 3, 0, {**SETTINGS, "fw": "fp32"})
+    ck.load_rank(tmp_path, 3, 0, SETTINGS)
+
+
+def test_an_edited_settings_record_is_refused(tmp_path):
+    _save(tmp_path, 3)
+    record = ck.step_dir(tmp_path, 3) / "run.json"
+    record.write_text(record.read_text().replace('"seq_len": 16', '"seq_len": 32'))
+    with pytest.raises(ck.CheckpointError, match="damaged or was edited"):
+        ck.verify(tmp_path, 3, 2, {**SETTINGS, "seq_len": 32})
+
+
+def test_a_rank_file_copied_over_another_is_caught_with_its_checksum(tmp_path):
+    import shutil
+
+    _save(tmp_path, 3)
+    directory = ck.step_dir(tmp_path, 3)
+    for suffix in (".pt", ".sha256"):
+        shutil.copy(directory / f"rank-0{suffix}", directory / f"rank-1{suffix}")
+    with pytest.raises(ck.CheckpointError, match=r"rank-1.pt was written for rank 0 step 3, not rank 1 step 3"):
+        ck.verify(tmp_path, 3, 2, SETTINGS)
+
+
+def test_incomplete_checkpoints_are_removed_once_a_newer_one_is_complete(tmp_path):
+    _save(tmp_path, 2)
+    ck.save_rank(tmp_path, 4, 0, _state(), SETTINGS)  # killed while saving step 4
+    ck.save_rank(tmp_path, 9, 1, _state(), SETTINGS)  # an earlier attempt that got further, then was resumed
+    _save(tmp_path, 6)
+    assert sorted(p.name for p in ck.root(tmp_path).glob("step-*")) == ["step-00000002", "step-00000006"]

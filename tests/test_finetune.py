@@ -139,7 +139,8 @@ def test_resumed_aqsgd_run_keeps_both_store_copies_identical(tmp_path):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("done") / "run"
-    proc = launch("--pp", "2", "--steps", "4", "--seq-len", "16", "--max-samples", "64", "--no-progress", "--out", str(run))
+    proc = launch("--pp", "2", "--steps", "4", "--warmup-steps", "1", "--checkpoint-every", "2", "--seq-len", "16",
+                  "--max-samples", "64", "--no-progress", "--out", str(run))
     assert proc.returncode == 0, proc.stderr
     return run
 
@@ -168,6 +169,42 @@ def test_a_damaged_checkpoint_is_named_and_nothing_starts(finished_run, tmp_path
     assert (run / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.parametrize("field,value", [("seq_len", 32), ("fw", "fp32")])
+def test_a_run_whose_config_was_edited_is_refused_naming_the_field(finished_run, tmp_path, field, value):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(finished_run, run)
+    config = json.loads((run / "config.json").read_text())
+    config[field] = value
+    (run / "config.json").write_text(json.dumps(config))
+    start = time.monotonic()
+    proc = launch("--resume", str(run), "--steps", "6", "--no-progress")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"written with {field} = " in proc.stderr and repr(value) in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert time.monotonic() - start < 30  # refused before any worker started
+
+
+def test_a_rank_file_copied_over_another_is_refused_before_workers_start(finished_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(finished_run, run)
+    step = run / "checkpoints" / "step-00000004"
+    for suffix in (".pt", ".sha256"):
+        shutil.copy(step / f"rank-0{suffix}", step / f"rank-1{suffix}")
+    proc = launch("--resume", str(run), "--steps", "6", "--no-progress")
+    assert proc.returncode == 2
+    assert "written for rank 0 step 4, not rank 1 step 4" in proc.stderr
+    assert "step-00000002 is sound" in proc.stderr  # and how to use the older one
+    shutil.move(step, tmp_path / "aside")
+    proc = launch("--resume", str(run), "--steps", "6", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "after step 2" in proc.stderr
+    assert [r["step"] for r in records(run)] == list(range(1, 7))
+
+
 def test_a_run_without_checkpoints_cannot_resume(finished_run, tmp_path):
     import shutil
 
@@ -187,8 +224,8 @@ def test_a_finished_run_extended_by_resume_continues_its_curve(finished_run, tmp
     proc = launch("--resume", str(run), "--steps", "7", "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["step"] for r in records(run)] == list(range(1, 8))
-    assert records(run)[3]["lr"] == 0.0  # the 4-step schedule ended at 0 ...
-    assert records(run)[4]["lr"] > 0.0  # ... the 7-step one applies from the first resumed step
+    # The 4-step schedule would give step 5 a rate of 0; the 7-step one applies from the first resumed step.
+    assert records(run)[4]["lr"] == pytest.approx(1e-3 * (7 - 4) / (7 - 1))
     after = torch.load(run / "checkpoints" / "final" / "stage-0.pt", weights_only=True)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert json.loads((run / "summary.json").read_text())["steps"] == 7

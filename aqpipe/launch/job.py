@@ -95,16 +95,25 @@ def _run_ranks(cfg: RunConfig, plan, worker_command: list[str], progress: bool) 
 
 
 def _check_checkpoint(cfg: RunConfig) -> None:
-    """The run to resume has a complete, undamaged checkpoint (checked before any worker starts)."""
-    from aqpipe.runtime.checkpoint import CheckpointError, latest_step, verify
+    """The run to resume has a complete, undamaged checkpoint written with this configuration (checked before any
+    worker starts); when the newest is unusable, the message says which older one is and how to use it."""
+    from aqpipe.runtime.checkpoint import CheckpointError, complete_steps, latest_step, step_dir, verify
 
     step = latest_step(cfg.resume)
     if step is None:
         raise ConfigError(f"--resume {cfg.resume}: no complete checkpoint under {cfg.resume}/checkpoints "
                           "(the run stopped before its first --checkpoint-every)")
+    settings = cfg.fixed_settings()
     try:
-        verify(cfg.resume, step, cfg.world_size)
+        verify(cfg.resume, step, cfg.world_size, settings)
     except CheckpointError as e:
+        for older in (s for s in complete_steps(cfg.resume) if s < step):
+            try:
+                verify(cfg.resume, older, cfg.world_size, settings)
+            except CheckpointError:
+                continue
+            raise ConfigError(f"--resume: {e}; the older checkpoint {step_dir(cfg.resume, older)} is sound: move "
+                              f"{step_dir(cfg.resume, step)} out of the run directory to resume from step {older}") from None
         raise ConfigError(f"--resume: {e}") from None
     print(f"aqpipe: resuming {cfg.resume} after step {step}", file=sys.stderr, flush=True)
 

@@ -3,26 +3,30 @@
 Layout under the run directory:
 
     checkpoints/step-00000040/rank-0.pt       everything rank 0 needs to continue after step 40
-    checkpoints/step-00000040/rank-0.sha256   the file's SHA-256, written after it
+    checkpoints/step-00000040/rank-0.sha256   "<SHA-256 of the file> rank=0 step=40 config=<digest>", written after it
+    checkpoints/step-00000040/run.json        the settings a resume may not change, and their digest
     checkpoints/step-00000040/COMPLETE        written by rank 0 once every rank has written (a barrier)
     checkpoints/latest                        the name of the newest complete step directory
 
-A step directory without COMPLETE (a run killed while saving) is never resumed from. Loading checks the
-SHA-256 and every key and shape before anything is applied, so a damaged file is an error naming it, never a
-half-loaded model.
+A step directory without COMPLETE (a run killed while saving) is never resumed from, and is removed once a newer
+checkpoint is complete. Before any worker starts, `verify` checks every rank's file against its checksum line
+(the rank and step it was written for included: a file copied over another is caught) and the recorded settings
+against the run's configuration (an edited config.json is named, field by field). Loading checks the SHA-256 and
+every key and shape before anything is applied, so a damaged file is an error naming it, never a half-loaded model.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
-FORMAT = 1
+FORMAT = 2  # 2: checksum lines name rank, step and configuration digest; run.json records the settings
 KEEP = 2  # complete checkpoints kept; older ones are removed once a newer one is complete
 
 
@@ -57,26 +61,37 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def save_rank(out: str | Path, step: int, rank: int, state: dict) -> Path:
-    """Write one rank's state for step `step` (the file, then its checksum); returns the file."""
+def settings_digest(settings: dict) -> str:
+    """A short digest of the settings a resume may not change (canonical JSON)."""
+    return _sha256(json.dumps(settings, sort_keys=True).encode())[:16]
+
+
+def save_rank(out: str | Path, step: int, rank: int, state: dict, settings: dict) -> Path:
+    """Write one rank's state for step `step` (the file, then its checksum line naming rank, step and the digest
+    of `settings`); returns the file."""
     directory = step_dir(out, step)
     directory.mkdir(parents=True, exist_ok=True)
+    digest = settings_digest(settings)
     buf = io.BytesIO()
-    torch.save({"format": FORMAT, "step": step, "rank": rank, **state}, buf)
+    torch.save({"format": FORMAT, "step": step, "rank": rank, "config_digest": digest, **state}, buf)
     data = buf.getvalue()
     path = rank_file(directory, rank)
     _write_atomic(path, data)
-    _write_atomic(path.with_suffix(".sha256"), (_sha256(data) + "\n").encode())
+    _write_atomic(path.with_suffix(".sha256"), f"{_sha256(data)} rank={rank} step={step} config={digest}\n".encode())
     return path
 
 
-def mark_complete(out: str | Path, step: int, world_size: int) -> None:
-    """Rank 0, after every rank saved: mark the step complete, point `latest` at it, drop old checkpoints."""
+def mark_complete(out: str | Path, step: int, world_size: int, settings: dict) -> None:
+    """Rank 0, after every rank saved: record the settings, mark the step complete, point `latest` at it, drop old
+    checkpoints and incomplete ones (no other checkpoint can be in writing now: every rank passed the barrier)."""
     directory = step_dir(out, step)
+    record = {"step": step, "world_size": world_size, "config": settings, "config_digest": settings_digest(settings)}
+    _write_atomic(directory / "run.json", (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
     _write_atomic(directory / "COMPLETE", f"{world_size}\n".encode())
     _write_atomic(root(out) / "latest", (directory.name + "\n").encode())
-    complete = sorted(d for d in root(out).glob("step-*") if (d / "COMPLETE").is_file())
-    for old in complete[:-KEEP]:
+    steps = sorted(root(out).glob("step-*"))
+    complete = [d for d in steps if (d / "COMPLETE").is_file()]
+    for old in complete[:-KEEP] + [d for d in steps if d not in complete and d != directory]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -96,9 +111,19 @@ def latest_step(out: str | Path) -> int | None:
     return None
 
 
-def verify(out: str | Path, step: int, world_size: int) -> None:
-    """Check that every rank's file of a checkpoint is present and matches its checksum (before any worker
-    starts); raises CheckpointError naming the first bad file."""
+def complete_steps(out: str | Path) -> list[int]:
+    """The steps of every complete checkpoint of a run, newest first."""
+    steps = []
+    for directory in root(out).glob("step-*"):
+        if (directory / "COMPLETE").is_file() and directory.name[len("step-"):].isdigit():
+            steps.append(int(directory.name[len("step-"):]))
+    return sorted(steps, reverse=True)
+
+
+def verify(out: str | Path, step: int, world_size: int, settings: dict) -> None:
+    """Check, before any worker starts, that a checkpoint belongs to this run: complete, written by `world_size`
+    ranks with these `settings` (the ones a resume may not change), and every rank's file present, undamaged and
+    written for that rank and step. Raises CheckpointError naming the first problem (a changed setting by name)."""
     directory = step_dir(out, step)
     marker = directory / "COMPLETE"
     if not marker.is_file():
@@ -106,26 +131,59 @@ def verify(out: str | Path, step: int, world_size: int) -> None:
     if marker.read_text().strip() != str(world_size):
         raise CheckpointError(f"checkpoint {directory} was written by {marker.read_text().strip()} ranks, "
                               f"this run has {world_size}")
+    record = _read_record(directory)
+    saved = record["config"]
+    for key in sorted(set(saved) | set(settings)):
+        if saved.get(key) != settings.get(key):
+            raise CheckpointError(f"checkpoint {directory} was written with {key} = {saved.get(key)!r}, but the run's "
+                                  f"configuration now says {settings.get(key)!r} (was {Path(out) / 'config.json'} "
+                                  "edited?); a resume continues the run as it was configured")
     for rank in range(world_size):
-        _read_checked(rank_file(directory, rank))
+        _read_checked(rank_file(directory, rank), rank, step, record["config_digest"])
 
 
-def _read_checked(path: Path) -> bytes:
+def _read_record(directory: Path) -> dict:
+    path = directory / "run.json"
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {directory} has no {path.name}: it was written by an older aqpipe "
+                              f"(checkpoint format 1) and cannot be checked against this run") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint record {path} is damaged: {e}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict) \
+            or record.get("config_digest") != settings_digest(record["config"]):
+        raise CheckpointError(f"checkpoint record {path} is damaged or was edited (its digest does not match)")
+    return record
+
+
+def _read_checked(path: Path, rank: int, step: int, digest: str | None = None) -> bytes:
+    """The bytes of a rank's file, checked against its checksum line (and the rank, step and settings digest the
+    line names)."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
     checksum = path.with_suffix(".sha256")
     if not checksum.is_file():
         raise CheckpointError(f"checkpoint file {path} has no checksum file {checksum.name} (interrupted write)")
+    fields = checksum.read_text().split()
     data = path.read_bytes()
-    if _sha256(data) != checksum.read_text().strip():
+    if not fields or _sha256(data) != fields[0]:
         raise CheckpointError(f"checkpoint file {path} is damaged or truncated: its SHA-256 does not match {checksum.name}")
+    tags = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
+    if tags.get("rank") != str(rank) or tags.get("step") != str(step):
+        raise CheckpointError(f"checkpoint file {path} was written for rank {tags.get('rank', '?')} step "
+                              f"{tags.get('step', '?')}, not rank {rank} step {step} (copied over from another?)")
+    if digest is not None and tags.get("config") != digest:
+        raise CheckpointError(f"checkpoint file {path} was written by a run with other settings than its "
+                              "checkpoint's run.json records")
     return data
 
 
-def load_rank(out: str | Path, step: int, rank: int) -> dict:
-    """One rank's checkpointed state, checked and loaded with `weights_only=True`."""
+def load_rank(out: str | Path, step: int, rank: int, settings: dict | None = None) -> dict:
+    """One rank's checkpointed state, checked (against `settings` too, when given) and loaded with
+    `weights_only=True`."""
     path = rank_file(step_dir(out, step), rank)
-    data = _read_checked(path)
+    data = _read_checked(path, rank, step, settings_digest(settings) if settings is not None else None)
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a damaged file

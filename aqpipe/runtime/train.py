@@ -182,10 +182,10 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
         """Every rank writes its state after `step` steps (once the replicas of its stage agree on their parameters);
         rank 0 marks the checkpoint complete."""
         check_replicas(module, grid, groups.data_parallel, step, device)
-        save_rank(cfg.out, step, grid.rank, collect_state(worker, codecs, store))
+        save_rank(cfg.out, step, grid.rank, collect_state(worker, codecs, store), cfg.fixed_settings())
         dist.barrier()
         if grid.rank == 0:
-            mark_complete(cfg.out, step, grid.world_size)
+            mark_complete(cfg.out, step, grid.world_size, cfg.fixed_settings())
 
     evaluating = len(plan.dataset.valid) > 0 and cfg.eval_every != 0
     try:
@@ -254,7 +254,7 @@ def _resume(cfg: RunConfig, worker: StageWorker, codecs: Codecs, store, groups) 
     step = latest_step(cfg.resume)
     if step is None:
         raise CheckpointError(f"--resume {cfg.resume}: no complete checkpoint under {cfg.resume}/checkpoints")
-    apply_state(load_rank(cfg.resume, step, worker.grid.rank), worker, codecs, store,
+    apply_state(load_rank(cfg.resume, step, worker.grid.rank, cfg.fixed_settings()), worker, codecs, store,
                 describe(cfg.resume, step, worker.grid.rank))
     reseeded = reconcile(store, worker.grid, groups.pipeline)
     store.stats.reseeded += reseeded
