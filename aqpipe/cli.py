@@ -146,7 +146,7 @@ def one_line(text: str) -> str:
 
 
 def _store(args: argparse.Namespace) -> int:
-    from aqpipe.storage.inspect import InspectError, stats, verify
+    from aqpipe.storage.inspect import DamagedStore, InspectError, stats, verify
 
     try:
         if args.action == "verify":
@@ -162,6 +162,9 @@ def _store(args: argparse.Namespace) -> int:
                   f"{row['stored_bytes'] / 1e6:>10.3f} {row['raw_bytes'] / 1e6:>8.3f} {row['compression_ratio']:>6.2f}")
         print(f"bytes on disk: {rows[-1]['bytes_on_disk']}")
         return 0
+    except DamagedStore as e:
+        print(f"aqpipe: {one_line(str(e))}", file=sys.stderr)
+        return 1
     except InspectError as e:
         raise ConfigError(str(e)) from None
 

@@ -49,6 +49,7 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
         cfg.stage_bounds = plan.bounds
         if cfg.resume is not None:
             _check_checkpoint(cfg)
+            _drop_damaged_stores(cfg)
     except BaseException:
         run_dir.release(failed_before_start=True)
         raise
@@ -116,6 +117,25 @@ def _check_checkpoint(cfg: RunConfig) -> None:
                               f"{step_dir(cfg.resume, step)} out of the run directory to resume from step {older}") from None
         raise ConfigError(f"--resume: {e}") from None
     print(f"aqpipe: resuming {cfg.resume} after step {step}", file=sys.stderr, flush=True)
+
+
+def _drop_damaged_stores(cfg: RunConfig) -> None:
+    """Before a resume: every rank's LMDB m(ξ) store opens and walks, or it is removed (m(ξ) can always be rebuilt:
+    the resumed ranks find its samples on one side of their links only and re-seed them at full precision)."""
+    if cfg.store != "lmdb":
+        return
+    import shutil
+
+    from aqpipe.storage.health import damage
+    from aqpipe.storage.lmdb_store import store_path
+
+    for rank in range(cfg.world_size):
+        path = store_path(cfg.out, rank)
+        problem = damage(path) if path.exists() else None
+        if problem is not None:
+            print(f"aqpipe: rank {rank}'s m(xi) store is damaged ({problem}); dropping it: its samples are re-seeded "
+                  "at full precision and counted in store.reseeded", file=sys.stderr, flush=True)
+            shutil.rmtree(path)
 
 
 @contextlib.contextmanager

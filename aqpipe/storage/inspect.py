@@ -8,11 +8,16 @@ from pathlib import Path
 
 import torch
 
+from aqpipe.storage.health import damage
 from aqpipe.storage.lmdb_store import LMDBStore, store_path
 
 
 class InspectError(ValueError):
     """A run directory whose stores cannot be inspected."""
+
+
+class DamagedStore(InspectError):
+    """A store that cannot be opened or walked (a finding about the run, exit 1, not a usage error)."""
 
 
 def _run_config(run_dir: str) -> dict:
@@ -29,6 +34,10 @@ def _open(run_dir: str, config: dict, rank: int) -> LMDBStore:
     path = store_path(run_dir, rank)
     if not path.is_dir():
         raise InspectError(f"rank {rank}'s store {path} is missing")
+    problem = damage(path)
+    if problem is not None:
+        raise DamagedStore(f"rank {rank}'s m(xi) store is damaged: {problem} (a --resume of the run drops it and "
+                           "re-seeds its samples at full precision)")
     return LMDBStore(path, config["store_dtype"], readonly=True)
 
 
