@@ -33,12 +33,28 @@ def builtin_corpus() -> Corpus:
     return Corpus("builtin", train, valid)
 
 
+BINARY_SNIFF_BYTES = 8192
+
+
 def _read(path: str) -> str:
+    """A text file's content; a binary file (NUL bytes, or mostly bytes that are not UTF-8 text) is refused."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
+        with open(path, "rb") as f:
+            head = f.read(BINARY_SNIFF_BYTES)
+            if looks_binary(head):
+                raise DataError(f"data file {path!r} is not text (it holds NUL or non-UTF-8 bytes, like an executable "
+                                "or an archive); give a UTF-8 text file, a directory of them, or a dataset name")
+            return (head + f.read()).decode("utf-8", errors="replace")
     except OSError as e:
         raise DataError(f"cannot read data file {path!r}: {e.strerror}") from None
+
+
+def looks_binary(head: bytes) -> bool:
+    """True for the first bytes of a file that is not text: any NUL, or over 10% undecodable as UTF-8."""
+    if b"\0" in head:
+        return True
+    text = head.decode("utf-8", errors="replace")
+    return text.count("\ufffd") > 0.1 * max(1, len(text)) + 3  # a multi-byte character cut at the edge is fine
 
 
 def _first(directory: str, stems: tuple[str, ...]) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Protocol
 
@@ -80,6 +81,18 @@ def corpus_key(corpus: Corpus) -> str:
     return h.hexdigest()[:16]
 
 
+# BPE training time grows super-linearly with the length of one pre-token (a megabyte without a space or
+# punctuation ran for minutes); a token never spans more than a few dozen characters anyway.
+MAX_PRETOKEN_CHARS = 64
+_LONG_RUN = re.compile(r"[^\s]{%d,}" % (MAX_PRETOKEN_CHARS + 1))
+
+
+def bounded_pretokens(line: str) -> str:
+    """`line` with every unbroken run longer than MAX_PRETOKEN_CHARS split by spaces (for training the BPE only)."""
+    return _LONG_RUN.sub(lambda m: " ".join(m.group()[i:i + MAX_PRETOKEN_CHARS]
+                                            for i in range(0, len(m.group()), MAX_PRETOKEN_CHARS)), line)
+
+
 def train_bpe(corpus: Corpus, vocab_size: int) -> BPETokenizer:
     """Train (or load from the cache) a byte-level BPE of at most `vocab_size` tokens on the training text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -96,7 +109,7 @@ def train_bpe(corpus: Corpus, vocab_size: int) -> BPETokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    lines = corpus.train.splitlines()
+    lines = [bounded_pretokens(line) for line in corpus.train.splitlines()]
     tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
     result = BPETokenizer(tok)
     result.save(path)
