@@ -8,7 +8,7 @@ import sys
 
 from aqpipe.compress.grids import GRIDS
 from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values
-from aqpipe.launch.signals import interrupts_raise
+from aqpipe.launch.signals import ignore_interrupts, interrupts_raise
 
 HELP = {
     "model": "preset (gpt2-tiny … gpt2-xl; bert-tiny … bert-large; minilm-l6, the pretrained MiniLM of the PyPI "
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _command(argv)
     except KeyboardInterrupt:
+        ignore_interrupts()  # on the way out: another Ctrl-C must not print a traceback
         print("aqpipe: interrupted (Ctrl-C or SIGTERM) before the ranks started; nothing was left running",
               file=sys.stderr)
         return 1

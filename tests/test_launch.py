@@ -78,3 +78,34 @@ def test_default_launch_completes_and_writes_the_run_directory(tmp_path):
     assert summary["final_loss"] < records[0]["loss"] - 2.0  # it learned something real
     config = json.loads((run / "config.json").read_text())
     assert config["pp"] == 4 and config["model"] == "gpt2-tiny" and config["stage_bounds"][-1] == 6
+
+
+def test_an_interrupt_during_start_up_exits_1_with_one_line(tmp_path):
+    """SIGTERM or Ctrl-C in the first seconds (imports, data preparation): exit 1, one line, no traceback."""
+    import uuid
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        tag = uuid.uuid4().hex
+        proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", "--out", str(tmp_path / sig.name)],
+                                env=dict(os.environ, AQPIPE_TEST_TAG=tag), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        proc.send_signal(sig)
+        code, err, _ = finish(proc, timeout=60)
+        assert code == 1, (sig, code, err)
+        assert "Traceback" not in err and "interrupted" in err
+        assert len(err.strip().splitlines()) == 1, err
+        time.sleep(0.5)
+        assert tagged_processes(tag) == []
+
+
+def test_a_second_interrupt_during_cleanup_does_not_cut_it_short(tmp_path):
+    proc, tag = start_run(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
+    code, err, seconds = finish(proc, timeout=60)
+    assert code == 1 and "interrupted" in err and "Traceback" not in err, err
+    time.sleep(0.5)
+    assert tagged_processes(tag) == []

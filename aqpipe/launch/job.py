@@ -14,10 +14,10 @@ from pathlib import Path
 from aqpipe.config import ConfigError, RunConfig
 from aqpipe.launch.env import CONFIG_ENV, in_distributed_env, rank_from_env
 from aqpipe.launch import netns
-from aqpipe.launch.local import launch_local
+from aqpipe.launch.local import LaunchResult, launch_local
 from aqpipe.launch.netns import format_rate
 from aqpipe.launch.rundir import RunDirectory
-from aqpipe.launch.signals import INTERRUPTS, deferred_interrupts, interrupts_raise
+from aqpipe.launch.signals import INTERRUPTS, deferred_interrupts, ignore_interrupts, interrupts_raise
 from aqpipe.metrics import write_json
 from aqpipe.runtime.grid import Grid
 from aqpipe.runtime.plan import make_plan
@@ -81,9 +81,13 @@ def _run_ranks(cfg: RunConfig, plan, worker_command: list[str], progress: bool) 
         else:
             with _topology(cfg) as topology:
                 result = launch(topology=topology)
+    except KeyboardInterrupt:  # while the namespaces were being built or removed: nothing is left running
+        result = LaunchResult(1, "interrupted (Ctrl-C or SIGTERM); all ranks stopped", interrupted=True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if result.interrupted:  # on the way out: a further Ctrl-C must not turn the one-line exit into a traceback
+        ignore_interrupts()
     if result.code != 0:
         print(f"aqpipe: run failed: {result.message}", file=sys.stderr)
         return 1

@@ -59,6 +59,7 @@ class LaunchResult:
     code: int
     message: str = ""
     summary: dict | None = None
+    interrupted: bool = False
 
 
 def launch_local(
@@ -125,7 +126,7 @@ def launch_local(
                 result = LaunchResult(1, f"no progress for {stall_timeout:.0f} s (stalled): {who}; stopping all ranks"
                                       + _log_hint(log_dir))
     except KeyboardInterrupt:
-        result = LaunchResult(1, "interrupted (Ctrl-C or SIGTERM); all ranks stopped")
+        result = LaunchResult(1, "interrupted (Ctrl-C or SIGTERM); all ranks stopped", interrupted=True)
     finally:
         with deferred_interrupts():  # a second Ctrl-C must not cut the teardown short
             _terminate(workers)

@@ -24,6 +24,12 @@ def interrupts_raise() -> None:
         signal.signal(sig, _raise)
 
 
+def ignore_interrupts() -> None:
+    """SIGINT and SIGTERM do nothing from now on (a process that is already on its way out after an interrupt)."""
+    for sig in INTERRUPTS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def deferred_interrupts() -> Iterator[list[int]]:
     """Run a cleanup block that SIGINT/SIGTERM cannot cut short; the signals received meanwhile are listed in the
