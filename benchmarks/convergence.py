@@ -38,7 +38,7 @@ EXTRA = {
 
 def train(name: str, fw: str, bw: str, args, work: Path, grad_sync: str = "none") -> Path:
     out = work / name.replace(" ", "_")
-    cmd = [sys.executable, "-m", "aqpipe", "launch", "--model", "benchmarks.models:gpt2_6x128", "--pp", "4",
+    cmd = [sys.executable, "-m", "aqpipe", "launch", "--overwrite", "--model", "benchmarks.models:gpt2_6x128", "--pp", "4",
            "--dp", str(args.dp), "--grad-sync", grad_sync,
            "--data", str(args.data / "valid.txt"), "--seq-len", "128", "--max-samples", str(args.samples),
            "--vocab-size", "260", "--micro-batch-size", "4", "--micro-batches", "4", "--epochs", str(args.epochs),

@@ -23,7 +23,7 @@ DATA = Path("/work/shared/data/wikitext-2/valid.txt")
 
 def end_to_end(store: str, args, work: Path) -> float:
     out = work / f"{store}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "aqpipe", "launch", "--model", "benchmarks.models:gpt2_6x128", "--pp", "4",
+    cmd = [sys.executable, "-m", "aqpipe", "launch", "--overwrite", "--model", "benchmarks.models:gpt2_6x128", "--pp", "4",
            "--data", str(args.data), "--seq-len", "128", "--max-samples", str(args.samples), "--vocab-size", "260",
            "--micro-batch-size", "4", "--micro-batches", "4", "--epochs", str(args.epochs), "--fw", "aqsgd:3",
            "--bw", "directq:6", "--store", store, "--device", "cpu", "--out", str(out), "--no-progress"]

@@ -40,7 +40,7 @@ DEEPSPEED = "DeepSpeed fp32"
 
 
 def launch_args(args, fw: str, bw: str, bandwidth: str, out: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "aqpipe", "launch", "--model", "benchmarks.models:gpt2_2x128", "--pp", "2",
+    cmd = [sys.executable, "-m", "aqpipe", "launch", "--overwrite", "--model", "benchmarks.models:gpt2_2x128", "--pp", "2",
            "--data", str(args.data), "--vocab-size", "512", "--seq-len", str(args.seq_len),
            "--micro-batch-size", str(args.mbs), "--micro-batches", str(args.mb),
            "--max-samples", str(args.mbs * args.mb * args.steps_per_epoch), "--epochs", str(args.epochs),
