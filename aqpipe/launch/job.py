@@ -14,7 +14,7 @@ from pathlib import Path
 from aqpipe.config import ConfigError, RunConfig
 from aqpipe.launch.env import CONFIG_ENV, in_distributed_env, rank_from_env
 from aqpipe.launch import netns
-from aqpipe.launch.local import LaunchResult, launch_local
+from aqpipe.launch.local import INTERRUPTED, LaunchResult, launch_local
 from aqpipe.launch.netns import format_rate
 from aqpipe.launch.rundir import RunDirectory
 from aqpipe.launch.signals import INTERRUPTS, deferred_interrupts, ignore_interrupts, interrupts_raise
@@ -82,7 +82,7 @@ def _run_ranks(cfg: RunConfig, plan, worker_command: list[str], progress: bool) 
             with _topology(cfg) as topology:
                 result = launch(topology=topology)
     except KeyboardInterrupt:  # while the namespaces were being built or removed: nothing is left running
-        result = LaunchResult(1, "interrupted (Ctrl-C or SIGTERM); all ranks stopped", interrupted=True)
+        result = LaunchResult(1, INTERRUPTED, interrupted=True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

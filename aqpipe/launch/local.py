@@ -52,6 +52,9 @@ class _Worker:
     tracebacks: int = 0
 
 
+INTERRUPTED = "interrupted (Ctrl-C or SIGTERM); all ranks stopped"
+
+
 @dataclass
 class LaunchResult:
     """How a local launch ended: exit code 0 or 1, and the failure message."""
@@ -126,7 +129,7 @@ def launch_local(
                 result = LaunchResult(1, f"no progress for {stall_timeout:.0f} s (stalled): {who}; stopping all ranks"
                                       + _log_hint(log_dir))
     except KeyboardInterrupt:
-        result = LaunchResult(1, "interrupted (Ctrl-C or SIGTERM); all ranks stopped", interrupted=True)
+        result = LaunchResult(1, INTERRUPTED, interrupted=True)
     finally:
         with deferred_interrupts():  # a second Ctrl-C must not cut the teardown short
             _terminate(workers)
