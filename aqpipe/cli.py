@@ -8,6 +8,7 @@ import sys
 
 from aqpipe.compress.grids import GRIDS
 from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values
+from aqpipe.disk import DiskFullError
 from aqpipe.launch.signals import ignore_interrupts, interrupts_raise
 
 HELP = {
@@ -127,6 +128,9 @@ def _command(argv: list[str] | None) -> int:
     except ConfigError as e:
         print(f"aqpipe: error: {one_line(str(e))}", file=sys.stderr)
         return 2
+    except DiskFullError as e:  # the launcher's own files (config.json): the run could not start
+        print(f"aqpipe: run failed: {e}", file=sys.stderr)
+        return 1
 
 
 def dump_stacks_on_sigusr1() -> None:

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from pathlib import Path
 from typing import Any
 
+from aqpipe.disk import write_atomic, writing
+
 
 def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically (a reader sees the old file or the complete new one)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
 
 class MetricsLog:
@@ -24,15 +23,16 @@ class MetricsLog:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.records: list[dict] = list(records or [])
-        tmp = self.out_dir / ".metrics.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records))
-        os.replace(tmp, self.out_dir / "metrics.jsonl")
-        self._file = open(self.out_dir / "metrics.jsonl", "a", buffering=1)
+        self.path = self.out_dir / "metrics.jsonl"
+        write_atomic(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records).encode())
+        self._file = open(self.path, "a", buffering=1)
 
     def log(self, record: dict) -> None:
         """Record one step (with `eval_*` fields when an evaluation ran after it)."""
         self.records.append(record)
-        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        line = json.dumps(record, sort_keys=True) + "\n"
+        with writing(self.path, len(line)):
+            self._file.write(line)
 
     def close(self) -> None:
         self._file.close()
@@ -106,5 +106,6 @@ def plot_loss(records: list[dict], path: Path, title: str = "") -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with writing(path):
+        fig.savefig(path, dpi=110)
     plt.close(fig)

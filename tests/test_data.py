@@ -130,3 +130,76 @@ def test_a_binary_data_file_is_refused_with_exit_2(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "is not text" in err and str(binary) in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def _counting_encoders(monkeypatch) -> list[int]:
+    """Count the characters every tokenizer is asked to encode (single texts and batches)."""
+    from aqpipe.data.tokenizer import BPETokenizer
+
+    seen: list[int] = []
+    single, batch = BPETokenizer.encode, getattr(BPETokenizer, "encode_batch", None)
+
+    def encode(self, text):
+        seen.append(len(text))
+        return single(self, text)
+
+    def encode_batch(self, texts):
+        seen.append(sum(len(t) for t in texts))
+        return batch(self, texts)
+
+    monkeypatch.setattr(BPETokenizer, "encode", encode)
+    if batch is not None:
+        monkeypatch.setattr(BPETokenizer, "encode_batch", encode_batch)
+    return seen
+
+
+def test_max_samples_tokenizes_only_what_it_needs(tmp_path, monkeypatch):
+    """--max-samples 16 of a 3 MB file used to tokenize all of it (2 MB of one character: past 200 s); now the
+    training text is tokenized only until enough samples are there."""
+    lines = [f"line {i} says something about topic {i % 97} and more words follow here\n" for i in range(48_000)]
+    path = tmp_path / "big.txt"
+    path.write_text("".join(lines))
+    seen = _counting_encoders(monkeypatch)
+    data = prepare_lm_dataset(str(path), 32, vocab_size=512, max_samples=16)
+    assert len(data.train) == 16
+    valid_chars = len(load_corpus(str(path)).valid)
+    assert sum(seen) - valid_chars < 300_000, sum(seen)  # 16 samples x 33 tokens need a few KB of text
+
+
+def test_cut_short_samples_are_the_first_samples_of_the_whole_text(tmp_path):
+    """Tokenizing piece by piece and stopping early gives exactly the windows of tokenizing the whole text at once."""
+    from aqpipe.data.samples import chunk
+    from aqpipe.data.tokenizer import train_bpe
+
+    text = open(WIKITEXT + "/valid.txt").read() if __import__("os").path.isdir(WIKITEXT) else \
+        load_corpus("builtin").train
+    (tmp_path / "corpus.txt").write_text(text)
+    corpus = load_corpus(str(tmp_path / "corpus.txt"))
+    whole = chunk(train_bpe(corpus, 1024).encode(corpus.train), 64)
+    full = prepare_lm_dataset(str(tmp_path / "corpus.txt"), 64, vocab_size=1024)
+    assert torch.equal(full.train.tokens, whole.tokens)
+    first = prepare_lm_dataset(str(tmp_path / "corpus.txt"), 64, vocab_size=1024, max_samples=40)
+    assert torch.equal(first.train.tokens, whole.tokens[:40])
+
+
+def test_preparing_a_large_corpus_keeps_memory_bounded(tmp_path):
+    """20 MB of text took 2-3 GB while it was tokenized in one piece (200 MB: 12 GB); now memory stays a small
+    multiple of the text."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "big.txt"
+    with open(path, "w") as f:
+        for i in range(6):
+            f.write("a" * 1_000_000 + "\n")  # long unbroken runs
+        for i in range(60_000):
+            f.write(f"sentence number {i} is about subject {i % 1013}, with a few more words\n")
+    script = ("import resource, sys\nfrom aqpipe.data import prepare_lm_dataset\n"
+              f"d = prepare_lm_dataset({str(path)!r}, 64, vocab_size=1024)\n"
+              "print(len(d.train), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    env = dict(__import__("os").environ, AQPIPE_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    samples, peak_kb = map(int, out.stdout.split())
+    assert samples > 1000
+    assert peak_kb < 900_000, f"peak RSS {peak_kb / 1e3:.0f} MB for {path.stat().st_size / 1e6:.0f} MB of text"

@@ -254,3 +254,33 @@ def test_two_clusters_share_one_slow_link():
             rates[pair] = 8 * result["bytes"] / result["wall_seconds"]
         assert rates[(1, 2)] <= 1.05 * 20e6 and rates[(0, 1)] > 3 * rates[(1, 2)], rates
     assert network_state() == before
+
+
+@needs_root
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_during_namespace_setup_leaves_nothing(tmp_path, sig):
+    """Ctrl-C or SIGTERM while the namespaces are being built (the state file is written first, so its appearance
+    means the build has begun): exit 1 with one line, and no namespace, link, qdisc, state file or rank left."""
+    import time
+    import uuid
+
+    before = network_state()
+    state = tmp_path / "state"
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, AQPIPE_TEST_TAG=tag, AQPIPE_NETNS_STATE=str(state))
+    proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", "--bandwidth", "100mbit", "--pp", "4",
+                             "--seq-len", "16", "--max-samples", "64", "--steps", "50", "--no-progress",
+                             "--out", str(tmp_path / "run")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (state.is_dir() and any(state.glob("*.json"))):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
+    proc.send_signal(sig)
+    code, err, _ = finish(proc, timeout=60)
+    assert code == 1 and "interrupted" in err and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("aqpipe: run failed: interrupted"), err
+    time.sleep(0.5)
+    assert tagged_processes(tag) == []
+    assert not list(state.glob("*.json"))
+    assert network_state() == before

@@ -12,7 +12,9 @@ from aqpipe.data.classify import ClassifySamples, encode_examples, labeled_text
 from aqpipe.data.corpus import Corpus, DataError, load_corpus
 from aqpipe.data.labeled import load_labeled
 from aqpipe.data.samples import TokenSamples, chunk, epoch_order
-from aqpipe.data.tokenizer import HFTokenizer, atomic_write_bytes, cache_dir, corpus_key, train_bpe
+from aqpipe.data.progress import preparing
+from aqpipe.data.tokenizer import HFTokenizer, cache_dir, corpus_key, encode_stream, train_bpe
+from aqpipe.disk import write_atomic
 
 DEFAULT_BPE_VOCAB = 4096
 
@@ -50,18 +52,26 @@ def prepare_lm_dataset(
     corpus = load_corpus(data)
     tok_name = tokenizer_name(tokenizer_dir, vocab_size)
     key = f"{corpus_key(corpus)}-{tok_name}-{seq_len}"
-    path = cache_dir() / f"samples-{key}.pt"
-    if path.is_file():
-        cached = torch.load(path, weights_only=True)
-        train, valid, vocab = TokenSamples(cached["train"]), TokenSamples(cached["valid"]), int(cached["vocab_size"])
+    whole = cache_dir() / f"samples-{key}.pt"
+    first = cache_dir() / f"samples-{key}-first{max_samples}.pt" if max_samples is not None else None
+    cached = next((path for path in (whole, first) if path is not None and path.is_file()), None)
+    if cached is not None:
+        saved = torch.load(cached, weights_only=True)
+        train, valid, vocab = TokenSamples(saved["train"]), TokenSamples(saved["valid"]), int(saved["vocab_size"])
     else:
         tokenizer = HFTokenizer(tokenizer_dir) if tokenizer_dir else train_bpe(corpus, vocab_size or DEFAULT_BPE_VOCAB)
-        train = chunk(tokenizer.encode(corpus.train), seq_len)
-        valid = chunk(tokenizer.encode(corpus.valid), seq_len) if corpus.valid else chunk([], seq_len)
+        # --max-samples: tokenize only as much of the training text as those samples need
+        wanted = max_samples * seq_len + 1 if max_samples is not None else None
+        what = "tokenizing the training text" + (f" (up to --max-samples {max_samples})" if wanted else "")
+        with preparing(what, len(corpus.train)) as advance:
+            stream = encode_stream(tokenizer, corpus.train, wanted, advance)
+        train = chunk(stream, seq_len)
+        with preparing("tokenizing the validation text", len(corpus.valid)) as advance:
+            valid = chunk(encode_stream(tokenizer, corpus.valid, progress=advance), seq_len)
         vocab = tokenizer.vocab_size
         buf = io.BytesIO()
         torch.save({"train": train.tokens, "valid": valid.tokens, "vocab_size": vocab}, buf)
-        atomic_write_bytes(path, buf.getvalue())
+        write_atomic(whole if wanted is None or stream.numel() < wanted else first, buf.getvalue())
     if len(train) == 0:
         raise DataError(f"--data {data!r} is too short for even one sample of --seq-len {seq_len}")
     if max_samples is not None:
@@ -93,7 +103,7 @@ def prepare_classify_dataset(
         vocab = tokenizer.vocab_size
         buf = io.BytesIO()
         torch.save({"train": train.to_dict(), "valid": valid.to_dict(), "vocab_size": vocab}, buf)
-        atomic_write_bytes(path, buf.getvalue())
+        write_atomic(path, buf.getvalue())
     if max_samples is not None:
         train = ClassifySamples(**{k: v[:max_samples] for k, v in train.to_dict().items()})
     return TaskDataset(train, valid, vocab, tok_name, list(task.labels))

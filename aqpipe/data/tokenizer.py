@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Iterator, Protocol
+
+import torch
 
 from aqpipe.data.corpus import Corpus, DataError
+from aqpipe.data.progress import preparing
+from aqpipe.disk import write_atomic
 
 
 class TextTokenizer(Protocol):
@@ -18,19 +23,14 @@ class TextTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
 
 def cache_dir() -> Path:
     """Where aqpipe caches tokenizers and tokenized datasets ($AQPIPE_CACHE, default ~/.cache/aqpipe)."""
     path = Path(os.environ.get("AQPIPE_CACHE", Path.home() / ".cache" / "aqpipe"))
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` so that readers see either the old file or the whole new one (ranks may race on a cache)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 class BPETokenizer:
@@ -43,8 +43,11 @@ class BPETokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts)]
+
     def save(self, path: Path) -> None:
-        atomic_write_bytes(path, self.tokenizer.to_str().encode())
+        write_atomic(path, self.tokenizer.to_str().encode())
 
 
 # The files that carry a `transformers` tokenizer's vocabulary, in the usual formats.
@@ -71,6 +74,9 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.hf(text, add_special_tokens=False)["input_ids"]
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.hf(texts, add_special_tokens=False)["input_ids"]
+
 
 def corpus_key(corpus: Corpus) -> str:
     """A short content hash of a corpus."""
@@ -93,6 +99,52 @@ def bounded_pretokens(line: str) -> str:
                                             for i in range(0, len(m.group()), MAX_PRETOKEN_CHARS)), line)
 
 
+TRAIN_PIECE_CHARS = 1 << 16
+ENCODE_PIECE_CHARS = 1 << 16
+ENCODE_BATCH_PIECES = 64  # pieces handed to the tokenizer at once (it encodes a batch on every core)
+# Where the byte-level BPE's pre-tokens always end, whatever follows: between a non-space character and a single
+# space before another one ("word| next"), and after a lone newline before a non-space ("line\n|Next"). Cutting
+# there tokenizes exactly like the whole text.
+_SAFE_CUT = re.compile(r"(?<=\S)(?= \S)|(?<=\S\n)(?=\S)")
+
+
+def text_pieces(text: str, max_chars: int) -> Iterator[str]:
+    """`text` in consecutive pieces of at most `max_chars`, cut where pre-tokens end (_SAFE_CUT) when the second half
+    of the window has such a place, else where it must be (inside one very long unbroken run)."""
+    start = 0
+    while start < len(text):
+        end = start + max_chars
+        if end < len(text):
+            cut = None
+            for cut in _SAFE_CUT.finditer(text, start + max_chars // 2, end):
+                pass
+            end = cut.start() if cut is not None else end
+        yield text[start:end]
+        start = end
+
+
+def encode_stream(tokenizer: TextTokenizer, text: str, max_tokens: int | None = None,
+                  progress: Callable[[int], None] | None = None) -> torch.Tensor:
+    """The token ids of `text` (int64), encoded piece by piece so memory stays bounded; stops once `max_tokens`
+    are there. `progress(n)` hears of every `n` characters done."""
+    parts: list[torch.Tensor] = []
+    count = 0
+    pieces = text_pieces(text, ENCODE_PIECE_CHARS)
+    size = 1  # batches grow from one piece, so a short --max-samples reads little more than it needs
+    while max_tokens is None or count < max_tokens:
+        batch = list(itertools.islice(pieces, size))
+        size = min(2 * size, ENCODE_BATCH_PIECES)
+        if not batch:
+            break
+        for ids in tokenizer.encode_batch(batch):
+            parts.append(torch.tensor(ids, dtype=torch.int32))
+            count += len(ids)
+        if progress is not None:
+            progress(sum(len(piece) for piece in batch))
+    stream = torch.cat(parts).long() if parts else torch.empty(0, dtype=torch.int64)
+    return stream if max_tokens is None else stream[:max_tokens]
+
+
 def train_bpe(corpus: Corpus, vocab_size: int) -> BPETokenizer:
     """Train (or load from the cache) a byte-level BPE of at most `vocab_size` tokens on the training text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -109,8 +161,15 @@ def train_bpe(corpus: Corpus, vocab_size: int) -> BPETokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    lines = [bounded_pretokens(line) for line in corpus.train.splitlines()]
-    tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
+    with preparing(f"training a {vocab_size}-token BPE", len(corpus.train)) as advance:
+
+        def pieces() -> Iterator[str]:
+            """Bounded pieces, made as training consumes them: memory stays a small multiple of the text."""
+            for piece in text_pieces(corpus.train, TRAIN_PIECE_CHARS):
+                advance(len(piece))
+                yield bounded_pretokens(piece)
+
+        tok.train_from_iterator(pieces(), trainer=trainer)
     result = BPETokenizer(tok)
     result.save(path)
     return result

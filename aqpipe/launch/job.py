@@ -89,7 +89,7 @@ def _run_ranks(cfg: RunConfig, plan, worker_command: list[str], progress: bool) 
     if result.interrupted:  # on the way out: a further Ctrl-C must not turn the one-line exit into a traceback
         ignore_interrupts()
     if result.code != 0:
-        print(f"aqpipe: run failed: {result.message}", file=sys.stderr)
+        print(f"aqpipe: run failed: {result.message}{_continue_hint(cfg) if result.disk_full else ''}", file=sys.stderr)
         return 1
     summary = result.summary or json.loads((out / "summary.json").read_text())
     rates = summary.get("link_rate", {}).get("fwd_bytes_per_second", [])
@@ -99,11 +99,24 @@ def _run_ranks(cfg: RunConfig, plan, worker_command: list[str], progress: bool) 
     return 0
 
 
+def _continue_hint(cfg: RunConfig) -> str:
+    """What to do after a run stopped on a full disk: resume from its last complete checkpoint, or start again."""
+    from aqpipe.runtime.checkpoint import latest_step
+
+    step = latest_step(cfg.out)
+    if step is None:
+        return "; no checkpoint was complete yet: free some space and launch again with --overwrite"
+    return f"; free some space, then `aqpipe launch --resume {cfg.out}` continues after step {step}"
+
+
 def _check_checkpoint(cfg: RunConfig) -> None:
     """The run to resume has a complete, undamaged checkpoint written with this configuration (checked before any
     worker starts); when the newest is unusable, the message says which older one is and how to use it."""
-    from aqpipe.runtime.checkpoint import CheckpointError, complete_steps, latest_step, step_dir, verify
+    from aqpipe.runtime.checkpoint import (CheckpointError, complete_steps, latest_step, remove_incomplete, step_dir,
+                                           verify)
 
+    for directory in remove_incomplete(cfg.resume):  # nothing writes them now: the run directory is locked
+        print(f"aqpipe: removed {directory}, a checkpoint its run did not finish writing", file=sys.stderr, flush=True)
     step = latest_step(cfg.resume)
     if step is None:
         raise ConfigError(f"--resume {cfg.resume}: no complete checkpoint under {cfg.resume}/checkpoints "

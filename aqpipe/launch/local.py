@@ -29,6 +29,10 @@ from aqpipe.runtime.train import EVENT_PREFIX, HEARTBEAT_SECONDS
 # A worker whose error only says a peer went away is a consequence, not the cause.
 _SECONDARY = ("TransportError", "Connection closed", "Connection reset", "peer", "Broken pipe", "ECONNRESET")
 # torch's C++ log lines ("[W1123 13:00:00.123 ProcessGroupGloo.cpp:…]") and gloo's abort text: details, for the log.
+# What a signal that killed a rank usually means, for the one-line message.
+_SIGNAL_HINTS = {"SIGBUS": " (a memory-mapped file could not be read or grown: is the disk holding the run directory "
+                           "full, or its m(xi) store damaged? see aqpipe store verify)",
+                 "SIGKILL": " (by a user, or by the kernel's out-of-memory killer: see dmesg)"}
 _NATIVE_LOG = re.compile(r"^(\[[WEFI]\d{4} |terminate called|  what\(\): )")
 
 
@@ -47,8 +51,10 @@ class _Worker:
     log: TextIO | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=30))
     error: str | None = None
+    disk_full: bool = False  # its error was a full disk
     last_seen: float = field(default_factory=time.monotonic)
     in_traceback: bool = False  # the lines now arriving belong to a traceback (log only)
+    failed: bool = False  # it reported its error: whatever it prints after that is for the log only
     tracebacks: int = 0
 
 
@@ -63,6 +69,7 @@ class LaunchResult:
     message: str = ""
     summary: dict | None = None
     interrupted: bool = False
+    disk_full: bool = False  # the run ended because a disk filled up (a resume continues once there is space)
 
 
 def launch_local(
@@ -117,7 +124,8 @@ def launch_local(
             if failed:
                 time.sleep(1.0)  # let the neighbours of a dead rank finish failing, then pick the cause
                 _drain(events, workers, None, quiet=True)
-                result = LaunchResult(1, _root_cause(workers) + _log_hint(log_dir))
+                result = LaunchResult(1, _root_cause(workers) + _log_hint(log_dir),
+                                      disk_full=any(w.disk_full for w in workers))
             elif all(w.proc.poll() == 0 for w in workers):
                 _drain(events, workers, bar)
                 for w in workers:
@@ -180,8 +188,8 @@ def _pump(worker: _Worker, events: queue.Queue) -> None:
         if line.startswith(EVENT_PREFIX):
             try:
                 event = json.loads(line[len(EVENT_PREFIX):])
-                if event.get("event") == "error":  # the traceback that follows is for the log
-                    worker.in_traceback = True
+                if event.get("event") == "error":  # the traceback(s) that follow are for the log
+                    worker.failed = True
                 events.put(("event", dict(event, _rank=worker.rank)))
                 continue
             except ValueError:
@@ -199,7 +207,7 @@ def _pump(worker: _Worker, events: queue.Queue) -> None:
         elif worker.in_traceback and line and not line[0].isspace() and ":" in line and not line.startswith("During"):
             worker.in_traceback = False  # "SomeError: message" ends a traceback; this line is part of it
             continue
-        if not worker.in_traceback and not _NATIVE_LOG.match(line):
+        if not worker.in_traceback and not worker.failed and not _NATIVE_LOG.match(line):
             events.put(("line", f"[rank {worker.rank}] {line}"))
 
 
@@ -216,6 +224,7 @@ def _on_event(event: dict, workers: list[_Worker], bar) -> dict | None:
                   file=sys.stderr, flush=True)
     elif kind == "error":
         workers[event["_rank"]].error = event.get("message")
+        workers[event["_rank"]].disk_full = bool(event.get("disk_full"))
     elif kind == "done":
         return event.get("summary")
     return None
@@ -240,10 +249,14 @@ def _drain(events: queue.Queue, workers: list[_Worker], bar, quiet: bool = False
 def _root_cause(workers: list[_Worker]) -> str:
     """The message naming the rank whose failure started it all."""
     failed = [w for w in workers if w.proc.poll() not in (None, 0)]
+    full = [w for w in workers if w.disk_full]
+    if full:  # a full disk explains whatever else failed (a memory-mapped store on it may even have faulted)
+        return f"{full[0].name} failed: {full[0].error}"
     killed = [w for w in failed if w.proc.returncode < 0]
     if killed:
         w = killed[0]
-        return f"{w.name} died: killed by signal {signal.Signals(-w.proc.returncode).name}"
+        name = signal.Signals(-w.proc.returncode).name
+        return f"{w.name} died: killed by signal {name}" + _SIGNAL_HINTS.get(name, "")
     silent = _silent(workers)
     if silent:  # its peers failed waiting for it
         return f"{silent[0].name} stopped responding (no heartbeat for {time.monotonic() - silent[0].last_seen:.0f} s)"

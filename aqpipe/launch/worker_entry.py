@@ -11,6 +11,7 @@ import os
 import sys
 import traceback
 
+from aqpipe.disk import DiskFullError, is_disk_full
 from aqpipe.launch.env import CONFIG_ENV, die_with_parent, rank_from_env
 
 
@@ -24,15 +25,21 @@ def run_rank(spec_factory=None) -> int:
 
     dump_stacks_on_sigusr1()
     rank, world_size = rank_from_env()
+    out = "."
     try:
         cfg = RunConfig(**json.loads(os.environ[CONFIG_ENV]))
+        out = cfg.out
         run_worker(cfg, rank, world_size, spec_factory)
         return 0
     except BaseException as e:  # noqa: BLE001 - every failure is reported, then the process ends
         if isinstance(e, KeyboardInterrupt):
             return 1
-        text = str(e).strip().splitlines()
-        emit({"event": "error", "message": f"{type(e).__name__}: {text[0] if text else ''}"})
+        if is_disk_full(e):  # the file it names is the cause; the library that noticed is a detail (for the log)
+            cause = e if isinstance(e, DiskFullError) else DiskFullError(out)
+            emit({"event": "error", "message": str(cause), "disk_full": True})
+        else:
+            text = str(e).strip().splitlines()
+            emit({"event": "error", "message": f"{type(e).__name__}: {text[0] if text else ''}"})
         traceback.print_exc()
         sys.stderr.flush()
         return 1

@@ -20,11 +20,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
+
+from aqpipe.disk import write_atomic
 
 FORMAT = 2  # 2: checksum lines name rank, step and configuration digest; run.json records the settings
 KEEP = 2  # complete checkpoints kept; older ones are removed once a newer one is complete
@@ -53,12 +54,7 @@ def _sha256(data: bytes) -> str:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, data, durable=True)
 
 
 def settings_digest(settings: dict) -> str:
@@ -93,6 +89,15 @@ def mark_complete(out: str | Path, step: int, world_size: int, settings: dict) -
     complete = [d for d in steps if (d / "COMPLETE").is_file()]
     for old in complete[:-KEEP] + [d for d in steps if d not in complete and d != directory]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_incomplete(out: str | Path) -> list[Path]:
+    """Delete the step directories without COMPLETE (a run stopped while writing them; never resumed from); returns
+    them. Only while no run writes checkpoints here (the launcher holds the run directory's lock)."""
+    removed = [d for d in sorted(root(out).glob("step-*")) if d.is_dir() and not (d / "COMPLETE").is_file()]
+    for directory in removed:
+        shutil.rmtree(directory, ignore_errors=True)
+    return removed
 
 
 def latest_step(out: str | Path) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -19,6 +20,7 @@ from aqpipe.compress.grad.registry import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.config import RunConfig
 from aqpipe.data.dataset import export_tokenizer
+from aqpipe.disk import write_atomic, writing
 from aqpipe.launch.env import loopback_rendezvous
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
 from aqpipe.runtime.checkpoint import CheckpointError, latest_step, load_rank, mark_complete, save_rank
@@ -282,8 +284,9 @@ def _export(plan: RunPlan) -> str | None:
     out = Path(plan.cfg.out)
     states = [torch.load(out / "checkpoints" / "final" / f"stage-{k}.pt", weights_only=True) for k in range(plan.cfg.pp)]
     tokenizer = export_tokenizer(plan.cfg.task, plan.cfg.data, tokenizer_directory(plan.cfg.model), plan.cfg.vocab_size)
-    path = export_hf(states, plan.bounds, architecture, plan.spec.extras["hf_config"], out / "export", tokenizer,
-                     plan.dataset.label_names)
+    with writing(out / "export", sum(t.numel() * t.element_size() for s in states for t in s.values())):
+        path = export_hf(states, plan.bounds, architecture, plan.spec.extras["hf_config"], out / "export", tokenizer,
+                         plan.dataset.label_names)
     return str(path)
 
 
@@ -301,9 +304,9 @@ def save_stage_weights(module: torch.nn.Module, out: Path, stage: int) -> Path:
     directory = out / "checkpoints" / "final"
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"stage-{stage}.pt"
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, tmp)
-    os.replace(tmp, path)
+    buf = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, buf)
+    write_atomic(path, buf.getvalue())
     return path
 
 

@@ -15,7 +15,6 @@ holds it exclusively.
 
 from __future__ import annotations
 
-import shutil
 import struct
 import threading
 import zlib
@@ -25,6 +24,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from aqpipe.disk import DiskFullError, ensure_room, free_bytes
 from aqpipe.storage.base import SIDES, StoreStats
 from aqpipe.storage.encoding import ENCODINGS, decode_value, encode_value, storable, value_dtype
 
@@ -32,10 +32,11 @@ _KEY = struct.Struct(">HBQ")
 _HEAD = struct.Struct("<4sBB8qqII")  # magic, encoding, ndim, shape[8], step, crc32, body length
 MAGIC = b"AQM2"  # 2: quantized values on the zero-holding default grid
 _CODES = {v: k for k, v in ENCODINGS.items()}
+WRITE_SLACK_BYTES = 1 << 20  # free space kept beyond a write's own pages: copied branch pages, the meta page
 
 
 class StoreFullError(RuntimeError):
-    """The store cannot grow: its cap (--store-max-gb) or the disk is reached."""
+    """The store cannot grow: its cap (--store-max-gb) is reached (a full disk raises DiskFullError)."""
 
 
 def pack_key(link: int, side: str, sample: int) -> bytes:
@@ -157,6 +158,11 @@ class LMDBStore:
                 ) -> None:
         """Write values already turned into bytes by `encode_raw`, in one transaction."""
         records = [(pack_key(link, side, int(i)), self._record(raw, shape)) for i, raw, shape in zip(ids, raws, shapes)]
+        size = sum(len(v) for _, v in records)
+        # LMDB cannot fail cleanly once the disk is full (a short write reads as an I/O error, and on tmpfs the
+        # memory map faults: SIGBUS), so a write that might not fit is refused before it starts.
+        needed = 2 * size + WRITE_SLACK_BYTES
+        ensure_room(self.path / "data.mdb", needed)
         for _ in range(64):
             try:
                 with self._transaction(write=True) as txn:
@@ -164,8 +170,10 @@ class LMDBStore:
                         txn.put(key, value)
                 return
             except self._lmdb.MapFullError:
-                self._grow(sum(len(v) for _, v in records))
+                self._grow(size)
             except self._lmdb.Error as e:
+                if (free_bytes(self.path) or 0) < needed:
+                    raise DiskFullError(self.path / "data.mdb", needed) from e
                 raise StoreFullError(f"writing m(xi) to {self.path} failed: {e}") from None
         raise StoreFullError(f"the store at {self.path} kept running out of map space")
 
@@ -275,10 +283,7 @@ class LMDBStore:
                 raise StoreFullError(f"the m(xi) store at {self.path} reached its cap of {self.max_bytes / 1e9:.2f} GB "
                                      "(--store-max-gb); raise the cap or use a low-bit --store-dtype")
             target = self.max_bytes
-        free = shutil.disk_usage(self.path).free
-        if target - current > free:
-            raise StoreFullError(f"the disk holding {self.path} has {free / 1e9:.2f} GB free, too little for the m(xi) "
-                                 f"store to grow to {target / 1e9:.2f} GB")
+        ensure_room(self.path / "data.mdb", target - current)
         with self._gate.exclusive():  # LMDB forbids a resize while this process has a transaction open
             if self.env.info()["map_size"] < target:  # another thread may have grown it meanwhile
                 self.env.set_mapsize(target)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from aqpipe.disk import write_atomic
 from aqpipe.storage.base import StoreStats
 
 
@@ -98,4 +100,6 @@ class MemoryStore:
 
     def dump(self, path: Path) -> None:
         """Save every entry (keys as 'link/side/id') for offline comparison of the two sides of a link."""
-        torch.save(self.entries(), path)
+        buf = io.BytesIO()
+        torch.save(self.entries(), buf)
+        write_atomic(path, buf.getvalue())

@@ -1,0 +1,508 @@
+"""The fault campaign: every way a hostile user or a failing machine can hurt a run, one row per case.
+
+    python benchmarks/faults.py --out benchmarks/results/faults        # as root (tmpfs, network namespaces)
+    python benchmarks/faults.py --only stall,disk                      # cases whose name contains a word
+
+Each case starts `aqpipe launch` (or a store tool), does one bad thing to it, and records: the exit code (and the
+one it should be), seconds from the fault to the exit, the failure line (the first stderr line that reports the end:
+`aqpipe: error: …`, `aqpipe: run failed: …`; else the last line), whether anything followed it or a traceback
+appeared, orphans (live processes of the case, network namespaces, temporary files), and what was lost. A row is
+clean when the exit code is the expected one, the failure line is the last stderr line, no traceback was printed
+and nothing was left behind. Writes <out>.json and <out>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK = ["--pp", "3", "--seq-len", "16", "--max-samples", "128", "--no-progress"]
+LONG = [*QUICK, "--steps", "5000"]
+PAGE = 4096
+
+
+@dataclass
+class Row:
+    case: str
+    expect: int
+    code: int | None = None
+    seconds: float = 0.0
+    line: str = ""
+    after: int = 0  # stderr lines after the failure line
+    traceback: bool = False
+    orphans: list[str] = field(default_factory=list)
+    lost: str = "nothing"
+    note: str = ""
+
+    @property
+    def clean(self) -> bool:
+        return self.code == self.expect and not self.after and not self.traceback and not self.orphans
+
+
+class Case:
+    """One case's scratch directory, tag (every process it starts carries it) and launches."""
+
+    def __init__(self, work: Path, cache: Path, name: str) -> None:
+        self.dir = work / name.replace(" ", "-").replace("/", "-")
+        self.dir.mkdir(parents=True)
+        self.out = self.dir / "run"
+        self.tag = uuid.uuid4().hex
+        self.env = dict(os.environ, AQPIPE_TEST_TAG=self.tag, AQPIPE_CACHE=str(cache),
+                        AQPIPE_NETNS_STATE=str(self.dir / "netns"))
+        self.namespaces_before = namespaces()
+
+    def start(self, *args: str, command: str = "launch") -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "aqpipe", command, *args], cwd=ROOT, env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def run(self, *args: str, command: str = "launch", timeout: float = 600) -> tuple[int, str, float]:
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "aqpipe", command, *args], cwd=ROOT, env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+        return proc.returncode, proc.stderr + proc.stdout * (command == "store"), time.monotonic() - start
+
+    def steps_logged(self, out: Path | None = None) -> int:
+        metrics = (out or self.out) / "metrics.jsonl"
+        return metrics.read_text().count("\n") if metrics.exists() else 0
+
+    def wait_steps(self, proc: subprocess.Popen, n: int, out: Path | None = None, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while self.steps_logged(out) < n:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the run never reached step {n}: {proc.communicate()[1][-2000:]}")
+            time.sleep(0.05)
+
+    def pids(self, rank: str | None = None) -> list[int]:
+        return tagged(self.tag, rank)
+
+    def row(self, case: str, expect: int, code: int | None, err: str, seconds: float, **extra) -> Row:
+        line, after = failure_line(err)
+        time.sleep(0.5)
+        left = [f"pid {p}" for p in self.pids()]
+        left += [f"netns {n}" for n in namespaces() if n not in self.namespaces_before]
+        left += [str(p.relative_to(self.dir)) for p in self.dir.rglob("*.tmp")]
+        return Row(case, expect, code, round(seconds, 1), line[:160], after, "Traceback" in err, left, **extra)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int | None, str, float]:
+    start = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        return None, err + f"\n(no exit within {timeout} s)", time.monotonic() - start
+    return proc.returncode, err, time.monotonic() - start
+
+
+def failure_line(err: str) -> tuple[str, int]:
+    """The line that reports how the command ended, and how many stderr lines came after it."""
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if line.startswith(("aqpipe: error", "aqpipe: run failed", "aqpipe: interrupted")):
+            return line, len(lines) - 1 - i
+    return (lines[-1] if lines else ""), 0
+
+
+def tagged(tag: str, rank: str | None = None) -> list[int]:
+    """Live processes whose environment carries AQPIPE_TEST_TAG=tag (and RANK=rank when given)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and f"AQPIPE_TEST_TAG={tag}".encode() in env and (
+                rank is None or f"RANK={rank}".encode() in env):
+            found.append(int(entry.name))
+    return found
+
+
+def namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith("aqpipe-")]
+
+
+def last_checkpoint(out: Path) -> int | None:
+    done = [int(d.name[5:]) for d in (out / "checkpoints").glob("step-*") if (d / "COMPLETE").is_file()]
+    return max(done) if done else None
+
+
+def lost_since_checkpoint(case: Case, reached: int) -> str:
+    kept = last_checkpoint(case.out)
+    return f"steps {kept or 0}+1..{reached} (resumable from {kept})" if kept else f"steps 1..{reached} (no checkpoint)"
+
+
+# -- kills, stalls, disk -------------------------------------------------------------------------------------------
+def kill_rank_mid_run(case: Case) -> list[Row]:
+    proc = case.start(*LONG, "--checkpoint-every", "5", "--out", str(case.out))
+    case.wait_steps(proc, 12)
+    os.kill(case.pids(rank="1")[0], signal.SIGKILL)
+    reached = case.steps_logged()
+    code, err, seconds = finish(proc)
+    rows = [case.row("SIGKILL rank 1 mid-run", 1, code, err, seconds, lost=lost_since_checkpoint(case, reached))]
+    code, err, seconds = case.run("--resume", str(case.out), "--steps", "20")
+    rows.append(case.row("  then --resume (to step 20)", 0, code, err, seconds))
+    return rows
+
+
+def kill_during_checkpoint(case: Case) -> list[Row]:
+    """SIGKILL the launcher the moment a checkpoint directory exists without COMPLETE (writing in progress)."""
+    proc = case.start(*LONG, "--checkpoint-every", "1", "--out", str(case.out))
+    case.wait_steps(proc, 3)
+    caught, deadline = False, time.monotonic() + 60
+    while not caught and time.monotonic() < deadline:
+        for d in (case.out / "checkpoints").glob("step-*"):
+            if not (d / "COMPLETE").exists():
+                proc.kill()
+                caught = True
+                break
+    reached = case.steps_logged()
+    code, err, seconds = finish(proc)
+    incomplete = [d.name for d in (case.out / "checkpoints").glob("step-*") if not (d / "COMPLETE").exists()]
+    rows = [case.row("SIGKILL launcher during a checkpoint write", -9, code, err, seconds,
+                     lost=lost_since_checkpoint(case, reached),
+                     note=f"caught mid-write: {caught}; incomplete left: {', '.join(incomplete) or 'none'}")]
+    code, err, seconds = case.run("--resume", str(case.out), "--steps", str(reached + 3))
+    gone = not any(not (d / "COMPLETE").exists() for d in (case.out / "checkpoints").glob("step-*"))
+    rows.append(case.row("  then --resume", 0, code, err, seconds, note=f"incomplete checkpoint removed: {gone}"))
+    return rows
+
+
+def kill_launcher(case: Case) -> list[Row]:
+    proc = case.start(*LONG, "--out", str(case.out))
+    case.wait_steps(proc, 3)
+    proc.kill()
+    code, err, seconds = finish(proc)
+    return [case.row("SIGKILL the launcher", -9, code, err, seconds, note="its ranks die with it (parent watch)")]
+
+
+def stall(case: Case) -> list[Row]:
+    proc = case.start(*LONG, "--stall-timeout", "10", "--out", str(case.out))
+    case.wait_steps(proc, 3)
+    victims = case.pids(rank="2")
+    os.kill(victims[0], signal.SIGSTOP)
+    code, err, seconds = finish(proc)
+    for pid in victims:  # never leave a stopped process behind, whatever happened
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    return [case.row("SIGSTOP rank 2, --stall-timeout 10", 1, code, err, seconds)]
+
+
+def disk_full(case: Case) -> list[Row]:
+    disk = case.dir / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)], check=True)
+    try:
+        case.out = disk / "run"
+        proc = case.start("--pp", "3", "--seq-len", "64", "--max-samples", "256", "--no-progress",
+                          "--checkpoint-every", "2", "--steps", "8", "--out", str(case.out))
+        code, err, seconds = finish(proc)
+        rows = [case.row("disk full (24 MB tmpfs) at a checkpoint", 1, code, err, seconds,
+                         lost=lost_since_checkpoint(case, case.steps_logged()))]
+        subprocess.run(["mount", "-o", "remount,size=200m", str(disk)], check=True)
+        code, err, seconds = case.run("--resume", str(case.out))
+        rows.append(case.row("  then space freed, --resume", 0, code, err, seconds))
+        return rows
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+# -- interrupts ----------------------------------------------------------------------------------------------------
+def _maps_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def interrupts(case: Case, bandwidth: bool) -> list[Row]:
+    extra = ["--bandwidth", "200mbit"] if bandwidth else []
+    where = " under --bandwidth" if bandwidth else ""
+    rows = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        out = case.dir / f"startup-{sig.name}"
+        proc = case.start(*LONG, *extra, "--out", str(out))
+        deadline = time.monotonic() + 60
+        while not _maps_torch(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        code, err, seconds = finish(proc)
+        rows.append(case.row(f"{sig.name} at start-up{where}", 1, code, err, seconds))
+    if bandwidth:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            state = Path(case.env["AQPIPE_NETNS_STATE"])
+            proc = case.start(*LONG, *extra, "--pp", "4", "--out", str(case.dir / f"netns-{sig.name}"))
+            deadline = time.monotonic() + 120
+            while not (state.is_dir() and any(state.glob("*.json"))) and proc.poll() is None \
+                    and time.monotonic() < deadline:
+                time.sleep(0.005)
+            proc.send_signal(sig)
+            code, err, seconds = finish(proc)
+            rows.append(case.row(f"{sig.name} during namespace setup", 1, code, err, seconds))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        out = case.dir / f"mid-{sig.name}"
+        proc = case.start(*LONG, *extra, "--out", str(out))
+        case.wait_steps(proc, 3, out)
+        proc.send_signal(sig)
+        code, err, seconds = finish(proc)
+        rows.append(case.row(f"{sig.name} mid-run{where}", 1, code, err, seconds))
+    out = case.dir / "cleanup"
+    proc = case.start(*LONG, *extra, "--out", str(out))
+    case.wait_steps(proc, 3, out)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
+    code, err, seconds = finish(proc)
+    rows.append(case.row(f"SIGINT, then SIGINT+SIGTERM during cleanup{where}", 1, code, err, seconds))
+    return rows
+
+
+# -- stray connections ---------------------------------------------------------------------------------------------
+def listening_ports(pids: list[int]) -> list[int]:
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    ports = set()
+    for line in out.splitlines():
+        if any(f"pid={p}," in line for p in pids):
+            ports.add(int(line.split()[3].rsplit(":", 1)[1]))
+    return sorted(ports)
+
+
+def stray_connections(case: Case) -> list[Row]:
+    """Garbage on every port the run listens on, mid-run; the losses must equal an undisturbed run's."""
+    args = [*QUICK, "--steps", "40", "--seed", "3"]
+    code, err, _ = case.run(*args, "--out", str(case.dir / "reference"))
+    reference = [json.loads(x)["loss"] for x in (case.dir / "reference" / "metrics.jsonl").read_text().splitlines()]
+    proc = case.start(*args, "--out", str(case.out))
+    case.wait_steps(proc, 3)
+    ports = listening_ports([proc.pid, *case.pids()])
+    sent = 0
+    for _ in range(5):
+        for port in ports:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                    s.sendall(os.urandom(4096) + struct.pack("<Q", 1 << 62))
+                    sent += 1
+            except OSError:
+                pass
+        time.sleep(0.2)
+    code, err, seconds = finish(proc)
+    losses = [json.loads(x)["loss"] for x in (case.out / "metrics.jsonl").read_text().splitlines()] \
+        if (case.out / "metrics.jsonl").exists() else []
+    return [case.row("stray connections with garbage, mid-run", 0, code, err, seconds,
+                     note=f"{sent} connections to {len(ports)} ports; losses identical to an undisturbed run: "
+                          f"{losses == reference}")]
+
+
+# -- resume abuse --------------------------------------------------------------------------------------------------
+def finished_run(case: Case, steps: int = 6, *extra: str) -> Path:
+    code, err, _ = case.run(*QUICK, "--steps", str(steps), "--checkpoint-every", "2", *extra, "--out", str(case.out))
+    if code != 0:
+        raise RuntimeError(err[-2000:])
+    return case.out
+
+
+def resume_abuse(case: Case) -> list[Row]:
+    rows = []
+    run = finished_run(case)
+    pristine = case.dir / "pristine"
+    shutil.copytree(run, pristine)
+
+    def fresh() -> Path:
+        shutil.rmtree(run)
+        shutil.copytree(pristine, run)
+        return run
+
+    def attempt(name: str, expect: int, *args: str, **extra) -> None:
+        code, err, seconds = case.run("--resume", str(run), *args)
+        rows.append(case.row(name, expect, code, err, seconds, **extra))
+
+    code, err, seconds = case.run("--resume", str(case.dir / "nowhere"))
+    rows.append(case.row("--resume of a directory that does not exist", 2, code, err, seconds))
+    empty = case.dir / "killed-early"
+    proc = case.start(*LONG, "--checkpoint-every", "1000", "--out", str(empty))
+    case.wait_steps(proc, 2, empty)
+    proc.send_signal(signal.SIGINT)
+    finish(proc)
+    code, err, seconds = case.run("--resume", str(empty))
+    rows.append(case.row("--resume of a run with no checkpoint yet", 2, code, err, seconds))
+    for field_name, value in (("seq_len", 32), ("fw", "fp32")):
+        config = json.loads((fresh() / "config.json").read_text())
+        config[field_name] = value
+        (run / "config.json").write_text(json.dumps(config))
+        attempt(f"config.json edited: {field_name} -> {value}", 2)
+    step = fresh() / "checkpoints" / "step-00000006"
+    shutil.copy(step / "rank-0.pt", step / "rank-1.pt")
+    shutil.copy(step / "rank-0.sha256", step / "rank-1.sha256")
+    attempt("rank 0's checkpoint file (and checksum) copied over rank 1's", 2)
+    step = fresh() / "checkpoints" / "step-00000006"
+    os.truncate(step / "rank-2.pt", (step / "rank-2.pt").stat().st_size // 2)
+    attempt("newest checkpoint truncated (an older one is sound)", 2)
+    (fresh() / "checkpoints" / "step-00000006" / "rank-1.pt").unlink()
+    attempt("newest checkpoint's rank file deleted", 2)
+    fresh()
+    attempt("--resume extending 6 -> 9 steps", 0, "--steps", "9")
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows[-1].note = f"lr at step 7: {records[6]['lr']:.2e} (must be > 0), weights move: {records[6]['loss'] != records[5]['loss']}"
+    proc = case.start(*LONG, "--checkpoint-every", "2", "--out", str(case.dir / "running"))
+    case.wait_steps(proc, 3, case.dir / "running")
+    code, err, seconds = case.run("--resume", str(case.dir / "running"))
+    rows.append(case.row("--resume of a run that is still running", 2, code, err, seconds))
+    proc.send_signal(signal.SIGINT)
+    finish(proc)
+    return rows
+
+
+# -- launches into the same directory ------------------------------------------------------------------------------
+def same_directory(case: Case) -> list[Row]:
+    rows = []
+    proc = case.start(*LONG, "--out", str(case.out))
+    case.wait_steps(proc, 2)
+    code, err, seconds = case.run(*QUICK, "--steps", "4", "--out", str(case.out))
+    rows.append(case.row("second launch into a running run's --out", 2, code, err, seconds))
+    code, err, seconds = case.run(*QUICK, "--steps", "4", "--overwrite", "--out", str(case.out))
+    rows.append(case.row("  and with --overwrite", 2, code, err, seconds))
+    proc.send_signal(signal.SIGINT)
+    finish(proc)
+    before = sorted(p.name for p in case.out.iterdir())
+    code, err, seconds = case.run(*QUICK, "--steps", "4", "--out", str(case.out))
+    rows.append(case.row("launch into a finished run", 2, code, err, seconds,
+                         lost="nothing" if sorted(p.name for p in case.out.iterdir()) == before else "files changed"))
+    code, err, seconds = case.run(*QUICK, "--steps", "4", "--overwrite", "--out", str(case.out))
+    rows.append(case.row("  and with --overwrite", 0, code, err, seconds, lost="the old run (asked for)"))
+    return rows
+
+
+# -- bad data ------------------------------------------------------------------------------------------------------
+def bad_data(case: Case) -> list[Row]:
+    rows = []
+    files = {"an executable": Path(sys.executable).resolve(), "an empty file": case.dir / "empty.txt",
+             "a file that does not exist": case.dir / "missing.txt", "too short for one sample": case.dir / "short.txt"}
+    files["an empty file"].write_text("")
+    files["too short for one sample"].write_text("a b c\n")
+    for what, path in files.items():
+        code, err, seconds = case.run(*QUICK, "--steps", "1", "--data", str(path), "--out", str(case.dir / "x"))
+        rows.append(case.row(f"--data {what}", 2, code, err, seconds))
+    long_text = case.dir / "long.txt"
+    long_text.write_text("a" * 2_000_000 + "\n")
+    env_cache = case.env["AQPIPE_CACHE"]
+    case.env["AQPIPE_CACHE"] = str(case.dir / "cache")  # nothing cached: the whole preparation is timed
+    code, err, seconds = case.run(*QUICK, "--steps", "2", "--data", str(long_text), "--out", str(case.dir / "long"))
+    case.env["AQPIPE_CACHE"] = env_cache
+    rows.append(case.row("--data 2 MB of one character, no break", 0, code, err, seconds))
+    return rows
+
+
+# -- damaged LMDB stores -------------------------------------------------------------------------------------------
+def _truncate(path: Path) -> None:
+    os.truncate(path / "data.mdb", (path / "data.mdb").stat().st_size // 2)
+
+
+def _zero_meta(path: Path) -> None:
+    with open(path / "data.mdb", "r+b") as f:
+        f.write(bytes(2 * PAGE))
+
+
+def _garble_tree(path: Path) -> None:
+    data = bytearray((path / "data.mdb").read_bytes())
+    for page in range(2, len(data) // PAGE):
+        if struct.unpack_from("<H", data, page * PAGE + 10)[0] in (0x01, 0x02):
+            data[page * PAGE + 16:(page + 1) * PAGE] = os.urandom(PAGE - 16)
+    (path / "data.mdb").write_bytes(bytes(data))
+
+
+def damaged_stores(case: Case) -> list[Row]:
+    rows = []
+    run = finished_run(case, 6, "--store", "lmdb", "--fw", "aqsgd:3", "--warmup-epochs", "1", "--max-samples", "32",
+                       "--checkpoint-every", "6")
+    pristine = case.dir / "pristine"
+    shutil.copytree(run, pristine)
+    for name, damage in (("truncated to half", _truncate), ("zeroed meta pages", _zero_meta),
+                         ("garbled tree pages", _garble_tree)):
+        shutil.rmtree(run)
+        shutil.copytree(pristine, run)
+        damage(run / "store" / "rank-1.lmdb")
+        for action in ("verify", "stats"):
+            code, err, seconds = case.run(action, str(run), command="store")
+            rows.append(case.row(f"store {action}: LMDB {name}", 1, code, err, seconds))
+        code, err, seconds = case.run("--resume", str(run), "--steps", "8")
+        summary = json.loads((run / "summary.json").read_text()) if code == 0 else {}
+        rows.append(case.row(f"--resume with an LMDB store {name}", 0, code, err, seconds,
+                             lost="m(xi) of rank 1 (re-seeded)",
+                             note=f"store.reseeded = {summary.get('store', {}).get('reseeded')}"))
+    return rows
+
+
+CASES = {
+    "kill rank": kill_rank_mid_run, "kill checkpoint": kill_during_checkpoint, "kill launcher": kill_launcher,
+    "stall": stall, "disk": disk_full, "interrupts": lambda c: interrupts(c, False),
+    "interrupts bandwidth": lambda c: interrupts(c, True), "stray": stray_connections, "resume": resume_abuse,
+    "same directory": same_directory, "bad data": bad_data, "lmdb": damaged_stores,
+}
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| case | exit (expected) | s | failure line | orphans | lost | clean | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        extra = (f" (+{r.after} lines after)" if r.after else "") + (" TRACEBACK" if r.traceback else "")
+        line = r.line.replace("|", "\\|")
+        lines.append(f"| {r.case} | {r.code} ({r.expect}) | {r.seconds} | `{line}`{extra} | "
+                     f"{', '.join(r.orphans) or 0} | {r.lost} | {'yes' if r.clean else '**no**'} | {r.note} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/faults")
+    parser.add_argument("--only", default="", help="comma-separated words; run the cases whose name holds one")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("the campaign needs root (a small tmpfs for the full disk, network namespaces)", file=sys.stderr)
+        return 2
+    words = [w for w in args.only.split(",") if w]
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="aqpipe-faults-") as tmp:
+        work, cache = Path(tmp), Path(tmp) / "cache"
+        for name, case in CASES.items():
+            if words and not any(w in name for w in words):
+                continue
+            start = time.monotonic()
+            try:
+                found = case(Case(work, cache, name))
+            except Exception as e:  # noqa: BLE001 - a case that could not run is a row too
+                found = [Row(name, 0, None, note=f"case failed to run: {type(e).__name__}: {str(e)[:300]}")]
+            rows += found
+            for r in found:
+                print(f"{'ok ' if r.clean else 'BAD'} {r.case}: exit {r.code} ({r.expect}) in {r.seconds} s: {r.line[:100]}"
+                      f"{' orphans: ' + ', '.join(r.orphans) if r.orphans else ''} {r.note}", flush=True)
+            print(f"   ({name}: {time.monotonic() - start:.0f} s)", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps([asdict(r) | {"clean": r.clean} for r in rows], indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(rows))
+    print(f"{sum(r.clean for r in rows)} of {len(rows)} rows clean; table: {out.with_suffix('.md')}")
+    return 0 if all(r.clean for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
