@@ -12,7 +12,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Callable, Iterator
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _FULL_TEXTS = ("No space left on device", "Disk quota exceeded")
@@ -69,6 +69,19 @@ def is_disk_full(error: BaseException) -> bool:
     return False
 
 
+def disk_full_error(error: BaseException, path: str | Path, needed: int | None = None) -> DiskFullError | None:
+    """The DiskFullError behind `error` (the first in its chain), or a new one for `path` when the chain says the disk
+    is full in other words; None when it does not."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, DiskFullError):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return DiskFullError(path, needed) if is_disk_full(error) else None
+
+
 @contextmanager
 def writing(path: str | Path, needed: int | None = None) -> Iterator[None]:
     """A block that writes `path` (about `needed` bytes): a full disk inside it raises DiskFullError naming it."""
@@ -90,20 +103,29 @@ def ensure_room(path: str | Path, needed: int) -> None:
         raise DiskFullError(path, needed, free)
 
 
-def write_atomic(path: str | Path, data: bytes, durable: bool = False) -> None:
-    """Write `data` so that readers see the old file or the whole new one, never part of it (several processes may
-    race on one path). `durable`: on disk (fsync) before it replaces the old file. A failure removes the
-    temporary file; a full disk raises DiskFullError."""
+def save_atomic(path: str | Path, write: Callable[[BinaryIO], None], needed: int | None = None,
+                durable: bool = False, shared: bool = False) -> None:
+    """Write `path` through `write(file)` so that readers see the old file or the whole new one, never part of it.
+    `durable`: on disk (fsync) before it replaces the old file; `shared`: several processes may write this path at
+    once (a cache), so each uses a temporary file of its own. A failure removes the temporary file; a full disk
+    raises DiskFullError (the free space it reports is measured once the temporary file is gone)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp" if shared else f".{path.name}.tmp")
     try:
-        with writing(path, len(data)):
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                if durable:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-    except BaseException:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        full = disk_full_error(e, path, needed) if isinstance(e, Exception) else None
+        if full is not None:
+            raise DiskFullError(path, full.needed if full.needed is not None else needed) from e
         raise
+
+
+def write_atomic(path: str | Path, data: bytes, durable: bool = False, shared: bool = False) -> None:
+    """`save_atomic` of bytes."""
+    save_atomic(path, lambda f: f.write(data), len(data), durable, shared)

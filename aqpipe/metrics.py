@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import statistics
 from pathlib import Path
@@ -106,6 +107,7 @@ def plot_loss(records: list[dict], path: Path, title: str = "") -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with writing(path):
-        fig.savefig(path, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, dpi=110, format="png")
+    write_atomic(path, image.getvalue())
     plt.close(fig)

@@ -29,13 +29,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.processes import small_disk, tagged_processes  # noqa: E402 - the repository's own test helpers
+from tests.test_health import DAMAGE  # noqa: E402 - the three kinds of LMDB damage
+
 QUICK = ["--pp", "3", "--seq-len", "16", "--max-samples", "128", "--no-progress"]
 LONG = [*QUICK, "--steps", "5000"]
-PAGE = 4096
 
 
 @dataclass
 class Row:
+    """One attempt: what happened, and whether that is what a clean failure (or success) looks like."""
+
     case: str
     expect: int
     code: int | None = None
@@ -46,10 +51,13 @@ class Row:
     orphans: list[str] = field(default_factory=list)
     lost: str = "nothing"
     note: str = ""
+    says: str = ""  # the failure line must contain this
+    verified: bool = True  # the case's own property (same losses, lr > 0, re-seeded, …) held
 
     @property
     def clean(self) -> bool:
-        return self.code == self.expect and not self.after and not self.traceback and not self.orphans
+        return (self.code == self.expect and not self.after and not self.traceback and not self.orphans
+                and self.says in self.line and self.verified)
 
 
 class Case:
@@ -65,20 +73,24 @@ class Case:
         self.namespaces_before = namespaces()
 
     def start(self, *args: str, command: str = "launch") -> subprocess.Popen:
+        """`aqpipe COMMAND ARGS` in the background, tagged."""
         return subprocess.Popen([sys.executable, "-m", "aqpipe", command, *args], cwd=ROOT, env=self.env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def run(self, *args: str, command: str = "launch", timeout: float = 600) -> tuple[int, str, float]:
+        """`aqpipe COMMAND ARGS` to its end: (exit code, stderr (and stdout of store tools), seconds)."""
         start = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "aqpipe", command, *args], cwd=ROOT, env=self.env,
                               capture_output=True, text=True, timeout=timeout)
         return proc.returncode, proc.stderr + proc.stdout * (command == "store"), time.monotonic() - start
 
     def steps_logged(self, out: Path | None = None) -> int:
+        """Steps recorded in the run's metrics.jsonl so far."""
         metrics = (out or self.out) / "metrics.jsonl"
         return metrics.read_text().count("\n") if metrics.exists() else 0
 
     def wait_steps(self, proc: subprocess.Popen, n: int, out: Path | None = None, timeout: float = 180) -> None:
+        """Return once the run has logged `n` steps."""
         deadline = time.monotonic() + timeout
         while self.steps_logged(out) < n:
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -86,18 +98,26 @@ class Case:
             time.sleep(0.05)
 
     def pids(self, rank: str | None = None) -> list[int]:
-        return tagged(self.tag, rank)
+        """Live processes of this case (of one rank when given)."""
+        return tagged_processes(self.tag, rank)
 
-    def row(self, case: str, expect: int, code: int | None, err: str, seconds: float, **extra) -> Row:
+    def row(self, case: str, expect: int, code: int | None, err: str, seconds: float, killed_in: Path | None = None,
+            **extra) -> Row:
+        """The row of one attempt; `killed_in`: a checkpoint a SIGKILL interrupted, whose partial files only the
+        next launch can remove (the row after it checks that it did)."""
         line, after = failure_line(err)
         time.sleep(0.5)
         left = [f"pid {p}" for p in self.pids()]
         left += [f"netns {n}" for n in namespaces() if n not in self.namespaces_before]
-        left += [str(p.relative_to(self.dir)) for p in self.dir.rglob("*.tmp")]
-        return Row(case, expect, code, round(seconds, 1), line[:160], after, "Traceback" in err, left, **extra)
+        left += [str(p.relative_to(self.dir)) for p in self.dir.rglob("*.tmp")
+                 if killed_in is None or killed_in not in p.parents]
+        return Row(case, expect, code, round(seconds, 1), line[:400], after, "Traceback" in err, left, **extra)
+
+
 
 
 def finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int | None, str, float]:
+    """Wait for a background launch: (exit code or None if it hung, stderr, seconds waited)."""
     start = time.monotonic()
     try:
         _, err = proc.communicate(timeout=timeout)
@@ -117,46 +137,34 @@ def failure_line(err: str) -> tuple[str, int]:
     return (lines[-1] if lines else ""), 0
 
 
-def tagged(tag: str, rank: str | None = None) -> list[int]:
-    """Live processes whose environment carries AQPIPE_TEST_TAG=tag (and RANK=rank when given)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().split(")")[-1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and f"AQPIPE_TEST_TAG={tag}".encode() in env and (
-                rank is None or f"RANK={rank}".encode() in env):
-            found.append(int(entry.name))
-    return found
-
-
 def namespaces() -> list[str]:
+    """aqpipe's network namespaces on this machine."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.startswith("aqpipe-")]
 
 
 def last_checkpoint(out: Path) -> int | None:
+    """The newest complete checkpoint's step."""
     done = [int(d.name[5:]) for d in (out / "checkpoints").glob("step-*") if (d / "COMPLETE").is_file()]
     return max(done) if done else None
 
 
 def lost_since_checkpoint(case: Case, reached: int) -> str:
+    """The steps a resume has to redo."""
     kept = last_checkpoint(case.out)
     return f"steps {kept or 0}+1..{reached} (resumable from {kept})" if kept else f"steps 1..{reached} (no checkpoint)"
 
 
 # -- kills, stalls, disk -------------------------------------------------------------------------------------------
 def kill_rank_mid_run(case: Case) -> list[Row]:
+    """A rank SIGKILLed between checkpoints, then resumed."""
     proc = case.start(*LONG, "--checkpoint-every", "5", "--out", str(case.out))
     case.wait_steps(proc, 12)
     os.kill(case.pids(rank="1")[0], signal.SIGKILL)
     reached = case.steps_logged()
     code, err, seconds = finish(proc)
-    rows = [case.row("SIGKILL rank 1 mid-run", 1, code, err, seconds, lost=lost_since_checkpoint(case, reached))]
+    rows = [case.row("SIGKILL rank 1 mid-run", 1, code, err, seconds, lost=lost_since_checkpoint(case, reached),
+                     says="rank 1 (stage 1, replica 0) died: killed by signal SIGKILL")]
     code, err, seconds = case.run("--resume", str(case.out), "--steps", "20")
     rows.append(case.row("  then --resume (to step 20)", 0, code, err, seconds))
     return rows
@@ -173,19 +181,23 @@ def kill_during_checkpoint(case: Case) -> list[Row]:
                 proc.kill()
                 caught = True
                 break
+        time.sleep(0.001)
     reached = case.steps_logged()
     code, err, seconds = finish(proc)
-    incomplete = [d.name for d in (case.out / "checkpoints").glob("step-*") if not (d / "COMPLETE").exists()]
+    incomplete = [d for d in (case.out / "checkpoints").glob("step-*") if not (d / "COMPLETE").exists()]
     rows = [case.row("SIGKILL launcher during a checkpoint write", -9, code, err, seconds,
-                     lost=lost_since_checkpoint(case, reached),
-                     note=f"caught mid-write: {caught}; incomplete left: {', '.join(incomplete) or 'none'}")]
+                     killed_in=incomplete[0] if incomplete else None, lost=lost_since_checkpoint(case, reached),
+                     verified=caught,
+                     note=f"caught mid-write: {caught}; left incomplete: {', '.join(d.name for d in incomplete) or 'none'}")]
     code, err, seconds = case.run("--resume", str(case.out), "--steps", str(reached + 3))
-    gone = not any(not (d / "COMPLETE").exists() for d in (case.out / "checkpoints").glob("step-*"))
-    rows.append(case.row("  then --resume", 0, code, err, seconds, note=f"incomplete checkpoint removed: {gone}"))
+    removed = bool(incomplete) and all(d.name in err for d in incomplete)
+    rows.append(case.row("  then --resume", 0, code, err, seconds, verified=removed,
+                         note=f"the incomplete checkpoint and its partial files removed: {removed}"))
     return rows
 
 
 def kill_launcher(case: Case) -> list[Row]:
+    """The launcher SIGKILLed: nothing can print, but no rank may outlive it."""
     proc = case.start(*LONG, "--out", str(case.out))
     case.wait_steps(proc, 3)
     proc.kill()
@@ -194,6 +206,7 @@ def kill_launcher(case: Case) -> list[Row]:
 
 
 def stall(case: Case) -> list[Row]:
+    """A rank stopped (SIGSTOP): detected as a stall and everything torn down."""
     proc = case.start(*LONG, "--stall-timeout", "10", "--out", str(case.out))
     case.wait_steps(proc, 3)
     victims = case.pids(rank="2")
@@ -204,26 +217,42 @@ def stall(case: Case) -> list[Row]:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
-    return [case.row("SIGSTOP rank 2, --stall-timeout 10", 1, code, err, seconds)]
+    return [case.row("SIGSTOP rank 2, --stall-timeout 10", 1, code, err, seconds, says="rank 2 (stage 2, replica 0)")]
 
 
 def disk_full(case: Case) -> list[Row]:
-    disk = case.dir / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)], check=True)
-    try:
+    """A disk too small for the second checkpoint, then more space and a resume."""
+    with small_disk(case.dir / "disk", "24m") as disk:
         case.out = disk / "run"
         proc = case.start("--pp", "3", "--seq-len", "64", "--max-samples", "256", "--no-progress",
                           "--checkpoint-every", "2", "--steps", "8", "--out", str(case.out))
         code, err, seconds = finish(proc)
         rows = [case.row("disk full (24 MB tmpfs) at a checkpoint", 1, code, err, seconds,
-                         lost=lost_since_checkpoint(case, case.steps_logged()))]
+                         lost=lost_since_checkpoint(case, case.steps_logged()), says="disk full writing")]
         subprocess.run(["mount", "-o", "remount,size=200m", str(disk)], check=True)
         code, err, seconds = case.run("--resume", str(case.out))
         rows.append(case.row("  then space freed, --resume", 0, code, err, seconds))
         return rows
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def disk_filled_mid_run(case: Case) -> list[Row]:
+    """Another process fills the disk while a --store lmdb run writes m(ξ) to it (LMDB used to fault: SIGBUS)."""
+    with small_disk(case.dir / "disk", "96m") as disk:
+        case.out = disk / "run"
+        proc = case.start(*LONG, "--store", "lmdb", "--checkpoint-every", "4", "--out", str(case.out))
+        case.wait_steps(proc, 5)
+        try:  # leave about 100 KB (the run writes meanwhile, so this may fill the disk completely)
+            with open(disk / "filler", "wb") as f:
+                f.write(b"\0" * max(0, shutil.disk_usage(disk).free - 100_000))
+        except OSError:
+            pass
+        code, err, seconds = finish(proc)
+        rows = [case.row("disk filled by another process mid-run (--store lmdb)", 1, code, err, seconds,
+                         lost=lost_since_checkpoint(case, case.steps_logged()), says="disk full writing")]
+        (disk / "filler").unlink()
+        code, err, seconds = case.run("--resume", str(case.out), "--steps", str(case.steps_logged() + 4))
+        rows.append(case.row("  then space freed, --resume", 0, code, err, seconds))
+        return rows
 
 
 # -- interrupts ----------------------------------------------------------------------------------------------------
@@ -235,6 +264,7 @@ def _maps_torch(pid: int) -> bool:
 
 
 def interrupts(case: Case, bandwidth: bool) -> list[Row]:
+    """SIGINT/SIGTERM at start-up, during namespace setup (with --bandwidth), mid-run and twice during cleanup."""
     extra = ["--bandwidth", "200mbit"] if bandwidth else []
     where = " under --bandwidth" if bandwidth else ""
     rows = []
@@ -279,6 +309,7 @@ def interrupts(case: Case, bandwidth: bool) -> list[Row]:
 
 # -- stray connections ---------------------------------------------------------------------------------------------
 def listening_ports(pids: list[int]) -> list[int]:
+    """TCP ports the processes listen on."""
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
     ports = set()
     for line in out.splitlines():
@@ -309,12 +340,13 @@ def stray_connections(case: Case) -> list[Row]:
     losses = [json.loads(x)["loss"] for x in (case.out / "metrics.jsonl").read_text().splitlines()] \
         if (case.out / "metrics.jsonl").exists() else []
     return [case.row("stray connections with garbage, mid-run", 0, code, err, seconds,
-                     note=f"{sent} connections to {len(ports)} ports; losses identical to an undisturbed run: "
+                     verified=losses == reference and sent > 0, note=f"{sent} connections to {len(ports)} ports; losses identical to an undisturbed run: "
                           f"{losses == reference}")]
 
 
 # -- resume abuse --------------------------------------------------------------------------------------------------
 def finished_run(case: Case, steps: int = 6, *extra: str) -> Path:
+    """A short run with checkpoints, finished."""
     code, err, _ = case.run(*QUICK, "--steps", str(steps), "--checkpoint-every", "2", *extra, "--out", str(case.out))
     if code != 0:
         raise RuntimeError(err[-2000:])
@@ -322,6 +354,7 @@ def finished_run(case: Case, steps: int = 6, *extra: str) -> Path:
 
 
 def resume_abuse(case: Case) -> list[Row]:
+    """Every way to resume what should not be resumed, and one extension that should work."""
     rows = []
     run = finished_run(case)
     pristine = case.dir / "pristine"
@@ -363,30 +396,35 @@ def resume_abuse(case: Case) -> list[Row]:
     attempt("--resume extending 6 -> 9 steps", 0, "--steps", "9")
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rows[-1].note = f"lr at step 7: {records[6]['lr']:.2e} (must be > 0), weights move: {records[6]['loss'] != records[5]['loss']}"
+    rows[-1].verified = records[6]["lr"] > 0 and records[6]["loss"] != records[5]["loss"]
     proc = case.start(*LONG, "--checkpoint-every", "2", "--out", str(case.dir / "running"))
     case.wait_steps(proc, 3, case.dir / "running")
     code, err, seconds = case.run("--resume", str(case.dir / "running"))
-    rows.append(case.row("--resume of a run that is still running", 2, code, err, seconds))
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)  # first, so that the running run's processes are not counted as orphans
     finish(proc)
+    rows.append(case.row("--resume of a run that is still running", 2, code, err, seconds, says="in use by another",
+                         killed_in=case.dir / "running"))  # its interrupted checkpoint is its own (swept on resume)
     return rows
 
 
 # -- launches into the same directory ------------------------------------------------------------------------------
 def same_directory(case: Case) -> list[Row]:
+    """Launches that land on another run's directory, running or finished."""
     rows = []
     proc = case.start(*LONG, "--out", str(case.out))
     case.wait_steps(proc, 2)
-    code, err, seconds = case.run(*QUICK, "--steps", "4", "--out", str(case.out))
-    rows.append(case.row("second launch into a running run's --out", 2, code, err, seconds))
-    code, err, seconds = case.run(*QUICK, "--steps", "4", "--overwrite", "--out", str(case.out))
-    rows.append(case.row("  and with --overwrite", 2, code, err, seconds))
-    proc.send_signal(signal.SIGINT)
+    second = case.run(*QUICK, "--steps", "4", "--out", str(case.out))
+    overwrite = case.run(*QUICK, "--steps", "4", "--overwrite", "--out", str(case.out))
+    proc.send_signal(signal.SIGINT)  # first, so that the running run's processes are not counted as orphans
     finish(proc)
+    rows.append(case.row("second launch into a running run's --out", 2, *second, says="in use by another",
+                         killed_in=case.out))
+    rows.append(case.row("  and with --overwrite", 2, *overwrite, says="in use by another", killed_in=case.out))
     before = sorted(p.name for p in case.out.iterdir())
     code, err, seconds = case.run(*QUICK, "--steps", "4", "--out", str(case.out))
-    rows.append(case.row("launch into a finished run", 2, code, err, seconds,
-                         lost="nothing" if sorted(p.name for p in case.out.iterdir()) == before else "files changed"))
+    same = sorted(p.name for p in case.out.iterdir()) == before
+    rows.append(case.row("launch into a finished run", 2, code, err, seconds, says="already holds a run",
+                         lost="nothing" if same else "files changed", verified=same))
     code, err, seconds = case.run(*QUICK, "--steps", "4", "--overwrite", "--out", str(case.out))
     rows.append(case.row("  and with --overwrite", 0, code, err, seconds, lost="the old run (asked for)"))
     return rows
@@ -394,14 +432,17 @@ def same_directory(case: Case) -> list[Row]:
 
 # -- bad data ------------------------------------------------------------------------------------------------------
 def bad_data(case: Case) -> list[Row]:
+    """--data that is not usable text, and text that used to stall data preparation."""
     rows = []
     files = {"an executable": Path(sys.executable).resolve(), "an empty file": case.dir / "empty.txt",
              "a file that does not exist": case.dir / "missing.txt", "too short for one sample": case.dir / "short.txt"}
     files["an empty file"].write_text("")
     files["too short for one sample"].write_text("a b c\n")
-    for what, path in files.items():
-        code, err, seconds = case.run(*QUICK, "--steps", "1", "--data", str(path), "--out", str(case.dir / "x"))
-        rows.append(case.row(f"--data {what}", 2, code, err, seconds))
+    says = {"an executable": "is not text", "an empty file": "is empty", "a file that does not exist": "does not exist",
+            "too short for one sample": "too short"}
+    for i, (what, path) in enumerate(files.items()):
+        code, err, seconds = case.run(*QUICK, "--steps", "1", "--data", str(path), "--out", str(case.dir / f"x{i}"))
+        rows.append(case.row(f"--data {what}", 2, code, err, seconds, says=says[what]))
     long_text = case.dir / "long.txt"
     long_text.write_text("a" * 2_000_000 + "\n")
     env_cache = case.env["AQPIPE_CACHE"]
@@ -413,54 +454,40 @@ def bad_data(case: Case) -> list[Row]:
 
 
 # -- damaged LMDB stores -------------------------------------------------------------------------------------------
-def _truncate(path: Path) -> None:
-    os.truncate(path / "data.mdb", (path / "data.mdb").stat().st_size // 2)
-
-
-def _zero_meta(path: Path) -> None:
-    with open(path / "data.mdb", "r+b") as f:
-        f.write(bytes(2 * PAGE))
-
-
-def _garble_tree(path: Path) -> None:
-    data = bytearray((path / "data.mdb").read_bytes())
-    for page in range(2, len(data) // PAGE):
-        if struct.unpack_from("<H", data, page * PAGE + 10)[0] in (0x01, 0x02):
-            data[page * PAGE + 16:(page + 1) * PAGE] = os.urandom(PAGE - 16)
-    (path / "data.mdb").write_bytes(bytes(data))
-
-
 def damaged_stores(case: Case) -> list[Row]:
+    """Each kind of LMDB damage on rank 1's store: the tools say so in one line, and a resume re-seeds."""
     rows = []
     run = finished_run(case, 6, "--store", "lmdb", "--fw", "aqsgd:3", "--warmup-epochs", "1", "--max-samples", "32",
                        "--checkpoint-every", "6")
     pristine = case.dir / "pristine"
     shutil.copytree(run, pristine)
-    for name, damage in (("truncated to half", _truncate), ("zeroed meta pages", _zero_meta),
-                         ("garbled tree pages", _garble_tree)):
+    for name, damage in DAMAGE.items():
         shutil.rmtree(run)
         shutil.copytree(pristine, run)
         damage(run / "store" / "rank-1.lmdb")
         for action in ("verify", "stats"):
             code, err, seconds = case.run(action, str(run), command="store")
-            rows.append(case.row(f"store {action}: LMDB {name}", 1, code, err, seconds))
+            rows.append(case.row(f"store {action}: LMDB {name}", 1, code, err, seconds,
+                                 says="rank 1's m(xi) store is damaged"))
         code, err, seconds = case.run("--resume", str(run), "--steps", "8")
         summary = json.loads((run / "summary.json").read_text()) if code == 0 else {}
+        reseeded = summary.get("store", {}).get("reseeded")
         rows.append(case.row(f"--resume with an LMDB store {name}", 0, code, err, seconds,
-                             lost="m(xi) of rank 1 (re-seeded)",
+                             lost="m(xi) of rank 1 (re-seeded)", verified=bool(reseeded),
                              note=f"store.reseeded = {summary.get('store', {}).get('reseeded')}"))
     return rows
 
 
 CASES = {
     "kill rank": kill_rank_mid_run, "kill checkpoint": kill_during_checkpoint, "kill launcher": kill_launcher,
-    "stall": stall, "disk": disk_full, "interrupts": lambda c: interrupts(c, False),
+    "stall": stall, "disk": disk_full, "disk lmdb": disk_filled_mid_run, "interrupts": lambda c: interrupts(c, False),
     "interrupts bandwidth": lambda c: interrupts(c, True), "stray": stray_connections, "resume": resume_abuse,
     "same directory": same_directory, "bad data": bad_data, "lmdb": damaged_stores,
 }
 
 
 def markdown(rows: list[Row]) -> str:
+    """The rows as a Markdown table."""
     lines = ["| case | exit (expected) | s | failure line | orphans | lost | clean | note |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -472,6 +499,7 @@ def markdown(rows: list[Row]) -> str:
 
 
 def main() -> int:
+    """Run the chosen cases, print a line per row, write the JSON and Markdown tables; exit 1 unless all clean."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/faults")
     parser.add_argument("--only", default="", help="comma-separated words; run the cases whose name holds one")

@@ -1,4 +1,5 @@
-"""Helpers for tests that start `aqpipe launch` and look for the processes it left."""
+"""Helpers for tests that start `aqpipe launch` and look for the processes it left (also used by
+benchmarks/faults.py)."""
 
 import os
 import signal
@@ -6,6 +7,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 LONG_RUN = ["--steps", "5000", "--seq-len", "16", "--max-samples", "128", "--pp", "3", "--no-progress"]
@@ -69,3 +71,14 @@ def finish(proc, timeout) -> tuple[int, str, float]:
         _, err = proc.communicate()
         raise AssertionError(f"the launcher did not end within {timeout} s; {state}\nstderr:\n{err[-6000:]}") from None
     return proc.returncode, err, time.monotonic() - start
+
+
+@contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of `size` (e.g. "24m") mounted at `path` for the block (needs root); `path` is created if absent."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

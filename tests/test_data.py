@@ -1,5 +1,7 @@
 """Corpora, tokenization, samples with stable ids, shards and the per-epoch shuffle."""
 
+import os
+
 import pytest
 import torch
 
@@ -171,8 +173,7 @@ def test_cut_short_samples_are_the_first_samples_of_the_whole_text(tmp_path):
     from aqpipe.data.samples import chunk
     from aqpipe.data.tokenizer import train_bpe
 
-    text = open(WIKITEXT + "/valid.txt").read() if __import__("os").path.isdir(WIKITEXT) else \
-        load_corpus("builtin").train
+    text = open(WIKITEXT + "/valid.txt").read() if os.path.isdir(WIKITEXT) else load_corpus("builtin").train
     (tmp_path / "corpus.txt").write_text(text)
     corpus = load_corpus(str(tmp_path / "corpus.txt"))
     whole = chunk(train_bpe(corpus, 1024).encode(corpus.train), 64)
@@ -197,7 +198,7 @@ def test_preparing_a_large_corpus_keeps_memory_bounded(tmp_path):
     script = ("import resource, sys\nfrom aqpipe.data import prepare_lm_dataset\n"
               f"d = prepare_lm_dataset({str(path)!r}, 64, vocab_size=1024)\n"
               "print(len(d.train), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-    env = dict(__import__("os").environ, AQPIPE_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, AQPIPE_CACHE=str(tmp_path / "cache"))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     samples, peak_kb = map(int, out.stdout.split())

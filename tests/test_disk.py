@@ -6,24 +6,13 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 
 import pytest
 
 from aqpipe.disk import DiskFullError, free_bytes, is_disk_full, size_text, write_atomic
+from tests.processes import small_disk
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
-
-
-@contextmanager
-def small_disk(path, size: str):
-    """A tmpfs of `size` mounted at `path` (removed afterwards)."""
-    path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def fill(directory, leave: int) -> None:

@@ -71,7 +71,7 @@ def prepare_lm_dataset(
         vocab = tokenizer.vocab_size
         buf = io.BytesIO()
         torch.save({"train": train.tokens, "valid": valid.tokens, "vocab_size": vocab}, buf)
-        write_atomic(whole if wanted is None or stream.numel() < wanted else first, buf.getvalue())
+        write_atomic(whole if wanted is None or stream.numel() < wanted else first, buf.getvalue(), shared=True)
     if len(train) == 0:
         raise DataError(f"--data {data!r} is too short for even one sample of --seq-len {seq_len}")
     if max_samples is not None:
@@ -103,7 +103,7 @@ def prepare_classify_dataset(
         vocab = tokenizer.vocab_size
         buf = io.BytesIO()
         torch.save({"train": train.to_dict(), "valid": valid.to_dict(), "vocab_size": vocab}, buf)
-        write_atomic(path, buf.getvalue())
+        write_atomic(path, buf.getvalue(), shared=True)
     if max_samples is not None:
         train = ClassifySamples(**{k: v[:max_samples] for k, v in train.to_dict().items()})
     return TaskDataset(train, valid, vocab, tok_name, list(task.labels))

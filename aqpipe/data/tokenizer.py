@@ -47,7 +47,7 @@ class BPETokenizer:
         return [e.ids for e in self.tokenizer.encode_batch(texts)]
 
     def save(self, path: Path) -> None:
-        write_atomic(path, self.tokenizer.to_str().encode())
+        write_atomic(path, self.tokenizer.to_str().encode(), shared=True)
 
 
 # The files that carry a `transformers` tokenizer's vocabulary, in the usual formats.
@@ -110,7 +110,7 @@ _SAFE_CUT = re.compile(r"(?<=\S)(?= \S)|(?<=\S\n)(?=\S)")
 
 def text_pieces(text: str, max_chars: int) -> Iterator[str]:
     """`text` in consecutive pieces of at most `max_chars`, cut where pre-tokens end (_SAFE_CUT) when the second half
-    of the window has such a place, else where it must be (inside one very long unbroken run)."""
+    of the window has such a place, else where it must be (text without single spaces or lone newlines there)."""
     start = 0
     while start < len(text):
         end = start + max_chars
@@ -163,13 +163,14 @@ def train_bpe(corpus: Corpus, vocab_size: int) -> BPETokenizer:
     )
     with preparing(f"training a {vocab_size}-token BPE", len(corpus.train)) as advance:
 
-        def pieces() -> Iterator[str]:
-            """Bounded pieces, made as training consumes them: memory stays a small multiple of the text."""
+        def lines() -> Iterator[str]:
+            """The lines of the text (without their newlines, as BPE training has always seen them), made from bounded
+            pieces as training consumes them: memory stays a small multiple of the text."""
             for piece in text_pieces(corpus.train, TRAIN_PIECE_CHARS):
                 advance(len(piece))
-                yield bounded_pretokens(piece)
+                yield from (bounded_pretokens(line) for line in piece.splitlines())
 
-        tok.train_from_iterator(pieces(), trainer=trainer)
+        tok.train_from_iterator(lines(), trainer=trainer)
     result = BPETokenizer(tok)
     result.save(path)
     return result

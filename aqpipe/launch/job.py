@@ -115,8 +115,6 @@ def _check_checkpoint(cfg: RunConfig) -> None:
     from aqpipe.runtime.checkpoint import (CheckpointError, complete_steps, latest_step, remove_incomplete, step_dir,
                                            verify)
 
-    for directory in remove_incomplete(cfg.resume):  # nothing writes them now: the run directory is locked
-        print(f"aqpipe: removed {directory}, a checkpoint its run did not finish writing", file=sys.stderr, flush=True)
     step = latest_step(cfg.resume)
     if step is None:
         raise ConfigError(f"--resume {cfg.resume}: no complete checkpoint under {cfg.resume}/checkpoints "
@@ -133,6 +131,8 @@ def _check_checkpoint(cfg: RunConfig) -> None:
             raise ConfigError(f"--resume: {e}; the older checkpoint {step_dir(cfg.resume, older)} is sound: move "
                               f"{step_dir(cfg.resume, step)} out of the run directory to resume from step {older}") from None
         raise ConfigError(f"--resume: {e}") from None
+    for directory in remove_incomplete(cfg.resume):  # nothing writes them now: the run directory is locked
+        print(f"aqpipe: removed {directory}, a checkpoint its run did not finish writing", file=sys.stderr, flush=True)
     print(f"aqpipe: resuming {cfg.resume} after step {step}", file=sys.stderr, flush=True)
 
 

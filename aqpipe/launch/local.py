@@ -29,11 +29,12 @@ from aqpipe.runtime.train import EVENT_PREFIX, HEARTBEAT_SECONDS
 # A worker whose error only says a peer went away is a consequence, not the cause.
 _SECONDARY = ("TransportError", "Connection closed", "Connection reset", "peer", "Broken pipe", "ECONNRESET")
 # torch's C++ log lines ("[W1123 13:00:00.123 ProcessGroupGloo.cpp:…]") and gloo's abort text: details, for the log.
+_NATIVE_LOG = re.compile(r"^(\[[WEFI]\d{4} |terminate called|  what\(\): )")
+
 # What a signal that killed a rank usually means, for the one-line message.
 _SIGNAL_HINTS = {"SIGBUS": " (a memory-mapped file could not be read or grown: is the disk holding the run directory "
                            "full, or its m(xi) store damaged? see aqpipe store verify)",
                  "SIGKILL": " (by a user, or by the kernel's out-of-memory killer: see dmesg)"}
-_NATIVE_LOG = re.compile(r"^(\[[WEFI]\d{4} |terminate called|  what\(\): )")
 
 
 def free_port() -> int:
@@ -86,7 +87,10 @@ def launch_local(
     events: queue.Queue = queue.Queue()
     workers: list[_Worker] = []
     if log_dir is not None:
-        log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:  # logs are a convenience: a full disk shows up where it matters (the run's own files)
+            log_dir = None
     bar = _progress_bar(total_steps) if progress else None
     result: LaunchResult | None = None
     # Set by the first event of training; before it, start-up hangs are the ranks' own to time out (the process
@@ -158,8 +162,11 @@ def launch_local(
 def _open_log(log_dir: Path | None, rank: int) -> TextIO | None:
     if log_dir is None:
         return None
-    log = open(log_dir / f"rank-{rank}.log", "a", buffering=1, errors="replace")
-    log.write(f"=== aqpipe launch {time.strftime('%Y-%m-%d %H:%M:%S')} (launcher pid {os.getpid()}) ===\n")
+    try:
+        log = open(log_dir / f"rank-{rank}.log", "a", buffering=1, errors="replace")
+        log.write(f"=== aqpipe launch {time.strftime('%Y-%m-%d %H:%M:%S')} (launcher pid {os.getpid()}) ===\n")
+    except OSError:  # disk full: the rank runs without a log file (and its own writes will name the problem)
+        return None
     return log
 
 

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from aqpipe.config import ConfigError
+from aqpipe.disk import disk_full_error
 
 LOCK_NAME = ".aqpipe.lock"
 # What a run writes into its directory; any of them present means the directory holds a run.
@@ -46,9 +47,16 @@ class RunDirectory:
                 raise ConfigError(f"cannot lock the run directory {self.path}: {e.strerror}") from None
             raise ConfigError(f"the run directory {self.path} is in use by another aqpipe launch (pid {holder}); "
                               "wait for it to end or choose another --out") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            self.release(failed_before_start=True)
+            full = disk_full_error(e, self.path / LOCK_NAME, 16)
+            if full is not None:
+                raise full from None
+            raise ConfigError(f"cannot write the lock of the run directory {self.path}: {e.strerror}") from None
         self._previous = [] if resuming else existing_run(self.path)
         if self._previous and not overwrite:
             self.release(failed_before_start=True)

@@ -11,7 +11,7 @@ import os
 import sys
 import traceback
 
-from aqpipe.disk import DiskFullError, is_disk_full
+from aqpipe.disk import disk_full_error
 from aqpipe.launch.env import CONFIG_ENV, die_with_parent, rank_from_env
 
 
@@ -34,9 +34,9 @@ def run_rank(spec_factory=None) -> int:
     except BaseException as e:  # noqa: BLE001 - every failure is reported, then the process ends
         if isinstance(e, KeyboardInterrupt):
             return 1
-        if is_disk_full(e):  # the file it names is the cause; the library that noticed is a detail (for the log)
-            cause = e if isinstance(e, DiskFullError) else DiskFullError(out)
-            emit({"event": "error", "message": str(cause), "disk_full": True})
+        full = disk_full_error(e, out)
+        if full is not None:  # the file it names is the cause; the library that noticed is a detail (for the log)
+            emit({"event": "error", "message": str(full), "disk_full": True})
         else:
             text = str(e).strip().splitlines()
             emit({"event": "error", "message": f"{type(e).__name__}: {text[0] if text else ''}"})

@@ -53,10 +53,6 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    write_atomic(path, data, durable=True)
-
-
 def settings_digest(settings: dict) -> str:
     """A short digest of the settings a resume may not change (canonical JSON)."""
     return _sha256(json.dumps(settings, sort_keys=True).encode())[:16]
@@ -72,8 +68,8 @@ def save_rank(out: str | Path, step: int, rank: int, state: dict, settings: dict
     torch.save({"format": FORMAT, "step": step, "rank": rank, "config_digest": digest, **state}, buf)
     data = buf.getvalue()
     path = rank_file(directory, rank)
-    _write_atomic(path, data)
-    _write_atomic(path.with_suffix(".sha256"), f"{_sha256(data)} rank={rank} step={step} config={digest}\n".encode())
+    write_atomic(path, data, durable=True)
+    write_atomic(path.with_suffix(".sha256"), f"{_sha256(data)} rank={rank} step={step} config={digest}\n".encode(), durable=True)
     return path
 
 
@@ -82,13 +78,13 @@ def mark_complete(out: str | Path, step: int, world_size: int, settings: dict) -
     checkpoints and incomplete ones (no other checkpoint can be in writing now: every rank passed the barrier)."""
     directory = step_dir(out, step)
     record = {"step": step, "world_size": world_size, "config": settings, "config_digest": settings_digest(settings)}
-    _write_atomic(directory / "run.json", (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
-    _write_atomic(directory / "COMPLETE", f"{world_size}\n".encode())
-    _write_atomic(root(out) / "latest", (directory.name + "\n").encode())
-    steps = sorted(root(out).glob("step-*"))
-    complete = [d for d in steps if (d / "COMPLETE").is_file()]
-    for old in complete[:-KEEP] + [d for d in steps if d not in complete and d != directory]:
+    write_atomic(directory / "run.json", (json.dumps(record, indent=2, sort_keys=True) + "\n").encode(), durable=True)
+    write_atomic(directory / "COMPLETE", f"{world_size}\n".encode(), durable=True)
+    write_atomic(root(out) / "latest", (directory.name + "\n").encode(), durable=True)
+    complete = [d for d in sorted(root(out).glob("step-*")) if (d / "COMPLETE").is_file()]
+    for old in complete[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
+    remove_incomplete(out)
 
 
 def remove_incomplete(out: str | Path) -> list[Path]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -20,7 +20,7 @@ from aqpipe.compress.grad.registry import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.config import RunConfig
 from aqpipe.data.dataset import export_tokenizer
-from aqpipe.disk import write_atomic, writing
+from aqpipe.disk import DiskFullError, save_atomic, writing
 from aqpipe.launch.env import loopback_rendezvous
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
 from aqpipe.runtime.checkpoint import CheckpointError, latest_step, load_rank, mark_complete, save_rank
@@ -284,9 +284,13 @@ def _export(plan: RunPlan) -> str | None:
     out = Path(plan.cfg.out)
     states = [torch.load(out / "checkpoints" / "final" / f"stage-{k}.pt", weights_only=True) for k in range(plan.cfg.pp)]
     tokenizer = export_tokenizer(plan.cfg.task, plan.cfg.data, tokenizer_directory(plan.cfg.model), plan.cfg.vocab_size)
-    with writing(out / "export", sum(t.numel() * t.element_size() for s in states for t in s.values())):
-        path = export_hf(states, plan.bounds, architecture, plan.spec.extras["hf_config"], out / "export", tokenizer,
-                         plan.dataset.label_names)
+    try:
+        with writing(out / "export", sum(t.numel() * t.element_size() for s in states for t in s.values())):
+            path = export_hf(states, plan.bounds, architecture, plan.spec.extras["hf_config"], out / "export",
+                             tokenizer, plan.dataset.label_names)
+    except DiskFullError:
+        shutil.rmtree(out / "export", ignore_errors=True)  # a partial export must not look like a model
+        raise
     return str(path)
 
 
@@ -304,9 +308,7 @@ def save_stage_weights(module: torch.nn.Module, out: Path, stage: int) -> Path:
     directory = out / "checkpoints" / "final"
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"stage-{stage}.pt"
-    buf = io.BytesIO()
-    torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, buf)
-    write_atomic(path, buf.getvalue())
+    save_atomic(path, lambda f: torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, f))
     return path
 
 

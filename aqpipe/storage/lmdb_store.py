@@ -172,7 +172,8 @@ class LMDBStore:
             except self._lmdb.MapFullError:
                 self._grow(size)
             except self._lmdb.Error as e:
-                if (free_bytes(self.path) or 0) < needed:
+                free = free_bytes(self.path)
+                if free is not None and free < needed:
                     raise DiskFullError(self.path / "data.mdb", needed) from e
                 raise StoreFullError(f"writing m(xi) to {self.path} failed: {e}") from None
         raise StoreFullError(f"the store at {self.path} kept running out of map space")
@@ -283,7 +284,6 @@ class LMDBStore:
                 raise StoreFullError(f"the m(xi) store at {self.path} reached its cap of {self.max_bytes / 1e9:.2f} GB "
                                      "(--store-max-gb); raise the cap or use a low-bit --store-dtype")
             target = self.max_bytes
-        ensure_room(self.path / "data.mdb", target - current)
         with self._gate.exclusive():  # LMDB forbids a resize while this process has a transaction open
             if self.env.info()["map_size"] < target:  # another thread may have grown it meanwhile
                 self.env.set_mapsize(target)

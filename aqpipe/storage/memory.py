@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from aqpipe.disk import write_atomic
+from aqpipe.disk import save_atomic
 from aqpipe.storage.base import StoreStats
 
 
@@ -100,6 +99,4 @@ class MemoryStore:
 
     def dump(self, path: Path) -> None:
         """Save every entry (keys as 'link/side/id') for offline comparison of the two sides of a link."""
-        buf = io.BytesIO()
-        torch.save(self.entries(), buf)
-        write_atomic(path, buf.getvalue())
+        save_atomic(path, lambda f: torch.save(self.entries(), f))
