@@ -54,32 +54,26 @@ class DiskFullError(OSError):
         return self.strerror
 
 
-def is_disk_full(error: BaseException) -> bool:
-    """Whether `error`, or an error it was raised from, says the disk or the quota is full."""
+def _chain(error: BaseException | None) -> Iterator[BaseException]:
+    """`error` and the errors it was raised from (or while handling), innermost last."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, DiskFullError):
-            return True
-        if isinstance(error, OSError) and error.errno in FULL_ERRNOS:
-            return True
-        if any(text in str(error) for text in _FULL_TEXTS):
-            return True
+        yield error
         error = error.__cause__ or error.__context__
-    return False
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised from, says the disk or the quota is full."""
+    return any(isinstance(e, DiskFullError) or (isinstance(e, OSError) and e.errno in FULL_ERRNOS)
+               or any(text in str(e) for text in _FULL_TEXTS) for e in _chain(error))
 
 
 def disk_full_error(error: BaseException, path: str | Path, needed: int | None = None) -> DiskFullError | None:
     """The DiskFullError behind `error` (the first in its chain), or a new one for `path` when the chain says the disk
     is full in other words; None when it does not."""
-    seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, DiskFullError):
-            return cause
-        cause = cause.__cause__ or cause.__context__
-    return DiskFullError(path, needed) if is_disk_full(error) else None
+    found = next((e for e in _chain(error) if isinstance(e, DiskFullError)), None)
+    return found or (DiskFullError(path, needed) if is_disk_full(error) else None)
 
 
 @contextmanager
@@ -120,9 +114,8 @@ def save_atomic(path: str | Path, write: Callable[[BinaryIO], None], needed: int
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        full = disk_full_error(e, path, needed) if isinstance(e, Exception) else None
-        if full is not None:
-            raise DiskFullError(path, full.needed if full.needed is not None else needed) from e
+        if isinstance(e, Exception) and is_disk_full(e):
+            raise DiskFullError(path, needed) from e
         raise
 
 

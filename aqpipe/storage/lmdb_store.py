@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from aqpipe.disk import DiskFullError, ensure_room, free_bytes
+from aqpipe.disk import ensure_room
 from aqpipe.storage.base import SIDES, StoreStats
 from aqpipe.storage.encoding import ENCODINGS, decode_value, encode_value, storable, value_dtype
 
@@ -172,9 +172,7 @@ class LMDBStore:
             except self._lmdb.MapFullError:
                 self._grow(size)
             except self._lmdb.Error as e:
-                free = free_bytes(self.path)
-                if free is not None and free < needed:
-                    raise DiskFullError(self.path / "data.mdb", needed) from e
+                ensure_room(self.path / "data.mdb", needed)  # a disk that filled meanwhile is the likely cause
                 raise StoreFullError(f"writing m(xi) to {self.path} failed: {e}") from None
         raise StoreFullError(f"the store at {self.path} kept running out of map space")
 
