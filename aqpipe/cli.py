@@ -10,6 +10,7 @@ from aqpipe.compress.grids import GRIDS
 from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values
 from aqpipe.disk import DiskFullError
 from aqpipe.launch.signals import ignore_interrupts, interrupts_raise
+from aqpipe.runtime.schedule import SCHEDULES
 
 HELP = {
     "model": "preset (gpt2-tiny … gpt2-xl; bert-tiny … bert-large; minilm-l6, the pretrained MiniLM of the PyPI "
@@ -20,7 +21,7 @@ HELP = {
             "files) becomes the built-in acceptability task (real sentences vs word-shuffled ones)",
     "pp": "pipeline stages", "dp": "data-parallel replicas",
     "partition": "parameters, time, or layers per stage like 2,3,3",
-    "schedule": "micro-batch schedule: gpipe",
+    "schedule": "micro-batch schedule: " + "; ".join(f"{name}, {s.summary}" for name, s in SCHEDULES.items()),
     "seq_len": "tokens per sample", "micro_batch_size": "samples per micro-batch",
     "micro_batches": "micro-batches per optimizer step",
     "epochs": "epochs to train", "steps": "optimizer steps to train (overrides --epochs)",

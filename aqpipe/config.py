@@ -19,10 +19,6 @@ class ConfigError(ValueError):
     """A usage or configuration error: one line saying what is wrong and how to fix it (exit code 2)."""
 
 
-class NotAvailableYet(ConfigError):
-    """A contract feature that a later release delivers."""
-
-
 # Training defaults per model preset; a model that is not a preset takes the "default" row.
 PRESET_TRAINING: dict[str, dict[str, Any]] = {
     "default": dict(seq_len=128, micro_batch_size=4, micro_batches=4, epochs=2, lr=5e-5, warmup_steps=10),
@@ -243,8 +239,7 @@ def _cuda_available() -> bool:
 
 
 def _check_choices(cfg: RunConfig) -> None:
-    """Codec specs and named choices are known, and contract features not built yet say so."""
-    later = "is not available yet in this release"
+    """Codec specs and named choices are known."""
     from aqpipe.compress.codecs import CodecError, parse_spec
 
     try:
@@ -277,10 +272,10 @@ def _check_choices(cfg: RunConfig) -> None:
         _check_bandwidth(cfg.bandwidth)
     if cfg.task not in (None, "lm", "classify"):
         raise ConfigError(f"--task {cfg.task!r} is not a task; use lm or classify")
-    if cfg.schedule not in ("gpipe", "1f1b"):
-        raise ConfigError(f"--schedule {cfg.schedule!r} is not a schedule; use gpipe")
-    if cfg.schedule == "1f1b":
-        raise NotAvailableYet(f"--schedule 1f1b {later}; use --schedule gpipe")
+    from aqpipe.runtime.schedule import SCHEDULES
+
+    if cfg.schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule {cfg.schedule!r} is not a schedule; use {' or '.join(SCHEDULES)}")
 
 
 def _check_bandwidth(rate: str) -> None:

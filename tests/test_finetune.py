@@ -103,11 +103,12 @@ def _kill_after_first_checkpoint(out, *extra):
     return proc.returncode, err
 
 
-def test_killed_run_resumes_from_its_checkpoint_with_the_losses_of_an_uninterrupted_run(tmp_path):
-    reference = launch(*TINY_RUN, "--fw", "fp32", "--bw", "fp32", "--out", str(tmp_path / "ref"))
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_killed_run_resumes_from_its_checkpoint_with_the_losses_of_an_uninterrupted_run(tmp_path, schedule):
+    reference = launch(*TINY_RUN, "--fw", "fp32", "--bw", "fp32", "--schedule", schedule, "--out", str(tmp_path / "ref"))
     assert reference.returncode == 0, reference.stderr[-2000:]
     run = tmp_path / "run"
-    code, err = _kill_after_first_checkpoint(run, "--fw", "fp32", "--bw", "fp32")
+    code, err = _kill_after_first_checkpoint(run, "--fw", "fp32", "--bw", "fp32", "--schedule", schedule)
     assert code == 1 and "rank 1 (stage 1, replica 0) died: killed by signal SIGKILL" in err
     killed_at = len(records(run))
     assert 30 < killed_at < 120
@@ -124,8 +125,11 @@ def test_killed_run_resumes_from_its_checkpoint_with_the_losses_of_an_uninterrup
 
 
 def test_resumed_aqsgd_run_keeps_both_store_copies_identical(tmp_path):
+    """Under 1F1B (GPipe's store copies are checked in test_aqsgd_run and test_lmdb_store): 15 epochs of aqsgd:3
+    over an LMDB store, killed and resumed."""
     run = tmp_path / "run"
-    code, err = _kill_after_first_checkpoint(run, "--fw", "aqsgd:3", "--store", "lmdb", "--warmup-epochs", "1")
+    code, err = _kill_after_first_checkpoint(run, "--fw", "aqsgd:3", "--store", "lmdb", "--warmup-epochs", "1",
+                                             "--schedule", "1f1b")
     assert code == 1, err[-2000:]
     resumed = launch("--resume", str(run), "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-2000:]

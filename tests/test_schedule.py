@@ -1,4 +1,5 @@
-"""The GPipe instruction stream, checked alone: completeness, order, and deadlock freedom across stages."""
+"""The schedules' instruction streams, checked alone (no torch): completeness, order, deadlock freedom across
+stages, and how many micro-batches each stage holds."""
 
 from collections import deque
 
@@ -7,9 +8,9 @@ import pytest
 from aqpipe.runtime import schedule as s
 
 
-def simulate(stages: int, micro_batches: int) -> list[list[s.Instruction]]:
+def simulate(stages: int, micro_batches: int, schedule: str = "gpipe") -> list[list[s.Instruction]]:
     """Run every stage's stream with blocking receives and asynchronous sends; fail on deadlock or mismatch."""
-    streams = [deque(s.gpipe(k, stages, micro_batches)) for k in range(stages)]
+    streams = [deque(s.SCHEDULES[schedule].stream(k, stages, micro_batches)) for k in range(stages)]
     # wires[(src, dst)] holds the micro-batch numbers sent and not yet received, in order
     wires: dict[tuple[int, int], deque] = {}
     done: list[list[s.Instruction]] = [[] for _ in range(stages)]
@@ -39,10 +40,24 @@ def simulate(stages: int, micro_batches: int) -> list[list[s.Instruction]]:
     return done
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("micro_batches", [1, 2, 3, 4, 7, 16])
-def test_gpipe_stream_is_complete_ordered_and_deadlock_free(stages, micro_batches):
-    executed = simulate(stages, micro_batches)
+def in_flight(stream: list[s.Instruction]) -> int:
+    """The most micro-batches a stream holds at once: forwarded, not yet backwarded."""
+    held, most = 0, 0
+    for ins in stream:
+        held += isinstance(ins, s.Forward) - isinstance(ins, s.Backward)
+        most = max(most, held)
+    return most
+
+
+@pytest.mark.parametrize("schedule", list(s.SCHEDULES))
+@pytest.mark.parametrize("stages", range(1, 9))
+def test_every_stream_is_complete_ordered_and_deadlock_free(schedule, stages):
+    for micro_batches in range(1, 17):
+        check_complete_and_ordered(simulate(stages, micro_batches, schedule), stages, micro_batches)
+
+
+def check_complete_and_ordered(executed: list[list[s.Instruction]], stages: int, micro_batches: int) -> None:
+    """Each stage ran every instruction a micro-batch needs once, in an order that respects its data."""
     for k, stream in enumerate(executed):
         first, last = k == 0, k == stages - 1
         kinds = [type(i) for i in stream]
@@ -64,10 +79,38 @@ def test_gpipe_stream_is_complete_ordered_and_deadlock_free(stages, micro_batche
             if not last:
                 assert position[(s.Forward, mb)] < position[(s.SendActivation, mb)]
                 assert position[(s.RecvGrad, mb)] < position[(s.Backward, mb)]
-        # GPipe: all forwards before any backward
+        # backwards run in forward order on every stage, so gradients accumulate as in a single process
+        assert [i.micro_batch for i in stream if isinstance(i, s.Backward)] == list(range(micro_batches))
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4, 8])
+@pytest.mark.parametrize("micro_batches", [1, 3, 8, 16])
+def test_gpipe_runs_every_forward_before_any_backward(stages, micro_batches):
+    for stream in simulate(stages, micro_batches, "gpipe"):
         last_forward = max(n for n, i in enumerate(stream) if isinstance(i, s.Forward))
         first_backward = min(n for n, i in enumerate(stream) if isinstance(i, s.Backward))
         assert last_forward < first_backward
+        assert in_flight(stream) == micro_batches
+
+
+@pytest.mark.parametrize("stages", range(1, 9))
+def test_1f1b_holds_at_most_pp_minus_stage_micro_batches(stages):
+    for micro_batches in range(1, 17):
+        for k, stream in enumerate(simulate(stages, micro_batches, "1f1b")):
+            assert in_flight(stream) == min(stages - k, micro_batches), (stages, micro_batches, k)
+
+
+def test_1f1b_alternates_in_the_steady_state():
+    """Stage 1 of 4 with 8 micro-batches: 3 warm-up forwards, then backward/forward pairs, then 3 backwards."""
+    kinds = ["F" if isinstance(i, s.Forward) else "B" for i in s.one_f_one_b(1, 4, 8)
+             if isinstance(i, (s.Forward, s.Backward))]
+    assert "".join(kinds) == "FFF" + "BF" * 5 + "BBB"
+
+
+def test_the_last_stage_of_1f1b_sends_each_gradient_as_soon_as_its_forward_is_done():
+    stream = s.one_f_one_b(2, 3, 3)
+    assert [repr(i) for i in stream[:5]] == ["RecvActivation(0)", "LoadMicroBatch(0)", "Forward(0)", "Backward(0)",
+                                             "SendGrad(0)"]
 
 
 def test_backward_runs_micro_batches_in_forward_order():
@@ -75,7 +118,8 @@ def test_backward_runs_micro_batches_in_forward_order():
     assert [i.micro_batch for i in stream if isinstance(i, s.Backward)] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("schedule", list(s.SCHEDULES))
 @pytest.mark.parametrize("args", [(3, 3, 2), (-1, 2, 2), (0, 2, 0)])
-def test_bad_schedule_arguments_are_rejected(args):
+def test_bad_schedule_arguments_are_rejected(schedule, args):
     with pytest.raises(ValueError):
-        s.gpipe(*args)
+        s.SCHEDULES[schedule].stream(*args)

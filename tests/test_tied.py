@@ -25,16 +25,17 @@ def _step(rank: int, world: int, method: str):
     from aqpipe.runtime.grid import Grid, create_groups
     from aqpipe.runtime.optim import build_optimizer
     from aqpipe.runtime.tied import TiedGroup
-    from aqpipe.runtime.worker import Links, Codecs, StageWorker, StepStats
+    from aqpipe.runtime.link_ends import StageLinks
+    from aqpipe.runtime.worker import StageWorker, StepStats
 
     grid = Grid(1, world, rank)
     groups = create_groups(grid)
     module = nn.Sequential(Copy(), Copy())
     sync = build_grad_sync(method, DPGroup(groups.data_parallel, tuple(grid.dp_ranks(0)), rank), seed=3)
     optimizer, schedule = build_optimizer(module.parameters(), "sgd", 1.0, 0.0, 0, 10, momentum=0.0)
-    worker = StageWorker(grid=grid, groups=groups, module=module, loss_fn=None, samples=None, links=Links(),
-                         codecs=Codecs(), grad_sync=sync, optimizer=optimizer, lr_schedule=schedule, clip=0.0,
-                         device=torch.device("cpu"), micro_batch_size=1, tied=[TiedGroup("table", ((4, 3),), 2)])
+    worker = StageWorker(grid=grid, groups=groups, module=module, loss_fn=None, samples=None,
+                         links=StageLinks(), grad_sync=sync, optimizer=optimizer, lr_schedule=schedule, clip=0.0,
+                         device=torch.device("cpu"), tied=[TiedGroup("table", ((4, 3),), 2)])
     generator = torch.Generator().manual_seed(rank)
     grads = [torch.randn(4, 3, generator=generator) for _ in range(2)]
     for layer, g in zip(module, grads):

@@ -31,6 +31,26 @@ def test_header_round_trip():
     assert t.parse_header(raw, PEER, expect()) == h
 
 
+@pytest.mark.parametrize("side_kind,side_len,allowed,needle", [
+    (t.SIDE_RESEED, 16, (t.SIDE_MASK,), "cannot carry side information of kind re-seed request"),
+    (t.SIDE_MASK, 10, (t.SIDE_RESEED,), "cannot carry side information of kind attention mask"),
+    (t.SIDE_MASK, 0, (t.SIDE_MASK,), "0 bytes of side information of kind attention mask"),
+    (t.SIDE_NONE, 10, (t.SIDE_MASK,), "10 bytes of side information of kind none"),
+    (t.SIDE_RESEED, 12, (t.SIDE_RESEED,), "not a list of int64 sample ids"),
+    (9, 8, (t.SIDE_MASK,), "of kind 9"),
+])
+def test_side_information_must_be_of_a_kind_the_message_may_carry(side_kind, side_len, allowed, needle):
+    """The re-seed request is its own typed field: an activation cannot smuggle one, nor a gradient a mask."""
+    raw = header(side_kind=side_kind, side_len=side_len).pack()
+    with pytest.raises(t.TransportError, match=needle):
+        t.parse_header(raw, PEER, expect(side_kinds=allowed))
+
+
+def test_a_typed_side_round_trips():
+    h = header(side_kind=t.SIDE_RESEED, side_len=24)
+    assert t.parse_header(h.pack(), PEER, expect(side_kinds=(t.SIDE_RESEED,))) == h
+
+
 def corrupt(raw: bytes, fmt: str, offset: int, value) -> bytes:
     raw = bytearray(raw)
     struct.pack_into(fmt, raw, offset, value)
@@ -82,7 +102,8 @@ def _send_then_receive(rank, world, mode):
     if rank == 1:
         import torch.distributed as dist
 
-        h = t.Header(t.KIND_ACTIVATION, 0, 0, (8, 8), torch.float32, 2, payload.numel())
+        h = t.Header(t.KIND_ACTIVATION, 0, 0, (8, 8), torch.float32, 2, payload.numel(),
+                     side_kind=t.SIDE_MASK if "side" in mode else t.SIDE_NONE)
         if mode in ("good", "side"):
             box = t.Outbox(0, t.KIND_ACTIVATION)
             box.send(h, ids, payload, SIDE if mode == "side" else None)
@@ -105,7 +126,7 @@ def _send_then_receive(rank, world, mode):
             dist.send(torch.cat([ids.view(torch.uint8), payload]), 0, tag=t.KIND_ACTIVATION)
         return None
     inbox = t.Inbox(1, inbox_peer, t.KIND_ACTIVATION, torch.device("cpu"), timeout=20)
-    inbox.expect(t.Expect(t.KIND_ACTIVATION, 0, 0, 2, max_payload=1 << 20))
+    inbox.expect(t.Expect(t.KIND_ACTIVATION, 0, 0, 2, max_payload=1 << 20, side_kinds=(t.SIDE_MASK,)))
     try:
         msg = inbox.get()
     except t.TransportError as e:
@@ -137,12 +158,12 @@ def _reseed_list_behind_an_odd_payload(rank, world, payload_len):
     request = torch.tensor([3, 11, 1 << 40], dtype=torch.int64)
     if rank == 1:
         box = t.Outbox(0, t.KIND_GRADIENT)
-        box.send(t.Header(t.KIND_GRADIENT, 0, 0, (payload_len,), torch.uint8, 2, payload_len), ids, payload,
-                 request.view(torch.uint8))
+        box.send(t.Header(t.KIND_GRADIENT, 0, 0, (payload_len,), torch.uint8, 2, payload_len,
+                          side_kind=t.SIDE_RESEED), ids, payload, request.view(torch.uint8))
         box.flush()
         return None
     inbox = t.Inbox(1, "rank 1 (stage 1, replica 0)", t.KIND_GRADIENT, torch.device("cpu"), timeout=20)
-    inbox.expect(t.Expect(t.KIND_GRADIENT, 0, 0, 2, max_payload=1 << 20))
+    inbox.expect(t.Expect(t.KIND_GRADIENT, 0, 0, 2, max_payload=1 << 20, side_kinds=(t.SIDE_RESEED,)))
     try:
         msg = inbox.get()
     finally:
@@ -158,7 +179,7 @@ def test_side_information_behind_an_odd_payload_reads_as_int64(payload_len):
 
 
 def test_an_activations_side_information_is_one_row_per_sample_or_an_error():
-    from aqpipe.runtime.worker import per_sample
+    from aqpipe.runtime.link_ends import per_sample
 
     assert torch.equal(per_sample(SIDE.reshape(-1), torch.tensor([5, 9])), SIDE)
     assert per_sample(None, torch.tensor([5, 9])) is None

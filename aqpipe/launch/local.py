@@ -24,7 +24,7 @@ from typing import TextIO
 from aqpipe.launch.env import LOOPBACK_ENV
 from aqpipe.launch.netns import INTERFACE, Topology
 from aqpipe.launch.signals import deferred_interrupts
-from aqpipe.runtime.train import EVENT_PREFIX, HEARTBEAT_SECONDS
+from aqpipe.runtime.events import EVENT_PREFIX, HEARTBEAT_SECONDS
 
 # A worker whose error only says a peer went away is a consequence, not the cause.
 _SECONDARY = ("TransportError", "Connection closed", "Connection reset", "peer", "Broken pipe", "ECONNRESET")

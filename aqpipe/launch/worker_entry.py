@@ -18,7 +18,8 @@ from aqpipe.launch.env import CONFIG_ENV, die_with_parent, rank_from_env
 def run_rank(spec_factory=None) -> int:
     """Run the rank described by the environment; returns the process exit code."""
     from aqpipe.config import RunConfig
-    from aqpipe.runtime.train import emit, run_worker
+    from aqpipe.runtime.events import emit
+    from aqpipe.runtime.train import run_worker
 
     die_with_parent()
     from aqpipe.cli import dump_stacks_on_sigusr1

@@ -11,10 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from aqpipe.compress.codecs import build_codec
 from aqpipe.runtime.grid import Grid, gather_rows
-from aqpipe.runtime.transport import HEADER_SIZE, KIND_EVAL, Expect
-from aqpipe.runtime.worker import StageWorker, per_sample, send_encoded
+from aqpipe.runtime.worker import StageWorker
 
 
 def eval_batches(num_samples: int, replica: int, replicas: int, micro_batch_size: int) -> list[torch.Tensor]:
@@ -36,11 +34,10 @@ class EvalTotals:
 def evaluate_stage(worker: StageWorker, step: int, batches: list[torch.Tensor], samples, num_labels: int) -> EvalTotals:
     """Run this stage's part of one evaluation pass (every rank of a replica calls it with the same batches)."""
     grid, links = worker.grid, worker.links
-    codec = build_codec("fp32", "fw")
     totals = EvalTotals(confusion=torch.zeros(num_labels, num_labels, dtype=torch.int64) if num_labels else None)
     if links.act_in is not None:
         for mb, ids in enumerate(batches):
-            links.act_in.expect(Expect(KIND_EVAL, step, mb, ids.numel(), check=codec.check_header))
+            links.act_in.post_eval(step, mb, ids.numel())
     was_training = worker.module.training
     worker.module.eval()
     try:
@@ -49,14 +46,12 @@ def evaluate_stage(worker: StageWorker, step: int, batches: list[torch.Tensor], 
                 if grid.is_first_stage:
                     x, mask = samples.inputs(ids), samples.mask(ids)
                 else:
-                    msg = links.act_in.get()
-                    x, mask, ids = codec.decode(msg.header, msg.payload, msg.ids), per_sample(msg.side, msg.ids), msg.ids
+                    x, ids, mask = links.act_in.receive_eval()
                 out = worker.module(x.to(worker.device), None if mask is None else mask.to(worker.device))
                 if grid.is_last_stage:
                     _count(totals, out, samples.targets(ids).to(worker.device), worker.loss_fn)
                 else:
-                    sent = send_encoded(links.act_out, codec, KIND_EVAL, step, mb, out, ids, False, mask)
-                    totals.bytes_sent += sent + HEADER_SIZE
+                    totals.bytes_sent += links.act_out.send_eval(step, mb, out, ids, mask)
             if links.act_out is not None:
                 links.act_out.flush()
     finally:

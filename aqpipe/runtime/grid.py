@@ -55,6 +55,17 @@ class Grid:
         """The rank this one sends activations to, or None on the last stage."""
         return None if self.is_last_stage else self.rank + 1
 
+    def owned_sides(self) -> list[tuple[int, str]]:
+        """The (link, side) pairs of m(ξ) this rank keeps: the sender side of its outgoing link k = stage (stage k
+        to k+1) and the receiver side of its incoming link stage - 1. Link ends, prefetch, resume, reconciliation
+        and per-link metrics all read this one answer."""
+        sides = []
+        if not self.is_last_stage:
+            sides.append((self.stage, "send"))
+        if not self.is_first_stage:
+            sides.append((self.stage - 1, "recv"))
+        return sides
+
     def pipeline_ranks(self, replica: int) -> list[int]:
         """The ranks of one whole pipeline, first stage first."""
         return [self.rank_of(s, replica) for s in range(self.pp)]

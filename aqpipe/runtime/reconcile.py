@@ -24,11 +24,7 @@ def checksum(value: torch.Tensor) -> int:
 
 def store_table(store, grid: Grid) -> dict[tuple[int, str], dict[int, int]]:
     """{(link, side): {sample id: checksum}} of the m(ξ) this rank holds for its own links."""
-    table: dict[tuple[int, str], dict[int, int]] = {}
-    if not grid.is_last_stage:
-        table[(grid.stage, "send")] = {}
-    if not grid.is_first_stage:
-        table[(grid.stage - 1, "recv")] = {}
+    table: dict[tuple[int, str], dict[int, int]] = {owned: {} for owned in grid.owned_sides()}
     for (link, side, sample), value in store.items():
         if (link, side) in table:
             table[(link, side)][sample] = checksum(value)

@@ -1,5 +1,5 @@
 """What one rank puts in a checkpoint and how it takes it back: model, optimizer, LR schedule, RNG, codecs,
-grad-sync (error feedback) and, for an in-memory store, m(ξ) itself."""
+grad-sync (error feedback) and, for an in-memory store, m(ξ) itself; and resuming a rank from the last checkpoint."""
 
 from __future__ import annotations
 
@@ -8,22 +8,23 @@ from pathlib import Path
 
 import torch
 
+from aqpipe.config import RunConfig
+from aqpipe.runtime.checkpoint import CheckpointError, check_model_state, latest_step, load_rank, rank_file, step_dir
+from aqpipe.runtime.events import emit
 from aqpipe.runtime.optim import continue_schedule
-from aqpipe.runtime.checkpoint import CheckpointError, check_model_state, rank_file, step_dir
-from aqpipe.runtime.worker import Codecs, StageWorker
+from aqpipe.runtime.reconcile import reconcile
+from aqpipe.runtime.worker import StageWorker
 from aqpipe.storage import MemoryStore
 
-CODEC_SLOTS = ("fw_send", "fw_recv", "bw_send", "bw_recv")
 
-
-def collect_state(worker: StageWorker, codecs: Codecs, store) -> dict:
+def collect_state(worker: StageWorker, store) -> dict:
     """Everything this rank needs to continue exactly from the end of the current step."""
     state = {
         "model": {k: v.detach().cpu() for k, v in worker.module.state_dict().items()},
         "optimizer": worker.optimizer.state_dict(),
         "lr_schedule": worker.lr_schedule.state_dict(),
         "grad_sync": worker.grad_sync.state_dict(),
-        "codecs": {slot: getattr(codecs, slot).state_dict() for slot in CODEC_SLOTS if getattr(codecs, slot) is not None},
+        "codecs": {slot: codec.state_dict() for slot, codec in worker.links.codecs().items()},
         "rng": {"torch": torch.get_rng_state()},
         "store_stats": store.stats.as_dict(),
     }
@@ -34,7 +35,7 @@ def collect_state(worker: StageWorker, codecs: Codecs, store) -> dict:
     return state
 
 
-def apply_state(state: dict, worker: StageWorker, codecs: Codecs, store, where: str) -> None:
+def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
     """Restore `collect_state`'s output; checks the model part fully before changing anything."""
     for key in ("model", "optimizer", "lr_schedule", "grad_sync", "codecs", "rng", "store_stats"):
         if key not in state:
@@ -50,10 +51,10 @@ def apply_state(state: dict, worker: StageWorker, codecs: Codecs, store, where: 
         worker.grad_sync.load_state_dict(state["grad_sync"])
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise CheckpointError(f"checkpoint {where} does not fit this run's optimizer or grad sync: {e}") from None
+    codecs = worker.links.codecs()
     for slot, codec_state in state["codecs"].items():
-        codec = getattr(codecs, slot, None)
-        if codec is not None:
-            codec.load_state_dict(codec_state)
+        if slot in codecs:
+            codecs[slot].load_state_dict(codec_state)
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and worker.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], worker.device)
@@ -61,6 +62,20 @@ def apply_state(state: dict, worker: StageWorker, codecs: Codecs, store, where: 
         store.load(state["store"])
     for name, value in state["store_stats"].items():
         setattr(store.stats, name, int(value))
+
+
+def resume_rank(cfg: RunConfig, worker: StageWorker, store) -> int:
+    """Load this rank's part of the run's last checkpoint and make every link's two m(ξ) copies agree; returns
+    the step to continue from. Every rank calls it (reconciliation is collective)."""
+    step = latest_step(cfg.resume)
+    if step is None:
+        raise CheckpointError(f"--resume {cfg.resume}: no complete checkpoint under {cfg.resume}/checkpoints")
+    apply_state(load_rank(cfg.resume, step, worker.grid.rank, cfg.fixed_settings()), worker, store,
+                describe(cfg.resume, step, worker.grid.rank))
+    reseeded = reconcile(store, worker.grid, worker.groups.pipeline)
+    store.stats.reseeded += reseeded
+    emit({"event": "resumed", "step": step, "rank": worker.grid.rank, "reseeded": reseeded})
+    return step
 
 
 def describe(out: str | Path, step: int, rank: int) -> str:

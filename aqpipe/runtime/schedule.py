@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -52,34 +53,81 @@ class OptimizerStep(Instruction):
     """Clip on the global norm, step the optimizer and the learning-rate schedule."""
 
 
+def _check(stage: int, stages: int, micro_batches: int) -> None:
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} is outside 0..{stages - 1}")
+    if micro_batches < 1:
+        raise ValueError(f"need at least one micro-batch, got {micro_batches}")
+
+
+def _forward(mb: int, first: bool, last: bool) -> list[Instruction]:
+    """One micro-batch's forward on a stage: receive (or load), compute, send."""
+    ops: list[Instruction] = [] if first else [RecvActivation(mb)]
+    if first or last:  # after the receive: the last stage looks its targets up by the ids that arrived
+        ops.append(LoadMicroBatch(mb))
+    ops.append(Forward(mb))
+    if not last:
+        ops.append(SendActivation(mb))
+    return ops
+
+
+def _backward(mb: int, first: bool, last: bool) -> list[Instruction]:
+    """One micro-batch's backward on a stage: receive the output's gradient, compute, send the input's."""
+    ops: list[Instruction] = [] if last else [RecvGrad(mb)]
+    ops.append(Backward(mb))
+    if not first:
+        ops.append(SendGrad(mb))
+    return ops
+
+
 def gpipe(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
     """GPipe (fill-drain): every forward, then every backward, then one optimizer step.
 
     Backward runs micro-batches in the same order as forward, so parameter gradients accumulate in the order a
     single process would accumulate them.
     """
-    if not 0 <= stage < stages:
-        raise ValueError(f"stage {stage} is outside 0..{stages - 1}")
-    if micro_batches < 1:
-        raise ValueError(f"need at least one micro-batch, got {micro_batches}")
+    _check(stage, stages, micro_batches)
     first, last = stage == 0, stage == stages - 1
     stream: list[Instruction] = []
     for mb in range(micro_batches):
-        if not first:
-            stream.append(RecvActivation(mb))
-        if first or last:  # after the receive: the last stage looks its targets up by the ids that arrived
-            stream.append(LoadMicroBatch(mb))
-        stream.append(Forward(mb))
-        if not last:
-            stream.append(SendActivation(mb))
+        stream += _forward(mb, first, last)
     for mb in range(micro_batches):
-        if not last:
-            stream.append(RecvGrad(mb))
-        stream.append(Backward(mb))
-        if not first:
-            stream.append(SendGrad(mb))
-    stream += [ReduceGrads(), OptimizerStep()]
-    return stream
+        stream += _backward(mb, first, last)
+    return stream + [ReduceGrads(), OptimizerStep()]
 
 
-SCHEDULES = {"gpipe": gpipe}
+def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
+    """1F1B (PipeDream-flush): `min(stages - stage, micro_batches)` warm-up forwards, then one backward and one
+    forward in turn, then the remaining backwards, then one optimizer step.
+
+    In the steady state a stage sends activations down and gradients up at the same time, so both directions of a
+    link carry data together, and it holds at most `stages - stage` micro-batches' activations. Backward runs
+    micro-batches in forward order, as GPipe does, so gradients accumulate in the same order.
+    """
+    _check(stage, stages, micro_batches)
+    first, last = stage == 0, stage == stages - 1
+    warmup = min(stages - stage, micro_batches)
+    stream: list[Instruction] = []
+    for mb in range(warmup):
+        stream += _forward(mb, first, last)
+    for mb in range(micro_batches):
+        stream += _backward(mb, first, last)
+        if mb + warmup < micro_batches:
+            stream += _forward(mb + warmup, first, last)
+    return stream + [ReduceGrads(), OptimizerStep()]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A named schedule: the function giving each stage's stream, and one line for the CLI help."""
+
+    stream: Callable[[int, int, int], list[Instruction]]
+    summary: str
+
+
+# The one table of schedules: the worker executes SCHEDULES[cfg.schedule]; the config and the CLI help read it.
+SCHEDULES: dict[str, Schedule] = {
+    "gpipe": Schedule(gpipe, "all forwards, then all backwards (holds every micro-batch's activations)"),
+    "1f1b": Schedule(one_f_one_b, "one forward, one backward in turn (both link directions busy; holds at most "
+                                  "pp - stage micro-batches)"),
+}

@@ -1,8 +1,10 @@
 """Framed point-to-point messages between stages: a fixed, validated header, then sample ids and the payload.
 
 A message is two torch.distributed sends on one tag: the 128-byte header, then a body of `n_ids` int64 sample
-ids, `payload_len` payload bytes, and `side_len` bytes of lossless per-sample side information (the attention
-mask, when the model has one; last, so the payload stays aligned for its dtype). The receiver validates the header before it allocates the body,
+ids, `payload_len` payload bytes, and `side_len` bytes of lossless side information (last, so the payload stays
+aligned for its dtype). The header's `side_kind` says what the side information is: an activation's attention
+mask (one row per sample), or a gradient's re-seed request (int64 sample ids); a receiver accepts only the kinds
+its message kind can carry. The receiver validates the header before it allocates the body,
 and checks the body's CRC32 before it hands the message on. A background thread per inbound link receives
 ahead of the compute thread, so a stage computes micro-batch i while i+1 is on the wire.
 """
@@ -23,14 +25,19 @@ MAGIC = b"AQP1"
 HEADER_SIZE = 128
 MAX_DIMS = 8
 # magic, kind, dtype, ndim, codec, step, micro_batch, n_ids, payload_len, checksum, codec_check, flags, side_len,
-# shape[8]
-_LAYOUT = struct.Struct("<4sBBBBqiiqIIIi8q")
+# shape[8], side_kind
+_LAYOUT = struct.Struct("<4sBBBBqiiqIIIi8qB")
 assert _LAYOUT.size <= HEADER_SIZE
 
 KIND_ACTIVATION = 1
 KIND_GRADIENT = 2
 KIND_EVAL = 3  # an evaluation activation: fp32, never through a compressing codec or the store
 KIND_NAMES = {KIND_ACTIVATION: "activation", KIND_GRADIENT: "gradient", KIND_EVAL: "evaluation activation"}
+
+SIDE_NONE = 0
+SIDE_MASK = 1  # an activation's attention mask: one row of bytes per sample
+SIDE_RESEED = 2  # a receiver's re-seed request: int64 ids of samples whose m(ξ) it lacks, riding on a gradient
+SIDE_NAMES = {SIDE_NONE: "none", SIDE_MASK: "attention mask", SIDE_RESEED: "re-seed request"}
 
 DTYPES: dict[int, torch.dtype] = {
     1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.uint8, 5: torch.int64, 6: torch.int32,
@@ -60,6 +67,7 @@ class Header:
     codec_check: int = 0
     flags: int = 0
     side_len: int = 0
+    side_kind: int = SIDE_NONE
 
     def pack(self) -> bytes:
         """The 128 bytes on the wire."""
@@ -69,6 +77,7 @@ class Header:
         raw = _LAYOUT.pack(
             MAGIC, self.kind, DTYPE_CODES[self.dtype], len(self.shape), self.codec, self.step, self.micro_batch,
             self.n_ids, self.payload_len, self.checksum, self.codec_check, self.flags, self.side_len, *shape,
+            self.side_kind,
         )
         return raw.ljust(HEADER_SIZE, b"\0")
 
@@ -84,6 +93,7 @@ class Expect:
     max_payload: int = DEFAULT_MAX_MESSAGE_BYTES
     # The link codec's own check of a header (why it cannot decode it, or None), run before allocating.
     check: Callable[[Header], str | None] | None = None
+    side_kinds: tuple[int, ...] = ()  # the kinds of side information this message may carry (none is always fine)
 
 
 def parse_header(raw: bytes, peer: str, expect: Expect) -> Header:
@@ -92,7 +102,7 @@ def parse_header(raw: bytes, peer: str, expect: Expect) -> Header:
         raise TransportError(f"malformed header from {peer}: {len(raw)} bytes, expected {HEADER_SIZE}")
     fields = _LAYOUT.unpack_from(raw)
     magic, kind, dtype_code, ndim, codec, step, mb, n_ids, payload_len, checksum, codec_check, flags, side_len = fields[:13]
-    dims = fields[13:]
+    dims, side_kind = fields[13:21], fields[21]
     if magic != MAGIC:
         raise TransportError(f"malformed header from {peer}: bad magic {magic!r} (not an aqpipe peer, or a stream out of step)")
     if kind != expect.kind:
@@ -121,12 +131,26 @@ def parse_header(raw: bytes, peer: str, expect: Expect) -> Header:
         raise TransportError(f"malformed header from {peer}: absurd payload length {payload_len} (limit {expect.max_payload})")
     if not 0 <= side_len <= expect.max_payload:
         raise TransportError(f"malformed header from {peer}: absurd side information length {side_len}")
+    _check_side(side_kind, side_len, peer, expect)
     header = Header(kind, step, mb, shape, DTYPES[dtype_code], n_ids, payload_len, codec, checksum, codec_check, flags,
-                    side_len)
+                    side_len, side_kind)
     problem = expect.check(header) if expect.check is not None else None
     if problem:
         raise TransportError(f"malformed header from {peer}: {problem}")
     return header
+
+
+def _check_side(side_kind: int, side_len: int, peer: str, expect: Expect) -> None:
+    """Side information must be of a kind this message may carry, present exactly when a kind is named."""
+    if side_kind != SIDE_NONE and side_kind not in expect.side_kinds:
+        raise TransportError(f"malformed header from {peer}: a {KIND_NAMES[expect.kind]} cannot carry side information "
+                             f"of kind {SIDE_NAMES.get(side_kind, side_kind)}")
+    if (side_kind == SIDE_NONE) != (side_len == 0):
+        raise TransportError(f"malformed header from {peer}: {side_len} bytes of side information of kind "
+                             f"{SIDE_NAMES.get(side_kind, side_kind)}")
+    if side_kind == SIDE_RESEED and side_len % 8:
+        raise TransportError(f"malformed header from {peer}: a re-seed request of {side_len} bytes is not a list of "
+                             "int64 sample ids")
 
 
 def body_checksum(ids: torch.Tensor, payload: torch.Tensor, side: torch.Tensor | None = None) -> int:
@@ -146,7 +170,7 @@ class Message:
     ids: torch.Tensor
     payload: torch.Tensor
     wire_bytes: int
-    side: torch.Tensor | None = None  # side information (flat uint8), or None; its meaning depends on the kind
+    side: torch.Tensor | None = None  # side information (flat uint8), or None; header.side_kind says what it is
     # From posting the body's receive to its arrival: the time the body spent on the wire (gloo sends an unbound
     # buffer only once the receiver has posted it), so body bytes / this is the link's achieved rate.
     transfer_seconds: float = 0.0
@@ -163,13 +187,16 @@ class Outbox:
     bytes_sent: int = 0
 
     def send(self, header: Header, ids: torch.Tensor, payload: torch.Tensor, side: torch.Tensor | None = None) -> None:
-        """Queue one message (header.checksum is filled here); `side` is lossless extra data sent as raw bytes."""
+        """Queue one message (header.checksum is filled here); `side` is lossless extra data sent as raw bytes, of
+        the kind header.side_kind names."""
         import torch.distributed as dist
 
         ids = ids.to(torch.int64).contiguous().cpu()
         payload = payload.contiguous().view(torch.uint8).reshape(-1).cpu()
         side = torch.empty(0, dtype=torch.uint8) if side is None else side.contiguous().cpu().view(torch.uint8).reshape(-1)
         header.n_ids, header.payload_len, header.side_len = ids.numel(), payload.numel(), side.numel()
+        if (header.side_kind == SIDE_NONE) != (side.numel() == 0):
+            raise ValueError(f"side information of {side.numel()} bytes with side_kind {header.side_kind}")
         header.checksum = body_checksum(ids, payload, side)
         head = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
         body = torch.cat([ids.view(torch.uint8), payload, side])

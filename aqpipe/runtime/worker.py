@@ -11,15 +11,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from aqpipe.compress.codecs import LinkCodec
 from aqpipe.compress.grad import GradSync
 from aqpipe.data import ClassifySamples, TokenSamples
 from aqpipe.runtime import schedule as sch
 from aqpipe.runtime.grid import Grid, ProcessGroups, collective_device
+from aqpipe.runtime.held import ActivationMeter
+from aqpipe.runtime.link_ends import StageLinks
 from aqpipe.runtime.optim import clip_by_global_norm, local_grad_sq_norm
 from aqpipe.runtime.tied import TiedGroup, agree_tied_grads, sum_tied_grads, tied_ids, tied_sq_norm
-from aqpipe.runtime.transport import (HEADER_SIZE, KIND_ACTIVATION, KIND_GRADIENT, Expect, Header, Inbox, Outbox,
-                                     TransportError)
 
 
 @dataclass
@@ -41,31 +40,11 @@ class StepStats:
     forward_seconds: float = 0.0  # the model's forward and backward alone, parts of compute_seconds
     backward_seconds: float = 0.0
     grad_norm: float = 0.0
-
-
-@dataclass
-class Links:
-    """This rank's mailboxes: activations in from the previous stage, gradients in from the next."""
-
-    act_in: Inbox | None = None
-    act_out: Outbox | None = None
-    grad_in: Inbox | None = None
-    grad_out: Outbox | None = None
-
-    def close(self) -> None:
-        for box in (self.act_in, self.grad_in):
-            if box is not None:
-                box.close()
-
-
-@dataclass
-class Codecs:
-    """The four codecs of a rank: each direction of its outgoing and incoming links (None where no link is)."""
-
-    fw_send: LinkCodec | None = None  # activations to the next stage
-    fw_recv: LinkCodec | None = None  # activations from the previous stage
-    bw_send: LinkCodec | None = None  # gradients to the previous stage
-    bw_recv: LinkCodec | None = None  # gradients from the next stage
+    peak_activation_bytes: int = 0  # the most bytes of activations held for backward at once
+    store_hits: int = 0  # the m(ξ) store's counters so far (the loop fills them in)
+    store_misses: int = 0
+    store_reseeded: int = 0
+    store_overflow: int = 0
 
 
 @dataclass
@@ -81,28 +60,27 @@ class _MicroBatch:
 
 @dataclass
 class StageWorker:
-    """One stage of one replica: its layers, links, codecs, optimizer and grad sync."""
+    """One stage of one replica: its layers, link ends, optimizer and grad sync; it executes its schedule's
+    instruction stream once per optimizer step."""
 
     grid: Grid
     groups: ProcessGroups
     module: nn.Module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     samples: TokenSamples | ClassifySamples | None  # first and last stage only
-    links: Links
-    codecs: Codecs
+    links: StageLinks
     grad_sync: GradSync
     optimizer: torch.optim.Optimizer
     lr_schedule: torch.optim.lr_scheduler.LambdaLR
     clip: float
     device: torch.device
-    micro_batch_size: int
+    schedule: str = "gpipe"
     tied: list[TiedGroup] = field(default_factory=list)  # parameters copied on several layers (DeBERTa)
     _mbs: dict[int, _MicroBatch] = field(default_factory=dict)
     _step: int = 0
     _n: int = 1
-    _compress: bool = True
     _sync_bytes_before: int = 0
-    _next_ids: list[int] | None = None
+    _meter: ActivationMeter | None = None
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -114,19 +92,15 @@ class StageWorker:
         False (warm-up epochs) every link sends fp32 and AQ-SGD refreshes m(ξ). `next_ids` (the next step's
         samples, when it compresses) lets an AQ-SGD receiver ask for samples whose m(ξ) it lacks to be re-seeded."""
         stats = StepStats()
-        self._next_ids = next_ids
         n = len(micro_batch_ids)
         self._mbs = {mb: _MicroBatch(ids=ids) for mb, ids in enumerate(micro_batch_ids)}
-        for mb in range(n):  # post every receive of the step now so the inbox threads run ahead of compute
-            if self.links.act_in is not None:
-                self.links.act_in.expect(Expect(KIND_ACTIVATION, step, mb, self.micro_batch_size,
-                                                check=self.codecs.fw_recv.check_header))
-            if self.links.grad_in is not None:
-                self.links.grad_in.expect(Expect(KIND_GRADIENT, step, mb, self.micro_batch_size,
-                                                 check=self.codecs.bw_recv.check_header))
+        self.links.begin_step(step, n, compress, next_ids)
+        if self._meter is None:
+            self._meter = ActivationMeter(self.module)
+        self._meter.begin_step()
         self.module.train()
-        self._step, self._n, self._compress = step, n, compress
-        for ins in sch.gpipe(self.grid.stage, self.grid.pp, n):
+        self._step, self._n = step, n
+        for ins in sch.SCHEDULES[self.schedule].stream(self.grid.stage, self.grid.pp, n):
             handler, waits_on_peers = self._HANDLERS[type(ins)]
             start = time.perf_counter()
             handler(self, self._mbs.get(ins.micro_batch), ins.micro_batch, stats)
@@ -138,15 +112,19 @@ class StageWorker:
             if type(ins) in self._MODEL_TIMERS:
                 setattr(stats, self._MODEL_TIMERS[type(ins)], getattr(stats, self._MODEL_TIMERS[type(ins)]) + elapsed)
         self._mbs = {}
+        stats.peak_activation_bytes = self._meter.peak_bytes
+        self._count_links(stats)
         return stats
 
+    def _count_links(self, stats: StepStats) -> None:
+        counters = self.links.take_counters()
+        stats.fwd_bytes, stats.fwd_elements = counters["fwd_sent"].payload_bytes, counters["fwd_sent"].elements
+        stats.bwd_bytes, stats.bwd_elements = counters["bwd_sent"].payload_bytes, counters["bwd_sent"].elements
+        stats.fwd_recv_bytes, stats.fwd_recv_seconds = counters["fwd_received"].body_bytes, counters["fwd_received"].wire_seconds
+        stats.bwd_recv_bytes, stats.bwd_recv_seconds = counters["bwd_received"].body_bytes, counters["bwd_received"].wire_seconds
+
     def _recv_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        msg = self.links.act_in.get()
-        stats.fwd_recv_bytes += msg.wire_bytes - HEADER_SIZE
-        stats.fwd_recv_seconds += msg.transfer_seconds
-        mb.ids, mb.mask = msg.ids, per_sample(msg.side, msg.ids)
-        x = self.codecs.fw_recv.decode(msg.header, msg.payload, msg.ids).to(self.device)
-        mb.inputs = x.requires_grad_(True)
+        mb.inputs, mb.ids, mb.mask = self.links.receive_activation()
 
     def _load_micro_batch(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         if self.grid.is_first_stage:
@@ -156,53 +134,42 @@ class StageWorker:
             mb.targets = self.samples.targets(mb.ids).to(self.device)
 
     def _forward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        out = self.module(mb.inputs, None if mb.mask is None else mb.mask.to(self.device))
+        with self._meter.forward(index):
+            out = self.module(mb.inputs, None if mb.mask is None else mb.mask.to(self.device))
+            if self.grid.is_last_stage:
+                mb.loss = self.loss_fn(out, mb.targets)
         if self.grid.is_last_stage:
-            mb.loss = self.loss_fn(out, mb.targets)
             stats.loss_sum += float(mb.loss.detach())
         else:
             mb.outputs = out
+        self._meter.keep(index, mb.outputs)
 
     def _send_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        report_nonfinite(mb.outputs, mb.ids, self._step, self.grid.stage, hasattr(self.codecs.fw_send, "view"))
-        sent = self._send(self.links.act_out, self.codecs.fw_send, KIND_ACTIVATION, index, mb.outputs, mb.ids, mb.mask)
-        stats.fwd_bytes += sent
-        stats.fwd_elements += mb.outputs.numel()
+        report_nonfinite(mb.outputs, mb.ids, self._step, self.grid.stage, hasattr(self.links.act_out.codec, "view"))
+        self.links.send_activation(index, mb.outputs, mb.ids, mb.mask)
 
     def _recv_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        msg = self.links.grad_in.get()
-        stats.bwd_recv_bytes += msg.wire_bytes - HEADER_SIZE
-        stats.bwd_recv_seconds += msg.transfer_seconds
-        mb.output_grad = self.codecs.bw_recv.decode(msg.header, msg.payload, msg.ids).to(self.device)
-        if msg.side is not None and index == 0:  # the receiver lacks these samples' m(ξ): send them in full
-            self.codecs.fw_send.forget(msg.side.view(torch.int64).tolist())
+        mb.output_grad = self.links.receive_gradient()
 
     def _backward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         if self.grid.is_last_stage:
             (mb.loss / self._n).backward()  # the step's loss is the mean over micro-batches
         else:
             mb.outputs.backward(mb.output_grad)
+        if self.grid.is_first_stage:
+            self._release(index)
 
     def _send_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        sent = self._send(self.links.grad_out, self.codecs.bw_send, KIND_GRADIENT, index, mb.inputs.grad, mb.ids,
-                          self._reseed_request() if index == 0 else None)
-        stats.bwd_bytes += sent
-        stats.bwd_elements += mb.inputs.grad.numel()
-        self._mbs[index] = _MicroBatch(ids=mb.ids)  # free this micro-batch's activations
+        self.links.send_gradient(index, mb.inputs.grad, mb.ids)
+        self._release(index)
 
-    def _reseed_request(self) -> torch.Tensor | None:
-        """Receiver, once per step (with the first gradient going back): the next step's samples whose m(ξ) this
-        side lacks — damaged on disk (the store dropped and counted it) or never seen — so that the sender drops its
-        copy too and sends them at full precision, before it encodes them."""
-        if not self._next_ids or not hasattr(self.codecs.fw_recv, "missing"):
-            return None
-        missing = self.codecs.fw_recv.missing(self._next_ids)
-        return torch.tensor(missing, dtype=torch.int64) if missing else None
+    def _release(self, index: int) -> None:
+        """Micro-batch `index` is done on this stage: free its activations."""
+        self._mbs[index] = _MicroBatch(ids=self._mbs[index].ids)
+        self._meter.release(index)
 
     def _reduce_grads(self, mb: None, index: None, stats: StepStats) -> None:
-        for box in (self.links.act_out, self.links.grad_out):
-            if box is not None:
-                box.flush()
+        self.links.flush()
         self._sync_bytes_before = self.grad_sync.bytes_sent
         if self.tied:  # first every copy takes the sum of all copies' gradients, so the sync sees the true gradient
             sum_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp)
@@ -249,11 +216,6 @@ class StageWorker:
 
     _MODEL_TIMERS = {sch.Forward: "forward_seconds", sch.Backward: "backward_seconds"}
 
-    def _send(self, box: Outbox, codec: LinkCodec, kind: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor,
-              side: torch.Tensor | None = None) -> int:
-        """Encode and queue one message; returns its payload bytes."""
-        return send_encoded(box, codec, kind, self._step, mb, tensor, ids, self._compress, side)
-
 
 def report_nonfinite(activation: torch.Tensor, ids: torch.Tensor, step: int, stage: int, aqsgd: bool = True
                      ) -> list[int]:
@@ -266,22 +228,3 @@ def report_nonfinite(activation: torch.Tensor, ids: torch.Tensor, step: int, sta
     print(f"warning: step {step + 1}, stage {stage}: the activation of sample(s) {bad} is not finite (inf or NaN)"
           f"{'; sent at full precision, its m(xi) not stored' if aqsgd else ''}", file=sys.stderr, flush=True)
     return bad
-
-
-def per_sample(side: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor | None:
-    """An activation's side information as one row per sample (the mask); a length that does not split is an error."""
-    if side is None:
-        return None
-    if ids.numel() == 0 or side.numel() % ids.numel():
-        raise TransportError(f"side information of {side.numel()} bytes does not split over {ids.numel()} samples")
-    return side.view(ids.numel(), -1)
-
-
-def send_encoded(box: Outbox, codec: LinkCodec, kind: int, step: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor,
-                 compress: bool, side: torch.Tensor | None = None) -> int:
-    """Encode `tensor` with `codec` and queue it (with the side information) on `box`; returns its payload bytes."""
-    encoded = codec.encode(tensor.detach(), ids, compress)
-    header = Header(kind, step, mb, encoded.shape, encoded.wire_dtype, ids.numel(), encoded.payload.numel(),
-                    codec=codec.code, codec_check=encoded.codec_check, flags=encoded.flags)
-    box.send(header, ids, encoded.payload, side)
-    return encoded.payload.numel()

@@ -1,0 +1,95 @@
+"""Assembling one rank's stage: its layers, m(ξ) store, link ends, grad sync, optimizer and worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from aqpipe.compress.codecs import QuantOptions, build_codec
+from aqpipe.compress.grad import DPGroup, build_grad_sync
+from aqpipe.compress.grad.qadam import freeze_step
+from aqpipe.compress.grad.registry import parse_grad_spec
+from aqpipe.config import RunConfig
+from aqpipe.runtime.grid import Grid, ProcessGroups, create_groups
+from aqpipe.runtime.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
+from aqpipe.runtime.optim import build_optimizer, momenta
+from aqpipe.runtime.plan import RunPlan, store_bytes_per_rank
+from aqpipe.runtime.tied import tied_groups
+from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
+from aqpipe.runtime.worker import StageWorker
+from aqpipe.storage import STORE_DTYPES, MemoryStore, StoreView
+from aqpipe.storage.lmdb_store import LMDBStore, store_path
+from aqpipe.storage.prefetch import PrefetchingStore
+
+
+@dataclass
+class Stage:
+    """Everything one rank trains with."""
+
+    plan: RunPlan
+    grid: Grid
+    groups: ProcessGroups
+    device: torch.device
+    store: MemoryStore | PrefetchingStore
+    worker: StageWorker
+
+
+def open_store(cfg: RunConfig, rank: int, estimate: int | None = None) -> MemoryStore | PrefetchingStore:
+    """This rank's m(ξ) store: in memory, or an LMDB environment under the run directory, its map sized from the
+    estimate when there is one (it grows on demand either way)."""
+    if cfg.store == "lmdb":
+        cap = int(cfg.store_max_gb * 1e9) if cfg.store_max_gb is not None else None
+        initial = min(estimate or (64 << 20), cap or (1 << 62))
+        return PrefetchingStore(LMDBStore(store_path(cfg.out, rank), cfg.store_dtype, max_bytes=cap,
+                                          initial_map_bytes=max(initial, 1 << 20)))
+    return MemoryStore(STORE_DTYPES[cfg.store_dtype])
+
+
+def open_links(cfg: RunConfig, grid: Grid, store, device: torch.device) -> StageLinks:
+    """This rank's link ends, one per direction of each adjacent link; the forward ones of an AQ-SGD link hold
+    the side of m(ξ) `grid.owned_sides()` gives this rank."""
+    options = QuantOptions(per=cfg.quant_scales, stochastic=cfg.quant_rounding == "stochastic",
+                           seed=cfg.seed + grid.rank, grid=cfg.quant_grid)
+    check = cfg.store_check == "on"
+    views = {side: StoreView(store, link, side) for link, side in grid.owned_sides()}
+    links = StageLinks()
+    if grid.prev_rank is not None:  # link stage - 1: activations in, gradients out
+        link, peer = grid.stage - 1, grid.describe(grid.prev_rank)
+        links.act_in = ActivationIn(link, KIND_ACTIVATION, build_codec(cfg.fw, "fw", views["recv"], options, check),
+                                    Inbox(grid.prev_rank, peer, KIND_ACTIVATION, device, cfg.stall_timeout), device,
+                                    cfg.micro_batch_size, (SIDE_MASK,))
+        links.grad_out = GradientOut(link, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options),
+                                     Outbox(grid.prev_rank, KIND_GRADIENT, device))
+    if grid.next_rank is not None:  # link stage: activations out, gradients in
+        link, peer = grid.stage, grid.describe(grid.next_rank)
+        links.act_out = ActivationOut(link, KIND_ACTIVATION, build_codec(cfg.fw, "fw", views["send"], options, check),
+                                      Outbox(grid.next_rank, KIND_ACTIVATION, device))
+        links.grad_in = GradientIn(link, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options),
+                                   Inbox(grid.next_rank, peer, KIND_GRADIENT, device, cfg.stall_timeout), device,
+                                   cfg.micro_batch_size, (SIDE_RESEED,))
+    return links
+
+
+def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> Stage:
+    """Build this rank's stage from the run plan (every rank of the world calls it: it creates process groups)."""
+    cfg = plan.cfg
+    groups = create_groups(grid, backend)
+    store = open_store(cfg, grid.rank, store_bytes_per_rank(cfg, plan.spec, len(plan.dataset.train)))
+    module = plan.spec.build_stage(plan.bounds[grid.stage], plan.bounds[grid.stage + 1], cfg.seed).to(device)
+    dp_group = DPGroup(groups.data_parallel, tuple(grid.dp_ranks(grid.stage)), grid.replica)
+    optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)
+    grad_sync = build_grad_sync(cfg.grad_sync, dp_group, cfg.seed, freeze_step(plan.total_steps, cfg.warmup_steps),
+                                momentum=vote_momentum)
+    optimizer, lr_schedule = build_optimizer(
+        [p for p in module.parameters() if p.requires_grad], cfg.optimizer, cfg.lr, cfg.weight_decay,
+        cfg.warmup_steps, plan.total_steps, grad_sync=grad_sync, momentum=optimizer_momentum,
+    )
+    ends = grid.is_first_stage or grid.is_last_stage
+    worker = StageWorker(
+        grid=grid, groups=groups, module=module, loss_fn=plan.spec.loss,
+        samples=plan.dataset.train if ends else None, links=open_links(cfg, grid, store, device),
+        grad_sync=grad_sync, optimizer=optimizer, lr_schedule=lr_schedule, clip=cfg.clip, device=device,
+        schedule=cfg.schedule, tied=tied_groups(plan.spec.extras),
+    )
+    return Stage(plan, grid, groups, device, store, worker)

@@ -1,0 +1,244 @@
+"""Link ends: one direction of one link as one rank sees it.
+
+A rank of stage k touches two links: link k - 1 (it receives activations from stage k - 1 and sends gradients back)
+and link k (it sends activations to stage k + 1 and receives gradients back). Each of those four directions is one
+end here. An end owns its codec (and through an AQ-SGD codec its view of the m(ξ) store), its mailbox, its byte
+and time counters, its half of the re-seed protocol, and the device boundary: what it receives comes back on the
+stage's device, what it sends leaves from wherever the tensor lives.
+
+The re-seed protocol of link k: the receiving end of its activations knows which of the next step's samples it
+lacks an m(ξ) for (never seen, or found damaged and dropped); that list rides, as a typed re-seed request, on the
+last gradient of the step that goes back up the link; the sending end of the activations drops its own copy of
+those samples, so it sends them at full precision and seeds both copies again. The last gradient of a step
+crosses after every forward of that step under every schedule, so the request is always about the next step.
+`StageLinks` puts a rank's ends together and is what the worker talks to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from aqpipe.compress.codecs import LinkCodec, build_codec
+from aqpipe.runtime.transport import (HEADER_SIZE, KIND_ACTIVATION, KIND_EVAL, KIND_GRADIENT, SIDE_MASK, SIDE_NONE,
+                                     SIDE_RESEED, Expect, Header, Inbox, Message, Outbox, TransportError)
+
+
+@dataclass
+class LinkCounters:
+    """What one end moved since the counters were last taken."""
+
+    payload_bytes: int = 0  # sent: payload bytes (headers, ids and side information aside)
+    elements: int = 0  # sent: the tensor values those bytes stood for
+    body_bytes: int = 0  # received: message bodies
+    wire_seconds: float = 0.0  # received: the time those bodies spent on the wire
+
+
+@dataclass
+class SendEnd:
+    """The sending end of one direction of one link: encodes, queues on its outbox, counts."""
+
+    link: int
+    kind: int
+    codec: LinkCodec
+    outbox: Outbox
+    counters: LinkCounters = field(default_factory=LinkCounters)
+
+    def _send(self, step: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor, compress: bool,
+              side: torch.Tensor | None = None, side_kind: int = SIDE_NONE, kind: int | None = None,
+              codec: LinkCodec | None = None) -> int:
+        """Encode `tensor` and queue it with its side information; returns the payload bytes."""
+        codec = codec or self.codec
+        encoded = codec.encode(tensor.detach(), ids, compress)
+        header = Header(kind or self.kind, step, mb, encoded.shape, encoded.wire_dtype, ids.numel(),
+                        encoded.payload.numel(), codec=codec.code, codec_check=encoded.codec_check,
+                        flags=encoded.flags, side_kind=side_kind if side is not None else SIDE_NONE)
+        self.outbox.send(header, ids, encoded.payload, side)
+        return encoded.payload.numel()
+
+    def flush(self) -> None:
+        """Wait until everything queued has left."""
+        self.outbox.flush()
+
+
+@dataclass
+class RecvEnd:
+    """The receiving end of one direction of one link: posts what it expects, decodes onto the stage's device."""
+
+    link: int
+    kind: int
+    codec: LinkCodec
+    inbox: Inbox
+    device: torch.device
+    micro_batch_size: int
+    side_kinds: tuple[int, ...] = ()
+    counters: LinkCounters = field(default_factory=LinkCounters)
+
+    def post(self, step: int, mb: int) -> None:
+        """Announce micro-batch `mb` of `step`; the inbox thread starts receiving it at once."""
+        self.inbox.expect(Expect(self.kind, step, mb, self.micro_batch_size, check=self.codec.check_header,
+                                 side_kinds=self.side_kinds))
+
+    def _receive(self, codec: LinkCodec | None = None) -> tuple[torch.Tensor, Message]:
+        """The next message, decoded on the stage's device, and the message itself."""
+        msg = self.inbox.get()
+        self.counters.body_bytes += msg.wire_bytes - HEADER_SIZE
+        self.counters.wire_seconds += msg.transfer_seconds
+        value = (codec or self.codec).decode(msg.header, msg.payload, msg.ids)
+        return value.to(self.device), msg
+
+    def close(self) -> None:
+        """Stop the inbox thread once it has nothing more to receive."""
+        self.inbox.close()
+
+
+class ActivationOut(SendEnd):
+    """Stage k's end of link k, forward: the sender side of link k's m(ξ)."""
+
+    def send(self, step: int, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None,
+             compress: bool) -> None:
+        """Send micro-batch `mb`'s output (with its attention mask, losslessly)."""
+        self.counters.payload_bytes += self._send(step, mb, activation, ids, compress, mask, SIDE_MASK)
+        self.counters.elements += activation.numel()
+
+    def send_eval(self, step: int, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None
+                  ) -> int:
+        """Send an evaluation activation in fp32, never through the link's codec or m(ξ); returns its bytes."""
+        return HEADER_SIZE + self._send(step, mb, activation, ids, False, mask, SIDE_MASK, KIND_EVAL, EVAL_CODEC)
+
+    def forget(self, ids: list[int]) -> None:
+        """The sender half of re-seeding: drop m(ξ) of samples the receiver lacks, so they next go in full."""
+        if ids and hasattr(self.codec, "forget"):
+            self.codec.forget(ids)
+
+
+class ActivationIn(RecvEnd):
+    """Stage k + 1's end of link k, forward: the receiver side of link k's m(ξ)."""
+
+    def receive(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The next activation (on the stage's device, requiring grad), its sample ids and its mask."""
+        x, msg = self._receive()
+        return x.requires_grad_(True), msg.ids, per_sample(msg.side, msg.ids)
+
+    def post_eval(self, step: int, mb: int, n_ids: int) -> None:
+        """Announce an evaluation activation of `n_ids` samples."""
+        self.inbox.expect(Expect(KIND_EVAL, step, mb, n_ids, check=EVAL_CODEC.check_header, side_kinds=(SIDE_MASK,)))
+
+    def receive_eval(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The next evaluation activation, its sample ids and its mask."""
+        x, msg = self._receive(EVAL_CODEC)
+        return x, msg.ids, per_sample(msg.side, msg.ids)
+
+    def missing(self, next_ids: list[int] | None) -> list[int]:
+        """The receiver half of re-seeding: those of the next step's samples whose m(ξ) this side lacks."""
+        if not next_ids or not hasattr(self.codec, "missing"):
+            return []
+        return self.codec.missing(next_ids)
+
+
+class GradientOut(SendEnd):
+    """Stage k + 1's end of link k, backward."""
+
+    def send(self, step: int, mb: int, grad: torch.Tensor, ids: torch.Tensor, compress: bool,
+             reseed: list[int] | None = None) -> None:
+        """Send micro-batch `mb`'s input gradient, with a re-seed request when there is one."""
+        request = torch.tensor(reseed, dtype=torch.int64) if reseed else None
+        self.counters.payload_bytes += self._send(step, mb, grad, ids, compress, request, SIDE_RESEED)
+        self.counters.elements += grad.numel()
+
+
+class GradientIn(RecvEnd):
+    """Stage k's end of link k, backward."""
+
+    def receive(self) -> tuple[torch.Tensor, list[int]]:
+        """The next output gradient (on the stage's device) and the re-seed request it carried (often empty)."""
+        grad, msg = self._receive()
+        return grad, ([] if msg.side is None else msg.side.view(torch.int64).tolist())
+
+
+EVAL_CODEC = build_codec("fp32", "fw")  # stateless: evaluation never touches a training codec or m(ξ)
+
+
+def per_sample(side: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor | None:
+    """An activation's side information as one row per sample (the mask); a length that does not split is an error."""
+    if side is None:
+        return None
+    if ids.numel() == 0 or side.numel() % ids.numel():
+        raise TransportError(f"side information of {side.numel()} bytes does not split over {ids.numel()} samples")
+    return side.view(ids.numel(), -1)
+
+
+@dataclass
+class StageLinks:
+    """A rank's link ends (None where its stage has no such link), and the step's context they share."""
+
+    act_in: ActivationIn | None = None
+    act_out: ActivationOut | None = None
+    grad_in: GradientIn | None = None
+    grad_out: GradientOut | None = None
+    _step: int = 0
+    _micro_batches: int = 0
+    _compress: bool = True
+    _next_ids: list[int] | None = None
+
+    def begin_step(self, step: int, micro_batches: int, compress: bool, next_ids: list[int] | None) -> None:
+        """Post every receive of the step, in the order the stream consumes them (micro-batch order in each
+        direction), so the inbox threads run ahead of compute. Without `compress` (warm-up epochs) every link sends
+        fp32 and AQ-SGD refreshes m(ξ); `next_ids`, the next step's samples when it compresses, are what the
+        re-seed request is about."""
+        self._step, self._micro_batches, self._compress, self._next_ids = step, micro_batches, compress, next_ids
+        for mb in range(micro_batches):
+            for end in (self.act_in, self.grad_in):
+                if end is not None:
+                    end.post(step, mb)
+
+    def send_activation(self, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None
+                        ) -> None:
+        """Send micro-batch `mb`'s output to the next stage."""
+        self.act_out.send(self._step, mb, activation, ids, mask, self._compress)
+
+    def receive_activation(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The next micro-batch's input from the previous stage: (activation, sample ids, mask)."""
+        return self.act_in.receive()
+
+    def send_gradient(self, mb: int, grad: torch.Tensor, ids: torch.Tensor) -> None:
+        """Send micro-batch `mb`'s input gradient to the previous stage; the step's last one carries the re-seed
+        request."""
+        last = mb == self._micro_batches - 1
+        reseed = self.act_in.missing(self._next_ids) if last and self.act_in is not None else None
+        self.grad_out.send(self._step, mb, grad, ids, self._compress, reseed)
+
+    def receive_gradient(self) -> torch.Tensor:
+        """The next micro-batch's output gradient from the next stage (applying any re-seed request it carried)."""
+        grad, reseed = self.grad_in.receive()
+        self.act_out.forget(reseed)
+        return grad
+
+    def flush(self) -> None:
+        """Wait until everything this rank sent has left."""
+        for end in (self.act_out, self.grad_out):
+            if end is not None:
+                end.flush()
+
+    def close(self) -> None:
+        """Stop the inbox threads."""
+        for end in (self.act_in, self.grad_in):
+            if end is not None:
+                end.close()
+
+    def codecs(self) -> dict[str, LinkCodec]:
+        """The training codec of each end this rank has, by slot name (what a checkpoint keeps)."""
+        slots = {"fw_send": self.act_out, "fw_recv": self.act_in, "bw_send": self.grad_out, "bw_recv": self.grad_in}
+        return {slot: end.codec for slot, end in slots.items() if end is not None}
+
+    def take_counters(self) -> dict[str, LinkCounters]:
+        """Each end's counters since the last call (then zeroed), by direction and role."""
+        taken = {}
+        for name, end in (("fwd_sent", self.act_out), ("fwd_received", self.act_in), ("bwd_sent", self.grad_out),
+                          ("bwd_received", self.grad_in)):
+            if end is not None:
+                taken[name], end.counters = end.counters, LinkCounters()
+            else:
+                taken[name] = LinkCounters()
+        return taken

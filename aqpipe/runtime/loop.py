@@ -1,0 +1,98 @@
+"""The step loop of one rank: prefetch m(ξ), run the worker's step, record, evaluate and checkpoint."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from aqpipe.metrics import MetricsLog
+from aqpipe.runtime.assemble import Stage
+from aqpipe.runtime.checkpoint import mark_complete, save_rank
+from aqpipe.runtime.evaluate import eval_batches, evaluate_stage, gather_eval
+from aqpipe.runtime.events import emit
+from aqpipe.runtime.outputs import print_eval, print_progress, step_record
+from aqpipe.runtime.replicas import check_replicas
+from aqpipe.runtime.resume import collect_state
+from aqpipe.storage.prefetch import PrefetchingStore
+
+
+def compresses(stage: Stage, step: int) -> bool:
+    """Whether `step`'s links compress: every step after the warm-up epochs (sent in fp32 while m(ξ) fills)."""
+    plan = stage.plan
+    return step // plan.steps_per_epoch >= plan.cfg.warmup_epochs
+
+
+def evaluate(stage: Stage, step: int) -> dict:
+    """One pass over the held-out split (all ranks); on rank 0 its numbers as `eval_*` record fields."""
+    plan, grid = stage.plan, stage.grid
+    cfg, ends = plan.cfg, grid.is_first_stage or grid.is_last_stage
+    batches = eval_batches(len(plan.dataset.valid), grid.replica, cfg.dp, cfg.micro_batch_size)
+    totals = evaluate_stage(stage.worker, step, batches, plan.dataset.valid if ends else None, plan.dataset.num_labels)
+    result = gather_eval(totals, grid, plan.dataset.num_labels, stage.device)
+    if result is None:
+        return {}
+    emit({"event": "eval", "step": step, "loss": result["loss"], "accuracy": result.get("accuracy")})
+    print_eval(step, result)
+    return {f"eval_{k}": v for k, v in result.items()}
+
+
+def checkpoint(stage: Stage, step: int) -> None:
+    """Every rank writes its state after `step` steps (once the replicas of its stage agree on their parameters);
+    rank 0 marks the checkpoint complete."""
+    cfg, grid = stage.plan.cfg, stage.grid
+    if isinstance(stage.store, PrefetchingStore):
+        stage.store.flush()
+    check_replicas(stage.worker.module, grid, stage.groups.data_parallel, step, stage.device)
+    save_rank(cfg.out, step, grid.rank, collect_state(stage.worker, stage.store), cfg.fixed_settings())
+    dist.barrier()
+    if grid.rank == 0:
+        mark_complete(cfg.out, step, grid.world_size, cfg.fixed_settings())
+
+
+def prefetch(stage: Stage, step: int, first_step: int) -> None:
+    """Read ahead the m(ξ) this rank will need: this step's (on the first step only) and the next step's, on each
+    side of m(ξ) this rank owns."""
+    store, plan = stage.store, stage.plan
+    if not isinstance(store, PrefetchingStore):
+        return
+    epochs = plan.epoch_plan(stage.grid.replica)
+    for ahead in ([step, step + 1] if step == first_step else [step + 1]):
+        if ahead < plan.total_steps:
+            ids = torch.cat(epochs.micro_batches_of(ahead)).tolist()
+            for link, side in stage.grid.owned_sides():
+                store.prefetch(link, side, ids)
+
+
+def train_steps(stage: Stage, first_step: int, log: MetricsLog | None, wall_start: float) -> None:
+    """Run steps `first_step`… to the plan's end on this rank; rank 0 (the one with `log`) records them."""
+    plan, grid, worker, store = stage.plan, stage.grid, stage.worker, stage.store
+    cfg = plan.cfg
+    epochs = plan.epoch_plan(grid.replica)
+    evaluating = len(plan.dataset.valid) > 0 and cfg.eval_every != 0
+    for step in range(first_step, plan.total_steps):
+        step_start = time.perf_counter()
+        lr = worker.lr_schedule.get_last_lr()[0]
+        store.step = step
+        prefetch(stage, step, first_step)
+        done = step + 1  # also the index of the next step
+        next_ids = (torch.cat(epochs.micro_batches_of(done)).tolist()
+                    if done < plan.total_steps and compresses(stage, done) else None)
+        stats = worker.run_step(step, epochs.micro_batches_of(step), compress=compresses(stage, step),
+                                next_ids=next_ids)
+        counts = store.stats
+        stats.store_hits, stats.store_misses, stats.store_reseeded, stats.store_overflow = (
+            counts.hits, counts.misses, counts.reseeded, counts.overflow)
+        record = step_record(stats, grid, cfg, step, plan.steps_per_epoch, lr, time.perf_counter() - step_start,
+                             stage.device)
+        if evaluating and (done == plan.total_steps or (cfg.eval_every and done % cfg.eval_every == 0)):
+            record.update(evaluate(stage, done))
+        if log is not None:
+            record["elapsed_seconds"] = time.perf_counter() - wall_start
+            log.log(record)
+            emit({"event": "step", "step": done, "total_steps": plan.total_steps, "loss": record["loss"],
+                  "samples_per_second": record["samples_per_second"]})
+            print_progress(record, plan.total_steps)
+        if done == plan.total_steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+            checkpoint(stage, done)

@@ -1,0 +1,170 @@
+"""What a run leaves behind: the per-step metrics record (every rank's numbers combined on rank 0), progress and
+evaluation lines, the final stage weights, the merged HF export, summary.json and the loss plot."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from aqpipe.config import RunConfig
+from aqpipe.data.dataset import export_tokenizer
+from aqpipe.disk import DiskFullError, save_atomic, writing
+from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
+from aqpipe.runtime.grid import Grid, gather_rows
+from aqpipe.runtime.plan import RunPlan
+from aqpipe.runtime.resume import kept_records
+from aqpipe.runtime.worker import StepStats
+from aqpipe.stages.export import export_hf
+from aqpipe.stages.models import tokenizer_directory
+
+# The StepStats fields every rank contributes to a step's record (plus its step time), in the order they travel.
+STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elements", "grad_sync_bytes",
+               "compute_seconds", "comm_wait_seconds", "grad_norm", "store_hits", "store_misses", "store_reseeded",
+               "store_overflow", "fwd_recv_bytes", "fwd_recv_seconds", "bwd_recv_bytes", "bwd_recv_seconds",
+               "forward_seconds", "backward_seconds", "peak_activation_bytes")
+
+
+def open_outputs(cfg: RunConfig, plan: RunPlan, first_step: int) -> MetricsLog:
+    """config.json, and the metrics log (a resumed run keeps the records up to its checkpoint)."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    resolved = cfg.to_dict()
+    resolved["stage_bounds"] = plan.bounds
+    write_json(out / "config.json", resolved)
+    return MetricsLog(out, kept_records(out, first_step) if first_step else [])
+
+
+def step_record(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_per_epoch: int, lr: float,
+                 step_seconds: float, device: torch.device) -> dict:
+    """Collect every rank's numbers of this step on rank 0 and combine them into one metrics record."""
+    mine = torch.tensor([float(getattr(stats, f)) for f in STAT_FIELDS] + [step_seconds], dtype=torch.float64)
+    rows = gather_rows(mine, grid, device)
+    if rows is None:
+        return {}
+    col = {name: rows[:, i] for i, name in enumerate(STAT_FIELDS + ("step_seconds",))}
+    last_stage = [grid.rank_of(cfg.pp - 1, r) for r in range(cfg.dp)]
+    loss = float(col["loss_sum"][last_stage].sum()) / (cfg.micro_batches * cfg.dp)
+    slowest = float(col["step_seconds"].max())
+
+    def per_link(name: str, offset: int) -> list[float]:
+        """Summed over replicas, for link k (stage k → k+1), of the number kept by stage k + offset (activations
+        are sent by stage k and received by k+1; gradients the other way)."""
+        return [float(sum(col[name][grid.rank_of(k + offset, r)] for r in range(cfg.dp))) for k in range(cfg.pp - 1)]
+
+    def rates(direction: str, receiver_offset: int) -> list[float]:
+        """Achieved bytes/s of each link in one direction while a message body was on the wire."""
+        moved, seconds = per_link(f"{direction}_recv_bytes", receiver_offset), per_link(f"{direction}_recv_seconds", receiver_offset)
+        return [b / s if s > 0 else 0.0 for b, s in zip(moved, seconds)]
+
+    fwd_elements, bwd_elements = int(col["fwd_elements"].sum()), int(col["bwd_elements"].sum())
+    return {
+        "step": step + 1,
+        "epoch": step // steps_per_epoch,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": float(col["grad_norm"][0]),
+        "samples_per_second": cfg.samples_per_step * cfg.dp / slowest,
+        "step_seconds": slowest,
+        "fwd_bytes": int(col["fwd_bytes"].sum()),
+        "bwd_bytes": int(col["bwd_bytes"].sum()),
+        "grad_sync_bytes": int(col["grad_sync_bytes"].sum()),
+        "link_fwd_bytes": [int(b) for b in per_link("fwd_bytes", 0)],
+        "link_bwd_bytes": [int(b) for b in per_link("bwd_bytes", 1)],
+        "link_fwd_wire_seconds": per_link("fwd_recv_seconds", 1),
+        "link_bwd_wire_seconds": per_link("bwd_recv_seconds", 0),
+        "link_fwd_bytes_per_second": rates("fwd", 1),
+        "link_bwd_bytes_per_second": rates("bwd", 0),
+        "fwd_bytes_per_element": int(col["fwd_bytes"].sum()) / fwd_elements if fwd_elements else 0.0,
+        "bwd_bytes_per_element": int(col["bwd_bytes"].sum()) / bwd_elements if bwd_elements else 0.0,
+        "store_hits": int(col["store_hits"].sum()),
+        "store_misses": int(col["store_misses"].sum()),
+        "store_reseeded": int(col["store_reseeded"].sum()),
+        "store_overflow": int(col["store_overflow"].sum()),
+        "compute_seconds": float(col["compute_seconds"].max()),
+        "comm_wait_seconds": float(col["comm_wait_seconds"].max()),
+        "stage_compute_seconds": [float(col["compute_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
+        "stage_comm_wait_seconds": [float(col["comm_wait_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
+        "stage_forward_seconds": [float(col["forward_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
+        "stage_backward_seconds": [float(col["backward_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
+        "stage_peak_activation_bytes": [int(col["peak_activation_bytes"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
+    }
+
+
+def print_progress(record: dict, total: int) -> None:
+    """A plain progress line every so often when no launcher draws a progress bar (torchrun, DeepSpeed)."""
+    if os.environ.get("AQPIPE_EVENTS") == "1":
+        return
+    every = max(1, total // 20)
+    if record["step"] % every == 0 or record["step"] == total:
+        print(f"step {record['step']}/{total}  loss {record['loss']:.4f}  {record['samples_per_second']:.1f} samples/s",
+              file=sys.stderr, flush=True)
+
+
+def print_eval(step: int, result: dict) -> None:
+    parts = [f"eval after step {step}: loss {result['loss']:.4f}"]
+    if "accuracy" in result:
+        parts.append(f"accuracy {result['accuracy']:.4f}, MCC {result['mcc']:.4f}")
+    if "perplexity" in result:
+        parts.append(f"perplexity {result['perplexity']:.2f}")
+    print(", ".join(parts), file=sys.stderr, flush=True)
+
+
+def eval_summary(records: list[dict]) -> dict:
+    """The last evaluation's numbers as summary fields (eval_loss, eval_accuracy, …), with the step it ran at."""
+    evaluated = [r for r in records if "eval_loss" in r]
+    if not evaluated:
+        return {}
+    final = evaluated[-1]
+    return {**{k: v for k, v in final.items() if k.startswith("eval_")}, "eval_step": final["step"]}
+
+
+def export_model(plan: RunPlan) -> str | None:
+    """Merge the final stage weights into an HF checkpoint directory `<out>/export` (None for custom models)."""
+    architecture = plan.spec.extras.get("architecture")
+    if architecture is None:
+        return None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with the launcher's output
+    out = Path(plan.cfg.out)
+    states = [torch.load(out / "checkpoints" / "final" / f"stage-{k}.pt", weights_only=True) for k in range(plan.cfg.pp)]
+    tokenizer = export_tokenizer(plan.cfg.task, plan.cfg.data, tokenizer_directory(plan.cfg.model), plan.cfg.vocab_size)
+    try:
+        with writing(out / "export", sum(t.numel() * t.element_size() for s in states for t in s.values())):
+            path = export_hf(states, plan.bounds, architecture, plan.spec.extras["hf_config"], out / "export",
+                             tokenizer, plan.dataset.label_names)
+    except DiskFullError:
+        shutil.rmtree(out / "export", ignore_errors=True)  # a partial export must not look like a model
+        raise
+    return str(path)
+
+
+def save_stage_weights(module: torch.nn.Module, out: Path, stage: int) -> Path:
+    """Write one stage's final weights to checkpoints/final/stage-<k>.pt (load with weights_only=True)."""
+    directory = out / "checkpoints" / "final"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"stage-{stage}.pt"
+    save_atomic(path, lambda f: torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, f))
+    return path
+
+
+def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float) -> dict:
+    """Rank 0, after every stage's final weights are on disk: summary.json, the export and loss.png; returns the
+    summary."""
+    cfg = plan.cfg
+    log.close()
+    summary = summarize(log.records, used_steps=cfg.steps is not None, warmup_epochs=cfg.warmup_epochs,
+                        wall_seconds=wall_seconds)
+    last = log.records[-1]
+    summary["store"] = {"hits": last["store_hits"], "misses": last["store_misses"], "reseeded": last["store_reseeded"],
+                        "overflow": last.get("store_overflow", 0)}
+    summary.update(eval_summary(log.records))
+    summary["export"] = export_model(plan)
+    out = Path(cfg.out)
+    write_json(out / "summary.json", summary)
+    plot_loss(log.records, out / "loss.png", title=f"{cfg.model}  pp={cfg.pp} dp={cfg.dp}  fw={cfg.fw} bw={cfg.bw}")
+    return summary
