@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from aqpipe.cli import one_line
 from aqpipe.config import ConfigError, build_config, resolve

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from typing import NoReturn
 
+from aqpipe.compress.grad.methods import describe_methods_help
 from aqpipe.compress.grids import GRIDS
+from aqpipe.compress.specs import describe_codecs
 from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values
 from aqpipe.disk import DiskFullError
 from aqpipe.launch.signals import ignore_interrupts, interrupts_raise
 from aqpipe.runtime.schedule import SCHEDULES
+from aqpipe.storage.dtypes import describe_store_dtypes
 
 HELP = {
     "model": "preset (gpt2-tiny … gpt2-xl; bert-tiny … bert-large; minilm-l6, the pretrained MiniLM of the PyPI "
@@ -30,16 +34,14 @@ HELP = {
                 "specify: lr*sign, and Marsit's Algorithm 2; a value > 0 there makes each replica vote on its local "
                 "momentum, i.e. Signum)",
     "warmup_steps": "linear LR warm-up steps (then linear decay to 0)", "clip": "global gradient-norm clip (0: off)",
-    "fw": "forward activation codec: fp32, fp16, bf16, directq:B, aqsgd:B (B = 1..8 bits; default aqsgd:4)",
-    "bw": "backward gradient codec: fp32, fp16, bf16, directq:B, topk:F:B (keep fraction F; default directq:8)",
+    "fw": f"forward activation codec: {describe_codecs('fw')}; B = 1..8 bits (default aqsgd:4)",
+    "bw": f"backward gradient codec: {describe_codecs('bw')}; B = 1..8 bits (default directq:8)",
     "warmup_epochs": "epochs sent uncompressed while AQ-SGD fills m(xi) (default 1)",
-    "grad_sync": "DP gradient compressor: none (fp32 average), fp16, bf16, powersgd:R, ef:B, topk:F, "
-                 "sidco:exp|gamma|gpareto:F, fft:THETA:N, signsgd, marsit:K, qadam:B (with adamw). "
-                 "signsgd and marsit are optimizers in effect (the update is lr*sign, or Marsit's global step): use them "
-                 "with --optimizer sgd (momentum 0 unless --momentum); their gradients are clipped before the vote "
-                 "and unused rows (zero on every replica) do not move",
+    "grad_sync": f"DP gradient compressor: {describe_methods_help()}. signsgd and marsit are optimizers in effect "
+                 "(the update is lr*sign, or Marsit's global step): use them with --optimizer sgd; their gradients "
+                 "are clipped before the vote and unused rows (zero on every replica) do not move",
     "store": "where m(xi) lives: memory or lmdb (on disk, under the run directory)",
-    "store_dtype": "how m(xi) is kept: fp32, fp16, bf16; with lmdb also q8, q4, q2 (quantized)",
+    "store_dtype": f"how m(xi) is kept: {describe_store_dtypes()}",
     "store_max_gb": "cap on each rank's LMDB store (GB)",
     "quant_scales": "quantization scales per sample and channel (default) or per token",
     "quant_rounding": "nearest (default) or stochastic (unbiased) rounding",
@@ -47,7 +49,8 @@ HELP = {
                   "hold an exact zero; see aqpipe.compress.quantize)",
     "store_check": "on: every AQ-SGD message carries a checksum of m(xi) the receiver verifies (default); off",
     "store_dump": "on: save each rank's m(xi) store under <out>/store/ at the end (for inspection)",
-    "bandwidth": "run every rank in its own network namespace with its link shaped by tc tbf to RATE, e.g. 100mbit or 1gbit (needs root and iproute2)",
+    "bandwidth": "run every rank in its own network namespace with its link shaped by tc tbf to RATE, e.g. 100mbit or "
+                 "1gbit (needs root and iproute2)",
     "device": "cpu or cuda", "out": "run directory (default runs/<timestamp>)",
     "resume": "continue the run in this directory from its last checkpoint (its config, except steps/epochs, "
               "eval/checkpoint intervals, bandwidth, device)",
@@ -64,7 +67,7 @@ HELP = {
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line and exit code 2."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         print(f"aqpipe: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from aqpipe.compress.grids import DEFAULT_GRID, GRIDS
+from aqpipe.storage.dtypes import MEMORY_DTYPES, STORE_DTYPES
 
 
 class ConfigError(ValueError):
@@ -38,7 +39,6 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
 RESUME_MAY_CHANGE = {"resume", "out", "steps", "epochs", "eval_every", "checkpoint_every", "bandwidth", "device",
                      "stall_timeout", "port"}
 
-STORE_DTYPES = ("fp32", "fp16", "bf16", "q8", "q4", "q2")
 
 
 @dataclass
@@ -240,7 +240,7 @@ def _cuda_available() -> bool:
 
 def _check_choices(cfg: RunConfig) -> None:
     """Codec specs and named choices are known."""
-    from aqpipe.compress.codecs import CodecError, parse_spec
+    from aqpipe.compress.specs import CodecError, parse_spec
 
     try:
         parse_spec(cfg.fw, "fw")
@@ -254,7 +254,7 @@ def _check_choices(cfg: RunConfig) -> None:
                                  ("store-dump", cfg.store_dump, ("on", "off"))):
         if value not in allowed:
             raise ConfigError(f"--{name} {value!r} is not one of {', '.join(allowed)}")
-    from aqpipe.compress.grad.registry import GradSpecError, check_pairing, parse_grad_spec
+    from aqpipe.compress.grad.methods import GradSpecError, check_pairing, parse_grad_spec
 
     try:
         check_pairing(parse_grad_spec(cfg.grad_sync), cfg.optimizer)
@@ -264,8 +264,9 @@ def _check_choices(cfg: RunConfig) -> None:
         raise ConfigError(f"--store {cfg.store!r} is not a store; use memory or lmdb")
     if cfg.store_dtype not in STORE_DTYPES:
         raise ConfigError(f"--store-dtype {cfg.store_dtype!r} is not one of {', '.join(STORE_DTYPES)}")
-    if cfg.store_dtype.startswith("q") and cfg.store != "lmdb":
-        raise ConfigError(f"--store-dtype {cfg.store_dtype} (low-bit m) needs --store lmdb; in memory use fp32, fp16 or bf16")
+    if cfg.store_dtype not in MEMORY_DTYPES and cfg.store != "lmdb":
+        raise ConfigError(f"--store-dtype {cfg.store_dtype} (low-bit m) needs --store lmdb; in memory use "
+                          f"{', '.join(MEMORY_DTYPES)}")
     if cfg.store_max_gb is not None and cfg.store_max_gb <= 0:
         raise ConfigError(f"--store-max-gb must be positive, got {cfg.store_max_gb}")
     if cfg.bandwidth is not None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _FULL_TEXTS = ("No space left on device", "Disk quota exceeded")
@@ -97,7 +98,7 @@ def ensure_room(path: str | Path, needed: int) -> None:
         raise DiskFullError(path, needed, free)
 
 
-def save_atomic(path: str | Path, write: Callable[[BinaryIO], None], needed: int | None = None,
+def save_atomic(path: str | Path, write: Callable[[BinaryIO], object], needed: int | None = None,
                 durable: bool = False, shared: bool = False) -> None:
     """Write `path` through `write(file)` so that readers see the old file or the whole new one, never part of it.
     `durable`: on disk (fsync) before it replaces the old file; `shared`: several processes may write this path at

@@ -18,3 +18,11 @@ def gpt2_2x128(vocab_size: int, seq_len: int):
     config = GPT2Config(vocab_size=vocab_size, n_layer=2, n_embd=128, n_head=4, n_positions=max(seq_len, 128),
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return gpt2_spec(config, name="gpt2-2x128")
+
+
+def gpt2_4x128(vocab_size: int, seq_len: int):
+    """4 GPT-2 blocks of hidden 128 (4 heads), no dropout: with --pp 4 and --partition 2,1,1,2 one block per stage,
+    the throughput benchmark's 4-stage model."""
+    config = GPT2Config(vocab_size=vocab_size, n_layer=4, n_embd=128, n_head=4, n_positions=max(seq_len, 128),
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return gpt2_spec(config, name="gpt2-4x128")

@@ -1,13 +1,16 @@
 """Throughput vs bandwidth on tc-throttled links, like Tables 2, 3 and 5 of the AQ-SGD paper.
 
-Every system trains the same communication-bound model (benchmarks.models:gpt2_2x128 over 2 stages: one GPT-2
-block of hidden 128 per stage, a 512-token vocabulary) on WikiText-2 at bandwidths {unthrottled (loopback), 1gbit,
-500mbit, 300mbit, 100mbit, 30mbit, 25mbit}: aqpipe with fp32, fp16, directq fw3 bw6, aqsgd fw3 bw6 and aqsgd fw4 bw8,
-and DeepSpeed's pipeline engine (fp32), each rank in its own network namespace behind `tc tbf` (aqpipe's own
---bandwidth; DeepSpeed's ranks are started inside an aqpipe topology). Variants alternate inside each round.
-Throughput is measured after the first epoch (AQ-SGD's first sight of every sample goes in fp32 by design).
+Every system trains the same communication-bound model (benchmarks.models:gpt2_2x128 over 2 stages, or
+gpt2_4x128 over 4 with --pp 4: one GPT-2 block of hidden 128 per stage, a 512-token vocabulary) on WikiText-2 at
+bandwidths {unthrottled (loopback), 1gbit, 500mbit, 300mbit, 100mbit, 30mbit, 25mbit}: aqpipe with fp32, fp16,
+directq fw3 bw6, aqsgd fw3 bw6 and aqsgd fw4 bw8 under each schedule of --schedules, and DeepSpeed's pipeline
+engine (fp32), each rank in its own network namespace behind `tc tbf` (aqpipe's own --bandwidth; DeepSpeed's
+ranks are started inside an aqpipe topology). Systems alternate inside each round. Throughput is measured after
+the first epoch (AQ-SGD's first sight of every sample goes in fp32 by design).
 
     python benchmarks/throughput.py --rounds 3 --out benchmarks/results/throughput     # about 45 minutes here
+    python benchmarks/throughput.py --schedules gpipe,1f1b --no-deepspeed --pp 4 \
+        --bandwidths unthrottled,100mbit,30mbit,25mbit --variants "fp32,aqsgd fw3 bw6,aqsgd fw3 bw4"
 Writes <out>.json (every measurement), <out>.md (Table 2 and Table 3 shapes, targets) and <out>.png.
 """
 
@@ -37,10 +40,18 @@ VARIANTS = {"fp32": ("fp32", "fp32"), "fp16": ("fp16", "fp16"), "directq fw3 bw6
 # not in the default grid: 4-bit gradients, the remedy for the backward link being the bottleneck at 25 Mbit
 EXTRA = {"aqsgd fw3 bw4": ("aqsgd:3", "directq:4")}
 DEEPSPEED = "DeepSpeed fp32"
+MODELS = {2: ("benchmarks.models:gpt2_2x128", "parameters"), 4: ("benchmarks.models:gpt2_4x128", "2,1,1,2")}
 
 
-def launch_args(args, fw: str, bw: str, bandwidth: str, out: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "aqpipe", "launch", "--overwrite", "--model", "benchmarks.models:gpt2_2x128", "--pp", "2",
+def system_name(variant: str, schedule: str, schedules: list[str]) -> str:
+    """A variant under a schedule; plain when only one schedule is measured (the tables of earlier sittings)."""
+    return variant if len(schedules) == 1 else f"{variant} · {schedule}"
+
+
+def launch_args(args, fw: str, bw: str, bandwidth: str, out: Path, schedule: str = "gpipe") -> list[str]:
+    model, partition = MODELS[args.pp]
+    cmd = [sys.executable, "-m", "aqpipe", "launch", "--overwrite", "--model", model, "--pp", str(args.pp),
+           "--partition", partition, "--schedule", schedule,
            "--data", str(args.data), "--vocab-size", "512", "--seq-len", str(args.seq_len),
            "--micro-batch-size", str(args.mbs), "--micro-batches", str(args.mb),
            "--max-samples", str(args.mbs * args.mb * args.steps_per_epoch), "--epochs", str(args.epochs),
@@ -48,11 +59,12 @@ def launch_args(args, fw: str, bw: str, bandwidth: str, out: Path) -> list[str]:
     return cmd + ([] if bandwidth == "unthrottled" else ["--bandwidth", bandwidth])
 
 
-def run_aqpipe(args, variant: str, bandwidth: str, work: Path) -> dict:
+def run_aqpipe(args, variant: str, bandwidth: str, work: Path, schedule: str = "gpipe") -> dict:
     """One run; its throughput and per-micro-batch breakdown over the epochs after the first."""
     fw, bw = {**VARIANTS, **EXTRA}[variant]
-    out = work / f"{variant.replace(' ', '_')}-{bandwidth}-{time.monotonic_ns()}"
-    proc = subprocess.run(launch_args(args, fw, bw, bandwidth, out), capture_output=True, text=True, cwd=ROOT)
+    out = work / f"{variant.replace(' ', '_')}-{schedule}-{bandwidth}-{time.monotonic_ns()}"
+    proc = subprocess.run(launch_args(args, fw, bw, bandwidth, out, schedule), capture_output=True, text=True,
+                          cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{variant} at {bandwidth} failed: {proc.stderr[-1500:]}")
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -74,6 +86,7 @@ def run_aqpipe(args, variant: str, bandwidth: str, work: Path) -> dict:
         "bwd_bytes_per_micro_batch": median_of("link_bwd_bytes", 0) / per_mb,
         "fwd_rate_mbit": 8 * median_of("link_fwd_bytes_per_second", 0) / 1e6,
         "bwd_rate_mbit": 8 * median_of("link_bwd_bytes_per_second", 0) / 1e6,
+        "stage0_peak_activation_mb": median_of("stage_peak_activation_bytes", 0) / 1e6,
         "config": str(out / "config.json"),
     }
 
@@ -123,35 +136,43 @@ def summarize(runs: dict, bandwidths: list[str]) -> dict:
     return table
 
 
-def regime_ratio(table: dict, bw: str) -> float:
+def regime_ratio(table: dict, bw: str, fp32: str = "fp32") -> float:
     """fp32's comm/compute ratio as the paper counts it: one activation's time on the wire over one micro-batch's
     forward on a stage (BENCHMARKS.md: about 12 in the paper at 100 Mbps)."""
-    row = table["fp32"][bw]
+    row = table[fp32][bw]
     return row["fwd_wire_ms"] / row["forward_ms"]
 
 
 def write_markdown(table: dict, bandwidths: list[str], info: dict, path: Path) -> None:
     sps = {s: {bw: table[s][bw]["samples_per_second"] for bw in table[s]} for s in table}
     lines = [f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}; {info['date']}, commit "
-             f"{info['commit']}. Median of {info['rounds']} rounds; samples/s after the first epoch.", "",
+             f"{info['commit']}. pp={info['pp']}. Median of {info['rounds']} rounds; samples/s after the first "
+             "epoch.", "",
              "### Throughput (samples/s), like the paper's Table 2", "",
              "| system | " + " | ".join(bandwidths) + " |", "|---|" + "---|" * len(bandwidths)]
     for system in table:
         lines.append(f"| {system} | " + " | ".join(f"{sps[system].get(bw, float('nan')):.1f}" for bw in bandwidths) + " |")
-    if "fp32" in table:
-        lines.append("| fp32 comm/compute ratio | " + " | ".join(f"{regime_ratio(table, bw):.2f}" for bw in bandwidths) + " |")
+    fp32 = next((s for s in table if s.split(" · ")[0] == "fp32"), None)
+    if fp32 is not None:
+        lines.append("| fp32 comm/compute ratio | " + " | ".join(f"{regime_ratio(table, bw, fp32):.2f}"
+                                                                 for bw in bandwidths) + " |")
         lines.append("| fp32 achieved link rate (Mbit/s) | " + " | ".join(
-            f"{table['fp32'][bw]['fwd_rate_mbit']:.0f}" for bw in bandwidths) + " |")
+            f"{table[fp32][bw]['fwd_rate_mbit']:.0f}" for bw in bandwidths) + " |")
     lines += ["", "### Per micro-batch: compute vs communication (ms), like the paper's Table 3", "",
               "| system | bandwidth | forward | backward | activation on the wire | gradient on the wire | "
-              "activation bytes | gradient bytes | achieved Mbit/s (fwd) |", "|---|---|---|---|---|---|---|---|---|"]
+              "activation bytes | gradient bytes | achieved Mbit/s (fwd) | stage-0 peak activations (MB) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for system in [s for s in table if s != DEEPSPEED]:
         for bw in bandwidths:
             row = table.get(system, {}).get(bw)
             if row:
                 lines.append(f"| {system} | {bw} | {row['forward_ms']:.1f} | {row['backward_ms']:.1f} | "
                              f"{row['fwd_wire_ms']:.1f} | {row['bwd_wire_ms']:.1f} | {row['fwd_bytes_per_micro_batch']:.0f} | "
-                             f"{row['bwd_bytes_per_micro_batch']:.0f} | {row['fwd_rate_mbit']:.0f} |")
+                             f"{row['bwd_bytes_per_micro_batch']:.0f} | {row['fwd_rate_mbit']:.0f} | "
+                             f"{row.get('stage0_peak_activation_mb', float('nan')):.2f} |")
+    if " · " in next(iter(table)):
+        path.write_text("\n".join(lines + schedule_targets(table, bandwidths, sps)) + "\n")
+        return
     aq, dq = "aqsgd fw3 bw6", "directq fw3 bw6"
     if not {aq, dq, "fp32"} <= set(table):  # a partial run: no targets to state
         path.write_text("\n".join(lines) + "\n")
@@ -168,6 +189,29 @@ def write_markdown(table: dict, bandwidths: list[str], info: dict, path: Path) -
     path.write_text("\n".join(lines) + "\n")
 
 
+def schedule_targets(table: dict, bandwidths: list[str], sps: dict) -> list[str]:
+    """The 1F1B issue's targets: aqsgd fw3bw6 under 1F1B keeps ≥ 0.9× its own unthrottled throughput and runs
+    ≥ 1.15× its GPipe throughput; fp32 under 1F1B ≥ 1.3× fp32 under GPipe."""
+    lines = ["", "### Targets (1F1B vs GPipe)", ""]
+
+    def ratio(a: str, b: str, bw: str, bw_b: str | None = None) -> str:
+        if a not in sps or b not in sps or bw not in sps[a] or (bw_b or bw) not in sps[b]:
+            return "not measured"
+        return f"{sps[a][bw] / sps[b][bw_b or bw]:.2f}"
+
+    for bw in [b for b in ("100mbit", "30mbit", "25mbit") if b in bandwidths]:
+        fp32 = "fp32 · gpipe"
+        regime = f"{regime_ratio(table, bw, fp32):.1f}" if fp32 in table and bw in table[fp32] else "?"
+        lines += [f"At {bw} (fp32 comm/compute ratio under GPipe {regime}):"]
+        for variant in ("aqsgd fw3 bw6", "aqsgd fw3 bw4"):
+            one, gp = f"{variant} · 1f1b", f"{variant} · gpipe"
+            lines += [f"- {variant} 1f1b / its own unthrottled: {ratio(one, one, bw, 'unthrottled')}"
+                      + (" (target ≥ 0.9)" if variant.endswith("bw6") else ""),
+                      f"- {variant} 1f1b / gpipe: {ratio(one, gp, bw)}" + (" (target ≥ 1.15)" if variant.endswith("bw6") else "")]
+        lines += [f"- fp32 1f1b / gpipe: {ratio('fp32 · 1f1b', 'fp32 · gpipe', bw)} (target ≥ 1.3)", ""]
+    return lines
+
+
 def plot(table: dict, bandwidths: list[str], path: Path) -> None:
     import matplotlib
 
@@ -182,7 +226,7 @@ def plot(table: dict, bandwidths: list[str], path: Path) -> None:
     ax.set_xticks(xs, bandwidths)
     ax.set_xlabel("bandwidth per link (tc tbf)")
     ax.set_ylabel("samples / s")
-    ax.set_title("gpt2-2x128, pp=2: throughput vs bandwidth")
+    ax.set_title("one GPT-2 block of hidden 128 per stage: throughput vs bandwidth")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -197,6 +241,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma list of aqpipe variants from: {', '.join([*VARIANTS, *EXTRA])}")
     parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument("--schedules", default="gpipe", help="comma list of schedules to compare: gpipe, 1f1b")
+    parser.add_argument("--pp", type=int, default=2, choices=sorted(MODELS))
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--mbs", type=int, default=4)
@@ -208,22 +254,25 @@ def main() -> None:
     problem = netns.can_throttle()
     if problem:
         sys.exit(f"throughput benchmark: {problem}")
-    bandwidths, variants = args.bandwidths.split(","), args.variants.split(",")
-    systems = variants + ([] if args.no_deepspeed else [DEEPSPEED])
+    bandwidths, variants, schedules = args.bandwidths.split(","), args.variants.split(","), args.schedules.split(",")
+    if not args.no_deepspeed and args.pp != 2:
+        sys.exit("throughput benchmark: the DeepSpeed baseline runs with --pp 2 only; add --no-deepspeed")
+    named = [(system_name(v, s, schedules), v, s) for v in variants for s in schedules]
+    systems = [name for name, _, _ in named] + ([] if args.no_deepspeed else [DEEPSPEED])
     runs: dict[str, dict[str, list[dict]]] = {s: {bw: [] for bw in bandwidths} for s in systems}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for bw in bandwidths:
-                for variant in variants:
-                    runs[variant][bw].append(run_aqpipe(args, variant, bw, Path(tmp)))
-                    print(f"round {r + 1} {bw:>11} {variant:>16}: {runs[variant][bw][-1]['samples_per_second']:.1f} "
+                for name, variant, schedule in named:
+                    runs[name][bw].append(run_aqpipe(args, variant, bw, Path(tmp), schedule))
+                    print(f"round {r + 1} {bw:>11} {name:>24}: {runs[name][bw][-1]['samples_per_second']:.1f} "
                           f"samples/s", flush=True)
                 if not args.no_deepspeed:
-                    config = next(runs[v][bw][-1]["config"] for v in variants)
+                    config = next(runs[name][bw][-1]["config"] for name, _, _ in named)
                     runs[DEEPSPEED][bw].append(run_deepspeed(args, config, bw, Path(tmp)))
                     print(f"round {r + 1} {bw:>11} {DEEPSPEED:>16}: {runs[DEEPSPEED][bw][-1]['samples_per_second']:.1f} "
                           f"samples/s", flush=True)
-    info = dict(machine(), rounds=args.rounds)
+    info = dict(machine(), rounds=args.rounds, pp=args.pp)
     table = summarize(runs, bandwidths)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

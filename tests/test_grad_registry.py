@@ -6,7 +6,7 @@ import pytest
 
 from aqpipe.compress.grad import GradSpecError, build_grad_sync, check_pairing, parse_grad_spec
 from aqpipe.compress.grad.base import PATTERNS, DPGroup
-from aqpipe.compress.grad.registry import METHODS
+from aqpipe.compress.grad.methods import METHODS
 
 EXAMPLES = ["none", "fp16", "bf16", "powersgd:2", "ef:4", "topk:0.01", "signsgd", "marsit:0", "marsit:100", "fft:0.9:10", "fft:0:32", "sidco:exp:0.01", "sidco:gamma:0.001", "sidco:gpareto:0.1", "qadam:4"]
 

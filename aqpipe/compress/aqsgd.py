@@ -12,8 +12,16 @@ import zlib
 
 import torch
 
-from aqpipe.compress.codecs import (CODE_AQSGD, FLAG_NO_CHECK, CodecError, Encoded, LinkCodec, QuantOptions, bytes_as,
-                                    numel)
+from aqpipe.compress.codecs import (
+    CODE_AQSGD,
+    FLAG_NO_CHECK,
+    CodecError,
+    Encoded,
+    LinkCodec,
+    QuantOptions,
+    bytes_as,
+    numel,
+)
 from aqpipe.compress.directq import decode_samples, encode_samples, sample_bytes
 from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize
 from aqpipe.storage.base import StoreView
@@ -26,7 +34,7 @@ def store_checksum(values: list[torch.Tensor | None]) -> int:
     crc = 0
     for v in values:
         if v is not None:
-            crc = zlib.crc32(v.contiguous().view(torch.uint8).reshape(-1).numpy(), crc)
+            crc = zlib.crc32(v.contiguous().view(torch.uint8).reshape(-1).numpy().data, crc)
     return crc & 0xFFFFFFFF
 
 

@@ -3,25 +3,21 @@
 Every codec has `encode(tensor, ids, compress) -> Encoded`, `decode(header, payload, ids) -> tensor`, and
 `check_header(header)`, which the transport calls before it allocates a payload. With `compress=False` (the
 warm-up epochs) a codec sends fp32 and flags the message raw. `build_codec` turns a `--fw`/`--bw` spec into a
-codec; `parse_spec` validates a spec without building anything.
+codec; `aqpipe.compress.specs` holds the table of codec names and validates a spec without building anything.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
 from aqpipe.compress.quantize import DEFAULT_GRID
+from aqpipe.compress.specs import CodecError, CodecSpec, parse_spec
 
 FLAG_RAW = 1  # the payload is the tensor in fp32 (warm-up, or a codec asked not to compress)
 FLAG_NO_CHECK = 2  # AQ-SGD: the sender did not checksum m(ξ)
 CODE_FP32, CODE_FP16, CODE_BF16, CODE_DIRECTQ, CODE_AQSGD, CODE_TOPK = 1, 2, 3, 4, 5, 6
-
-
-class CodecError(ValueError):
-    """A codec spec that cannot be parsed, or a payload that does not fit its codec."""
 
 
 @dataclass
@@ -33,52 +29,6 @@ class Encoded:
     wire_dtype: torch.dtype
     codec_check: int = 0
     flags: int = 0
-
-
-@dataclass(frozen=True)
-class CodecSpec:
-    """A parsed `--fw`/`--bw` value."""
-
-    kind: str  # fp32, fp16, bf16, directq, aqsgd, topk
-    bits: int = 0
-    fraction: float = 1.0
-
-    def __str__(self) -> str:
-        if self.kind == "topk":
-            return f"topk:{self.fraction:g}:{self.bits}"
-        return f"{self.kind}:{self.bits}" if self.bits else self.kind
-
-
-FORWARD_KINDS = ("fp32", "fp16", "bf16", "directq", "aqsgd")
-BACKWARD_KINDS = ("fp32", "fp16", "bf16", "directq", "topk")
-
-
-def parse_spec(spec: str, direction: str) -> CodecSpec:
-    """Parse and validate a codec spec for the forward ("fw") or backward ("bw") direction."""
-    flag = f"--{direction}"
-    allowed = FORWARD_KINDS if direction == "fw" else BACKWARD_KINDS
-    usage = ("fp32, fp16, bf16, directq:B or aqsgd:B" if direction == "fw" else "fp32, fp16, bf16, directq:B or topk:F:B")
-    kind, *args = spec.split(":")
-    if kind not in allowed:
-        raise CodecError(f"{flag} {spec!r} is not a {'forward' if direction == 'fw' else 'backward'} codec; use {usage} (B = 1..8 bits)")
-    if kind in ("fp32", "fp16", "bf16"):
-        if args:
-            raise CodecError(f"{flag} {spec!r}: {kind} takes no parameters")
-        return CodecSpec(kind)
-    expected = 2 if kind == "topk" else 1
-    if len(args) != expected:
-        raise CodecError(f"{flag} {spec!r} must look like {kind}:{'F:B' if kind == 'topk' else 'B'}")
-    if not re.fullmatch(r"\d+", args[-1]) or not 1 <= int(args[-1]) <= 8:
-        raise CodecError(f"{flag} {spec!r}: bits must be an integer in 1..8")
-    fraction = 1.0
-    if kind == "topk":
-        try:
-            fraction = float(args[0])
-        except ValueError:
-            raise CodecError(f"{flag} {spec!r}: the kept fraction F must be a number in (0, 1]") from None
-        if not 0.0 < fraction <= 1.0:
-            raise CodecError(f"{flag} {spec!r}: the kept fraction F must be in (0, 1], got {args[0]}")
-    return CodecSpec(kind, int(args[-1]), fraction)
 
 
 def bytes_as(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

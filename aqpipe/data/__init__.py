@@ -1,7 +1,7 @@
 """Corpora, tokenization, fixed-length samples with ids, and data-parallel sharding."""
 
-from aqpipe.data.corpus import Corpus, DataError, load_corpus
 from aqpipe.data.classify import ClassifySamples
+from aqpipe.data.corpus import Corpus, DataError, load_corpus
 from aqpipe.data.dataset import EpochPlan, TaskDataset, prepare_classify_dataset, prepare_lm_dataset
 from aqpipe.data.samples import TokenSamples, shard
 

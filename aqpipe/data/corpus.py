@@ -97,7 +97,8 @@ def load_hub_dataset(name: str):
     try:
         return datasets.load_dataset(path, config or None)
     except Exception as e:  # noqa: BLE001 - offline, unknown name, …
-        raise DataError(f"cannot load hub dataset {name!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise DataError(f"cannot load hub dataset {name!r}: {type(e).__name__}: {first}") from None
 
 
 def hub_corpus(name: str) -> Corpus:

@@ -11,8 +11,8 @@ import torch
 from aqpipe.data.classify import ClassifySamples, encode_examples, labeled_text
 from aqpipe.data.corpus import Corpus, DataError, load_corpus
 from aqpipe.data.labeled import load_labeled
-from aqpipe.data.samples import TokenSamples, chunk, epoch_order
 from aqpipe.data.progress import preparing
+from aqpipe.data.samples import TokenSamples, chunk, epoch_order
 from aqpipe.data.tokenizer import HFTokenizer, cache_dir, corpus_key, encode_stream, train_bpe
 from aqpipe.disk import write_atomic
 

@@ -45,10 +45,10 @@ def sentences(text: str, min_words: int = 6, max_words: int = 40) -> list[str]:
     return out
 
 
-def acceptability_examples(text: str) -> list[tuple[str, None, int]]:
+def acceptability_examples(text: str) -> list[tuple[str, str | None, int]]:
     """CoLA-like examples from prose: each sentence is kept (label 1, acceptable) or has its words shuffled
     (label 0), by a coin seeded from the sentence itself: the same task on every run, no sentence both ways."""
-    examples: list[tuple[str, None, int]] = []
+    examples: list[tuple[str, str | None, int]] = []
     for sentence in sentences(text):
         rng = random.Random(zlib.crc32(sentence.encode()))
         if rng.random() < 0.5:

@@ -6,8 +6,9 @@ import hashlib
 import itertools
 import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 import torch
 
@@ -90,7 +91,7 @@ def corpus_key(corpus: Corpus) -> str:
 # BPE training time grows super-linearly with the length of one pre-token (a megabyte without a space or
 # punctuation ran for minutes); a token never spans more than a few dozen characters anyway.
 MAX_PRETOKEN_CHARS = 64
-_LONG_RUN = re.compile(r"[^\s]{%d,}" % (MAX_PRETOKEN_CHARS + 1))
+_LONG_RUN = re.compile(rf"[^\s]{{{MAX_PRETOKEN_CHARS + 1},}}")
 
 
 def bounded_pretokens(line: str) -> str:
@@ -115,10 +116,10 @@ def text_pieces(text: str, max_chars: int) -> Iterator[str]:
     while start < len(text):
         end = start + max_chars
         if end < len(text):
-            cut = None
-            for cut in _SAFE_CUT.finditer(text, start + max_chars // 2, end):
+            last = None
+            for last in _SAFE_CUT.finditer(text, start + max_chars // 2, end):  # noqa: B007 - the last match is wanted
                 pass
-            end = cut.start() if cut is not None else end
+            end = last.start() if last is not None else end
         yield text[start:end]
         start = end
 

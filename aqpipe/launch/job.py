@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from aqpipe.config import ConfigError, RunConfig
-from aqpipe.launch.env import CONFIG_ENV, in_distributed_env, rank_from_env
 from aqpipe.launch import netns
+from aqpipe.launch.env import CONFIG_ENV, in_distributed_env, rank_from_env
 from aqpipe.launch.local import INTERRUPTED, LaunchResult, launch_local
 from aqpipe.launch.netns import format_rate
 from aqpipe.launch.rundir import RunDirectory
@@ -112,8 +112,14 @@ def _continue_hint(cfg: RunConfig) -> str:
 def _check_checkpoint(cfg: RunConfig) -> None:
     """The run to resume has a complete, undamaged checkpoint written with this configuration (checked before any
     worker starts); when the newest is unusable, the message says which older one is and how to use it."""
-    from aqpipe.runtime.checkpoint import (CheckpointError, complete_steps, latest_step, remove_incomplete, step_dir,
-                                           verify)
+    from aqpipe.runtime.checkpoint import (
+        CheckpointError,
+        complete_steps,
+        latest_step,
+        remove_incomplete,
+        step_dir,
+        verify,
+    )
 
     step = latest_step(cfg.resume)
     if step is None:

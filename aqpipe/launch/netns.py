@@ -15,10 +15,10 @@ import re
 import secrets
 import shutil
 import subprocess
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 from aqpipe.launch.signals import deferred_interrupts
 
@@ -58,8 +58,9 @@ def format_rate(bits: float) -> str:
 
 def tbf_arguments(rate_bits: int) -> list[str]:
     """The tbf parameters for a rate: a bucket of 1 ms of traffic (at least 16 KiB), small so that a message after an
-    idle pause does not ride a large burst (a larger one measured no better throughput at 100mbit..1gbit), and a queue of 100 ms, deep enough that TCP fills the link instead of
-    collapsing on drops. (tbf splits GSO packets larger than the bucket, so the bucket need not hold 64 KiB.)"""
+    idle pause does not ride a large burst (a larger one measured no better throughput at 100mbit..1gbit), and a
+    queue of 100 ms, deep enough that TCP fills the link instead of collapsing on drops. (tbf splits GSO packets
+    larger than the bucket, so the bucket need not hold 64 KiB.)"""
     rate_bytes = rate_bits / 8
     burst = max(16 * 1024, int(rate_bytes * 0.001))
     return ["rate", f"{rate_bits}bit", "burst", str(burst), "latency", "100ms"]

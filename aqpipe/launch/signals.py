@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from typing import Iterator
+from collections.abc import Iterator
 
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 

@@ -8,8 +8,8 @@ import torch
 
 from aqpipe.compress.codecs import QuantOptions, build_codec
 from aqpipe.compress.grad import DPGroup, build_grad_sync
+from aqpipe.compress.grad.methods import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
-from aqpipe.compress.grad.registry import parse_grad_spec
 from aqpipe.config import RunConfig
 from aqpipe.runtime.grid import Grid, ProcessGroups, create_groups
 from aqpipe.runtime.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
@@ -18,7 +18,8 @@ from aqpipe.runtime.plan import RunPlan, store_bytes_per_rank
 from aqpipe.runtime.tied import tied_groups
 from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
 from aqpipe.runtime.worker import StageWorker
-from aqpipe.storage import STORE_DTYPES, MemoryStore, StoreView
+from aqpipe.storage import MemoryStore, StoreView
+from aqpipe.storage.encoding import value_dtype
 from aqpipe.storage.lmdb_store import LMDBStore, store_path
 from aqpipe.storage.prefetch import PrefetchingStore
 
@@ -43,7 +44,7 @@ def open_store(cfg: RunConfig, rank: int, estimate: int | None = None) -> Memory
         initial = min(estimate or (64 << 20), cap or (1 << 62))
         return PrefetchingStore(LMDBStore(store_path(cfg.out, rank), cfg.store_dtype, max_bytes=cap,
                                           initial_map_bytes=max(initial, 1 << 20)))
-    return MemoryStore(STORE_DTYPES[cfg.store_dtype])
+    return MemoryStore(value_dtype(cfg.store_dtype))
 
 
 def open_links(cfg: RunConfig, grid: Grid, store, device: torch.device) -> StageLinks:

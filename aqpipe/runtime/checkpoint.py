@@ -203,7 +203,8 @@ def check_model_state(path_hint: str, module: torch.nn.Module, state: dict) -> N
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint {path_hint} does not fit this stage: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise CheckpointError(f"checkpoint {path_hint} does not fit this stage: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
     for key, value in own.items():
         if tuple(state[key].shape) != tuple(value.shape):
             raise CheckpointError(f"checkpoint {path_hint}: {key} has shape {tuple(state[key].shape)}, "

@@ -69,13 +69,12 @@ def _count(totals: EvalTotals, out: torch.Tensor, targets: torch.Tensor, loss_fn
         totals.confusion += torch.bincount(flat, minlength=totals.confusion.numel()).view_as(totals.confusion)
 
 
-def gather_eval(totals: EvalTotals, grid: Grid, num_labels: int, device: torch.device = torch.device("cpu")
-                ) -> dict | None:
+def gather_eval(totals: EvalTotals, grid: Grid, num_labels: int, device: torch.device | None = None) -> dict | None:
     """Sum every rank's totals on rank 0 and turn them into metrics (None on other ranks)."""
     confusion = totals.confusion if totals.confusion is not None else torch.zeros(0, dtype=torch.int64)
     mine = torch.cat([torch.tensor([totals.loss_sum, float(totals.samples)], dtype=torch.float64),
                       confusion.reshape(-1).to(torch.float64)])
-    rows = gather_rows(mine, grid, device)
+    rows = gather_rows(mine, grid, device or torch.device("cpu"))
     if rows is None:
         return None
     total = rows.sum(dim=0)

@@ -8,9 +8,9 @@ its gradient arrives, is counted too. A micro-batch's bytes are released when it
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from torch import nn

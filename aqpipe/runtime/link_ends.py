@@ -21,8 +21,19 @@ from dataclasses import dataclass, field
 import torch
 
 from aqpipe.compress.codecs import LinkCodec, build_codec
-from aqpipe.runtime.transport import (HEADER_SIZE, KIND_ACTIVATION, KIND_EVAL, KIND_GRADIENT, SIDE_MASK, SIDE_NONE,
-                                     SIDE_RESEED, Expect, Header, Inbox, Message, Outbox, TransportError)
+from aqpipe.runtime.transport import (
+    HEADER_SIZE,
+    KIND_EVAL,
+    SIDE_MASK,
+    SIDE_NONE,
+    SIDE_RESEED,
+    Expect,
+    Header,
+    Inbox,
+    Message,
+    Outbox,
+    TransportError,
+)
 
 
 @dataclass
@@ -229,14 +240,17 @@ class StageLinks:
 
     def codecs(self) -> dict[str, LinkCodec]:
         """The training codec of each end this rank has, by slot name (what a checkpoint keeps)."""
-        slots = {"fw_send": self.act_out, "fw_recv": self.act_in, "bw_send": self.grad_out, "bw_recv": self.grad_in}
+        slots: dict[str, SendEnd | RecvEnd | None] = {"fw_send": self.act_out, "fw_recv": self.act_in,
+                                                      "bw_send": self.grad_out, "bw_recv": self.grad_in}
         return {slot: end.codec for slot, end in slots.items() if end is not None}
 
     def take_counters(self) -> dict[str, LinkCounters]:
         """Each end's counters since the last call (then zeroed), by direction and role."""
         taken = {}
-        for name, end in (("fwd_sent", self.act_out), ("fwd_received", self.act_in), ("bwd_sent", self.grad_out),
-                          ("bwd_received", self.grad_in)):
+        ends: tuple[tuple[str, SendEnd | RecvEnd | None], ...] = (
+            ("fwd_sent", self.act_out), ("fwd_received", self.act_in), ("bwd_sent", self.grad_out),
+            ("bwd_received", self.grad_in))
+        for name, end in ends:
             if end is not None:
                 taken[name], end.counters = end.counters, LinkCounters()
             else:

@@ -73,7 +73,7 @@ def train_steps(stage: Stage, first_step: int, log: MetricsLog | None, wall_star
     evaluating = len(plan.dataset.valid) > 0 and cfg.eval_every != 0
     for step in range(first_step, plan.total_steps):
         step_start = time.perf_counter()
-        lr = worker.lr_schedule.get_last_lr()[0]
+        lr = float(worker.lr_schedule.get_last_lr()[0])
         store.step = step
         prefetch(stage, step, first_step)
         done = step + 1  # also the index of the next step

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-
 
 SGD_MOMENTUM = 0.9
 

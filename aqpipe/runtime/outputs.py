@@ -57,7 +57,8 @@ def step_record(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_p
 
     def rates(direction: str, receiver_offset: int) -> list[float]:
         """Achieved bytes/s of each link in one direction while a message body was on the wire."""
-        moved, seconds = per_link(f"{direction}_recv_bytes", receiver_offset), per_link(f"{direction}_recv_seconds", receiver_offset)
+        moved = per_link(f"{direction}_recv_bytes", receiver_offset)
+        seconds = per_link(f"{direction}_recv_seconds", receiver_offset)
         return [b / s if s > 0 else 0.0 for b, s in zip(moved, seconds)]
 
     fwd_elements, bwd_elements = int(col["fwd_elements"].sum()), int(col["bwd_elements"].sum())

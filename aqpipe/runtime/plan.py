@@ -11,7 +11,7 @@ from aqpipe.config import ConfigError, RunConfig
 from aqpipe.data import DataError, EpochPlan, TaskDataset, prepare_classify_dataset, prepare_lm_dataset, shard
 from aqpipe.stages import PipelineSpec, SpecError, partition
 from aqpipe.stages.models import build_spec, check_task, classify_model, tokenizer_directory
-from aqpipe.storage.encoding import VALUE_BYTES
+from aqpipe.storage.dtypes import STORE_DTYPES
 
 
 @dataclass
@@ -89,7 +89,7 @@ def store_bytes_per_rank(cfg: RunConfig, spec: PipelineSpec, num_samples: int) -
     samples = -(-num_samples // cfg.dp)
     sides = 2 if cfg.pp > 2 else 1
     headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
-    return int(samples * cfg.seq_len * hidden * VALUE_BYTES[cfg.store_dtype] * sides * headroom)
+    return int(samples * cfg.seq_len * hidden * STORE_DTYPES[cfg.store_dtype].value_bytes * sides * headroom)
 
 
 def available_memory() -> int:

@@ -20,12 +20,14 @@ from aqpipe.runtime.outputs import finish_outputs, open_outputs, save_stage_weig
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds
 from aqpipe.runtime.replicas import check_replicas
 from aqpipe.runtime.resume import resume_rank
+from aqpipe.storage import MemoryStore
 
 
 def run_worker(cfg: RunConfig, rank: int, world_size: int, spec_factory=None) -> dict | None:
     """Train this rank's stage for the whole run; returns the summary on rank 0 (None elsewhere)."""
     if world_size != cfg.world_size:
-        raise RuntimeError(f"the launcher started {world_size} processes but --pp {cfg.pp} x --dp {cfg.dp} needs {cfg.world_size}")
+        raise RuntimeError(f"the launcher started {world_size} processes but --pp {cfg.pp} x --dp {cfg.dp} needs "
+                           f"{cfg.world_size}")
     grid = Grid(cfg.pp, cfg.dp, rank)
     start_heartbeat()
     device = torch.device(cfg.device if cfg.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
@@ -79,6 +81,6 @@ def _finish_rank(stage: Stage, first_step: int) -> None:
     dist.barrier()  # every stage's final weights are on disk before rank 0 merges them
     if cfg.store == "lmdb":
         stage.store.close()
-    elif cfg.store_dump == "on":
+    elif cfg.store_dump == "on" and isinstance(stage.store, MemoryStore):
         (Path(cfg.out) / "store").mkdir(parents=True, exist_ok=True)
         stage.store.dump(Path(cfg.out) / "store" / f"rank-{grid.rank}.pt")

@@ -16,8 +16,8 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -106,7 +106,8 @@ def parse_header(raw: bytes, peer: str, expect: Expect) -> Header:
     if magic != MAGIC:
         raise TransportError(f"malformed header from {peer}: bad magic {magic!r} (not an aqpipe peer, or a stream out of step)")
     if kind != expect.kind:
-        raise TransportError(f"unexpected message from {peer}: kind {KIND_NAMES.get(kind, kind)}, expected {KIND_NAMES[expect.kind]}")
+        raise TransportError(f"unexpected message from {peer}: kind {KIND_NAMES.get(kind, kind)}, "
+                             f"expected {KIND_NAMES[expect.kind]}")
     if (step, mb) != (expect.step, expect.micro_batch):
         raise TransportError(
             f"out-of-order message from {peer}: step {step} micro-batch {mb}, expected step {expect.step} "
@@ -156,7 +157,7 @@ def _check_side(side_kind: int, side_len: int, peer: str, expect: Expect) -> Non
 def body_checksum(ids: torch.Tensor, payload: torch.Tensor, side: torch.Tensor | None = None) -> int:
     """CRC32 of the sample ids, the payload bytes, then the side information."""
     crc = zlib.crc32(ids.numpy().tobytes())
-    crc = zlib.crc32(memoryview(payload.numpy()), crc)
+    crc = zlib.crc32(payload.numpy().data, crc)
     if side is not None and side.numel():
         crc = zlib.crc32(side.numpy().tobytes(), crc)
     return crc & 0xFFFFFFFF

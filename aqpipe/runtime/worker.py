@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -202,7 +203,7 @@ class StageWorker:
         self.optimizer.zero_grad(set_to_none=True)
 
     # instruction type -> (handler, whether its time counts as waiting on peers rather than computing)
-    _HANDLERS = {
+    _HANDLERS: ClassVar[dict[type, tuple[Callable[..., None], bool]]] = {
         sch.RecvActivation: (_recv_activation, True),
         sch.LoadMicroBatch: (_load_micro_batch, False),
         sch.Forward: (_forward, False),
@@ -214,7 +215,7 @@ class StageWorker:
         sch.OptimizerStep: (_optimizer_step, False),
     }
 
-    _MODEL_TIMERS = {sch.Forward: "forward_seconds", sch.Backward: "backward_seconds"}
+    _MODEL_TIMERS: ClassVar[dict[type, str]] = {sch.Forward: "forward_seconds", sch.Backward: "backward_seconds"}
 
 
 def report_nonfinite(activation: torch.Tensor, ids: torch.Tensor, step: int, stage: int, aqsgd: bool = True

@@ -8,8 +8,9 @@ beside the activations, so no stage but the first needs the data.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +35,11 @@ def bert_config(preset: str, vocab_size: int, num_labels: int, dropout: float | 
     """A `BertConfig` for a preset name, vocabulary size and number of classes."""
     from transformers import BertConfig
 
-    extra = {} if dropout is None else dict(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
-    return BertConfig(vocab_size=vocab_size, num_labels=num_labels, pad_token_id=0, max_position_embeddings=512,
-                      **PRESETS[preset], **extra)
+    settings: dict[str, Any] = dict(vocab_size=vocab_size, num_labels=num_labels, pad_token_id=0,
+                                    max_position_embeddings=512, **PRESETS[preset])
+    if dropout is not None:
+        settings.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return BertConfig(**settings)
 
 
 def _prepare(config) -> None:
@@ -120,6 +123,7 @@ def init_like_bert(module: nn.Module, std: float) -> None:
 
 def _build(kind: str, config, index: int, weights: Callable[[str], dict] | None) -> nn.Module:
     _prepare(config)
+    layer: nn.Module
     if kind == "embed":
         layer, prefix, inner = BertEmbeddingsLayer(config), "bert.embeddings.", "embeddings."
     elif kind == "layer":

@@ -9,13 +9,14 @@ the others (checked in the tests), exactly as the single shared table would.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from aqpipe.stages.bert import init_like_bert, classifier_config, classify_loss, load_head
+from aqpipe.stages.bert import classifier_config, classify_loss, init_like_bert, load_head
 from aqpipe.stages.hf_weights import CheckpointWeights
 from aqpipe.stages.spec import PipelineSpec, SpecError
 
@@ -30,11 +31,13 @@ def deberta_config(preset: str, vocab_size: int, num_labels: int, dropout: float
     """A DeBERTa-v3-style `DebertaV2Config` (relative attention, position buckets) for a preset name."""
     from transformers import DebertaV2Config
 
-    extra = {} if dropout is None else dict(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
-    return DebertaV2Config(vocab_size=vocab_size, num_labels=num_labels, pad_token_id=0, max_position_embeddings=512,
-                           relative_attention=True, position_buckets=64, norm_rel_ebd="layer_norm",
-                           pos_att_type=["p2c", "c2p"], position_biased_input=False, type_vocab_size=0,
-                           **PRESETS[preset], **extra)
+    settings: dict[str, Any] = dict(
+        vocab_size=vocab_size, num_labels=num_labels, pad_token_id=0, max_position_embeddings=512,
+        relative_attention=True, position_buckets=64, norm_rel_ebd="layer_norm", pos_att_type=["p2c", "c2p"],
+        position_biased_input=False, type_vocab_size=0, **PRESETS[preset])
+    if dropout is not None:
+        settings.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return DebertaV2Config(**settings)
 
 
 class DebertaEmbeddingsLayer(nn.Module):
@@ -126,6 +129,7 @@ class DebertaClassifierHead(nn.Module):
 
 
 def _build(kind: str, config, index: int, weights: Callable[[str], dict] | None) -> nn.Module:
+    layer: nn.Module
     if kind == "embed":
         layer = DebertaEmbeddingsLayer(config)
     elif kind == "layer":
@@ -135,7 +139,7 @@ def _build(kind: str, config, index: int, weights: Callable[[str], dict] | None)
     if torch.empty(0).is_meta:
         return layer
     init_like_bert(layer, config.initializer_range)
-    if kind == "layer":  # every copy of the tied table starts equal, whichever rank builds it
+    if isinstance(layer, DebertaEncoderLayer):  # every copy of the tied table starts equal, whichever rank builds it
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(1_000_003)
             init_like_bert(layer.rel, config.initializer_range)

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 
 class ExportError(RuntimeError):
@@ -65,6 +66,7 @@ def merged_state(stage_states: list[dict[str, torch.Tensor]], bounds: list[int],
 
 def build_hf_model(hf_config: dict, architecture: str, state: dict):
     """The `transformers` model with `state` loaded; every weight must be accounted for."""
+    model: PreTrainedModel
     if architecture == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,11 +90,14 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _init_like_hf(module: nn.Module, config) -> None:
     """GPT-2's initialisation: normal(0, initializer_range) weights, zero biases, unit norms, scaled projections."""
     std = config.initializer_range
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Linear, nn.Embedding)) or type(sub).__name__ == "Conv1D":
+    from transformers.pytorch_utils import Conv1D
+
+    for sub in module.modules():
+        if isinstance(sub, (nn.Linear, nn.Embedding, Conv1D)):
             sub.weight.data.normal_(0.0, std)
-            if getattr(sub, "bias", None) is not None:
-                sub.bias.data.zero_()
+            bias = getattr(sub, "bias", None)
+            if bias is not None:
+                bias.data.zero_()
         elif isinstance(sub, nn.LayerNorm):
             sub.weight.data.fill_(1.0)
             sub.bias.data.zero_()
@@ -104,6 +107,7 @@ def _init_like_hf(module: nn.Module, config) -> None:
 
 
 def _build(kind: str, config, index: int, weights: Callable[[str], dict] | None) -> nn.Module:
+    layer: nn.Module
     if kind == "embed":
         layer, prefix = GPT2Embeddings(config), "transformer."
     elif kind == "block":

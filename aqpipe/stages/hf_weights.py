@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -62,7 +62,7 @@ class CheckpointWeights:
             return out
         if self._bin_state is None:
             state = {}
-            for path in sorted(self.directory.glob("pytorch_model*.bin")):
-                state.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            for bin_path in sorted(self.directory.glob("pytorch_model*.bin")):
+                state.update(torch.load(bin_path, map_location="cpu", weights_only=True, mmap=True))
             self._bin_state = {self.normalise(k): v for k, v in state.items()}
         return {k[len(prefix):]: v for k, v in self._bin_state.items() if k.startswith(prefix)}

@@ -159,7 +159,8 @@ def build_spec(name: str, vocab_size: int, seq_len: int, dropout: float | None =
         elif kind == "gpt2":
             spec = gpt2.pretrained_gpt2_spec(directory, dropout)
         else:
-            raise SpecError(f"--model {name!r} is a {kind or 'unknown'} checkpoint; aqpipe adapts {' and '.join(ADAPTERS)} models")
+            raise SpecError(f"--model {name!r} is a {kind or 'unknown'} checkpoint; aqpipe adapts "
+                            f"{' and '.join(ADAPTERS)} models")
     config = spec.extras["hf_config"]
     positions = config.get("n_positions") or config.get("max_position_embeddings")
     if positions and seq_len > positions:

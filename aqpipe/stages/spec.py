@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, Union
 
 import torch
 from torch import nn
 
-LayerSource = Union[nn.Module, Callable[[], nn.Module]]
+LayerSource = nn.Module | Callable[[], nn.Module]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -23,7 +23,7 @@ class Stage(nn.Sequential):
     activations losslessly; layers without the attribute see only the tensor.
     """
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         for layer in self:
             x = layer(x, mask) if getattr(layer, "takes_mask", False) else layer(x)
         return x

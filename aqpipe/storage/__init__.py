@@ -1,6 +1,19 @@
-"""The per-sample activation store m(ξ): the interface and its backends."""
+"""The per-sample activation store m(ξ): the interface, its backends, and the table of store dtypes.
 
-from aqpipe.storage.base import STORE_DTYPES, MessageStore, StoreStats, StoreView
-from aqpipe.storage.memory import MemoryStore
+Names are imported on first use, so `aqpipe.storage.dtypes` (the vocabulary the configuration and the CLI help
+read) loads without torch.
+"""
 
-__all__ = ["STORE_DTYPES", "MemoryStore", "MessageStore", "StoreStats", "StoreView"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"MessageStore": "base", "StoreStats": "base", "StoreView": "base", "MemoryStore": "memory",
+            "STORE_DTYPES": "dtypes"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"aqpipe.storage.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'aqpipe.storage' has no attribute {name!r}")

@@ -1,13 +1,13 @@
-"""The per-sample message store m(ξ): interface, counters, and the dtypes m can be kept in."""
+"""The per-sample message store m(ξ): interface and counters (its dtypes: `aqpipe.storage.dtypes`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
-STORE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SIDES = ("send", "recv")
 
 

@@ -11,19 +11,18 @@ import torch
 
 from aqpipe.compress.directq import decode_samples, encode_samples
 from aqpipe.compress.quantize import FP16_MAX, quantize
+from aqpipe.storage.dtypes import STORE_DTYPES
 
-ENCODINGS = {"fp32": 1, "fp16": 2, "bf16": 3, "q8": 8, "q4": 4, "q2": 6}
-FLOAT_ENCODINGS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-VALUE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8": 1.0, "q4": 0.5, "q2": 0.25}  # per value, scales aside
+FLOAT_ENCODINGS = {name: getattr(torch, d.float_name) for name, d in STORE_DTYPES.items() if not d.bits}
 
 
 def value_dtype(encoding: str) -> torch.dtype:
     """The dtype a codec keeps m(ξ) in before the store encodes it (float32 for the quantized encodings)."""
-    return FLOAT_ENCODINGS.get(encoding, torch.float32)
+    return getattr(torch, STORE_DTYPES[encoding].float_name)
 
 
 def bits_of(encoding: str) -> int:
-    return int(encoding[1:])
+    return STORE_DTYPES[encoding].bits
 
 
 def storable(value: torch.Tensor, encoding: str) -> bool:

@@ -86,8 +86,8 @@ def stats(run_dir: str) -> list[dict]:
         finally:
             store.close()
         disk += sum(f.stat().st_size for f in store_path(run_dir, rank).iterdir())
-    out = [{"replica": r, "link": f"{l}->{l + 1}", "side": s, **v,
+    out = [{"replica": r, "link": f"{link}->{link + 1}", "side": s, **v,
             "compression_ratio": v["raw_bytes"] / v["stored_bytes"] if v["stored_bytes"] else 0.0}
-           for (r, l, s), v in sorted(rows.items())]
+           for (r, link, s), v in sorted(rows.items())]
     out.append({"bytes_on_disk": disk})
     return out

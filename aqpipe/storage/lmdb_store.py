@@ -18,20 +18,21 @@ from __future__ import annotations
 import struct
 import threading
 import zlib
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 
 from aqpipe.disk import ensure_room
 from aqpipe.storage.base import SIDES, StoreStats
-from aqpipe.storage.encoding import ENCODINGS, decode_value, encode_value, storable, value_dtype
+from aqpipe.storage.dtypes import STORE_DTYPES
+from aqpipe.storage.encoding import decode_value, encode_value, storable, value_dtype
 
 _KEY = struct.Struct(">HBQ")
 _HEAD = struct.Struct("<4sBB8qqII")  # magic, encoding, ndim, shape[8], step, crc32, body length
 MAGIC = b"AQM2"  # 2: quantized values on the zero-holding default grid
-_CODES = {v: k for k, v in ENCODINGS.items()}
+_CODES = {d.code: name for name, d in STORE_DTYPES.items()}
 WRITE_SLACK_BYTES = 1 << 20  # free space kept beyond a write's own pages: copied branch pages, the meta page
 
 
@@ -91,8 +92,8 @@ class LMDBStore:
         import lmdb
         import zstandard
 
-        if encoding not in ENCODINGS:
-            raise ValueError(f"unknown store encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
+        if encoding not in STORE_DTYPES:
+            raise ValueError(f"unknown store encoding {encoding!r}; use one of {', '.join(STORE_DTYPES)}")
         self.path, self.encoding, self.readonly = Path(path), encoding, readonly
         self.dtype = value_dtype(encoding)
         self.stats = StoreStats()
@@ -239,7 +240,7 @@ class LMDBStore:
         if len(dims) > 8:
             raise ValueError("m(xi) of more than 8 dimensions cannot be stored")
         body = self._compress.compress(raw)
-        head = _HEAD.pack(MAGIC, ENCODINGS[self.encoding], len(dims), *(dims + [0] * (8 - len(dims))), self.step,
+        head = _HEAD.pack(MAGIC, STORE_DTYPES[self.encoding].code, len(dims), *(dims + [0] * (8 - len(dims))), self.step,
                           zlib.crc32(body) & 0xFFFFFFFF, len(body))
         return head + body
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -85,7 +85,7 @@ class MemoryStore:
 
     def entries(self) -> dict[str, torch.Tensor]:
         """Every entry keyed 'link/side/id' (what `dump` writes and `load` reads)."""
-        return {f"{l}/{s}/{i}": v.cpu() for (l, s, i), v in self._values.items()}
+        return {f"{link}/{s}/{i}": v.cpu() for (link, s, i), v in self._values.items()}
 
     def items(self):
         """Every ((link, side, id), value) pair."""

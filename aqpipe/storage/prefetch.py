@@ -14,8 +14,8 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
 
 import torch
 

@@ -14,8 +14,9 @@ momentum β·m + (1−β)·g instead of its gradient (Signum).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -27,7 +28,7 @@ class DPGroup:
     """One stage's data-parallel group: the torch.distributed group, its members' global ranks in replica order,
     and this rank's position among them."""
 
-    group: object
+    group: Any  # a torch.distributed ProcessGroup (None: the default group)
     ranks: tuple[int, ...]
     index: int
 

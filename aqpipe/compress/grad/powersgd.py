@@ -7,10 +7,12 @@ interface. The first two steps are plain all-reduces (torch's hook compresses fr
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from aqpipe.compress.grad.base import Compressor, DPGroup, flatten, gradients, ring_all_reduce_bytes
@@ -60,7 +62,8 @@ class PowerSGD(Compressor):
         flat = flatten(grads)
         before = self.state.total_numel_after_compression
         plain = self.state.iter < self.state.start_powerSGD_iter
-        result = psgd.powerSGD_hook(self.state, _Bucket(flat, [g.shape for g in grads])).wait()
+        bucket = cast(dist.GradBucket, _Bucket(flat, [g.shape for g in grads]))  # what the hook reads of one
+        result = psgd.powerSGD_hook(self.state, bucket).wait()
         result = result[0] if isinstance(result, list) else result
         sent = flat.numel() if plain else self.state.total_numel_after_compression - before
         self.bytes_sent += ring_all_reduce_bytes(4 * sent, self.dp.size)
@@ -74,7 +77,7 @@ class PowerSGD(Compressor):
         kind, keys, pos, has_gauss, gauss = self.state.rng.get_state()
         return dict(super().state_dict(), iter=self.state.iter, error=dict(self.state.error_dict),
                     p=dict(self.state.p_memory_dict), q=dict(self.state.q_memory_dict),
-                    rng=[torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss])
+                    rng=[torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, gauss])
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)

@@ -12,7 +12,7 @@ x ← x − lr·(m̂/(√v̂ + ε) + wd·x), with AdamW's bias corrections and v
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

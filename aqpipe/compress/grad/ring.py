@@ -7,7 +7,7 @@ steps of send-to-next / receive-from-previous. The vector is cut into N equal ch
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -1,0 +1,86 @@
+"""The link codecs, by name: the one table `--fw`/`--bw`, `build_codec` and the CLI help read, and the parser of
+a codec spec (no torch import, so the configuration and the help can use it cheaply)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+class CodecError(ValueError):
+    """A codec spec that cannot be parsed, or a payload that does not fit its codec."""
+
+
+@dataclass(frozen=True)
+class CodecKind:
+    """One codec name: its parameters (B = bits 1..8, F = kept fraction), the directions it may serve, its help."""
+
+    params: tuple[str, ...]
+    directions: tuple[str, ...]
+    summary: str
+
+
+CODEC_KINDS: dict[str, CodecKind] = {
+    "fp32": CodecKind((), ("fw", "bw"), "lossless"),
+    "fp16": CodecKind((), ("fw", "bw"), "half precision"),
+    "bf16": CodecKind((), ("fw", "bw"), "bfloat16"),
+    "directq": CodecKind(("B",), ("fw", "bw"), "B-bit quantization of the tensor itself"),
+    "aqsgd": CodecKind(("B",), ("fw",), "AQ-SGD: B-bit quantization of the change since the sample's last visit"),
+    "topk": CodecKind(("F", "B"), ("bw",), "keep the largest fraction F, B-bit values"),
+}
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """A parsed `--fw`/`--bw` value."""
+
+    kind: str  # a key of CODEC_KINDS
+    bits: int = 0
+    fraction: float = 1.0
+
+    def __str__(self) -> str:
+        if self.kind == "topk":
+            return f"topk:{self.fraction:g}:{self.bits}"
+        return f"{self.kind}:{self.bits}" if self.bits else self.kind
+
+
+def usage(kind: str) -> str:
+    """How a spec of `kind` is written, e.g. topk:F:B."""
+    return ":".join((kind, *CODEC_KINDS[kind].params))
+
+
+def kinds_for(direction: str) -> list[str]:
+    """The codec names the forward ("fw") or backward ("bw") direction accepts."""
+    return [name for name, kind in CODEC_KINDS.items() if direction in kind.directions]
+
+
+def describe_codecs(direction: str) -> str:
+    """The codecs of one direction for --help."""
+    return "; ".join(f"{usage(name)} ({CODEC_KINDS[name].summary})" for name in kinds_for(direction))
+
+
+def parse_spec(spec: str, direction: str) -> CodecSpec:
+    """Parse and validate a codec spec for the forward ("fw") or backward ("bw") direction."""
+    flag, allowed = f"--{direction}", kinds_for(direction)
+    kind, *args = spec.split(":")
+    if kind not in allowed:
+        raise CodecError(f"{flag} {spec!r} is not a {'forward' if direction == 'fw' else 'backward'} codec; use "
+                         f"{', '.join(usage(k) for k in allowed)} (B = 1..8 bits)")
+    params = CODEC_KINDS[kind].params
+    if not params:
+        if args:
+            raise CodecError(f"{flag} {spec!r}: {kind} takes no parameters")
+        return CodecSpec(kind)
+    if len(args) != len(params):
+        raise CodecError(f"{flag} {spec!r} must look like {usage(kind)}")
+    if not re.fullmatch(r"\d+", args[-1]) or not 1 <= int(args[-1]) <= 8:
+        raise CodecError(f"{flag} {spec!r}: bits must be an integer in 1..8")
+    fraction = 1.0
+    if "F" in params:
+        try:
+            fraction = float(args[0])
+        except ValueError:
+            raise CodecError(f"{flag} {spec!r}: the kept fraction F must be a number in (0, 1]") from None
+        if not 0.0 < fraction <= 1.0:
+            raise CodecError(f"{flag} {spec!r}: the kept fraction F must be in (0, 1], got {args[0]}")
+    return CodecSpec(kind, int(args[-1]), fraction)
