@@ -103,7 +103,7 @@ def _kill_after_first_checkpoint(out, *extra):
     return proc.returncode, err
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b"])  # GPipe's resumes: test_health, test_disk and the extended run below
 def test_killed_run_resumes_from_its_checkpoint_with_the_losses_of_an_uninterrupted_run(tmp_path, schedule):
     reference = launch(*TINY_RUN, "--fw", "fp32", "--bw", "fp32", "--schedule", schedule, "--out", str(tmp_path / "ref"))
     assert reference.returncode == 0, reference.stderr[-2000:]

@@ -1,6 +1,7 @@
 """A damaged m(ξ) on either side of a link is re-seeded at full precision, never used: the sender's own damage
 turns the sample into a first sight; the receiver's is found ahead of time and reported back up the link."""
 
+import pytest
 import torch
 
 from aqpipe.compress.aqsgd import AQSGDCodec, MODE_FULL
@@ -86,9 +87,12 @@ def test_nothing_is_reported_while_both_copies_are_sound(tmp_path):
     receiver_store.close()
 
 
-def test_a_live_run_survives_damage_to_a_receivers_store_and_ends_with_identical_copies(tmp_path):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_live_run_survives_damage_to_a_receivers_store_and_ends_with_identical_copies(tmp_path, schedule):
     """Damage every m(ξ) the receiver of link 0 holds while the run trains (from another process, as a failing
-    disk would): the run re-seeds them and finishes, and `aqpipe store verify` finds both copies identical."""
+    disk would): the run re-seeds them and finishes, and `aqpipe store verify` finds both copies identical. Under
+    1F1B the re-seed request must come after the step's last activation (a late micro-batch of the step may hold
+    a sample the next step needs)."""
     import json
     import subprocess
     import sys
@@ -99,6 +103,7 @@ def test_a_live_run_survives_damage_to_a_receivers_store_and_ends_with_identical
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", "--pp", "3", "--steps", "100", "--seq-len", "16",
                              "--max-samples", "128", "--fw", "aqsgd:3", "--store", "lmdb", "--no-progress",
+                             "--schedule", schedule,
                              "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120

@@ -83,6 +83,22 @@ def check_complete_and_ordered(executed: list[list[s.Instruction]], stages: int,
         assert [i.micro_batch for i in stream if isinstance(i, s.Backward)] == list(range(micro_batches))
 
 
+@pytest.mark.parametrize("schedule", list(s.SCHEDULES))
+def test_the_last_gradient_of_a_step_follows_every_activation_of_the_step(schedule):
+    """What the re-seed protocol relies on: on each stage the last gradient sent comes after every activation it
+    receives (the request is about the next step only), and the last gradient received after every activation it
+    sends (the sender forgets before it encodes the next step)."""
+    for stages in range(2, 9):
+        for micro_batches in range(1, 17):
+            for k in range(stages):
+                stream = s.SCHEDULES[schedule].stream(k, stages, micro_batches)
+                at = {type(i): n for n, i in enumerate(stream)}  # the last position of each kind
+                if k > 0:
+                    assert at[s.SendGrad] > at[s.RecvActivation]
+                if k < stages - 1:
+                    assert at[s.RecvGrad] > at[s.SendActivation]
+
+
 @pytest.mark.parametrize("stages", [1, 2, 4, 8])
 @pytest.mark.parametrize("micro_batches", [1, 3, 8, 16])
 def test_gpipe_runs_every_forward_before_any_backward(stages, micro_batches):

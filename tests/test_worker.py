@@ -91,3 +91,30 @@ def test_1f1b_holds_pp_over_m_of_gpipes_activations_on_the_first_stage(tmp_path)
             assert o <= g * held / m + per_micro_batch, (stage, g, o)
             assert o >= g * held / m - per_micro_batch, (stage, g, o)  # and it really holds that many
     assert ranks[0][(m, "1f1b")][2][-1] <= ranks[0][(m, "gpipe")][2][-1] * (pp / m) + ranks[0][(m, "gpipe")][2][-1] / m
+
+
+def _evaluate_between_steps(rank: int, world: int, out: str) -> tuple[int, int]:
+    """pp=2: train a step, evaluate, train another; returns what rank 1 counted as received in each step."""
+    from aqpipe.runtime.assemble import assemble_stage
+    from aqpipe.runtime.evaluate import eval_batches, evaluate_stage
+    from aqpipe.runtime.grid import Grid
+    from aqpipe.runtime.plan import make_plan
+
+    plan = make_plan(config(Path(out), 2, 1, 2, "1f1b"))
+    stage = assemble_stage(plan, Grid(2, 1, rank), torch.device("cpu"), "gloo")
+    epochs = plan.epoch_plan(0)
+    try:
+        before = stage.worker.run_step(0, epochs.micro_batches_of(0))
+        batches = eval_batches(len(plan.dataset.valid), 0, 1, 2)
+        evaluate_stage(stage.worker, 1, batches, plan.dataset.valid if rank in (0, 1) else None, 0)
+        after = stage.worker.run_step(1, epochs.micro_batches_of(1))
+    finally:
+        stage.worker.links.close()
+    return before.fwd_recv_bytes, after.fwd_recv_bytes
+
+
+def test_evaluation_messages_are_not_counted_as_the_next_steps_link_traffic(tmp_path):
+    outcome = run_ranks(_evaluate_between_steps, 2, str(tmp_path))
+    assert all(status == "ok" for status, _ in outcome), outcome
+    before, after = outcome[1][1]
+    assert before > 0 and after == before

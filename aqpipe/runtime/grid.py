@@ -57,8 +57,8 @@ class Grid:
 
     def owned_sides(self) -> list[tuple[int, str]]:
         """The (link, side) pairs of m(ξ) this rank keeps: the sender side of its outgoing link k = stage (stage k
-        to k+1) and the receiver side of its incoming link stage - 1. Link ends, prefetch, resume, reconciliation
-        and per-link metrics all read this one answer."""
+        to k+1) and the receiver side of its incoming link stage - 1. Link ends, prefetch and reconciliation read
+        this one answer."""
         sides = []
         if not self.is_last_stage:
             sides.append((self.stage, "send"))

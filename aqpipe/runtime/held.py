@@ -50,7 +50,9 @@ class ActivationMeter:
             s = _storage(t)
             if s is not None and s[0] not in self._weights:
                 held[s[0]] = s[1]
-            return t
+            # the same storage without a grad_fn: returning `t` itself would make a saved output reference its own
+            # graph, a cycle only a backward breaks (a branch whose backward never runs would stay alive)
+            return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aqpipe.compress.codecs import LinkCodec, build_codec
+from aqpipe.runtime import schedule as sch
 from aqpipe.runtime.transport import (
     HEADER_SIZE,
     KIND_EVAL,
@@ -92,10 +93,12 @@ class RecvEnd:
                                  side_kinds=self.side_kinds))
 
     def _receive(self, codec: LinkCodec | None = None) -> tuple[torch.Tensor, Message]:
-        """The next message, decoded on the stage's device, and the message itself."""
+        """The next message, decoded on the stage's device, and the message itself; a training message (no
+        `codec` given) is counted, an evaluation message is not (evaluation runs between steps)."""
         msg = self.inbox.get()
-        self.counters.body_bytes += msg.wire_bytes - HEADER_SIZE
-        self.counters.wire_seconds += msg.transfer_seconds
+        if codec is None:
+            self.counters.body_bytes += msg.wire_bytes - HEADER_SIZE
+            self.counters.wire_seconds += msg.transfer_seconds
         value = (codec or self.codec).decode(msg.header, msg.payload, msg.ids)
         return value.to(self.device), msg
 
@@ -189,20 +192,25 @@ class StageLinks:
     grad_in: GradientIn | None = None
     grad_out: GradientOut | None = None
     _step: int = 0
-    _micro_batches: int = 0
     _compress: bool = True
     _next_ids: list[int] | None = None
+    _request_with: int | None = None  # the micro-batch whose gradient carries the step's re-seed request
 
-    def begin_step(self, step: int, micro_batches: int, compress: bool, next_ids: list[int] | None) -> None:
-        """Post every receive of the step, in the order the stream consumes them (micro-batch order in each
-        direction), so the inbox threads run ahead of compute. Without `compress` (warm-up epochs) every link sends
-        fp32 and AQ-SGD refreshes m(ξ); `next_ids`, the next step's samples when it compresses, are what the
-        re-seed request is about."""
-        self._step, self._micro_batches, self._compress, self._next_ids = step, micro_batches, compress, next_ids
-        for mb in range(micro_batches):
-            for end in (self.act_in, self.grad_in):
-                if end is not None:
-                    end.post(step, mb)
+    def begin_step(self, step: int, stream: list[sch.Instruction], compress: bool, next_ids: list[int] | None
+                   ) -> None:
+        """Post every receive of this stage's `stream` for the step, in the order the stream consumes them, so the
+        inbox threads run ahead of compute. Without `compress` (warm-up epochs) every link sends fp32 and AQ-SGD
+        refreshes m(ξ); `next_ids`, the next step's samples when it compresses, are what the re-seed request is
+        about: it rides on the stream's last gradient sent, which follows every activation this stage receives."""
+        self._step, self._compress, self._next_ids = step, compress, next_ids
+        self._request_with = None
+        for ins in stream:
+            if isinstance(ins, sch.RecvActivation) and self.act_in is not None:
+                self.act_in.post(step, ins.micro_batch)
+            elif isinstance(ins, sch.RecvGrad) and self.grad_in is not None:
+                self.grad_in.post(step, ins.micro_batch)
+            elif isinstance(ins, sch.SendGrad):
+                self._request_with = ins.micro_batch
 
     def send_activation(self, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None
                         ) -> None:
@@ -216,7 +224,7 @@ class StageLinks:
     def send_gradient(self, mb: int, grad: torch.Tensor, ids: torch.Tensor) -> None:
         """Send micro-batch `mb`'s input gradient to the previous stage; the step's last one carries the re-seed
         request."""
-        last = mb == self._micro_batches - 1
+        last = mb == self._request_with
         reseed = self.act_in.missing(self._next_ids) if last and self.act_in is not None else None
         self.grad_out.send(self._step, mb, grad, ids, self._compress, reseed)
 

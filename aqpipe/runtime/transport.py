@@ -201,10 +201,22 @@ class Outbox:
         header.checksum = body_checksum(ids, payload, side)
         head = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
         body = torch.cat([ids.view(torch.uint8), payload, side])
+        self._release_finished()
         for tensor in (head, body):
             tensor = tensor.to(self.device)
             self._pending.append((dist.isend(tensor, self.peer_rank, tag=self.tag), tensor))
         self.bytes_sent += HEADER_SIZE + body.numel()
+
+    def _release_finished(self) -> None:
+        """Let go of the buffers of sends that have left (wait() on a finished one raises its error, if any): under
+        1F1B a step's flush comes only after every micro-batch has been sent."""
+        pending = []
+        for work, tensor in self._pending:
+            if work.is_completed():
+                work.wait()
+            else:
+                pending.append((work, tensor))
+        self._pending = pending
 
     def flush(self) -> None:
         """Block until every queued message has left."""

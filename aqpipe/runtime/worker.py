@@ -95,13 +95,14 @@ class StageWorker:
         stats = StepStats()
         n = len(micro_batch_ids)
         self._mbs = {mb: _MicroBatch(ids=ids) for mb, ids in enumerate(micro_batch_ids)}
-        self.links.begin_step(step, n, compress, next_ids)
+        stream = sch.SCHEDULES[self.schedule].stream(self.grid.stage, self.grid.pp, n)
+        self.links.begin_step(step, stream, compress, next_ids)
         if self._meter is None:
             self._meter = ActivationMeter(self.module)
         self._meter.begin_step()
         self.module.train()
         self._step, self._n = step, n
-        for ins in sch.SCHEDULES[self.schedule].stream(self.grid.stage, self.grid.pp, n):
+        for ins in stream:
             handler, waits_on_peers = self._HANDLERS[type(ins)]
             start = time.perf_counter()
             handler(self, self._mbs.get(ins.micro_batch), ins.micro_batch, stats)
