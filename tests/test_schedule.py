@@ -116,6 +116,20 @@ def test_1f1b_holds_at_most_pp_minus_stage_micro_batches(stages):
             assert in_flight(stream) == min(stages - k, micro_batches), (stages, micro_batches, k)
 
 
+@pytest.mark.parametrize("stages", range(1, 9))
+def test_eager_1f1b_holds_at_most_twice_pp_minus_stage_minus_one_micro_batches(stages):
+    for micro_batches in range(1, 17):
+        for k, stream in enumerate(simulate(stages, micro_batches, "eager-1f1b")):
+            assert in_flight(stream) == min(2 * (stages - k) - 1, micro_batches), (stages, micro_batches, k)
+
+
+def test_eager_1f1b_alternates_after_its_deeper_warm_up():
+    """Stage 0 of 2 with 8 micro-batches: 3 warm-up forwards (1F1B: 2), then pairs, then 3 backwards."""
+    kinds = ["F" if isinstance(i, s.Forward) else "B" for i in s.eager_one_f_one_b(0, 2, 8)
+             if isinstance(i, (s.Forward, s.Backward))]
+    assert "".join(kinds) == "FFF" + "BF" * 5 + "BBB"
+
+
 def test_1f1b_alternates_in_the_steady_state():
     """Stage 1 of 4 with 8 micro-batches: 3 warm-up forwards, then backward/forward pairs, then 3 backwards."""
     kinds = ["F" if isinstance(i, s.Forward) else "B" for i in s.one_f_one_b(1, 4, 8)

@@ -94,38 +94,44 @@ def test_the_link_codec_checks_the_header_before_allocation():
         t.parse_header(header(codec=5, flags=2 << 8).pack(), PEER, checked)
 
 
+def _stream_from_rank_1(rank):
+    """A stream from rank 1 (the sender) to rank 0 (the receiver), opened as the links open theirs."""
+    from aqpipe.runtime.streams import open_streams
+
+    name = "test stream"
+    return open_streams([name] if rank == 0 else [], [name] if rank == 1 else [], None, 20)[name]
+
+
 def _send_then_receive(rank, world, mode):
     """Rank 1 sends (a good or a bad message); rank 0 receives through an Inbox and reports what it got."""
     inbox_peer = "rank 1 (stage 1, replica 0)"
     ids = torch.tensor([5, 9])
     payload = torch.arange(64, dtype=torch.float32).view(torch.uint8)
+    stream = _stream_from_rank_1(rank)
     if rank == 1:
-        import torch.distributed as dist
-
         h = t.Header(t.KIND_ACTIVATION, 0, 0, (8, 8), torch.float32, 2, payload.numel(),
                      side_kind=t.SIDE_MASK if "side" in mode else t.SIDE_NONE)
         if mode in ("good", "side"):
-            box = t.Outbox(0, t.KIND_ACTIVATION)
+            box = t.Outbox(stream, "rank 0", timeout=20)
             box.send(h, ids, payload, SIDE if mode == "side" else None)
-            box.flush()
+            box.close()
         elif mode == "damaged side":
             h.side_len = SIDE.numel()
             h.checksum = t.body_checksum(ids, payload, SIDE)
             bad = SIDE.clone()
             bad[1, 2] ^= 1  # one flipped mask bit: the attention pattern would change silently
-            dist.send(torch.frombuffer(bytearray(h.pack()), dtype=torch.uint8), 0, tag=t.KIND_ACTIVATION)
-            dist.send(torch.cat([ids.view(torch.uint8), payload, bad.reshape(-1)]), 0, tag=t.KIND_ACTIVATION)
+            stream.sendall(h.pack() + bytes(torch.cat([ids.view(torch.uint8), payload, bad.reshape(-1)]).numpy()))
         elif mode == "short":
-            dist.send(torch.zeros(100, dtype=torch.uint8), 0, tag=t.KIND_ACTIVATION)
+            stream.sendall(bytes(100))  # then the sender is gone: the receiver must say so, not hang
         elif mode == "huge":
             h.payload_len = 1 << 45
-            dist.send(torch.frombuffer(bytearray(h.pack()), dtype=torch.uint8), 0, tag=t.KIND_ACTIVATION)
+            stream.sendall(h.pack())
         elif mode == "damaged":
             h.checksum = t.body_checksum(ids, payload) ^ 1
-            dist.send(torch.frombuffer(bytearray(h.pack()), dtype=torch.uint8), 0, tag=t.KIND_ACTIVATION)
-            dist.send(torch.cat([ids.view(torch.uint8), payload]), 0, tag=t.KIND_ACTIVATION)
+            stream.sendall(h.pack() + bytes(torch.cat([ids.view(torch.uint8), payload]).numpy()))
+        stream.close()
         return None
-    inbox = t.Inbox(1, inbox_peer, t.KIND_ACTIVATION, torch.device("cpu"), timeout=20)
+    inbox = t.Inbox(stream, inbox_peer, timeout=20)
     inbox.expect(t.Expect(t.KIND_ACTIVATION, 0, 0, 2, max_payload=1 << 20, side_kinds=(t.SIDE_MASK,)))
     try:
         msg = inbox.get()
@@ -156,13 +162,14 @@ def _reseed_list_behind_an_odd_payload(rank, world, payload_len):
     ids = torch.tensor([5, 9])
     payload = torch.arange(payload_len, dtype=torch.int64).to(torch.uint8)
     request = torch.tensor([3, 11, 1 << 40], dtype=torch.int64)
+    stream = _stream_from_rank_1(rank)
     if rank == 1:
-        box = t.Outbox(0, t.KIND_GRADIENT)
+        box = t.Outbox(stream, "rank 0", timeout=20)
         box.send(t.Header(t.KIND_GRADIENT, 0, 0, (payload_len,), torch.uint8, 2, payload_len,
                           side_kind=t.SIDE_RESEED), ids, payload, request.view(torch.uint8))
-        box.flush()
+        box.close()
         return None
-    inbox = t.Inbox(1, "rank 1 (stage 1, replica 0)", t.KIND_GRADIENT, torch.device("cpu"), timeout=20)
+    inbox = t.Inbox(stream, "rank 1 (stage 1, replica 0)", timeout=20)
     inbox.expect(t.Expect(t.KIND_GRADIENT, 0, 0, 2, max_payload=1 << 20, side_kinds=(t.SIDE_RESEED,)))
     try:
         msg = inbox.get()
@@ -197,28 +204,32 @@ def test_bad_messages_from_a_gloo_peer_are_rejected_naming_it(mode, needle):
 
 
 def _async_send(rank, world):
-    """Rank 1 sends while rank 0 is still busy for 2 s: send() must return at once, flush() waits for delivery."""
+    """Rank 1 sends while rank 0 is still busy for 2 s: send() must return at once, flush() waits until the message
+    is out (64 MiB: more than the kernel's socket buffers hold, so most of it waits for the receiver)."""
     import time
 
+    stream = _stream_from_rank_1(rank)
     if rank == 0:
         time.sleep(2.0)
-        inbox = t.Inbox(1, "rank 1", t.KIND_ACTIVATION, torch.device("cpu"), timeout=30)
+        inbox = t.Inbox(stream, "rank 1", timeout=30)
         inbox.expect(t.Expect(t.KIND_ACTIVATION, 0, 0, 1))
         msg = inbox.get()
         inbox.close()
         return msg.payload.numel()
-    box = t.Outbox(0, t.KIND_ACTIVATION)
-    payload = torch.zeros(16 << 20, dtype=torch.uint8)
+    box = t.Outbox(stream, "rank 0", timeout=30)
+    payload = torch.zeros(64 << 20, dtype=torch.uint8)
     start = time.perf_counter()
     box.send(t.Header(t.KIND_ACTIVATION, 0, 0, (payload.numel(),), torch.uint8, 1, payload.numel()),
              torch.tensor([0]), payload)
     queued = time.perf_counter() - start
     box.flush()
-    return queued, time.perf_counter() - start
+    delivered = time.perf_counter() - start
+    box.close()
+    return queued, delivered
 
 
 def test_sends_are_asynchronous():
     (s0, received), (s1, (queued, delivered)) = run_ranks(_async_send, 2)
     assert s0 == s1 == "ok"
-    assert received == 16 << 20
+    assert received == 64 << 20
     assert queued < 1.0 < delivered  # the sender was free to compute while the message waited for its receiver

@@ -1,6 +1,6 @@
-"""The stage worker executes any schedule of the registry: 1F1B gives GPipe's losses and parameters bit for bit
-(both run backwards in forward order, so gradients accumulate in the same order), and both equal a single process;
-1F1B holds fewer activations, as the new metric shows."""
+"""The stage worker executes any schedule of the registry: 1F1B and eager 1F1B give GPipe's losses and parameters
+bit for bit (all run backwards in forward order, so gradients accumulate in the same order), and all equal a single
+process; the 1F1B family holds fewer activations, as the new metric shows."""
 
 from pathlib import Path
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from aqpipe.config import RunConfig, resolve
+from aqpipe.runtime.schedule import SCHEDULES
 from tests.distributed import run_ranks
 from tests.reference import train_single_process
 
@@ -30,7 +31,7 @@ def _train_each(rank: int, world: int, pp: int, dp: int, micro_batch_counts: lis
     torch.set_num_threads(1)  # as each launched worker on these machines, and the single-process reference
     results = {}
     for m in micro_batch_counts:
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in SCHEDULES:
             plan = make_plan(config(Path(out) / f"{m}-{schedule}", pp, dp, m, schedule))
             torch.manual_seed(plan.cfg.seed)
             stage = assemble_stage(plan, Grid(pp, dp, rank), torch.device("cpu"), "gloo")
@@ -55,15 +56,16 @@ def _pipeline_runs(tmp_path, pp: int, dp: int, counts: list[int]) -> list[dict]:
 
 
 @pytest.mark.parametrize("pp,dp", [(2, 1), (3, 1), (4, 1), (2, 2)])
-def test_1f1b_equals_gpipe_bit_for_bit_and_a_single_process(tmp_path, pp, dp):
+def test_every_schedule_equals_gpipe_bit_for_bit_and_1f1b_a_single_process(tmp_path, pp, dp):
     counts = [pp - 1, pp, 2 * pp + 1]
     ranks = _pipeline_runs(tmp_path, pp, dp, counts)
     for m in counts:
         for rank, result in enumerate(ranks):
             gpipe_losses, gpipe_state, _ = result[(m, "gpipe")]
-            losses, state, _ = result[(m, "1f1b")]
-            assert losses == gpipe_losses, (m, rank)
-            assert all(torch.equal(state[k], gpipe_state[k]) for k in state), (m, rank)
+            for schedule in SCHEDULES:
+                losses, state, _ = result[(m, schedule)]
+                assert losses == gpipe_losses, (m, rank, schedule)
+                assert all(torch.equal(state[k], gpipe_state[k]) for k in state), (m, rank, schedule)
         ref_losses, ref_params, bounds = train_single_process(config(tmp_path / "ref", pp, dp, m))
         last_stage = [replica * pp + pp - 1 for replica in range(dp)]
         for step in range(STEPS):
@@ -78,18 +80,19 @@ def test_1f1b_equals_gpipe_bit_for_bit_and_a_single_process(tmp_path, pp, dp):
 
 
 def test_1f1b_holds_pp_over_m_of_gpipes_activations_on_the_first_stage(tmp_path):
-    """pp=4, m=9: stage 0 holds at most 4 micro-batches under 1F1B and all 9 under GPipe; the metric says so (the
-    issue allows pp/m of GPipe's plus one micro-batch)."""
+    """pp=4, m=9: stage 0 holds at most 4 micro-batches under 1F1B, 7 under eager 1F1B and all 9 under GPipe; the
+    metric says so (the issue allows 1F1B pp/m of GPipe's plus one micro-batch)."""
     pp, m = 4, 9
     ranks = _pipeline_runs(tmp_path, pp, 1, [m])
     for stage, result in enumerate(ranks):
-        gpipe, one_f_one_b = result[(m, "gpipe")][2], result[(m, "1f1b")][2]
-        assert all(p > 0 for p in gpipe + one_f_one_b)
+        gpipe = result[(m, "gpipe")][2]
         per_micro_batch = gpipe[-1] / m
-        held = min(pp - stage, m)
-        for g, o in zip(gpipe, one_f_one_b):
-            assert o <= g * held / m + per_micro_batch, (stage, g, o)
-            assert o >= g * held / m - per_micro_batch, (stage, g, o)  # and it really holds that many
+        for schedule, held in (("1f1b", min(pp - stage, m)), ("eager-1f1b", min(2 * (pp - stage) - 1, m))):
+            peaks = result[(m, schedule)][2]
+            assert all(p > 0 for p in gpipe + peaks)
+            for g, o in zip(gpipe, peaks):
+                assert o <= g * held / m + per_micro_batch, (stage, schedule, g, o)
+                assert o >= g * held / m - per_micro_batch, (stage, schedule, g, o)  # and it really holds that many
     assert ranks[0][(m, "1f1b")][2][-1] <= ranks[0][(m, "gpipe")][2][-1] * (pp / m) + ranks[0][(m, "gpipe")][2][-1] / m
 
 

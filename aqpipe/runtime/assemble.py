@@ -15,6 +15,7 @@ from aqpipe.runtime.grid import Grid, ProcessGroups, create_groups
 from aqpipe.runtime.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
 from aqpipe.runtime.optim import build_optimizer, momenta
 from aqpipe.runtime.plan import RunPlan, store_bytes_per_rank
+from aqpipe.runtime.streams import open_streams
 from aqpipe.runtime.tied import tied_groups
 from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
 from aqpipe.runtime.worker import StageWorker
@@ -47,27 +48,40 @@ def open_store(cfg: RunConfig, rank: int, estimate: int | None = None) -> Memory
     return MemoryStore(value_dtype(cfg.store_dtype))
 
 
-def open_links(cfg: RunConfig, grid: Grid, store, device: torch.device) -> StageLinks:
-    """This rank's link ends, one per direction of each adjacent link; the forward ones of an AQ-SGD link hold
-    the side of m(ξ) `grid.owned_sides()` gives this rank."""
+def stream_name(replica: int, link: int, direction: str) -> str:
+    """The name of one direction's stream: unique in the world, checked when the sender connects."""
+    return f"replica {replica} link {link} {direction}"
+
+
+def open_links(cfg: RunConfig, grid: Grid, groups: ProcessGroups, store, device: torch.device) -> StageLinks:
+    """This rank's link ends, one per direction of each adjacent link, each on a stream of its own (every rank of
+    the pipeline calls this together); the forward ones of an AQ-SGD link hold the side of m(ξ)
+    `grid.owned_sides()` gives this rank."""
     options = QuantOptions(per=cfg.quant_scales, stochastic=cfg.quant_rounding == "stochastic",
                            seed=cfg.seed + grid.rank, grid=cfg.quant_grid)
     check = cfg.store_check == "on"
     views = {side: StoreView(store, link, side) for link, side in grid.owned_sides()}
+    before, after = grid.stage - 1, grid.stage  # the links this rank's stage sits between
+    names = {(link, d): stream_name(grid.replica, link, d) for link in (before, after) for d in ("activation", "gradient")}
+    inbound = ([names[(before, "activation")]] if grid.prev_rank is not None else []) + \
+              ([names[(after, "gradient")]] if grid.next_rank is not None else [])
+    outbound = ([names[(before, "gradient")]] if grid.prev_rank is not None else []) + \
+               ([names[(after, "activation")]] if grid.next_rank is not None else [])
+    streams = open_streams(inbound, outbound, groups.pipeline, cfg.stall_timeout)
     links = StageLinks()
     if grid.prev_rank is not None:  # link stage - 1: activations in, gradients out
-        link, peer = grid.stage - 1, grid.describe(grid.prev_rank)
-        links.act_in = ActivationIn(link, KIND_ACTIVATION, build_codec(cfg.fw, "fw", views["recv"], options, check),
-                                    Inbox(grid.prev_rank, peer, KIND_ACTIVATION, device, cfg.stall_timeout), device,
+        peer = grid.describe(grid.prev_rank)
+        links.act_in = ActivationIn(before, KIND_ACTIVATION, build_codec(cfg.fw, "fw", views["recv"], options, check),
+                                    Inbox(streams[names[(before, "activation")]], peer, cfg.stall_timeout), device,
                                     cfg.micro_batch_size, (SIDE_MASK,))
-        links.grad_out = GradientOut(link, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options),
-                                     Outbox(grid.prev_rank, KIND_GRADIENT, device))
+        links.grad_out = GradientOut(before, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options),
+                                     Outbox(streams[names[(before, "gradient")]], peer, cfg.stall_timeout))
     if grid.next_rank is not None:  # link stage: activations out, gradients in
-        link, peer = grid.stage, grid.describe(grid.next_rank)
-        links.act_out = ActivationOut(link, KIND_ACTIVATION, build_codec(cfg.fw, "fw", views["send"], options, check),
-                                      Outbox(grid.next_rank, KIND_ACTIVATION, device))
-        links.grad_in = GradientIn(link, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options),
-                                   Inbox(grid.next_rank, peer, KIND_GRADIENT, device, cfg.stall_timeout), device,
+        peer = grid.describe(grid.next_rank)
+        links.act_out = ActivationOut(after, KIND_ACTIVATION, build_codec(cfg.fw, "fw", views["send"], options, check),
+                                      Outbox(streams[names[(after, "activation")]], peer, cfg.stall_timeout))
+        links.grad_in = GradientIn(after, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options),
+                                   Inbox(streams[names[(after, "gradient")]], peer, cfg.stall_timeout), device,
                                    cfg.micro_batch_size, (SIDE_RESEED,))
     return links
 
@@ -89,7 +103,7 @@ def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str
     ends = grid.is_first_stage or grid.is_last_stage
     worker = StageWorker(
         grid=grid, groups=groups, module=module, loss_fn=plan.spec.loss,
-        samples=plan.dataset.train if ends else None, links=open_links(cfg, grid, store, device),
+        samples=plan.dataset.train if ends else None, links=open_links(cfg, grid, groups, store, device),
         grad_sync=grad_sync, optimizer=optimizer, lr_schedule=lr_schedule, clip=cfg.clip, device=device,
         schedule=cfg.schedule, tied=tied_groups(plan.spec.extras),
     )

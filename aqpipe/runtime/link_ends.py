@@ -73,6 +73,10 @@ class SendEnd:
         """Wait until everything queued has left."""
         self.outbox.flush()
 
+    def close(self) -> None:
+        """Send what is queued, then close the stream."""
+        self.outbox.close()
+
 
 @dataclass
 class RecvEnd:
@@ -241,8 +245,8 @@ class StageLinks:
                 end.flush()
 
     def close(self) -> None:
-        """Stop the inbox threads."""
-        for end in (self.act_in, self.grad_in):
+        """Stop the inbox and outbox threads and close the streams."""
+        for end in (self.act_in, self.grad_in, self.act_out, self.grad_out):
             if end is not None:
                 end.close()
 

@@ -96,6 +96,19 @@ def gpipe(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
     return stream + [ReduceGrads(), OptimizerStep()]
 
 
+def _interleaved(stage: int, stages: int, micro_batches: int, warmup: int) -> list[Instruction]:
+    """`warmup` forwards, then one backward and one forward in turn, then the remaining backwards."""
+    first, last = stage == 0, stage == stages - 1
+    stream: list[Instruction] = []
+    for mb in range(warmup):
+        stream += _forward(mb, first, last)
+    for mb in range(micro_batches):
+        stream += _backward(mb, first, last)
+        if mb + warmup < micro_batches:
+            stream += _forward(mb + warmup, first, last)
+    return stream + [ReduceGrads(), OptimizerStep()]
+
+
 def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
     """1F1B (PipeDream-flush): `min(stages - stage, micro_batches)` warm-up forwards, then one backward and one
     forward in turn, then the remaining backwards, then one optimizer step.
@@ -105,16 +118,19 @@ def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Instruction
     micro-batches in forward order, as GPipe does, so gradients accumulate in the same order.
     """
     _check(stage, stages, micro_batches)
-    first, last = stage == 0, stage == stages - 1
-    warmup = min(stages - stage, micro_batches)
-    stream: list[Instruction] = []
-    for mb in range(warmup):
-        stream += _forward(mb, first, last)
-    for mb in range(micro_batches):
-        stream += _backward(mb, first, last)
-        if mb + warmup < micro_batches:
-            stream += _forward(mb + warmup, first, last)
-    return stream + [ReduceGrads(), OptimizerStep()]
+    return _interleaved(stage, stages, micro_batches, min(stages - stage, micro_batches))
+
+
+def eager_one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
+    """Eager 1F1B: 1F1B with `min(2 (stages - stage) - 1, micro_batches)` warm-up forwards.
+
+    Under plain 1F1B a stage's next backward waits for a full round trip (its activation down every later stage and
+    link, the gradient back up); on a slow link that round trip is several micro-batches long and the stage idles.
+    Starting about twice as many forwards first keeps a micro-batch crossing each link in each direction while the
+    round trip completes, at the price of holding up to `2 (stages - stage) - 1` micro-batches' activations.
+    """
+    _check(stage, stages, micro_batches)
+    return _interleaved(stage, stages, micro_batches, min(2 * (stages - stage) - 1, micro_batches))
 
 
 @dataclass(frozen=True)
@@ -130,4 +146,6 @@ SCHEDULES: dict[str, Schedule] = {
     "gpipe": Schedule(gpipe, "all forwards, then all backwards (holds every micro-batch's activations)"),
     "1f1b": Schedule(one_f_one_b, "one forward, one backward in turn (both link directions busy; holds at most "
                                   "pp - stage micro-batches)"),
+    "eager-1f1b": Schedule(eager_one_f_one_b, "1F1B with about twice the warm-up forwards, so slow links' round "
+                                              "trips overlap compute (holds at most 2 (pp - stage) - 1)"),
 }

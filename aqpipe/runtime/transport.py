@@ -1,6 +1,6 @@
 """Framed point-to-point messages between stages: a fixed, validated header, then sample ids and the payload.
 
-A message is two torch.distributed sends on one tag: the 128-byte header, then a body of `n_ids` int64 sample
+A message on a link's stream (`aqpipe.runtime.streams`) is the 128-byte header, then a body of `n_ids` int64 sample
 ids, `payload_len` payload bytes, and `side_len` bytes of lossless side information (last, so the payload stays
 aligned for its dtype). The header's `side_kind` says what the side information is: an activation's attention
 mask (one row per sample), or a gradient's re-seed request (int64 sample ids); a receiver accepts only the kinds
@@ -12,12 +12,13 @@ ahead of the compute thread, so a stage computes micro-batch i while i+1 is on t
 from __future__ import annotations
 
 import queue
+import socket
 import struct
 import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -172,26 +173,28 @@ class Message:
     payload: torch.Tensor
     wire_bytes: int
     side: torch.Tensor | None = None  # side information (flat uint8), or None; header.side_kind says what it is
-    # From posting the body's receive to its arrival: the time the body spent on the wire (gloo sends an unbound
-    # buffer only once the receiver has posted it), so body bytes / this is the link's achieved rate.
+    # From the header's arrival to the body's: the time the body spent on the wire (the sender writes both at once),
+    # so body bytes / this is the link's achieved rate while the receiver keeps up.
     transfer_seconds: float = 0.0
 
 
-@dataclass
 class Outbox:
-    """Asynchronous sends to one peer on one tag; `flush` waits for everything still on the wire."""
+    """Sends messages to one peer over a stream (`aqpipe.runtime.streams`) from a writer thread: `send` returns at
+    once, `flush` waits until everything queued has been handed to the kernel."""
 
-    peer_rank: int
-    tag: int
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    _pending: list = field(default_factory=list)
-    bytes_sent: int = 0
+    def __init__(self, stream: socket.socket, peer_name: str, timeout: float) -> None:
+        self.stream, self.peer_name = stream, peer_name
+        stream.settimeout(timeout)  # a peer that reads nothing for this long is stalled or dead
+        self.bytes_sent = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._error: TransportError | None = None
+        self._thread = threading.Thread(target=self._run, name=f"outbox-{peer_name}", daemon=True)
+        self._thread.start()
 
     def send(self, header: Header, ids: torch.Tensor, payload: torch.Tensor, side: torch.Tensor | None = None) -> None:
         """Queue one message (header.checksum is filled here); `side` is lossless extra data sent as raw bytes, of
         the kind header.side_kind names."""
-        import torch.distributed as dist
-
+        self._raise_error()
         ids = ids.to(torch.int64).contiguous().cpu()
         payload = payload.contiguous().view(torch.uint8).reshape(-1).cpu()
         side = torch.empty(0, dtype=torch.uint8) if side is None else side.contiguous().cpu().view(torch.uint8).reshape(-1)
@@ -199,41 +202,50 @@ class Outbox:
         if (header.side_kind == SIDE_NONE) != (side.numel() == 0):
             raise ValueError(f"side information of {side.numel()} bytes with side_kind {header.side_kind}")
         header.checksum = body_checksum(ids, payload, side)
-        head = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
         body = torch.cat([ids.view(torch.uint8), payload, side])
-        self._release_finished()
-        for tensor in (head, body):
-            tensor = tensor.to(self.device)
-            self._pending.append((dist.isend(tensor, self.peer_rank, tag=self.tag), tensor))
+        self._queue.put((header.pack(), body))
         self.bytes_sent += HEADER_SIZE + body.numel()
 
-    def _release_finished(self) -> None:
-        """Let go of the buffers of sends that have left (wait() on a finished one raises its error, if any): under
-        1F1B a step's flush comes only after every micro-batch has been sent."""
-        pending = []
-        for work, tensor in self._pending:
-            if work.is_completed():
-                work.wait()
-            else:
-                pending.append((work, tensor))
-        self._pending = pending
-
     def flush(self) -> None:
-        """Block until every queued message has left."""
-        for work, _tensor in self._pending:
-            work.wait()
-        self._pending.clear()
+        """Block until every queued message has been handed to the kernel (or raise why it could not be)."""
+        self._queue.join()
+        self._raise_error()
+
+    def close(self) -> None:
+        """Stop the writer once the queue is empty and close the stream."""
+        self._queue.put(None)
+        self._thread.join()
+        self.stream.close()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    head, body = item
+                    self.stream.sendall(head)
+                    self.stream.sendall(body.numpy().data)
+            except OSError as e:  # the stream is broken: later sends fail with this error instead of blocking
+                what = "stopped reading" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {_first_line(e)}"
+                self._error = TransportError(f"sending to {self.peer_name} failed: {what}")
+            finally:
+                self._queue.task_done()
 
 
 class Inbox:
-    """Receives messages from one peer on one tag in a background thread, in the order they are expected."""
+    """Receives messages from one peer over a stream in a background thread, in the order they are expected."""
 
-    def __init__(self, peer_rank: int, peer_name: str, tag: int, device: torch.device, timeout: float) -> None:
-        self.peer_rank, self.peer_name, self.tag = peer_rank, peer_name, tag
-        self.device, self.timeout = device, timeout
+    def __init__(self, stream: socket.socket, peer_name: str, timeout: float) -> None:
+        self.stream, self.peer_name, self.timeout = stream, peer_name, timeout
         self._expected: queue.Queue = queue.Queue()
         self._received: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"inbox-{peer_rank}-{tag}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"inbox-{peer_name}", daemon=True)
         self._thread.start()
 
     def expect(self, expectation: Expect) -> None:
@@ -241,8 +253,13 @@ class Inbox:
         self._expected.put(expectation)
 
     def close(self) -> None:
-        """Stop the thread once it has nothing more to receive."""
+        """Stop the thread once it has nothing more to receive, and close the stream."""
         self._expected.put(None)
+        self._thread.join(timeout=1.0)
+        if self._thread.is_alive():  # blocked reading a message that will not come: wake it with end-of-stream
+            self.stream.shutdown(socket.SHUT_RDWR)
+            self._thread.join()
+        self.stream.close()
 
     def get(self) -> Message:
         """The next message, waiting up to the timeout; re-raises the thread's error with the peer named."""
@@ -267,17 +284,22 @@ class Inbox:
                 self._received.put(e)
                 return
 
-    def _receive(self, expect: Expect) -> Message:
-        import torch.distributed as dist
+    def _read_into(self, buffer: memoryview) -> None:
+        got = 0
+        while got < len(buffer):
+            n = self.stream.recv_into(buffer[got:])
+            if n == 0:
+                raise TransportError(f"{self.peer_name} closed the link (peer dead or finished early)")
+            got += n
 
-        head = torch.empty(HEADER_SIZE, dtype=torch.uint8, device=self.device)
-        dist.recv(head, self.peer_rank, tag=self.tag)
-        header = parse_header(bytes(head.cpu().numpy()), self.peer_name, expect)
-        body = torch.empty(8 * header.n_ids + header.side_len + header.payload_len, dtype=torch.uint8, device=self.device)
+    def _receive(self, expect: Expect) -> Message:
+        head = bytearray(HEADER_SIZE)
+        self._read_into(memoryview(head))
+        header = parse_header(bytes(head), self.peer_name, expect)
+        body = torch.empty(8 * header.n_ids + header.side_len + header.payload_len, dtype=torch.uint8)
         start = time.perf_counter()
-        dist.recv(body, self.peer_rank, tag=self.tag)
+        self._read_into(memoryview(body.numpy()).cast("B"))
         transfer_seconds = time.perf_counter() - start
-        body = body.cpu()
         ids = body[: 8 * header.n_ids].view(torch.int64)
         payload = body[8 * header.n_ids : 8 * header.n_ids + header.payload_len]
         side = body[8 * header.n_ids + header.payload_len :]
