@@ -296,10 +296,11 @@ class Inbox:
         head = bytearray(HEADER_SIZE)
         self._read_into(memoryview(head))
         header = parse_header(bytes(head), self.peer_name, expect)
-        body = torch.empty(8 * header.n_ids + header.side_len + header.payload_len, dtype=torch.uint8)
+        raw = bytearray(8 * header.n_ids + header.side_len + header.payload_len)
         start = time.perf_counter()
-        self._read_into(memoryview(body.numpy()).cast("B"))
+        self._read_into(memoryview(raw))
         transfer_seconds = time.perf_counter() - start
+        body = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         ids = body[: 8 * header.n_ids].view(torch.int64)
         payload = body[8 * header.n_ids : 8 * header.n_ids + header.payload_len]
         side = body[8 * header.n_ids + header.payload_len :]
