@@ -18,12 +18,14 @@ def test_a_stray_connection_is_turned_away_and_the_right_sender_accepted():
     accepted = {}
     thread = threading.Thread(target=lambda: accepted.update(sock=listener.accept("replica 0 link 1 gradient", 10)))
     thread.start()
-    wrong = s.connect(listener.endpoint, "replica 0 link 0 gradient", 10)  # another stream's name
+    with pytest.raises(s.StreamError, match="did not accept stream replica 0 link 0 gradient"):
+        s.confirm(s.connect(listener.endpoint, "replica 0 link 0 gradient", 10), "replica 0 link 0 gradient", 10)
     right = s.connect(listener.endpoint, "replica 0 link 1 gradient", 10)
     thread.join()
+    right = s.confirm(right, "replica 0 link 1 gradient", 10)
     right.sendall(b"x")
     assert accepted["sock"].recv(1) == b"x"
-    for sock in (stray, wrong, right, accepted["sock"]):
+    for sock in (stray, right, accepted["sock"]):
         sock.close()
 
 
@@ -49,7 +51,8 @@ def test_a_long_stream_name_is_refused():
 def test_a_peer_that_stops_reading_fails_the_sender_after_the_timeout():
     listener = s.Listener("127.0.0.1")
     sender = s.connect(listener.endpoint, "stalled", 10)
-    receiver = listener.accept("stalled", 10)  # accepted, never read
+    receiver = listener.accept("stalled", 10)
+    sender = s.confirm(sender, "stalled", 10)  # accepted, never read
     box = t.Outbox(sender, "rank 1 (stage 1, replica 0)", timeout=0.5)
     payload = torch.zeros(64 << 20, dtype=torch.uint8)  # far more than the kernel's socket buffers hold
     box.send(t.Header(t.KIND_ACTIVATION, 0, 0, (payload.numel(),), torch.uint8, 1, payload.numel()),
@@ -58,6 +61,24 @@ def test_a_peer_that_stops_reading_fails_the_sender_after_the_timeout():
         box.flush()
     receiver.close()
     sender.close()
+
+
+def test_aborting_an_outbox_to_a_stalled_peer_returns_at_once():
+    """Unwinding an error must not wait out the stall timeout on every queued message."""
+    import time
+
+    listener = s.Listener("127.0.0.1")
+    sender = s.connect(listener.endpoint, "stalled", 10)
+    receiver = listener.accept("stalled", 10)
+    sender = s.confirm(sender, "stalled", 10)
+    box = t.Outbox(sender, "rank 1", timeout=60)
+    payload = torch.zeros(64 << 20, dtype=torch.uint8)
+    box.send(t.Header(t.KIND_ACTIVATION, 0, 0, (payload.numel(),), torch.uint8, 1, payload.numel()),
+             torch.tensor([0]), payload)
+    start = time.perf_counter()
+    box.close(abort=True)
+    assert time.perf_counter() - start < 5
+    receiver.close()
 
 
 def test_the_local_address_follows_the_route_to_the_master_or_the_override(monkeypatch):

@@ -73,9 +73,9 @@ class SendEnd:
         """Wait until everything queued has left."""
         self.outbox.flush()
 
-    def close(self) -> None:
-        """Send what is queued, then close the stream."""
-        self.outbox.close()
+    def close(self, abort: bool = False) -> None:
+        """Send what is queued, then close the stream (with `abort`, close at once)."""
+        self.outbox.close(abort)
 
 
 @dataclass
@@ -244,11 +244,19 @@ class StageLinks:
             if end is not None:
                 end.flush()
 
-    def close(self) -> None:
-        """Stop the inbox and outbox threads and close the streams."""
-        for end in (self.act_in, self.grad_in, self.act_out, self.grad_out):
+    def close(self, abort: bool = False) -> None:
+        """Stop the inbox and outbox threads and close the streams; with `abort` (unwinding an error), drop what is
+        still queued so the peers see the end of the streams at once, and let no closing error hide the first."""
+        for end in (self.act_in, self.grad_in):
             if end is not None:
                 end.close()
+        for send_end in (self.act_out, self.grad_out):
+            if send_end is not None:
+                try:
+                    send_end.close(abort)
+                except TransportError:
+                    if not abort:
+                        raise
 
     def codecs(self) -> dict[str, LinkCodec]:
         """The training codec of each end this rank has, by slot name (what a checkpoint keeps)."""

@@ -11,7 +11,7 @@ sender (the outbox's) and read by one thread on the receiver (the inbox's).
 
 Rendezvous: every receiving end listens on an ephemeral port of the address this rank reaches the master from;
 the pipeline group gathers the endpoints; every sending end connects and introduces itself with the stream's
-name, which the receiver checks.
+name, which the receiver checks and acknowledges.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import time
 
 HELLO = struct.Struct("<4s64s")
 HELLO_MAGIC = b"AQS1"
+ACK = b"\x01"  # the receiver's answer to the right hello: the sender knows it reached its stream
+HELLO_TIMEOUT = 10.0
 
 
 class StreamError(RuntimeError):
@@ -39,8 +41,11 @@ def local_address() -> str:
         try:
             probe.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))  # UDP: no packet is sent
             return probe.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
+        except OSError as e:
+            if master in ("127.0.0.1", "localhost"):
+                return "127.0.0.1"
+            raise StreamError(f"no route to MASTER_ADDR {master} to advertise the link streams on ({e}); set "
+                              "AQPIPE_LINK_ADDR to this host's address") from None
 
 
 def _tune(sock: socket.socket) -> socket.socket:
@@ -84,13 +89,15 @@ class Listener:
                     conn, peer = self.sock.accept()
                 except TimeoutError:
                     raise StreamError(f"no sender connected to stream {name} within {timeout:.0f} s") from None
-                conn.settimeout(max(0.01, deadline - time.monotonic()))
+                # a stray connection that says nothing must not hold the real sender in the backlog for long
+                conn.settimeout(min(HELLO_TIMEOUT, max(0.01, deadline - time.monotonic())))
                 try:
                     magic, raw = HELLO.unpack(_read_exact(conn, HELLO.size))
                 except (OSError, StreamError):
                     conn.close()
                     continue
                 if magic == HELLO_MAGIC and raw.rstrip(b"\0").decode(errors="replace") == name:
+                    conn.sendall(ACK)
                     conn.settimeout(None)
                     return _tune(conn)
                 conn.close()  # a stray or mistaken connection: not this stream's sender
@@ -99,7 +106,8 @@ class Listener:
 
 
 def connect(endpoint: tuple[str, int], name: str, timeout: float) -> socket.socket:
-    """Connect to the receiving end of stream `name` and introduce ourselves."""
+    """Connect to the receiving end of stream `name` and introduce ourselves; `confirm` then waits for the answer
+    (after this rank has accepted its own inbound streams: two ranks may be connecting to each other)."""
     hello = _hello(name)
     deadline = time.monotonic() + timeout
     while True:
@@ -110,7 +118,20 @@ def connect(endpoint: tuple[str, int], name: str, timeout: float) -> socket.sock
             if time.monotonic() >= deadline:
                 raise StreamError(f"cannot connect stream {name} to {endpoint[0]}:{endpoint[1]}: {e}") from None
             time.sleep(0.05)
-    sock.sendall(hello)
+    sock.sendall(hello)  # 68 bytes: the kernel takes them whether or not the peer accepts yet
+    return sock
+
+
+def confirm(sock: socket.socket, name: str, timeout: float) -> socket.socket:
+    """Wait for the receiver to acknowledge our hello: only then do we know we reached stream `name`."""
+    endpoint = sock.getpeername()
+    try:
+        sock.settimeout(timeout)
+        if _read_exact(sock, len(ACK)) != ACK:
+            raise StreamError("answered with something else")
+    except (OSError, StreamError) as e:  # a listener of another stream, or not aqpipe at all
+        sock.close()
+        raise StreamError(f"{endpoint[0]}:{endpoint[1]} did not accept stream {name}: {e}") from None
     sock.settimeout(None)
     return _tune(sock)
 
@@ -135,6 +156,8 @@ def open_streams(inbound: list[str], outbound: list[str], group, timeout: float)
             streams[name] = connect(tuple(endpoints[name]), name, timeout)
         for name, listener in listeners.items():
             streams[name] = listener.accept(name, timeout)
+        for name in outbound:
+            streams[name] = confirm(streams[name], name, timeout)
         return streams
     finally:
         for listener in listeners.values():

@@ -55,14 +55,16 @@ def run_worker(cfg: RunConfig, rank: int, world_size: int, spec_factory=None) ->
 def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dict | None:
     cfg = plan.cfg
     stage = assemble_stage(plan, grid, device, backend)
-    first_step = resume_rank(cfg, stage.worker, stage.store) if cfg.resume else 0
-    log = open_outputs(cfg, plan, first_step) if grid.rank == 0 else None
-    emit({"event": "start", "total_steps": plan.total_steps, "rank": grid.rank, "first_step": first_step})
-    wall_start = time.perf_counter() - (log.records[-1]["elapsed_seconds"] if log is not None and log.records else 0.0)
     try:
+        first_step = resume_rank(cfg, stage.worker, stage.store) if cfg.resume else 0
+        log = open_outputs(cfg, plan, first_step) if grid.rank == 0 else None
+        emit({"event": "start", "total_steps": plan.total_steps, "rank": grid.rank, "first_step": first_step})
+        wall_start = time.perf_counter() - (log.records[-1]["elapsed_seconds"] if log is not None and log.records else 0.0)
         train_steps(stage, first_step, log, wall_start)
-    finally:
-        stage.worker.links.close()
+    except BaseException:
+        stage.worker.links.close(abort=True)
+        raise
+    stage.worker.links.close()
     _finish_rank(stage, first_step)
     if log is None:
         return None

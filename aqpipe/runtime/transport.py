@@ -46,6 +46,11 @@ DTYPES: dict[int, torch.dtype] = {
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 # No single message may exceed this many bytes, whatever a header claims (a corrupt length must not allocate).
 DEFAULT_MAX_MESSAGE_BYTES = 2 << 30
+# An outbox writes at most this much per socket call, so its timeout bounds a stall, not a message's length.
+SEND_CHUNK = 1 << 20
+# Messages an outbox holds before `send` waits: receivers post a whole step (or evaluation pass) of receives up
+# front, so waiting here cannot deadlock; it bounds the host memory queued sends pin.
+SEND_QUEUE = 4
 
 
 class TransportError(RuntimeError):
@@ -174,19 +179,21 @@ class Message:
     wire_bytes: int
     side: torch.Tensor | None = None  # side information (flat uint8), or None; header.side_kind says what it is
     # From the header's arrival to the body's: the time the body spent on the wire (the sender writes both at once),
-    # so body bytes / this is the link's achieved rate while the receiver keeps up.
+    # so body bytes / this is the link's achieved rate while the receiver keeps up; a body that already waited in
+    # the kernel's buffers (the receiver was busy) reads faster than the link, so the rate reads high then.
     transfer_seconds: float = 0.0
 
 
 class Outbox:
     """Sends messages to one peer over a stream (`aqpipe.runtime.streams`) from a writer thread: `send` returns at
-    once, `flush` waits until everything queued has been handed to the kernel."""
+    once unless SEND_QUEUE messages already wait (backpressure), `flush` waits until everything queued has been
+    handed to the kernel."""
 
     def __init__(self, stream: socket.socket, peer_name: str, timeout: float) -> None:
         self.stream, self.peer_name = stream, peer_name
-        stream.settimeout(timeout)  # a peer that reads nothing for this long is stalled or dead
-        self.bytes_sent = 0
-        self._queue: queue.Queue = queue.Queue()
+        # each send() call of at most SEND_CHUNK bytes must make progress within this long, or the peer is stalled
+        stream.settimeout(timeout)
+        self._queue: queue.Queue = queue.Queue(maxsize=SEND_QUEUE)
         self._error: TransportError | None = None
         self._thread = threading.Thread(target=self._run, name=f"outbox-{peer_name}", daemon=True)
         self._thread.start()
@@ -202,24 +209,31 @@ class Outbox:
         if (header.side_kind == SIDE_NONE) != (side.numel() == 0):
             raise ValueError(f"side information of {side.numel()} bytes with side_kind {header.side_kind}")
         header.checksum = body_checksum(ids, payload, side)
-        body = torch.cat([ids.view(torch.uint8), payload, side])
-        self._queue.put((header.pack(), body))
-        self.bytes_sent += HEADER_SIZE + body.numel()
+        self._queue.put((header.pack(), torch.cat([ids.view(torch.uint8), payload, side])))
 
     def flush(self) -> None:
         """Block until every queued message has been handed to the kernel (or raise why it could not be)."""
         self._queue.join()
         self._raise_error()
 
-    def close(self) -> None:
-        """Stop the writer once the queue is empty and close the stream."""
+    def close(self, abort: bool = False) -> None:
+        """Send what is queued (raising why it could not be), then close the stream; with `abort` (unwinding an
+        error), drop what is queued and close at once, so the peer sees the end of the stream now."""
+        if abort:
+            _shutdown(self.stream)
         self._queue.put(None)
         self._thread.join()
         self.stream.close()
+        if not abort:
+            self._raise_error()
 
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
+
+    def _write(self, data: memoryview) -> None:
+        for start in range(0, len(data), SEND_CHUNK):
+            self.stream.sendall(data[start : start + SEND_CHUNK])
 
     def _run(self) -> None:
         while True:
@@ -229,13 +243,22 @@ class Outbox:
                     return
                 if self._error is None:
                     head, body = item
-                    self.stream.sendall(head)
-                    self.stream.sendall(body.numpy().data)
-            except OSError as e:  # the stream is broken: later sends fail with this error instead of blocking
+                    self._write(memoryview(head))
+                    self._write(memoryview(body.numpy()).cast("B"))
+            except BaseException as e:  # noqa: BLE001 - the stream is broken: later sends and flushes raise this
                 what = "stopped reading" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {_first_line(e)}"
                 self._error = TransportError(f"sending to {self.peer_name} failed: {what}")
             finally:
+                item = None  # let go of the sent buffer now, not when the next message arrives
                 self._queue.task_done()
+
+
+def _shutdown(stream: socket.socket) -> None:
+    """End both directions of a stream, waking a thread blocked on it; an already broken stream is fine."""
+    try:
+        stream.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class Inbox:
@@ -257,7 +280,7 @@ class Inbox:
         self._expected.put(None)
         self._thread.join(timeout=1.0)
         if self._thread.is_alive():  # blocked reading a message that will not come: wake it with end-of-stream
-            self.stream.shutdown(socket.SHUT_RDWR)
+            _shutdown(self.stream)
             self._thread.join()
         self.stream.close()
 
