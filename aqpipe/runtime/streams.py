@@ -60,13 +60,22 @@ def _hello(name: str) -> bytes:
     return HELLO.pack(HELLO_MAGIC, encoded)
 
 
+def read_exactly(sock: socket.socket, buffer: memoryview) -> None:
+    """Fill `buffer` from the stream; EOFError if the peer closes it first."""
+    got = 0
+    while got < len(buffer):
+        n = sock.recv_into(buffer[got:])
+        if n == 0:
+            raise EOFError
+        got += n
+
+
 def _read_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise StreamError("the peer closed the connection during the handshake")
-        data += chunk
+    data = bytearray(n)
+    try:
+        read_exactly(sock, memoryview(data))
+    except EOFError:
+        raise StreamError("the peer closed the connection during the handshake") from None
     return bytes(data)
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from aqpipe.runtime.streams import read_exactly
+
 MAGIC = b"AQP1"
 HEADER_SIZE = 128
 MAX_DIMS = 8
@@ -308,12 +310,10 @@ class Inbox:
                 return
 
     def _read_into(self, buffer: memoryview) -> None:
-        got = 0
-        while got < len(buffer):
-            n = self.stream.recv_into(buffer[got:])
-            if n == 0:
-                raise TransportError(f"{self.peer_name} closed the link (peer dead or finished early)")
-            got += n
+        try:
+            read_exactly(self.stream, buffer)
+        except EOFError:
+            raise TransportError(f"{self.peer_name} closed the link (peer dead or finished early)") from None
 
     def _receive(self, expect: Expect) -> Message:
         head = bytearray(HEADER_SIZE)
