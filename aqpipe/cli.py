@@ -101,6 +101,16 @@ def _parser() -> argparse.ArgumentParser:
     netns.add_argument("name", nargs="?", help="topology name (up: default random; down: default all unowned)")
     netns.add_argument("--ranks", type=int, default=2, help="namespaces to make (up)")
     netns.add_argument("--bandwidth", help="rate of every link, e.g. 100mbit (up)")
+    generate = sub.add_parser("generate", help="text from a fine-tuned causal LM (the model a run exported)")
+    generate.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (its export/) or an HF checkpoint directory")
+    generate.add_argument("--prompt", required=True, help="the question or text to answer (sent as a user turn of "
+                                                          "the model's chat template unless --raw)")
+    generate.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    generate.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    generate.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    generate.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    generate.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
+    generate.add_argument("--raw", action="store_true", help="continue the prompt as plain text, no chat template")
     sub.add_parser("bench", help="benchmarks")
     return parser
 
@@ -128,6 +138,8 @@ def _command(argv: list[str] | None) -> int:
             return _netns(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "generate":
+            return _generate(args)
         raise ConfigError(f"'aqpipe {args.command}' is not available yet in this release")
     except ConfigError as e:
         print(f"aqpipe: error: {one_line(str(e))}", file=sys.stderr)
@@ -186,6 +198,17 @@ def _report(args: argparse.Namespace) -> int:
     except ReportError as e:
         raise ConfigError(str(e)) from None
     print(f"plot: {args.out}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from aqpipe.generate import GenerateError, Sampling, generate
+
+    sampling = Sampling(args.max_new_tokens, args.sample, args.temperature, args.top_p, args.seed)
+    try:
+        print(generate(args.run_dir, args.prompt, sampling, raw=args.raw))
+    except GenerateError as e:
+        raise ConfigError(str(e)) from None
     return 0
 
 

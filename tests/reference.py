@@ -8,6 +8,8 @@ from torch import nn
 from aqpipe.config import RunConfig
 from aqpipe.runtime.optim import build_optimizer
 from aqpipe.runtime.plan import make_plan
+from aqpipe.runtime.tied import local_copies
+from aqpipe.stages.spec import Stage
 
 
 def train_single_process(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor], list[int]]:
@@ -27,7 +29,7 @@ def train_single_process(cfg: RunConfig) -> tuple[list[float], dict[str, torch.T
 def _train(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor], list[int]]:
     plan = make_plan(cfg)
     spec = plan.spec
-    model = nn.Sequential(*(spec.build_layer(i, cfg.seed) for i in range(len(spec))))
+    model = Stage(*(spec.build_layer(i, cfg.seed) for i in range(len(spec))))
     optimizer, schedule = build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay,
                                           cfg.warmup_steps, plan.total_steps)
     replicas = [plan.epoch_plan(r) for r in range(cfg.dp)]
@@ -38,16 +40,19 @@ def _train(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor], list[i
         total = 0.0
         replica_grads = []
         for replica in replicas:  # data parallelism done by hand: each replica's mean gradient, then their mean
-            for ids in replica.micro_batches_of(step):
-                loss = spec.loss(model(data.inputs(ids)), data.targets(ids))
-                (loss / cfg.micro_batches).backward()
-                total += float(loss.detach())
+            micro_batches = replica.micro_batches_of(step)
+            weights = _loss_weights(data, micro_batches)
+            for ids, weight in zip(micro_batches, weights):
+                loss = spec.loss(model(data.inputs(ids), data.mask(ids)), data.targets(ids))
+                (loss * weight if hasattr(data, "loss_tokens") else loss / cfg.micro_batches).backward()
+                total += float(loss.detach()) * (weight * cfg.micro_batches if hasattr(data, "loss_tokens") else 1.0)
             replica_grads.append([p.grad.clone() for p in model.parameters()])
             optimizer.zero_grad(set_to_none=True)
         for p, *grads in zip(model.parameters(), *replica_grads):
             p.grad = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0) / len(grads)
+        tied = _sum_tied(model)
         if cfg.clip > 0:
-            clip_in_float64(model.parameters(), cfg.clip)
+            clip_in_float64(list(model.parameters()), cfg.clip, tied)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -55,13 +60,37 @@ def _train(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor], list[i
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, plan.bounds
 
 
-def clip_in_float64(params, max_norm: float) -> None:
+def _loss_weights(data, micro_batches) -> list[float]:
+    """Each micro-batch's share of the step's response tokens (instruction data), as the last stage weighs them."""
+    if not hasattr(data, "loss_tokens"):
+        return [1.0] * len(micro_batches)
+    tokens = [data.loss_tokens(ids) for ids in micro_batches]
+    return [t / sum(tokens) for t in tokens]
+
+
+def _sum_tied(model: nn.Module) -> list[list[nn.Parameter]]:
+    """Every copy of a tied tensor gets the sum of the copies' gradients (one tensor in the model); returns the
+    copies of each group."""
+    groups = list(local_copies(model).values())
+    for copies in groups:
+        for params in zip(*copies):
+            total = torch.stack([p.grad.float() for p in params]).sum(0)
+            for p in params:
+                p.grad = total.clone()
+    return groups
+
+
+def clip_in_float64(params, max_norm: float, tied: list[list[list[nn.Parameter]]] | None = None) -> None:
     """Global-norm clipping with per-tensor fp32 norms combined in float64, as the pipeline combines its stages'
     shares (torch's clip_grad_norm_ combines in float32, and that last-bit difference in the coefficient is
-    again magnified by Adam where gradients are zero)."""
-    grads = [p.grad for p in params if p.grad is not None]
+    again magnified by Adam where gradients are zero). A tied tensor's gradient counts once."""
+    copies = [p for group in tied or [] for copy in group for p in copy]
+    once = [p for group in tied or [] for p in group[0]]
+    grads = [p.grad for p in params if p.grad is not None and all(p is not c for c in copies)]
+    grads += [p.grad for p in once]
     norm = sum(float(torch.linalg.vector_norm(g)) ** 2 for g in grads) ** 0.5
     coefficient = max_norm / (norm + 1e-6)
     if coefficient < 1.0:
-        for g in grads:
-            g.mul_(coefficient)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coefficient)

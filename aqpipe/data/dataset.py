@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from aqpipe.data.chat import bpe_chat_tokenizer, encode_conversations, with_chat_template
 from aqpipe.data.classify import ClassifySamples, encode_examples, labeled_text
 from aqpipe.data.corpus import Corpus, DataError, load_corpus
+from aqpipe.data.instruct import InstructSamples, Instructions, is_instruction_data, load_instructions
 from aqpipe.data.labeled import load_labeled
 from aqpipe.data.progress import preparing
 from aqpipe.data.samples import TokenSamples, chunk, epoch_order
@@ -23,11 +25,12 @@ DEFAULT_BPE_VOCAB = 4096
 class TaskDataset:
     """Tokenized training and validation samples of one task (LM windows, or labelled examples to classify)."""
 
-    train: TokenSamples | ClassifySamples
-    valid: TokenSamples | ClassifySamples
+    train: TokenSamples | ClassifySamples | InstructSamples
+    valid: TokenSamples | ClassifySamples | InstructSamples
     vocab_size: int
     tokenizer: str
     label_names: list[str] = field(default_factory=list)  # classification only
+    info: dict = field(default_factory=dict)  # what preparing the data counted (instruction data: truncated, dropped)
 
     @property
     def num_labels(self) -> int:
@@ -109,11 +112,72 @@ def prepare_classify_dataset(
     return TaskDataset(train, valid, vocab, tok_name, list(task.labels))
 
 
+def instruction_text(instructions: Instructions) -> Corpus:
+    """The training conversations' text, which aqpipe's BPE learns when the model brings no tokenizer."""
+    return Corpus(instructions.name, "\n\n".join(m["content"] for c in instructions.train for m in c), "")
+
+
+def chat_tokenizer(instructions: Instructions, tokenizer_dir: str | None, vocab_size: int | None):
+    """The HF tokenizer (with a chat template) that instruction data is rendered and tokenized with."""
+    if tokenizer_dir is not None:
+        return with_chat_template(HFTokenizer(tokenizer_dir).hf)
+    return bpe_chat_tokenizer(train_bpe(instruction_text(instructions), vocab_size or DEFAULT_BPE_VOCAB))
+
+
+def prepare_instruct_dataset(
+    data: str,
+    seq_len: int,
+    tokenizer_dir: str | None = None,
+    vocab_size: int | None = None,
+    max_samples: int | None = None,
+) -> TaskDataset:
+    """Load and tokenize the conversations of instruction `data` to `seq_len` tokens with response-only targets;
+    cached, so every rank can call it."""
+    instructions = load_instructions(data)
+    tok_name = tokenizer_name(tokenizer_dir, vocab_size)
+    content = hashlib.sha256(repr((instructions.train, instructions.valid)).encode()).hexdigest()[:16]
+    path = cache_dir() / f"instruct-{content}-{tok_name}-{seq_len}.pt"
+    if path.is_file():
+        cached = torch.load(path, weights_only=True)
+        train, valid, vocab = InstructSamples(**cached["train"]), InstructSamples(**cached["valid"]), int(cached["vocab_size"])
+    else:
+        tokenizer = chat_tokenizer(instructions, tokenizer_dir, vocab_size)
+        with preparing("tokenizing the conversations", len(instructions.train) + len(instructions.valid)) as advance:
+            train = encode_conversations(instructions.train, tokenizer, seq_len)
+            advance(len(instructions.train))
+            valid = encode_conversations(instructions.valid, tokenizer, seq_len)
+        vocab = len(tokenizer)
+        buf = io.BytesIO()
+        torch.save({"train": train.to_dict(), "valid": valid.to_dict(), "vocab_size": vocab}, buf)
+        write_atomic(path, buf.getvalue(), shared=True)
+    if len(train) == 0:
+        raise DataError(f"--data {data!r} has no training conversation with a response token within --seq-len {seq_len}")
+    info = {"truncated": train.truncated + valid.truncated, "dropped": train.dropped + valid.dropped}
+    if max_samples is not None:
+        train = train.head(max_samples)
+    return TaskDataset(train, valid, vocab, tok_name, info=info)
+
+
+def prepare_dataset(task: str, data: str, seq_len: int, tokenizer_dir: str | None = None,
+                    vocab_size: int | None = None, max_samples: int | None = None) -> TaskDataset:
+    """The dataset of a run: labelled examples (classify), conversations (lm on instruction data) or LM windows."""
+    if task == "classify":
+        prepare = prepare_classify_dataset
+    elif is_instruction_data(data):
+        prepare = prepare_instruct_dataset
+    else:
+        prepare = prepare_lm_dataset
+    return prepare(data, seq_len, tokenizer_dir, vocab_size, max_samples)
+
+
 def export_tokenizer(task: str, data: str, tokenizer_dir: str | None, vocab_size: int | None):
     """The run's tokenizer as a `transformers` tokenizer, to save beside an exported model: the model's own, or
-    aqpipe's BPE (trained on the same text, so the cached one) wrapped as a fast tokenizer."""
+    aqpipe's BPE (trained on the same text, so the cached one) wrapped as a fast tokenizer; with the chat template
+    the run rendered its conversations with when the data was instruction data."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    if task == "lm" and is_instruction_data(data):
+        return chat_tokenizer(load_instructions(data), tokenizer_dir, vocab_size)
     if tokenizer_dir is not None:
         return AutoTokenizer.from_pretrained(tokenizer_dir)
     corpus = Corpus("labeled", labeled_text(load_labeled(data)), "") if task == "classify" else load_corpus(data)

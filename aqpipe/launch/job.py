@@ -96,6 +96,8 @@ def _run_ranks(cfg: RunConfig, plan, worker_command: list[str], progress: bool) 
     links = f"; links ran at {', '.join(format_rate(8 * r) for r in rates)}" if cfg.bandwidth and rates else ""
     print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
           f"{summary['samples_per_second']:.1f} samples/s, {summary['wall_seconds']:.0f} s{links}; run directory {out}")
+    if summary.get("sample"):
+        print(f"held-out prompt: {summary['sample']['question']!r} -> model: {summary['sample']['answer']!r}")
     return 0
 
 

@@ -22,10 +22,12 @@ def eval_batches(num_samples: int, replica: int, replicas: int, micro_batch_size
 
 @dataclass
 class EvalTotals:
-    """What one rank counted in one evaluation: summed per-sample losses, samples, and (classification) the
-    confusion matrix, rows = true label, columns = predicted."""
+    """What one rank counted in one evaluation: summed losses (each batch's mean times its loss terms), the loss
+    terms (samples, or response tokens of instruction data), samples, and (classification) the confusion matrix, rows
+    = true label, columns = predicted."""
 
     loss_sum: float = 0.0
+    terms: float = 0.0
     samples: int = 0
     confusion: torch.Tensor | None = None
     bytes_sent: int = 0
@@ -49,7 +51,8 @@ def evaluate_stage(worker: StageWorker, step: int, batches: list[torch.Tensor], 
                     x, ids, mask = links.act_in.receive_eval()
                 out = worker.module(x.to(worker.device), None if mask is None else mask.to(worker.device))
                 if grid.is_last_stage:
-                    _count(totals, out, samples.targets(ids).to(worker.device), worker.loss_fn)
+                    terms = samples.loss_tokens(ids) if hasattr(samples, "loss_tokens") else ids.numel()
+                    _count(totals, out, samples.targets(ids).to(worker.device), worker.loss_fn, terms)
                 else:
                     totals.bytes_sent += links.act_out.send_eval(step, mb, out, ids, mask)
             if links.act_out is not None:
@@ -59,9 +62,11 @@ def evaluate_stage(worker: StageWorker, step: int, batches: list[torch.Tensor], 
     return totals
 
 
-def _count(totals: EvalTotals, out: torch.Tensor, targets: torch.Tensor, loss_fn) -> None:
+def _count(totals: EvalTotals, out: torch.Tensor, targets: torch.Tensor, loss_fn, terms: int) -> None:
     n = targets.shape[0]
-    totals.loss_sum += float(loss_fn(out, targets)) * n
+    if terms:
+        totals.loss_sum += float(loss_fn(out, targets)) * terms
+    totals.terms += terms
     totals.samples += n
     if totals.confusion is not None:
         predicted = out.argmax(dim=-1).cpu()
@@ -72,16 +77,16 @@ def _count(totals: EvalTotals, out: torch.Tensor, targets: torch.Tensor, loss_fn
 def gather_eval(totals: EvalTotals, grid: Grid, num_labels: int, device: torch.device | None = None) -> dict | None:
     """Sum every rank's totals on rank 0 and turn them into metrics (None on other ranks)."""
     confusion = totals.confusion if totals.confusion is not None else torch.zeros(0, dtype=torch.int64)
-    mine = torch.cat([torch.tensor([totals.loss_sum, float(totals.samples)], dtype=torch.float64),
+    mine = torch.cat([torch.tensor([totals.loss_sum, float(totals.samples), totals.terms], dtype=torch.float64),
                       confusion.reshape(-1).to(torch.float64)])
     rows = gather_rows(mine, grid, device or torch.device("cpu"))
     if rows is None:
         return None
     total = rows.sum(dim=0)
-    loss_sum, count = float(total[0]), int(total[1])
-    result: dict = {"loss": loss_sum / count if count else float("nan"), "samples": count}
+    loss_sum, count, terms = float(total[0]), int(total[1]), float(total[2])
+    result: dict = {"loss": loss_sum / terms if terms else float("nan"), "samples": count}
     if num_labels:
-        result.update(classification_metrics(total[2:].round().to(torch.int64).view(num_labels, num_labels)))
+        result.update(classification_metrics(total[3:].round().to(torch.int64).view(num_labels, num_labels)))
     else:
         result["perplexity"] = math.exp(min(result["loss"], 700.0))
     return result

@@ -144,6 +144,18 @@ def export_model(plan: RunPlan) -> str | None:
     return str(path)
 
 
+SAMPLE_TOKENS = 48
+
+
+def held_out_answer(export_dir: str, valid) -> dict:
+    """The exported model's greedy answer to the first held-out conversation, beside the reference answer."""
+    from aqpipe.generate import Sampling, complete, load_model
+
+    model, tokenizer = load_model(Path(export_dir))
+    answer = complete(model, tokenizer, valid.prompts[0], Sampling(max_new_tokens=SAMPLE_TOKENS))
+    return {"question": valid.questions[0], "answer": answer, "reference": valid.answers[0]}
+
+
 def save_stage_weights(module: torch.nn.Module, out: Path, stage: int) -> Path:
     """Write one stage's final weights to checkpoints/final/stage-<k>.pt (load with weights_only=True)."""
     directory = out / "checkpoints" / "final"
@@ -165,6 +177,10 @@ def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float) -> dict:
                         "overflow": last.get("store_overflow", 0)}
     summary.update(eval_summary(log.records))
     summary["export"] = export_model(plan)
+    if plan.dataset.info:
+        summary["data"] = plan.dataset.info
+    if summary["export"] and getattr(plan.dataset.valid, "prompts", None):
+        summary["sample"] = held_out_answer(summary["export"], plan.dataset.valid)
     out = Path(cfg.out)
     write_json(out / "summary.json", summary)
     plot_loss(log.records, out / "loss.png", title=f"{cfg.model}  pp={cfg.pp} dp={cfg.dp}  fw={cfg.fw} bw={cfg.bw}")

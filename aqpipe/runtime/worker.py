@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from aqpipe.compress.grad import GradSync
-from aqpipe.data import ClassifySamples, TokenSamples
+from aqpipe.data import ClassifySamples, InstructSamples, TokenSamples
 from aqpipe.runtime import schedule as sch
 from aqpipe.runtime.grid import Grid, ProcessGroups, collective_device
 from aqpipe.runtime.held import ActivationMeter
@@ -68,7 +68,7 @@ class StageWorker:
     groups: ProcessGroups
     module: nn.Module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    samples: TokenSamples | ClassifySamples | None  # first and last stage only
+    samples: TokenSamples | ClassifySamples | InstructSamples | None  # first and last stage only
     links: StageLinks
     grad_sync: GradSync
     optimizer: torch.optim.Optimizer
@@ -80,6 +80,7 @@ class StageWorker:
     _mbs: dict[int, _MicroBatch] = field(default_factory=dict)
     _step: int = 0
     _n: int = 1
+    _weights: list[float] | None = None  # each micro-batch's share of the step's loss terms (instruction data)
     _sync_bytes_before: int = 0
     _meter: ActivationMeter | None = None
 
@@ -102,6 +103,7 @@ class StageWorker:
         self._meter.begin_step()
         self.module.train()
         self._step, self._n = step, n
+        self._weights = self._loss_weights(micro_batch_ids) if self.grid.is_last_stage else None
         for ins in stream:
             handler, waits_on_peers = self._HANDLERS[type(ins)]
             start = time.perf_counter()
@@ -117,6 +119,16 @@ class StageWorker:
         stats.peak_activation_bytes = self._meter.peak_bytes
         self._count_links(stats)
         return stats
+
+    def _loss_weights(self, micro_batch_ids: list[torch.Tensor]) -> list[float] | None:
+        """With response-only targets, each micro-batch's share of the step's loss terms, so that the step's loss is
+        the mean over every response token it holds (not a mean of micro-batch means); None for plain samples."""
+        count = getattr(self.samples, "loss_tokens", None)
+        if count is None:
+            return None
+        tokens = [count(ids) for ids in micro_batch_ids]
+        total = sum(tokens)
+        return [t / total for t in tokens]
 
     def _count_links(self, stats: StepStats) -> None:
         counters = self.links.take_counters()
@@ -140,8 +152,9 @@ class StageWorker:
             out = self.module(mb.inputs, None if mb.mask is None else mb.mask.to(self.device))
             if self.grid.is_last_stage:
                 mb.loss = self.loss_fn(out, mb.targets)
-        if self.grid.is_last_stage:
-            stats.loss_sum += float(mb.loss.detach())
+        if self.grid.is_last_stage:  # loss_sum / micro-batches is the step's loss
+            share = 1.0 if self._weights is None else self._weights[index] * self._n
+            stats.loss_sum += float(mb.loss.detach()) * share
         else:
             mb.outputs = out
         self._meter.keep(index, mb.outputs)
@@ -154,7 +167,9 @@ class StageWorker:
         mb.output_grad = self.links.receive_gradient()
 
     def _backward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        if self.grid.is_last_stage:
+        if self.grid.is_last_stage and self._weights is not None:
+            (mb.loss * self._weights[index]).backward()  # the step's loss is the mean over its response tokens
+        elif self.grid.is_last_stage:
             (mb.loss / self._n).backward()  # the step's loss is the mean over micro-batches
         else:
             mb.outputs.backward(mb.output_grad)

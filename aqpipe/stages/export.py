@@ -1,8 +1,8 @@
 """Merge the stages' weights into one Hugging Face checkpoint directory (`save_pretrained` + tokenizer).
 
-The result loads with `AutoModelForCausalLM.from_pretrained` (GPT-2; its LM head is saved untied, since the
-pipeline trained it apart from the token embedding) or `AutoModelForSequenceClassification.from_pretrained`
-(BERT family).
+The result loads with `AutoModelForCausalLM.from_pretrained` (GPT-2, whose LM head is saved untied since the
+pipeline trained it apart from the token embedding; Llama-family decoders, saved tied when the model ties them —
+the pipeline kept the two copies one tensor) or `AutoModelForSequenceClassification.from_pretrained` (BERT family).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
+
+from aqpipe.stages.llama import FAMILIES
 
 
 class ExportError(RuntimeError):
@@ -46,7 +48,16 @@ def _deberta_key(layer: int, last: int, key: str) -> str:
     return f"deberta.encoder.layer.{layer - 1}." + key.removeprefix("layer.")
 
 
-_KEYS = {"gpt2": _gpt2_key, "bert": _bert_key, "deberta-v2": _deberta_key}
+def _decoder_key(layer: int, last: int, key: str) -> str:
+    if layer == 0:
+        return "model." + key
+    if layer == last:
+        return key if key.startswith("lm_head.") else "model." + key
+    return f"model.layers.{layer - 1}." + key.removeprefix("layer.")
+
+
+_KEYS = {"gpt2": _gpt2_key, "bert": _bert_key, "deberta-v2": _deberta_key,
+         **{kind: _decoder_key for kind in FAMILIES}}
 
 
 def merged_state(stage_states: list[dict[str, torch.Tensor]], bounds: list[int], architecture: str) -> dict:
@@ -80,6 +91,12 @@ def build_hf_model(hf_config: dict, architecture: str, state: dict):
         from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
         model = DebertaV2ForSequenceClassification(DebertaV2Config.from_dict(hf_config))
+    elif architecture in FAMILIES:
+        family = FAMILIES[architecture]
+        config = family.cls("Config").from_dict(hf_config)
+        if config.tie_word_embeddings and not torch.equal(state["model.embed_tokens.weight"], state["lm_head.weight"]):
+            raise ExportError("the tied input embedding and LM head differ between the first and the last stage")
+        model = family.cls("ForCausalLM")(config)
     else:
         raise ExportError(f"cannot export a {architecture!r} model as an HF checkpoint ({', '.join(_KEYS)} can be)")
     missing, unexpected = model.load_state_dict(state, strict=False)

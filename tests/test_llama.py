@@ -1,0 +1,179 @@
+"""Llama-family decoders as pipeline layers: equal to `transformers`' own models, pipeline = single process, tied
+embeddings kept one tensor across stages, export round trip, and the bad inputs a user can give."""
+
+import json
+
+import pytest
+import torch
+
+from aqpipe.config import RunConfig, resolve
+from aqpipe.launch.job import run_job
+from aqpipe.stages.llama import FAMILIES, PRESETS, decoder_spec, llama_config, pretrained_decoder_spec
+from aqpipe.stages.models import build_spec, classify_model
+from aqpipe.stages.spec import SpecError
+from tests.reference import train_single_process
+from tests.test_train import pipeline_params, relative_error
+
+
+def padded_batch(vocab: int, batch: int = 3, length: int = 20, seed: int = 0):
+    """Token ids and a right-padding mask (the second row ends early)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, length), generator=generator)
+    mask = torch.ones(batch, length, dtype=torch.uint8)
+    mask[1, length - 6:] = 0
+    return ids, mask
+
+
+def run_stages(spec, bounds, ids, mask):
+    hidden = ids
+    for start, end in zip(bounds, bounds[1:]):
+        hidden = spec.build_stage(start, end)(hidden, mask)
+    return hidden
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "mistral-tiny"])
+def test_each_family_loads_a_checkpoint_and_matches_the_hf_model(tmp_path, preset):
+    """A Llama-, Qwen2- and Mistral-shaped model saved by transformers, loaded stage by stage, gives the HF model's
+    logits on a padded batch (Mistral's with a sliding window shorter than the sequence)."""
+    config = llama_config(preset, vocab_size=97)
+    family = FAMILIES[config.model_type]
+    torch.manual_seed(0)
+    hf = family.cls("ForCausalLM")(config).eval()
+    hf.save_pretrained(tmp_path / "ckpt")
+    spec = pretrained_decoder_spec(str(tmp_path / "ckpt"))
+    ids, mask = padded_batch(97)
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask).logits
+        got = run_stages(spec, [0, 2, 4, len(spec)], ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_positions_are_computed_on_each_stage_and_nothing_but_hidden_states_cross():
+    spec = decoder_spec(llama_config("llama-tiny", 50))
+    ids, mask = padded_batch(50)
+    first = spec.build_stage(0, 2)
+    with torch.no_grad():
+        hidden = first(ids, mask)
+    assert hidden.shape == (3, 20, PRESETS["llama-tiny"]["hidden_size"]) and hidden.dtype == torch.float32
+    assert not any(name.startswith("1.rotary") for name in first.state_dict())  # no positions in the weights
+
+
+def test_a_random_init_tied_model_starts_with_equal_copies_on_different_ranks():
+    spec = decoder_spec(llama_config("llama-tiny", 80))
+    embed, head = spec.build_layer(0, seed=3), spec.build_layer(len(spec) - 1, seed=3)
+    assert torch.equal(embed.embed_tokens.weight, head.lm_head.weight)
+    assert spec.extras["tied"] == {"embed_tokens": [(80, 64)]} and spec.extras["tied_copies"] == {"embed_tokens": 2}
+
+
+def llama_config_for(out, **kw) -> RunConfig:
+    settings = dict(model="llama-tiny", seq_len=32, micro_batch_size=2, micro_batches=3, steps=6, lr=2e-3,
+                    warmup_steps=2, seed=1, max_samples=96, device="cpu", out=str(out), clip=0.5, fw="fp32", bw="fp32")
+    settings.update(kw)
+    return resolve(RunConfig(**settings))
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_llama_pipeline_matches_single_process(tmp_path, pp):
+    """Plain-text LM training of the tied llama-tiny: losses and every parameter equal the single-process run."""
+    ref_losses, ref_params, bounds = train_single_process(llama_config_for(tmp_path / "ref", pp=pp))
+    assert run_job(llama_config_for(tmp_path / "run", pp=pp), progress=False) == 0
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    for got, want in zip(losses, ref_losses):
+        assert abs(got - want) <= 1e-5 * abs(want), (losses, ref_losses)
+    params = pipeline_params(tmp_path / "run", bounds)
+    assert params.keys() == ref_params.keys()
+    for key, want in ref_params.items():
+        assert relative_error(params[key], want) <= 1e-5, key
+
+
+def test_instruction_pipeline_matches_single_process(tmp_path, monkeypatch):
+    """Instruction data (padding masks on the links, response-only token-weighted loss) under AQ-SGD's fp32 path."""
+    monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
+    kw = dict(data="builtin-instruct", pp=3, seq_len=48)
+    ref_losses, ref_params, bounds = train_single_process(llama_config_for(tmp_path / "ref", **kw))
+    assert run_job(llama_config_for(tmp_path / "run", **kw), progress=False) == 0
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for got, want in zip(losses, ref_losses):
+        assert abs(got - want) <= 1e-5 * abs(want), (losses, ref_losses)
+    params = pipeline_params(tmp_path / "run", bounds)
+    for key, want in ref_params.items():
+        assert relative_error(params[key], want) <= 1e-5, key
+
+
+def test_tied_embedding_stays_one_tensor_under_aqsgd_and_the_export_matches_the_pipeline(tmp_path, monkeypatch):
+    """pp=3 with AQ-SGD links: the embedding (stage 0) and LM head (stage 2) end bit-identical and trained; the
+    export is tied, loads with AutoModelForCausalLM, and its logits equal the pipeline's on a padded batch."""
+    from transformers import AutoModelForCausalLM
+    from safetensors import safe_open
+
+    monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
+    cfg = llama_config_for(tmp_path / "run", data="builtin-instruct", pp=3, fw="aqsgd:3", bw="directq:6",
+                           warmup_epochs=0, steps=8)
+    assert run_job(cfg, progress=False) == 0
+    final = tmp_path / "run" / "checkpoints" / "final"
+    first, last = (torch.load(final / f"stage-{k}.pt", weights_only=True) for k in (0, 2))
+    embed, head = first["0.embed_tokens.weight"], last[f"{len(last) and max(int(k.split('.')[0]) for k in last)}.lm_head.weight"]
+    assert torch.equal(embed, head)
+    spec = build_spec("llama-tiny", embed.shape[0], 32)
+    assert not torch.equal(embed, spec.build_layer(0, seed=1).embed_tokens.weight)  # it trained
+
+    export = tmp_path / "run" / "export"
+    hf = AutoModelForCausalLM.from_pretrained(export).eval()
+    assert hf.config.tie_word_embeddings and hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    with safe_open(str(export / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()  # written once
+    bounds = json.loads((tmp_path / "run" / "config.json").read_text())["stage_bounds"]
+    stages = [spec.build_stage(a, b) for a, b in zip(bounds, bounds[1:])]
+    for k, stage in enumerate(stages):
+        stage.load_state_dict(torch.load(final / f"stage-{k}.pt", weights_only=True))
+    ids, mask = padded_batch(embed.shape[0])
+    with torch.no_grad():
+        hidden = ids
+        for stage in stages:
+            hidden = stage(hidden, mask)
+        want = hf(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(hidden[real], want[real], rtol=1e-5, atol=1e-5)
+
+    from aqpipe.cli import main
+
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "What does `math.cos` do?",
+                 "--max-new-tokens", "4"]) == 0
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "Hi", "--max-new-tokens", "4", "--sample"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["sample"]["question"] and "answer" in summary["sample"]
+
+
+def test_a_checkpoint_of_an_uncovered_architecture_is_refused_naming_it(tmp_path):
+    (tmp_path / "t5").mkdir()
+    (tmp_path / "t5" / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(SpecError, match="t5.*llama, qwen2, mistral"):
+        classify_model(str(tmp_path / "t5"))
+
+
+def test_a_gguf_of_an_uncovered_architecture_exits_2_naming_it(tmp_path, capsys):
+    import gguf
+
+    path = tmp_path / "phi.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi2")
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from aqpipe.cli import main
+
+    assert main(["launch", "--model", str(path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "'phi2'" in err and "llama, qwen2, mistral" in err and "Traceback" not in err
+
+
+def test_seq_len_beyond_the_context_exits_2(tmp_path, capsys):
+    from aqpipe.cli import main
+
+    assert main(["launch", "--model", "llama-tiny", "--seq-len", "1024", "--out", str(tmp_path / "run")]) == 2
+    assert "exceeds" in capsys.readouterr().err
+    with pytest.raises(SpecError, match="512 positions"):
+        build_spec("llama-tiny", 100, 513)
