@@ -79,7 +79,7 @@ def test_presets_and_packaged_model_resolve_to_classifiers():
 def test_asking_the_wrong_task_of_a_model_is_a_clear_error():
     with pytest.raises(SpecError, match="--task classify needs a BERT-family model"):
         check_task("gpt2-tiny", "classify")
-    with pytest.raises(SpecError, match="--task lm needs a GPT-2 model"):
+    with pytest.raises(SpecError, match="--task lm needs a causal LM"):
         check_task("bert-tiny", "lm")
     with pytest.raises(SpecError, match="exceeds"):
         build_spec("bert-tiny", vocab_size=500, seq_len=1000, num_labels=2)

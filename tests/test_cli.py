@@ -62,7 +62,7 @@ def run_cli(capsys, args, tmp_path):
     (["--bandwidth", "100mbits"], "bad rate"),
     (["--resume", "no/such/run"], "is not a run directory"),
     (["--task", "classify"], "--task classify needs a BERT-family model"),
-    (["--model", "bert-tiny", "--task", "lm"], "--task lm needs a GPT-2 model"),
+    (["--model", "bert-tiny", "--task", "lm"], "--task lm needs a causal LM"),
     (["--model", "bert-tiny", "--data", "/no/such/table.csv"], "does not exist"),
     (["--model", "bert-tiny", "--seq-len", "600"], "exceeds bert-tiny's 512 positions"),
     (["--eval-every", "-1"], "--eval-every must be at least 0"),

@@ -132,7 +132,8 @@ def _unicode_questions() -> list[tuple[str, str]]:
 def builtin_instructions() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(question, answer) pairs for training and for validation; the same on every run of one Python install."""
     seen_questions: set[str] = set()
-    train, valid = [], []
+    train: list[tuple[str, str]] = []
+    valid: list[tuple[str, str]] = []
     for question, answer in _builtin_questions() + _module_questions() + _statement_questions() + _unicode_questions():
         if question in seen_questions:
             continue

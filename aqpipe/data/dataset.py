@@ -11,7 +11,7 @@ import torch
 from aqpipe.data.chat import bpe_chat_tokenizer, encode_conversations, with_chat_template
 from aqpipe.data.classify import ClassifySamples, encode_examples, labeled_text
 from aqpipe.data.corpus import Corpus, DataError, load_corpus
-from aqpipe.data.instruct import InstructSamples, Instructions, is_instruction_data, load_instructions
+from aqpipe.data.instruct import Instructions, InstructSamples, is_instruction_data, load_instructions
 from aqpipe.data.labeled import load_labeled
 from aqpipe.data.progress import preparing
 from aqpipe.data.samples import TokenSamples, chunk, epoch_order

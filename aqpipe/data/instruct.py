@@ -91,7 +91,13 @@ def is_instruction_data(data: str) -> bool:
         return Path(data).suffix.lower() in TABLE_SUFFIXES
     if os.path.isdir(data):
         return any(p.suffix.lower() in TABLE_SUFFIXES for p in Path(data).glob("train.*"))
-    return False
+    if data == "builtin" or os.path.exists(data) or data.startswith((".", os.sep)):
+        return False
+    try:  # a hub dataset: instruction data when its columns are one of the record formats
+        columns = set(load_hub_dataset(data)["train"].column_names)
+    except (DataError, KeyError):
+        return False  # plain text, or unreachable: the corpus loader says what is wrong
+    return "messages" in columns or any({a, b} <= columns for a, b in FIELD_SETS)
 
 
 def record_messages(record, where: str) -> list[Message]:
@@ -159,8 +165,8 @@ def load_instructions(data: str, valid_share: int = 10) -> Instructions:
     if data == BUILTIN:
         from aqpipe.data.builtin_instruct import builtin_instructions
 
-        train, valid = builtin_instructions()
-        return Instructions(BUILTIN, [_pair(q, a) for q, a in train], [_pair(q, a) for q, a in valid])
+        pairs_train, pairs_valid = builtin_instructions()
+        return Instructions(BUILTIN, [_pair(q, a) for q, a in pairs_train], [_pair(q, a) for q, a in pairs_valid])
     if os.path.isfile(data):
         rows = read_table(data)
         return Instructions(Path(data).name, [r for i, r in enumerate(rows) if i % valid_share != valid_share - 1],

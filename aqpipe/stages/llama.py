@@ -112,7 +112,7 @@ class DecoderEmbedding(nn.Module):
 
     def tied_parameters(self) -> dict[str, list[nn.Parameter]]:
         """The embedding is the LM head's weight too when the model ties them."""
-        return {TIE_NAME: [self.embed_tokens.weight]} if self.tied else {}
+        return {TIE_NAME: [self.embed_tokens.weight]} if self.tied else {}  # type: ignore[list-item]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -134,7 +134,7 @@ class DecoderLayer(nn.Module):
         self.rotary = family.cls("RotaryEmbedding")(config)
         layer_types = getattr(config, "layer_types", None)
         kind = layer_types[index] if layer_types else "full_attention"
-        self.sliding = kind == "sliding_attention" or (config.model_type == "mistral" and config.sliding_window)
+        self.sliding = kind == "sliding_attention" or bool(config.model_type == "mistral" and config.sliding_window)
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -160,7 +160,7 @@ class DecoderHead(nn.Module):
 
     def tied_parameters(self) -> dict[str, list[nn.Parameter]]:
         """The LM head is the input embedding's weight too when the model ties them."""
-        return {TIE_NAME: [self.lm_head.weight]} if self.tied else {}
+        return {TIE_NAME: [self.lm_head.weight]} if self.tied else {}  # type: ignore[list-item]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
@@ -171,10 +171,11 @@ def init_like_hf(module: nn.Module, std: float) -> None:
     for sub in module.modules():
         if isinstance(sub, (nn.Linear, nn.Embedding)):
             sub.weight.data.normal_(0.0, std)
-            if getattr(sub, "bias", None) is not None:
-                sub.bias.data.zero_()
+            bias = getattr(sub, "bias", None)
+            if bias is not None:
+                bias.data.zero_()
         elif type(sub).__name__.endswith("RMSNorm"):
-            sub.weight.data.fill_(1.0)
+            sub.weight.data.fill_(1.0)  # type: ignore[operator]
 
 
 def _tied_init(weight: torch.Tensor, std: float) -> None:
@@ -198,8 +199,10 @@ def _build(kind: str, config, index: int, weights: Callable[[str], dict] | None)
         return layer
     if weights is None:
         init_like_hf(layer, config.initializer_range)
-        if config.tie_word_embeddings and kind != "layer":
-            _tied_init(layer.embed_tokens.weight if kind == "embed" else layer.lm_head.weight, config.initializer_range)
+        if isinstance(layer, DecoderEmbedding) and layer.tied:
+            _tied_init(layer.embed_tokens.weight, config.initializer_range)
+        elif isinstance(layer, DecoderHead) and layer.tied:
+            _tied_init(layer.lm_head.weight, config.initializer_range)
         return layer
     if kind == "embed":
         state = {k: v for k, v in weights("model.").items() if k.startswith("embed_tokens.")}

