@@ -49,6 +49,15 @@ def test_each_family_loads_a_checkpoint_and_matches_the_hf_model(tmp_path, prese
     torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "mistral-tiny"])
+def test_qwen2_and_mistral_shaped_models_train_through_the_launcher(tmp_path, preset):
+    assert run_job(llama_config_for(tmp_path / "run", model=preset, pp=2, fw="aqsgd:4", bw="directq:8"),
+                   progress=False) == 0
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert json.loads((tmp_path / "run" / "export" / "config.json").read_text())["model_type"] == preset.split("-")[0]
+
+
 def test_rotary_positions_are_computed_on_each_stage_and_nothing_but_hidden_states_cross():
     spec = decoder_spec(llama_config("llama-tiny", 50))
     ids, mask = padded_batch(50)
@@ -88,10 +97,12 @@ def test_llama_pipeline_matches_single_process(tmp_path, pp):
         assert relative_error(params[key], want) <= 1e-5, key
 
 
-def test_instruction_pipeline_matches_single_process(tmp_path, monkeypatch):
-    """Instruction data (padding masks on the links, response-only token-weighted loss) under AQ-SGD's fp32 path."""
+@pytest.mark.parametrize("pp,dp", [(3, 1), (2, 2)])
+def test_instruction_pipeline_matches_single_process(tmp_path, monkeypatch, pp, dp):
+    """Instruction data (padding masks on the links, response-only token-weighted loss, each replica's own token
+    count) with fp32 links."""
     monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
-    kw = dict(data="builtin-instruct", pp=3, seq_len=48)
+    kw = dict(data="builtin-instruct", pp=pp, dp=dp, seq_len=48)
     ref_losses, ref_params, bounds = train_single_process(llama_config_for(tmp_path / "ref", **kw))
     assert run_job(llama_config_for(tmp_path / "run", **kw), progress=False) == 0
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -121,6 +132,9 @@ def test_tied_embedding_stays_one_tensor_under_aqsgd_and_the_export_matches_the_
 
     export = tmp_path / "run" / "export"
     hf = AutoModelForCausalLM.from_pretrained(export).eval()
+    from transformers import AutoTokenizer
+
+    assert "### Instruction" in AutoTokenizer.from_pretrained(export).chat_template  # the template it trained with
     assert hf.config.tie_word_embeddings and hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     with safe_open(str(export / "model.safetensors"), framework="pt") as f:
         assert "lm_head.weight" not in f.keys()  # written once
