@@ -41,9 +41,11 @@ def load_model(directory: Path):
     hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(directory)
-    except ValueError as e:
-        raise GenerateError(f"{directory} is not a causal language model: {str(e).splitlines()[0]}") from None
-    return model.eval(), AutoTokenizer.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GenerateError(f"cannot load the model in {directory}: {first}") from None
+    return model.eval(), tokenizer
 
 
 def prompt_text(tokenizer, prompt: str, raw: bool = False) -> str:
@@ -63,7 +65,7 @@ def complete(model, tokenizer, text: str, sampling: Sampling = Sampling()) -> st
     if sampling.sample and not (sampling.temperature > 0 and 0 < sampling.top_p <= 1):
         raise GenerateError("--temperature must be positive and --top-p in (0, 1]")
     encoded = tokenizer(text, return_tensors="pt", add_special_tokens=not getattr(tokenizer, "chat_template", None))
-    options = dict(max_new_tokens=sampling.max_new_tokens, do_sample=sampling.sample,
+    options = dict(max_new_tokens=sampling.max_new_tokens, do_sample=sampling.sample, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     if sampling.sample:
         options.update(temperature=sampling.temperature, top_p=sampling.top_p)

@@ -30,6 +30,8 @@ PARTITION = "11,10,8,3"
 
 def train(name: str, fw: str, bw: str, args, work: Path) -> dict:
     out = work / name.replace(" ", "_")
+    if args.reuse and (out / "summary.json").is_file():
+        return load(out)
     cmd = [sys.executable, "-m", "aqpipe", "launch", "--overwrite", "--model", "smollm2-135m", "--data", "builtin-instruct",
            "--pp", "4", "--partition", PARTITION, "--seq-len", str(args.seq_len), "--max-samples", str(args.samples),
            "--micro-batch-size", "4", "--micro-batches", "4", "--epochs", str(args.epochs), "--lr", str(args.lr),
@@ -38,6 +40,11 @@ def train(name: str, fw: str, bw: str, args, work: Path) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+    return load(out)
+
+
+def load(out: Path) -> dict:
+    """A finished variant's summary and per-step records."""
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"run": str(out), "summary": summary, "records": records}
@@ -52,6 +59,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reuse", action="store_true", help="take a variant whose run directory already holds a "
+                                                             "finished run as it is (same settings assumed)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from: {', '.join(VARIANTS)} "
                                                                         "(fp32 always runs: it is the baseline)")
     args = parser.parse_args()

@@ -39,9 +39,10 @@ def _train(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor], list[i
     for step in range(plan.total_steps):
         total = 0.0
         replica_grads = []
+        step_tokens = _step_tokens(data, [ids for r in replicas for ids in r.micro_batches_of(step)])
         for replica in replicas:  # data parallelism done by hand: each replica's mean gradient, then their mean
             micro_batches = replica.micro_batches_of(step)
-            weights = _loss_weights(data, micro_batches)
+            weights = _loss_weights(data, micro_batches, step_tokens, cfg.dp)
             for ids, weight in zip(micro_batches, weights):
                 loss = spec.loss(model(data.inputs(ids), data.mask(ids)), data.targets(ids))
                 (loss * weight if hasattr(data, "loss_tokens") else loss / cfg.micro_batches).backward()
@@ -60,12 +61,17 @@ def _train(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor], list[i
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, plan.bounds
 
 
-def _loss_weights(data, micro_batches) -> list[float]:
-    """Each micro-batch's share of the step's response tokens (instruction data), as the last stage weighs them."""
+def _step_tokens(data, every_micro_batch) -> int:
+    """Response tokens in the whole step, every replica's micro-batches together (instruction data)."""
+    return sum(data.loss_tokens(ids) for ids in every_micro_batch) if hasattr(data, "loss_tokens") else 0
+
+
+def _loss_weights(data, micro_batches, step_tokens: int, replicas: int) -> list[float]:
+    """Instruction data: each micro-batch's share of the whole step's response tokens, times the replica count
+    (the replicas' gradients are averaged): the step's gradient is that of the mean over all its response tokens."""
     if not hasattr(data, "loss_tokens"):
         return [1.0] * len(micro_batches)
-    tokens = [data.loss_tokens(ids) for ids in micro_batches]
-    return [t / sum(tokens) for t in tokens]
+    return [data.loss_tokens(ids) * replicas / step_tokens for ids in micro_batches]
 
 
 def _sum_tied(model: nn.Module) -> list[list[nn.Parameter]]:

@@ -122,7 +122,7 @@ def test_the_step_loss_is_a_mean_over_response_tokens_not_over_micro_batches():
     targets[0, :3] = 1
     targets[1, 0] = 1
     samples = SimpleNamespace(loss_tokens=lambda ids: int((targets[ids] != IGNORE).sum()))
-    worker = SimpleNamespace(samples=samples)
+    worker = SimpleNamespace(samples=samples, grid=SimpleNamespace(dp=1))
     assert StageWorker._loss_weights(worker, [torch.tensor([0]), torch.tensor([1])]) == [0.75, 0.25]
     assert StageWorker._loss_weights(SimpleNamespace(samples=object()), [torch.tensor([0])]) is None
 

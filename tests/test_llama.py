@@ -31,11 +31,21 @@ def run_stages(spec, bounds, ids, mask):
     return hidden
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "mistral-tiny"])
+def qwen2_sliding_config():
+    """A Qwen2 whose last two layers attend within a window of 8 (shorter than the test sequences)."""
+    config = FAMILIES["qwen2"].cls("Config")(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                                             num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                             sliding_window=8, max_window_layers=2)
+    assert config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    return config
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen2-sliding"])
 def test_each_family_loads_a_checkpoint_and_matches_the_hf_model(tmp_path, preset):
     """A Llama-, Qwen2- and Mistral-shaped model saved by transformers, loaded stage by stage, gives the HF model's
-    logits on a padded batch (Mistral's with a sliding window shorter than the sequence)."""
-    config = llama_config(preset, vocab_size=97)
+    logits on a padded batch, padded positions included (Mistral's and one Qwen2's with a sliding window shorter
+    than the sequence); the padding mask matters (without it the padded positions differ)."""
+    config = qwen2_sliding_config() if preset == "qwen2-sliding" else llama_config(preset, vocab_size=97)
     family = FAMILIES[config.model_type]
     torch.manual_seed(0)
     hf = family.cls("ForCausalLM")(config).eval()
@@ -45,8 +55,9 @@ def test_each_family_loads_a_checkpoint_and_matches_the_hf_model(tmp_path, prese
     with torch.no_grad():
         want = hf(input_ids=ids, attention_mask=mask).logits
         got = run_stages(spec, [0, 2, 4, len(spec)], ids, mask)
-    real = mask.bool()
-    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+        unmasked = run_stages(spec, [0, 2, 4, len(spec)], ids, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(unmasked[1, -6:], want[1, -6:], atol=1e-3)
 
 
 @pytest.mark.parametrize("preset", ["qwen2-tiny", "mistral-tiny"])
@@ -58,14 +69,17 @@ def test_qwen2_and_mistral_shaped_models_train_through_the_launcher(tmp_path, pr
     assert json.loads((tmp_path / "run" / "export" / "config.json").read_text())["model_type"] == preset.split("-")[0]
 
 
-def test_rotary_positions_are_computed_on_each_stage_and_nothing_but_hidden_states_cross():
+def test_a_stage_needs_only_hidden_states_and_the_mask_from_its_peer():
+    """Rotary positions come from the sequence length on each stage: a later stage fed the earlier stage's hidden
+    states and the mask (all a link carries) computes what the whole model computes."""
     spec = decoder_spec(llama_config("llama-tiny", 50))
     ids, mask = padded_batch(50)
-    first = spec.build_stage(0, 2)
     with torch.no_grad():
-        hidden = first(ids, mask)
-    assert hidden.shape == (3, 20, PRESETS["llama-tiny"]["hidden_size"]) and hidden.dtype == torch.float32
-    assert not any(name.startswith("1.rotary") for name in first.state_dict())  # no positions in the weights
+        hidden = spec.build_stage(0, 3)(ids, mask)
+        assert hidden.shape == (3, 20, PRESETS["llama-tiny"]["hidden_size"])
+        split = spec.build_stage(3, len(spec))(hidden.clone(), mask.clone())
+        whole = spec.build_stage(0, len(spec))(ids, mask)
+    torch.testing.assert_close(split, whole, rtol=0, atol=0)
 
 
 def test_a_random_init_tied_model_starts_with_equal_copies_on_different_ranks():
@@ -113,7 +127,7 @@ def test_instruction_pipeline_matches_single_process(tmp_path, monkeypatch, pp, 
         assert relative_error(params[key], want) <= 1e-5, key
 
 
-def test_tied_embedding_stays_one_tensor_under_aqsgd_and_the_export_matches_the_pipeline(tmp_path, monkeypatch):
+def test_tied_embedding_stays_one_tensor_under_aqsgd_and_the_export_matches_the_pipeline(tmp_path, monkeypatch, capsys):
     """pp=3 with AQ-SGD links: the embedding (stage 0) and LM head (stage 2) end bit-identical and trained; the
     export is tied, loads with AutoModelForCausalLM, and its logits equal the pipeline's on a padded batch."""
     from transformers import AutoModelForCausalLM
@@ -123,6 +137,8 @@ def test_tied_embedding_stays_one_tensor_under_aqsgd_and_the_export_matches_the_
     cfg = llama_config_for(tmp_path / "run", data="builtin-instruct", pp=3, fw="aqsgd:3", bw="directq:6",
                            warmup_epochs=0, steps=8)
     assert run_job(cfg, progress=False) == 0
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last_line.startswith("held-out prompt: ") and " -> model: " in last_line
     final = tmp_path / "run" / "checkpoints" / "final"
     first, last = (torch.load(final / f"stage-{k}.pt", weights_only=True) for k in (0, 2))
     embed, head = first["0.embed_tokens.weight"], last[f"{len(last) and max(int(k.split('.')[0]) for k in last)}.lm_head.weight"]
@@ -148,16 +164,26 @@ def test_tied_embedding_stays_one_tensor_under_aqsgd_and_the_export_matches_the_
         for stage in stages:
             hidden = stage(hidden, mask)
         want = hf(input_ids=ids, attention_mask=mask).logits
-    real = mask.bool()
-    torch.testing.assert_close(hidden[real], want[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, want, rtol=1e-5, atol=1e-5)
 
     from aqpipe.cli import main
+    from aqpipe.generate import Sampling, complete, load_model, prompt_text
 
-    assert main(["generate", str(tmp_path / "run"), "--prompt", "What does `math.cos` do?",
-                 "--max-new-tokens", "4"]) == 0
-    assert main(["generate", str(tmp_path / "run"), "--prompt", "Hi", "--max-new-tokens", "4", "--sample"]) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["sample"]["question"] and "answer" in summary["sample"]
+    question = summary["sample"]["question"]
+    assert question in last_line and repr(summary["sample"]["answer"]) in last_line
+    model, tokenizer = load_model(export)
+    text = prompt_text(tokenizer, question)
+    assert text.startswith("### Instruction:\n" + question)
+    greedy = complete(model, tokenizer, text, Sampling(max_new_tokens=6))
+    assert greedy == complete(model, tokenizer, text, Sampling(max_new_tokens=6))  # greedy is deterministic
+    sampled = [complete(model, tokenizer, text, Sampling(max_new_tokens=6, sample=True, temperature=2.0, seed=s))
+               for s in range(4)]
+    assert len(set(sampled)) > 1  # sampling at a high temperature varies with the seed
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "run"), "--prompt", question, "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip() == greedy
+    assert main(["generate", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
 
 
 def test_a_checkpoint_of_an_uncovered_architecture_is_refused_naming_it(tmp_path):
@@ -191,3 +217,31 @@ def test_seq_len_beyond_the_context_exits_2(tmp_path, capsys):
     assert "exceeds" in capsys.readouterr().err
     with pytest.raises(SpecError, match="512 positions"):
         build_spec("llama-tiny", 100, 513)
+
+
+def test_each_stage_reads_only_its_own_tensors(tmp_path):
+    """The embedding, a decoder layer and the head ask the checkpoint only for their own prefixes (tied head: the
+    embedding's tensor, once)."""
+    from aqpipe.stages.hf_weights import CheckpointWeights
+
+    config = llama_config("llama-tiny", vocab_size=97)
+    FAMILIES["llama"].cls("ForCausalLM")(config).save_pretrained(tmp_path / "ckpt")
+    spec = pretrained_decoder_spec(str(tmp_path / "ckpt"))
+    asked: list[str] = []
+    original = CheckpointWeights.__call__
+
+    def recording(self, prefix):
+        asked.append(prefix)
+        return original(self, prefix)
+
+    CheckpointWeights.__call__ = recording
+    try:
+        read = {}
+        for index in (0, 2, len(spec) - 1):
+            asked.clear()
+            spec.build_layer(index)
+            read[index] = list(asked)
+    finally:
+        CheckpointWeights.__call__ = original
+    assert read == {0: ["model.embed_tokens."], 2: ["model.layers.1."],
+                    len(spec) - 1: ["model.norm.", "model.embed_tokens."]}

@@ -80,7 +80,9 @@ def encode_conversations(conversations: list[list[Message]], tokenizer, seq_len:
         text, spans = render(messages, tokenizer)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = torch.tensor(encoded["input_ids"], dtype=torch.int64)
-        response = torch.tensor([any(s <= start < e for s, e in spans) for start, _ in encoded["offset_mapping"]],
+        # a token is a response token when its characters overlap the answer's (a SentencePiece token may begin on
+        # the template's space before the answer)
+        response = torch.tensor([any(start < e and end > s for s, e in spans) for start, end in encoded["offset_mapping"]],
                                 dtype=torch.bool)
         if ids.numel() - 1 > seq_len:
             truncated += 1

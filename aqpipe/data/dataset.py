@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -15,7 +16,7 @@ from aqpipe.data.instruct import Instructions, InstructSamples, is_instruction_d
 from aqpipe.data.labeled import load_labeled
 from aqpipe.data.progress import preparing
 from aqpipe.data.samples import TokenSamples, chunk, epoch_order
-from aqpipe.data.tokenizer import HFTokenizer, cache_dir, corpus_key, encode_stream, train_bpe
+from aqpipe.data.tokenizer import TOKENIZER_FILES, HFTokenizer, cache_dir, corpus_key, encode_stream, train_bpe
 from aqpipe.disk import write_atomic
 
 DEFAULT_BPE_VOCAB = 4096
@@ -39,8 +40,14 @@ class TaskDataset:
 
 def tokenizer_name(tokenizer_dir: str | None, vocab_size: int | None) -> str:
     """A short name of the tokenizer a run uses, part of its cache keys: the model's own, or aqpipe's BPE size."""
-    if tokenizer_dir is not None:
-        return "hf:" + hashlib.sha256(tokenizer_dir.encode()).hexdigest()[:12]
+    if tokenizer_dir is not None:  # the files' content, so an edited vocabulary or chat template is a new key
+        digest = hashlib.sha256(tokenizer_dir.encode())
+        for name in (*TOKENIZER_FILES, "tokenizer_config.json", "special_tokens_map.json", "merges.txt",
+                     "chat_template.jinja", "chat_template.json"):
+            path = Path(tokenizer_dir) / name
+            if path.is_file():
+                digest.update(name.encode() + b"\0" + path.read_bytes())
+        return "hf:" + digest.hexdigest()[:12]
     return f"bpe{vocab_size or DEFAULT_BPE_VOCAB}"
 
 

@@ -11,6 +11,7 @@ mean over response tokens. Longer conversations are truncated (counted); one wit
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -115,7 +116,13 @@ def record_messages(record, where: str) -> list[Message]:
             raise DataError(f"{where}: the conversation has no assistant message to learn")
         return [{"role": m["role"], "content": m["content"]} for m in messages]
     for prompt_key, response_key in FIELD_SETS:
-        prompt, response = record.get(prompt_key), record.get(response_key)
+        if prompt_key not in record or response_key not in record:
+            continue
+        prompt, response = record[prompt_key], record[response_key]
+        for key, value in ((prompt_key, prompt), (response_key, response)):
+            if not isinstance(value, str) or not value.strip():
+                raise DataError(f"{where}: field {key!r} is {'empty' if isinstance(value, str) else type(value).__name__}, "
+                                "not text")
         if isinstance(prompt, str) and isinstance(response, str):
             extra = record.get("input") if prompt_key == "instruction" else None
             if isinstance(extra, str) and extra.strip():
@@ -131,14 +138,15 @@ def read_table(path: str) -> list[list[Message]]:
     """Every conversation of one JSONL/JSON/CSV/TSV file; DataError naming the file and line of a bad record."""
     suffix = Path(path).suffix.lower()
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, encoding="utf-8-sig", newline="") as f:  # newline="": quoted CSV cells keep their line breaks
+            text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read data file {path!r}: {e}") from None
     out = []
     if suffix in (".csv", ".tsv"):
-        reader = csv.DictReader(text.splitlines(), delimiter="\t" if suffix == ".tsv" else ",")
+        reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ",")
         for row in reader:
-            out.append(record_messages({k: v for k, v in row.items() if k is not None and v}, f"{path}:{reader.line_num}"))
+            out.append(record_messages({k: v for k, v in row.items() if k is not None}, f"{path}:{reader.line_num}"))
     elif suffix == ".json" and text.lstrip().startswith("["):
         try:
             records = json.loads(text)

@@ -10,7 +10,7 @@ from pathlib import Path
 from aqpipe.config import ConfigError, RunConfig
 from aqpipe.data import DataError, EpochPlan, TaskDataset, prepare_dataset, shard
 from aqpipe.stages import PipelineSpec, SpecError, partition
-from aqpipe.stages.models import build_spec, check_task, classify_model, tokenizer_directory
+from aqpipe.stages.models import build_spec, check_context, check_task, classify_model, tokenizer_directory
 from aqpipe.storage.dtypes import STORE_DTYPES
 
 
@@ -40,6 +40,7 @@ def make_plan(cfg: RunConfig, spec_factory=None, profile: bool = True) -> RunPla
         if spec_factory is None:
             classify_model(cfg.model)
             check_task(cfg.model, cfg.task)
+            check_context(cfg.model, cfg.seq_len)
         tok_dir = None if spec_factory is not None else tokenizer_directory(cfg.model)
         dataset = prepare_dataset(cfg.task, cfg.data, cfg.seq_len, tok_dir, cfg.vocab_size, cfg.max_samples)
         spec = build_spec(cfg.model, dataset.vocab_size, cfg.seq_len, cfg.dropout, spec_factory, dataset.num_labels)

@@ -121,14 +121,19 @@ class StageWorker:
         return stats
 
     def _loss_weights(self, micro_batch_ids: list[torch.Tensor]) -> list[float] | None:
-        """With response-only targets, each micro-batch's share of the step's loss terms, so that the step's loss is
-        the mean over every response token it holds (not a mean of micro-batch means); None for plain samples."""
+        """With response-only targets, each micro-batch's weight in the step's loss, so that the step's loss (after the
+        grad sync averages the replicas) is the mean over every response token of the step on every replica, not a
+        mean of micro-batch or replica means; None for plain samples. The last stages of the replicas call this
+        together (one all-reduce of the step's token count over their DP group)."""
         count = getattr(self.samples, "loss_tokens", None)
         if count is None:
             return None
         tokens = [count(ids) for ids in micro_batch_ids]
-        total = sum(tokens)
-        return [t / total for t in tokens]
+        total = torch.tensor([float(sum(tokens))], dtype=torch.float64)
+        if self.grid.dp > 1:
+            total = total.to(collective_device(self.device))
+            dist.all_reduce(total, group=self.groups.data_parallel)
+        return [t * self.grid.dp / float(total) for t in tokens]
 
     def _count_links(self, stats: StepStats) -> None:
         counters = self.links.take_counters()

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 from aqpipe.stages.spec import SpecError
@@ -70,7 +71,7 @@ def _convert(path: str, target: Path) -> None:
 
     directory, name = os.path.split(os.path.abspath(path))
     print(f"converting {path} to an HF checkpoint under {target.parent} (once)", flush=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp = target.with_name(f".{target.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # a cache may be shared
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)

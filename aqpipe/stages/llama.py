@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -136,14 +136,27 @@ class DecoderLayer(nn.Module):
         kind = layer_types[index] if layer_types else "full_attention"
         self.sliding = kind == "sliding_attention" or bool(config.model_type == "mistral" and config.sliding_window)
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    # The last causal mask built, per kind (full / sliding): the layers of one stage get the same padding-mask tensor,
+    # so they share one [B, 1, T, T] mask (and SDPA keeps it for backward once, not once per layer).
+    _last_mask: ClassVar[dict[bool, tuple]] = {}
+
+    def _attention_mask(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        key = (tuple(hidden.shape[:2]), hidden.dtype, hidden.device, getattr(self.config, "sliding_window", None))
+        cached = self._last_mask.get(self.sliding)
+        if cached is not None and cached[0] is mask and cached[1] == key:  # `is`: the cache holds the tensor alive
+            return cached[2]
         build = create_sliding_window_causal_mask if self.sliding else create_causal_mask
         attention = build(config=self.config, inputs_embeds=hidden,
                           attention_mask=None if mask is None else mask.to(torch.bool), cache=None,
                           position_ids=positions)
+        self._last_mask[self.sliding] = (mask, key, attention)
+        return attention
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        attention = self._attention_mask(hidden, mask, positions)
         out = self.layer(hidden, attention_mask=attention, position_ids=positions,
                          position_embeddings=self.rotary(hidden, positions))
         return out[0] if isinstance(out, tuple) else out
@@ -204,15 +217,15 @@ def _build(kind: str, config, index: int, weights: Callable[[str], dict] | None)
         elif isinstance(layer, DecoderHead) and layer.tied:
             _tied_init(layer.lm_head.weight, config.initializer_range)
         return layer
-    if kind == "embed":
-        state = {k: v for k, v in weights("model.").items() if k.startswith("embed_tokens.")}
+    if kind == "embed":  # each weights(prefix) call reads only the tensors under that prefix
+        state = {"embed_tokens." + k: v for k, v in weights("model.embed_tokens.").items()}
     elif kind == "layer":
         state = {"layer." + k: v for k, v in weights(f"model.layers.{index}.").items()}
     else:
-        state = {k: v for k, v in weights("model.").items() if k.startswith("norm.")}
-        head = weights("lm_head.").get("weight")
-        if head is None or config.tie_word_embeddings:  # a tied checkpoint stores the shared tensor once
-            head = weights("model.").get("embed_tokens.weight")
+        state = {"norm." + k: v for k, v in weights("model.norm.").items()}
+        head = None if config.tie_word_embeddings else weights("lm_head.").get("weight")
+        if head is None:  # a tied checkpoint stores the shared tensor once, as the embedding
+            head = weights("model.embed_tokens.").get("weight")
         if head is not None:
             state["lm_head.weight"] = head
     missing, _unexpected = layer.load_state_dict(state, strict=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -85,6 +86,22 @@ def classify_model(name: str) -> ModelSource:
         f"unknown --model {name!r}: use a preset ({presets}), a checkpoint directory, a hub id like "
         "openai-community/gpt2, or module:function"
     )
+
+
+def check_context(name: str, seq_len: int) -> None:
+    """SpecError when `--seq-len` exceeds the positions of a preset or checkpoint (checked before any data is
+    tokenized to that length; build_spec checks every model again)."""
+    source = classify_model(name)
+    if source.kind == "preset":
+        preset = LM_PRESETS.get(name, {})
+        positions = preset.get("n_positions") or preset.get("max_position_embeddings")
+    elif source.kind == "directory":
+        config = json.loads((Path(source.value) / "config.json").read_text())
+        positions = config.get("n_positions") or config.get("max_position_embeddings")
+    else:
+        return
+    if positions and seq_len > positions:
+        raise SpecError(f"--seq-len {seq_len} exceeds {name}'s {positions} positions")
 
 
 def model_task(name: str) -> str | None:
