@@ -13,6 +13,7 @@ from aqpipe.compress.specs import describe_codecs
 from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values
 from aqpipe.disk import DiskFullError
 from aqpipe.launch.signals import ignore_interrupts, interrupts_raise
+from aqpipe.runtime.precision import describe_precisions
 from aqpipe.runtime.schedule import SCHEDULES
 from aqpipe.storage.dtypes import describe_store_dtypes
 
@@ -31,6 +32,14 @@ HELP = {
     "pp": "pipeline stages", "dp": "data-parallel replicas",
     "partition": "parameters, time, or layers per stage like 2,3,3",
     "schedule": "micro-batch schedule: " + "; ".join(f"{name}, {s.summary}" for name, s in SCHEDULES.items()),
+    "precision": f"compute dtype: {describe_precisions()} (autocast; fp32 master weights and optimizer state; fp16 "
+                 "with dynamic loss scaling, an overflowing step skipped on every rank and counted)",
+    "recompute": "recompute each layer's activations in backward (keeps only each layer's input per micro-batch)",
+    "lora": "train LoRA adapters of rank R (peft) instead of every weight: base weights frozen, never in the "
+            "optimizer, the grad sync or the checkpoints; the export merges them",
+    "lora_alpha": "LoRA scaling numerator (default 2 x R)", "lora_dropout": "dropout on the LoRA input (default 0)",
+    "lora_targets": "comma list of module names to adapt (default per family: Llama/Qwen2/Mistral q,k,v,o and "
+                    "gate/up/down projections; GPT-2 c_attn,c_proj,c_fc; BERT query,key,value,dense)",
     "seq_len": "tokens per sample", "micro_batch_size": "samples per micro-batch",
     "micro_batches": "micro-batches per optimizer step",
     "epochs": "epochs to train", "steps": "optimizer steps to train (overrides --epochs)",
@@ -85,10 +94,17 @@ def _parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(RunConfig):
         if f.name == "stage_bounds":
             continue
+        if f.type in (bool, "bool"):  # a switch: present means on (a config file may say true/false)
+            launch.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, action="store_const",
+                                const=True, help=HELP.get(f.name, ""))
+            continue
         launch.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, metavar=f.name.upper(),
                             help=HELP.get(f.name, ""))
     launch.add_argument("--local_rank", "--local-rank", dest="_local_rank", help=argparse.SUPPRESS)
     launch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    launch.add_argument("--dry-run", action="store_true",
+                        help="print the capacity plan (memory per stage, m(xi) stores, wire bytes and link time per "
+                             "step) and exit without training")
     launch.add_argument("--overwrite", action="store_true",
                         help="--out already holds a run: delete it first (without this, such a launch is refused)")
     store = sub.add_parser("store", help="inspect the activation store of a run (verify, stats)")

@@ -41,7 +41,7 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
 }
 # What `--resume` may change about a run; everything else must stay as the run was configured.
 RESUME_MAY_CHANGE = {"resume", "out", "steps", "epochs", "eval_every", "checkpoint_every", "bandwidth", "device",
-                     "stall_timeout", "port"}
+                     "stall_timeout", "port", "recompute"}
 
 
 
@@ -56,6 +56,12 @@ class RunConfig:
     dp: int = 1
     partition: str = "parameters"
     schedule: str = "gpipe"
+    precision: str = "fp32"
+    recompute: bool = False
+    lora: int | None = None  # LoRA rank; None: every weight trains
+    lora_alpha: float | None = None  # None: 2 x rank
+    lora_dropout: float = 0.0
+    lora_targets: str | None = None  # comma list of module names; None: the model family's default
     seq_len: int | None = None
     micro_batch_size: int | None = None
     micro_batches: int | None = None
@@ -118,6 +124,7 @@ class RunConfig:
 
 
 FIELD_NAMES = {f.name for f in dataclasses.fields(RunConfig)}
+BOOLEAN_WORDS = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -167,6 +174,11 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
     flag = "--" + name.replace("_", "-")
     if value is None:
         return None
+    if ann.startswith("bool"):
+        text = str(value).strip().lower()
+        if text not in BOOLEAN_WORDS:
+            raise ConfigError(f"{flag} must be true or false, got {value!r}")
+        return BOOLEAN_WORDS[text]
     if ann.startswith("int"):
         if isinstance(value, bool) or not isinstance(value, (int, str)) or not re.fullmatch(r"-?\d+", str(value).strip()):
             raise ConfigError(f"{flag} must be an integer, got {value!r}")
@@ -264,6 +276,10 @@ def _check_choices(cfg: RunConfig) -> None:
         check_pairing(parse_grad_spec(cfg.grad_sync), cfg.optimizer)
     except GradSpecError as e:
         raise ConfigError(str(e)) from None
+    from aqpipe.runtime.precision import PRECISIONS
+
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"--precision {cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
     if cfg.store not in ("memory", "lmdb"):
         raise ConfigError(f"--store {cfg.store!r} is not a store; use memory or lmdb")
     if cfg.store_dtype not in STORE_DTYPES:
@@ -321,6 +337,14 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"--warmup-steps must not be negative, got {cfg.warmup_steps}")
     if cfg.warmup_epochs < 0:
         raise ConfigError(f"--warmup-epochs must not be negative, got {cfg.warmup_epochs}")
+    if cfg.lora is not None and cfg.lora < 1:
+        raise ConfigError(f"--lora (the adapters' rank) must be at least 1, got {cfg.lora}")
+    if cfg.lora is None and (cfg.lora_alpha is not None or cfg.lora_targets is not None or cfg.lora_dropout):
+        raise ConfigError("--lora-alpha, --lora-dropout and --lora-targets apply to LoRA: add --lora R")
+    if cfg.lora_alpha is not None and cfg.lora_alpha <= 0:
+        raise ConfigError(f"--lora-alpha must be positive, got {cfg.lora_alpha}")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
     if cfg.dropout is not None and not 0.0 <= cfg.dropout < 1.0:
         raise ConfigError(f"--dropout must be in [0, 1), got {cfg.dropout}")
     if cfg.vocab_size is not None and cfg.vocab_size < 260:

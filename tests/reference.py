@@ -9,6 +9,7 @@ from aqpipe.config import RunConfig
 from aqpipe.runtime.optim import build_optimizer
 from aqpipe.runtime.plan import make_plan
 from aqpipe.runtime.tied import local_copies
+from aqpipe.stages.lora import apply_lora
 from aqpipe.stages.spec import Stage
 
 
@@ -30,7 +31,10 @@ def _train(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor], list[i
     plan = make_plan(cfg)
     spec = plan.spec
     model = Stage(*(spec.build_layer(i, cfg.seed) for i in range(len(spec))))
-    optimizer, schedule = build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay,
+    if plan.lora is not None:
+        apply_lora(model, 0, plan.lora, cfg.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, schedule = build_optimizer(params, cfg.optimizer, cfg.lr, cfg.weight_decay,
                                           cfg.warmup_steps, plan.total_steps)
     replicas = [plan.epoch_plan(r) for r in range(cfg.dp)]
     data = plan.dataset.train
@@ -47,13 +51,13 @@ def _train(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor], list[i
                 loss = spec.loss(model(data.inputs(ids), data.mask(ids)), data.targets(ids))
                 (loss * weight if hasattr(data, "loss_tokens") else loss / cfg.micro_batches).backward()
                 total += float(loss.detach()) * (weight * cfg.micro_batches if hasattr(data, "loss_tokens") else 1.0)
-            replica_grads.append([p.grad.clone() for p in model.parameters()])
+            replica_grads.append([p.grad.clone() for p in params])
             optimizer.zero_grad(set_to_none=True)
-        for p, *grads in zip(model.parameters(), *replica_grads):
+        for p, *grads in zip(params, *replica_grads):
             p.grad = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0) / len(grads)
-        tied = _sum_tied(model)
+        tied = _sum_tied(model) if plan.lora is None else []
         if cfg.clip > 0:
-            clip_in_float64(list(model.parameters()), cfg.clip, tied)
+            clip_in_float64(params, cfg.clip, tied)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)

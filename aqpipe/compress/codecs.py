@@ -18,6 +18,9 @@ from aqpipe.compress.specs import CodecError, CodecSpec, parse_spec
 FLAG_RAW = 1  # the payload is the tensor in fp32 (warm-up, or a codec asked not to compress)
 FLAG_NO_CHECK = 2  # AQ-SGD: the sender did not checksum m(ξ)
 CODE_FP32, CODE_FP16, CODE_BF16, CODE_DIRECTQ, CODE_AQSGD, CODE_TOPK = 1, 2, 3, 4, 5, 6
+# What a lossless message (fp32 codec, or any codec's raw message) carries: the tensor in its own float dtype, so a
+# bf16/fp16 activation of a mixed-precision stage crosses at its own size, bit for bit; anything else as fp32.
+LOSSLESS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -65,9 +68,9 @@ class LinkCodec:
         return self._encode(tensor.detach(), ids)
 
     def decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The float32 tensor a received message stands for."""
+        """The tensor a received message stands for: float32, or a raw message's own dtype."""
         if header.flags & FLAG_RAW:
-            return bytes_as(payload.view(1, -1), torch.float32).view(header.shape)
+            return bytes_as(payload.view(1, -1), header.dtype).view(header.shape)
         return self._decode(header, payload, ids)
 
     def check_header(self, header) -> str | None:
@@ -75,7 +78,9 @@ class LinkCodec:
         if header.codec != self.code or (header.flags >> 8) != self.bits:
             return f"the peer sends codec {header.codec}/{header.flags >> 8} bits but this side decodes {self.name}"
         if header.flags & FLAG_RAW:
-            return _length_problem(header, numel(header.shape) * 4)
+            if header.dtype not in LOSSLESS_DTYPES:
+                return f"a raw message must be one of {LOSSLESS_DTYPES}, not {header.dtype}"
+            return _length_problem(header, numel(header.shape) * header.dtype.itemsize)
         return self._payload_problem(header)
 
     def _payload_problem(self, header) -> str | None:
@@ -87,12 +92,15 @@ class LinkCodec:
         return (self.bits << 8) | (FLAG_RAW if raw else 0)
 
     def _raw(self, tensor: torch.Tensor) -> Encoded:
-        wire = tensor.detach().to(torch.float32).contiguous().cpu()
-        return Encoded(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), torch.float32, flags=self.flags(raw=True))
+        wire = lossless(tensor.detach()).contiguous().cpu()
+        return Encoded(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), wire.dtype, flags=self.flags(raw=True))
 
     def payload_bytes(self, header) -> int:
         """The exact payload length of a compressed message with this header."""
         return numel(header.shape) * 4
+
+    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return bytes_as(payload.view(1, -1), torch.float32).view(header.shape)
 
     def state_dict(self) -> dict:
         """What a checkpoint must keep to continue exactly: the stochastic-rounding generator's state."""
@@ -108,27 +116,40 @@ class LinkCodec:
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
         return self._raw(tensor)
 
-    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return bytes_as(payload.view(1, -1), torch.float32).view(header.shape)
+
+def lossless(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in the dtype a lossless message carries it in (its own float dtype, else fp32)."""
+    return tensor if tensor.dtype in LOSSLESS_DTYPES else tensor.to(torch.float32)
 
 
 class FloatCodec(LinkCodec):
-    """Sends the tensor cast to a float type (fp32 is lossless; fp16 and bf16 halve the bytes)."""
+    """Sends the tensor cast to a float type: fp16 and bf16 halve the bytes; fp32 is lossless and sends a bf16 or
+    fp16 tensor (a mixed-precision stage's activation) in its own dtype."""
 
     def __init__(self, name: str, wire_dtype: torch.dtype, code: int) -> None:
         self.name, self.wire_dtype, self.code = name, wire_dtype, code
 
+    def _wire(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a tensor of `dtype` goes on the wire as."""
+        return dtype if self.wire_dtype == torch.float32 and dtype in LOSSLESS_DTYPES else self.wire_dtype
+
+    def _payload_problem(self, header) -> str | None:
+        if header.dtype != self._wire(header.dtype):
+            return f"{self.name} payload announced as {header.dtype}"
+        return _length_problem(header, numel(header.shape) * header.dtype.itemsize)
+
     def payload_bytes(self, header) -> int:
-        return numel(header.shape) * self.wire_dtype.itemsize
+        return numel(header.shape) * self._wire(header.dtype).itemsize
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
-        wire = tensor.to(self.wire_dtype).contiguous().cpu()
-        return Encoded(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), self.wire_dtype, flags=self.flags())
+        wire = tensor.to(self._wire(tensor.dtype)).contiguous().cpu()
+        return Encoded(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), wire.dtype, flags=self.flags())
 
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if header.dtype != self.wire_dtype:
+        if header.dtype != self._wire(header.dtype):
             raise CodecError(f"{self.name} payload arrived as {header.dtype}")
-        return payload.view(self.wire_dtype).reshape(header.shape).to(torch.float32)
+        value = payload.view(header.dtype).reshape(header.shape)
+        return value if self.wire_dtype == torch.float32 else value.to(torch.float32)
 
 
 @dataclass

@@ -15,10 +15,12 @@ from aqpipe.runtime.grid import Grid, ProcessGroups, create_groups
 from aqpipe.runtime.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
 from aqpipe.runtime.optim import build_optimizer, momenta
 from aqpipe.runtime.plan import RunPlan, store_bytes_per_rank
+from aqpipe.runtime.precision import LossScaler, needs_loss_scaling
 from aqpipe.runtime.streams import open_streams
 from aqpipe.runtime.tied import tied_groups
 from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
 from aqpipe.runtime.worker import StageWorker
+from aqpipe.stages.lora import apply_lora
 from aqpipe.storage import MemoryStore, StoreView
 from aqpipe.storage.encoding import value_dtype
 from aqpipe.storage.lmdb_store import LMDBStore, store_path
@@ -91,7 +93,11 @@ def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str
     cfg = plan.cfg
     groups = create_groups(grid, backend)
     store = open_store(cfg, grid.rank, store_bytes_per_rank(cfg, plan.spec, len(plan.dataset.train)))
-    module = plan.spec.build_stage(plan.bounds[grid.stage], plan.bounds[grid.stage + 1], cfg.seed).to(device)
+    module = plan.spec.build_stage(plan.bounds[grid.stage], plan.bounds[grid.stage + 1], cfg.seed)
+    module.recompute = cfg.recompute
+    if plan.lora is not None:
+        apply_lora(module, plan.bounds[grid.stage], plan.lora, cfg.seed)
+    module = module.to(device)
     dp_group = DPGroup(groups.data_parallel, tuple(grid.dp_ranks(grid.stage)), grid.replica)
     optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)
     grad_sync = build_grad_sync(cfg.grad_sync, dp_group, cfg.seed, freeze_step(plan.total_steps, cfg.warmup_steps),
@@ -105,6 +111,8 @@ def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str
         grid=grid, groups=groups, module=module, loss_fn=plan.spec.loss,
         samples=plan.dataset.train if ends else None, links=open_links(cfg, grid, groups, store, device),
         grad_sync=grad_sync, optimizer=optimizer, lr_schedule=lr_schedule, clip=cfg.clip, device=device,
-        schedule=cfg.schedule, tied=tied_groups(plan.spec.extras),
+        schedule=cfg.schedule, precision=cfg.precision,
+        tied=[] if plan.lora is not None else tied_groups(plan.spec.extras),  # LoRA freezes every tied table
+        scaler=LossScaler() if needs_loss_scaling(cfg.precision) else None,
     )
     return Stage(plan, grid, groups, device, store, worker)

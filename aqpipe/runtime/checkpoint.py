@@ -197,9 +197,10 @@ def load_rank(out: str | Path, step: int, rank: int, settings: dict | None = Non
     return state
 
 
-def check_model_state(path_hint: str, module: torch.nn.Module, state: dict) -> None:
-    """Every parameter and buffer of `module` present with its shape in `state`, and nothing else."""
-    own = module.state_dict()
+def check_model_state(path_hint: str, module: torch.nn.Module, state: dict, names: set[str] | None = None) -> None:
+    """Every parameter and buffer of `module` (or those `names` of them: what trains under LoRA) present with its shape
+    in `state`, and nothing else."""
+    own = {k: v for k, v in module.state_dict().items() if names is None or k in names}
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:

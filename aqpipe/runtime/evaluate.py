@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from aqpipe.runtime.grid import Grid, gather_rows
+from aqpipe.runtime.precision import autocast
 from aqpipe.runtime.worker import StageWorker
 
 
@@ -43,7 +44,7 @@ def evaluate_stage(worker: StageWorker, step: int, batches: list[torch.Tensor], 
     was_training = worker.module.training
     worker.module.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast(worker.device, worker.precision):
             for mb, ids in enumerate(batches):
                 if grid.is_first_stage:
                     x, mask = samples.inputs(ids), samples.mask(ids)

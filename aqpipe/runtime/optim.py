@@ -27,7 +27,9 @@ def build_optimizer(
     sync."""
     from aqpipe.compress.grad.qadam import QAdamSync, QuantizedAdam
 
-    params = list(params)
+    # one group, given as a group so that a stage with nothing to train (an embedding-only stage under LoRA) still
+    # gets an optimizer: torch refuses an empty parameter list, not an empty group
+    params = [{"params": list(params)}]  # type: ignore[list-item]
     if name == "adamw" and isinstance(grad_sync, QAdamSync):
         optimizer: torch.optim.Optimizer = QuantizedAdam(params, grad_sync, lr=lr, weight_decay=weight_decay)
     elif name == "adamw":

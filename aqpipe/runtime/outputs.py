@@ -19,13 +19,14 @@ from aqpipe.runtime.plan import RunPlan
 from aqpipe.runtime.resume import kept_records
 from aqpipe.runtime.worker import StepStats
 from aqpipe.stages.export import export_hf
+from aqpipe.stages.lora import merged_state
 from aqpipe.stages.models import tokenizer_directory
 
 # The StepStats fields every rank contributes to a step's record (plus its step time), in the order they travel.
 STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elements", "grad_sync_bytes",
                "compute_seconds", "comm_wait_seconds", "grad_norm", "store_hits", "store_misses", "store_reseeded",
                "store_overflow", "fwd_recv_bytes", "fwd_recv_seconds", "bwd_recv_bytes", "bwd_recv_seconds",
-               "forward_seconds", "backward_seconds", "peak_activation_bytes")
+               "forward_seconds", "backward_seconds", "peak_activation_bytes", "overflow", "loss_scale")
 
 
 def open_outputs(cfg: RunConfig, plan: RunPlan, first_step: int) -> MetricsLog:
@@ -92,6 +93,8 @@ def step_record(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_p
         "stage_forward_seconds": [float(col["forward_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
         "stage_backward_seconds": [float(col["backward_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
         "stage_peak_activation_bytes": [int(col["peak_activation_bytes"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
+        "loss_scale": float(col["loss_scale"][0]),
+        "skipped": bool(col["overflow"].max() > 0),  # fp16: a gradient overflowed and no rank updated
     }
 
 
@@ -161,7 +164,7 @@ def save_stage_weights(module: torch.nn.Module, out: Path, stage: int) -> Path:
     directory = out / "checkpoints" / "final"
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"stage-{stage}.pt"
-    save_atomic(path, lambda f: torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, f))
+    save_atomic(path, lambda f: torch.save(merged_state(module), f))  # LoRA: adapters merged into the base
     return path
 
 
@@ -175,6 +178,7 @@ def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float) -> dict:
     last = log.records[-1]
     summary["store"] = {"hits": last["store_hits"], "misses": last["store_misses"], "reseeded": last["store_reseeded"],
                         "overflow": last.get("store_overflow", 0)}
+    summary["skipped_steps"] = sum(1 for r in log.records if r.get("skipped"))
     summary.update(eval_summary(log.records))
     summary["export"] = export_model(plan)
     if plan.dataset.info:

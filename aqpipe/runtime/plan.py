@@ -10,6 +10,7 @@ from pathlib import Path
 from aqpipe.config import ConfigError, RunConfig
 from aqpipe.data import DataError, EpochPlan, TaskDataset, prepare_dataset, shard
 from aqpipe.stages import PipelineSpec, SpecError, partition
+from aqpipe.stages.lora import LoraSettings, check_targets, lora_settings
 from aqpipe.stages.models import build_spec, check_context, check_task, classify_model, tokenizer_directory
 from aqpipe.storage.dtypes import STORE_DTYPES
 
@@ -24,6 +25,7 @@ class RunPlan:
     bounds: list[int]
     steps_per_epoch: int
     total_steps: int
+    lora: LoraSettings | None = None  # the adapters of a --lora run
 
     def epoch_plan(self, replica: int) -> EpochPlan:
         """The sample order of one replica's shard."""
@@ -70,7 +72,19 @@ def make_plan(cfg: RunConfig, spec_factory=None, profile: bool = True) -> RunPla
     elif len(bounds) != cfg.pp + 1 or bounds[0] != 0 or bounds[-1] != len(spec):
         raise ConfigError(f"stage_bounds {bounds} do not split {len(spec)} layers into {cfg.pp} stages")
     check_store_capacity(cfg, spec, len(dataset.train))
-    return RunPlan(cfg, dataset, spec, bounds, steps_per_epoch, total_steps)
+    return RunPlan(cfg, dataset, spec, bounds, steps_per_epoch, total_steps, plan_lora(cfg, spec))
+
+
+def plan_lora(cfg: RunConfig, spec: PipelineSpec) -> LoraSettings | None:
+    """The adapters `--lora` asks for on this model (None without it), their targets checked against the model."""
+    if cfg.lora is None:
+        return None
+    try:
+        settings = lora_settings(cfg.lora, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, spec)
+        check_targets(spec, settings)
+    except SpecError as e:
+        raise ConfigError(str(e)) from None
+    return settings
 
 
 STORE_HEADROOM = 1.5  # LMDB pages, headers and growth slack over the raw value bytes

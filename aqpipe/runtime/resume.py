@@ -14,13 +14,14 @@ from aqpipe.runtime.events import emit
 from aqpipe.runtime.optim import continue_schedule
 from aqpipe.runtime.reconcile import reconcile
 from aqpipe.runtime.worker import StageWorker
+from aqpipe.stages.lora import is_adapted, training_state
 from aqpipe.storage import MemoryStore
 
 
 def collect_state(worker: StageWorker, store) -> dict:
     """Everything this rank needs to continue exactly from the end of the current step."""
     state = {
-        "model": {k: v.detach().cpu() for k, v in worker.module.state_dict().items()},
+        "model": training_state(worker.module),
         "optimizer": worker.optimizer.state_dict(),
         "lr_schedule": worker.lr_schedule.state_dict(),
         "grad_sync": worker.grad_sync.state_dict(),
@@ -32,6 +33,8 @@ def collect_state(worker: StageWorker, store) -> dict:
         state["rng"]["cuda"] = torch.cuda.get_rng_state(worker.device)
     if isinstance(store, MemoryStore):
         state["store"] = store.entries()
+    if worker.scaler is not None:
+        state["loss_scaler"] = worker.scaler.state_dict()
     return state
 
 
@@ -40,10 +43,10 @@ def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
     for key in ("model", "optimizer", "lr_schedule", "grad_sync", "codecs", "rng", "store_stats"):
         if key not in state:
             raise CheckpointError(f"checkpoint {where} lacks its {key!r} part")
-    check_model_state(where, worker.module, state["model"])
+    check_model_state(where, worker.module, state["model"], set(training_state(worker.module)))
     if isinstance(store, MemoryStore) and "store" not in state:
         raise CheckpointError(f"checkpoint {where} has no m(xi) store, but this run keeps it in memory")
-    worker.module.load_state_dict(state["model"])
+    worker.module.load_state_dict(state["model"], strict=not is_adapted(worker.module))
     try:
         worker.optimizer.load_state_dict(state["optimizer"])
         worker.lr_schedule.load_state_dict(state["lr_schedule"])
@@ -55,6 +58,8 @@ def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
     for slot, codec_state in state["codecs"].items():
         if slot in codecs:
             codecs[slot].load_state_dict(codec_state)
+    if worker.scaler is not None and "loss_scaler" in state:
+        worker.scaler.load_state_dict(state["loss_scaler"])
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and worker.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], worker.device)

@@ -19,7 +19,9 @@ from aqpipe.runtime.grid import Grid, ProcessGroups, collective_device
 from aqpipe.runtime.held import ActivationMeter
 from aqpipe.runtime.link_ends import StageLinks
 from aqpipe.runtime.optim import clip_by_global_norm, local_grad_sq_norm
+from aqpipe.runtime.precision import LossScaler, autocast
 from aqpipe.runtime.tied import TiedGroup, agree_tied_grads, sum_tied_grads, tied_ids, tied_sq_norm
+from aqpipe.stages.spec import Stage
 
 
 @dataclass
@@ -42,6 +44,8 @@ class StepStats:
     backward_seconds: float = 0.0
     grad_norm: float = 0.0
     peak_activation_bytes: int = 0  # the most bytes of activations held for backward at once
+    overflow: int = 0  # 1: an fp16 gradient overflowed somewhere, and every rank skipped this step's update
+    loss_scale: float = 0.0  # fp16's loss scale during this step (0 without loss scaling)
     store_hits: int = 0  # the m(ξ) store's counters so far (the loop fills them in)
     store_misses: int = 0
     store_reseeded: int = 0
@@ -77,12 +81,15 @@ class StageWorker:
     device: torch.device
     schedule: str = "gpipe"
     tied: list[TiedGroup] = field(default_factory=list)  # parameters copied on several layers (DeBERTa)
+    precision: str = "fp32"  # the compute dtype of forward and loss (aqpipe.runtime.precision.PRECISIONS)
+    scaler: LossScaler | None = None  # fp16's dynamic loss scale
     _mbs: dict[int, _MicroBatch] = field(default_factory=dict)
     _step: int = 0
     _n: int = 1
     _weights: list[float] | None = None  # each micro-batch's share of the step's loss terms (instruction data)
     _sync_bytes_before: int = 0
     _meter: ActivationMeter | None = None
+    _overflow: bool = False  # this step's gradients overflowed on some rank: no update anywhere
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -104,6 +111,8 @@ class StageWorker:
         self.module.train()
         self._step, self._n = step, n
         self._weights = self._loss_weights(micro_batch_ids) if self.grid.is_last_stage else None
+        self._overflow = False
+        stats.loss_scale = self.scaler.scale if self.scaler is not None else 0.0
         for ins in stream:
             handler, waits_on_peers = self._HANDLERS[type(ins)]
             start = time.perf_counter()
@@ -153,7 +162,9 @@ class StageWorker:
             mb.targets = self.samples.targets(mb.ids).to(self.device)
 
     def _forward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        with self._meter.forward(index):
+        if isinstance(self.module, Stage):  # under recompute, the layer inputs a stage keeps for its backward
+            self.module.on_held = lambda held: self._meter.keep(index, held)
+        with self._meter.forward(index), autocast(self.device, self.precision):
             out = self.module(mb.inputs, None if mb.mask is None else mb.mask.to(self.device))
             if self.grid.is_last_stage:
                 mb.loss = self.loss_fn(out, mb.targets)
@@ -172,11 +183,12 @@ class StageWorker:
         mb.output_grad = self.links.receive_gradient()
 
     def _backward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
+        scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.grid.is_last_stage and self._weights is not None:
-            (mb.loss * self._weights[index]).backward()  # the step's loss is the mean over its response tokens
+            (mb.loss * (self._weights[index] * scale)).backward()  # the step's loss: the mean over response tokens
         elif self.grid.is_last_stage:
-            (mb.loss / self._n).backward()  # the step's loss is the mean over micro-batches
-        else:
+            (mb.loss * (scale / self._n)).backward()  # the step's loss is the mean over micro-batches
+        elif mb.outputs.requires_grad:  # (not when nothing up to here trains: a frozen embedding under LoRA)
             mb.outputs.backward(mb.output_grad)
         if self.grid.is_first_stage:
             self._release(index)
@@ -193,6 +205,12 @@ class StageWorker:
     def _reduce_grads(self, mb: None, index: None, stats: StepStats) -> None:
         self.links.flush()
         self._sync_bytes_before = self.grad_sync.bytes_sent
+        if self.scaler is not None:  # fp16: skip the step everywhere if any rank overflowed, before any compressor
+            self._overflow = self.scaler.overflowed(self.params, collective_device(self.device))
+            if self._overflow:
+                self.optimizer.zero_grad(set_to_none=True)
+                return
+            self.scaler.unscale(self.params)
         if self.tied:  # first every copy takes the sum of all copies' gradients, so the sync sees the true gradient
             sum_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp)
         if self.grad_sync.sign_based:  # a sign method's input is clipped (Marsit: before its compensation is formed)
@@ -215,6 +233,12 @@ class StageWorker:
         return clip_by_global_norm(self.params, self.clip if self.grad_sync.clippable else 0.0, sq.cpu())
 
     def _optimizer_step(self, mb: None, index: None, stats: StepStats) -> None:
+        if self.scaler is not None:
+            self.scaler.update(self._overflow)
+        if self._overflow:  # skipped on every rank; the learning-rate schedule still moves on with the run's steps
+            stats.overflow = 1
+            self.lr_schedule.step()
+            return
         if not self.grad_sync.sign_based:
             stats.grad_norm = self._clip()
         self.optimizer.step()

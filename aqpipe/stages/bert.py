@@ -87,6 +87,8 @@ class BertEncoderLayer(nn.Module):
 class BertClassifierHead(nn.Module):
     """BERT's pooler (dense + tanh on the first token), dropout and a linear classifier: → logits [B, C]."""
 
+    lora_trains_whole = True  # made for the task: under --lora it trains whole, with no adapters
+
     def __init__(self, config) -> None:
         super().__init__()
         from transformers.models.bert.modeling_bert import BertPooler

@@ -115,6 +115,8 @@ class DebertaEncoderLayer(nn.Module):
 class DebertaClassifierHead(nn.Module):
     """DeBERTa's context pooler (first token, dense, activation), dropout and a linear classifier."""
 
+    lora_trains_whole = True  # made for the task: under --lora it trains whole, with no adapters
+
     def __init__(self, config) -> None:
         super().__init__()
         from transformers.models.deberta_v2.modeling_deberta_v2 import ContextPooler

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 LayerSource = nn.Module | Callable[[], nn.Module]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -21,12 +22,30 @@ class Stage(nn.Sequential):
 
     The mask (e.g. BERT's attention mask [B, T]) is per-sample side information that travels with the
     activations losslessly; layers without the attribute see only the tensor.
+
+    With `recompute` set, each layer keeps only its input for backward and runs its forward again there
+    (non-reentrant `torch.utils.checkpoint`, which restores the RNG so dropout draws the same mask); `on_held`, when
+    set, is told of each such input (what the stage then holds for backward, which autograd's hooks no longer see).
     """
 
+    recompute: bool = False
+    adapted: bool = False  # LoRA adapters were added (aqpipe.stages.lora)
+    on_held: Callable[[torch.Tensor], None] | None = None
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        recompute = self.recompute and torch.is_grad_enabled()
         for layer in self:
-            x = layer(x, mask) if getattr(layer, "takes_mask", False) else layer(x)
+            if recompute:
+                if self.on_held is not None:
+                    self.on_held(x)
+                x = checkpoint(_call, layer, x, mask, use_reentrant=False)
+            else:
+                x = _call(layer, x, mask)
         return x
+
+
+def _call(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return layer(x, mask) if getattr(layer, "takes_mask", False) else layer(x)
 
 
 @dataclass
