@@ -77,6 +77,10 @@ def run_cli(capsys, args, tmp_path):
     (["--momentum", "1.0", "--optimizer", "sgd"], "--momentum must be in [0, 1)"),
     (["--momentum", "0.9"], "--momentum applies to --optimizer sgd"),
     (["--quant-grid", "log"], "--quant-grid"),
+    (["--precision", "fp8"], "--precision 'fp8' is not one of fp32, bf16, fp16"),
+    (["--lora", "0"], "--lora (the adapters' rank) must be at least 1"),
+    (["--lora-targets", "q_proj"], "add --lora R"),
+    (["--lora", "4", "--lora-targets", "nope"], "names no module of gpt2-tiny"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, tmp_path, args, needle):
     code, err = run_cli(capsys, [*FAST, *args], tmp_path)

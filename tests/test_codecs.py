@@ -71,6 +71,28 @@ def test_uncompressed_sends_are_raw_fp32_for_every_codec():
         assert torch.equal(codec.decode(wire(codec, encoded, torch.arange(2)), encoded.payload, torch.arange(2)), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lossless_messages_carry_a_half_precision_tensor_in_its_own_dtype(dtype):
+    """A mixed-precision stage's activation crosses the fp32 codec (and any codec's raw message) bit for bit, at 2
+    bytes per value, and arrives in its own dtype; the fp16/bf16 codecs still cast; a raw header of another dtype or
+    length is refused before allocation."""
+    x, ids = torch.randn(2, 4, 8).to(dtype), torch.arange(2)
+    for codec, compress in ((build_codec("fp32", "fw"), True), (build_codec("directq:4", "fw"), False)):
+        encoded, out = send(codec, codec, x, ids, compress)
+        assert encoded.payload.numel() == x.numel() * 2 and out.dtype == dtype and torch.equal(out, x)
+    cast = build_codec("bf16" if dtype == torch.float16 else "fp16", "fw")
+    _, out = send(cast, cast, x, ids)
+    assert out.dtype == torch.float32
+    codec = build_codec("fp32", "fw")
+    encoded = codec.encode(x, ids, compress=False)
+    bad = Header(KIND_ACTIVATION, 0, 0, encoded.shape, torch.int64, 2, encoded.payload.numel(), codec=codec.code,
+                 flags=encoded.flags)
+    assert "raw message must be" in codec.check_header(bad)
+    short = Header(KIND_ACTIVATION, 0, 0, encoded.shape, dtype, 2, encoded.payload.numel() - 2, codec=codec.code,
+                   flags=encoded.flags)
+    assert "does not match" in codec.check_header(short)
+
+
 @pytest.mark.parametrize("spec", ["directq:3", "topk:0.25:4"])
 def test_a_sample_payload_does_not_depend_on_its_micro_batch(spec):
     torch.manual_seed(0)
