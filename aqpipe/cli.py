@@ -103,8 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--local_rank", "--local-rank", dest="_local_rank", help=argparse.SUPPRESS)
     launch.add_argument("--no-progress", action="store_true", help="no progress bar")
     launch.add_argument("--dry-run", action="store_true",
-                        help="print the capacity plan (memory per stage, m(xi) stores, wire bytes and link time per "
-                             "step) and exit without training")
+                        help="the capacity plan (memory per stage, m(xi) stores, wire bytes per step): not available "
+                             "yet in this release")
     launch.add_argument("--overwrite", action="store_true",
                         help="--out already holds a run: delete it first (without this, such a launch is refused)")
     store = sub.add_parser("store", help="inspect the activation store of a run (verify, stats)")
@@ -274,6 +274,8 @@ def _netns(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     from aqpipe.launch.job import run_job
 
+    if args.dry_run:  # answered before anything is prepared: a user asking for a plan must never get a training run
+        raise ConfigError("--dry-run (the capacity plan) is not available yet in this release")
     dump_stacks_on_sigusr1()
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stage_bounds"}
     file_values = load_config_file(args.config) if args.config else {}

@@ -15,7 +15,7 @@ import torch
 from aqpipe.compress.quantize import DEFAULT_GRID
 from aqpipe.compress.specs import CodecError, CodecSpec, parse_spec
 
-FLAG_RAW = 1  # the payload is the tensor in fp32 (warm-up, or a codec asked not to compress)
+FLAG_RAW = 1  # the payload is the tensor, lossless (LOSSLESS_DTYPES): warm-up, or a codec asked not to compress
 FLAG_NO_CHECK = 2  # AQ-SGD: the sender did not checksum m(ξ)
 CODE_FP32, CODE_FP16, CODE_BF16, CODE_DIRECTQ, CODE_AQSGD, CODE_TOPK = 1, 2, 3, 4, 5, 6
 # What a lossless message (fp32 codec, or any codec's raw message) carries: the tensor in its own float dtype, so a
@@ -136,7 +136,7 @@ class FloatCodec(LinkCodec):
     def _payload_problem(self, header) -> str | None:
         if header.dtype != self._wire(header.dtype):
             return f"{self.name} payload announced as {header.dtype}"
-        return _length_problem(header, numel(header.shape) * header.dtype.itemsize)
+        return super()._payload_problem(header)
 
     def payload_bytes(self, header) -> int:
         return numel(header.shape) * self._wire(header.dtype).itemsize

@@ -53,9 +53,10 @@ class LossScaler:
 
     def overflowed(self, params: list[torch.nn.Parameter], device: torch.device) -> bool:
         """Whether any rank's gradients hold an inf or NaN (every rank of the world calls this together)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        local = any(not bool(torch.isfinite(g).all()) for g in grads)
-        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        finite = [torch.isfinite(p.grad).all() for p in params if p.grad is not None]
+        flag = torch.zeros(1, device=device)
+        if finite:  # one flag from every gradient, read back once below (no host sync per tensor)
+            flag += (~torch.stack(finite).all()).float().to(device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)

@@ -14,7 +14,7 @@ from aqpipe.runtime.events import emit
 from aqpipe.runtime.optim import continue_schedule
 from aqpipe.runtime.reconcile import reconcile
 from aqpipe.runtime.worker import StageWorker
-from aqpipe.stages.lora import is_adapted, training_state
+from aqpipe.stages.lora import checkpointed_names, training_state
 from aqpipe.storage import MemoryStore
 
 
@@ -43,10 +43,10 @@ def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
     for key in ("model", "optimizer", "lr_schedule", "grad_sync", "codecs", "rng", "store_stats"):
         if key not in state:
             raise CheckpointError(f"checkpoint {where} lacks its {key!r} part")
-    check_model_state(where, worker.module, state["model"], set(training_state(worker.module)))
+    check_model_state(where, worker.module, state["model"], checkpointed_names(worker.module))
     if isinstance(store, MemoryStore) and "store" not in state:
         raise CheckpointError(f"checkpoint {where} has no m(xi) store, but this run keeps it in memory")
-    worker.module.load_state_dict(state["model"], strict=not is_adapted(worker.module))
+    worker.module.load_state_dict(state["model"], strict=checkpointed_names(worker.module) is None)
     try:
         worker.optimizer.load_state_dict(state["optimizer"])
         worker.lr_schedule.load_state_dict(state["lr_schedule"])

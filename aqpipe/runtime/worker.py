@@ -162,7 +162,7 @@ class StageWorker:
             mb.targets = self.samples.targets(mb.ids).to(self.device)
 
     def _forward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        if isinstance(self.module, Stage):  # under recompute, the layer inputs a stage keeps for its backward
+        if isinstance(self.module, Stage) and self.module.recompute:  # the layer inputs kept for the backward
             self.module.on_held = lambda held: self._meter.keep(index, held)
         with self._meter.forward(index), autocast(self.device, self.precision):
             out = self.module(mb.inputs, None if mb.mask is None else mb.mask.to(self.device))

@@ -9,7 +9,6 @@ checkpoints see nothing else. The export writes base + B·A·alpha/r under the b
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -107,19 +106,18 @@ def is_adapted(module: nn.Module) -> bool:
     return bool(getattr(module, "adapted", False))
 
 
-def trainable_names(module: nn.Module) -> set[str]:
-    """State-dict names of the parameters that train."""
+def checkpointed_names(module: nn.Module) -> set[str] | None:
+    """The state-dict names a checkpoint keeps of a stage: None for all of them, under LoRA only what trains (the
+    frozen base comes from the pretrained weights again on resume)."""
+    if not is_adapted(module):
+        return None
     return {name for name, p in module.named_parameters() if p.requires_grad}
 
 
 def training_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """What a checkpoint keeps of a stage's weights: everything, or under LoRA only what trains (the frozen base
-    comes from the pretrained weights again on resume)."""
-    state = module.state_dict()
-    if is_adapted(module):
-        keep = trainable_names(module)
-        state = {k: v for k, v in state.items() if k in keep}
-    return {k: v.detach().cpu() for k, v in state.items()}
+    """What a checkpoint keeps of a stage's weights (see `checkpointed_names`), on the host."""
+    keep = checkpointed_names(module)
+    return {k: v.detach().cpu() for k, v in module.state_dict().items() if keep is None or k in keep}
 
 
 def merged_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -139,8 +137,3 @@ def merged_state(module: nn.Module) -> dict[str, torch.Tensor]:
             value = value + deltas[key].to(value.dtype)
         merged[key.replace(".base_layer.", ".")] = value.detach().cpu()
     return merged
-
-
-def adapter_parameters(module: nn.Module) -> Iterable[nn.Parameter]:
-    """The adapter weights of a stage (A and B of every adapted module)."""
-    return (p for name, p in module.named_parameters() if ".lora_" in f".{name}")
