@@ -13,7 +13,7 @@ from aqpipe.compress.specs import describe_codecs
 from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values
 from aqpipe.disk import DiskFullError
 from aqpipe.launch.signals import ignore_interrupts, interrupts_raise
-from aqpipe.runtime.precision import describe_precisions
+from aqpipe.runtime.precisions import describe_precisions
 from aqpipe.runtime.schedule import SCHEDULES
 from aqpipe.storage.dtypes import describe_store_dtypes
 
@@ -32,8 +32,8 @@ HELP = {
     "pp": "pipeline stages", "dp": "data-parallel replicas",
     "partition": "parameters, time, or layers per stage like 2,3,3",
     "schedule": "micro-batch schedule: " + "; ".join(f"{name}, {s.summary}" for name, s in SCHEDULES.items()),
-    "precision": f"compute dtype: {describe_precisions()} (autocast; fp32 master weights and optimizer state; fp16 "
-                 "with dynamic loss scaling, an overflowing step skipped on every rank and counted)",
+    "precision": f"compute dtype: {describe_precisions()} (autocast; fp32 master weights and optimizer state; under "
+                 "fp16 an overflowing step is skipped on every rank and counted)",
     "recompute": "recompute each layer's activations in backward (keeps only each layer's input per micro-batch)",
     "lora": "train LoRA adapters of rank R (peft) instead of every weight: base weights frozen, never in the "
             "optimizer, the grad sync or the checkpoints; the export merges them",

@@ -276,7 +276,7 @@ def _check_choices(cfg: RunConfig) -> None:
         check_pairing(parse_grad_spec(cfg.grad_sync), cfg.optimizer)
     except GradSpecError as e:
         raise ConfigError(str(e)) from None
-    from aqpipe.runtime.precision import PRECISIONS
+    from aqpipe.runtime.precisions import PRECISIONS
 
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"--precision {cfg.precision!r} is not one of {', '.join(PRECISIONS)}")

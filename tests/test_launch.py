@@ -116,3 +116,11 @@ def test_a_second_interrupt_during_cleanup_does_not_cut_it_short(tmp_path):
     assert code == 1 and "interrupted" in err and "Traceback" not in err, err
     time.sleep(0.5)
     assert tagged_processes(tag) == []
+
+
+def test_the_command_module_loads_without_torch():
+    """`aqpipe` installs its Ctrl-C/SIGTERM handling in main(); anything the command module imports before that is
+    start-up no signal handler covers, so it must not load torch (seconds on a small machine)."""
+    probe = "import sys, aqpipe.cli; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

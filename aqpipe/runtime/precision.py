@@ -17,18 +17,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# --precision name -> the compute dtype autocast runs the stage in (None: plain fp32)
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+from aqpipe.runtime.precisions import PRECISIONS
 
 
-def describe_precisions() -> str:
-    """The --precision choices for the CLI help."""
-    return ", ".join(PRECISIONS)
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype autocast runs a stage in for `precision` (None: plain fp32, no autocast)."""
+    name = PRECISIONS[precision].autocast_dtype
+    return None if name is None else getattr(torch, name)
 
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager:
     """The context a stage's forward (and loss) runs in for `precision`."""
-    dtype = PRECISIONS[precision]
+    dtype = compute_dtype(precision)
     if dtype is None:
         return nullcontext()
     return torch.autocast(device.type, dtype=dtype)
@@ -36,7 +36,7 @@ def autocast(device: torch.device, precision: str) -> AbstractContextManager:
 
 def needs_loss_scaling(precision: str) -> bool:
     """Whether `precision` trains with a dynamic loss scale (fp16's 5-bit exponent underflows small gradients)."""
-    return PRECISIONS[precision] is torch.float16
+    return PRECISIONS[precision].loss_scaling
 
 
 @dataclass

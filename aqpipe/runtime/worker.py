@@ -81,7 +81,7 @@ class StageWorker:
     device: torch.device
     schedule: str = "gpipe"
     tied: list[TiedGroup] = field(default_factory=list)  # parameters copied on several layers (DeBERTa)
-    precision: str = "fp32"  # the compute dtype of forward and loss (aqpipe.runtime.precision.PRECISIONS)
+    precision: str = "fp32"  # the compute dtype of forward and loss (aqpipe.runtime.precisions.PRECISIONS)
     scaler: LossScaler | None = None  # fp16's dynamic loss scale
     _mbs: dict[int, _MicroBatch] = field(default_factory=dict)
     _step: int = 0
