@@ -103,8 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--local_rank", "--local-rank", dest="_local_rank", help=argparse.SUPPRESS)
     launch.add_argument("--no-progress", action="store_true", help="no progress bar")
     launch.add_argument("--dry-run", action="store_true",
-                        help="the capacity plan (memory per stage, m(xi) stores, wire bytes per step): not available "
-                             "yet in this release")
+                        help="print the capacity plan (per stage: parameters, gradients, optimizer state, activations "
+                             "held, m(xi) store; per link: wire bytes per step and the time --bandwidth implies) and "
+                             "exit without training (exit 2 if the run would not fit)")
     launch.add_argument("--overwrite", action="store_true",
                         help="--out already holds a run: delete it first (without this, such a launch is refused)")
     store = sub.add_parser("store", help="inspect the activation store of a run (verify, stats)")
@@ -274,8 +275,6 @@ def _netns(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     from aqpipe.launch.job import run_job
 
-    if args.dry_run:  # answered before anything is prepared: a user asking for a plan must never get a training run
-        raise ConfigError("--dry-run (the capacity plan) is not available yet in this release")
     dump_stacks_on_sigusr1()
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stage_bounds"}
     file_values = load_config_file(args.config) if args.config else {}
@@ -283,7 +282,22 @@ def _launch(args: argparse.Namespace) -> int:
     if resume:
         file_values, flags = resume_values(str(resume), file_values, flags), {}
     cfg = resolve(build_config(file_values, flags))
+    if args.dry_run:
+        return _dry_run(cfg)
     return run_job(cfg, progress=not args.no_progress, overwrite=args.overwrite)
+
+
+def _dry_run(cfg: RunConfig) -> int:
+    """Print the capacity plan of a launch and start nothing (the run directory is not touched); exit 2 when the
+    run would not fit."""
+    from aqpipe.runtime.capacity import format_plan, plan_capacity
+    from aqpipe.runtime.plan import make_plan
+
+    capacity = plan_capacity(make_plan(cfg))
+    print(format_plan(capacity), flush=True)
+    if capacity.problems:
+        raise ConfigError("the run does not fit: " + "; ".join(capacity.problems))
+    return 0
 
 
 if __name__ == "__main__":

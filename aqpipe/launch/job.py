@@ -19,6 +19,7 @@ from aqpipe.launch.netns import format_rate
 from aqpipe.launch.rundir import RunDirectory
 from aqpipe.launch.signals import INTERRUPTS, deferred_interrupts, ignore_interrupts, interrupts_raise
 from aqpipe.metrics import write_json
+from aqpipe.runtime.capacity import refuse_if_unfit
 from aqpipe.runtime.grid import Grid
 from aqpipe.runtime.plan import make_plan
 
@@ -47,6 +48,7 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
     try:
         plan = make_plan(cfg, spec_factory)
         cfg.stage_bounds = plan.bounds
+        refuse_if_unfit(plan)  # exit 2 with the plan's numbers rather than running out of memory mid-run
         if cfg.resume is not None:
             _check_checkpoint(cfg)
             _drop_damaged_stores(cfg)

@@ -17,12 +17,13 @@ from torch import nn
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
-    """(address, bytes) of a tensor's storage; None for tensors without one."""
+    """(identity, bytes) of a tensor's storage; None for tensors without one. The identity is the storage object's
+    own (views share it), not its data pointer, so the capacity plan can count fake tensors the same way."""
     try:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
-    return storage.data_ptr(), storage.nbytes()
+    return storage._cdata, storage.nbytes()
 
 
 @dataclass
@@ -31,7 +32,7 @@ class ActivationMeter:
 
     module: nn.Module
     peak_bytes: int = 0
-    _held: dict[int, dict[int, int]] = field(default_factory=dict)  # micro-batch -> {storage address: bytes}
+    _held: dict[int, dict[int, int]] = field(default_factory=dict)  # micro-batch -> {storage identity: bytes}
     _weights: set[int] = field(default_factory=set)
 
     def begin_step(self) -> None:

@@ -1,0 +1,296 @@
+"""The capacity plan: what every stage of a run will hold and send, worked out before anything trains.
+
+Per stage: parameters, gradients and optimizer state (fp32 master weights; only what trains has gradients and
+optimizer state), the activations held for backward under the chosen schedule, precision and recompute, and the
+m(ξ) store it keeps; per link: the payload bytes per step each way with the chosen codecs, and the time a link of
+`--bandwidth` needs for them. `aqpipe launch --dry-run` prints it; a launch whose plan does not fit the device is
+refused with those numbers.
+
+Activations are not guessed from formulas: each stage's real forward (and the last stage's loss) runs once on one
+micro-batch of the real data with *fake* tensors (torch's FakeTensorMode: shapes, dtypes and autocast behave as on
+the device, nothing is allocated), counted by the same ActivationMeter the worker uses during training. A stage's
+peak is that micro-batch's bytes times the most micro-batches its schedule holds at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from types import SimpleNamespace
+
+import torch
+
+from aqpipe.compress.codecs import QuantOptions, build_codec, lossless, numel
+from aqpipe.compress.directq import sample_bytes
+from aqpipe.compress.specs import parse_spec
+from aqpipe.config import ConfigError, RunConfig
+from aqpipe.runtime import schedule as sch
+from aqpipe.runtime.grid import Grid
+from aqpipe.runtime.held import ActivationMeter
+from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan, available_memory
+from aqpipe.runtime.precision import autocast
+from aqpipe.stages.lora import apply_lora
+from aqpipe.storage.dtypes import STORE_DTYPES
+
+# optimizer -> fp32 copies of each trained parameter it keeps (AdamW: both moments; SGD: its momentum buffer)
+OPTIMIZER_STATE_COPIES = {"adamw": 2, "sgd": 1}
+
+
+@dataclass
+class StageNeeds:
+    """What one rank of a stage holds."""
+
+    stage: int
+    layers: tuple[int, int]
+    parameters: int
+    trainable: int
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes_per_micro_batch: int
+    micro_batches_held: int
+    store_bytes: int = 0  # the m(ξ) sides this rank keeps (bytes of values; on disk under lmdb, with its headroom)
+    store_in_memory: bool = False
+
+    @property
+    def activation_bytes(self) -> int:
+        """The most activation bytes held for backward at once in a step."""
+        return self.activation_bytes_per_micro_batch * self.micro_batches_held
+
+    @property
+    def memory_bytes(self) -> int:
+        """Everything above that lives in the device's memory (a host-memory store counts on the CPU only)."""
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+@dataclass
+class LinkNeeds:
+    """One link (stage k → k+1) of one replica, per optimizer step."""
+
+    link: int
+    activation_shape: tuple[int, ...]  # one micro-batch
+    activation_dtype: str
+    fwd_bytes: int  # payload bytes per step once compressing
+    bwd_bytes: int
+    warmup_fwd_bytes: int  # during the fp32 warm-up epochs
+    warmup_bwd_bytes: int
+    store_side_bytes: int  # one side's m(ξ) values (0 unless the link runs AQ-SGD)
+
+
+@dataclass
+class CapacityPlan:
+    """The plan of one run, and whatever does not fit."""
+
+    cfg: RunConfig
+    stages: list[StageNeeds]
+    links: list[LinkNeeds]
+    bandwidth_bits: int | None = None
+    available: dict[str, int] = field(default_factory=dict)  # "RAM", "disk", "cuda:0", … -> free bytes
+    problems: list[str] = field(default_factory=list)
+
+    def link_seconds(self, link: LinkNeeds, warmup: bool = False) -> tuple[float, float] | None:
+        """Seconds on the wire per step (forward, backward) at --bandwidth; None without one."""
+        if self.bandwidth_bits is None:
+            return None
+        fwd, bwd = (link.warmup_fwd_bytes, link.warmup_bwd_bytes) if warmup else (link.fwd_bytes, link.bwd_bytes)
+        return 8 * fwd / self.bandwidth_bits, 8 * bwd / self.bandwidth_bits
+
+    def link_bound_step_seconds(self, warmup: bool = False) -> float | None:
+        """The least step time the links alone allow: under GPipe each direction runs in its own half of the step
+        (activations, then gradients); under a 1F1B schedule both directions are busy at once."""
+        times = [self.link_seconds(link, warmup) for link in self.links]
+        if not times or times[0] is None:
+            return None
+        both = self.cfg.schedule != "gpipe"
+        return max((max(t) if both else sum(t)) for t in times if t is not None)
+
+
+def micro_batches_held(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
+    """The most micro-batches whose activations `stage` holds at once under `schedule` (from its stream: from a
+    forward until the backward that frees it)."""
+    held = peak = 0
+    for ins in sch.SCHEDULES[schedule].stream(stage, stages, micro_batches):
+        if isinstance(ins, sch.Forward):
+            held += 1
+            peak = max(peak, held)
+        elif isinstance(ins, sch.Backward):
+            held -= 1
+    return peak
+
+
+def _micro_batch(plan: RunPlan) -> dict[str, torch.Tensor | None]:
+    """The first micro-batch of the training data: inputs, mask (or None) and targets."""
+    ids = torch.arange(min(plan.cfg.micro_batch_size, len(plan.dataset.train)))
+    train = plan.dataset.train
+    return {"inputs": train.inputs(ids), "mask": train.mask(ids), "targets": train.targets(ids)}
+
+
+def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, ...], torch.dtype]]:
+    """Run every stage's forward on one fake micro-batch: per stage ((parameters, trained parameters), activation
+    bytes held for one micro-batch, output shape, output dtype)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = plan.cfg
+    batch = _micro_batch(plan)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = torch.device("cpu")  # autocast and every kernel's output dtype as on the host
+    traced = []
+    x: torch.Tensor | None = None
+    for s in range(cfg.pp):
+        lo, hi = plan.bounds[s], plan.bounds[s + 1]
+        with torch.device("meta"):
+            module = plan.spec.build_stage(lo, hi, cfg.seed)
+            if plan.lora is not None:
+                apply_lora(module, lo, plan.lora, cfg.seed)
+        module.recompute = cfg.recompute
+        with mode:
+            module = module.to_empty(device=device)
+            params = list(module.parameters())
+            counts = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
+            meter = ActivationMeter(module)
+            meter.begin_step()
+            if cfg.recompute:
+                module.on_held = partial(meter.keep, 0)
+            inputs = mode.from_tensor(batch["inputs"]) if s == 0 else x
+            mask = batch["mask"]
+            with meter.forward(0), autocast(device, cfg.precision):
+                out = module(inputs, None if mask is None else mode.from_tensor(mask))
+                if s == cfg.pp - 1:
+                    plan.spec.loss(out, mode.from_tensor(batch["targets"]))
+            meter.keep(0, out if s < cfg.pp - 1 else None)
+        traced.append((counts, meter.peak_bytes, tuple(out.shape), out.dtype))
+        x = out.detach().requires_grad_(True)  # as a received activation is (aqpipe.runtime.link_ends)
+    return traced
+
+
+def steady_payload_bytes(spec: str, direction: str, shape: tuple[int, ...], dtype: torch.dtype,
+                         options: QuantOptions) -> int:
+    """Payload bytes of one compressed message of `shape` with a --fw/--bw spec (AQ-SGD: every sample a delta)."""
+    parsed = parse_spec(spec, direction)
+    if parsed.kind == "aqsgd":
+        return shape[0] + shape[0] * sample_bytes(shape, parsed.bits, options.per)
+    codec = build_codec(parsed, direction, options=options)
+    return codec.payload_bytes(SimpleNamespace(shape=shape, dtype=lossless(torch.empty(0, dtype=dtype)).dtype))
+
+
+def raw_payload_bytes(spec: str, direction: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Payload bytes of one warm-up message (lossless; AQ-SGD's carries a mode byte per sample and fp32 values)."""
+    if parse_spec(spec, direction).kind == "aqsgd":
+        return shape[0] + numel(shape) * 4
+    return numel(shape) * lossless(torch.empty(0, dtype=dtype)).dtype.itemsize
+
+
+def plan_capacity(plan: RunPlan) -> CapacityPlan:
+    """The capacity plan of a resolved run (bounds known)."""
+    from aqpipe.launch.netns import parse_rate
+
+    cfg = plan.cfg
+    traced = trace_stages(plan)
+    options = QuantOptions(per=cfg.quant_scales, grid=cfg.quant_grid)
+    m = cfg.micro_batches
+    samples_per_replica = -(-len(plan.dataset.train) // cfg.dp)
+    store = STORE_DTYPES[cfg.store_dtype]
+    links = []
+    for k in range(cfg.pp - 1):
+        _, _, shape, dtype = traced[k]
+        per_sample = numel(shape[1:])
+        side = int(samples_per_replica * per_sample * store.value_bytes) if cfg.fw.startswith("aqsgd") else 0
+        links.append(LinkNeeds(
+            k, shape, str(dtype).removeprefix("torch."),
+            m * steady_payload_bytes(cfg.fw, "fw", shape, dtype, options),
+            m * steady_payload_bytes(cfg.bw, "bw", shape, torch.float32, options),
+            m * raw_payload_bytes(cfg.fw, "fw", shape, dtype), m * raw_payload_bytes(cfg.bw, "bw", shape, torch.float32),
+            side))
+    copies = OPTIMIZER_STATE_COPIES[cfg.optimizer] if cfg.optimizer != "sgd" or (cfg.momentum or 0) > 0 else 0
+    headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
+    stages = []
+    for s, ((params, trainable), act, _, _) in enumerate(traced):
+        sides = [links[k].store_side_bytes for k in (s - 1, s) if 0 <= k < cfg.pp - 1]
+        stages.append(StageNeeds(
+            s, (plan.bounds[s], plan.bounds[s + 1]), params, trainable, 4 * params, 4 * trainable,
+            4 * copies * trainable, act, micro_batches_held(cfg.schedule, s, cfg.pp, m),
+            int(sum(sides) * headroom), cfg.store == "memory"))
+    capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None)
+    check_fits(capacity)
+    return capacity
+
+
+def check_fits(capacity: CapacityPlan) -> None:
+    """Fill in what the machine offers and what does not fit it: the host's RAM for every local rank on the CPU
+    (memory stores included), each GPU's free memory for the ranks sharing it."""
+    cfg = capacity.cfg
+    replicas = cfg.dp
+    if cfg.device == "cpu":
+        needed = replicas * sum(s.memory_bytes + (s.store_bytes if s.store_in_memory else 0) for s in capacity.stages)
+        free = available_memory()
+        capacity.available["RAM"] = free
+        if needed > free:
+            capacity.problems.append(f"the {cfg.world_size} ranks need about {_gb(needed)} of RAM (weights, gradients, "
+                                     f"optimizer state, activations{', m(xi) stores' if cfg.store == 'memory' else ''}) "
+                                     f"but {_gb(free)} is available")
+        return
+    gpus = torch.cuda.device_count()
+    per_gpu: dict[int, int] = {}
+    for rank in range(cfg.world_size):  # a rank runs on cuda:(local rank mod GPUs), like the worker's device
+        needs = capacity.stages[Grid(cfg.pp, cfg.dp, rank).stage].memory_bytes
+        per_gpu[rank % gpus] = per_gpu.get(rank % gpus, 0) + needs
+    for gpu, needed in sorted(per_gpu.items()):
+        free, _ = torch.cuda.mem_get_info(gpu)
+        capacity.available[f"cuda:{gpu}"] = free
+        if needed > free:
+            capacity.problems.append(f"cuda:{gpu} would hold about {_gb(needed)} (weights, gradients, optimizer "
+                                     f"state, activations of its ranks) but has {_gb(free)} free")
+
+
+def _gb(n: float) -> str:
+    """Bytes for people: kB, MB, GB or TB with three significant figures or so."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def format_plan(capacity: CapacityPlan) -> str:
+    """The plan as the table `--dry-run` prints."""
+    cfg = capacity.cfg
+    lines = [f"capacity plan: {cfg.model}, --pp {cfg.pp} --dp {cfg.dp}, {cfg.micro_batches} micro-batches of "
+             f"{cfg.micro_batch_size} x {cfg.seq_len} tokens, --schedule {cfg.schedule}, --precision {cfg.precision}"
+             f"{', --recompute' if cfg.recompute else ''}{f', --lora {cfg.lora}' if cfg.lora else ''}, "
+             f"--optimizer {cfg.optimizer}, --fw {cfg.fw} --bw {cfg.bw}", "",
+             "stage  layers  parameters  trained     weights   grads     optimizer  activations (held)     m(xi) store"]
+    for s in capacity.stages:
+        held = f"{_gb(s.activation_bytes)} ({s.micro_batches_held} x {_gb(s.activation_bytes_per_micro_batch)})"
+        where = "RAM" if s.store_in_memory else "disk"
+        lines.append(f"{s.stage:<6} {s.layers[0]:>2}-{s.layers[1]:<4} {s.parameters:>11,} {s.trainable:>11,}  "
+                     f"{_gb(s.weight_bytes):>9} {_gb(s.grad_bytes):>9} {_gb(s.optimizer_bytes):>9}  {held:<22} "
+                     f"{_gb(s.store_bytes) + ' ' + where if s.store_bytes else '-'}")
+    if capacity.links:
+        lines += ["", "link   micro-batch         fwd per step   bwd per step   warm-up fwd/bwd     m(xi) per side"]
+        for link in capacity.links:
+            lines.append(f"{link.link}->{link.link + 1}   {'x'.join(map(str, link.activation_shape)):<12} "
+                         f"{link.activation_dtype:<6} {_gb(link.fwd_bytes):>12} {_gb(link.bwd_bytes):>14}   "
+                         f"{_gb(link.warmup_fwd_bytes):>8}/{_gb(link.warmup_bwd_bytes):<9} "
+                         f"{_gb(link.store_side_bytes) if link.store_side_bytes else '-':>14}")
+        step = capacity.link_bound_step_seconds()
+        if step is not None:
+            lines.append(f"at --bandwidth {cfg.bandwidth}: the links alone need at least {step:.2f} s per step "
+                         f"({capacity.link_bound_step_seconds(warmup=True):.2f} s during fp32 warm-up)")
+    total = sum(s.memory_bytes for s in capacity.stages) * cfg.dp
+    lines += ["", f"in memory: {_gb(total)} over {cfg.world_size} ranks; available: "
+              + ", ".join(f"{k} {_gb(v)}" for k, v in capacity.available.items())]
+    lines += [f"does not fit: {p}" for p in capacity.problems] or ["fits"]
+    return "\n".join(lines)
+
+
+def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:
+    """Raise ConfigError with the plan's numbers when the run cannot fit; the plan (None when a custom model cannot
+    be traced with fake tensors: then nothing is refused)."""
+    try:
+        capacity = plan_capacity(plan)
+    except Exception:  # noqa: BLE001 - a model the fake tracer cannot run is trained unplanned, as before
+        return None
+    if capacity.problems:
+        raise ConfigError("the run does not fit: " + "; ".join(capacity.problems)
+                          + f" (per stage in memory: {', '.join(_gb(s.memory_bytes) for s in capacity.stages)}; "
+                          "see aqpipe launch ... --dry-run)")
+    return capacity

@@ -1,0 +1,108 @@
+"""The capacity plan (aqpipe.runtime.capacity): its numbers match what a real run measures — parameters, activation
+bytes held per stage under each schedule, precision, recompute and LoRA, and the wire bytes per step per link —
+`--dry-run` prints it and starts nothing, and a launch that does not fit is refused with exit 2 and its numbers."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from aqpipe.cli import main
+from aqpipe.config import resolve
+from aqpipe.runtime import capacity as cap
+from aqpipe.runtime.plan import make_plan
+from aqpipe.runtime.schedule import SCHEDULES
+
+SMALL = ["--pp", "4", "--seq-len", "32", "--max-samples", "32", "--micro-batch-size", "4", "--micro-batches", "4",
+         "--fw", "aqsgd:3", "--bw", "directq:6", "--warmup-epochs", "0", "--device", "cpu"]
+
+
+def flags_to_config(flags: list[str], out: Path):
+    """The resolved RunConfig the CLI builds from `flags` (through the real parser)."""
+    import dataclasses
+
+    from aqpipe.cli import _parser
+    from aqpipe.config import RunConfig, build_config
+
+    args = _parser().parse_args(["launch", *flags, "--out", str(out)])
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stage_bounds"}
+    return resolve(build_config({}, values))
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_micro_batches_held_follow_the_schedule(schedule):
+    bound = {"gpipe": lambda pp, s, m: m, "1f1b": lambda pp, s, m: min(pp - s, m),
+             "eager-1f1b": lambda pp, s, m: min(2 * (pp - s) - 1, m)}[schedule]
+    for pp in range(1, 7):
+        for m in (1, 3, 8):
+            for s in range(pp):
+                assert cap.micro_batches_held(schedule, s, pp, m) == bound(pp, s, m)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--model", "gpt2-tiny"],
+    ["--model", "gpt2-tiny", "--schedule", "1f1b", "--precision", "bf16", "--recompute"],
+    ["--model", "gpt2-tiny", "--schedule", "eager-1f1b", "--lora", "4"],
+    ["--model", "llama-tiny", "--data", "builtin-instruct", "--seq-len", "64", "--max-samples", "48",
+     "--precision", "bf16"],
+], ids=["gpt2-gpipe", "gpt2-1f1b-bf16-recompute", "gpt2-eager-lora", "llama-instruct-bf16"])
+def test_the_plan_matches_what_a_real_run_measures(tmp_path, extra):
+    flags = [*SMALL, *extra, "--epochs", "2", "--no-progress"]
+    assert main(["launch", *flags, "--out", str(tmp_path / "run")]) == 0
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    plan = make_plan(flags_to_config(flags[:-1], tmp_path / "plan"))
+    capacity = cap.plan_capacity(plan)
+
+    for stage in capacity.stages:  # parameters: the stage built for real
+        module = plan.spec.build_stage(*stage.layers, plan.cfg.seed)
+        if plan.lora is not None:
+            from aqpipe.stages.lora import apply_lora
+
+            apply_lora(module, stage.layers[0], plan.lora, plan.cfg.seed)
+        params = list(module.parameters())
+        assert stage.parameters == sum(p.numel() for p in params)
+        assert stage.trainable == sum(p.numel() for p in params if p.requires_grad)
+    measured = records[-1]["stage_peak_activation_bytes"]
+    planned = [s.activation_bytes for s in capacity.stages]
+    for got, want in zip(measured, planned):
+        assert abs(got - want) <= 0.1 * max(got, 1), (measured, planned)
+    steady = records[-1]  # the second epoch: every sample has an m(ξ), so AQ-SGD sends deltas only
+    for link in capacity.links:
+        assert abs(steady["link_fwd_bytes"][link.link] - link.fwd_bytes) <= 0.1 * link.fwd_bytes, (steady, link)
+        assert abs(steady["link_bwd_bytes"][link.link] - link.bwd_bytes) <= 0.1 * link.bwd_bytes, (steady, link)
+    first = records[0]  # the first epoch: every sample is new, so AQ-SGD sends it in fp32
+    assert first["link_fwd_bytes"][0] == capacity.links[0].warmup_fwd_bytes
+
+
+def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["launch", *SMALL, "--model", "gpt2-tiny", "--bandwidth", "10mbit", "--dry-run", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert not out.exists()
+    for needle in ("capacity plan: gpt2-tiny", "activations (held)", "0->1", "at --bandwidth 10mbit", "fits"):
+        assert needle in printed, printed
+
+
+def test_a_run_that_does_not_fit_is_refused_with_its_numbers(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cap, "available_memory", lambda: 5_000_000)  # 5 MB of RAM: the tiny model needs ~70 MB
+    out = tmp_path / "run"
+    code = main(["launch", *SMALL, "--model", "gpt2-tiny", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "does not fit" in err[0] and "of RAM" in err[0] and "but 5 MB is available" in err[0]
+    assert not (out / "metrics.jsonl").exists()
+    assert main(["launch", *SMALL, "--model", "gpt2-tiny", "--dry-run", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "stage  layers" in captured.out and "does not fit" in captured.err
+
+
+def test_wire_bytes_of_each_codec_equal_a_real_message():
+    from aqpipe.compress.codecs import QuantOptions, build_codec
+
+    options = QuantOptions()
+    x = torch.randn(3, 7, 20)
+    for spec, direction in [("fp32", "fw"), ("fp16", "fw"), ("directq:4", "fw"), ("topk:0.1:8", "bw"), ("bf16", "bw")]:
+        encoded = build_codec(spec, direction, options=options).encode(x, torch.arange(3))
+        assert encoded.payload.numel() == cap.steady_payload_bytes(spec, direction, tuple(x.shape), x.dtype, options)
+    assert cap.raw_payload_bytes("fp32", "fw", (3, 7, 20), torch.bfloat16) == 3 * 7 * 20 * 2
