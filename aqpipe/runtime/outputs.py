@@ -26,7 +26,8 @@ from aqpipe.stages.models import tokenizer_directory
 STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elements", "grad_sync_bytes",
                "compute_seconds", "comm_wait_seconds", "grad_norm", "store_hits", "store_misses", "store_reseeded",
                "store_overflow", "fwd_recv_bytes", "fwd_recv_seconds", "bwd_recv_bytes", "bwd_recv_seconds",
-               "forward_seconds", "backward_seconds", "peak_activation_bytes", "overflow", "loss_scale")
+               "forward_seconds", "backward_seconds", "peak_activation_bytes", "peak_memory_bytes", "overflow",
+               "loss_scale")
 
 
 def open_outputs(cfg: RunConfig, plan: RunPlan, first_step: int) -> MetricsLog:
@@ -93,6 +94,7 @@ def step_record(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_p
         "stage_forward_seconds": [float(col["forward_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
         "stage_backward_seconds": [float(col["backward_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
         "stage_peak_activation_bytes": [int(col["peak_activation_bytes"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
+        "stage_peak_memory_bytes": [int(col["peak_memory_bytes"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
         "loss_scale": float(col["loss_scale"][0]),
         "skipped": bool(col["overflow"].max() > 0),  # fp16: a gradient overflowed and no rank updated
     }

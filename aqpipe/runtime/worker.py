@@ -44,6 +44,7 @@ class StepStats:
     backward_seconds: float = 0.0
     grad_norm: float = 0.0
     peak_activation_bytes: int = 0  # the most bytes of activations held for backward at once
+    peak_memory_bytes: int = 0  # CUDA: the most bytes allocated on the device this step; CPU: the process's peak RSS
     overflow: int = 0  # 1: an fp16 gradient overflowed somewhere, and every rank skipped this step's update
     loss_scale: float = 0.0  # fp16's loss scale during this step (0 without loss scaling)
     store_hits: int = 0  # the m(ξ) store's counters so far (the loop fills them in)
@@ -108,6 +109,8 @@ class StageWorker:
         if self._meter is None:
             self._meter = ActivationMeter(self.module)
         self._meter.begin_step()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.module.train()
         self._step, self._n = step, n
         self._weights = self._loss_weights(micro_batch_ids) if self.grid.is_last_stage else None
@@ -126,6 +129,7 @@ class StageWorker:
                 setattr(stats, self._MODEL_TIMERS[type(ins)], getattr(stats, self._MODEL_TIMERS[type(ins)]) + elapsed)
         self._mbs = {}
         stats.peak_activation_bytes = self._meter.peak_bytes
+        stats.peak_memory_bytes = peak_memory_bytes(self.device)
         self._count_links(stats)
         return stats
 
@@ -261,6 +265,16 @@ class StageWorker:
     }
 
     _MODEL_TIMERS: ClassVar[dict[type, str]] = {sch.Forward: "forward_seconds", sch.Backward: "backward_seconds"}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The most memory this rank has used: on CUDA the bytes allocated on its device since the step began, on the
+    host the process's peak resident set since it started (the kernel keeps no per-step peak)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB
 
 
 def report_nonfinite(activation: torch.Tensor, ids: torch.Tensor, step: int, stage: int, aqsgd: bool = True
