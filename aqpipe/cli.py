@@ -56,6 +56,8 @@ HELP = {
                  "are clipped before the vote and unused rows (zero on every replica) do not move",
     "store": "where m(xi) lives: memory or lmdb (on disk, under the run directory)",
     "store_dtype": f"how m(xi) is kept: {describe_store_dtypes()}",
+    "store_device": "where the memory store keeps m(xi): cpu (host RAM; pinned on a CUDA run) or cuda (the stage's "
+                    "GPU: no host copies, GPU memory spent)",
     "store_max_gb": "cap on each rank's LMDB store (GB)",
     "quant_scales": "quantization scales per sample and channel (default) or per token",
     "quant_rounding": "nearest (default) or stochastic (unbiased) rounding",

@@ -80,6 +80,7 @@ class RunConfig:
     store: str = "memory"
     store_dtype: str = "fp16"
     store_max_gb: float | None = None
+    store_device: str = "cpu"
     bandwidth: str | None = None
     device: str | None = None
     out: str | None = None
@@ -287,6 +288,10 @@ def _check_choices(cfg: RunConfig) -> None:
     if cfg.store_dtype not in MEMORY_DTYPES and cfg.store != "lmdb":
         raise ConfigError(f"--store-dtype {cfg.store_dtype} (low-bit m) needs --store lmdb; in memory use "
                           f"{', '.join(MEMORY_DTYPES)}")
+    if cfg.store_device not in ("cpu", "cuda"):
+        raise ConfigError(f"--store-device {cfg.store_device!r} is not one of cpu, cuda")
+    if cfg.store_device == "cuda" and (cfg.store != "memory" or cfg.device != "cuda"):
+        raise ConfigError("--store-device cuda keeps m(xi) in GPU memory: it needs --store memory and --device cuda")
     if cfg.store_max_gb is not None and cfg.store_max_gb <= 0:
         raise ConfigError(f"--store-max-gb must be positive, got {cfg.store_max_gb}")
     if cfg.bandwidth is not None:

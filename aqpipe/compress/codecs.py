@@ -4,6 +4,10 @@ Every codec has `encode(tensor, ids, compress) -> Encoded`, `decode(header, payl
 `check_header(header)`, which the transport calls before it allocates a payload. With `compress=False` (the
 warm-up epochs) a codec sends fp32 and flags the message raw. `build_codec` turns a `--fw`/`--bw` spec into a
 codec; `aqpipe.compress.specs` holds the table of codec names and validates a spec without building anything.
+
+Codecs compute on the tensor's device: on a GPU, quantizing, packing and AQ-SGD's m(ξ) arithmetic and checksum run
+there, and only the packed payload crosses to the host (`to_host`, through pinned memory); a received payload is
+decoded on the codec's `device`.
 """
 
 from __future__ import annotations
@@ -21,13 +25,23 @@ CODE_FP32, CODE_FP16, CODE_BF16, CODE_DIRECTQ, CODE_AQSGD, CODE_TOPK = 1, 2, 3, 
 # What a lossless message (fp32 codec, or any codec's raw message) carries: the tensor in its own float dtype, so a
 # bf16/fp16 activation of a mixed-precision stage crosses at its own size, bit for bit; anything else as fp32.
 LOSSLESS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HOST = torch.device("cpu")
+
+
+def to_host(payload: torch.Tensor) -> torch.Tensor:
+    """A message's encoded bytes on the host, where the socket reads them: the one device-to-host copy a message
+    makes, into pinned memory (a DMA, not a staged copy); host bytes are returned as they are."""
+    if payload.device.type == "cpu":
+        return payload
+    host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
+    return host.copy_(payload)  # synchronous: the outbox thread reads the bytes next
 
 
 @dataclass
 class Encoded:
     """What a codec puts on the wire for one tensor."""
 
-    payload: torch.Tensor  # flat uint8
+    payload: torch.Tensor  # flat uint8, on the host
     shape: tuple[int, ...]
     wire_dtype: torch.dtype
     codec_check: int = 0
@@ -60,6 +74,7 @@ class LinkCodec:
     code = CODE_FP32
     name = "fp32"
     bits = 0
+    device = HOST  # where received messages are decoded (build_codec sets the stage's device)
 
     def encode(self, tensor: torch.Tensor, ids: torch.Tensor, compress: bool = True) -> Encoded:
         """The wire form of `tensor` (a batch whose first dimension matches `ids`)."""
@@ -69,6 +84,7 @@ class LinkCodec:
 
     def decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The tensor a received message stands for: float32, or a raw message's own dtype."""
+        payload = payload.to(self.device)
         if header.flags & FLAG_RAW:
             return bytes_as(payload.view(1, -1), header.dtype).view(header.shape)
         return self._decode(header, payload, ids)
@@ -92,8 +108,9 @@ class LinkCodec:
         return (self.bits << 8) | (FLAG_RAW if raw else 0)
 
     def _raw(self, tensor: torch.Tensor) -> Encoded:
-        wire = lossless(tensor.detach()).contiguous().cpu()
-        return Encoded(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), wire.dtype, flags=self.flags(raw=True))
+        wire = lossless(tensor.detach()).contiguous()
+        return Encoded(to_host(wire.view(torch.uint8).reshape(-1)), tuple(wire.shape), wire.dtype,
+                       flags=self.flags(raw=True))
 
     def payload_bytes(self, header) -> int:
         """The exact payload length of a compressed message with this header."""
@@ -111,7 +128,10 @@ class LinkCodec:
         """Restore `state_dict()`'s output."""
         generator = getattr(self, "_generator", None)
         if generator is not None and "generator" in state:
-            generator.set_state(state["generator"])
+            try:
+                generator.set_state(state["generator"])
+            except RuntimeError:  # saved on another device type (a resume may move a run to or from CUDA): the
+                pass  # stochastic rounding goes on from the codec's own seed there
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
         return self._raw(tensor)
@@ -142,8 +162,8 @@ class FloatCodec(LinkCodec):
         return numel(header.shape) * self._wire(header.dtype).itemsize
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
-        wire = tensor.to(self._wire(tensor.dtype)).contiguous().cpu()
-        return Encoded(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), wire.dtype, flags=self.flags())
+        wire = tensor.to(self._wire(tensor.dtype)).contiguous()
+        return Encoded(to_host(wire.view(torch.uint8).reshape(-1)), tuple(wire.shape), wire.dtype, flags=self.flags())
 
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if header.dtype != self._wire(header.dtype):
@@ -162,9 +182,22 @@ class QuantOptions:
     grid: str = DEFAULT_GRID  # which levels a code stands for (aqpipe.compress.quantize.GRIDS)
 
 
+def generator_on(device: torch.device, seed: int) -> torch.Generator:
+    """A seeded random generator on `device` (stochastic rounding draws where it quantizes)."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def build_codec(spec: str | CodecSpec, direction: str = "fw", store_view=None, options: QuantOptions | None = None,
-                check: bool = True) -> LinkCodec:
-    """The codec for a spec; AQ-SGD needs `store_view` (one side of one link of the message store)."""
+                check: bool = True, device: torch.device | str = "cpu") -> LinkCodec:
+    """The codec for a spec, decoding onto `device`; AQ-SGD needs `store_view` (one side of one link of the message
+    store)."""
+    codec = _build(spec, direction, store_view, options, check, torch.device(device))
+    codec.device = torch.device(device)
+    return codec
+
+
+def _build(spec: str | CodecSpec, direction: str, store_view, options: QuantOptions | None, check: bool,
+           device: torch.device) -> LinkCodec:
     from aqpipe.compress.aqsgd import AQSGDCodec
     from aqpipe.compress.directq import DirectQCodec
     from aqpipe.compress.topk import TopKCodec
@@ -178,9 +211,9 @@ def build_codec(spec: str | CodecSpec, direction: str = "fw", store_view=None, o
     if parsed.kind == "bf16":
         return FloatCodec("bf16", torch.bfloat16, CODE_BF16)
     if parsed.kind == "directq":
-        return DirectQCodec(parsed.bits, options)
+        return DirectQCodec(parsed.bits, options, device)
     if parsed.kind == "topk":
-        return TopKCodec(parsed.fraction, parsed.bits, options)
+        return TopKCodec(parsed.fraction, parsed.bits, options, device)
     if store_view is None:
         raise CodecError("the aqsgd codec needs a message store")
-    return AQSGDCodec(parsed.bits, store_view, options, check)
+    return AQSGDCodec(parsed.bits, store_view, options, check, device)

@@ -9,7 +9,17 @@ from __future__ import annotations
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
-from aqpipe.compress.codecs import CODE_DIRECTQ, Encoded, LinkCodec, QuantOptions, bytes_as, numel
+from aqpipe.compress.codecs import (
+    CODE_DIRECTQ,
+    HOST,
+    Encoded,
+    LinkCodec,
+    QuantOptions,
+    bytes_as,
+    generator_on,
+    numel,
+    to_host,
+)
 from aqpipe.compress.quantize import DEFAULT_GRID, Quantized, dequantize, quantize, scale_count
 
 
@@ -37,18 +47,18 @@ class DirectQCodec(LinkCodec):
 
     code = CODE_DIRECTQ
 
-    def __init__(self, bits: int, options: QuantOptions) -> None:
-        self.bits, self.options = bits, options
+    def __init__(self, bits: int, options: QuantOptions, device: torch.device = HOST) -> None:
+        self.bits, self.options, self.device = bits, options, device
         self.name = f"directq:{bits}"
-        self._generator = torch.Generator().manual_seed(options.seed)
+        self._generator = generator_on(device, options.seed)
 
     def payload_bytes(self, header) -> int:
         return header.shape[0] * sample_bytes(header.shape, self.bits, self.options.per)
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
-        x = tensor.float().cpu()
+        x = tensor.float()
         q = quantize(x, self.bits, self.options.per, self.options.stochastic, self._generator, self.options.grid)
-        return Encoded(encode_samples(q).reshape(-1), tuple(x.shape), torch.uint8, flags=self.flags())
+        return Encoded(to_host(encode_samples(q).reshape(-1)), tuple(x.shape), torch.uint8, flags=self.flags())
 
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         rows = payload.view(header.shape[0], -1)

@@ -13,7 +13,18 @@ import math
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
-from aqpipe.compress.codecs import CODE_TOPK, CodecError, Encoded, LinkCodec, QuantOptions, bytes_as, numel
+from aqpipe.compress.codecs import (
+    CODE_TOPK,
+    HOST,
+    CodecError,
+    Encoded,
+    LinkCodec,
+    QuantOptions,
+    bytes_as,
+    generator_on,
+    numel,
+    to_host,
+)
 from aqpipe.compress.quantize import Quantized, dequantize, quantize
 
 
@@ -35,10 +46,11 @@ class TopKCodec(LinkCodec):
 
     code = CODE_TOPK
 
-    def __init__(self, fraction: float, bits: int, options: QuantOptions) -> None:
-        self.fraction, self.bits, self.options = fraction, bits, options
+    def __init__(self, fraction: float, bits: int, options: QuantOptions,
+                 device: torch.device = HOST) -> None:
+        self.fraction, self.bits, self.options, self.device = fraction, bits, options, device
         self.name = f"topk:{fraction:g}:{bits}"
-        self._generator = torch.Generator().manual_seed(options.seed + 17)
+        self._generator = generator_on(device, options.seed + 17)
 
     def _layout(self, shape: tuple[int, ...]) -> tuple[int, int, str, int, int]:
         n = numel(shape[1:])
@@ -50,7 +62,7 @@ class TopKCodec(LinkCodec):
         return header.shape[0] * self._layout(header.shape)[4]
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
-        g = tensor.float().cpu().reshape(tensor.shape[0], -1)
+        g = tensor.float().reshape(tensor.shape[0], -1)
         b = g.shape[0]
         n, k, fmt, _, _ = self._layout(tuple(tensor.shape))
         idx = g.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
@@ -58,13 +70,13 @@ class TopKCodec(LinkCodec):
         # "channel" scales of a [b, k] tensor: one scale per sample
         q = quantize(values, self.bits, "channel", self.options.stochastic, self._generator, self.options.grid)
         if fmt == "bitmap":
-            mask = torch.zeros(b, n, dtype=torch.uint8)
+            mask = torch.zeros(b, n, dtype=torch.uint8, device=g.device)
             mask.scatter_(1, idx, 1)
             positions = pack(mask, 1)
         else:
             positions = idx.to(torch.int16 if fmt == "int16" else torch.int32).contiguous().view(torch.uint8)
         rows = torch.cat([q.scales.contiguous().view(torch.uint8), positions, pack(q.codes, self.bits)], dim=1)
-        return Encoded(rows.reshape(-1), tuple(tensor.shape), torch.uint8, flags=self.flags())
+        return Encoded(to_host(rows.reshape(-1)), tuple(tensor.shape), torch.uint8, flags=self.flags())
 
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         shape = header.shape
@@ -84,6 +96,6 @@ class TopKCodec(LinkCodec):
             if bool(((idx < 0) | (idx >= n)).any()):
                 raise CodecError("topk positions fall outside the tensor")
         values = dequantize(Quantized(codes, scales, self.bits, "channel", self.options.grid), (b, k))
-        out = torch.zeros(b, n, dtype=torch.float32)
+        out = torch.zeros(b, n, dtype=torch.float32, device=rows.device)
         out.scatter_(1, idx, values)
         return out.view(shape)

@@ -11,7 +11,7 @@ from aqpipe.compress.grad import DPGroup, build_grad_sync
 from aqpipe.compress.grad.methods import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.config import RunConfig
-from aqpipe.runtime.grid import Grid, ProcessGroups, create_groups
+from aqpipe.runtime.grid import Grid, ProcessGroups, collective_device, create_groups
 from aqpipe.runtime.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
 from aqpipe.runtime.optim import build_optimizer, momenta
 from aqpipe.runtime.plan import RunPlan, store_bytes_per_rank
@@ -39,15 +39,19 @@ class Stage:
     worker: StageWorker
 
 
-def open_store(cfg: RunConfig, rank: int, estimate: int | None = None) -> MemoryStore | PrefetchingStore:
-    """This rank's m(ξ) store: in memory, or an LMDB environment under the run directory, its map sized from the
-    estimate when there is one (it grows on demand either way)."""
+def open_store(cfg: RunConfig, rank: int, estimate: int | None = None, device: torch.device | None = None
+               ) -> MemoryStore | PrefetchingStore:
+    """This rank's m(ξ) store: in memory (on the host, pinned when the stage runs on a GPU, or on that GPU with
+    --store-device cuda), or an LMDB environment under the run directory, its map sized from the estimate when
+    there is one (it grows on demand either way)."""
     if cfg.store == "lmdb":
         cap = int(cfg.store_max_gb * 1e9) if cfg.store_max_gb is not None else None
         initial = min(estimate or (64 << 20), cap or (1 << 62))
         return PrefetchingStore(LMDBStore(store_path(cfg.out, rank), cfg.store_dtype, max_bytes=cap,
                                           initial_map_bytes=max(initial, 1 << 20)))
-    return MemoryStore(value_dtype(cfg.store_dtype))
+    on_gpu = device is not None and device.type == "cuda"
+    return MemoryStore(value_dtype(cfg.store_dtype), device if on_gpu and cfg.store_device == "cuda" else "cpu",
+                       pinned=on_gpu)
 
 
 def stream_name(replica: int, link: int, direction: str) -> str:
@@ -73,16 +77,18 @@ def open_links(cfg: RunConfig, grid: Grid, groups: ProcessGroups, store, device:
     links = StageLinks()
     if grid.prev_rank is not None:  # link stage - 1: activations in, gradients out
         peer = grid.describe(grid.prev_rank)
-        links.act_in = ActivationIn(before, KIND_ACTIVATION, build_codec(cfg.fw, "fw", views["recv"], options, check),
+        links.act_in = ActivationIn(before, KIND_ACTIVATION,
+                                    build_codec(cfg.fw, "fw", views["recv"], options, check, device),
                                     Inbox(streams[names[(before, "activation")]], peer, cfg.stall_timeout), device,
                                     cfg.micro_batch_size, (SIDE_MASK,))
-        links.grad_out = GradientOut(before, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options),
+        links.grad_out = GradientOut(before, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options, device=device),
                                      Outbox(streams[names[(before, "gradient")]], peer, cfg.stall_timeout))
     if grid.next_rank is not None:  # link stage: activations out, gradients in
         peer = grid.describe(grid.next_rank)
-        links.act_out = ActivationOut(after, KIND_ACTIVATION, build_codec(cfg.fw, "fw", views["send"], options, check),
+        links.act_out = ActivationOut(after, KIND_ACTIVATION,
+                                      build_codec(cfg.fw, "fw", views["send"], options, check, device),
                                       Outbox(streams[names[(after, "activation")]], peer, cfg.stall_timeout))
-        links.grad_in = GradientIn(after, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options),
+        links.grad_in = GradientIn(after, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options, device=device),
                                    Inbox(streams[names[(after, "gradient")]], peer, cfg.stall_timeout), device,
                                    cfg.micro_batch_size, (SIDE_RESEED,))
     return links
@@ -92,13 +98,13 @@ def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str
     """Build this rank's stage from the run plan (every rank of the world calls it: it creates process groups)."""
     cfg = plan.cfg
     groups = create_groups(grid, backend)
-    store = open_store(cfg, grid.rank, store_bytes_per_rank(cfg, plan.spec, len(plan.dataset.train)))
+    store = open_store(cfg, grid.rank, store_bytes_per_rank(cfg, plan.spec, len(plan.dataset.train)), device)
     module = plan.spec.build_stage(plan.bounds[grid.stage], plan.bounds[grid.stage + 1], cfg.seed)
     module.recompute = cfg.recompute
     if plan.lora is not None:
         apply_lora(module, plan.bounds[grid.stage], plan.lora, cfg.seed)
     module = module.to(device)
-    dp_group = DPGroup(groups.data_parallel, tuple(grid.dp_ranks(grid.stage)), grid.replica)
+    dp_group = DPGroup(groups.data_parallel, tuple(grid.dp_ranks(grid.stage)), grid.replica, collective_device(device))
     optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)
     grad_sync = build_grad_sync(cfg.grad_sync, dp_group, cfg.seed, freeze_step(plan.total_steps, cfg.warmup_steps),
                                 momentum=vote_momentum)

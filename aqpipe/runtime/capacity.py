@@ -50,7 +50,7 @@ class StageNeeds:
     activation_bytes_per_micro_batch: int
     micro_batches_held: int
     store_bytes: int = 0  # the m(ξ) sides this rank keeps (bytes of values; on disk under lmdb, with its headroom)
-    store_in_memory: bool = False
+    store_where: str = "RAM"  # RAM (--store memory), GPU (--store-device cuda) or disk (--store lmdb)
 
     @property
     def activation_bytes(self) -> int:
@@ -59,8 +59,10 @@ class StageNeeds:
 
     @property
     def memory_bytes(self) -> int:
-        """Everything above that lives in the device's memory (a host-memory store counts on the CPU only)."""
-        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        """What lives in the memory of the device the stage computes on (a store in host RAM counts there only on
+        the CPU)."""
+        model = self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        return model + (self.store_bytes if self.store_where == "GPU" else 0)
 
 
 @dataclass
@@ -209,10 +211,17 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
         stages.append(StageNeeds(
             s, (plan.bounds[s], plan.bounds[s + 1]), params, trainable, 4 * params, 4 * trainable,
             4 * copies * trainable, act, micro_batches_held(cfg.schedule, s, cfg.pp, m),
-            int(sum(sides) * headroom), cfg.store == "memory"))
+            int(sum(sides) * headroom), store_where(cfg)))
     capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None)
     check_fits(capacity)
     return capacity
+
+
+def store_where(cfg: RunConfig) -> str:
+    """Where the m(ξ) stores of a run live: RAM, GPU or disk."""
+    if cfg.store == "lmdb":
+        return "disk"
+    return "GPU" if cfg.store_device == "cuda" else "RAM"
 
 
 def check_fits(capacity: CapacityPlan) -> None:
@@ -221,7 +230,7 @@ def check_fits(capacity: CapacityPlan) -> None:
     cfg = capacity.cfg
     replicas = cfg.dp
     if cfg.device == "cpu":
-        needed = replicas * sum(s.memory_bytes + (s.store_bytes if s.store_in_memory else 0) for s in capacity.stages)
+        needed = replicas * sum(s.memory_bytes + (s.store_bytes if s.store_where == "RAM" else 0) for s in capacity.stages)
         free = available_memory()
         capacity.available["RAM"] = free
         if needed > free:
@@ -235,11 +244,14 @@ def check_fits(capacity: CapacityPlan) -> None:
         needs = capacity.stages[Grid(cfg.pp, cfg.dp, rank).stage].memory_bytes
         per_gpu[rank % gpus] = per_gpu.get(rank % gpus, 0) + needs
     for gpu, needed in sorted(per_gpu.items()):
-        free, _ = torch.cuda.mem_get_info(gpu)
+        # the device's total (its properties need no CUDA context in this launcher process, which would itself
+        # take memory the ranks need); what other processes use is not counted
+        free = torch.cuda.get_device_properties(gpu).total_memory
         capacity.available[f"cuda:{gpu}"] = free
         if needed > free:
             capacity.problems.append(f"cuda:{gpu} would hold about {_gb(needed)} (weights, gradients, optimizer "
-                                     f"state, activations of its ranks) but has {_gb(free)} free")
+                                     f"state, activations{', m(xi) stores' if cfg.store_device == 'cuda' else ''} of "
+                                     f"its ranks) but has {_gb(free)} in all")
 
 
 def _gb(n: float) -> str:
@@ -260,10 +272,9 @@ def format_plan(capacity: CapacityPlan) -> str:
              "stage  layers  parameters  trained     weights   grads     optimizer  activations (held)     m(xi) store"]
     for s in capacity.stages:
         held = f"{_gb(s.activation_bytes)} ({s.micro_batches_held} x {_gb(s.activation_bytes_per_micro_batch)})"
-        where = "RAM" if s.store_in_memory else "disk"
         lines.append(f"{s.stage:<6} {s.layers[0]:>2}-{s.layers[1]:<4} {s.parameters:>11,} {s.trainable:>11,}  "
                      f"{_gb(s.weight_bytes):>9} {_gb(s.grad_bytes):>9} {_gb(s.optimizer_bytes):>9}  {held:<22} "
-                     f"{_gb(s.store_bytes) + ' ' + where if s.store_bytes else '-'}")
+                     f"{_gb(s.store_bytes) + ' ' + s.store_where if s.store_bytes else '-'}")
     if capacity.links:
         lines += ["", "link   micro-batch         fwd per step   bwd per step   warm-up fwd/bwd     m(xi) per side"]
         for link in capacity.links:

@@ -14,7 +14,7 @@ from aqpipe.config import RunConfig
 from aqpipe.launch.env import loopback_rendezvous
 from aqpipe.runtime.assemble import Stage, assemble_stage
 from aqpipe.runtime.events import emit, start_heartbeat
-from aqpipe.runtime.grid import Grid
+from aqpipe.runtime.grid import Grid, collective_backend, rank_device
 from aqpipe.runtime.loop import train_steps
 from aqpipe.runtime.outputs import finish_outputs, open_outputs, save_stage_weights
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds
@@ -30,14 +30,14 @@ def run_worker(cfg: RunConfig, rank: int, world_size: int, spec_factory=None) ->
                            f"{cfg.world_size}")
     grid = Grid(cfg.pp, cfg.dp, rank)
     start_heartbeat()
-    device = torch.device(cfg.device if cfg.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    device = rank_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     torch.manual_seed(cfg.seed)
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = collective_backend(device, local_world)
     timeout = timedelta(seconds=cfg.stall_timeout)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                             store=loopback_rendezvous(rank, world_size, timeout))

@@ -20,10 +20,16 @@ def compact(value: torch.Tensor) -> torch.Tensor:
 
 
 class MemoryStore:
-    """m(ξ) kept in RAM (or device memory), one tensor per (link, side, sample id)."""
+    """m(ξ) kept in RAM (or device memory), one tensor per (link, side, sample id).
 
-    def __init__(self, dtype: torch.dtype = torch.float16) -> None:
+    Values live on `device`; with `pinned`, host values sit in page-locked memory so that moving them to and from a
+    GPU is a DMA (a CUDA run with its m(ξ) on the host)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu",
+                 pinned: bool = False) -> None:
         self.dtype = dtype
+        self.device = torch.device(device)
+        self.pinned = pinned and self.device.type == "cpu"
         self.stats = StoreStats()
         self.step = 0  # the training step, set by the worker (the LMDB store stamps it into values)
         self._values: dict[tuple[int, str, int], torch.Tensor] = {}
@@ -46,7 +52,14 @@ class MemoryStore:
         for i, v in zip(ids, values):
             if v.dtype != self.dtype:
                 raise TypeError(f"the store keeps {self.dtype}, got {v.dtype}")
-            self._values[(link, side, int(i))] = compact(v)
+            self._values[(link, side, int(i))] = self._keep(v)
+
+    def _keep(self, value: torch.Tensor) -> torch.Tensor:
+        """A compact copy of `value` on the store's device (in pinned host memory if asked), or `value` itself when
+        it already is one."""
+        if self.pinned:
+            return torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value)
+        return compact(value.to(self.device))
 
     def storable(self, values: Sequence[torch.Tensor]) -> list[bool]:
         """Whether each value (in the store dtype) is finite: an inf or NaN m(ξ) would poison every later epoch."""
@@ -81,7 +94,7 @@ class MemoryStore:
         self._values = {}
         for key, value in entries.items():
             link, side, sample = key.split("/")
-            self._values[(int(link), side, int(sample))] = compact(value.to(self.dtype))
+            self._values[(int(link), side, int(sample))] = self._keep(value.to(self.dtype))
 
     def entries(self) -> dict[str, torch.Tensor]:
         """Every entry keyed 'link/side/id' (what `dump` writes and `load` reads)."""

@@ -31,6 +31,7 @@ class DPGroup:
     group: Any  # a torch.distributed ProcessGroup (None: the default group)
     ranks: tuple[int, ...]
     index: int
+    device: torch.device = torch.device("cpu")  # where the group's collectives take tensors (a GPU under NCCL)
 
     @property
     def size(self) -> int:
@@ -134,7 +135,8 @@ class Compressor:
                 return
             if not self.sign_based:
                 self.sizes = [g.numel() for g in grads]
-                write_back(self.combine(flatten(grads)), grads)
+                flat = flatten(grads)
+                write_back(self.combine(flat.to(self.dp.device)).to(flat.device), grads)
                 return
             self._synchronize_signs(params, grads)
         finally:
@@ -146,7 +148,9 @@ class Compressor:
         if self.dp.size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=self.dp.group)
+            shared = rows.to(self.dp.device)
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.dp.group)
+            rows = shared.to(rows.device)
             self.bytes_sent += ring_all_reduce_bytes(rows.numel(), self.dp.size)
         self.active = expand_rows(rows.bool(), grads)
         flat = flatten(grads)
@@ -156,7 +160,7 @@ class Compressor:
             flat = self.local_momentum.mul_(self.momentum).add_(flat, alpha=1 - self.momentum).clone()
         self.sizes = [int(a.sum()) for a in self.active.split([g.numel() for g in grads])]
         result = torch.zeros_like(flat)
-        result[self.active] = self.combine(flat[self.active])
+        result[self.active] = self.combine(flat[self.active].to(self.dp.device)).to(flat.device)
         write_back(result, grads)
         for p, count in zip(params, self.sizes):
             if count == 0:  # nothing active: the optimizer skips a parameter without a gradient (no decay either)

@@ -125,7 +125,7 @@ class QuantizedAdam(torch.optim.Optimizer):
         if frozen and params:
             beta1 = self.param_groups[0]["betas"][0]
             local = torch.cat([(self.state[p]["exp_avg"] * beta1 + p.grad * (1 - beta1)).reshape(-1) for p in params])
-            averaged = self.sync.average_momentum(local.float())
+            averaged = self.sync.average_momentum(local.float().to(self.sync.dp.device)).to(local.device)
             offset = 0
             for p in params:
                 self.state[p]["exp_avg"].copy_(averaged[offset : offset + p.numel()].view_as(p))

@@ -1,0 +1,125 @@
+"""The GPU checks (`pytest -m gpu`): codecs computing on the GPU, several ranks sharing one GPU, NCCL or staged
+collectives. They skip where CUDA is absent (CI never has a GPU); results of runs on a GPU machine are recorded in
+benchmarks/README.md. `AQPIPE_TEST_DEVICE=cpu pytest -m gpu tests/test_gpu.py` runs the same checks on the host,
+which checks the checks themselves on a machine without a GPU.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from aqpipe.compress.aqsgd import store_checksum
+from aqpipe.compress.codecs import QuantOptions, build_codec
+from aqpipe.storage import MemoryStore, StoreView
+
+DEVICE = os.environ.get("AQPIPE_TEST_DEVICE", "cuda")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU (run pytest -m gpu on a machine with one)")]
+TINY = ["--seq-len", "32", "--max-samples", "64", "--micro-batch-size", "4", "--micro-batches", "4", "--seed", "3",
+        "--no-progress", "--device", DEVICE]
+
+
+def launch(out: Path, *flags: str) -> list[dict]:
+    """Run `aqpipe launch` (every rank on this machine's one GPU); returns the metrics records."""
+    proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", *TINY, *flags, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("spec,direction,per", [("fp32", "fw", "channel"), ("fp16", "fw", "channel"),
+                                                ("bf16", "bw", "channel"), ("directq:4", "fw", "channel"),
+                                                ("directq:2", "bw", "token"), ("topk:0.1:8", "bw", "channel")])
+def test_a_codec_encodes_on_the_device_and_only_bytes_reach_the_host(spec, direction, per):
+    options = QuantOptions(per=per)
+    x = torch.randn(4, 24, 40, device=DEVICE)
+    ids = torch.arange(4)
+    on_device = build_codec(spec, direction, options=options, device=DEVICE)
+    encoded = on_device.encode(x, ids)
+    assert encoded.payload.device.type == "cpu" and encoded.payload.dtype == torch.uint8
+    header = _header(encoded)
+    decoded = on_device.decode(header, encoded.payload, ids)
+    assert decoded.device.type == torch.device(DEVICE).type
+    on_host = build_codec(spec, direction, options=options).decode(header, encoded.payload, ids)
+    assert torch.equal(decoded.cpu(), on_host)  # a table lookup and one multiply: the same bits on every device
+    if spec == "fp32":
+        assert torch.equal(decoded.cpu(), x.cpu())
+
+
+def _header(encoded):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(shape=encoded.shape, dtype=encoded.wire_dtype, flags=encoded.flags,
+                           codec_check=encoded.codec_check, payload_len=encoded.payload.numel(), step=0, micro_batch=0)
+
+
+def test_aqsgd_copies_stay_identical_across_devices_and_the_checksum_is_device_free():
+    """A sender on the GPU (m(ξ) in GPU memory), one receiver on the GPU and one on the host: after several visits
+    all three copies of m(ξ) are bit-identical, and every message's checksum passed on both receivers."""
+    options = QuantOptions()
+    stores = [MemoryStore(torch.float16, DEVICE), MemoryStore(torch.float16, DEVICE), MemoryStore(torch.float16)]
+    sender = build_codec("aqsgd:3", "fw", StoreView(stores[0], 0, "send"), options, device=DEVICE)
+    receivers = [build_codec("aqsgd:3", "fw", StoreView(stores[1], 0, "recv"), options, device=DEVICE),
+                 build_codec("aqsgd:3", "fw", StoreView(stores[2], 0, "recv"), options)]
+    ids = torch.tensor([3, 1, 4, 5])
+    x = torch.randn(4, 16, 32, device=DEVICE)
+    for visit in range(4):
+        x = x + 0.1 * torch.randn_like(x)
+        encoded = sender.encode(x, ids, compress=True)
+        for receiver in receivers:
+            receiver.decode(_header(encoded), encoded.payload, ids)  # raises if its copy fails the checksum
+    for i in ids.tolist():
+        values = [s.get(0, side, [i])[0].cpu() for s, side in zip(stores, ("send", "recv", "recv"))]
+        assert torch.equal(values[0], values[1]) and torch.equal(values[0], values[2])
+    sample = [torch.randn(5, 7).half(), None, torch.randn(5, 7).half()]
+    assert store_checksum([v if v is None else v.to(DEVICE) for v in sample]) == store_checksum(sample)
+
+
+def test_the_pipeline_on_one_gpu_computes_what_one_process_computes(tmp_path):
+    one = launch(tmp_path / "one", "--model", "gpt2-tiny", "--pp", "1", "--steps", "4", "--fw", "fp32", "--bw", "fp32")
+    four = launch(tmp_path / "four", "--model", "gpt2-tiny", "--pp", "4", "--steps", "4", "--fw", "fp32",
+                  "--bw", "fp32")
+    for a, b in zip(one, four):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a["loss"], b["loss"])
+
+
+def test_aqsgd_on_the_gpu_keeps_both_copies_identical(tmp_path):
+    run = tmp_path / "lmdb"
+    launch(run, "--model", "gpt2-tiny", "--pp", "4", "--epochs", "3", "--warmup-epochs", "1", "--fw", "aqsgd:3",
+           "--bw", "directq:6", "--store", "lmdb")
+    verify = subprocess.run([sys.executable, "-m", "aqpipe", "store", "verify", str(run)], capture_output=True,
+                            text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    if DEVICE == "cuda":  # m(ξ) in GPU memory: every message's checksum compares the two copies
+        records = launch(tmp_path / "on-gpu", "--model", "gpt2-tiny", "--pp", "4", "--epochs", "3", "--fw", "aqsgd:3",
+                         "--bw", "directq:6", "--store-device", "cuda")
+        assert records[-1]["store_hits"] > 0
+
+
+@pytest.mark.parametrize("method,optimizer", [("none", "adamw"), ("qadam:4", "adamw"), ("marsit:4", "sgd")])
+def test_replicas_on_one_gpu_stay_identical(tmp_path, method, optimizer):
+    """pp 2 x dp 2 on one GPU (gloo, collectives staged through the host, since NCCL refuses two ranks on one
+    device); the run checks the replicas' parameters bit for bit and fails if they differ."""
+    records = launch(tmp_path / "run", "--model", "gpt2-tiny", "--pp", "2", "--dp", "2", "--steps", "6",
+                     "--grad-sync", method, "--optimizer", optimizer, "--fw", "aqsgd:4", "--bw", "directq:8")
+    assert records[-1]["grad_sync_bytes"] > 0
+
+
+def test_bf16_recompute_and_lora_train_on_the_gpu(tmp_path):
+    records = launch(tmp_path / "run", "--model", "llama-tiny", "--pp", "2", "--epochs", "4", "--precision", "bf16",
+                     "--recompute", "--lora", "8", "--lr", "3e-3", "--fw", "aqsgd:3", "--bw", "directq:6")
+    assert records[-1]["loss"] < records[0]["loss"] - 0.1
+    assert all(b > 0 for b in records[-1]["stage_peak_memory_bytes"])
+
+
+def test_the_capacity_plan_reads_the_gpu(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", *TINY, "--model", "gpt2-tiny", "--pp", "4",
+                           "--dry-run", "--out", str(tmp_path / "plan")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert ("cuda:0" if DEVICE == "cuda" else "RAM") in proc.stdout and "fits" in proc.stdout
