@@ -23,7 +23,7 @@ STEPS = 4
 def config(out: Path, pp: int, dp: int = 1, model: str = "llama-tiny", **extra) -> RunConfig:
     values = dict(model=model, seq_len=32, micro_batch_size=2, micro_batches=3, steps=STEPS, lr=5e-3, warmup_steps=1,
                   seed=3, max_samples=96, device="cpu", out=str(out), fw="fp32", bw="fp32", pp=pp, dp=dp, lora=4,
-                  lora_dropout=0.1)
+                  lora_dropout=0.0)  # bit-for-bit comparisons: dropout masks depend on each process's RNG stream
     values.update(extra)
     return resolve(RunConfig(**values))
 
@@ -175,3 +175,17 @@ def test_a_stage_without_targets_is_left_whole_but_frozen():
 
     assert apply_lora(stage, 0, LoraSettings(2, 4.0, 0.0, ("q_proj",)), 0) == 0
     assert not any(p.requires_grad for p in stage.parameters())
+
+
+def test_lora_dropout_reaches_the_adapters(tmp_path):
+    """--lora-dropout P puts a dropout of P on every adapter's input (peft's lora_dropout), and none without it."""
+    for p in (0.0, 0.3):
+        plan = make_plan(config(tmp_path, 1, lora_dropout=p))
+        stage = plan.spec.build_stage(0, len(plan.spec), 0)
+        apply_lora(stage, 0, plan.lora, 0)
+        dropouts = [m for name, m in stage.named_modules() if name.endswith("lora_dropout.default")]
+        assert dropouts, "no adapter found"
+        if p == 0.0:
+            assert all(isinstance(m, torch.nn.Identity) for m in dropouts)
+        else:
+            assert all(isinstance(m, torch.nn.Dropout) and m.p == p for m in dropouts)

@@ -85,7 +85,8 @@ def apply_lora(stage: Stage, first_layer: int, settings: LoraSettings, seed: int
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError:
         raise SpecError("--lora needs peft: pip install peft") from None
-    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha,  # type: ignore[arg-type] # scaling = alpha / r lora_dropout=settings.dropout,
+    # peft's scaling is lora_alpha / r (its annotation says int; a float alpha works and is what --lora-alpha takes)
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,  # type: ignore[arg-type]
                         target_modules=list(settings.targets), fan_in_fan_out=settings.fan_in_fan_out)
     adapted = 0
     for offset, layer in enumerate(stage):
