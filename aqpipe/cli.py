@@ -40,6 +40,8 @@ HELP = {
     "lora_alpha": "LoRA scaling numerator (default 2 x R)", "lora_dropout": "dropout on the LoRA input (default 0)",
     "lora_targets": "comma list of module names to adapt (default per family: Llama/Qwen2/Mistral q,k,v,o and "
                     "gate/up/down projections; GPT-2 c_attn,c_proj,c_fc; BERT query,key,value,dense)",
+    "export_adapter": "with --lora on a pretrained causal LM: also write export-adapter/, a peft adapter directory "
+                      "for the base model (PeftModel.from_pretrained loads it)",
     "seq_len": "tokens per sample", "micro_batch_size": "samples per micro-batch",
     "micro_batches": "micro-batches per optimizer step",
     "epochs": "epochs to train", "steps": "optimizer steps to train (overrides --epochs)",

@@ -62,6 +62,7 @@ class RunConfig:
     lora_alpha: float | None = None  # None: 2 x rank
     lora_dropout: float = 0.0
     lora_targets: str | None = None  # comma list of module names; None: the model family's default
+    export_adapter: bool = False  # with --lora: also write the adapters as a peft directory (export-adapter/)
     seq_len: int | None = None
     micro_batch_size: int | None = None
     micro_batches: int | None = None
@@ -346,6 +347,8 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"--lora (the adapters' rank) must be at least 1, got {cfg.lora}")
     if cfg.lora is None and (cfg.lora_alpha is not None or cfg.lora_targets is not None or cfg.lora_dropout):
         raise ConfigError("--lora-alpha, --lora-dropout and --lora-targets apply to LoRA: add --lora R")
+    if cfg.lora is None and cfg.export_adapter:
+        raise ConfigError("--export-adapter writes LoRA adapters: add --lora R")
     if cfg.lora_alpha is not None and cfg.lora_alpha <= 0:
         raise ConfigError(f"--lora-alpha must be positive, got {cfg.lora_alpha}")
     if not 0.0 <= cfg.lora_dropout < 1.0:

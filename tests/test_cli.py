@@ -81,6 +81,8 @@ def run_cli(capsys, args, tmp_path):
     (["--lora", "0"], "--lora (the adapters' rank) must be at least 1"),
     (["--lora-targets", "q_proj"], "add --lora R"),
     (["--lora", "4", "--lora-targets", "nope"], "names no module of gpt2-tiny"),
+    (["--export-adapter"], "--export-adapter writes LoRA adapters: add --lora R"),
+    (["--lora", "4", "--export-adapter"], "is initialized at random"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, tmp_path, args, needle):
     code, err = run_cli(capsys, [*FAST, *args], tmp_path)

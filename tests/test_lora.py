@@ -189,3 +189,50 @@ def test_lora_dropout_reaches_the_adapters(tmp_path):
             assert all(isinstance(m, torch.nn.Identity) for m in dropouts)
         else:
             assert all(isinstance(m, torch.nn.Dropout) and m.p == p for m in dropouts)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_the_adapter_directory_loads_with_peft_on_the_base(tmp_path, architecture):
+    """export_adapter's directory, loaded by peft onto the base checkpoint, computes what the pipeline's adapted
+    stages compute (two stages; GPT-2's Conv1D adapters are stored fan-in-fan-out)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from aqpipe.stages.export import export_adapter
+    from aqpipe.stages.lora import LoraSettings, adapter_state
+
+    torch.manual_seed(0)
+    if architecture == "llama":
+        from aqpipe.stages.llama import FAMILIES, llama_config, pretrained_decoder_spec
+
+        FAMILIES["llama"].cls("ForCausalLM")(llama_config("llama-tiny", vocab_size=97)).save_pretrained(tmp_path / "base")
+        spec = pretrained_decoder_spec(str(tmp_path / "base"))
+        settings = LoraSettings(4, 8.0, 0.0, ("q_proj", "v_proj", "down_proj"))
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        from aqpipe.stages.gpt2 import pretrained_gpt2_spec
+
+        GPT2LMHeadModel(GPT2Config(vocab_size=97, n_layer=3, n_embd=32, n_head=4, n_positions=64)).save_pretrained(
+            tmp_path / "base")
+        spec = pretrained_gpt2_spec(str(tmp_path / "base"), dropout=0.0)
+        settings = LoraSettings(4, 8.0, 0.0, ("c_attn", "c_fc"), fan_in_fan_out=True)
+    bounds = [0, 2, len(spec)]
+    stages = [spec.build_stage(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+    for stage, lo in zip(stages, bounds):
+        apply_lora(stage, lo, settings, seed=1)
+        with torch.no_grad():
+            for name, p in stage.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.05)
+        stage.eval()
+    export_adapter([adapter_state(s) for s in stages], bounds, architecture, settings, str(tmp_path / "base"),
+                   tmp_path / "adapter")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    ids = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        pipeline = stages[1](stages[0](ids))
+        loaded = model.eval()(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()(input_ids=ids).logits
+    assert not torch.allclose(pipeline, plain, atol=1e-3)  # the adapters change the function
+    torch.testing.assert_close(loaded, pipeline, rtol=1e-5, atol=1e-5)

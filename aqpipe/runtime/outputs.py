@@ -18,8 +18,8 @@ from aqpipe.runtime.grid import Grid, gather_rows
 from aqpipe.runtime.plan import RunPlan
 from aqpipe.runtime.resume import kept_records
 from aqpipe.runtime.worker import StepStats
-from aqpipe.stages.export import export_hf
-from aqpipe.stages.lora import merged_state
+from aqpipe.stages.export import export_adapter, export_hf
+from aqpipe.stages.lora import adapter_state, merged_state
 from aqpipe.stages.models import tokenizer_directory
 
 # The StepStats fields every rank contributes to a step's record (plus its step time), in the order they travel.
@@ -161,13 +161,31 @@ def held_out_answer(export_dir: str, valid) -> dict:
     return {"question": valid.questions[0], "answer": answer, "reference": valid.answers[0]}
 
 
-def save_stage_weights(module: torch.nn.Module, out: Path, stage: int) -> Path:
-    """Write one stage's final weights to checkpoints/final/stage-<k>.pt (load with weights_only=True)."""
+def save_stage_weights(module: torch.nn.Module, out: Path, stage: int, adapters: bool = False) -> Path:
+    """Write one stage's final weights to checkpoints/final/stage-<k>.pt (load with weights_only=True), and with
+    `adapters` its LoRA adapters alone to stage-<k>.adapter.pt."""
     directory = out / "checkpoints" / "final"
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"stage-{stage}.pt"
     save_atomic(path, lambda f: torch.save(merged_state(module), f))  # LoRA: adapters merged into the base
+    if adapters:
+        save_atomic(directory / f"stage-{stage}.adapter.pt", lambda f: torch.save(adapter_state(module), f))
     return path
+
+
+def export_adapter_dir(plan: RunPlan) -> str:
+    """Write the LoRA adapters of every stage as a peft adapter directory `<out>/export-adapter`."""
+    out = Path(plan.cfg.out)
+    states = [torch.load(out / "checkpoints" / "final" / f"stage-{k}.adapter.pt", weights_only=True)
+              for k in range(plan.cfg.pp)]
+    try:
+        with writing(out / "export-adapter", sum(t.numel() * t.element_size() for s in states for t in s.values())):
+            path = export_adapter(states, plan.bounds, plan.spec.extras["architecture"], plan.lora,
+                                  plan.spec.extras["base_model"], out / "export-adapter")
+    except DiskFullError:
+        shutil.rmtree(out / "export-adapter", ignore_errors=True)
+        raise
+    return str(path)
 
 
 def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float) -> dict:
@@ -183,6 +201,8 @@ def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float) -> dict:
     summary["skipped_steps"] = sum(1 for r in log.records if r.get("skipped"))
     summary.update(eval_summary(log.records))
     summary["export"] = export_model(plan)
+    if cfg.export_adapter:
+        summary["export_adapter"] = export_adapter_dir(plan)
     if plan.dataset.info:
         summary["data"] = plan.dataset.info
     if summary["export"] and getattr(plan.dataset.valid, "prompts", None):

@@ -84,6 +84,10 @@ def plan_lora(cfg: RunConfig, spec: PipelineSpec) -> LoraSettings | None:
         check_targets(spec, settings)
     except SpecError as e:
         raise ConfigError(str(e)) from None
+    if cfg.export_adapter and (spec.extras.get("task", cfg.task) != "lm" or "base_model" not in spec.extras):
+        raise ConfigError(f"--export-adapter writes adapters for a pretrained causal LM, but --model {cfg.model} is "
+                          f"{'initialized at random' if spec.extras.get('task', cfg.task) == 'lm' else 'a classifier'}: "
+                          "the merged export (export/) holds the trained model")
     return settings
 
 

@@ -79,7 +79,7 @@ def _finish_rank(stage: Stage, first_step: int) -> None:
     if first_step >= stage.plan.total_steps:  # no step ran, so no checkpoint compared the replicas
         check_replicas(stage.worker.module, grid, stage.groups.data_parallel, stage.plan.total_steps, stage.device)
     if grid.replica == 0:
-        save_stage_weights(stage.worker.module, Path(cfg.out), grid.stage)
+        save_stage_weights(stage.worker.module, Path(cfg.out), grid.stage, adapters=cfg.export_adapter)
     dist.barrier()  # every stage's final weights are on disk before rank 0 merges them
     if cfg.store == "lmdb":
         stage.store.close()

@@ -120,3 +120,35 @@ def export_hf(stage_states: list[dict], bounds: list[int], architecture: str, hf
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return out
+
+
+ADAPTER_DIR_NAMES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def export_adapter(adapter_states: list[dict], bounds: list[int], architecture: str, settings, base_model: str,
+                   out_dir: str | Path) -> Path:
+    """Write `out_dir` as a peft adapter directory for the causal LM at `base_model` (adapter_config.json and
+    adapter_model.safetensors): `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model),
+    out_dir)` then computes what the pipeline's adapted stages compute. `adapter_states` hold each stage's adapter
+    weights under its layer-local names (peft's adapter name included)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from aqpipe.stages.lora import ADAPTER
+
+    if architecture == "gpt2" or architecture in FAMILIES:
+        task_type = "CAUSAL_LM"
+    else:
+        raise ExportError(f"--export-adapter writes adapters of causal LMs, not of a {architecture!r} classifier (its "
+                          "head trains whole); the merged export in export/ holds the trained model")
+    named = merged_state(adapter_states, bounds, architecture)
+    # peft's saved names: under base_model.model., without the adapter's name
+    weights = {"base_model.model." + key.replace(f".{ADAPTER}.", "."): value.contiguous() for key, value in named.items()}
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                        target_modules=list(settings.targets), fan_in_fan_out=settings.fan_in_fan_out,
+                        base_model_name_or_path=str(base_model), task_type=task_type)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    save_file(weights, str(out / "adapter_model.safetensors"))
+    return out

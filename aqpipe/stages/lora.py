@@ -121,6 +121,11 @@ def training_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in module.state_dict().items() if keep is None or k in keep}
 
 
+def adapter_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The stage's adapter weights alone (what a peft adapter directory holds), on the host."""
+    return {k: v.detach().cpu() for k, v in module.state_dict().items() if ".lora_" in k}
+
+
 def merged_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The stage's weights with every adapter merged into its base weight, under the names the layer had before
     adapters were added (what the export reads)."""

@@ -207,6 +207,7 @@ def build_spec(name: str, vocab_size: int, seq_len: int, dropout: float | None =
         else:
             raise SpecError(f"--model {name!r} is a {kind or 'unknown'} checkpoint; aqpipe adapts "
                             f"{', '.join(ADAPTERS)} models")
+        spec.extras["base_model"] = directory  # the pretrained weights (what a LoRA adapter directory refers to)
     config = spec.extras["hf_config"]
     positions = config.get("n_positions") or config.get("max_position_embeddings")
     if positions and seq_len > positions:
