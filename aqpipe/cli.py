@@ -94,16 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="aqpipe", description="Pipeline-parallel training over slow networks with AQ-SGD.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     launch = sub.add_parser("launch", help="train a model split into pipeline stages")
-    launch.add_argument("config", nargs="?", help="YAML or JSON file of flag values (flags override it)")
-    for f in dataclasses.fields(RunConfig):
-        if f.name == "stage_bounds":
-            continue
-        if f.type in (bool, "bool"):  # a switch: present means on (a config file may say true/false)
-            launch.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, action="store_const",
-                                const=True, help=HELP.get(f.name, ""))
-            continue
-        launch.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, metavar=f.name.upper(),
-                            help=HELP.get(f.name, ""))
+    _add_run_flags(launch)
     launch.add_argument("--local_rank", "--local-rank", dest="_local_rank", help=argparse.SUPPRESS)
     launch.add_argument("--no-progress", action="store_true", help="no progress bar")
     launch.add_argument("--dry-run", action="store_true",
@@ -137,8 +128,26 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     generate.add_argument("--raw", action="store_true", help="continue the prompt as plain text, no chat template")
-    sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", help="measure a run's stage compute, codec speed and link rate on this machine, "
+                                          "and recommend --fw/--bw bits for the link",
+                           description="Takes launch's flags (--bandwidth: the links' rate when slower than this "
+                                       "machine's loopback; nothing is throttled). Trains nothing.")
+    _add_run_flags(bench)
     return parser
+
+
+def _add_run_flags(command: argparse.ArgumentParser) -> None:
+    """A config file argument and one flag per RunConfig field (launch and bench read the same run)."""
+    command.add_argument("config", nargs="?", help="YAML or JSON file of flag values (flags override it)")
+    for f in dataclasses.fields(RunConfig):
+        if f.name == "stage_bounds":
+            continue
+        if f.type in (bool, "bool"):  # a switch: present means on (a config file may say true/false)
+            command.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, action="store_const",
+                                 const=True, help=HELP.get(f.name, ""))
+            continue
+        command.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, metavar=f.name.upper(),
+                             help=HELP.get(f.name, ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +175,8 @@ def _command(argv: list[str] | None) -> int:
             return _report(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "bench":
+            return _bench(args)
         raise ConfigError(f"'aqpipe {args.command}' is not available yet in this release")
     except ConfigError as e:
         print(f"aqpipe: error: {one_line(str(e))}", file=sys.stderr)
@@ -289,6 +300,24 @@ def _launch(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(cfg)
     return run_job(cfg, progress=not args.no_progress, overwrite=args.overwrite)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Measure what the plan of this run needs on this machine and recommend link codecs."""
+    from aqpipe.bench import format_bench, run_bench
+    from aqpipe.launch.netns import parse_rate
+    from aqpipe.runtime.plan import make_plan
+
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stage_bounds"}
+    file_values = load_config_file(args.config) if args.config else {}
+    rate = flags.pop("bandwidth", None) or file_values.pop("bandwidth", None)  # a rate to plan for, not to shape
+    try:
+        bandwidth_bits = parse_rate(str(rate)) if rate else None
+    except ValueError as e:
+        raise ConfigError(f"--bandwidth: {e}") from None
+    cfg = resolve(build_config(file_values, flags))
+    print(format_bench(run_bench(make_plan(cfg), bandwidth_bits), cfg), flush=True)
+    return 0
 
 
 def _dry_run(cfg: RunConfig) -> int:

@@ -1,0 +1,212 @@
+"""`aqpipe bench`: measure on this machine what the capacity plan needs, and recommend link codecs.
+
+For the run its flags describe (the same flags as `aqpipe launch`), it measures
+- each stage's compute per micro-batch: forward and backward of the real stage (weights, precision, recompute,
+  LoRA as configured) on the run's device, the median of a few repetitions after a warm-up;
+- codec speed on that device: encode + decode of one micro-batch's activation (AQ-SGD at every bit width against a
+  store that already holds m(ξ); DirectQ for gradients; fp32), in GB/s of the activation;
+- the link rate: the achieved rate of a TCP stream between two local processes (the loopback a one-machine launch
+  uses), or `--bandwidth` when the links are slower than that (a shaped or a wide-area link: give its rate there);
+then recommends the highest `--fw aqsgd:B --bw directq:2B` (gradients at twice the bits, the AQ-SGD paper's
+pairing) whose wire time per micro-batch each way stays within the slowest stage's compute, so a 1F1B schedule
+keeps both link directions busy without making the link the bottleneck.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from aqpipe.compress.codecs import QuantOptions, build_codec
+from aqpipe.config import RunConfig
+from aqpipe.runtime.capacity import LinkNeeds, plan_capacity, steady_payload_bytes
+from aqpipe.runtime.plan import RunPlan
+from aqpipe.runtime.precision import autocast
+from aqpipe.stages.lora import apply_lora
+from aqpipe.storage import MemoryStore, StoreView
+
+FW_BITS = (8, 6, 4, 3, 2)  # the AQ-SGD widths the recommendation chooses among, most faithful first
+REPEATS = 5
+
+
+@dataclass
+class BenchResult:
+    """What `aqpipe bench` measured and recommends."""
+
+    stage_seconds: list[float]  # forward + backward of one micro-batch, per stage
+    codec_gbps: dict[str, float]  # codec spec -> GB/s of activation encoded and decoded
+    link_bytes_per_second: float
+    link_source: str  # "loopback" or "--bandwidth"
+    wire_seconds: dict[int, tuple[float, float]]  # fw bits -> (forward, backward) seconds per micro-batch
+    recommended_bits: int
+    link_bound: bool  # even the fewest bits leave the link slower than compute
+
+
+def _time(fn, repeats: int = REPEATS) -> float:
+    """Median seconds of `fn()` after one warm-up call (CUDA synchronized)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def stage_compute_seconds(plan: RunPlan, device: torch.device, link_shape: tuple[int, ...] | None) -> list[float]:
+    """Forward + backward of one micro-batch on each stage, built one at a time (its weights only)."""
+    cfg = plan.cfg
+    ids = torch.arange(min(cfg.micro_batch_size, len(plan.dataset.train)))
+    train = plan.dataset.train
+    mask = train.mask(ids)
+    mask = None if mask is None else mask.to(device)
+    seconds = []
+    for s in range(cfg.pp):
+        lo, hi = plan.bounds[s], plan.bounds[s + 1]
+        module = plan.spec.build_stage(lo, hi, cfg.seed)
+        module.recompute = cfg.recompute
+        if plan.lora is not None:
+            apply_lora(module, lo, plan.lora, cfg.seed)
+        module = module.to(device).train()
+        if s == 0:
+            inputs = train.inputs(ids).to(device)
+        else:
+            assert link_shape is not None
+            inputs = torch.randn(link_shape, device=device, requires_grad=True)
+        targets = train.targets(ids).to(device) if s == cfg.pp - 1 else None
+
+        def step(module=module, inputs=inputs, targets=targets) -> None:
+            with autocast(device, cfg.precision):
+                out = module(inputs, mask)
+                loss = plan.spec.loss(out, targets) if targets is not None else out.float().square().mean()
+            if loss.requires_grad:
+                loss.backward()
+            module.zero_grad(set_to_none=True)
+
+        seconds.append(_time(step))
+        del module
+    return seconds
+
+
+def codec_speeds(cfg: RunConfig, shape: tuple[int, ...], device: torch.device) -> dict[str, float]:
+    """GB/s of a [shape] fp32 activation through encode + decode for the candidate codecs on `device`."""
+    options = QuantOptions(per=cfg.quant_scales, grid=cfg.quant_grid)
+    x = torch.randn(shape, device=device)
+    ids = torch.arange(shape[0])
+    speeds = {}
+    for spec in ["fp32", *[f"aqsgd:{b}" for b in FW_BITS], *[f"directq:{min(2 * b, 8)}" for b in FW_BITS]]:
+        if spec in speeds:
+            continue
+        if spec.startswith("aqsgd"):
+            send, recv = MemoryStore(torch.float16, device), MemoryStore(torch.float16, device)
+            sender = build_codec(spec, "fw", StoreView(send, 0, "send"), options, device=device)
+            receiver = build_codec(spec, "fw", StoreView(recv, 0, "recv"), options, device=device)
+            first = sender.encode(x, ids, compress=True)  # seeds m(ξ) on both sides: every later visit is a delta
+            receiver.decode(_header(first), first.payload, ids)
+        else:
+            sender = receiver = build_codec(spec, "bw" if spec.startswith("directq") else "fw", options=options,
+                                            device=device)
+
+        def round_trip(sender=sender, receiver=receiver) -> None:
+            encoded = sender.encode(x, ids, compress=True)
+            receiver.decode(_header(encoded), encoded.payload, ids)
+
+        speeds[spec] = x.numel() * 4 / _time(round_trip) / 1e9
+    return speeds
+
+
+def _header(encoded):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(shape=encoded.shape, dtype=encoded.wire_dtype, flags=encoded.flags, step=0, micro_batch=0,
+                           codec_check=encoded.codec_check, payload_len=encoded.payload.numel())
+
+
+def loopback_rate(nbytes: int = 64 << 20) -> float:
+    """Bytes/s one TCP stream achieves over this host's loopback (a receiving thread drains it)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    received = [0]
+
+    def drain() -> None:
+        conn, _ = server.accept()
+        with conn:
+            while chunk := conn.recv(1 << 20):
+                received[0] += len(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    block = b"\0" * (1 << 20)
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        for _ in range(nbytes // len(block)):
+            conn.sendall(block)
+    reader.join()
+    server.close()
+    return received[0] / (time.perf_counter() - start)
+
+
+def recommend(link: LinkNeeds, cfg: RunConfig, rate: float, compute: float
+              ) -> tuple[int, bool, dict[int, tuple[float, float]]]:
+    """The highest fw bits whose wire time per micro-batch, each way, fits within `compute` seconds; whether even
+    the fewest bits leave the link the bottleneck; and the wire times per candidate."""
+    options = QuantOptions(per=cfg.quant_scales, grid=cfg.quant_grid)
+    dtype = getattr(torch, link.activation_dtype)
+    wire = {}
+    for bits in FW_BITS:
+        fw = steady_payload_bytes(f"aqsgd:{bits}", "fw", link.activation_shape, dtype, options)
+        bw = steady_payload_bytes(f"directq:{min(2 * bits, 8)}", "bw", link.activation_shape, torch.float32, options)
+        wire[bits] = (fw / rate, bw / rate)
+    fitting = [b for b in FW_BITS if max(wire[b]) <= compute]
+    return (fitting[0], False, wire) if fitting else (FW_BITS[-1], True, wire)
+
+
+def run_bench(plan: RunPlan, bandwidth_bits: int | None) -> BenchResult:
+    """Measure everything for this plan on its device."""
+    cfg = plan.cfg
+    device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
+    capacity = plan_capacity(plan)
+    link = capacity.links[0] if capacity.links else None
+    seconds = stage_compute_seconds(plan, device, link.activation_shape if link else None)
+    speeds = codec_speeds(cfg, link.activation_shape, device) if link else {}
+    rate, source = loopback_rate(), "loopback"
+    if bandwidth_bits is not None and bandwidth_bits / 8 < rate:
+        rate, source = bandwidth_bits / 8, "--bandwidth"
+    if link is None:
+        return BenchResult(seconds, speeds, rate, source, {}, 8, False)
+    bits, bound, wire = recommend(link, cfg, rate, max(seconds))
+    return BenchResult(seconds, speeds, rate, source, wire, bits, bound)
+
+
+def format_bench(result: BenchResult, cfg: RunConfig) -> str:
+    """The report `aqpipe bench` prints."""
+    lines = [f"bench: {cfg.model}, --pp {cfg.pp}, micro-batch {cfg.micro_batch_size} x {cfg.seq_len} tokens on "
+             f"{cfg.device}, --precision {cfg.precision}{', --recompute' if cfg.recompute else ''}"
+             f"{f', --lora {cfg.lora}' if cfg.lora else ''}", "",
+             "stage  forward+backward per micro-batch"]
+    lines += [f"{s:<6} {t * 1e3:9.1f} ms" for s, t in enumerate(result.stage_seconds)]
+    if result.codec_gbps:
+        lines += ["", "codec        encode+decode (GB/s of activation)"]
+        lines += [f"{spec:<12} {gbps:8.3g}" for spec, gbps in result.codec_gbps.items()]
+    lines += ["", f"link: {result.link_bytes_per_second * 8 / 1e6:,.0f} Mbit/s ({result.link_source})"]
+    if result.wire_seconds:
+        slowest = max(result.stage_seconds)
+        lines += ["", f"fw/bw bits   wire per micro-batch fwd / bwd   (slowest stage computes {slowest * 1e3:.1f} ms)"]
+        lines += [f"aqsgd:{b} directq:{min(2 * b, 8):<2} {f * 1e3:9.1f} / {w * 1e3:.1f} ms"
+                  f"{'   <- recommended' if b == result.recommended_bits else ''}"
+                  for b, (f, w) in result.wire_seconds.items()]
+        b = result.recommended_bits
+        advice = (f"recommended: --fw aqsgd:{b} --bw directq:{min(2 * b, 8)} --schedule 1f1b"
+                  + (" (the link stays the bottleneck even at 2 bits: expect link-bound steps)" if result.link_bound
+                     else " (the link keeps up with compute)"))
+        lines += ["", advice]
+    return "\n".join(lines)

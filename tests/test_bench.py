@@ -1,0 +1,47 @@
+"""`aqpipe bench` (aqpipe.bench): it measures the run's stages, codecs and link on this machine, and recommends the
+most faithful AQ-SGD bits whose wire time per micro-batch stays within the slowest stage's compute."""
+
+from aqpipe.bench import FW_BITS, loopback_rate, recommend
+from aqpipe.cli import main
+from aqpipe.config import RunConfig, resolve
+from aqpipe.runtime.capacity import LinkNeeds
+
+SHAPE = (4, 64, 256)
+
+
+def link() -> LinkNeeds:
+    return LinkNeeds(0, SHAPE, "float32", 0, 0, 0, 0, 0)
+
+
+def test_the_recommendation_is_the_most_bits_whose_wire_time_fits_the_compute():
+    cfg = resolve(RunConfig(model="gpt2-tiny", device="cpu"))
+    compute = 0.05
+    for rate in (1e3, 1e5, 3e5, 1e6, 1e7, 1e9):
+        bits, bound, wire = recommend(link(), cfg, rate, compute)
+        fitting = [b for b in FW_BITS if max(wire[b]) <= compute]
+        assert bits == (fitting[0] if fitting else 2) and bound == (not fitting)
+        assert all(wire[a][0] > wire[b][0] for a, b in zip(FW_BITS, FW_BITS[1:]))  # fewer bits, fewer bytes
+    assert recommend(link(), cfg, 1e3, compute)[:2] == (2, True)  # a link far too slow: the fewest bits, link-bound
+    assert recommend(link(), cfg, 1e12, compute)[:2] == (8, False)
+
+
+def test_the_loopback_rate_is_measured():
+    assert loopback_rate(8 << 20) > 1e7  # any machine's loopback moves more than 10 MB/s
+
+
+def test_bench_prints_its_measurements_and_a_recommendation(tmp_path, capsys):
+    code = main(["bench", "--model", "gpt2-tiny", "--pp", "2", "--seq-len", "32", "--max-samples", "32",
+                 "--bandwidth", "20mbit", "--device", "cpu", "--out", str(tmp_path / "b")])
+    out = capsys.readouterr().out
+    assert code == 0 and not (tmp_path / "b").exists()
+    for needle in ("stage  forward+backward", "aqsgd:3", "directq:6", "link: 20 Mbit/s (--bandwidth)", "recommended: --fw aqsgd:"):
+        assert needle in out, out
+    speeds = [float(line.split()[-1]) for line in out.splitlines() if line.startswith(("fp32 ", "aqsgd:", "directq:"))
+              and len(line.split()) == 2]
+    assert speeds and all(s > 0 for s in speeds)
+
+
+def test_bench_refuses_a_bad_rate_with_one_line(tmp_path, capsys):
+    assert main(["bench", "--model", "gpt2-tiny", "--bandwidth", "fast", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--bandwidth" in err[0]
