@@ -82,6 +82,8 @@ def run_cli(capsys, args, tmp_path):
     (["--lora-targets", "q_proj"], "add --lora R"),
     (["--lora", "4", "--lora-targets", "nope"], "names no module of gpt2-tiny"),
     (["--export-adapter"], "--export-adapter writes LoRA adapters: add --lora R"),
+    (["--store-device", "tpu"], "--store-device 'tpu' is not one of cpu, cuda"),
+    (["--store-device", "cuda", "--device", "cpu"], "needs --store memory and --device cuda"),
     (["--lora", "4", "--export-adapter"], "is initialized at random"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, tmp_path, args, needle):
