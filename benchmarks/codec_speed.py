@@ -1,6 +1,9 @@
-"""Codec speed on one core: quantize+pack and unpack+dequantize, in MB/s of fp32 input, for every bit width.
+"""Codec speed: quantize+pack and unpack+dequantize, in MB/s of fp32 input, for every bit width — on one CPU core,
+or on a GPU with --device cuda (where it also times AQ-SGD's whole encode and decode, m(ξ) update and checksum
+included, with m(ξ) in GPU memory, and the bytes' copy to the host).
 
     python benchmarks/codec_speed.py --out benchmarks/results/codec_speed
+    python benchmarks/codec_speed.py --device cuda --out benchmarks/results/codec_speed_cuda
 The input is an activation-shaped batch [micro-batch, tokens, hidden] (default 4 × 512 × 1600 fp32, 13 MB: GPT2-XL).
 """
 
@@ -19,14 +22,52 @@ from aqpipe.compress.directq import decode_samples, encode_samples
 from aqpipe.compress.quantize import quantize
 
 
-def measure(fn, repeats: int) -> float:
+def measure(fn, repeats: int, device: torch.device | None = None) -> float:
+    """Median seconds of fn() after a warm-up (the GPU synchronized around each call)."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) -> list[dict]:
+    """AQ-SGD's whole encode (delta, quantize, pack, m(ξ) update, checksum, bytes to the host) and decode."""
+    from types import SimpleNamespace
+
+    from aqpipe.compress.codecs import build_codec
+    from aqpipe.storage import MemoryStore, StoreView
+
+    mb = x.numel() * 4 / 1e6
+    ids = torch.arange(x.shape[0])
+    rows = []
+    for bits in (2, 3, 4, 8):
+        send, recv = MemoryStore(torch.float16, device), MemoryStore(torch.float16, device)
+        sender = build_codec(f"aqsgd:{bits}", "fw", StoreView(send, 0, "send"), QuantOptions(per=per), device=device)
+        receiver = build_codec(f"aqsgd:{bits}", "fw", StoreView(recv, 0, "recv"), QuantOptions(per=per), device=device)
+        box = {}
+
+        def encode():
+            box["e"] = sender.encode(x, ids, compress=True)
+
+        def decode():
+            e = box["e"]
+            header = SimpleNamespace(shape=e.shape, dtype=e.wire_dtype, flags=e.flags, codec_check=e.codec_check,
+                                     payload_len=e.payload.numel(), step=0, micro_batch=0)
+            receiver.decode(header, e.payload, ids)
+
+        encode()
+        decode()  # both sides now hold m(ξ): every later message is a delta
+        enc = measure(encode, repeats, device)
+        dec = measure(decode, repeats, device)
+        rows.append({"bits": bits, "rounding": "aqsgd codec", "encode_MBps": mb / enc, "decode_MBps": mb / dec})
+        print(f"aqsgd:{bits} whole codec   encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -35,30 +76,35 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--per", default="channel")
     parser.add_argument("--out", default="benchmarks/results/codec_speed")
+    parser.add_argument("--device", default="cpu", help="cpu (one core) or cuda")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    device = torch.device(args.device)
     shape = tuple(int(x) for x in args.shape.split(","))
-    x = torch.randn(shape)
+    x = torch.randn(shape, device=device)
     mb = x.numel() * 4 / 1e6
     rows = []
     for bits in range(1, 9):
         for stochastic in (False, True):
             opts = QuantOptions(per=args.per, stochastic=stochastic)
-            g = torch.Generator().manual_seed(0)
+            g = torch.Generator(device=device).manual_seed(0)
 
             def encode():
                 return encode_samples(quantize(x, bits, opts.per, opts.stochastic, g))
 
             packed = encode()
-            enc = measure(encode, args.repeats)
-            dec = measure(lambda: decode_samples(packed, shape, bits, opts.per), args.repeats)
+            enc = measure(encode, args.repeats, device)
+            dec = measure(lambda: decode_samples(packed, shape, bits, opts.per), args.repeats, device)
             rows.append({"bits": bits, "rounding": "stochastic" if stochastic else "nearest",
                          "encode_MBps": mb / enc, "decode_MBps": mb / dec})
             print(f"{bits} bits {rows[-1]['rounding']:10s}  encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s",
                   flush=True)
+    if device.type == "cuda":
+        rows += aqsgd_rows(x, args.per, args.repeats, device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"shape": shape, "per": args.per, "torch": torch.__version__,
+                                                    "device": str(device),
                                                     "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
 
 

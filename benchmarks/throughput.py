@@ -56,7 +56,7 @@ def launch_args(args, fw: str, bw: str, bandwidth: str, out: Path, schedule: str
            "--data", str(args.data), "--vocab-size", "512", "--seq-len", str(args.seq_len),
            "--micro-batch-size", str(args.mbs), "--micro-batches", str(args.mb),
            "--max-samples", str(args.mbs * args.mb * args.steps_per_epoch), "--epochs", str(args.epochs),
-           "--warmup-epochs", "0", "--fw", fw, "--bw", bw, "--device", "cpu", "--out", str(out), "--no-progress"]
+           "--warmup-epochs", "0", "--fw", fw, "--bw", bw, "--device", args.device, "--out", str(out), "--no-progress"]
     return cmd + ([] if bandwidth == "unthrottled" else ["--bandwidth", bandwidth])
 
 
@@ -258,6 +258,8 @@ def main() -> None:
     parser.add_argument("--steps-per-epoch", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput"))
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: every rank on this machine's GPU(s), ranks "
+                                                        "sharing one when there are more ranks than GPUs")
     args = parser.parse_args()
     problem = netns.can_throttle()
     if problem:
