@@ -5,8 +5,9 @@ For the run its flags describe (the same flags as `aqpipe launch`), it measures
   LoRA as configured) on the run's device, the median of a few repetitions after a warm-up;
 - codec speed on that device: encode + decode of one micro-batch's activation (AQ-SGD at every bit width against a
   store that already holds m(ξ); DirectQ for gradients; fp32), in GB/s of the activation;
-- the link rate: the achieved rate of a TCP stream between two local processes (the loopback a one-machine launch
-  uses), or `--bandwidth` when the links are slower than that (a shaped or a wide-area link: give its rate there);
+- the link rate: what one TCP stream achieves over this host's loopback (the links of a one-machine launch), or
+  `--bandwidth` when the real links are slower than that (a shaped or wide-area link: this command cannot measure
+  a link between hosts, so give its rate there);
 then recommends the highest `--fw aqsgd:B --bw directq:2B` (gradients at twice the bits, the AQ-SGD paper's
 pairing) whose wire time per micro-batch each way stays within the slowest stage's compute, so a 1F1B schedule
 keeps both link directions busy without making the link the bottleneck.
@@ -40,6 +41,7 @@ class BenchResult:
 
     stage_seconds: list[float]  # forward + backward of one micro-batch, per stage
     codec_gbps: dict[str, float]  # codec spec -> GB/s of activation encoded and decoded
+    activation_bytes: int  # one micro-batch's fp32 activation (what the codec speeds are per)
     link_bytes_per_second: float
     link_source: str  # "loopback" or "--bandwidth"
     wire_seconds: dict[int, tuple[float, float]]  # fw bits -> (forward, backward) seconds per micro-batch
@@ -182,9 +184,10 @@ def run_bench(plan: RunPlan, bandwidth_bits: int | None) -> BenchResult:
     if bandwidth_bits is not None and bandwidth_bits / 8 < rate:
         rate, source = bandwidth_bits / 8, "--bandwidth"
     if link is None:
-        return BenchResult(seconds, speeds, rate, source, {}, 8, False)
+        return BenchResult(seconds, speeds, 0, rate, source, {}, 8, False)
     bits, bound, wire = recommend(link, cfg, rate, max(seconds))
-    return BenchResult(seconds, speeds, rate, source, wire, bits, bound)
+    return BenchResult(seconds, speeds, 4 * int(torch.Size(link.activation_shape).numel()), rate, source, wire, bits,
+                       bound)
 
 
 def format_bench(result: BenchResult, cfg: RunConfig) -> str:
@@ -197,11 +200,19 @@ def format_bench(result: BenchResult, cfg: RunConfig) -> str:
     if result.codec_gbps:
         lines += ["", "codec        encode+decode (GB/s of activation)"]
         lines += [f"{spec:<12} {gbps:8.3g}" for spec, gbps in result.codec_gbps.items()]
-    lines += ["", f"link: {result.link_bytes_per_second * 8 / 1e6:,.0f} Mbit/s ({result.link_source})"]
+    source = "one TCP stream over this host's loopback" if result.link_source == "loopback" else "--bandwidth"
+    lines += ["", f"link: {result.link_bytes_per_second * 8 / 1e6:,.0f} Mbit/s ({source})"]
     if result.wire_seconds:
         slowest = max(result.stage_seconds)
-        lines += ["", f"fw/bw bits   wire per micro-batch fwd / bwd   (slowest stage computes {slowest * 1e3:.1f} ms)"]
-        lines += [f"aqsgd:{b} directq:{min(2 * b, 8):<2} {f * 1e3:9.1f} / {w * 1e3:.1f} ms"
+
+        def codec_ms(spec: str) -> float:
+            gbps = result.codec_gbps.get(spec, 0.0)
+            return result.activation_bytes / (gbps * 1e9) * 1e3 if gbps > 0 else float("nan")
+
+        lines += ["", f"fw/bw bits            wire per micro-batch fwd / bwd   codecs fwd / bwd   (slowest stage computes "
+                      f"{slowest * 1e3:.1f} ms)"]
+        lines += [f"aqsgd:{b} directq:{min(2 * b, 8):<2} {f * 1e3:12.1f} / {w * 1e3:<8.1f} ms   "
+                  f"{codec_ms(f'aqsgd:{b}'):7.1f} / {codec_ms(f'directq:{min(2 * b, 8)}'):<6.1f} ms"
                   f"{'   <- recommended' if b == result.recommended_bits else ''}"
                   for b, (f, w) in result.wire_seconds.items()]
         b = result.recommended_bits

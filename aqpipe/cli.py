@@ -58,8 +58,8 @@ HELP = {
                  "are clipped before the vote and unused rows (zero on every replica) do not move",
     "store": "where m(xi) lives: memory or lmdb (on disk, under the run directory)",
     "store_dtype": f"how m(xi) is kept: {describe_store_dtypes()}",
-    "store_device": "where the memory store keeps m(xi): cpu (host RAM; pinned on a CUDA run) or cuda (the stage's "
-                    "GPU: no host copies, GPU memory spent)",
+    "store_device": "where the memory store keeps m(xi): cpu (host RAM) or cuda (the stage's GPU: no host copies, "
+                    "GPU memory spent)",
     "store_max_gb": "cap on each rank's LMDB store (GB)",
     "quant_scales": "quantization scales per sample and channel (default) or per token",
     "quant_rounding": "nearest (default) or stochastic (unbiased) rounding",
@@ -323,10 +323,18 @@ def _bench(args: argparse.Namespace) -> int:
 def _dry_run(cfg: RunConfig) -> int:
     """Print the capacity plan of a launch and start nothing (the run directory is not touched); exit 2 when the
     run would not fit."""
-    from aqpipe.runtime.capacity import format_plan, plan_capacity
-    from aqpipe.runtime.plan import make_plan
+    from aqpipe.runtime.capacity import TraceError, format_plan, plan_capacity
+    from aqpipe.runtime.plan import check_store_capacity, make_plan
 
-    capacity = plan_capacity(make_plan(cfg))
+    plan = make_plan(cfg, check_store=False)  # a store that does not fit is one of the plan's findings
+    try:
+        capacity = plan_capacity(plan)
+    except TraceError as e:
+        raise ConfigError(f"--dry-run: {e}") from None
+    try:
+        check_store_capacity(cfg, plan.spec, len(plan.dataset.train))
+    except ConfigError as e:
+        capacity.problems.append(str(e))
     print(format_plan(capacity), flush=True)
     if capacity.problems:
         raise ConfigError("the run does not fit: " + "; ".join(capacity.problems))

@@ -106,3 +106,35 @@ def test_wire_bytes_of_each_codec_equal_a_real_message():
         encoded = build_codec(spec, direction, options=options).encode(x, torch.arange(3))
         assert encoded.payload.numel() == cap.steady_payload_bytes(spec, direction, tuple(x.shape), x.dtype, options)
     assert cap.raw_payload_bytes("fp32", "fw", (3, 7, 20), torch.bfloat16) == 3 * 7 * 20 * 2
+
+
+@pytest.mark.parametrize("optimizer,momentum,grad_sync", [("adamw", None, "none"), ("sgd", None, "none"),
+                                                           ("sgd", "0", "none"), ("sgd", None, "signsgd")])
+def test_optimizer_state_counts_what_the_optimizer_keeps(tmp_path, optimizer, momentum, grad_sync):
+    """The plan's optimizer bytes per trained parameter equal what AdamW/SGD (default momentum 0.9, or none) keeps
+    after a real step, plus a sign-based grad sync's vote momentum."""
+    from aqpipe.compress.grad.methods import parse_grad_spec
+    from aqpipe.runtime.optim import build_optimizer, momenta
+
+    flags = [*SMALL, "--model", "gpt2-tiny", "--optimizer", optimizer, "--grad-sync", grad_sync]
+    flags += ["--momentum", momentum] if momentum is not None else []
+    cfg = flags_to_config(flags, tmp_path / "run")
+    layer = torch.nn.Linear(8, 8)
+    optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)
+    opt, _ = build_optimizer(list(layer.parameters()), cfg.optimizer, 0.1, 0.0, 0, 10, momentum=optimizer_momentum)
+    layer(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    kept = sum(t.numel() for state in opt.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)
+    assert cap.state_copies(cfg) == kept // sum(p.numel() for p in layer.parameters()) + (vote_momentum > 0)
+
+
+def test_dry_run_reports_a_store_that_does_not_fit_beside_the_plan(tmp_path, capsys, monkeypatch):
+    from aqpipe.runtime import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "available_memory", lambda: 1000)  # the stores' check sees 1 kB of RAM
+    code = main(["launch", *SMALL, "--model", "gpt2-tiny", "--store", "memory", "--dry-run", "--out",
+                 str(tmp_path / "run")])
+    captured = capsys.readouterr()
+    assert code == 2 and "stage  layers" in captured.out and "m(xi) per side" in captured.out
+    assert "does not fit" in captured.out and "the m(xi) stores need about" in captured.err

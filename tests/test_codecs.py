@@ -254,3 +254,17 @@ def test_a_non_finite_activation_is_reported_naming_step_stage_and_sample(capsys
     assert report_nonfinite(x, torch.tensor([10, 11, 12]), 4, 1) == [12]
     err = capsys.readouterr().err
     assert "step 5, stage 1" in err and "[12]" in err and "not finite" in err
+
+
+def test_a_generator_state_from_another_device_type_is_not_forced_on_the_codec():
+    """A resume may move a run between the host and a GPU: a saved stochastic-rounding state of another kind (another
+    size) leaves the codec on its own seed; one of the same kind is restored."""
+    from aqpipe.compress.codecs import QuantOptions, build_codec
+
+    codec = build_codec("directq:4", "fw", options=QuantOptions(stochastic=True, seed=1))
+    same = build_codec("directq:4", "fw", options=QuantOptions(stochastic=True, seed=2))
+    same.load_state_dict(codec.state_dict())
+    assert torch.equal(same._generator.get_state(), codec._generator.get_state())
+    before = same._generator.get_state()
+    same.load_state_dict({"generator": torch.zeros(16, dtype=torch.uint8)})  # a CUDA generator's (Philox) state
+    assert torch.equal(same._generator.get_state(), before)

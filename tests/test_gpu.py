@@ -1,6 +1,6 @@
 """The GPU checks (`pytest -m gpu`): codecs computing on the GPU, several ranks sharing one GPU, NCCL or staged
-collectives. They skip where CUDA is absent (CI never has a GPU); results of runs on a GPU machine are recorded in
-benchmarks/README.md. `AQPIPE_TEST_DEVICE=cpu pytest -m gpu tests/test_gpu.py` runs the same checks on the host,
+collectives. They skip where CUDA is absent (CI never has a GPU); benchmarks/README.md says when they last ran on a
+GPU (or that they have not yet). `AQPIPE_TEST_DEVICE=cpu pytest -m gpu tests/test_gpu.py` runs the same checks on the host,
 which checks the checks themselves on a machine without a GPU.
 """
 

@@ -34,6 +34,7 @@ MODE_FULL, MODE_DELTA = 0, 1
 
 
 _MERSENNE_61 = (1 << 61) - 1
+_CHECKSUM_COLUMNS = 1 << 20
 _position_weights: dict[tuple[int, str], torch.Tensor] = {}
 
 
@@ -51,15 +52,21 @@ def store_checksum(values: list[torch.Tensor | None]) -> int:
     """A 32-bit checksum of the m(ξ) values kept, in sample order (their raw bits in the store dtype; None: not
     kept), computed where the values are: each value's 16-bit words weighted by position and summed in int64 — exact
     integer arithmetic, so every device and every summation order gives the same number — and only one number per
-    sample crosses to the host. Any single changed word changes it."""
+    sample crosses to the host. Any single changed word changes each sample's sum (folded to 32 bits, two copies
+    that differ still collide once in 2^32)."""
     kept = [(position, v) for position, v in enumerate(values) if v is not None]
     if not kept:
         return 0
-    words = torch.stack([v.contiguous().view(torch.int16).reshape(-1) for _, v in kept]).to(torch.int64)
-    # |word| < 2^15 and weight < 2^16: each row's sum stays below 2^63 for up to 2^31 words (8 GB per sample)
-    sums = (words * _weights(words.shape[1], words.device)).sum(dim=1).tolist()
+    words = torch.stack([v.contiguous().view(torch.int16).reshape(-1) for _, v in kept])
+    weights = _weights(words.shape[1], words.device)
+    # |word| < 2^15 and weight < 2^16: each row's sum stays below 2^63 for up to 2^31 words (8 GB per sample); the
+    # int64 products are formed a slice of columns at a time, so the transient stays small beside a large batch
+    sums = torch.zeros(words.shape[0], dtype=torch.int64, device=words.device)
+    for start in range(0, words.shape[1], _CHECKSUM_COLUMNS):
+        part = slice(start, start + _CHECKSUM_COLUMNS)
+        sums += (words[:, part].to(torch.int64) * weights[part]).sum(dim=1)
     h = 0
-    for (position, _), s in zip(kept, sums):
+    for (position, _), s in zip(kept, sums.tolist()):
         h = (h * 1_000_003 + position * 7919 + s) % _MERSENNE_61
     return (h ^ (h >> 32)) & 0xFFFFFFFF
 

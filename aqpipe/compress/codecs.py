@@ -127,11 +127,13 @@ class LinkCodec:
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`'s output."""
         generator = getattr(self, "_generator", None)
-        if generator is not None and "generator" in state:
-            try:
-                generator.set_state(state["generator"])
-            except RuntimeError:  # saved on another device type (a resume may move a run to or from CUDA): the
-                pass  # stochastic rounding goes on from the codec's own seed there
+        if generator is None or "generator" not in state:
+            return
+        saved = state["generator"]
+        # a resume may move a run between the host and a GPU, whose generators' states differ in kind (and size):
+        # stochastic rounding then goes on from the codec's own seed
+        if saved.numel() == generator.get_state().numel():
+            generator.set_state(saved)
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
         return self._raw(tensor)

@@ -41,17 +41,16 @@ class Stage:
 
 def open_store(cfg: RunConfig, rank: int, estimate: int | None = None, device: torch.device | None = None
                ) -> MemoryStore | PrefetchingStore:
-    """This rank's m(ξ) store: in memory (on the host, pinned when the stage runs on a GPU, or on that GPU with
-    --store-device cuda), or an LMDB environment under the run directory, its map sized from the estimate when
+    """This rank's m(ξ) store: in memory (on the host, or on the stage's GPU with --store-device cuda), or an LMDB
+    environment under the run directory, its map sized from the estimate when
     there is one (it grows on demand either way)."""
     if cfg.store == "lmdb":
         cap = int(cfg.store_max_gb * 1e9) if cfg.store_max_gb is not None else None
         initial = min(estimate or (64 << 20), cap or (1 << 62))
         return PrefetchingStore(LMDBStore(store_path(cfg.out, rank), cfg.store_dtype, max_bytes=cap,
                                           initial_map_bytes=max(initial, 1 << 20)))
-    on_gpu = device is not None and device.type == "cuda"
-    return MemoryStore(value_dtype(cfg.store_dtype), device if on_gpu and cfg.store_device == "cuda" else "cpu",
-                       pinned=on_gpu)
+    on_gpu = device is not None and device.type == "cuda" and cfg.store_device == "cuda"
+    return MemoryStore(value_dtype(cfg.store_dtype), device if on_gpu else "cpu")
 
 
 def stream_name(replica: int, link: int, direction: str) -> str:

@@ -32,8 +32,23 @@ from aqpipe.runtime.precision import autocast
 from aqpipe.stages.lora import apply_lora
 from aqpipe.storage.dtypes import STORE_DTYPES
 
-# optimizer -> fp32 copies of each trained parameter it keeps (AdamW: both moments; SGD: its momentum buffer)
+# optimizer -> fp32 copies of each trained parameter it keeps (AdamW: both moments; SGD: its momentum buffer, when
+# it has momentum)
 OPTIMIZER_STATE_COPIES = {"adamw": 2, "sgd": 1}
+
+
+class TraceError(RuntimeError):
+    """A stage the fake-tensor tracer cannot run (a custom model doing something fake tensors cannot)."""
+
+
+def state_copies(cfg: RunConfig) -> int:
+    """fp32 copies per trained parameter the optimizer keeps, plus a sign-based grad sync's vote momentum."""
+    from aqpipe.compress.grad.methods import parse_grad_spec
+    from aqpipe.runtime.optim import momenta
+
+    optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)
+    copies = OPTIMIZER_STATE_COPIES[cfg.optimizer] if cfg.optimizer == "adamw" or optimizer_momentum > 0 else 0
+    return copies + (1 if vote_momentum > 0 else 0)
 
 
 @dataclass
@@ -187,7 +202,10 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
     from aqpipe.launch.netns import parse_rate
 
     cfg = plan.cfg
-    traced = trace_stages(plan)
+    try:
+        traced = trace_stages(plan)
+    except Exception as e:  # noqa: BLE001 - whatever a custom model's forward raises on fake tensors
+        raise TraceError(f"the stages could not be traced with fake tensors: {e}") from e
     options = QuantOptions(per=cfg.quant_scales, grid=cfg.quant_grid)
     m = cfg.micro_batches
     samples_per_replica = -(-len(plan.dataset.train) // cfg.dp)
@@ -203,7 +221,7 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
             m * steady_payload_bytes(cfg.bw, "bw", shape, torch.float32, options),
             m * raw_payload_bytes(cfg.fw, "fw", shape, dtype), m * raw_payload_bytes(cfg.bw, "bw", shape, torch.float32),
             side))
-    copies = OPTIMIZER_STATE_COPIES[cfg.optimizer] if cfg.optimizer != "sgd" or (cfg.momentum or 0) > 0 else 0
+    copies = state_copies(cfg)
     headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
     stages = []
     for s, ((params, trainable), act, _, _) in enumerate(traced):
@@ -239,6 +257,9 @@ def check_fits(capacity: CapacityPlan) -> None:
                                      f"but {_gb(free)} is available")
         return
     gpus = torch.cuda.device_count()
+    if gpus == 0:
+        capacity.problems.append("--device cuda, but this machine shows no GPU")
+        return
     per_gpu: dict[int, int] = {}
     for rank in range(cfg.world_size):  # a rank runs on cuda:(local rank mod GPUs), like the worker's device
         needs = capacity.stages[Grid(cfg.pp, cfg.dp, rank).stage].memory_bytes
@@ -287,7 +308,9 @@ def format_plan(capacity: CapacityPlan) -> str:
             lines.append(f"at --bandwidth {cfg.bandwidth}: the links alone need at least {step:.2f} s per step "
                          f"({capacity.link_bound_step_seconds(warmup=True):.2f} s during fp32 warm-up)")
     total = sum(s.memory_bytes for s in capacity.stages) * cfg.dp
-    lines += ["", f"in memory: {_gb(total)} over {cfg.world_size} ranks; available: "
+    ram_stores = sum(s.store_bytes for s in capacity.stages if s.store_where == "RAM") * cfg.dp
+    lines += ["", f"in memory: {_gb(total)} on the {'host' if cfg.device == 'cpu' else 'GPUs'} over {cfg.world_size} "
+              f"ranks{f', plus m(xi) stores {_gb(ram_stores)} in RAM' if ram_stores else ''}; available: "
               + ", ".join(f"{k} {_gb(v)}" for k, v in capacity.available.items())]
     lines += [f"does not fit: {p}" for p in capacity.problems] or ["fits"]
     return "\n".join(lines)
@@ -298,7 +321,7 @@ def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:
     be traced with fake tensors: then nothing is refused)."""
     try:
         capacity = plan_capacity(plan)
-    except Exception:  # noqa: BLE001 - a model the fake tracer cannot run is trained unplanned, as before
+    except TraceError:  # a custom model the fake tracer cannot run is trained unplanned, as before
         return None
     if capacity.problems:
         raise ConfigError("the run does not fit: " + "; ".join(capacity.problems)

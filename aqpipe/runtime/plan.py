@@ -33,10 +33,11 @@ class RunPlan:
                          self.cfg.micro_batch_size, self.cfg.micro_batches)
 
 
-def make_plan(cfg: RunConfig, spec_factory=None, profile: bool = True) -> RunPlan:
+def make_plan(cfg: RunConfig, spec_factory=None, profile: bool = True, check_store: bool = True) -> RunPlan:
     """Prepare data and model spec and resolve the partition; raises ConfigError for anything the user must fix.
 
-    With `profile=False`, a time-based partition not yet resolved is left to the caller.
+    With `profile=False`, a time-based partition not yet resolved is left to the caller; with `check_store=False`
+    the m(ξ) stores' room is not checked (the capacity plan reports it instead).
     """
     try:
         if spec_factory is None:
@@ -71,7 +72,8 @@ def make_plan(cfg: RunConfig, spec_factory=None, profile: bool = True) -> RunPla
         bounds = resolve_bounds(cfg, spec, dataset) if (profile or cfg.partition != "time") else []
     elif len(bounds) != cfg.pp + 1 or bounds[0] != 0 or bounds[-1] != len(spec):
         raise ConfigError(f"stage_bounds {bounds} do not split {len(spec)} layers into {cfg.pp} stages")
-    check_store_capacity(cfg, spec, len(dataset.train))
+    if check_store:
+        check_store_capacity(cfg, spec, len(dataset.train))
     return RunPlan(cfg, dataset, spec, bounds, steps_per_epoch, total_steps, plan_lora(cfg, spec))
 
 
@@ -126,6 +128,8 @@ def check_store_capacity(cfg: RunConfig, spec: PipelineSpec, num_samples: int) -
     per_rank = store_bytes_per_rank(cfg, spec, num_samples)
     if per_rank is None:
         return
+    if cfg.store == "memory" and cfg.store_device == "cuda":
+        return  # in GPU memory: the capacity plan counts it against each GPU
     if cfg.store == "memory":
         needed, free = per_rank * cfg.world_size, available_memory()  # every local rank keeps its own
         if needed > free:

@@ -38,6 +38,17 @@ def collect_state(worker: StageWorker, store) -> dict:
     return state
 
 
+def to_device(tree, device: torch.device):
+    """Every tensor of a nested dict/list moved to `device` (anything else as it is)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: to_device(v, device) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_device(v, device) for v in tree)
+    return tree
+
+
 def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
     """Restore `collect_state`'s output; checks the model part fully before changing anything."""
     for key in ("model", "optimizer", "lr_schedule", "grad_sync", "codecs", "rng", "store_stats"):
@@ -51,7 +62,9 @@ def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
         worker.optimizer.load_state_dict(state["optimizer"])
         worker.lr_schedule.load_state_dict(state["lr_schedule"])
         continue_schedule(worker.lr_schedule, worker.optimizer)
-        worker.grad_sync.load_state_dict(state["grad_sync"])
+        # error feedback, compensation and momentum live where the grad sync computes (its collectives' device);
+        # the checkpoint was read onto the host
+        worker.grad_sync.load_state_dict(to_device(state["grad_sync"], worker.grad_sync.dp.device))
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise CheckpointError(f"checkpoint {where} does not fit this run's optimizer or grad sync: {e}") from None
     codecs = worker.links.codecs()

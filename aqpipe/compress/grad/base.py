@@ -52,6 +52,7 @@ class GradSync(Protocol):
     """Combines one stage's gradients across its data-parallel group, in place."""
 
     name: str
+    dp: DPGroup  # the group, and the device its collectives take tensors on
     pattern: str  # one of PATTERNS
     bytes_sent: int  # bytes this rank handed to the network, over the run
     sign_based: bool  # the result is a sign-type update: pair with SGD
@@ -152,16 +153,16 @@ class Compressor:
             dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.dp.group)
             rows = shared.to(rows.device)
             self.bytes_sent += ring_all_reduce_bytes(rows.numel(), self.dp.size)
-        self.active = expand_rows(rows.bool(), grads)
-        flat = flatten(grads)
+        self.active = expand_rows(rows.bool(), grads).to(self.dp.device)
+        flat = flatten(grads).to(self.dp.device)  # the vote, its momentum and compensation live with the collectives
         if self.momentum > 0:
             if self.local_momentum is None or self.local_momentum.numel() != flat.numel():
                 self.local_momentum = torch.zeros_like(flat)
             flat = self.local_momentum.mul_(self.momentum).add_(flat, alpha=1 - self.momentum).clone()
         self.sizes = [int(a.sum()) for a in self.active.split([g.numel() for g in grads])]
         result = torch.zeros_like(flat)
-        result[self.active] = self.combine(flat[self.active].to(self.dp.device)).to(flat.device)
-        write_back(result, grads)
+        result[self.active] = self.combine(flat[self.active])
+        write_back(result.to(grads[0].device), grads)
         for p, count in zip(params, self.sizes):
             if count == 0:  # nothing active: the optimizer skips a parameter without a gradient (no decay either)
                 p.grad = None

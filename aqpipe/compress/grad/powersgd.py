@@ -59,7 +59,7 @@ class PowerSGD(Compressor):
             self.calls += 1
             return
         grads = gradients(params)
-        flat = flatten(grads)
+        flat = flatten(grads).to(self.dp.device)  # the hook's all-reduces run where the group's collectives do
         before = self.state.total_numel_after_compression
         plain = self.state.iter < self.state.start_powerSGD_iter
         bucket = cast(dist.GradBucket, _Bucket(flat, [g.shape for g in grads]))  # what the hook reads of one
