@@ -34,9 +34,14 @@ def launch(out: Path, flags: list[str]) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{out.name} failed:\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    checkpoints = out / "checkpoints"
-    size = sum(f.stat().st_size for f in checkpoints.rglob("*") if f.is_file()) if checkpoints.exists() else 0
-    return {"summary": json.loads((out / "summary.json").read_text()), "records": records, "checkpoint_bytes": size}
+    return {"summary": json.loads((out / "summary.json").read_text()), "records": records,
+            "checkpoint_bytes": checkpoint_bytes(out)}
+
+
+def checkpoint_bytes(out: Path) -> int:
+    """Bytes of the run's resumable checkpoints (checkpoints/step-*; final/ holds the merged weights for the
+    export, the same for every variant)."""
+    return sum(f.stat().st_size for d in (out / "checkpoints").glob("step-*") for f in d.rglob("*") if f.is_file())
 
 
 def grid_part(args, work: Path) -> list[dict]:
