@@ -177,7 +177,7 @@ def _command(argv: list[str] | None) -> int:
             return _generate(args)
         if args.command == "bench":
             return _bench(args)
-        raise ConfigError(f"'aqpipe {args.command}' is not available yet in this release")
+        raise ConfigError(f"'aqpipe {args.command}' is not a command")  # argparse admits only the ones above
     except ConfigError as e:
         print(f"aqpipe: error: {one_line(str(e))}", file=sys.stderr)
         return 2

@@ -151,6 +151,7 @@ def test_unknown_flag_is_one_line_through_the_real_command(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1 and "unrecognized arguments" in proc.stderr
 
 
-def test_not_yet_built_commands_answer_exit_2(capsys, tmp_path):
-    assert main(["bench"]) == 2
-    assert "not available yet" in capsys.readouterr().err
+def test_bench_with_a_bad_model_is_one_line_and_exit_2(capsys, tmp_path):
+    assert main(["bench", "--model", "no-such-model", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown --model" in err[0]
