@@ -28,7 +28,7 @@ from aqpipe.config import RunConfig
 from aqpipe.runtime.capacity import LinkNeeds, plan_capacity, steady_payload_bytes
 from aqpipe.runtime.plan import RunPlan
 from aqpipe.runtime.precision import autocast
-from aqpipe.stages.lora import apply_lora
+from aqpipe.runtime.transport import Header
 from aqpipe.storage import MemoryStore, StoreView
 
 FW_BITS = (8, 6, 4, 3, 2)  # the AQ-SGD widths the recommendation chooses among, most faithful first
@@ -49,17 +49,16 @@ class BenchResult:
     link_bound: bool  # even the fewest bits leave the link slower than compute
 
 
-def _time(fn, repeats: int = REPEATS) -> float:
-    """Median seconds of `fn()` after one warm-up call (CUDA synchronized)."""
+def _time(fn, device: torch.device, repeats: int = REPEATS) -> float:
+    """Median seconds of `fn()` after one warm-up call (the GPU synchronized around each call)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     times = []
     for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -67,24 +66,17 @@ def _time(fn, repeats: int = REPEATS) -> float:
 def stage_compute_seconds(plan: RunPlan, device: torch.device, link_shape: tuple[int, ...] | None) -> list[float]:
     """Forward + backward of one micro-batch on each stage, built one at a time (its weights only)."""
     cfg = plan.cfg
-    ids = torch.arange(min(cfg.micro_batch_size, len(plan.dataset.train)))
-    train = plan.dataset.train
-    mask = train.mask(ids)
-    mask = None if mask is None else mask.to(device)
+    batch = plan.first_micro_batch()
+    mask = None if batch["mask"] is None else batch["mask"].to(device)
     seconds = []
     for s in range(cfg.pp):
-        lo, hi = plan.bounds[s], plan.bounds[s + 1]
-        module = plan.spec.build_stage(lo, hi, cfg.seed)
-        module.recompute = cfg.recompute
-        if plan.lora is not None:
-            apply_lora(module, lo, plan.lora, cfg.seed)
-        module = module.to(device).train()
+        module = plan.build_stage(s).to(device).train()
         if s == 0:
-            inputs = train.inputs(ids).to(device)
+            inputs = batch["inputs"].to(device)
         else:
             assert link_shape is not None
             inputs = torch.randn(link_shape, device=device, requires_grad=True)
-        targets = train.targets(ids).to(device) if s == cfg.pp - 1 else None
+        targets = batch["targets"].to(device) if s == cfg.pp - 1 else None
 
         def step(module=module, inputs=inputs, targets=targets) -> None:
             with autocast(device, cfg.precision):
@@ -94,7 +86,7 @@ def stage_compute_seconds(plan: RunPlan, device: torch.device, link_shape: tuple
                 loss.backward()
             module.zero_grad(set_to_none=True)
 
-        seconds.append(_time(step))
+        seconds.append(_time(step, device))
         del module
     return seconds
 
@@ -113,24 +105,17 @@ def codec_speeds(cfg: RunConfig, shape: tuple[int, ...], device: torch.device) -
             sender = build_codec(spec, "fw", StoreView(send, 0, "send"), options, device=device)
             receiver = build_codec(spec, "fw", StoreView(recv, 0, "recv"), options, device=device)
             first = sender.encode(x, ids, compress=True)  # seeds m(ξ) on both sides: every later visit is a delta
-            receiver.decode(_header(first), first.payload, ids)
+            receiver.decode(Header.for_encoded(first, sender.code), first.payload, ids)
         else:
             sender = receiver = build_codec(spec, "bw" if spec.startswith("directq") else "fw", options=options,
                                             device=device)
 
         def round_trip(sender=sender, receiver=receiver) -> None:
             encoded = sender.encode(x, ids, compress=True)
-            receiver.decode(_header(encoded), encoded.payload, ids)
+            receiver.decode(Header.for_encoded(encoded, sender.code), encoded.payload, ids)
 
-        speeds[spec] = x.numel() * 4 / _time(round_trip) / 1e9
+        speeds[spec] = x.numel() * 4 / _time(round_trip, device) / 1e9
     return speeds
-
-
-def _header(encoded):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(shape=encoded.shape, dtype=encoded.wire_dtype, flags=encoded.flags, step=0, micro_batch=0,
-                           codec_check=encoded.codec_check, payload_len=encoded.payload.numel())
 
 
 def loopback_rate(nbytes: int = 64 << 20) -> float:

@@ -291,8 +291,7 @@ def _launch(args: argparse.Namespace) -> int:
     from aqpipe.launch.job import run_job
 
     dump_stacks_on_sigusr1()
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stage_bounds"}
-    file_values = load_config_file(args.config) if args.config else {}
+    flags, file_values = _run_values(args)
     resume = flags.get("resume") or file_values.get("resume")
     if resume:
         file_values, flags = resume_values(str(resume), file_values, flags), {}
@@ -302,14 +301,19 @@ def _launch(args: argparse.Namespace) -> int:
     return run_job(cfg, progress=not args.no_progress, overwrite=args.overwrite)
 
 
+def _run_values(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The run's settings as given: the flags (None where not given) and the config file's values."""
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stage_bounds"}
+    return flags, load_config_file(args.config) if args.config else {}
+
+
 def _bench(args: argparse.Namespace) -> int:
     """Measure what the plan of this run needs on this machine and recommend link codecs."""
     from aqpipe.bench import format_bench, run_bench
     from aqpipe.launch.netns import parse_rate
     from aqpipe.runtime.plan import make_plan
 
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stage_bounds"}
-    file_values = load_config_file(args.config) if args.config else {}
+    flags, file_values = _run_values(args)
     rate = flags.pop("bandwidth", None) or file_values.pop("bandwidth", None)  # a rate to plan for, not to shape
     try:
         bandwidth_bits = parse_rate(str(rate)) if rate else None

@@ -38,9 +38,8 @@ def measure(fn, repeats: int, device: torch.device | None = None) -> float:
 
 def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) -> list[dict]:
     """AQ-SGD's whole encode (delta, quantize, pack, m(ξ) update, checksum, bytes to the host) and decode."""
-    from types import SimpleNamespace
-
     from aqpipe.compress.codecs import build_codec
+    from aqpipe.runtime.transport import Header
     from aqpipe.storage import MemoryStore, StoreView
 
     mb = x.numel() * 4 / 1e6
@@ -56,10 +55,7 @@ def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) ->
             box["e"] = sender.encode(x, ids, compress=True)
 
         def decode():
-            e = box["e"]
-            header = SimpleNamespace(shape=e.shape, dtype=e.wire_dtype, flags=e.flags, codec_check=e.codec_check,
-                                     payload_len=e.payload.numel(), step=0, micro_batch=0)
-            receiver.decode(header, e.payload, ids)
+            receiver.decode(Header.for_encoded(box["e"], sender.code), box["e"].payload, ids)
 
         encode()
         decode()  # both sides now hold m(ξ): every later message is a delta

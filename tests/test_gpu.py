@@ -15,6 +15,7 @@ import torch
 
 from aqpipe.compress.aqsgd import store_checksum
 from aqpipe.compress.codecs import QuantOptions, build_codec
+from aqpipe.runtime.transport import Header
 from aqpipe.storage import MemoryStore, StoreView
 
 DEVICE = os.environ.get("AQPIPE_TEST_DEVICE", "cuda")
@@ -43,7 +44,7 @@ def test_a_codec_encodes_on_the_device_and_only_bytes_reach_the_host(spec, direc
     on_device = build_codec(spec, direction, options=options, device=DEVICE)
     encoded = on_device.encode(x, ids)
     assert encoded.payload.device.type == "cpu" and encoded.payload.dtype == torch.uint8
-    header = _header(encoded)
+    header = _header(encoded, on_device)
     decoded = on_device.decode(header, encoded.payload, ids)
     assert decoded.device.type == torch.device(DEVICE).type
     on_host = build_codec(spec, direction, options=options).decode(header, encoded.payload, ids)
@@ -52,11 +53,8 @@ def test_a_codec_encodes_on_the_device_and_only_bytes_reach_the_host(spec, direc
         assert torch.equal(decoded.cpu(), x.cpu())
 
 
-def _header(encoded):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(shape=encoded.shape, dtype=encoded.wire_dtype, flags=encoded.flags,
-                           codec_check=encoded.codec_check, payload_len=encoded.payload.numel(), step=0, micro_batch=0)
+def _header(encoded, codec):
+    return Header.for_encoded(encoded, codec.code)
 
 
 def test_aqsgd_copies_stay_identical_across_devices_and_the_checksum_is_device_free():
@@ -73,7 +71,7 @@ def test_aqsgd_copies_stay_identical_across_devices_and_the_checksum_is_device_f
         x = x + 0.1 * torch.randn_like(x)
         encoded = sender.encode(x, ids, compress=True)
         for receiver in receivers:
-            receiver.decode(_header(encoded), encoded.payload, ids)  # raises if its copy fails the checksum
+            receiver.decode(_header(encoded, sender), encoded.payload, ids)  # raises if its copy fails the checksum
     for i in ids.tolist():
         values = [s.get(0, side, [i])[0].cpu() for s, side in zip(stores, ("send", "recv", "recv"))]
         assert torch.equal(values[0], values[1]) and torch.equal(values[0], values[2])

@@ -139,9 +139,14 @@ class LinkCodec:
         return self._raw(tensor)
 
 
+def lossless_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a lossless message carries a tensor of `dtype` in (its own float dtype, else fp32)."""
+    return dtype if dtype in LOSSLESS_DTYPES else torch.float32
+
+
 def lossless(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` in the dtype a lossless message carries it in (its own float dtype, else fp32)."""
-    return tensor if tensor.dtype in LOSSLESS_DTYPES else tensor.to(torch.float32)
+    """`tensor` in the dtype a lossless message carries it in."""
+    return tensor.to(lossless_dtype(tensor.dtype))
 
 
 class FloatCodec(LinkCodec):

@@ -20,7 +20,6 @@ from aqpipe.runtime.streams import open_streams
 from aqpipe.runtime.tied import tied_groups
 from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
 from aqpipe.runtime.worker import StageWorker
-from aqpipe.stages.lora import apply_lora
 from aqpipe.storage import MemoryStore, StoreView
 from aqpipe.storage.encoding import value_dtype
 from aqpipe.storage.lmdb_store import LMDBStore, store_path
@@ -98,11 +97,7 @@ def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str
     cfg = plan.cfg
     groups = create_groups(grid, backend)
     store = open_store(cfg, grid.rank, store_bytes_per_rank(cfg, plan.spec, len(plan.dataset.train)), device)
-    module = plan.spec.build_stage(plan.bounds[grid.stage], plan.bounds[grid.stage + 1], cfg.seed)
-    module.recompute = cfg.recompute
-    if plan.lora is not None:
-        apply_lora(module, plan.bounds[grid.stage], plan.lora, cfg.seed)
-    module = module.to(device)
+    module = plan.build_stage(grid.stage).to(device)
     dp_group = DPGroup(groups.data_parallel, tuple(grid.dp_ranks(grid.stage)), grid.replica, collective_device(device))
     optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)
     grad_sync = build_grad_sync(cfg.grad_sync, dp_group, cfg.seed, freeze_step(plan.total_steps, cfg.warmup_steps),

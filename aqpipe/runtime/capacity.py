@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from aqpipe.compress.codecs import QuantOptions, build_codec, lossless, numel
+from aqpipe.compress.codecs import QuantOptions, build_codec, lossless_dtype, numel
 from aqpipe.compress.directq import sample_bytes
 from aqpipe.compress.specs import parse_spec
 from aqpipe.config import ConfigError, RunConfig
@@ -29,7 +29,6 @@ from aqpipe.runtime.grid import Grid
 from aqpipe.runtime.held import ActivationMeter
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan, available_memory
 from aqpipe.runtime.precision import autocast
-from aqpipe.stages.lora import apply_lora
 from aqpipe.storage.dtypes import STORE_DTYPES
 
 # optimizer -> fp32 copies of each trained parameter it keeps (AdamW: both moments; SGD: its momentum buffer, when
@@ -135,31 +134,20 @@ def micro_batches_held(schedule: str, stage: int, stages: int, micro_batches: in
     return peak
 
 
-def _micro_batch(plan: RunPlan) -> dict[str, torch.Tensor | None]:
-    """The first micro-batch of the training data: inputs, mask (or None) and targets."""
-    ids = torch.arange(min(plan.cfg.micro_batch_size, len(plan.dataset.train)))
-    train = plan.dataset.train
-    return {"inputs": train.inputs(ids), "mask": train.mask(ids), "targets": train.targets(ids)}
-
-
 def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, ...], torch.dtype]]:
     """Run every stage's forward on one fake micro-batch: per stage ((parameters, trained parameters), activation
     bytes held for one micro-batch, output shape, output dtype)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cfg = plan.cfg
-    batch = _micro_batch(plan)
+    batch = plan.first_micro_batch()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = torch.device("cpu")  # autocast and every kernel's output dtype as on the host
     traced = []
     x: torch.Tensor | None = None
     for s in range(cfg.pp):
-        lo, hi = plan.bounds[s], plan.bounds[s + 1]
         with torch.device("meta"):
-            module = plan.spec.build_stage(lo, hi, cfg.seed)
-            if plan.lora is not None:
-                apply_lora(module, lo, plan.lora, cfg.seed)
-        module.recompute = cfg.recompute
+            module = plan.build_stage(s)
         with mode:
             module = module.to_empty(device=device)
             params = list(module.parameters())
@@ -187,14 +175,14 @@ def steady_payload_bytes(spec: str, direction: str, shape: tuple[int, ...], dtyp
     if parsed.kind == "aqsgd":
         return shape[0] + shape[0] * sample_bytes(shape, parsed.bits, options.per)
     codec = build_codec(parsed, direction, options=options)
-    return codec.payload_bytes(SimpleNamespace(shape=shape, dtype=lossless(torch.empty(0, dtype=dtype)).dtype))
+    return codec.payload_bytes(SimpleNamespace(shape=shape, dtype=lossless_dtype(dtype)))
 
 
 def raw_payload_bytes(spec: str, direction: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Payload bytes of one warm-up message (lossless; AQ-SGD's carries a mode byte per sample and fp32 values)."""
     if parse_spec(spec, direction).kind == "aqsgd":
         return shape[0] + numel(shape) * 4
-    return numel(shape) * lossless(torch.empty(0, dtype=dtype)).dtype.itemsize
+    return numel(shape) * lossless_dtype(dtype).itemsize
 
 
 def plan_capacity(plan: RunPlan) -> CapacityPlan:

@@ -63,9 +63,8 @@ class SendEnd:
         """Encode `tensor` and queue it with its side information; returns the payload bytes."""
         codec = codec or self.codec
         encoded = codec.encode(tensor.detach(), ids, compress)
-        header = Header(kind or self.kind, step, mb, encoded.shape, encoded.wire_dtype, ids.numel(),
-                        encoded.payload.numel(), codec=codec.code, codec_check=encoded.codec_check,
-                        flags=encoded.flags, side_kind=side_kind if side is not None else SIDE_NONE)
+        header = Header.for_encoded(encoded, codec.code, kind or self.kind, step, mb, ids.numel(),
+                                    side_kind if side is not None else SIDE_NONE)
         self.outbox.send(header, ids, encoded.payload, side)
         return encoded.payload.numel()
 

@@ -7,11 +7,14 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from aqpipe.config import ConfigError, RunConfig
 from aqpipe.data import DataError, EpochPlan, TaskDataset, prepare_dataset, shard
 from aqpipe.stages import PipelineSpec, SpecError, partition
-from aqpipe.stages.lora import LoraSettings, check_targets, lora_settings
+from aqpipe.stages.lora import LoraSettings, apply_lora, check_targets, lora_settings
 from aqpipe.stages.models import build_spec, check_context, check_task, classify_model, tokenizer_directory
+from aqpipe.stages.spec import Stage
 from aqpipe.storage.dtypes import STORE_DTYPES
 
 
@@ -26,6 +29,23 @@ class RunPlan:
     steps_per_epoch: int
     total_steps: int
     lora: LoraSettings | None = None  # the adapters of a --lora run
+
+    def build_stage(self, stage: int) -> Stage:
+        """Stage `stage`'s layers as the run trains them: recompute as configured, LoRA adapters added (on whatever
+        device is current: the capacity plan builds on the meta device)."""
+        lo, hi = self.bounds[stage], self.bounds[stage + 1]
+        module = self.spec.build_stage(lo, hi, self.cfg.seed)
+        module.recompute = self.cfg.recompute
+        if self.lora is not None:
+            apply_lora(module, lo, self.lora, self.cfg.seed)
+        return module
+
+    def first_micro_batch(self) -> dict[str, torch.Tensor | None]:
+        """The first micro-batch of the training data: inputs, mask (or None) and targets (what the capacity plan
+        and the bench run a stage on)."""
+        ids = torch.arange(min(self.cfg.micro_batch_size, len(self.dataset.train)))
+        train = self.dataset.train
+        return {"inputs": train.inputs(ids), "mask": train.mask(ids), "targets": train.targets(ids)}
 
     def epoch_plan(self, replica: int) -> EpochPlan:
         """The sample order of one replica's shard."""
@@ -157,8 +177,6 @@ def resolve_bounds(cfg: RunConfig, spec: PipelineSpec, dataset: TaskDataset) -> 
         method = [int(x) for x in cfg.partition.split(",")]
     example = None
     if method == "time":
-        import torch
-
         ids = torch.arange(min(cfg.micro_batch_size, len(dataset.train)))
         example = (dataset.train.inputs(ids), dataset.train.targets(ids))
     try:

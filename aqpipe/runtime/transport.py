@@ -19,10 +19,14 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from aqpipe.runtime.streams import read_exactly
+
+if TYPE_CHECKING:
+    from aqpipe.compress.codecs import Encoded
 
 MAGIC = b"AQP1"
 HEADER_SIZE = 128
@@ -76,6 +80,13 @@ class Header:
     flags: int = 0
     side_len: int = 0
     side_kind: int = SIDE_NONE
+
+    @classmethod
+    def for_encoded(cls, encoded: Encoded, codec: int, kind: int = 0, step: int = 0, micro_batch: int = 0,
+                    n_ids: int = 0, side_kind: int = SIDE_NONE) -> Header:
+        """The header of a message carrying `encoded` (made by the codec whose code is `codec`)."""
+        return cls(kind, step, micro_batch, encoded.shape, encoded.wire_dtype, n_ids, encoded.payload.numel(),
+                   codec=codec, codec_check=encoded.codec_check, flags=encoded.flags, side_kind=side_kind)
 
     def pack(self) -> bytes:
         """The 128 bytes on the wire."""
