@@ -36,7 +36,7 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
     "llama-tiny": dict(seq_len=64, micro_batch_size=4, micro_batches=4, epochs=3, lr=1e-3, warmup_steps=10),
     "qwen2-tiny": dict(seq_len=64, micro_batch_size=4, micro_batches=4, epochs=3, lr=1e-3, warmup_steps=10),
     "mistral-tiny": dict(seq_len=64, micro_batch_size=4, micro_batches=4, epochs=3, lr=1e-3, warmup_steps=10),
-    "smollm2-135m": dict(seq_len=128, micro_batch_size=4, micro_batches=4, epochs=1, lr=5e-5, warmup_steps=10),
+    "smollm2-135m": dict(seq_len=128, micro_batch_size=4, micro_batches=4, epochs=3, lr=5e-5, warmup_steps=10),
     "minilm-l6": dict(seq_len=64, micro_batch_size=8, micro_batches=4, epochs=3, lr=1e-4, warmup_steps=10),
 }
 # What `--resume` may change about a run; everything else must stay as the run was configured.

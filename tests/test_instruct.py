@@ -111,9 +111,26 @@ def test_long_conversations_are_truncated_and_counted_and_answerless_ones_droppe
     samples = encode_conversations([conversation("Name a colour.", long_answer),
                                     conversation("Name a colour. " * 40, "Blue."),
                                     conversation("What is it?", "Paris.")], tokenizer, 50)
-    assert samples.truncated == 2 and samples.dropped == 1 and len(samples) == 2
+    # the long prompt leaves no response token within 50: dropped, not counted again as truncated
+    assert samples.truncated == 1 and samples.dropped == 1 and len(samples) == 2
     assert int(samples.attention[0].sum()) == 50  # cut to the sequence length
     assert samples.questions == ["Name a colour.", "What is it?"] and samples.answers[1] == "Paris."
+    assert samples.head(1).truncated == 1
+
+
+def test_the_truncation_count_is_of_the_samples_the_run_uses(tmp_path, monkeypatch):
+    """--max-samples keeps the first N training conversations: the summary counts the cuts among those (and the
+    held-out ones), not among conversations the run never sees."""
+    from aqpipe.data.dataset import prepare_instruct_dataset
+
+    monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
+    long = "Blue and red and green. " * 30
+    rows = [{"prompt": f"Name colour {i}.", "response": long if i >= 4 else "Blue."} for i in range(20)]
+    (tmp_path / "f.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    full = prepare_instruct_dataset(str(tmp_path / "f.jsonl"), 48, vocab_size=300)
+    head = prepare_instruct_dataset(str(tmp_path / "f.jsonl"), 48, vocab_size=300, max_samples=4)
+    assert full.info["truncated"] == 16  # 14 of 18 training rows and both held-out rows (9, 19) are long
+    assert head.info["truncated"] == 2  # the first 4 training rows are short; only the held-out ones count
 
 
 def test_the_step_loss_is_a_mean_over_response_tokens_not_over_micro_batches():

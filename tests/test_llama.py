@@ -2,6 +2,7 @@
 embeddings kept one tensor across stages, export round trip, and the bad inputs a user can give."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,25 @@ def run_stages(spec, bounds, ids, mask):
     for start, end in zip(bounds, bounds[1:]):
         hidden = spec.build_stage(start, end)(hidden, mask)
     return hidden
+
+
+def assert_export_matches_the_final_stages(run, preset: str) -> None:
+    """The exported HF model's logits on a padded batch equal those of the run's final stages."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(run / "export").eval()
+    spec = build_spec(preset, hf.config.vocab_size, 32)
+    bounds = json.loads((run / "config.json").read_text())["stage_bounds"]
+    stages = [spec.build_stage(a, b) for a, b in zip(bounds, bounds[1:])]
+    for k, stage in enumerate(stages):
+        stage.load_state_dict(torch.load(run / "checkpoints" / "final" / f"stage-{k}.pt", weights_only=True))
+    ids, mask = padded_batch(hf.config.vocab_size)
+    with torch.no_grad():
+        hidden = ids
+        for stage in stages:
+            hidden = stage(hidden, mask)
+        want = hf(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(hidden, want, rtol=1e-5, atol=1e-5)
 
 
 def qwen2_sliding_config():
@@ -67,6 +87,7 @@ def test_qwen2_and_mistral_shaped_models_train_through_the_launcher(tmp_path, pr
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert json.loads((tmp_path / "run" / "export" / "config.json").read_text())["model_type"] == preset.split("-")[0]
+    assert_export_matches_the_final_stages(tmp_path / "run", preset)
 
 
 def test_a_stage_needs_only_hidden_states_and_the_mask_from_its_peer():
@@ -154,17 +175,7 @@ def test_tied_embedding_stays_one_tensor_under_aqsgd_and_the_export_matches_the_
     assert hf.config.tie_word_embeddings and hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     with safe_open(str(export / "model.safetensors"), framework="pt") as f:
         assert "lm_head.weight" not in f.keys()  # written once
-    bounds = json.loads((tmp_path / "run" / "config.json").read_text())["stage_bounds"]
-    stages = [spec.build_stage(a, b) for a, b in zip(bounds, bounds[1:])]
-    for k, stage in enumerate(stages):
-        stage.load_state_dict(torch.load(final / f"stage-{k}.pt", weights_only=True))
-    ids, mask = padded_batch(embed.shape[0])
-    with torch.no_grad():
-        hidden = ids
-        for stage in stages:
-            hidden = stage(hidden, mask)
-        want = hf(input_ids=ids, attention_mask=mask).logits
-    torch.testing.assert_close(hidden, want, rtol=1e-5, atol=1e-5)
+    assert_export_matches_the_final_stages(tmp_path / "run", "llama-tiny")
 
     from aqpipe.cli import main
     from aqpipe.generate import Sampling, complete, load_model, prompt_text
@@ -186,11 +197,16 @@ def test_tied_embedding_stays_one_tensor_under_aqsgd_and_the_export_matches_the_
     assert main(["generate", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
 
 
-def test_a_checkpoint_of_an_uncovered_architecture_is_refused_naming_it(tmp_path):
+def test_a_checkpoint_of_an_uncovered_architecture_exits_2_naming_it(tmp_path, capsys):
+    from aqpipe.cli import main
+
     (tmp_path / "t5").mkdir()
     (tmp_path / "t5" / "config.json").write_text(json.dumps({"model_type": "t5"}))
     with pytest.raises(SpecError, match="t5.*llama, qwen2, mistral"):
         classify_model(str(tmp_path / "t5"))
+    assert main(["launch", "--model", str(tmp_path / "t5"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "is a t5 checkpoint" in err and "llama, qwen2, mistral" in err and "Traceback" not in err
 
 
 def test_a_gguf_of_an_uncovered_architecture_exits_2_naming_it(tmp_path, capsys):
@@ -254,3 +270,32 @@ def test_architecture_presets_have_their_real_shapes_for_planning():
     assert len(counts) == 18 and counts[0] == counts[-1] - 2048 == 128256 * 2048
     assert counts[1] == 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192 + 2 * 2048
     assert sum(counts) - counts[-1] + 2048 == pytest.approx(1.236e9, rel=1e-3)  # the published 1.24B
+
+
+def test_a_hub_repository_with_pytorch_pickles_only_is_fetched_with_them(tmp_path, monkeypatch):
+    """Safetensors first; a repository that has none is fetched again with its pytorch_model*.bin files."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from aqpipe.stages.models import hub_snapshot
+
+    files = {"old/org": ["config.json", "pytorch_model.bin", "tokenizer.json"],
+             "new/org": ["config.json", "model.safetensors", "pytorch_model.bin"]}
+    calls = []
+
+    def fake_download(repo_id, allow_patterns):
+        calls.append(repo_id)
+        directory = tmp_path / repo_id.replace("/", "--") / str(len(calls))
+        directory.mkdir(parents=True)
+        for name in files[repo_id]:
+            if any(fnmatch.fnmatch(name, p) for p in allow_patterns):
+                (directory / name).write_text("x")
+        return str(directory)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    old = hub_snapshot("old/org")
+    assert sorted(p.name for p in Path(old).iterdir()) == ["config.json", "pytorch_model.bin", "tokenizer.json"]
+    new = hub_snapshot("new/org")
+    assert sorted(p.name for p in Path(new).iterdir()) == ["config.json", "model.safetensors"]  # no pickles needed
+    assert calls == ["old/org", "old/org", "new/org"]

@@ -46,6 +46,8 @@ def test_module_function_model_from_the_command_line(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    # 3 steps of the default aqsgd:4 all lie in the fp32 warm-up epoch: the launcher says the links never compress
+    assert "the links never compress with --fw aqsgd:4" in proc.stderr
 
 
 def test_torchrun_runs_aqpipe_launch_as_its_ranks(tmp_path):

@@ -57,22 +57,35 @@ def test_a_missing_package_is_named_with_how_to_install_it(monkeypatch):
         models.classify_model("smollm2-135m")
 
 
-def test_lora_fine_tuning_exports_a_peft_adapter_for_the_real_base(smollm2, tmp_path):
-    """--lora with --export-adapter on the real model: export-adapter/ loads with peft onto the pretrained base and
-    gives the merged export's logits; the adapter directory is a small fraction of the merged model."""
+def test_three_ranks_give_the_hf_models_loss_and_lora_exports_a_peft_adapter_for_the_real_base(smollm2, tmp_path):
+    """--lora with --export-adapter on the real model over 3 ranks and fp32 links: the first step's loss (LoRA's B
+    starts at zero, so the stages are the pretrained model) is the HF model's on the same conversations;
+    export-adapter/ loads with peft onto the pretrained base and gives the merged export's logits; the adapter
+    directory is a small fraction of the merged model."""
     import json
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from aqpipe.cli import main
+    from aqpipe.config import RunConfig, resolve
+    from aqpipe.runtime.plan import make_plan
 
-    directory, _, _ = smollm2
+    directory, hf, _ = smollm2
     out = tmp_path / "run"
-    assert main(["launch", "--model", "smollm2-135m", "--data", "builtin-instruct", "--pp", "2", "--seq-len", "96",
+    settings = dict(model="smollm2-135m", data="builtin-instruct", pp=3, seq_len=96, max_samples=8, micro_batch_size=2,
+                    micro_batches=2, steps=2, lr=1e-2, fw="fp32", bw="fp32", lora=4, device="cpu")
+    assert main(["launch", "--model", "smollm2-135m", "--data", "builtin-instruct", "--pp", "3", "--seq-len", "96",
                  "--max-samples", "8", "--micro-batch-size", "2", "--micro-batches", "2", "--steps", "2",
-                 "--lr", "1e-2", "--lora", "4", "--export-adapter", "--device", "cpu", "--no-progress",
-                 "--out", str(out)]) == 0
+                 "--lr", "1e-2", "--fw", "fp32", "--bw", "fp32", "--lora", "4", "--export-adapter", "--device", "cpu",
+                 "--no-progress", "--out", str(out)]) == 0
+    plan = make_plan(resolve(RunConfig(out=str(tmp_path / "plan"), **settings)))
+    data, ids = plan.dataset.train, torch.cat(plan.epoch_plan(0).micro_batches_of(0))
+    with torch.no_grad():  # the step's loss: the mean over all its response tokens
+        logits = hf(input_ids=data.inputs(ids), attention_mask=data.mask(ids)).logits
+        want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data.targets(ids).flatten(), ignore_index=-100)
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert abs(first["loss"] - float(want)) <= 1e-5 * float(want), (first["loss"], float(want))
     summary = json.loads((out / "summary.json").read_text())
     adapter = out / "export-adapter"
     assert summary["export_adapter"] == str(adapter)

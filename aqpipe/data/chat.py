@@ -74,7 +74,8 @@ def encode_conversations(conversations: list[list[Message]], tokenizer, seq_len:
     input_ids = torch.full((n, seq_len), int(tokenizer.pad_token_id), dtype=torch.int64)
     target_ids = torch.full((n, seq_len), IGNORE, dtype=torch.int64)
     attention = torch.zeros(n, seq_len, dtype=torch.uint8)
-    kept, truncated, dropped = 0, 0, 0
+    cut = torch.zeros(n, dtype=torch.bool)
+    kept, dropped = 0, 0
     exchanges: list[tuple[str, str, str]] = []
     for messages in conversations:
         text, spans = render(messages, tokenizer)
@@ -84,8 +85,8 @@ def encode_conversations(conversations: list[list[Message]], tokenizer, seq_len:
         # the template's space before the answer)
         response = torch.tensor([any(start < e and end > s for s, e in spans) for start, end in encoded["offset_mapping"]],
                                 dtype=torch.bool)
-        if ids.numel() - 1 > seq_len:
-            truncated += 1
+        too_long = ids.numel() - 1 > seq_len
+        if too_long:
             ids, response = ids[: seq_len + 1], response[: seq_len + 1]
         targets = torch.where(response[1:], ids[1:], torch.full_like(ids[1:], IGNORE))
         if not bool((targets != IGNORE).any()):
@@ -93,8 +94,9 @@ def encode_conversations(conversations: list[list[Message]], tokenizer, seq_len:
             continue
         length = ids.numel() - 1
         input_ids[kept, :length], target_ids[kept, :length], attention[kept, :length] = ids[:-1], targets, 1
+        cut[kept] = too_long
         exchanges.append(last_exchange(messages, tokenizer))
         kept += 1
     prompts, questions, answers = (list(column) for column in zip(*exchanges)) if exchanges else ([], [], [])
-    return InstructSamples(input_ids[:kept], target_ids[:kept], attention[:kept], truncated, dropped, prompts,
+    return InstructSamples(input_ids[:kept], target_ids[:kept], attention[:kept], cut[:kept], dropped, prompts,
                            questions, answers)

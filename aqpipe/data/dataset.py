@@ -143,7 +143,7 @@ def prepare_instruct_dataset(
     instructions = load_instructions(data)
     tok_name = tokenizer_name(tokenizer_dir, vocab_size)
     content = hashlib.sha256(repr((instructions.train, instructions.valid)).encode()).hexdigest()[:16]
-    path = cache_dir() / f"instruct-{content}-{tok_name}-{seq_len}.pt"
+    path = cache_dir() / f"instruct2-{content}-{tok_name}-{seq_len}.pt"  # 2: samples carry their `cut` flags
     if path.is_file():
         cached = torch.load(path, weights_only=True)
         train, valid, vocab = InstructSamples(**cached["train"]), InstructSamples(**cached["valid"]), int(cached["vocab_size"])
@@ -159,9 +159,9 @@ def prepare_instruct_dataset(
         write_atomic(path, buf.getvalue(), shared=True)
     if len(train) == 0:
         raise DataError(f"--data {data!r} has no training conversation with a response token within --seq-len {seq_len}")
-    info = {"truncated": train.truncated + valid.truncated, "dropped": train.dropped + valid.dropped}
     if max_samples is not None:
         train = train.head(max_samples)
+    info = {"truncated": train.truncated + valid.truncated, "dropped": train.dropped + valid.dropped}
     return TaskDataset(train, valid, vocab, tok_name, info=info)
 
 

@@ -46,14 +46,19 @@ class InstructSamples:
     input_ids: torch.Tensor  # [N, T] int64, padded
     target_ids: torch.Tensor  # [N, T] int64: the next token on response positions, IGNORE elsewhere
     attention: torch.Tensor  # [N, T] uint8, 1 on real tokens
-    truncated: int = 0  # conversations cut to seq_len
-    dropped: int = 0  # conversations with no response token within seq_len
+    cut: torch.Tensor  # [N] bool: the conversation was longer than seq_len and is cut to it
+    dropped: int = 0  # conversations of the source with no response token within seq_len (not among the N)
     prompts: list[str] = field(default_factory=list)  # each sample's rendered prompt of its last answer (generation)
     questions: list[str] = field(default_factory=list)  # the user message that answer replies to
     answers: list[str] = field(default_factory=list)  # the answer itself
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def truncated(self) -> int:
+        """Samples cut to seq_len."""
+        return int(self.cut.sum())
 
     @property
     def seq_len(self) -> int:
@@ -74,12 +79,12 @@ class InstructSamples:
 
     def to_dict(self) -> dict:
         return {"input_ids": self.input_ids, "target_ids": self.target_ids, "attention": self.attention,
-                "truncated": self.truncated, "dropped": self.dropped, "prompts": self.prompts,
+                "cut": self.cut, "dropped": self.dropped, "prompts": self.prompts,
                 "questions": self.questions, "answers": self.answers}
 
     def head(self, count: int) -> InstructSamples:
         """The first `count` samples."""
-        return InstructSamples(self.input_ids[:count], self.target_ids[:count], self.attention[:count], self.truncated,
+        return InstructSamples(self.input_ids[:count], self.target_ids[:count], self.attention[:count], self.cut[:count],
                                self.dropped, self.prompts[:count], self.questions[:count], self.answers[:count])
 
 

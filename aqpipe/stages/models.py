@@ -145,10 +145,14 @@ def call_spec_factory(factory, **context) -> PipelineSpec:
 
 def hub_snapshot(repo_id: str) -> str:
     """Download (or find in the local HF cache) a hub checkpoint and return its directory."""
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+        directory = snapshot_download(repo_id, allow_patterns=patterns)
+        if not any(Path(directory).glob("*.safetensors")):  # an older repository with PyTorch pickles only
+            directory = snapshot_download(repo_id, allow_patterns=[*patterns, "pytorch_model*.bin"])
+        return directory
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, …
         raise SpecError(f"cannot fetch --model {repo_id!r} from the Hugging Face hub: {type(e).__name__}: {e}") from None
 
