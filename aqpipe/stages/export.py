@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from aqpipe.stages.llama import FAMILIES
+
+if TYPE_CHECKING:  # importing transformers' modeling code costs every rank seconds; only an export needs it
+    from transformers import PreTrainedModel
 
 
 class ExportError(RuntimeError):
