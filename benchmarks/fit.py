@@ -80,12 +80,16 @@ def sync_part(args, work: Path) -> dict:
 
 def quality_part(args, work: Path) -> dict:
     """LoRA r=8 with AQ-SGD links (fw3 bw6) on llm_finetune.py's settings, against its full fp32 fine-tuning."""
-    settings = ["--max-samples", "320", "--epochs", "3", "--warmup-steps", "5", "--eval-every", "10"]
+    # llm_finetune.py's defaults: 480 conversations, 3 epochs of 30 steps, lr 2e-5 for full fine-tuning
+    settings = ["--max-samples", "480", "--epochs", "3", "--warmup-steps", "5", "--eval-every", "15"]
     baseline_file = Path(args.baseline)
     if baseline_file.is_file():
         baseline = json.loads(baseline_file.read_text())["fp32"]
+        if baseline["steps"] != 90 or baseline["eval_step"] != 90:
+            raise SystemExit(f"{baseline_file} was trained with other settings ({baseline['steps']} steps, not 90): "
+                             "run benchmarks/llm_finetune.py with its defaults, or drop --baseline")
     else:
-        baseline = launch(work / "quality_full_fp32", [*settings, "--lr", "5e-5", "--fw", "fp32", "--bw", "fp32"])["summary"]
+        baseline = launch(work / "quality_full_fp32", [*settings, "--lr", "2e-5", "--fw", "fp32", "--bw", "fp32"])["summary"]
     run = launch(work / "quality_lora8_aqsgd3", [*settings, "--lr", str(args.lora_lr), "--lora", "8",
                                                   "--fw", "aqsgd:3", "--bw", "directq:6"])
     s = run["summary"]

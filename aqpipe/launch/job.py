@@ -202,5 +202,5 @@ def warmup_note(cfg: RunConfig, total_steps: int, steps_per_epoch: int) -> str |
     if total_steps > cfg.warmup_epochs * steps_per_epoch:
         return None
     return (f"all {total_steps} steps lie in the first {cfg.warmup_epochs} epoch(s) of {steps_per_epoch} steps, "
-            f"which --warmup-epochs sends in fp32 while AQ-SGD fills m(xi): the links never compress with "
+            f"which --warmup-epochs sends in fp32 (AQ-SGD fills m(xi) then): the links never compress with "
             f"--fw {cfg.fw} --bw {cfg.bw}; train longer (--epochs, --steps) or lower --warmup-epochs")
