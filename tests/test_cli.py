@@ -95,12 +95,21 @@ def test_bad_flags_exit_2_with_one_line(capsys, tmp_path, args, needle):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_hub_names_offline_get_a_clear_error(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    code, err = run_cli(capsys, [*FAST, "--model", "no-such-org/no-such-model"], tmp_path)
+def test_hub_names_offline_get_a_clear_error(tmp_path):
+    # In a fresh process: huggingface_hub reads HF_HUB_OFFLINE once, at import, and an earlier test may have
+    # imported it here already (it then tries the network and waits for its time-outs).
+    import os
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+    def run(*args: str) -> tuple[int, str]:
+        proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", *FAST, *args, "--out", str(tmp_path / "run")],
+                              capture_output=True, text=True, env=env, timeout=120)
+        return proc.returncode, proc.stderr
+
+    code, err = run("--model", "no-such-org/no-such-model")
     assert code == 2 and "cannot fetch --model 'no-such-org/no-such-model'" in err and len(err.strip().splitlines()) == 1
-    code, err = run_cli(capsys, [*FAST, "--data", "no_such_hub_dataset_xyz"], tmp_path)
+    code, err = run("--data", "no_such_hub_dataset_xyz")
     # without the optional `datasets` package the error says to install the hub extra instead
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "cannot load hub dataset 'no_such_hub_dataset_xyz'" in err or "install the 'hub' extra" in err
