@@ -129,10 +129,14 @@ def test_the_command_module_loads_without_torch():
 def test_a_lossy_codec_that_never_leaves_the_fp32_warm_up_is_pointed_out():
     from aqpipe.config import RunConfig
     from aqpipe.launch.job import warmup_note
+    from aqpipe.runtime.plan import RunPlan
+
+    def note(cfg: RunConfig, total_steps: int, steps_per_epoch: int = 25):
+        return warmup_note(RunPlan(cfg, None, None, [], steps_per_epoch, total_steps))
 
     lossy = RunConfig(fw="aqsgd:3", bw="directq:6", warmup_epochs=1)
-    assert "never compress" in warmup_note(lossy, total_steps=25, steps_per_epoch=25)
-    assert "--fw aqsgd:3 --bw directq:6" in warmup_note(lossy, total_steps=10, steps_per_epoch=25)
-    assert warmup_note(lossy, total_steps=26, steps_per_epoch=25) is None  # step 26 compresses
-    assert warmup_note(RunConfig(fw="fp32", bw="fp32"), total_steps=5, steps_per_epoch=25) is None
-    assert warmup_note(RunConfig(fw="aqsgd:3", warmup_epochs=0), total_steps=5, steps_per_epoch=25) is None
+    assert "never compress" in note(lossy, total_steps=25)
+    assert "--fw aqsgd:3 --bw directq:6" in note(lossy, total_steps=10)
+    assert note(lossy, total_steps=26) is None  # step 26 compresses
+    assert note(RunConfig(fw="fp32", bw="fp32"), total_steps=5) is None
+    assert note(RunConfig(fw="aqsgd:3", warmup_epochs=0), total_steps=5) is None

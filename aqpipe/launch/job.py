@@ -21,7 +21,7 @@ from aqpipe.launch.signals import INTERRUPTS, deferred_interrupts, ignore_interr
 from aqpipe.metrics import write_json
 from aqpipe.runtime.capacity import refuse_if_unfit
 from aqpipe.runtime.grid import Grid
-from aqpipe.runtime.plan import make_plan
+from aqpipe.runtime.plan import RunPlan, make_plan
 
 WORKER_MODULE = [sys.executable, "-m", "aqpipe.launch.worker_entry"]
 
@@ -190,17 +190,16 @@ def _announce(cfg: RunConfig, plan) -> None:
     print(f"aqpipe: {cfg.model} ({len(plan.spec)} layers as {sizes} over {cfg.pp} stages) x {cfg.dp} replica(s) "
           f"on {cfg.device}; {len(plan.dataset.train)} samples of {cfg.seq_len} tokens, {plan.total_steps} steps; "
           f"fw {cfg.fw}, bw {cfg.bw}; run directory {cfg.out}", file=sys.stderr, flush=True)
-    note = warmup_note(cfg, plan.total_steps, plan.steps_per_epoch)
+    note = warmup_note(plan)
     if note:
         print(f"aqpipe: note: {note}", file=sys.stderr, flush=True)
 
 
-def warmup_note(cfg: RunConfig, total_steps: int, steps_per_epoch: int) -> str | None:
+def warmup_note(plan: RunPlan) -> str | None:
     """What to tell a user whose lossy --fw/--bw never applies because every step lies in the fp32 warm-up."""
-    if (cfg.fw, cfg.bw) == ("fp32", "fp32") or total_steps <= 0:
+    cfg, total_steps = plan.cfg, plan.total_steps
+    if (cfg.fw, cfg.bw) == ("fp32", "fp32") or total_steps <= 0 or plan.compresses(total_steps - 1):
         return None
-    if total_steps > cfg.warmup_epochs * steps_per_epoch:
-        return None
-    return (f"all {total_steps} steps lie in the first {cfg.warmup_epochs} epoch(s) of {steps_per_epoch} steps, "
+    return (f"all {total_steps} steps lie in the first {cfg.warmup_epochs} epoch(s) of {plan.steps_per_epoch} steps, "
             f"which --warmup-epochs sends in fp32 (AQ-SGD fills m(xi) then): the links never compress with "
             f"--fw {cfg.fw} --bw {cfg.bw}; train longer (--epochs, --steps) or lower --warmup-epochs")

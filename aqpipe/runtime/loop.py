@@ -19,9 +19,8 @@ from aqpipe.storage.prefetch import PrefetchingStore
 
 
 def compresses(stage: Stage, step: int) -> bool:
-    """Whether `step`'s links compress: every step after the warm-up epochs (sent in fp32 while m(ξ) fills)."""
-    plan = stage.plan
-    return step // plan.steps_per_epoch >= plan.cfg.warmup_epochs
+    """Whether `step`'s links compress (the plan's warm-up rule)."""
+    return stage.plan.compresses(step)
 
 
 def evaluate(stage: Stage, step: int) -> dict:

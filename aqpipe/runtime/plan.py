@@ -47,6 +47,10 @@ class RunPlan:
         train = self.dataset.train
         return {"inputs": train.inputs(ids), "mask": train.mask(ids), "targets": train.targets(ids)}
 
+    def compresses(self, step: int) -> bool:
+        """Whether `step`'s links compress: every step after the warm-up epochs (sent in fp32 while m(ξ) fills)."""
+        return step // self.steps_per_epoch >= self.cfg.warmup_epochs
+
     def epoch_plan(self, replica: int) -> EpochPlan:
         """The sample order of one replica's shard."""
         return EpochPlan(shard(len(self.dataset.train), replica, self.cfg.dp), self.cfg.seed,
