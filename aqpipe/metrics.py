@@ -73,7 +73,21 @@ def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall
         "compute_seconds": sum(r["compute_seconds"] for r in records),
         "comm_wait_seconds": sum(r["comm_wait_seconds"] for r in records),
         "store": {"hits": 0, "misses": 0, "reseeded": 0, "overflow": 0},
+        **_aqsgd_fidelity(tail),
     }
+
+
+def _aqsgd_fidelity(tail: list[dict]) -> dict:
+    """`aqsgd` {change, error}: each link's mean over `tail`'s steps of ‖a − m(ξ)‖/‖a‖ before and after the update
+    (absent when no link sent AQ-SGD deltas then): how much activations moved since each sample's last visit, and
+    how far what the receiver computed on was from the true activations."""
+    out = {}
+    for name in ("change", "error"):
+        rows = [r[f"link_aqsgd_{name}"] for r in tail if f"link_aqsgd_{name}" in r]
+        per_link = [[v for v in link if v is not None] for link in zip(*rows)]
+        if any(per_link):
+            out[name] = [statistics.fmean(values) if values else None for values in per_link]
+    return {"aqsgd": out} if out else {}
 
 
 def _mean_rate(records: list[dict], direction: str) -> list[float]:

@@ -74,6 +74,17 @@ def test_loss(run: Path, args) -> float:
     return sum(losses) / len(losses)
 
 
+def aqsgd_by_epoch(records: list[dict]) -> dict[str, tuple[float, float]]:
+    """Per epoch, the mean over steps and links of AQ-SGD's change and error (metrics.jsonl's link_aqsgd_change and
+    link_aqsgd_error); empty for a run without AQ-SGD deltas."""
+    sums: dict[str, list[list[float]]] = {}
+    for r in records:
+        for name, slot in (("link_aqsgd_change", 0), ("link_aqsgd_error", 1)):
+            values = [v for v in r.get(name, []) if v is not None]
+            sums.setdefault(str(r["epoch"]), [[], []])[slot].extend(values)
+    return {e: (sum(c) / len(c), sum(m) / len(m)) for e, (c, m) in sums.items() if c and m}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DATA)
@@ -103,7 +114,8 @@ def main() -> None:
         summary = json.loads((run / "summary.json").read_text())
         results[name] = {"fw": fw, "bw": bw, "grad_sync": sync[0] if sync else "none", "final_loss": summary["final_loss"], "test_loss": test_loss(run, args),
                          "losses": [r["loss"] for r in records], "fwd_bytes": summary["link_bytes"]["fwd"],
-                         "bwd_bytes": summary["link_bytes"]["bwd"], "minutes": (time.monotonic() - start) / 60}
+                         "bwd_bytes": summary["link_bytes"]["bwd"], "minutes": (time.monotonic() - start) / 60,
+                         "aqsgd_by_epoch": aqsgd_by_epoch(records)}
         print(f"{name:16s} final train loss {summary['final_loss']:.4f}  test loss {results[name]['test_loss']:.4f}",
               flush=True)
     out.with_suffix(".json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "settings": vars(args) | {"data": str(args.data)},
@@ -114,6 +126,16 @@ def main() -> None:
     for name, r in results.items():
         lines.append(f"| {name} | {r['fw']} | {r['bw']} | {r['grad_sync']} | {r['final_loss']:.4f} | {100 * (r['final_loss'] / base - 1):+.1f}% | "
                      f"{r['test_loss']:.4f} | {r['fwd_bytes'] / 1e6:.1f} | {r['bwd_bytes'] / 1e6:.1f} |")
+    tracked = {name: r["aqsgd_by_epoch"] for name, r in results.items() if r["aqsgd_by_epoch"]}
+    if tracked:
+        epochs = sorted({e for by_epoch in tracked.values() for e in by_epoch}, key=int)
+        lines += ["", "AQ-SGD per epoch, mean over steps and links: ‖a − m_old‖/‖a‖ (what the delta carried) → "
+                  "‖a − m_new‖/‖a‖ (what the next stage computed on)", "",
+                  "| variant | " + " | ".join(f"epoch {int(e) + 1}" for e in epochs) + " |",
+                  "|---|" + "---|" * len(epochs)]
+        for name, by_epoch in tracked.items():
+            cells = [f"{by_epoch[e][0]:.2f} → {by_epoch[e][1]:.2f}" if e in by_epoch else "" for e in epochs]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib

@@ -56,6 +56,13 @@ def test_first_sight_is_full_precision_and_later_epochs_cost_b_over_8(tmp_path):
         assert r["bwd_bytes_per_element"] == pytest.approx(4 / 8 + 2 * hidden / (tokens * hidden), rel=1e-9)
     assert summary["store"] == {"hits": 48 * 2, "misses": 48, "reseeded": 0, "overflow": 0}
     assert summary["link_bytes"]["per_link_fwd"] == [summary["link_bytes"]["fwd"]]
+    # the fidelity of the deltas: none in the first epoch (all first sights), then m(ξ) nearer the activation than
+    # the activation to its last visit's (nearest rounding never adds error), and both well inside (0, 1)
+    assert all("link_aqsgd_change" not in r for r in first_epoch)
+    for r in later:
+        (change,), (error,) = r["link_aqsgd_change"], r["link_aqsgd_error"]
+        assert 0 < error < change < 1.5
+    assert summary["aqsgd"]["error"][0] < summary["aqsgd"]["change"][0]
 
 
 def test_warm_up_epochs_send_everything_uncompressed(tmp_path):

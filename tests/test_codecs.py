@@ -140,6 +140,22 @@ def test_aqsgd_both_copies_stay_bit_identical(dtype, options):
         assert value.dtype == dtype
 
 
+def test_aqsgd_reports_how_far_its_deltas_and_its_m_are_from_the_activation():
+    sender, receiver, _, _ = aqsgd_pair(2)
+    x = torch.randn(3, 8, 16)
+    assert send(sender, receiver, x[:2], torch.tensor([0, 1]))[0].fidelity is None  # first sight: nothing quantized
+    x2 = x + 0.3 * torch.randn_like(x)
+    encoded, y = send(sender, receiver, x2, torch.tensor([0, 1, 2]))  # samples 0, 1 as deltas, 2 in full
+    f = encoded.fidelity
+    assert f.signal.dtype == torch.float64
+    assert float(f.signal) == pytest.approx(float((x2[:2] ** 2).sum()), rel=1e-5)
+    assert float(f.change) == pytest.approx(float(((x2[:2] - x[:2]) ** 2).sum()), rel=1e-5)
+    assert float(f.error) == pytest.approx(float(((x2[:2] - y[:2]) ** 2).sum()), rel=1e-5)  # y: what the receiver got
+    assert 0 < float(f.error) < float(f.change)  # nearest rounding on a grid with a zero never adds error
+    total = f + f
+    assert float(total.change) == pytest.approx(2 * float(f.change))
+
+
 def test_aqsgd_mixed_first_sight_and_known_samples_in_one_micro_batch():
     sender, receiver, _, _ = aqsgd_pair(4)
     x = torch.randn(3, 5, 7)

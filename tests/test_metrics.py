@@ -32,3 +32,14 @@ def test_summary_by_steps_uses_last_tenth():
 def test_summary_of_nothing_is_an_error():
     with pytest.raises(ValueError):
         summarize([], used_steps=True, warmup_epochs=0, wall_seconds=0)
+
+
+def test_summary_of_aqsgd_fidelity_is_the_last_epochs_mean_per_link():
+    records = [record(1, 0, 9.0), record(2, 1, 5.0), record(3, 1, 4.0)]
+    records[0].update(link_aqsgd_change=[0.9, 0.8], link_aqsgd_error=[0.5, 0.4])
+    records[1].update(link_aqsgd_change=[0.2, None], link_aqsgd_error=[0.1, None])
+    records[2].update(link_aqsgd_change=[0.4, 0.6], link_aqsgd_error=[0.3, 0.2])
+    s = summarize(records, used_steps=False, warmup_epochs=1, wall_seconds=1.0)
+    assert s["aqsgd"]["change"] == pytest.approx([0.3, 0.6])
+    assert s["aqsgd"]["error"] == pytest.approx([0.2, 0.2])
+    assert "aqsgd" not in summarize([record(1, 0, 1.0)], used_steps=False, warmup_epochs=0, wall_seconds=1.0)

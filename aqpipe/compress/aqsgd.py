@@ -18,6 +18,7 @@ from aqpipe.compress.codecs import (
     FLAG_NO_CHECK,
     HOST,
     CodecError,
+    DeltaFidelity,
     Encoded,
     LinkCodec,
     QuantOptions,
@@ -83,6 +84,14 @@ def keep(view: StoreView, ids: list[int], values: list[torch.Tensor | None]) -> 
     return dropped
 
 
+def _fidelity(sent: torch.Tensor, change: torch.Tensor, m_new: torch.Tensor) -> DeltaFidelity:
+    """The squared norms of the activations sent as deltas, of their change since m(ξ), and of what m(ξ) still
+    misses after the update (each norm in float32, as float64 from there on, so a step's sums stay exact)."""
+    def sq(t: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(t).double().square()
+    return DeltaFidelity(sq(sent), sq(change), sq(sent - m_new.float()))
+
+
 class AQSGDCodec(LinkCodec):
     """Delta quantization against the per-sample message store, one side of one link."""
 
@@ -107,6 +116,7 @@ class AQSGDCodec(LinkCodec):
         delta = [i for i, k in enumerate(known) if k]
         segments: list[torch.Tensor | None] = [None] * len(id_list)
         new_m: list[torch.Tensor | None] = [None] * len(id_list)
+        fidelity = None
         if delta:
             m_old = torch.stack(self.view.get([id_list[i] for i in delta])).to(x.device, torch.float32)
             change = x[delta] - m_old
@@ -124,11 +134,15 @@ class AQSGDCodec(LinkCodec):
             rows = encode_samples(q)
             # the sender updates its copy from exactly the codes and fp16 scales the receiver will unpack
             m_new = (m_old + dequantize(q, tuple(m_old.shape))).to(self.view.dtype)
+            as_delta = []
             for j, (i, fits) in enumerate(zip(delta, self.view.storable(list(m_new)))):
                 if fits:
                     segments[i], new_m[i] = rows[j], m_new[j]
+                    as_delta.append(j)
                 else:
                     known[i] = False  # sent in full below; the receiver does the same with the same fp32 value
+            if as_delta:
+                fidelity = _fidelity(x[[delta[j] for j in as_delta]], change[as_delta], m_new[as_delta])
         full = [i for i, k in enumerate(known) if not k]
         firsts = [x[i].to(self.view.dtype, copy=True) for i in full]  # never a view of the live activation
         for i, value, fits in zip(full, firsts, self.view.storable(firsts)):
@@ -139,7 +153,7 @@ class AQSGDCodec(LinkCodec):
         payload = to_host(torch.cat([modes, *segments]))
         flags = (self.bits << 8) | (0 if self.check else FLAG_NO_CHECK)
         check = store_checksum(new_m) if self.check else 0
-        return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags)
+        return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
 
     def forget(self, ids: list[int]) -> None:
         """Drop m(ξ) of samples the receiver lacks, so that their next message goes at full precision."""

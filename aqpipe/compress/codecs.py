@@ -38,6 +38,20 @@ def to_host(payload: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class DeltaFidelity:
+    """How far AQ-SGD's quantized deltas of one message were from the truth, as squared norms over the samples
+    sent as deltas (0-d float64 tensors on the activation's device: summed over a step before anything is read,
+    so a GPU is not made to wait per message)."""
+
+    signal: torch.Tensor  # ‖a‖²: the activations themselves
+    change: torch.Tensor  # ‖a − m_old‖²: what was quantized (small when activations change slowly)
+    error: torch.Tensor  # ‖a − m_new‖²: what the receiver computes on, against the true activation
+
+    def __add__(self, other: DeltaFidelity) -> DeltaFidelity:
+        return DeltaFidelity(self.signal + other.signal, self.change + other.change, self.error + other.error)
+
+
+@dataclass
 class Encoded:
     """What a codec puts on the wire for one tensor."""
 
@@ -46,6 +60,7 @@ class Encoded:
     wire_dtype: torch.dtype
     codec_check: int = 0
     flags: int = 0
+    fidelity: DeltaFidelity | None = None  # AQ-SGD messages with deltas in them
 
 
 def bytes_as(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aqpipe.compress.codecs import LinkCodec, build_codec
+from aqpipe.compress.codecs import DeltaFidelity, LinkCodec, build_codec
 from aqpipe.runtime import schedule as sch
 from aqpipe.runtime.transport import (
     HEADER_SIZE,
@@ -45,6 +45,7 @@ class LinkCounters:
     elements: int = 0  # sent: the tensor values those bytes stood for
     body_bytes: int = 0  # received: message bodies
     wire_seconds: float = 0.0  # received: the time those bodies spent on the wire
+    fidelity: DeltaFidelity | None = None  # sent: AQ-SGD's deltas against the truth, summed
 
 
 @dataclass
@@ -66,6 +67,9 @@ class SendEnd:
         header = Header.for_encoded(encoded, codec.code, kind or self.kind, step, mb, ids.numel(),
                                     side_kind if side is not None else SIDE_NONE)
         self.outbox.send(header, ids, encoded.payload, side)
+        if encoded.fidelity is not None:
+            sofar = self.counters.fidelity
+            self.counters.fidelity = encoded.fidelity if sofar is None else sofar + encoded.fidelity
         return encoded.payload.numel()
 
     def flush(self) -> None:

@@ -3,6 +3,7 @@ evaluation lines, the final stage weights, the merged HF export, summary.json an
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -27,7 +28,7 @@ STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elemen
                "compute_seconds", "comm_wait_seconds", "grad_norm", "store_hits", "store_misses", "store_reseeded",
                "store_overflow", "fwd_recv_bytes", "fwd_recv_seconds", "bwd_recv_bytes", "bwd_recv_seconds",
                "forward_seconds", "backward_seconds", "peak_activation_bytes", "peak_memory_bytes", "overflow",
-               "loss_scale")
+               "loss_scale", "aqsgd_signal", "aqsgd_change", "aqsgd_error")
 
 
 def open_outputs(cfg: RunConfig, plan: RunPlan, first_step: int) -> MetricsLog:
@@ -63,7 +64,13 @@ def step_record(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_p
         seconds = per_link(f"{direction}_recv_seconds", receiver_offset)
         return [b / s if s > 0 else 0.0 for b, s in zip(moved, seconds)]
 
+    def relative(name: str) -> list[float | None]:
+        """Each link's √(Σ name / Σ ‖a‖²) over the AQ-SGD deltas its sender sent this step (None: it sent none)."""
+        return [math.sqrt(part / whole) if whole > 0 else None
+                for part, whole in zip(per_link(name, 0), per_link("aqsgd_signal", 0))]
+
     fwd_elements, bwd_elements = int(col["fwd_elements"].sum()), int(col["bwd_elements"].sum())
+    aqsgd = {"link_aqsgd_change": relative("aqsgd_change"), "link_aqsgd_error": relative("aqsgd_error")}
     return {
         "step": step + 1,
         "epoch": step // steps_per_epoch,
@@ -97,6 +104,7 @@ def step_record(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_p
         "stage_peak_memory_bytes": [int(col["peak_memory_bytes"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
         "loss_scale": float(col["loss_scale"][0]),
         "skipped": bool(col["overflow"].max() > 0),  # fp16: a gradient overflowed and no rank updated
+        **(aqsgd if any(v is not None for v in aqsgd["link_aqsgd_change"]) else {}),
     }
 
 

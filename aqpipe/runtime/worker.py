@@ -51,6 +51,9 @@ class StepStats:
     store_misses: int = 0
     store_reseeded: int = 0
     store_overflow: int = 0
+    aqsgd_signal: float = 0.0  # AQ-SGD activations this rank sent as deltas: Σ‖a‖², Σ‖a − m_old‖², Σ‖a − m_new‖²
+    aqsgd_change: float = 0.0
+    aqsgd_error: float = 0.0
 
 
 @dataclass
@@ -154,6 +157,10 @@ class StageWorker:
         stats.bwd_bytes, stats.bwd_elements = counters["bwd_sent"].payload_bytes, counters["bwd_sent"].elements
         stats.fwd_recv_bytes, stats.fwd_recv_seconds = counters["fwd_received"].body_bytes, counters["fwd_received"].wire_seconds
         stats.bwd_recv_bytes, stats.bwd_recv_seconds = counters["bwd_received"].body_bytes, counters["bwd_received"].wire_seconds
+        fidelity = counters["fwd_sent"].fidelity
+        if fidelity is not None:  # one read per step (a GPU waits once, not per message)
+            stats.aqsgd_signal, stats.aqsgd_change, stats.aqsgd_error = (
+                float(v) for v in torch.stack([fidelity.signal, fidelity.change, fidelity.error]).tolist())
 
     def _recv_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         mb.inputs, mb.ids, mb.mask = self.links.receive_activation()
