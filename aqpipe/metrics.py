@@ -78,9 +78,10 @@ def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall
 
 
 def _aqsgd_fidelity(tail: list[dict]) -> dict:
-    """`aqsgd` {change, error}: each link's mean over `tail`'s steps of ‖a − m(ξ)‖/‖a‖ before and after the update
-    (absent when no link sent AQ-SGD deltas then): how much activations moved since each sample's last visit, and
-    how far what the receiver computed on was from the true activations."""
+    """`aqsgd` {change, error}: each link's mean over `tail`'s steps (the last epoch, or the last tenth of the steps
+    of a run sized by --steps) of ‖a − m(ξ)‖/‖a‖ before and after the update (absent when no link sent AQ-SGD deltas
+    then): how much activations moved since each sample's last visit, and how far what the receiver computed on was
+    from the true activations."""
     out = {}
     for name in ("change", "error"):
         rows = [r[f"link_aqsgd_{name}"] for r in tail if f"link_aqsgd_{name}" in r]

@@ -203,10 +203,12 @@ def schedule_targets(table: dict, bandwidths: list[str], sps: dict) -> list[str]
             return "not measured"
         return f"{sps[a][bw] / sps[b][bw_b or bw]:.2f}"
 
+    fp32 = "fp32 · gpipe"
     for bw in [b for b in bandwidths if b != "unthrottled"]:
-        fp32 = "fp32 · gpipe"
-        regime = f"{regime_ratio(table, bw, fp32):.1f}" if fp32 in table and bw in table[fp32] else "?"
-        lines += [f"At {bw} (fp32 comm/compute ratio under GPipe {regime}):"]
+        measured = fp32 in table and bw in table[fp32]
+        regime = f"fp32 comm/compute ratio under GPipe {regime_ratio(table, bw, fp32):.1f}" if measured else \
+            "fp32 not run: its comm/compute ratio unknown"
+        lines += [f"At {bw} ({regime}):"]
         for schedule in schedules:
             for variant in ("aqsgd fw3 bw6", "aqsgd fw3 bw4"):
                 one, gp = f"{variant} · {schedule}", f"{variant} · gpipe"
@@ -216,7 +218,8 @@ def schedule_targets(table: dict, bandwidths: list[str], sps: dict) -> list[str]
                 lines += [f"- {variant} {schedule} / its own unthrottled: {ratio(one, one, bw, 'unthrottled')}"
                           + (" (target ≥ 0.9)" if bw6 else ""),
                           f"- {variant} {schedule} / gpipe: {ratio(one, gp, bw)}" + (" (target ≥ 1.15)" if bw6 else "")]
-            lines += [f"- fp32 {schedule} / gpipe: {ratio(f'fp32 · {schedule}', 'fp32 · gpipe', bw)} (target ≥ 1.3)"]
+            if measured:
+                lines += [f"- fp32 {schedule} / gpipe: {ratio(f'fp32 · {schedule}', fp32, bw)} (target ≥ 1.3)"]
         lines += [""]
     return lines
 

@@ -39,6 +39,13 @@ def test_both_copies_of_every_m_agree_after_several_epochs(tmp_path, pp, dp):
                 assert value.dtype == torch.float16
                 assert torch.equal(value.view(torch.int16), got[key].view(torch.int16)), key
     assert summary["store"]["misses"] == 0  # every sample was seeded in the warm-up epoch
+    for r in records:  # AQ-SGD's fidelity per link: none in the warm-up epoch, then every link, every step
+        if r["epoch"] == 0:
+            assert "link_aqsgd_change" not in r
+        else:
+            assert len(r["link_aqsgd_change"]) == len(r["link_aqsgd_error"]) == pp - 1
+            assert all(0 < e < c for c, e in zip(r["link_aqsgd_change"], r["link_aqsgd_error"]))
+    assert len(summary["aqsgd"]["change"]) == pp - 1
     assert summary["store"]["hits"] == (pp - 1) * 48 * 2  # two compressed epochs, each sample once per link
 
 
@@ -61,7 +68,7 @@ def test_first_sight_is_full_precision_and_later_epochs_cost_b_over_8(tmp_path):
     assert all("link_aqsgd_change" not in r for r in first_epoch)
     for r in later:
         (change,), (error,) = r["link_aqsgd_change"], r["link_aqsgd_error"]
-        assert 0 < error < change < 1.5
+        assert 0 < error < change
     assert summary["aqsgd"]["error"][0] < summary["aqsgd"]["change"][0]
 
 

@@ -140,17 +140,24 @@ def test_aqsgd_both_copies_stay_bit_identical(dtype, options):
         assert value.dtype == dtype
 
 
-def test_aqsgd_reports_how_far_its_deltas_and_its_m_are_from_the_activation():
-    sender, receiver, _, _ = aqsgd_pair(2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_aqsgd_reports_how_far_its_deltas_and_its_m_are_from_the_activation(dtype):
+    """Over the samples sent as deltas only (not a first sight, not one whose change is beyond an fp16 scale):
+    ‖a‖², ‖a − m_old‖² and ‖a − m_new‖² with m_new in the store's dtype, i.e. what the receiver computes on."""
+    sender, receiver, sender_store, _ = aqsgd_pair(2, dtype)
+    torch.manual_seed(0)
     x = torch.randn(3, 8, 16)
-    assert send(sender, receiver, x[:2], torch.tensor([0, 1]))[0].fidelity is None  # first sight: nothing quantized
-    x2 = x + 0.3 * torch.randn_like(x)
-    encoded, y = send(sender, receiver, x2, torch.tensor([0, 1, 2]))  # samples 0, 1 as deltas, 2 in full
+    assert send(sender, receiver, x, torch.tensor([0, 1, 3]))[0].fidelity is None  # first sight: nothing quantized
+    m_old = torch.stack(sender_store.get(0, "send", [0, 1])).float()
+    x2 = torch.cat([torch.randn(1, 8, 16), x[:2] + 0.3 * torch.randn(2, 8, 16), x[2:]])
+    x2[3, 0, 0] = 1e5  # a change no fp16 scale spans: this sample goes in full
+    encoded, y = send(sender, receiver, x2, torch.tensor([2, 0, 1, 3]))  # 2: first sight; 0, 1: deltas
+    assert encoded.payload[:4].tolist() == [MODE_FULL, MODE_DELTA, MODE_DELTA, MODE_FULL]
     f = encoded.fidelity
     assert f.signal.dtype == torch.float64
-    assert float(f.signal) == pytest.approx(float((x2[:2] ** 2).sum()), rel=1e-5)
-    assert float(f.change) == pytest.approx(float(((x2[:2] - x[:2]) ** 2).sum()), rel=1e-5)
-    assert float(f.error) == pytest.approx(float(((x2[:2] - y[:2]) ** 2).sum()), rel=1e-5)  # y: what the receiver got
+    assert float(f.signal) == pytest.approx(float((x2[1:3] ** 2).sum()), rel=1e-5)
+    assert float(f.change) == pytest.approx(float(((x2[1:3] - m_old) ** 2).sum()), rel=1e-5)
+    assert float(f.error) == pytest.approx(float(((x2[1:3] - y[1:3]) ** 2).sum()), rel=1e-4)  # y: what it got
     assert 0 < float(f.error) < float(f.change)  # nearest rounding on a grid with a zero never adds error
     total = f + f
     assert float(total.change) == pytest.approx(2 * float(f.change))

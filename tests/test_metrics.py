@@ -43,3 +43,8 @@ def test_summary_of_aqsgd_fidelity_is_the_last_epochs_mean_per_link():
     assert s["aqsgd"]["change"] == pytest.approx([0.3, 0.6])
     assert s["aqsgd"]["error"] == pytest.approx([0.2, 0.2])
     assert "aqsgd" not in summarize([record(1, 0, 1.0)], used_steps=False, warmup_epochs=0, wall_seconds=1.0)
+    by_steps = [record(i + 1, 0, 1.0) for i in range(20)]  # a run sized by --steps: the last tenth of its steps
+    for i, r in enumerate(by_steps):
+        r.update(link_aqsgd_change=[i / 10], link_aqsgd_error=[i / 100])
+    s = summarize(by_steps, used_steps=True, warmup_epochs=0, wall_seconds=1.0)
+    assert s["aqsgd"]["change"] == pytest.approx([1.85]) and s["aqsgd"]["error"] == pytest.approx([0.185])

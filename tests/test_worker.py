@@ -55,7 +55,7 @@ def _pipeline_runs(tmp_path, pp: int, dp: int, counts: list[int]) -> list[dict]:
     return [value for _, value in outcome]
 
 
-@pytest.mark.parametrize("pp,dp", [(2, 1), (3, 1), (4, 1), (2, 2)])
+@pytest.mark.parametrize("pp,dp", [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2)])
 def test_every_schedule_equals_gpipe_bit_for_bit_and_1f1b_a_single_process(tmp_path, pp, dp):
     counts = [pp - 1, pp, 2 * pp + 1]
     ranks = _pipeline_runs(tmp_path, pp, dp, counts)

@@ -84,12 +84,20 @@ def keep(view: StoreView, ids: list[int], values: list[torch.Tensor | None]) -> 
     return dropped
 
 
-def _fidelity(sent: torch.Tensor, change: torch.Tensor, m_new: torch.Tensor) -> DeltaFidelity:
-    """The squared norms of the activations sent as deltas, of their change since m(ξ), and of what m(ξ) still
-    misses after the update (each norm in float32, as float64 from there on, so a step's sums stay exact)."""
-    def sq(t: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.vector_norm(t).double().square()
-    return DeltaFidelity(sq(sent), sq(change), sq(sent - m_new.float()))
+def _row_sq(t: torch.Tensor) -> torch.Tensor:
+    """Each sample's squared norm, in float64 (the norm itself in float32: no full-size float64 copy)."""
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).double().square()
+
+
+def _fidelity(x: torch.Tensor, delta: list[int], m_old: torch.Tensor, change: torch.Tensor, m_new: torch.Tensor,
+              as_delta: list[int]) -> DeltaFidelity:
+    """The squared norms, over the samples sent as deltas (`as_delta` among the `delta` rows of `x`), of the
+    activation, of its change since m(ξ), and of what m(ξ) still misses after the update in the store's dtype —
+    what the receiver computes on. One full-size temporary: m_new − m_old − change = m_new − x."""
+    error = m_new.to(torch.float32, copy=True).sub_(m_old).sub_(change)
+    rows = torch.tensor(as_delta, device=x.device)
+    signal = _row_sq(x)[torch.tensor(delta, device=x.device)][rows]
+    return DeltaFidelity(signal.sum(), _row_sq(change)[rows].sum(), _row_sq(error)[rows].sum())
 
 
 class AQSGDCodec(LinkCodec):
@@ -142,7 +150,7 @@ class AQSGDCodec(LinkCodec):
                 else:
                     known[i] = False  # sent in full below; the receiver does the same with the same fp32 value
             if as_delta:
-                fidelity = _fidelity(x[[delta[j] for j in as_delta]], change[as_delta], m_new[as_delta])
+                fidelity = _fidelity(x, delta, m_old, change, m_new, as_delta)
         full = [i for i, k in enumerate(known) if not k]
         firsts = [x[i].to(self.view.dtype, copy=True) for i in full]  # never a view of the live activation
         for i, value, fits in zip(full, firsts, self.view.storable(firsts)):

@@ -65,15 +65,16 @@ def open_links(cfg: RunConfig, grid: Grid, groups: ProcessGroups, store, device:
                            seed=cfg.seed + grid.rank, grid=cfg.quant_grid)
     check = cfg.store_check == "on"
     views = {side: StoreView(store, link, side) for link, side in grid.owned_sides()}
-    before, after = grid.stage - 1, grid.stage  # the links this rank's stage sits between
-    names = {(link, d): stream_name(grid.replica, link, d) for link in (before, after) for d in ("activation", "gradient")}
-    inbound = ([names[(before, "activation")]] if grid.prev_rank is not None else []) + \
-              ([names[(after, "gradient")]] if grid.next_rank is not None else [])
-    outbound = ([names[(before, "gradient")]] if grid.prev_rank is not None else []) + \
-               ([names[(after, "activation")]] if grid.next_rank is not None else [])
+    before, after = grid.link_in, grid.link_out  # the links this rank's stage sits between (None at an end)
+    names = {(link, d): stream_name(grid.replica, link, d) for link in (before, after) if link is not None
+             for d in ("activation", "gradient")}
+    inbound = ([names[(before, "activation")]] if before is not None else []) + \
+              ([names[(after, "gradient")]] if after is not None else [])
+    outbound = ([names[(before, "gradient")]] if before is not None else []) + \
+               ([names[(after, "activation")]] if after is not None else [])
     streams = open_streams(inbound, outbound, groups.pipeline, cfg.stall_timeout)
     links = StageLinks()
-    if grid.prev_rank is not None:  # link stage - 1: activations in, gradients out
+    if before is not None:  # link stage - 1: activations in, gradients out
         peer = grid.describe(grid.prev_rank)
         links.act_in = ActivationIn(before, KIND_ACTIVATION,
                                     build_codec(cfg.fw, "fw", views["recv"], options, check, device),
@@ -81,7 +82,7 @@ def open_links(cfg: RunConfig, grid: Grid, groups: ProcessGroups, store, device:
                                     cfg.micro_batch_size, (SIDE_MASK,))
         links.grad_out = GradientOut(before, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options, device=device),
                                      Outbox(streams[names[(before, "gradient")]], peer, cfg.stall_timeout))
-    if grid.next_rank is not None:  # link stage: activations out, gradients in
+    if after is not None:  # link stage: activations out, gradients in
         peer = grid.describe(grid.next_rank)
         links.act_out = ActivationOut(after, KIND_ACTIVATION,
                                       build_codec(cfg.fw, "fw", views["send"], options, check, device),

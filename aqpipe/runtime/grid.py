@@ -55,16 +55,22 @@ class Grid:
         """The rank this one sends activations to, or None on the last stage."""
         return None if self.is_last_stage else self.rank + 1
 
+    @property
+    def link_out(self) -> int | None:
+        """The link this stage sends activations down (None on the last stage): `storage.base.stage_holding` read
+        backwards."""
+        return None if self.is_last_stage else self.stage
+
+    @property
+    def link_in(self) -> int | None:
+        """The link this stage receives activations from (None on the first stage)."""
+        return None if self.is_first_stage else self.stage - 1
+
     def owned_sides(self) -> list[tuple[int, str]]:
-        """The (link, side) pairs of m(ξ) this rank keeps: the sender side of its outgoing link k = stage (stage k
-        to k+1) and the receiver side of its incoming link stage - 1. Link ends, prefetch and reconciliation read
-        this one answer."""
-        sides = []
-        if not self.is_last_stage:
-            sides.append((self.stage, "send"))
-        if not self.is_first_stage:
-            sides.append((self.stage - 1, "recv"))
-        return sides
+        """The (link, side) pairs of m(ξ) this rank keeps: the sender side of its outgoing link and the receiver side
+        of its incoming one. Link ends, prefetch and reconciliation read this one answer."""
+        pairs = [(self.link_out, "send"), (self.link_in, "recv")]
+        return [(link, side) for link, side in pairs if link is not None]
 
     def pipeline_ranks(self, replica: int) -> list[int]:
         """The ranks of one whole pipeline, first stage first."""

@@ -219,6 +219,11 @@ class StageLinks:
             elif isinstance(ins, sch.SendGrad):
                 self._request_with = ins.micro_batch
 
+    @property
+    def keeps_messages(self) -> bool:
+        """Whether this rank's outgoing activations go through an m(ξ) store (AQ-SGD)."""
+        return self.act_out is not None and hasattr(self.act_out.codec, "view")
+
     def send_activation(self, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None
                         ) -> None:
         """Send micro-batch `mb`'s output to the next stage."""

@@ -22,6 +22,7 @@ from aqpipe.runtime.worker import StepStats
 from aqpipe.stages.export import export_adapter, export_hf
 from aqpipe.stages.lora import adapter_state, merged_state
 from aqpipe.stages.models import tokenizer_directory
+from aqpipe.storage.base import stage_holding
 
 # The StepStats fields every rank contributes to a step's record (plus its step time), in the order they travel.
 STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elements", "grad_sync_bytes",
@@ -53,21 +54,22 @@ def step_record(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_p
     loss = float(col["loss_sum"][last_stage].sum()) / (cfg.micro_batches * cfg.dp)
     slowest = float(col["step_seconds"].max())
 
-    def per_link(name: str, offset: int) -> list[float]:
-        """Summed over replicas, for link k (stage k → k+1), of the number kept by stage k + offset (activations
-        are sent by stage k and received by k+1; gradients the other way)."""
-        return [float(sum(col[name][grid.rank_of(k + offset, r)] for r in range(cfg.dp))) for k in range(cfg.pp - 1)]
+    def per_link(name: str, side: str) -> list[float]:
+        """Summed over replicas, for each link, of the number kept by the stage on `side` of it (activations go
+        from the send side to the recv side; gradients the other way)."""
+        return [float(sum(col[name][grid.rank_of(stage_holding(k, side), r)] for r in range(cfg.dp)))
+                for k in range(cfg.pp - 1)]
 
-    def rates(direction: str, receiver_offset: int) -> list[float]:
+    def rates(direction: str, receiver: str) -> list[float]:
         """Achieved bytes/s of each link in one direction while a message body was on the wire."""
-        moved = per_link(f"{direction}_recv_bytes", receiver_offset)
-        seconds = per_link(f"{direction}_recv_seconds", receiver_offset)
+        moved = per_link(f"{direction}_recv_bytes", receiver)
+        seconds = per_link(f"{direction}_recv_seconds", receiver)
         return [b / s if s > 0 else 0.0 for b, s in zip(moved, seconds)]
 
     def relative(name: str) -> list[float | None]:
         """Each link's √(Σ name / Σ ‖a‖²) over the AQ-SGD deltas its sender sent this step (None: it sent none)."""
         return [math.sqrt(part / whole) if whole > 0 else None
-                for part, whole in zip(per_link(name, 0), per_link("aqsgd_signal", 0))]
+                for part, whole in zip(per_link(name, "send"), per_link("aqsgd_signal", "send"))]
 
     fwd_elements, bwd_elements = int(col["fwd_elements"].sum()), int(col["bwd_elements"].sum())
     aqsgd = {"link_aqsgd_change": relative("aqsgd_change"), "link_aqsgd_error": relative("aqsgd_error")}
@@ -82,12 +84,12 @@ def step_record(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_p
         "fwd_bytes": int(col["fwd_bytes"].sum()),
         "bwd_bytes": int(col["bwd_bytes"].sum()),
         "grad_sync_bytes": int(col["grad_sync_bytes"].sum()),
-        "link_fwd_bytes": [int(b) for b in per_link("fwd_bytes", 0)],
-        "link_bwd_bytes": [int(b) for b in per_link("bwd_bytes", 1)],
-        "link_fwd_wire_seconds": per_link("fwd_recv_seconds", 1),
-        "link_bwd_wire_seconds": per_link("bwd_recv_seconds", 0),
-        "link_fwd_bytes_per_second": rates("fwd", 1),
-        "link_bwd_bytes_per_second": rates("bwd", 0),
+        "link_fwd_bytes": [int(b) for b in per_link("fwd_bytes", "send")],
+        "link_bwd_bytes": [int(b) for b in per_link("bwd_bytes", "recv")],
+        "link_fwd_wire_seconds": per_link("fwd_recv_seconds", "recv"),
+        "link_bwd_wire_seconds": per_link("bwd_recv_seconds", "send"),
+        "link_fwd_bytes_per_second": rates("fwd", "recv"),
+        "link_bwd_bytes_per_second": rates("bwd", "send"),
         "fwd_bytes_per_element": int(col["fwd_bytes"].sum()) / fwd_elements if fwd_elements else 0.0,
         "bwd_bytes_per_element": int(col["bwd_bytes"].sum()) / bwd_elements if bwd_elements else 0.0,
         "store_hits": int(col["store_hits"].sum()),

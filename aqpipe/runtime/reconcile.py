@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from aqpipe.runtime.grid import Grid
+from aqpipe.storage.base import stage_holding
 
 
 def checksum(value: torch.Tensor) -> int:
@@ -44,8 +45,8 @@ def reconcile(store, grid: Grid, pipeline_group) -> int:
     dist.all_gather_object(everyone, table, group=pipeline_group)
     deleted = 0
     for (link, side), entries in table.items():
-        peer_stage, peer_side = (link + 1, "recv") if side == "send" else (link, "send")
-        theirs = everyone[peer_stage].get((link, peer_side), {})
+        peer_side = "recv" if side == "send" else "send"
+        theirs = everyone[stage_holding(link, peer_side)].get((link, peer_side), {})
         bad = disagreeing(entries, theirs)
         if bad:
             store.delete(link, side, bad)

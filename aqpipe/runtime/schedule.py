@@ -87,17 +87,12 @@ def gpipe(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
     single process would accumulate them.
     """
     _check(stage, stages, micro_batches)
-    first, last = stage == 0, stage == stages - 1
-    stream: list[Instruction] = []
-    for mb in range(micro_batches):
-        stream += _forward(mb, first, last)
-    for mb in range(micro_batches):
-        stream += _backward(mb, first, last)
-    return stream + [ReduceGrads(), OptimizerStep()]
+    return _interleaved(stage, stages, micro_batches, micro_batches)  # every forward is a warm-up one: none interleave
 
 
 def _interleaved(stage: int, stages: int, micro_batches: int, warmup: int) -> list[Instruction]:
-    """`warmup` forwards, then one backward and one forward in turn, then the remaining backwards."""
+    """`warmup` forwards, then one backward and one forward in turn, then the remaining backwards (the one shape of
+    every schedule here: they differ only in how many forwards run before the first backward)."""
     first, last = stage == 0, stage == stages - 1
     stream: list[Instruction] = []
     for mb in range(warmup):

@@ -187,7 +187,7 @@ class StageWorker:
         self._meter.keep(index, mb.outputs)
 
     def _send_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        report_nonfinite(mb.outputs, mb.ids, self._step, self.grid.stage, hasattr(self.links.act_out.codec, "view"))
+        report_nonfinite(mb.outputs, mb.ids, self._step, self.grid.stage, self.links.keeps_messages)
         self.links.send_activation(index, mb.outputs, mb.ids, mb.mask)
 
     def _recv_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:

@@ -8,7 +8,15 @@ from typing import Protocol
 
 import torch
 
-SIDES = ("send", "recv")
+SIDES = ("send", "recv")  # the two copies of a link's m(ξ): the sending stage's and the receiving stage's
+
+
+def stage_holding(link: int, side: str) -> int:
+    """The pipeline stage that keeps `side` of link `link`'s m(ξ) and runs that end of the link: link k joins stage k
+    (it sends activations down and receives gradients back) to stage k + 1. The one statement of that rule."""
+    if side not in SIDES:
+        raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+    return link if side == "send" else link + 1
 
 
 @dataclass

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from aqpipe.storage.base import stage_holding
 from aqpipe.storage.health import damage
 from aqpipe.storage.lmdb_store import LMDBStore, store_path
 
@@ -48,8 +49,8 @@ def verify(run_dir: str) -> tuple[int, list[str]]:
     compared, problems = 0, []
     for replica in range(dp):
         for link in range(pp - 1):
-            sender = _open(run_dir, config, replica * pp + link)
-            receiver = _open(run_dir, config, replica * pp + link + 1)
+            sender = _open(run_dir, config, replica * pp + stage_holding(link, "send"))
+            receiver = _open(run_dir, config, replica * pp + stage_holding(link, "recv"))
             try:
                 sent = {k[2]: v for k, v in sender.items() if k[:2] == (link, "send")}
                 got = {k[2]: v for k, v in receiver.items() if k[:2] == (link, "recv")}
