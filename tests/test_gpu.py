@@ -121,3 +121,24 @@ def test_the_capacity_plan_reads_the_gpu(tmp_path):
                            "--dry-run", "--out", str(tmp_path / "plan")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert ("cuda:0" if DEVICE == "cuda" else "RAM") in proc.stdout and "fits" in proc.stdout
+
+
+@pytest.mark.parametrize("method", ["none", "powersgd:2", "ef:4", "qadam:4", "topk:0.1", "sidco:exp:0.1", "fft:0.5:10",
+                                    "signsgd", "marsit:10"])
+def test_a_grad_sync_state_moved_to_the_collectives_device_loads_back(method):
+    """A resume hands every grad-sync state its DP group's device (the GPU under NCCL); random-generator states must
+    still load: a generator's state is host bytes, and numpy reads only host tensors."""
+    from aqpipe.compress.grad.base import DPGroup
+    from aqpipe.compress.grad.registry import build_grad_sync
+    from aqpipe.runtime.resume import to_device
+
+    dp = DPGroup(None, (0,), 0, torch.device(DEVICE))
+    saved = build_grad_sync(method, dp, seed=5).state_dict()
+    fresh = build_grad_sync(method, dp, seed=6)
+    fresh.load_state_dict(to_device(saved, dp.device))
+    again = fresh.state_dict()
+    for key, value in saved.items():
+        pairs = zip(again[key], value) if isinstance(value, (list, tuple)) else [(again[key], value)]
+        for got, want in pairs:
+            if isinstance(want, torch.Tensor):
+                assert torch.equal(got.cpu(), want.cpu()), key

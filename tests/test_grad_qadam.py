@@ -116,3 +116,28 @@ def test_freeze_comes_after_the_lr_warm_up_and_a_tenth_of_the_run():
     assert freeze_step(1000, 10) == 100
     assert freeze_step(100, 30) == 30
     assert freeze_step(3, 0) == 1
+
+
+def _a_parameter_unused_on_one_replica(rank: int, world: int):
+    """Replica 1 never gives the second parameter a gradient (a branch it did not take): after the warm-up the
+    momentum exchange must still line up, so every replica treats the missing gradient as zeros."""
+    shapes = [(20, 6), (6,)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    sync = QAdamSync(DPGroup(None, tuple(range(world)), rank), bits=8, warmup_steps=2)
+    opt = QuantizedAdam(params, sync, lr=0.01)
+    for step in range(5):
+        for p, g in zip(params, grads_for(step, rank, shapes)):
+            p.grad = None if (rank == 1 and p is params[1]) else g
+        sync.synchronize(params)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_a_parameter_without_a_gradient_on_one_replica_keeps_the_exchange_aligned():
+    """The old momentum rounds left it out on that replica only: the replicas' momentum vectors differed in length
+    and the exchange failed (or, under NCCL, hung)."""
+    results = run_ranks(_a_parameter_unused_on_one_replica, 2)
+    assert all(status == "ok" for status, _ in results), results
+    replica0, replica1 = (value for _, value in results)
+    assert all(torch.equal(a, b) for a, b in zip(replica0, replica1))  # and the replicas stay identical
+    assert float(replica0[1].abs().sum()) > 0  # the parameter replica 0 trained moved on both

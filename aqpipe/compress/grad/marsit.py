@@ -98,4 +98,4 @@ class Marsit(Compressor):
         super().load_state_dict(state)
         self.compensation = state.get("compensation")
         if "generator" in state:
-            self.generator.set_state(state["generator"])
+            self.generator.set_state(state["generator"].cpu())  # host bytes, wherever a resume put them

@@ -85,4 +85,4 @@ class PowerSGD(Compressor):
         self.state.error_dict = dict(state["error"])
         self.state.p_memory_dict, self.state.q_memory_dict = dict(state["p"]), dict(state["q"])
         keys, pos, has_gauss, gauss = state["rng"]
-        self.state.rng.set_state(("MT19937", keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(gauss)))
+        self.state.rng.set_state(("MT19937", keys.cpu().numpy().astype(np.uint32), int(pos), int(has_gauss), float(gauss)))

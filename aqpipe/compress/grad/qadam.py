@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aqpipe.compress.grad.base import AllReduceMean, DPGroup
+from aqpipe.compress.grad.base import AllReduceMean, DPGroup, gradients
 from aqpipe.compress.grad.feedback import ErrorFeedback
 from aqpipe.compress.grad.quantized import decode, encode
 from aqpipe.compress.grad.ring import chunk_size
@@ -45,6 +45,7 @@ class QAdamSync(AllReduceMean):
         self.momentum_round = self.frozen  # decided before counting this call, read by this step's optimizer
         if self.momentum_round:
             self.calls += 1
+            gradients(params)  # zeros where a replica got none, so every replica's momentum vector lines up
             return
         super().synchronize(params)
 

@@ -67,4 +67,4 @@ class SignSGD(Compressor):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if "generator" in state:
-            self.generator.set_state(state["generator"])
+            self.generator.set_state(state["generator"].cpu())  # host bytes, wherever a resume put them
