@@ -95,9 +95,8 @@ def _fidelity(x: torch.Tensor, delta: list[int], m_old: torch.Tensor, change: to
     activation, of its change since m(ξ), and of what m(ξ) still misses after the update in the store's dtype —
     what the receiver computes on. One full-size temporary: m_new − m_old − change = m_new − x."""
     error = m_new.to(torch.float32, copy=True).sub_(m_old).sub_(change)
-    rows = torch.tensor(as_delta, device=x.device)
-    signal = _row_sq(x)[torch.tensor(delta, device=x.device)][rows]
-    return DeltaFidelity(signal.sum(), _row_sq(change)[rows].sum(), _row_sq(error)[rows].sum())
+    signal = _row_sq(x)[[delta[j] for j in as_delta]]
+    return DeltaFidelity(signal.sum(), _row_sq(change)[as_delta].sum(), _row_sq(error)[as_delta].sum())
 
 
 class AQSGDCodec(LinkCodec):

@@ -18,11 +18,6 @@ from aqpipe.runtime.resume import collect_state
 from aqpipe.storage.prefetch import PrefetchingStore
 
 
-def compresses(stage: Stage, step: int) -> bool:
-    """Whether `step`'s links compress (the plan's warm-up rule)."""
-    return stage.plan.compresses(step)
-
-
 def evaluate(stage: Stage, step: int) -> dict:
     """One pass over the held-out split (all ranks); on rank 0 its numbers as `eval_*` record fields."""
     plan, grid = stage.plan, stage.grid
@@ -77,8 +72,8 @@ def train_steps(stage: Stage, first_step: int, log: MetricsLog | None, wall_star
         prefetch(stage, step, first_step)
         done = step + 1  # also the index of the next step
         next_ids = (torch.cat(epochs.micro_batches_of(done)).tolist()
-                    if done < plan.total_steps and compresses(stage, done) else None)
-        stats = worker.run_step(step, epochs.micro_batches_of(step), compress=compresses(stage, step),
+                    if done < plan.total_steps and plan.compresses(done) else None)
+        stats = worker.run_step(step, epochs.micro_batches_of(step), compress=plan.compresses(step),
                                 next_ids=next_ids)
         counts = store.stats
         stats.store_hits, stats.store_misses, stats.store_reseeded, stats.store_overflow = (
