@@ -63,3 +63,38 @@ def test_a_randomized_sync_leaves_the_copies_one_tensor():
     first = results[0][1][1][0]
     for _, (_, copies) in results:
         assert torch.equal(copies[0], copies[1]) and torch.equal(copies[0], first)
+
+
+def _two_stages(rank: int, world: int):
+    """pp=2: stage 0 holds both copies of a tied table, stage 1 (a custom stage) has no parameters at all; both run
+    the grad reduction and the optimizer step; returns stage 0's copies (None on stage 1)."""
+    from aqpipe.compress.grad import DPGroup, build_grad_sync
+    from aqpipe.runtime.grid import Grid, create_groups
+    from aqpipe.runtime.optim import build_optimizer
+    from aqpipe.runtime.tied import TiedGroup
+    from aqpipe.runtime.link_ends import StageLinks
+    from aqpipe.runtime.worker import StageWorker, StepStats
+
+    grid = Grid(world, 1, rank)
+    groups = create_groups(grid)
+    module = nn.Sequential(Copy(), Copy()) if rank == 0 else nn.Sequential(nn.ReLU())
+    sync = build_grad_sync("none", DPGroup(groups.data_parallel, tuple(grid.dp_ranks(rank)), rank), seed=3)
+    optimizer, schedule = build_optimizer(module.parameters(), "sgd", 1.0, 0.0, 0, 10, momentum=0.0)
+    worker = StageWorker(grid=grid, groups=groups, module=module, loss_fn=None, samples=None,
+                         links=StageLinks(), grad_sync=sync, optimizer=optimizer, lr_schedule=schedule, clip=1e9,
+                         device=torch.device("cpu"), tied=[TiedGroup("table", ((4, 3),), 2)])
+    for k, layer in enumerate(module if rank == 0 else []):
+        layer.table.grad = torch.full((4, 3), float(k + 1))
+    stats = StepStats()
+    worker._reduce_grads(None, None, stats)
+    worker._optimizer_step(None, None, stats)
+    return [layer.table.detach().clone() for layer in module] if rank == 0 else None
+
+
+def test_a_stage_without_parameters_takes_part_in_the_tied_sum():
+    """A custom stage with no parameters, in a model whose other stage holds tied copies, once died on
+    `next(module.parameters())` (StopIteration) while picking the device for the tied sum."""
+    results = run_ranks(_two_stages, 2)
+    assert all(status == "ok" for status, _ in results), results
+    copies = results[0][1]
+    assert torch.equal(copies[0], torch.full((4, 3), -3.0)) and torch.equal(copies[1], copies[0])  # -(1 + 2)

@@ -41,16 +41,17 @@ def tied_ids(module: nn.Module) -> set[int]:
     return {id(p) for copies in local_copies(module).values() for copy in copies for p in copy}
 
 
-def sum_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int) -> None:
-    """Give every copy of each tied group the sum of all copies' gradients (all stages must call this)."""
-    _combine_copies(module, groups, group, pp, mean=False)
+def sum_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device) -> None:
+    """Give every copy of each tied group the sum of all copies' gradients (all stages must call this; `device`: where
+    the pipeline group's collectives take their tensors)."""
+    _combine_copies(module, groups, group, pp, device, mean=False)
 
 
-def agree_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int) -> None:
+def agree_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device) -> None:
     """After the grad sync, give every copy the mean of the copies' synchronized gradients (all stages must call
     this): a compressor that selects or randomizes per coordinate (top-k, Marsit's transient bits, PowerSGD's
     projections) can treat two copies differently, and the copies must stay one tensor."""
-    _combine_copies(module, groups, group, pp, mean=True)
+    _combine_copies(module, groups, group, pp, device, mean=True)
 
 
 def tied_sq_norm(module: nn.Module, groups: list[TiedGroup]) -> torch.Tensor:
@@ -65,17 +66,18 @@ def tied_sq_norm(module: nn.Module, groups: list[TiedGroup]) -> torch.Tensor:
     return share
 
 
-def _combine_copies(module: nn.Module, groups: list[TiedGroup], group, pp: int, mean: bool) -> None:
-    """Every copy of each group gets the sum (or mean) over the whole pipeline of the copies' gradients."""
+def _combine_copies(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device,
+                    mean: bool) -> None:
+    """Every copy of each group gets the sum (or mean) over the whole pipeline of the copies' gradients (a stage
+    without copies, or without any parameter, still adds its zeros)."""
     copies = local_copies(module)
     for tied in groups:
         mine = copies.get(tied.name, [])
-        device = mine[0][0].device if mine else next(module.parameters()).device  # NCCL: never a host tensor
         total = [torch.zeros(shape, dtype=torch.float32, device=device) for shape in tied.shapes]
         for copy in mine:
             for acc, p in zip(total, copy):
                 if p.grad is not None:
-                    acc.add_(p.grad.float())
+                    acc.add_(p.grad.to(device, torch.float32))
         flat = torch.cat([t.reshape(-1) for t in total])
         if pp > 1:
             dist.all_reduce(flat, group=group)
@@ -84,4 +86,4 @@ def _combine_copies(module: nn.Module, groups: list[TiedGroup], group, pp: int, 
         pieces = list(flat.split([t.numel() for t in total]))
         for copy in mine:
             for p, piece, shape in zip(copy, pieces, tied.shapes):
-                p.grad = piece.view(shape).to(p.dtype).clone()
+                p.grad = piece.view(shape).to(p.device, p.dtype, copy=True)

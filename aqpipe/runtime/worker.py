@@ -223,13 +223,13 @@ class StageWorker:
                 return
             self.scaler.unscale(self.params)
         if self.tied:  # first every copy takes the sum of all copies' gradients, so the sync sees the true gradient
-            sum_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp)
+            sum_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp, collective_device(self.device))
         if self.grad_sync.sign_based:  # a sign method's input is clipped (Marsit: before its compensation is formed)
             stats.grad_norm = self._clip()
         self.grad_sync.lr = self.lr_schedule.get_last_lr()[0]
         self.grad_sync.synchronize(self.params)
         if self.tied and self.grid.dp > 1:  # a compressor may treat two copies' coordinates differently: re-agree
-            agree_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp)
+            agree_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp, collective_device(self.device))
 
     def _clip(self) -> float:
         """Clip the gradients on the norm of the whole model (every stage, tied copies counted once); returns it."""
