@@ -15,6 +15,8 @@ from tests.processes import finish, start_run, tagged_processes
 
 REPO = Path(__file__).resolve().parent.parent
 CANNOT = netns.can_throttle()
+# these tests compare the machine's namespaces, links and qdiscs before and after: one xdist worker runs them all
+pytestmark = pytest.mark.xdist_group("netns")
 needs_root = pytest.mark.skipif(CANNOT is not None, reason=f"cannot build namespaces here: {CANNOT}")
 
 
