@@ -1,0 +1,103 @@
+"""How a sample's activation moves between visits on the convergence benchmark, and whether that move repeats.
+
+    python benchmarks/activation_drift.py --out benchmarks/results/activation-drift
+
+AQ-SGD sends Q(a − m), the change since the sample's last visit. If the change of one epoch predicted the next
+(a − m ≈ β·(m − m_prev)), both sides could send the change against the prediction instead, for the price of a
+second stored copy. This trains the convergence benchmark's model and data (`benchmarks/convergence.py`: GPT-2
+6×128 from scratch, 256 sequences of 128 byte-level tokens of WikiText-2 valid.txt, 16 per step, AdamW 1e-3 with
+10 warm-up steps then linear decay, clip 1.0, 12 epochs) in fp32 in one process, records every sample's activation
+at the three boundaries of the 4-stage partition at each visit, and reports per epoch (means over samples and
+boundaries): the change ‖a_t − a_{t−1}‖/‖a_t‖, the cosine between consecutive changes, and what is left of the
+change after the best per-sample prediction ‖Δ_t − β*·Δ_{t−1}‖/‖a_t‖ (β* fitted per sample with hindsight, so an
+upper bound on what any such predictor gains). Writes <out>.json and <out>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from aqpipe.data.corpus import file_corpus
+from aqpipe.data.samples import chunk
+from aqpipe.data.tokenizer import train_bpe
+from aqpipe.runtime.optim import lr_factor
+from aqpipe.stages.partition import partition
+from benchmarks.models import gpt2_6x128
+
+DATA = Path("/work/shared/data/wikitext-2")
+
+
+def record_visits(args) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """Train in fp32; return each (boundary, sample id)'s activation at every visit, in visit order."""
+    torch.manual_seed(args.seed)
+    tokenizer = train_bpe(file_corpus(str(args.data / "valid.txt")), 260)
+    samples = chunk(tokenizer.encode((args.data / "valid.txt").read_text()), 128)
+    spec = gpt2_6x128(tokenizer.vocab_size, 128)
+    cuts = partition(spec, 4, "parameters")[1:-1]
+    layers = [spec.build_layer(i) for i in range(len(spec))]
+    params = [p for layer in layers for p in layer.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+    total = args.epochs * args.samples // args.batch
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, 10, total))
+    visits: dict[tuple[int, int], list[torch.Tensor]] = {}
+    order = torch.Generator().manual_seed(args.seed)
+    for epoch in range(args.epochs):
+        for ids in torch.randperm(args.samples, generator=order).split(args.batch):
+            hidden = samples.inputs(ids)
+            for index, layer in enumerate(layers):
+                if index in cuts:
+                    for row, sample in enumerate(ids.tolist()):
+                        visits.setdefault((index, sample), []).append(hidden[row].detach().clone())
+                hidden = layer(hidden)
+            loss = spec.loss(hidden, samples.targets(ids))
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+        print(f"epoch {epoch + 1}: last step's loss {loss.item():.4f}", flush=True)
+    return visits
+
+
+def drift_by_epoch(visits: dict[tuple[int, int], list[torch.Tensor]], epochs: int) -> list[dict]:
+    """Per epoch from the third on: mean change, cosine of consecutive changes, and the best predictor's residual."""
+    rows = []
+    for t in range(2, epochs):
+        change, cosine, residual = [], [], []
+        for acts in visits.values():
+            now, last, before = acts[t].double(), acts[t - 1].double(), acts[t - 2].double()
+            delta, previous = now - last, last - before
+            beta = float((delta * previous).sum() / (previous * previous).sum())
+            change.append(float(delta.norm() / now.norm()))
+            cosine.append(float((delta * previous).sum() / (delta.norm() * previous.norm())))
+            residual.append(float((delta - beta * previous).norm() / now.norm()))
+        rows.append(dict(epoch=t + 1, change=sum(change) / len(change), cosine=sum(cosine) / len(cosine),
+                         best_residual=sum(residual) / len(residual)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/activation-drift"))
+    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rows = drift_by_epoch(record_visits(args), args.epochs)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, **{k: str(v) for k, v in vars(args).items()}),
+                                                        indent=1))
+    lines = ["| epoch | change ‖Δ_t‖/‖a‖ | cos(Δ_t, Δ_t−1) | left after the best β·Δ_t−1 |", "|---|---|---|---|"]
+    lines += [f"| {r['epoch']} | {r['change']:.3f} | {r['cosine']:+.3f} | {r['best_residual']:.3f} |" for r in rows]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
