@@ -36,3 +36,36 @@ def run_ranks(fn, world: int, *args):
     results = manager.dict()
     mp.start_processes(_entry, args=(world, _free_port(), fn, args, results), nprocs=world, start_method="spawn")
     return [results.get(r) for r in range(world)]
+
+
+def record_unbatched_point_to_point() -> list[str]:
+    """From now on in this process, note every send/recv/isend/irecv made outside `dist.batch_isend_irecv`; returns
+    the (live) list of their names. NCCL deadlocks on such unpaired calls where gloo does not, so a gloo test can
+    only catch them this way."""
+    import threading
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    unbatched: list[str] = []
+    inside = threading.local()
+    batch = c10d.batch_isend_irecv
+
+    def batched(ops):
+        inside.on = True
+        try:
+            return batch(ops)
+        finally:
+            inside.on = False
+
+    for name in ("send", "recv", "isend", "irecv"):
+        def spy(*args, _original=getattr(c10d, name), _name=name, **kwargs):
+            if not getattr(inside, "on", False):
+                unbatched.append(_name)
+            return _original(*args, **kwargs)
+
+        # both names: P2POp checks its op against c10d's own isend/irecv
+        setattr(c10d, name, spy)
+        setattr(dist, name, spy)
+    dist.batch_isend_irecv = c10d.batch_isend_irecv = batched
+    return unbatched

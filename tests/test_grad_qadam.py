@@ -4,7 +4,7 @@ import torch
 
 from aqpipe.compress.grad import DPGroup
 from aqpipe.compress.grad.qadam import QAdamSync, QuantizedAdam, freeze_step
-from tests.distributed import run_ranks
+from tests.distributed import record_unbatched_point_to_point, run_ranks
 
 
 def grads_for(step: int, rank: int, shapes) -> list[torch.Tensor]:
@@ -98,6 +98,19 @@ def test_replicas_share_the_compressed_mean_momentum_and_stay_identical():
         assert torch.equal(m, m0)
         assert sent > 0
     assert float((m0 - mean_local).abs().max()) < 0.05 * float(mean_local.abs().max())
+
+
+def _unbatched_in_momentum_rounds(rank: int, world: int) -> list[str]:
+    unbatched = record_unbatched_point_to_point()
+    _replica(rank, world)  # three warm-up steps, then three momentum rounds with their phase-1 exchange
+    return list(unbatched)
+
+
+def test_the_momentum_exchange_posts_every_point_to_point_op_in_one_batch():
+    """Phase 1 (chunk j to replica j, every replica's copy of mine back) as separate isend/irecv calls can deadlock
+    on NCCL; gloo does not, so the test records point-to-point calls made outside `batch_isend_irecv`."""
+    results = run_ranks(_unbatched_in_momentum_rounds, 3)
+    assert results == [("ok", [])] * 3
 
 
 def test_error_feedback_survives_a_checkpoint_round_trip(tmp_path):

@@ -10,7 +10,7 @@ from aqpipe.compress.grad import DPGroup
 from aqpipe.compress.grad.base import ring_all_reduce_bytes
 from aqpipe.compress.grad.ring import chunk_size
 from aqpipe.compress.grad.signsgd import SignSGD, bits_per_element, count_bits, majority
-from tests.distributed import run_ranks
+from tests.distributed import record_unbatched_point_to_point, run_ranks
 
 SHAPES = [(13, 31), (701,), (5,)]
 
@@ -67,6 +67,20 @@ def test_ring_result_is_the_exact_majority_of_every_replica(world):
     for _, (_, sent) in results:
         assert sent == wire + rows
         assert abs(8 * wire / d - bits_per_element(world)) < 0.05 * bits_per_element(world) + 8 * world / d
+
+
+def _unbatched_in_a_sync(rank: int, world: int) -> list[str]:
+    unbatched = record_unbatched_point_to_point()
+    _sync(rank, world)
+    return list(unbatched)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_ring_posts_every_point_to_point_op_in_one_paired_batch(world):
+    """NCCL deadlocks on an isend to the next member followed by a recv from the previous one (at dp=2 the same
+    peer); gloo does not, so the test records point-to-point calls made outside `batch_isend_irecv`."""
+    results = run_ranks(_unbatched_in_a_sync, world)
+    assert results == [("ok", [])] * world
 
 
 def _sync_with_unused_rows(rank: int, world: int, steps: int):
