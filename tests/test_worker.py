@@ -121,3 +121,43 @@ def test_evaluation_messages_are_not_counted_as_the_next_steps_link_traffic(tmp_
     assert all(status == "ok" for status, _ in outcome), outcome
     before, after = outcome[1][1]
     assert before > 0 and after == before
+
+
+def _norm_the_sign_sync_sees(rank: int, world: int) -> float:
+    """pp=1 × dp=2 with Marsit and --clip 1: gradients of norm 100 go through the worker's reduction; returns the
+    norm the sync was handed (the input its compensation is formed from)."""
+    from torch import nn
+
+    from aqpipe.compress.grad import DPGroup, build_grad_sync
+    from aqpipe.runtime.grid import Grid, create_groups
+    from aqpipe.runtime.link_ends import StageLinks
+    from aqpipe.runtime.optim import build_optimizer
+    from aqpipe.runtime.worker import StageWorker, StepStats
+
+    grid = Grid(1, world, rank)
+    groups = create_groups(grid)
+    module = nn.Linear(4, 4)
+    sync = build_grad_sync("marsit:10", DPGroup(groups.data_parallel, tuple(grid.dp_ranks(0)), rank), seed=3)
+    seen = []
+    original = sync.synchronize
+    sync.synchronize = lambda params: (seen.append(float(torch.cat([p.grad.reshape(-1) for p in params]).norm())),
+                                       original(params))
+    optimizer, schedule = build_optimizer(module.parameters(), "sgd", 0.1, 0.0, 0, 10, momentum=0.0)
+    worker = StageWorker(grid=grid, groups=groups, module=module, loss_fn=None, samples=None, links=StageLinks(),
+                         grad_sync=sync, optimizer=optimizer, lr_schedule=schedule, clip=1.0,
+                         device=torch.device("cpu"))
+    for p in module.parameters():
+        p.grad = torch.full_like(p, 100.0 / 20 ** 0.5)  # 20 elements: norm 100
+    stats = StepStats()
+    worker._reduce_grads(None, None, stats)
+    worker._optimizer_step(None, None, stats)
+    return seen[0]
+
+
+def test_a_sign_method_is_handed_gradients_already_clipped():
+    """Marsit forms its compensation from the gradient it is handed, so --clip must act before the sync (the
+    paper's Algorithm 1); clipping after it would leave the compensation built from unclipped values."""
+    results = run_ranks(_norm_the_sign_sync_sees, 2)
+    assert all(status == "ok" for status, _ in results), results
+    for _, norm in results:
+        assert norm == pytest.approx(1.0, rel=1e-4)
