@@ -58,14 +58,42 @@ def record_unbatched_point_to_point() -> list[str]:
         finally:
             inside.on = False
 
-    for name in ("send", "recv", "isend", "irecv"):
-        def spy(*args, _original=getattr(c10d, name), _name=name, **kwargs):
+    def spying(name: str, original):
+        def spy(*args, **kwargs):
             if not getattr(inside, "on", False):
-                unbatched.append(_name)
-            return _original(*args, **kwargs)
+                unbatched.append(name)
+            return original(*args, **kwargs)
+        return spy
 
-        # both names: P2POp checks its op against c10d's own isend/irecv
-        setattr(c10d, name, spy)
+    for name in ("send", "recv", "isend", "irecv"):
+        spy = spying(name, getattr(c10d, name))
+        setattr(c10d, name, spy)  # both names: P2POp checks its op against c10d's own isend/irecv
         setattr(dist, name, spy)
     dist.batch_isend_irecv = c10d.batch_isend_irecv = batched
     return unbatched
+
+
+def worker_step(grid, module, method: str, lr: float = 1.0, clip: float = 0.0, tied=(), before_sync=None):
+    """On a rank inside `run_ranks`: a StageWorker of `grid` with no links and the `method` grad sync (plain SGD at
+    `lr`, no momentum) runs its grad reduction and optimizer step on the gradients already set on `module`.
+    `before_sync(params)`, when given, sees what the sync is handed."""
+    import torch
+
+    from aqpipe.compress.grad import DPGroup, build_grad_sync
+    from aqpipe.runtime.grid import create_groups
+    from aqpipe.runtime.link_ends import StageLinks
+    from aqpipe.runtime.optim import build_optimizer
+    from aqpipe.runtime.worker import StageWorker, StepStats
+
+    groups = create_groups(grid)
+    sync = build_grad_sync(method, DPGroup(groups.data_parallel, tuple(grid.dp_ranks(grid.stage)), grid.rank), seed=3)
+    if before_sync is not None:
+        synchronize = sync.synchronize
+        sync.synchronize = lambda params: (before_sync(params), synchronize(params))
+    optimizer, schedule = build_optimizer(module.parameters(), "sgd", lr, 0.0, 0, 10, momentum=0.0)
+    worker = StageWorker(grid=grid, groups=groups, module=module, loss_fn=None, samples=None, links=StageLinks(),
+                         grad_sync=sync, optimizer=optimizer, lr_schedule=schedule, clip=clip,
+                         device=torch.device("cpu"), tied=list(tied))
+    stats = StepStats()
+    worker._reduce_grads(None, None, stats)
+    worker._optimizer_step(None, None, stats)

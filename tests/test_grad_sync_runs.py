@@ -57,6 +57,11 @@ def fft_payload(p: int, theta: float, bits: int, step: int) -> int:
     return packed_bytes(bins, 1) + 1 + values
 
 
+def sidco_target(spec: str, p: int) -> int:
+    """The bytes of a SIDCo message that selects exactly its target ratio of p values (as top-k would)."""
+    return all_gather_bytes(8 + 8 * math.ceil(float(spec.split(":")[2]) * p), DP)
+
+
 def expected_bytes(spec: str, shapes, step: int) -> tuple[int, int]:
     """(least, most) bytes one rank of a stage with parameters of `shapes` sends at `step` (1-based)."""
     p, n = sum(math.prod(s) for s in shapes), DP
@@ -93,8 +98,7 @@ def expected_bytes(spec: str, shapes, step: int) -> tuple[int, int]:
         if step == CALIBRATION:
             exact += ring_all_reduce_bytes(8, n) + ring_all_reduce_bytes(8 * min(23, int(bits) + 8), n)
     elif spec.startswith("sidco:"):  # a fitted threshold: the count selected moves around ratio · p
-        target = all_gather_bytes(8 + 8 * math.ceil(float(spec.split(":")[2]) * p), n)
-        return target // 4, 4 * target
+        return sidco_target(spec, p) // 4, 4 * sidco_target(spec, p)
     else:
         raise AssertionError(f"no byte formula for {spec}")
     return exact, exact
@@ -130,7 +134,7 @@ def test_compressor_trains_through_launch(tmp_path, spec, optimizer, lr):
         least, most = DP * sum(b[0] for b in bounds), DP * sum(b[1] for b in bounds)
         assert least <= r["grad_sync_bytes"] <= most, (r["step"], r["grad_sync_bytes"], least, most)
     if spec.startswith("sidco:"):  # over the run, SIDCo's adaptive stages hold the mean count near the target
-        target = DP * sum(expected_bytes(spec, shapes[stage], 1)[1] // 4 for stage in range(PP))
+        target = DP * sum(sidco_target(spec, sum(math.prod(s) for s in shapes[stage])) for stage in range(PP))
         mean = sum(r["grad_sync_bytes"] for r in records) / len(records)
         assert 0.5 * target <= mean <= 2 * target, (mean, target)
 

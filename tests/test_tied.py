@@ -4,7 +4,7 @@ the copies stay one tensor after it."""
 import torch
 from torch import nn
 
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, worker_step
 
 
 class Copy(nn.Module):
@@ -21,28 +21,15 @@ class Copy(nn.Module):
 def _step(rank: int, world: int, method: str):
     """One stage (pp=1) of `world` replicas whose module holds two copies of a tied table; run the worker's grad
     reduction and optimizer step with per-copy gradients that differ, and return both copies after the step."""
-    from aqpipe.compress.grad import DPGroup, build_grad_sync
-    from aqpipe.runtime.grid import Grid, create_groups
-    from aqpipe.runtime.optim import build_optimizer
+    from aqpipe.runtime.grid import Grid
     from aqpipe.runtime.tied import TiedGroup
-    from aqpipe.runtime.link_ends import StageLinks
-    from aqpipe.runtime.worker import StageWorker, StepStats
 
-    grid = Grid(1, world, rank)
-    groups = create_groups(grid)
     module = nn.Sequential(Copy(), Copy())
-    sync = build_grad_sync(method, DPGroup(groups.data_parallel, tuple(grid.dp_ranks(0)), rank), seed=3)
-    optimizer, schedule = build_optimizer(module.parameters(), "sgd", 1.0, 0.0, 0, 10, momentum=0.0)
-    worker = StageWorker(grid=grid, groups=groups, module=module, loss_fn=None, samples=None,
-                         links=StageLinks(), grad_sync=sync, optimizer=optimizer, lr_schedule=schedule, clip=0.0,
-                         device=torch.device("cpu"), tied=[TiedGroup("table", ((4, 3),), 2)])
     generator = torch.Generator().manual_seed(rank)
     grads = [torch.randn(4, 3, generator=generator) for _ in range(2)]
     for layer, g in zip(module, grads):
         layer.table.grad = g.clone()
-    stats = StepStats()
-    worker._reduce_grads(None, None, stats)
-    worker._optimizer_step(None, None, stats)
+    worker_step(Grid(1, world, rank), module, method, tied=[TiedGroup("table", ((4, 3),), 2)])
     return grads, [layer.table.detach().clone() for layer in module]
 
 
@@ -68,26 +55,13 @@ def test_a_randomized_sync_leaves_the_copies_one_tensor():
 def _two_stages(rank: int, world: int):
     """pp=2: stage 0 holds both copies of a tied table, stage 1 (a custom stage) has no parameters at all; both run
     the grad reduction and the optimizer step; returns stage 0's copies (None on stage 1)."""
-    from aqpipe.compress.grad import DPGroup, build_grad_sync
-    from aqpipe.runtime.grid import Grid, create_groups
-    from aqpipe.runtime.optim import build_optimizer
+    from aqpipe.runtime.grid import Grid
     from aqpipe.runtime.tied import TiedGroup
-    from aqpipe.runtime.link_ends import StageLinks
-    from aqpipe.runtime.worker import StageWorker, StepStats
 
-    grid = Grid(world, 1, rank)
-    groups = create_groups(grid)
     module = nn.Sequential(Copy(), Copy()) if rank == 0 else nn.Sequential(nn.ReLU())
-    sync = build_grad_sync("none", DPGroup(groups.data_parallel, tuple(grid.dp_ranks(rank)), rank), seed=3)
-    optimizer, schedule = build_optimizer(module.parameters(), "sgd", 1.0, 0.0, 0, 10, momentum=0.0)
-    worker = StageWorker(grid=grid, groups=groups, module=module, loss_fn=None, samples=None,
-                         links=StageLinks(), grad_sync=sync, optimizer=optimizer, lr_schedule=schedule, clip=1e9,
-                         device=torch.device("cpu"), tied=[TiedGroup("table", ((4, 3),), 2)])
     for k, layer in enumerate(module if rank == 0 else []):
         layer.table.grad = torch.full((4, 3), float(k + 1))
-    stats = StepStats()
-    worker._reduce_grads(None, None, stats)
-    worker._optimizer_step(None, None, stats)
+    worker_step(Grid(world, 1, rank), module, "none", clip=1e9, tied=[TiedGroup("table", ((4, 3),), 2)])
     return [layer.table.detach().clone() for layer in module] if rank == 0 else None
 
 

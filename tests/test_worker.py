@@ -9,7 +9,7 @@ import torch
 
 from aqpipe.config import RunConfig, resolve
 from aqpipe.runtime.schedule import SCHEDULES
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, worker_step
 from tests.reference import train_single_process
 
 STEPS = 4
@@ -128,29 +128,14 @@ def _norm_the_sign_sync_sees(rank: int, world: int) -> float:
     norm the sync was handed (the input its compensation is formed from)."""
     from torch import nn
 
-    from aqpipe.compress.grad import DPGroup, build_grad_sync
-    from aqpipe.runtime.grid import Grid, create_groups
-    from aqpipe.runtime.link_ends import StageLinks
-    from aqpipe.runtime.optim import build_optimizer
-    from aqpipe.runtime.worker import StageWorker, StepStats
+    from aqpipe.runtime.grid import Grid
 
-    grid = Grid(1, world, rank)
-    groups = create_groups(grid)
     module = nn.Linear(4, 4)
-    sync = build_grad_sync("marsit:10", DPGroup(groups.data_parallel, tuple(grid.dp_ranks(0)), rank), seed=3)
-    seen = []
-    original = sync.synchronize
-    sync.synchronize = lambda params: (seen.append(float(torch.cat([p.grad.reshape(-1) for p in params]).norm())),
-                                       original(params))
-    optimizer, schedule = build_optimizer(module.parameters(), "sgd", 0.1, 0.0, 0, 10, momentum=0.0)
-    worker = StageWorker(grid=grid, groups=groups, module=module, loss_fn=None, samples=None, links=StageLinks(),
-                         grad_sync=sync, optimizer=optimizer, lr_schedule=schedule, clip=1.0,
-                         device=torch.device("cpu"))
     for p in module.parameters():
         p.grad = torch.full_like(p, 100.0 / 20 ** 0.5)  # 20 elements: norm 100
-    stats = StepStats()
-    worker._reduce_grads(None, None, stats)
-    worker._optimizer_step(None, None, stats)
+    seen = []
+    worker_step(Grid(1, world, rank), module, "marsit:10", lr=0.1, clip=1.0,
+                before_sync=lambda params: seen.append(float(torch.cat([p.grad.reshape(-1) for p in params]).norm())))
     return seen[0]
 
 
