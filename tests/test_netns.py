@@ -142,29 +142,37 @@ def test_tbf_caps_the_measured_link_rate_near_the_rate():
     assert wall <= 1.05 * rate  # the cap is real, not an artefact of how the transport times messages
 
 
-def _fp32_run(tmp_path: Path, rate: str) -> dict:
+def _fp32_run(tmp_path: Path, rate: str) -> tuple[dict, list[dict]]:
+    """A 4-step GPipe run of fp32 links over a link of `rate`: its summary and its step records."""
     out = tmp_path / rate
     proc = subprocess.run(
         [sys.executable, "-m", "aqpipe", "launch", "--pp", "2", "--fw", "fp32", "--bw", "fp32", "--steps", "4",
-         "--seq-len", "128", "--micro-batch-size", "4", "--micro-batches", "4", "--max-samples", "64",
-         "--bandwidth", rate, "--out", str(out), "--no-progress"],
+         "--schedule", "gpipe", "--seq-len", "128", "--micro-batch-size", "4", "--micro-batches", "4",
+         "--max-samples", "64", "--bandwidth", rate, "--out", str(out), "--no-progress"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "links ran at" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records[-1]["link_fwd_bytes_per_second"]) == 1 and records[-1]["link_fwd_wire_seconds"][0] > 0
-    return summary
+    return summary, records
 
 
 @needs_root
-def test_fp32_run_slows_as_the_rate_drops_and_records_the_rate_it_achieved(tmp_path):
+def test_an_fp32_run_is_held_to_its_link_rate_and_records_the_rate_it_achieved(tmp_path):
+    """Every step of a 20 Mbit run takes at least its messages' time on the wire: under GPipe at pp=2 the gradients
+    go back only after every activation has arrived, so the two directions add up (4 × 128 × 128 fp32 activations:
+    262 kB per message, 1 MB per step each way, 0.84 s at 20 Mbit; unthrottled, a step takes ~0.2 s). (This once
+    compared samples/s with a 400 Mbit run; with the suite on two workers that run is compute-bound on a shared
+    machine, so the ratio measured the load, not the link.)"""
     before = network_state()
-    fast, slow = _fp32_run(tmp_path, "400mbit"), _fp32_run(tmp_path, "20mbit")
-    # 4 x 128 x 128 fp32 activations: 262 kB per message, 1 MB per step each way
-    assert slow["samples_per_second"] < 0.5 * fast["samples_per_second"]
+    summary, records = _fp32_run(tmp_path, "20mbit")
+    assert len(records) == 4
+    for r in records:
+        on_the_wire = 8 * (r["fwd_bytes"] + r["bwd_bytes"]) / 20e6
+        assert r["fwd_bytes"] >= 4 * 4 * 128 * 128 * 4 and r["step_seconds"] >= 0.85 * on_the_wire, r
     for direction in ("fwd", "bwd"):
-        (achieved,) = slow["link_rate"][f"{direction}_bytes_per_second"]
+        (achieved,) = summary["link_rate"][f"{direction}_bytes_per_second"]
         assert 0.85 * 20e6 <= 8 * achieved <= 1.15 * 20e6, (direction, achieved)
     assert network_state() == before
 
