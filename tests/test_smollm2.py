@@ -51,6 +51,18 @@ def test_the_three_stage_pipeline_gives_the_hf_models_logits(smollm2):
     torch.testing.assert_close(hidden, want, rtol=1e-5, atol=1e-4)  # padded positions too: the mask is applied
 
 
+def test_a_converted_gguf_is_found_again_without_parsing_its_metadata(smollm2, monkeypatch):
+    """Parsing the GGUF's metadata (a 49,152-token vocabulary) took ~7 s per call, and the launcher and every rank
+    asked several times: once converted, the cache is found by the file's fingerprint alone."""
+    import gguf
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the GGUF was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    assert models.classify_model("smollm2-135m").value == smollm2[0]
+
+
 def test_a_missing_package_is_named_with_how_to_install_it(monkeypatch):
     monkeypatch.setitem(models.PACKAGED_GGUF, "smollm2-135m", ("no_such_package_x", "x.gguf", "pip install x"))
     with pytest.raises(SpecError, match="needs its package: pip install x"):

@@ -47,13 +47,14 @@ def converted_directory(path: str) -> str:
     it on first use; SpecError for an architecture the decoder adapter does not cover."""
     from aqpipe.data.tokenizer import cache_dir
 
+    target = cache_dir() / f"gguf-{Path(path).stem}-{fingerprint(path)}"
+    if (target / "config.json").is_file():  # converted before, so its architecture was checked then
+        return str(target)
+    # Parsing the metadata takes seconds (a tokenizer's whole vocabulary is in it): only before a conversion.
     architecture = gguf_architecture(path)
     if architecture not in GGUF_ARCHITECTURES:
         raise SpecError(f"--model {path} is a GGUF of architecture {architecture!r}; aqpipe's decoder adapter covers "
                         f"{', '.join(GGUF_ARCHITECTURES)}")
-    target = cache_dir() / f"gguf-{Path(path).stem}-{fingerprint(path)}"
-    if (target / "config.json").is_file():
-        return str(target)
     with open(cache_dir() / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks and launches converting the same file wait for the first one
         if not (target / "config.json").is_file():
