@@ -1,7 +1,5 @@
 """`python -m aqpipe` is the `aqpipe` command."""
 
-import sys
+from aqpipe.cli import console
 
-from aqpipe.cli import main
-
-sys.exit(main())
+console()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
+import os
 import sys
+import threading
 from typing import NoReturn
 
 from aqpipe.compress.grad.methods import describe_methods_help
@@ -12,6 +15,7 @@ from aqpipe.compress.grids import GRIDS
 from aqpipe.compress.specs import describe_codecs
 from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values
 from aqpipe.disk import DiskFullError
+from aqpipe.launch.env import in_distributed_env
 from aqpipe.launch.signals import ignore_interrupts, interrupts_raise
 from aqpipe.runtime.precisions import describe_precisions
 from aqpipe.runtime.schedule import SCHEDULES
@@ -150,8 +154,27 @@ def _add_run_flags(command: argparse.ArgumentParser) -> None:
                              help=HELP.get(f.name, ""))
 
 
+def console() -> NoReturn:
+    """The `aqpipe` command (and `python -m aqpipe`): run `main`, then leave the way `sys.exit` would, less the
+    tear-down of every imported module, which takes a launcher that imported torch and transformers 1.5-2.5 s of a
+    2-core machine for nothing. Other threads are joined and exit handlers run first; a rank under torchrun or the
+    DeepSpeed launcher exits the ordinary way, so its process group and devices shut down as they always have."""
+    code = main()
+    if in_distributed_env():
+        sys.exit(code)
+    try:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+    finally:
+        os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `aqpipe` console script."""
+    """Run the `aqpipe` command line `argv` (default: the process's); returns the exit code."""
     interrupts_raise()  # Ctrl-C or SIGTERM at any moment: exit 1 with one line (below), never a traceback
     try:
         return _command(argv)
@@ -288,17 +311,31 @@ def _netns(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from aqpipe.launch.job import run_job
-
     dump_stacks_on_sigusr1()
     flags, file_values = _run_values(args)
     resume = flags.get("resume") or file_values.get("resume")
     if resume:
         file_values, flags = resume_values(str(resume), file_values, flags), {}
-    cfg = resolve(build_config(file_values, flags))
-    if args.dry_run:
-        return _dry_run(cfg)
-    return run_job(cfg, progress=not args.no_progress, overwrite=args.overwrite)
+    if args.dry_run or in_distributed_env():
+        cfg = resolve(build_config(file_values, flags))
+        if args.dry_run:
+            return _dry_run(cfg)
+        from aqpipe.launch.job import run_job
+
+        return run_job(cfg, progress=not args.no_progress, overwrite=args.overwrite)
+    from aqpipe.launch.forkserver import ForkServer, fork_safe_environment
+
+    with fork_safe_environment():  # no CUDA driver initialised by asking whether there is a GPU
+        cfg = resolve(build_config(file_values, flags))
+    # Before anything else starts a thread: import what the ranks need here (planning needs the same modules), then
+    # fork the server the ranks will be forked from.
+    starter = ForkServer.forked_here(cfg.model, cfg.lora, cfg.store)
+    try:
+        from aqpipe.launch.job import run_job
+
+        return run_job(cfg, progress=not args.no_progress, overwrite=args.overwrite, starter=starter)
+    finally:
+        starter.close()
 
 
 def _run_values(args: argparse.Namespace) -> tuple[dict, dict]:

@@ -1,12 +1,21 @@
-"""Run a function on several gloo ranks in fresh processes, for multi-process tests."""
+"""Run a function on several gloo ranks, for multi-process tests: processes forked from a server that has imported
+torch (multiprocessing's forkserver, started once per test process), so a test pays no import per rank."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
+import tempfile
 import traceback
+from pathlib import Path
 
 import torch.multiprocessing as mp
+
+# What every rank of these tests imports; the forkserver imports it once, and each rank is a fork of it.
+PRELOAD = ["torch", "torch.distributed", "aqpipe.runtime.worker", "aqpipe.compress.grad.methods", "tests.distributed"]
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(PRELOAD)
 
 
 def _free_port() -> int:
@@ -15,7 +24,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args, results) -> None:
+def _entry(rank: int, world: int, port: int, fn, args, results: str) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -23,19 +32,22 @@ def _entry(rank: int, world: int, port: int, fn, args, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        results[rank] = ("ok", fn(rank, world, *args))
+        result = ("ok", fn(rank, world, *args))
     except BaseException as e:  # noqa: BLE001 - reported to the test
-        results[rank] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     finally:
         dist.destroy_process_group()
+    (Path(results) / f"rank-{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
 def run_ranks(fn, world: int, *args):
-    """Call fn(rank, world, *args) on `world` gloo ranks; returns each rank's ("ok", value) or ("error", text)."""
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.start_processes(_entry, args=(world, _free_port(), fn, args, results), nprocs=world, start_method="spawn")
-    return [results.get(r) for r in range(world)]
+    """Call fn(rank, world, *args) on `world` gloo ranks; returns each rank's ("ok", value) or ("error", text)
+    (None for a rank that ended without a result)."""
+    with tempfile.TemporaryDirectory(prefix="aqpipe-ranks-") as results:
+        mp.start_processes(_entry, args=(world, _free_port(), fn, args, results), nprocs=world,
+                           start_method="forkserver")
+        files = [Path(results) / f"rank-{r}.pkl" for r in range(world)]
+        return [pickle.loads(f.read_bytes()) if f.exists() else None for f in files]
 
 
 def record_unbatched_point_to_point() -> list[str]:

@@ -13,7 +13,7 @@ def describe() -> int:
     print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgid(0),
                       "comm": open("/proc/self/comm").read().strip(), "env": dict(os.environ),
                       "threads": native_threads(), "netns": os.readlink("/proc/self/ns/net"),
-                      "torch": "torch" in sys.modules}))
+                      "torch": "torch" in sys.modules, "modules": sorted(sys.modules)}))
     return 0
 
 

@@ -10,10 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from aqpipe.config import RunConfig
 from aqpipe.launch import forkserver
 from aqpipe.launch.forkserver import ForkServer, UnsafeFork
-from aqpipe.launch.job import rank_imports
+from aqpipe.launch.worker_entry import rank_imports
 
 
 @pytest.fixture
@@ -71,9 +70,9 @@ def test_a_cuda_context_in_the_server_forbids_a_fork(monkeypatch):
 def test_what_the_server_imports_starts_no_thread_and_no_cuda():
     """Every module a rank of these runs needs, imported the way the server does (OPENBLAS_NUM_THREADS=1):
     afterwards one thread, and torch.cuda never asked to initialise (a CUDA context does not survive a fork)."""
-    runs = [dict(model="gpt2-tiny"), dict(model="llama-tiny", lora=4, store="lmdb"),
-            dict(model="bert-tiny", task="classify"), dict(model="smollm2-135m"), dict(model="qwen2-tiny")]
-    modules = sorted({m for settings in runs for m in rank_imports(RunConfig(**settings))})
+    runs = [dict(model="gpt2-tiny"), dict(model="llama-tiny", lora=True, store="lmdb"), dict(model="bert-tiny"),
+            dict(model="smollm2-135m"), dict(model="qwen2-tiny")]
+    modules = sorted({m for settings in runs for m in rank_imports(**settings)})
     assert {"peft", "aqpipe.storage.lmdb_store", "transformers.models.gpt2.modeling_gpt2",
             "transformers.models.bert.modeling_bert", "transformers.models.qwen2.modeling_qwen2"} <= set(modules)
     probe = ("import sys, torch, torch.cuda\n"
@@ -94,3 +93,58 @@ def test_closing_a_server_that_started_no_rank_does_not_wait_for_its_imports():
     server = ForkServer(["torch", "transformers.models.llama.modeling_llama"])
     server.close()
     assert server.process.returncode == -signal.SIGKILL
+
+
+def test_a_server_for_a_run_forks_ranks_that_have_its_model_code_already():
+    server = ForkServer.for_run("llama-tiny", lora=8, store="lmdb")
+    try:
+        child = server.fork(0, {"PATH": os.environ["PATH"], "PYTHONPATH": os.getcwd()},
+                            target="tests.forkserver_targets:describe")
+        seen = json.loads(child.stdout.read())
+        assert child.wait(timeout=60) == 0
+        assert {"transformers.models.llama.modeling_llama", "peft", "aqpipe.storage.lmdb_store",
+                "aqpipe.runtime.train"} <= set(seen["modules"]) and seen["threads"] == 1
+    finally:
+        server.close()
+        server.close()  # a second close does nothing (the launcher and the command line both close it)
+    assert server.process.returncode == 0
+
+
+FORKED_HERE = """
+import json, os, sys
+from aqpipe.launch.forkserver import ForkServer, ForkedChild
+server = ForkServer.forked_here("gpt2-tiny")
+child = server.fork(1, dict(os.environ), target="tests.forkserver_targets:describe")
+seen = json.loads(child.stdout.read())
+child.wait(timeout=60)
+server.close()
+print(json.dumps({"forked": isinstance(server.process, ForkedChild), "server": server.process.pid,
+                  "server_code": server.process.returncode, "launcher": os.getpid(),
+                  "here": "transformers.models.gpt2.modeling_gpt2" in sys.modules,
+                  "blas_here": os.environ.get("OPENBLAS_NUM_THREADS"), **seen}))
+"""
+
+
+def test_a_launcher_imports_once_and_forks_its_server_from_itself():
+    """`aqpipe launch` imports what its ranks need in its own process (planning needs the same modules) and forks
+    the server from it: the rank's parent is a child of the launcher, the model code was imported before, and the
+    environment the rank gets is the user's (the launcher's import-time settings are not left in it)."""
+    out = subprocess.run([sys.executable, "-c", FORKED_HERE], capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["forked"] and seen["here"] and seen["ppid"] == seen["server"] and seen["server_code"] == 0
+    assert "transformers.models.gpt2.modeling_gpt2" in seen["modules"] and seen["threads"] == 1
+    assert seen["blas_here"] is None and "OPENBLAS_NUM_THREADS" not in seen["env"]
+
+
+def test_a_launcher_holding_a_thread_starts_its_server_afresh_instead():
+    probe = ("import threading, time\n"
+             "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+             "from aqpipe.launch.forkserver import ForkServer\n"
+             "import subprocess\n"
+             "server = ForkServer.forked_here('gpt2-tiny')\n"
+             "print(isinstance(server.process, subprocess.Popen))\n"
+             "server.close()\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "True", out.stderr[-3000:]

@@ -20,6 +20,7 @@ when a rank ends (`c` negative: killed by signal -c, as in `subprocess`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import json
@@ -33,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -46,6 +48,14 @@ PARENT_ENV = "AQPIPE_PARENT_PID"  # the pid a rank's parent must have (die_with_
 _CLONE_NEWNET = 0x40000000
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
+SERVER_ENV = {
+    # numpy's OpenBLAS starts a thread server at import unless it is to run one thread; ranks run one compute
+    # thread per core share anyway, and a server without threads forks cleanly.
+    "OPENBLAS_NUM_THREADS": "1",
+    # Should an import ask torch whether CUDA is there, NVML answers: cudaGetDeviceCount would initialise the
+    # driver, and a fork of a process that did cannot use CUDA.
+    "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+}
 
 
 class ForkServerError(RuntimeError):
@@ -54,6 +64,30 @@ class ForkServerError(RuntimeError):
 
 class UnsafeFork(ForkServerError):
     """The fork server holds a thread or a CUDA context, so a fork of it would not be a sound rank."""
+
+
+@contextlib.contextmanager
+def fork_safe_environment() -> Iterator[None]:
+    """SERVER_ENV's settings, where the user set none, for what runs inside (imports, asking torch whether CUDA is
+    there) in a process that will fork ranks; the environment the user gave afterwards, which the ranks get."""
+    given = {name: os.environ.get(name) for name in SERVER_ENV}
+    os.environ.update({name: value for name, value in SERVER_ENV.items() if given[name] is None})
+    try:
+        yield
+    finally:
+        for name, value in given.items():
+            if value is None:
+                os.environ.pop(name, None)
+
+
+def _wait_for(poll, timeout: float | None, what: str) -> int:
+    """Poll until `poll()` gives an exit code; raises subprocess.TimeoutExpired after `timeout` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while (code := poll()) is None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(what, timeout or 0.0)
+        time.sleep(0.02)
+    return code
 
 
 class ForkedRank:
@@ -73,28 +107,51 @@ class ForkedRank:
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until the rank ends; raises subprocess.TimeoutExpired after `timeout` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
-            time.sleep(0.02)
+        return _wait_for(self.poll, timeout, f"rank pid {self.pid}")
+
+
+class ForkedChild:
+    """A child this process forked, with the part of `subprocess.Popen`'s interface ForkServer uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit code once the child has ended, else None."""
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until the child ends; raises subprocess.TimeoutExpired after `timeout` seconds."""
+        return _wait_for(self.poll, timeout, f"pid {self.pid}")
+
+    def kill(self) -> None:
+        """SIGKILL it, unless it has ended."""
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 class ForkServer:
     """The launcher's handle on one fork server: start ranks, learn how they ended, stop the server."""
 
-    def __init__(self, preload: list[str]) -> None:
-        """Start a server that imports `preload` (modules; one that fails to import is left to the rank to report)."""
+    def __init__(self, preload: list[str], run: dict | None = None) -> None:
+        """Start a server as a fresh process that imports `preload` (modules; one that fails to import is left to
+        the rank to report), then, given `run` (rank_imports' arguments), what the ranks of that run import."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # numpy's OpenBLAS starts a thread server at import unless it is to run one thread; ranks run one compute
-        # thread per core share anyway, and a server without threads forks cleanly.
-        env = dict(os.environ, **{PARENT_ENV: str(os.getpid()), "OPENBLAS_NUM_THREADS": "1"})
+        env = dict(os.environ, **{PARENT_ENV: str(os.getpid()), **SERVER_ENV})
         # Its own session: a Ctrl-C at the terminal is the launcher's to handle, not the server's.
-        self.process = subprocess.Popen([sys.executable, "-m", "aqpipe.launch.forkserver", str(theirs.fileno()),
-                                         *preload], pass_fds=[theirs.fileno()], env=env, start_new_session=True)
+        argv = [sys.executable, "-m", "aqpipe.launch.forkserver", str(theirs.fileno()), json.dumps(run), *preload]
+        process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=env, start_new_session=True)
         theirs.close()
-        self._socket = ours
+        self._attach(process, ours)
+
+    def _attach(self, process: subprocess.Popen | ForkedChild, sock: socket.socket) -> None:
+        self.process = process
+        self._socket = sock
         self._replies: queue.Queue = queue.Queue()
         self._exits: dict[int, int] = {}
         self._gone = False  # the server ended: every rank it had is gone too (they die with it)
@@ -102,6 +159,42 @@ class ForkServer:
         self._fallback: CommandStarter | None = None  # set when the server cannot fork safely
         self.started = 0
         threading.Thread(target=self._read, name="aqpipe-forkserver", daemon=True).start()
+
+    @classmethod
+    def for_run(cls, model: str, lora: int | None = None, store: str = "memory") -> ForkServer:
+        """A server, as a fresh process, for the ranks of a run of `--model model` (with --lora, with that
+        --store): what a caller with threads of its own uses (a fork of it would not be sound)."""
+        return cls([], {"model": model, "lora": lora is not None, "store": store})
+
+    @classmethod
+    def forked_here(cls, model: str, lora: int | None = None, store: str = "memory") -> ForkServer:
+        """Import what the ranks of this run need in this process, which plans with the same modules, then fork the
+        server from it: one import for the launcher and every rank. A server of its own (`for_run`) when this
+        process already holds a thread or a CUDA context."""
+        with fork_safe_environment():
+            if _unsafe_to_fork() is None:  # imports cannot make it safe, and would be paid twice
+                _preload([], {"model": model, "lora": lora is not None, "store": store})
+        if _unsafe_to_fork() is not None:
+            return cls.for_run(model, lora, store)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        launcher = os.getpid()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ours.close()
+                os.setsid()  # out of the terminal's process group: a Ctrl-C there is the launcher's
+                for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+                    signal.signal(sig, signal.SIG_DFL)
+                os.environ[PARENT_ENV] = str(launcher)
+                serve(theirs, [])
+            finally:
+                os._exit(0)
+        theirs.close()
+        server = cls.__new__(cls)
+        server._attach(ForkedChild(pid), ours)
+        return server
 
     def start(self, rank: int, env: dict[str, str], netns: str | None = None) -> RankProcess:
         """Fork rank `rank` with exactly the environment `env`, inside network namespace `netns` if given (started
@@ -153,7 +246,10 @@ class ForkServer:
             return -signal.SIGKILL if self._gone else None
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the server and wait until it has ended (its ranks have ended before, or die with it)."""
+        """Stop the server and wait until it has ended (its ranks have ended before, or die with it); closing it
+        again does nothing."""
+        if self.process.returncode is not None:
+            return
         try:
             self._socket.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -203,7 +299,18 @@ def cuda_initialised() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
-def _preload(modules: list[str]) -> None:
+def cuda_driver_loaded() -> bool:
+    """Whether the CUDA driver library is mapped into this process (something asked CUDA a question: a fork of it
+    may not use CUDA)."""
+    with open("/proc/self/maps") as maps:
+        return any("libcuda.so" in line for line in maps)
+
+
+def _preload(modules: list[str], run: dict | None = None) -> None:
+    if run is not None:
+        from aqpipe.launch.worker_entry import rank_imports
+
+        modules = [*modules, *rank_imports(**run)]
     for name in modules:
         try:
             importlib.import_module(name)
@@ -211,11 +318,12 @@ def _preload(modules: list[str]) -> None:
             pass
 
 
-def serve(sock: socket.socket, preload: list[str]) -> None:
-    """Import `preload`, then fork a rank for every request until the launcher closes the socket."""
+def serve(sock: socket.socket, preload: list[str], run: dict | None = None) -> None:
+    """Import `preload` and what the ranks of `run` need, then fork a rank for every request until the launcher
+    closes the socket."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with(int(os.environ[PARENT_ENV]))
-    _preload(preload)
+    _preload(preload, run)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
@@ -255,6 +363,8 @@ def _unsafe_to_fork() -> str | None:
     """Why forking now would hand the rank a broken process, or None."""
     if cuda_initialised():
         return "a CUDA context exists in the fork server"
+    if cuda_driver_loaded():
+        return "an import loaded the CUDA driver in the fork server"
     threads = native_threads()
     if threads > 1:
         return f"an import started {threads - 1} thread(s) in the fork server, and a fork would copy their locks"
@@ -327,5 +437,5 @@ def enter_namespace(name: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(socket.socket(fileno=int(sys.argv[1])), sys.argv[2:])
+    serve(socket.socket(fileno=int(sys.argv[1])), sys.argv[3:], json.loads(sys.argv[2]))
     os._exit(0)  # nothing to flush or close: tearing down the imported modules would only delay the launcher

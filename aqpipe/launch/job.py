@@ -23,17 +23,17 @@ from aqpipe.metrics import write_json
 from aqpipe.runtime.capacity import refuse_if_unfit
 from aqpipe.runtime.grid import Grid
 from aqpipe.runtime.plan import RunPlan, make_plan
-from aqpipe.stages.models import model_imports
 
 
 def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None = None, progress: bool = True,
-            overwrite: bool = False) -> int:
+            overwrite: bool = False, starter: RankStarter | None = None) -> int:
     """Run a resolved configuration; returns the exit code (0 done, 1 failed during the run).
 
     Inside torchrun or the DeepSpeed launcher this process is one rank. Otherwise the run directory is locked,
     every check runs here, then every rank starts: forked from a process that has imported what ranks need
-    (launch/forkserver.py), or `worker_command` run once per rank when given. A run
-    directory that already holds a run is refused unless `overwrite`.
+    (launch/forkserver.py; `starter`, when the caller started one earlier, else one started here), or
+    `worker_command` run once per rank when given. A run directory that already holds a run is refused unless
+    `overwrite`. The starter is closed on return.
     """
     if in_distributed_env() and CONFIG_ENV not in os.environ:
         from aqpipe.runtime.train import run_worker
@@ -44,10 +44,14 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
         rank, world_size = rank_from_env()
         run_worker(cfg, rank, world_size, spec_factory)
         return 0
+    if starter is None:  # started before planning, so that its imports run while this process plans
+        starter = CommandStarter(worker_command) if worker_command else ForkServer.for_run(cfg.model, cfg.lora, cfg.store)
     run_dir = RunDirectory(cfg.out)
-    run_dir.claim(resuming=cfg.resume is not None, overwrite=overwrite)
-    # Started first, so that its imports run while this process plans.
-    starter = ForkServer(rank_imports(cfg)) if worker_command is None else CommandStarter(worker_command)
+    try:
+        run_dir.claim(resuming=cfg.resume is not None, overwrite=overwrite)
+    except BaseException:
+        starter.close()
+        raise
     try:
         plan = make_plan(cfg, spec_factory)
         cfg.stage_bounds = plan.bounds
@@ -65,17 +69,6 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
     finally:
         starter.close()
         run_dir.release()
-
-
-def rank_imports(cfg: RunConfig) -> list[str]:
-    """The modules every rank of this run imports, for the fork server to import once before it forks them."""
-    modules = ["torch", "torch.distributed", "aqpipe.launch.worker_entry", "aqpipe.runtime.train",
-               *model_imports(cfg.model)]
-    if cfg.lora is not None:
-        modules += ["peft"]
-    if cfg.store == "lmdb":
-        modules += ["aqpipe.storage.lmdb_store"]
-    return modules
 
 
 def _run_ranks(cfg: RunConfig, plan, starter: RankStarter, progress: bool) -> int:

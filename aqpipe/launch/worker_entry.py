@@ -15,6 +15,19 @@ from aqpipe.disk import disk_full_error
 from aqpipe.launch.env import CONFIG_ENV, die_with_parent, rank_from_env
 
 
+def rank_imports(model: str, lora: bool = False, store: str = "memory") -> list[str]:
+    """The modules every rank of a run of `--model model` imports (with LoRA, with that --store), for the fork server
+    to import once before it forks them; called inside the server, which may import torch."""
+    from aqpipe.stages.models import model_imports
+
+    modules = ["torch", "torch.distributed", "aqpipe.runtime.train", *model_imports(model)]
+    if lora:
+        modules += ["peft"]
+    if store == "lmdb":
+        modules += ["aqpipe.storage.lmdb_store"]
+    return modules
+
+
 def run_rank(spec_factory=None) -> int:
     """Run the rank described by the environment; returns the process exit code."""
     from aqpipe.config import RunConfig

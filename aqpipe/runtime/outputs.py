@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -203,6 +204,21 @@ def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float) -> dict:
     summary."""
     cfg = plan.cfg
     log.close()
+    out = Path(cfg.out)
+    # The plot (importing matplotlib is most of its second) is drawn on a thread while the export below reads and
+    # writes the weights, which mostly runs outside the interpreter lock.
+    with ThreadPoolExecutor(1, thread_name_prefix="aqpipe-plot") as pool:
+        plot = pool.submit(plot_loss, log.records, out / "loss.png",
+                           title=f"{cfg.model}  pp={cfg.pp} dp={cfg.dp}  fw={cfg.fw} bw={cfg.bw}")
+        summary = _summary(plan, log, wall_seconds)
+        plot.result()  # its error, if any, is the run's
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+def _summary(plan: RunPlan, log: MetricsLog, wall_seconds: float) -> dict:
+    """Everything summary.json holds, writing the export on the way."""
+    cfg = plan.cfg
     summary = summarize(log.records, used_steps=cfg.steps is not None, warmup_epochs=cfg.warmup_epochs,
                         wall_seconds=wall_seconds)
     last = log.records[-1]
@@ -217,7 +233,4 @@ def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float) -> dict:
         summary["data"] = plan.dataset.info
     if summary["export"] and getattr(plan.dataset.valid, "prompts", None):
         summary["sample"] = held_out_answer(summary["export"], plan.dataset.valid)
-    out = Path(cfg.out)
-    write_json(out / "summary.json", summary)
-    plot_loss(log.records, out / "loss.png", title=f"{cfg.model}  pp={cfg.pp} dp={cfg.dp}  fw={cfg.fw} bw={cfg.bw}")
     return summary
