@@ -34,6 +34,17 @@ def tagged_processes(tag: str, rank: str | None = None) -> list[int]:
     return pids
 
 
+def none_left(tag: str, within: float = 15.0) -> bool:
+    """Whether every process tagged `tag` is gone, waiting up to `within` seconds: a process killed a moment ago
+    is still in /proc until the kernel has finished it, and a fixed pause would race with that on a loaded machine."""
+    deadline = time.monotonic() + within
+    while tagged_processes(tag):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def start_run(tmp_path, *extra, **popen) -> tuple[subprocess.Popen, str]:
     """Start a long `aqpipe launch` tagged with a fresh AQPIPE_TEST_TAG; return once it has logged 3 steps."""
     tag = uuid.uuid4().hex

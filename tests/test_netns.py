@@ -11,7 +11,7 @@ import pytest
 
 from aqpipe.cli import main
 from aqpipe.launch import netns
-from tests.processes import finish, start_run, tagged_processes
+from tests.processes import finish, none_left, start_run, tagged_processes
 
 REPO = Path(__file__).resolve().parent.parent
 CANNOT = netns.can_throttle()
@@ -328,8 +328,7 @@ def test_an_interrupt_during_namespace_setup_leaves_nothing(tmp_path, sig):
     code, err, _ = finish(proc, timeout=60)
     assert code == 1 and "interrupted" in err and "Traceback" not in err, err
     assert err.strip().splitlines()[-1].startswith("aqpipe: run failed: interrupted"), err
-    time.sleep(0.5)
-    assert tagged_processes(tag) == []
+    assert none_left(tag)
     assert not list(state.glob("*.json"))
     assert network_state() == before
 

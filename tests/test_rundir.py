@@ -5,13 +5,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from aqpipe.config import ConfigError
 from aqpipe.launch.rundir import LOCK_NAME, RunDirectory
-from tests.processes import finish, start_run, tagged_processes
+from tests.processes import finish, none_left, start_run, tagged_processes
 
 QUICK = ["--pp", "2", "--seq-len", "16", "--max-samples", "64", "--no-progress"]
 
@@ -72,8 +71,7 @@ def test_a_second_launch_into_a_running_directory_gets_exit_2_naming_the_holder(
     finally:
         proc.terminate()
         finish(proc, timeout=60)
-    time.sleep(0.5)
-    assert tagged_processes(tag) == []
+    assert none_left(tag)
 
 
 def test_the_lock_dies_with_its_holder(tmp_path):
