@@ -157,19 +157,20 @@ def _add_run_flags(command: argparse.ArgumentParser) -> None:
 def console() -> NoReturn:
     """The `aqpipe` command (and `python -m aqpipe`): run `main`, then leave the way `sys.exit` would, less the
     tear-down of every imported module, which takes a launcher that imported torch and transformers 1.5-2.5 s of a
-    2-core machine for nothing. Other threads are joined and exit handlers run first; a rank under torchrun or the
-    DeepSpeed launcher exits the ordinary way, so its process group and devices shut down as they always have."""
+    2-core machine for nothing. Exit handlers run first; while another (non-daemon) thread still works, and in a
+    rank under torchrun or the DeepSpeed launcher, it exits the ordinary way."""
     code = main()
-    if in_distributed_env():
+    running = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if in_distributed_env() or running:  # a thread still working ends the ordinary way, after it
         sys.exit(code)
     try:
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
         atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
     finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe (`aqpipe … | head`): nothing more can reach it
+                pass
         os._exit(code)
 
 

@@ -29,7 +29,9 @@ def test_a_forked_child_has_exactly_its_environment_its_own_session_and_a_rank_n
     seen = json.loads(child.stdout.read())
     assert child.wait(timeout=30) == 0 and child.returncode == 0
     assert seen["env"] == dict(env, AQPIPE_PARENT_PID=str(server.process.pid))  # nothing of the server's own
-    assert seen["ppid"] == server.process.pid and seen["sid"] == seen["pid"] == child.pid == seen["pgid"]
+    # a process group of its own, in the server's session (away from the terminal's)
+    assert seen["ppid"] == server.process.pid and seen["pid"] == child.pid == seen["pgid"]
+    assert seen["sid"] == os.getsid(server.process.pid) != os.getsid(0)
     assert seen["comm"] == "aqpipe-rank-2"
     assert seen["torch"] and seen["threads"] == 1  # imported before the fork, and no thread came with it
     assert seen["netns"] == os.readlink("/proc/self/ns/net")
@@ -111,10 +113,12 @@ def test_a_server_for_a_run_forks_ranks_that_have_its_model_code_already():
 
 
 FORKED_HERE = """
-import json, os, sys
+import io, json, os, sys
 from aqpipe.launch.forkserver import ForkServer, ForkedChild
 server = ForkServer.forked_here("gpt2-tiny")
+given, sys.stdout = sys.stdout, io.StringIO()  # a caller capturing output: the rank still writes to its pipe
 child = server.fork(1, dict(os.environ), target="tests.forkserver_targets:describe")
+sys.stdout = given
 seen = json.loads(child.stdout.read())
 child.wait(timeout=60)
 server.close()

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TextIO
 
 from aqpipe.launch.local import CommandStarter, RankProcess
+from aqpipe.launch.signals import deferred_interrupts
 
 WORKER_COMMAND = [sys.executable, "-m", "aqpipe.launch.worker_entry"]  # a rank as a fresh process
 RANK_TARGET = "aqpipe.launch.worker_entry:run_rank"  # what a forked rank runs
@@ -210,6 +211,10 @@ class ForkServer:
     def fork(self, rank: int, env: dict[str, str], netns: str | None = None, target: str = RANK_TARGET) -> ForkedRank:
         """Fork a child of the server that runs `target` ("module:function" returning the exit code) as rank `rank`;
         raises UnsafeFork when the server holds a thread or a CUDA context."""
+        with deferred_interrupts():  # a Ctrl-C now is delivered once the rank is the launcher's to stop
+            return self._fork(rank, env, netns, target)
+
+    def _fork(self, rank: int, env: dict[str, str], netns: str | None, target: str) -> ForkedRank:
         read_end, write_end = os.pipe()
         try:
             message = json.dumps({"rank": rank, "env": dict(env, **{PARENT_ENV: str(self.process.pid)}),
@@ -342,6 +347,9 @@ def serve(sock: socket.socket, preload: list[str], run: dict | None = None) -> N
         if not data:
             return  # the launcher is done (or gone): its ranks have ended, or die with this process
         request = json.loads(data)
+        if not fds:
+            sock.send(json.dumps({"rank": request.get("rank"), "error": "no output pipe came with the request"}).encode())
+            continue
         why = _unsafe_to_fork()
         if why is not None:
             os.close(fds[0])
@@ -355,6 +363,9 @@ def serve(sock: socket.socket, preload: list[str], run: dict | None = None) -> N
                 os.close(fd)
             sock.close()
             _become_rank(request, fds[0])
+        # Its own process group, set here too so that it exists before the launcher learns the pid (the launcher
+        # stops a rank and whatever it started by signalling the group): whichever side runs first sets it.
+        _own_group(pid)
         os.close(fds[0])
         sock.send(json.dumps({"rank": request["rank"], "pid": pid}).encode())
 
@@ -399,12 +410,14 @@ def _become_rank(request: dict, output: int) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.setsid()  # its own process group: the launcher stops a rank and whatever it started in one signal
+        _own_group(0)
         os.dup2(output, 1)
         os.dup2(output, 2)
         os.close(output)
-        for stream in (sys.stdout, sys.stderr):
-            stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+        # New stream objects on the pipe: the ones inherited may have been replaced (a caller's redirect, a test's
+        # capture) and would not write to fd 1 and 2.
+        sys.stdout = open(1, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)  # noqa: SIM115
         os.environ.clear()
         os.environ.update(request["env"])
         name = f"aqpipe-rank-{request['rank']}"[:15].encode()  # what ps -o comm and top show
@@ -412,9 +425,10 @@ def _become_rank(request: dict, output: int) -> None:
         if request["netns"] is not None:
             enter_namespace(request["netns"])
         module, function = request["target"].split(":")
-        code = getattr(importlib.import_module(module), function)()
+        result = getattr(importlib.import_module(module), function)()
+        code = result if isinstance(result, int) else 0 if result is None else 1
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     except BaseException:  # noqa: BLE001 - whatever happens, this process must not return into the server's loop
         traceback.print_exc()
     finally:
@@ -423,6 +437,14 @@ def _become_rank(request: dict, output: int) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _own_group(pid: int) -> None:
+    """Make `pid` (0: this process) the leader of a process group of its own; a no-op once it is."""
+    try:
+        os.setpgid(pid, 0)
+    except (PermissionError, ProcessLookupError):  # the child set it and went on (or already ended)
+        pass
 
 
 def enter_namespace(name: str) -> None:

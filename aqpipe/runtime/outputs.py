@@ -211,8 +211,8 @@ def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float) -> dict:
         plot = pool.submit(plot_loss, log.records, out / "loss.png",
                            title=f"{cfg.model}  pp={cfg.pp} dp={cfg.dp}  fw={cfg.fw} bw={cfg.bw}")
         summary = _summary(plan, log, wall_seconds)
+        write_json(out / "summary.json", summary)
         plot.result()  # its error, if any, is the run's
-    write_json(out / "summary.json", summary)
     return summary
 
 
