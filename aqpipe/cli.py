@@ -16,6 +16,7 @@ from aqpipe.compress.specs import describe_codecs
 from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values
 from aqpipe.disk import DiskFullError
 from aqpipe.launch.env import in_distributed_env
+from aqpipe.launch.rundir import RunDirectory
 from aqpipe.launch.signals import ignore_interrupts, interrupts_raise
 from aqpipe.runtime.precisions import describe_precisions
 from aqpipe.runtime.schedule import SCHEDULES
@@ -328,6 +329,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     with fork_safe_environment():  # no CUDA driver initialised by asking whether there is a GPU
         cfg = resolve(build_config(file_values, flags))
+    RunDirectory(cfg.out).precheck(resuming=cfg.resume is not None, overwrite=args.overwrite)
     # Before anything else starts a thread: import what the ranks need here (planning needs the same modules), then
     # fork the server the ranks will be forked from.
     starter = ForkServer.forked_here(cfg.model, cfg.lora, cfg.store)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from aqpipe.config import ConfigError
-from aqpipe.launch.rundir import LOCK_NAME, RunDirectory
+from aqpipe.launch.rundir import LOCK_NAME, RunDirectory, lock_holder
 from tests.processes import finish, none_left, start_run, tagged_processes
 
 QUICK = ["--pp", "2", "--seq-len", "16", "--max-samples", "64", "--no-progress"]
@@ -87,6 +87,32 @@ def test_the_lock_dies_with_its_holder(tmp_path):
     claim = RunDirectory(tmp_path)
     claim.claim(False, False)
     assert (tmp_path / LOCK_NAME).read_text().strip() == str(os.getpid())
+    claim.release()
+
+
+def test_a_directory_in_use_is_refused_before_the_launch_imports_its_model(tmp_path):
+    """The launch imports torch and the model code before it plans (seconds); a directory another launch holds is
+    refused first, from the kernel's lock table, without taking the lock (a launch claiming it at that instant must
+    not be refused in turn)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from aqpipe.launch.rundir import RunDirectory; "
+                               f"RunDirectory({str(tmp_path)!r}).claim(False, False); print('locked', flush=True); "
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert lock_holder(tmp_path / LOCK_NAME) == str(holder.pid)
+        with pytest.raises(ConfigError, match=f"in use by another aqpipe launch \\(pid {holder.pid}\\)"):
+            RunDirectory(tmp_path).precheck(resuming=False, overwrite=True)
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "aqpipe", "launch", "--steps", "1", "--out",
+                               str(tmp_path)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and f"in use by another aqpipe launch (pid {holder.pid})" in proc.stderr
+        assert "transformers" not in proc.stderr  # -X importtime lists every module imported
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock_holder(tmp_path / LOCK_NAME) is None
+    RunDirectory(tmp_path).precheck(resuming=False, overwrite=False)  # free, and it holds no run
+    claim = RunDirectory(tmp_path)
+    claim.claim(False, False)  # the precheck left no lock behind
     claim.release()
 
 

@@ -38,15 +38,7 @@ class RunDirectory:
             fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise ConfigError(f"cannot create the run directory --out {str(self.path)!r}: {e.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise ConfigError(f"cannot lock the run directory {self.path}: {e.strerror}") from None
-            raise ConfigError(f"the run directory {self.path} is in use by another aqpipe launch (pid {holder}); "
-                              "wait for it to end or choose another --out") from None
+        self._lock(fd)
         self._fd = fd
         try:
             os.ftruncate(fd, 0)
@@ -60,8 +52,36 @@ class RunDirectory:
         self._previous = [] if resuming else existing_run(self.path)
         if self._previous and not overwrite:
             self.release(failed_before_start=True)
-            raise ConfigError(f"--out {self.path} already holds a run ({', '.join(self._previous)}): continue it with "
-                              f"--resume {self.path}, choose another --out, or add --overwrite to delete that run first")
+            raise self._holds_a_run(self._previous)
+
+    def precheck(self, resuming: bool, overwrite: bool) -> None:
+        """Raise the ConfigError `claim` would raise for a directory in use or holding another run, without creating
+        or keeping anything: a refusal found before the launch spends seconds importing (`claim` decides)."""
+        holder = lock_holder(self.path / LOCK_NAME)
+        if holder is not None:
+            raise self._in_use(holder)
+        previous = [] if resuming else existing_run(self.path)
+        if previous and not overwrite:
+            raise self._holds_a_run(previous)
+
+    def _lock(self, fd: int) -> None:
+        """Lock `fd` without waiting, or close it and raise the ConfigError naming the launch that holds it."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ConfigError(f"cannot lock the run directory {self.path}: {e.strerror}") from None
+            raise self._in_use(holder) from None
+
+    def _in_use(self, holder: str) -> ConfigError:
+        return ConfigError(f"the run directory {self.path} is in use by another aqpipe launch (pid {holder}); "
+                           "wait for it to end or choose another --out")
+
+    def _holds_a_run(self, previous: list[str]) -> ConfigError:
+        return ConfigError(f"--out {self.path} already holds a run ({', '.join(previous)}): continue it with "
+                           f"--resume {self.path}, choose another --out, or add --overwrite to delete that run first")
 
     def clear_previous(self) -> None:
         """Delete the run `--overwrite` replaces (called once the new run's configuration is known to be good)."""
@@ -80,6 +100,23 @@ class RunDirectory:
                 self.path.rmdir()
             except OSError:  # something else was put there meanwhile: leave it
                 pass
+
+
+def lock_holder(path: Path) -> str | None:
+    """The pid written in the lock file `path` while some process holds its lock, else None; read from the kernel's
+    table of locks (/proc/locks), so that asking takes no lock a launch starting this instant could trip over."""
+    try:
+        st = os.stat(path)
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    if not any(line.split()[1] == "FLOCK" and device in line.split() for line in table.splitlines() if line.strip()):
+        return None
+    try:
+        return path.read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def existing_run(out: Path) -> list[str]:
