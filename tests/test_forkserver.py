@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -46,8 +47,12 @@ def test_exit_codes_read_as_subprocess_reports_them(server):
     assert sleeper.stdout.readline().strip() == "ready" and sleeper.poll() is None
     os.killpg(sleeper.pid, signal.SIGKILL)  # its own process group, as the launcher stops ranks
     assert sleeper.wait(timeout=30) == -signal.SIGKILL
+    still = server.fork(2, env, target="tests.forkserver_targets:sleep")
     with pytest.raises(subprocess.TimeoutExpired):
-        server.fork(2, env, target="tests.forkserver_targets:sleep").wait(timeout=0.2)
+        still.wait(timeout=0.2)
+    server.close()  # a child that never ends dies with its server, whatever it runs
+    assert still.stdout.read() == "ready\n"  # end of file: every writer of its pipe is gone
+    assert not Path(f"/proc/{still.pid}").exists() or "Z" in Path(f"/proc/{still.pid}/stat").read_text().split()[2]
 
 
 def test_a_server_that_started_a_thread_does_not_fork_and_ranks_start_afresh(capfd):

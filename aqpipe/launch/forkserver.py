@@ -410,6 +410,7 @@ def _become_rank(request: dict, output: int) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        _die_with(int(request["env"][PARENT_ENV]))  # no child outlives its server, whatever it runs
         _own_group(0)
         os.dup2(output, 1)
         os.dup2(output, 2)
