@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -51,8 +50,9 @@ def test_exit_codes_read_as_subprocess_reports_them(server):
     with pytest.raises(subprocess.TimeoutExpired):
         still.wait(timeout=0.2)
     server.close()  # a child that never ends dies with its server, whatever it runs
-    assert still.stdout.read() == "ready\n"  # end of file: every writer of its pipe is gone
-    assert not Path(f"/proc/{still.pid}").exists() or "Z" in Path(f"/proc/{still.pid}/stat").read_text().split()[2]
+    # End of file: the child, which held the pipe's write end, has been killed (its pid may still be in /proc a
+    # moment longer while the kernel finishes it, so that is not asked).
+    assert still.stdout.read() == "ready\n"
 
 
 def test_a_server_that_started_a_thread_does_not_fork_and_ranks_start_afresh(capfd):
