@@ -30,14 +30,18 @@ def rank_from_env() -> tuple[int, int]:
 def die_with_parent() -> None:
     """Ask Linux to kill this process when the aqpipe launcher that started it dies, even by SIGKILL."""
     parent = os.environ.get("AQPIPE_PARENT_PID")
-    if parent is None:
-        return
+    if parent is not None:
+        die_with(int(parent))
+
+
+def die_with(parent: int) -> None:
+    """Be killed (SIGKILL) when process `parent`, which started this one, dies; exit at once if it already has."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         return
-    if os.getppid() != int(parent):  # the launcher died before prctl took effect
+    if os.getppid() != parent:  # it died before prctl took effect
         os._exit(1)
 
 

@@ -1,21 +1,22 @@
 """Ranks forked from a process that has already imported what they need: the launcher's rank fork server.
 
 Importing torch and a model's transformers code costs seconds of CPU. Paid once per rank, four ranks on two cores
-queue behind each other before their first step. `aqpipe launch` therefore starts one fork server as it begins (its
-imports run while the launcher plans) and every rank of the launch is a `fork()` of it.
+queue behind each other before their first step. `aqpipe launch` therefore imports what its ranks need in its own
+process (it plans with the same modules), forks a server from itself while it still holds one thread and no CUDA
+state (`ForkServer.forked_here`), and every rank of the launch is a `fork()` of that server.
 
-Why a server of its own rather than forking the launcher: a fork is safe only from a process with no other thread
-(OpenMP's pool, tokenizers' pool, the launcher's log readers) and no CUDA context (the driver does not survive a
-fork). The launcher plans, may profile a micro-batch, trains a tokenizer and asks the GPU about its memory; the
-server does nothing but import, and it refuses to fork if a thread or a CUDA context exists. Why not
-`multiprocessing`'s forkserver: ranks must start in their own session and network namespace with their output on a
-pipe of the launcher's, the launcher must see their exit statuses, and the server must be gone when the launcher
-returns (tests and users look for left-over processes); the protocol for that is this module's hundred lines.
+Why a server rather than forking the launcher when the ranks start: by then the launcher holds threads (its log
+readers, OpenMP's pool after a capacity trace) and may hold a CUDA context, and neither survives a fork. The server
+does nothing but wait, and refuses to fork if a thread, a CUDA context or the CUDA driver is in it; the ranks then
+start as fresh processes. A caller that already holds threads (the Python API, a test) gets a server started as a
+fresh process that does the imports itself (`ForkServer.for_run`). Why not `multiprocessing`'s forkserver: ranks
+must start in their own process group and network namespace with their output on a pipe of the launcher's, the
+launcher must see their exit statuses, and the server must be gone when the launcher returns.
 
 Protocol (one SOCK_SEQPACKET socket pair, one JSON object per message): the launcher sends `{"rank", "env",
 "netns", "target"}` (target: "module:function" returning the exit code) with the write end of the rank's output
-pipe attached; the server answers `{"rank", "pid"}` (or `{"rank", "unsafe"}`: it will not fork), and `{"exit": pid, "code": c}`
-when a rank ends (`c` negative: killed by signal -c, as in `subprocess`).
+pipe attached; the server answers `{"rank", "pid"}` (or `{"rank", "unsafe"}`: it will not fork), and
+`{"exit": pid, "code": c}` when a rank ends (`c` negative: killed by signal -c, as in `subprocess`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+from aqpipe.launch.env import die_with
 from aqpipe.launch.local import CommandStarter, RankProcess
 from aqpipe.launch.signals import deferred_interrupts
 
@@ -48,7 +50,6 @@ MAX_MESSAGE = 1 << 20  # a rank's environment with its resolved configuration is
 PARENT_ENV = "AQPIPE_PARENT_PID"  # the pid a rank's parent must have (die_with_parent); here, the server's
 _CLONE_NEWNET = 0x40000000
 _PR_SET_NAME = 15
-_PR_SET_PDEATHSIG = 1
 SERVER_ENV = {
     # numpy's OpenBLAS starts a thread server at import unless it is to run one thread; ranks run one compute
     # thread per core share anyway, and a server without threads forks cleanly.
@@ -79,6 +80,11 @@ def fork_safe_environment() -> Iterator[None]:
         for name, value in given.items():
             if value is None:
                 os.environ.pop(name, None)
+
+
+def _run(model: str, lora: int | None, store: str) -> dict:
+    """rank_imports' arguments for a run of `--model model` with that --lora and --store."""
+    return {"model": model, "lora": lora is not None, "store": store}
 
 
 def _wait_for(poll, timeout: float | None, what: str) -> int:
@@ -165,7 +171,7 @@ class ForkServer:
     def for_run(cls, model: str, lora: int | None = None, store: str = "memory") -> ForkServer:
         """A server, as a fresh process, for the ranks of a run of `--model model` (with --lora, with that
         --store): what a caller with threads of its own uses (a fork of it would not be sound)."""
-        return cls([], {"model": model, "lora": lora is not None, "store": store})
+        return cls([], _run(model, lora, store))
 
     @classmethod
     def forked_here(cls, model: str, lora: int | None = None, store: str = "memory") -> ForkServer:
@@ -174,7 +180,7 @@ class ForkServer:
         process already holds a thread or a CUDA context."""
         with fork_safe_environment():
             if _unsafe_to_fork() is None:  # imports cannot make it safe, and would be paid twice
-                _preload([], {"model": model, "lora": lora is not None, "store": store})
+                _preload([], _run(model, lora, store))
         if _unsafe_to_fork() is not None:
             return cls.for_run(model, lora, store)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -225,12 +231,7 @@ class ForkServer:
                 raise ForkServerError(f"the rank fork server is gone ({e.strerror})") from None
         finally:
             os.close(write_end)
-        while True:  # the first answer waits for the server's imports
-            try:
-                reply = self._replies.get(timeout=0.5)
-                break
-            except queue.Empty:
-                continue
+        reply = self._replies.get()  # the first answer waits for a spawned server's imports
         if reply is not None and "unsafe" in reply:
             os.close(read_end)
             raise UnsafeFork(reply["unsafe"])
@@ -327,7 +328,7 @@ def serve(sock: socket.socket, preload: list[str], run: dict | None = None) -> N
     """Import `preload` and what the ranks of `run` need, then fork a rank for every request until the launcher
     closes the socket."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with(int(os.environ[PARENT_ENV]))
+    die_with(int(os.environ[PARENT_ENV]))
     _preload(preload, run)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
@@ -396,13 +397,6 @@ def _report_exits(sock: socket.socket) -> None:
             return
 
 
-def _die_with(parent: int) -> None:
-    """Be killed when process `parent` dies (it started us, so it is our parent), even by SIGKILL."""
-    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before prctl took effect
-        os._exit(1)
-
-
 def _become_rank(request: dict, output: int) -> None:
     """In the forked child: become rank `request["rank"]` and run it; never returns."""
     code = 1
@@ -410,7 +404,7 @@ def _become_rank(request: dict, output: int) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        _die_with(int(request["env"][PARENT_ENV]))  # no child outlives its server, whatever it runs
+        die_with(int(request["env"][PARENT_ENV]))  # no child outlives its server, whatever it runs
         _own_group(0)
         os.dup2(output, 1)
         os.dup2(output, 2)

@@ -46,12 +46,16 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
         return 0
     if starter is None:  # started before planning, so that its imports run while this process plans
         starter = CommandStarter(worker_command) if worker_command else ForkServer.for_run(cfg.model, cfg.lora, cfg.store)
-    run_dir = RunDirectory(cfg.out)
     try:
-        run_dir.claim(resuming=cfg.resume is not None, overwrite=overwrite)
-    except BaseException:
+        return _claim_and_run(cfg, spec_factory, starter, progress, overwrite)
+    finally:
         starter.close()
-        raise
+
+
+def _claim_and_run(cfg: RunConfig, spec_factory, starter: RankStarter, progress: bool, overwrite: bool) -> int:
+    """Lock the run directory, plan and check the run, then run its ranks."""
+    run_dir = RunDirectory(cfg.out)
+    run_dir.claim(resuming=cfg.resume is not None, overwrite=overwrite)
     try:
         plan = make_plan(cfg, spec_factory)
         cfg.stage_bounds = plan.bounds
@@ -60,14 +64,12 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
             _check_checkpoint(cfg)
             _drop_damaged_stores(cfg)
     except BaseException:
-        starter.close()
         run_dir.release(failed_before_start=True)
         raise
     try:
         run_dir.clear_previous()
         return _run_ranks(cfg, plan, starter, progress)
     finally:
-        starter.close()
         run_dir.release()
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 from aqpipe.launch.env import LOOPBACK_ENV
-from aqpipe.launch.netns import INTERFACE, Topology
+from aqpipe.launch.netns import INTERFACE, Topology, exec_prefix
 from aqpipe.launch.signals import deferred_interrupts
 from aqpipe.runtime.events import EVENT_PREFIX, HEARTBEAT_SECONDS
 
@@ -109,7 +109,7 @@ class CommandStarter:
 
     def start(self, rank: int, env: dict[str, str], netns: str | None = None) -> RankProcess:
         """Run the command (inside `ip netns exec NETNS` when given) with its output on a pipe."""
-        argv = (["ip", "netns", "exec", netns] if netns is not None else []) + self.command
+        argv = (exec_prefix(netns) if netns is not None else []) + self.command
         return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1, start_new_session=True, errors="replace")
 

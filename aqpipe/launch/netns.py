@@ -118,7 +118,12 @@ class Topology:
 
     def exec_prefix(self, rank: int) -> list[str]:
         """The command prefix that runs a program inside rank `rank`'s namespace (it execs, keeping the pid)."""
-        return ["ip", "netns", "exec", self.namespace(rank)]
+        return exec_prefix(self.namespace(rank))
+
+
+def exec_prefix(namespace: str) -> list[str]:
+    """The command prefix that runs a program inside network namespace `namespace` (it execs, keeping the pid)."""
+    return ["ip", "netns", "exec", namespace]
 
 
 def _run(*args: str) -> str:
