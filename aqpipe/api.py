@@ -6,8 +6,8 @@ import os
 import sys
 from collections.abc import Callable
 
-from aqpipe.cli import one_line
 from aqpipe.config import ConfigError, build_config, resolve
+from aqpipe.config.values import one_line
 from aqpipe.stages import PipelineSpec
 
 

@@ -25,10 +25,10 @@ import torch
 
 from aqpipe.compress.codecs import QuantOptions, build_codec
 from aqpipe.config import RunConfig
+from aqpipe.pipeline.mixed_precision import autocast
+from aqpipe.pipeline.transport import Header
 from aqpipe.runtime.capacity import LinkNeeds, plan_capacity, steady_payload_bytes
 from aqpipe.runtime.plan import RunPlan
-from aqpipe.runtime.precision import autocast
-from aqpipe.runtime.transport import Header
 from aqpipe.storage import MemoryStore, StoreView
 
 FW_BITS = (8, 6, 4, 3, 2)  # the AQ-SGD widths the recommendation chooses among, most faithful first

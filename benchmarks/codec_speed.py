@@ -39,7 +39,7 @@ def measure(fn, repeats: int, device: torch.device | None = None) -> float:
 def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) -> list[dict]:
     """AQ-SGD's whole encode (delta, quantize, pack, m(ξ) update, checksum, bytes to the host) and decode."""
     from aqpipe.compress.codecs import build_codec
-    from aqpipe.runtime.transport import Header
+    from aqpipe.pipeline.transport import Header
     from aqpipe.storage import MemoryStore, StoreView
 
     mb = x.numel() * 4 / 1e6

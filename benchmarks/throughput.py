@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from aqpipe.launch import netns  # noqa: E402
-from aqpipe.runtime.schedule import SCHEDULES  # noqa: E402
+from aqpipe.pipeline.schedule import SCHEDULES  # noqa: E402
 from benchmarks.pipeline_throughput import machine  # noqa: E402
 
 DATA = Path("/work/shared/data/wikitext-2/valid.txt")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 # What every rank of these tests imports; the forkserver imports it once, and each rank is a fork of it.
-PRELOAD = ["torch", "torch.distributed", "aqpipe.runtime.worker", "aqpipe.compress.grad.methods", "tests.distributed"]
+PRELOAD = ["torch", "torch.distributed", "aqpipe.pipeline.worker", "aqpipe.compress.grad.methods", "tests.distributed"]
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
@@ -92,10 +92,10 @@ def worker_step(grid, module, method: str, lr: float = 1.0, clip: float = 0.0, t
     import torch
 
     from aqpipe.compress.grad import DPGroup, build_grad_sync
-    from aqpipe.runtime.grid import create_groups
-    from aqpipe.runtime.link_ends import StageLinks
-    from aqpipe.runtime.optim import build_optimizer
-    from aqpipe.runtime.worker import StageWorker, StepStats
+    from aqpipe.pipeline.grid import create_groups
+    from aqpipe.pipeline.link_ends import StageLinks
+    from aqpipe.pipeline.optim import build_optimizer
+    from aqpipe.pipeline.worker import StageWorker, StepStats
 
     groups = create_groups(grid)
     sync = build_grad_sync(method, DPGroup(groups.data_parallel, tuple(grid.dp_ranks(grid.stage)), grid.rank), seed=3)

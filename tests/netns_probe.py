@@ -11,8 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from aqpipe.runtime.streams import open_streams
-from aqpipe.runtime.transport import KIND_ACTIVATION, Expect, Header, Inbox, Outbox
+from aqpipe.pipeline.streams import open_streams
+from aqpipe.pipeline.transport import KIND_ACTIVATION, Expect, Header, Inbox, Outbox
 
 
 def send(box: Outbox, message_bytes: int, count: int) -> None:

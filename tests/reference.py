@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from aqpipe.config import RunConfig
-from aqpipe.runtime.optim import build_optimizer
+from aqpipe.pipeline.optim import build_optimizer
 from aqpipe.runtime.plan import make_plan
-from aqpipe.runtime.tied import local_copies
+from aqpipe.pipeline.tied import local_copies
 from aqpipe.stages.lora import apply_lora
 from aqpipe.stages.spec import Stage
 

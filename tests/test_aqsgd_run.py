@@ -9,6 +9,7 @@ import torch
 from aqpipe.compress.quantize import scale_count
 from aqpipe.config import RunConfig, resolve
 from aqpipe.launch.job import run_job
+from tests import warm
 
 
 def run(tmp_path, **kw):
@@ -17,7 +18,7 @@ def run(tmp_path, **kw):
                     store_dump="on", warmup_epochs=1)
     settings.update(kw)
     cfg = resolve(RunConfig(**settings))
-    assert run_job(cfg, progress=False) == 0
+    assert run_job(cfg, progress=False, starter=warm.ranks()) == 0
     out = tmp_path / "run"
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     stores = {int(p.stem.split("-")[1]): torch.load(p, weights_only=True) for p in (out / "store").iterdir()}

@@ -12,7 +12,8 @@ from aqpipe.cli import main
 from aqpipe.config import resolve
 from aqpipe.runtime import capacity as cap
 from aqpipe.runtime.plan import make_plan
-from aqpipe.runtime.schedule import SCHEDULES
+from aqpipe.pipeline.schedule import SCHEDULES
+from tests import warm
 
 SMALL = ["--pp", "4", "--seq-len", "32", "--max-samples", "32", "--micro-batch-size", "4", "--micro-batches", "4",
          "--fw", "aqsgd:3", "--bw", "directq:6", "--warmup-epochs", "0", "--device", "cpu"]
@@ -49,7 +50,8 @@ def test_micro_batches_held_follow_the_schedule(schedule):
 ], ids=["gpt2-gpipe", "gpt2-1f1b-bf16-recompute", "gpt2-eager-lora", "llama-instruct-bf16"])
 def test_the_plan_matches_what_a_real_run_measures(tmp_path, extra):
     flags = [*SMALL, *extra, "--epochs", "2", "--no-progress"]
-    assert main(["launch", *flags, "--out", str(tmp_path / "run")]) == 0
+    proc = warm.run("launch", *flags, "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     plan = make_plan(flags_to_config(flags[:-1], tmp_path / "plan"))
     capacity = cap.plan_capacity(plan)
@@ -114,7 +116,7 @@ def test_optimizer_state_counts_what_the_optimizer_keeps(tmp_path, optimizer, mo
     """The plan's optimizer bytes per trained parameter equal what AdamW/SGD (default momentum 0.9, or none) keeps
     after a real step, plus a sign-based grad sync's vote momentum."""
     from aqpipe.compress.grad.methods import parse_grad_spec
-    from aqpipe.runtime.optim import build_optimizer, momenta
+    from aqpipe.pipeline.optim import build_optimizer, momenta
 
     flags = [*SMALL, "--model", "gpt2-tiny", "--optimizer", optimizer, "--grad-sync", grad_sync]
     flags += ["--momentum", momentum] if momentum is not None else []

@@ -6,7 +6,7 @@ import torch
 from aqpipe.compress.aqsgd import MODE_DELTA, MODE_FULL
 from aqpipe.compress.codecs import FLAG_RAW, CodecError, QuantOptions, build_codec, parse_spec
 from aqpipe.compress.quantize import dequantize, quantize
-from aqpipe.runtime.transport import KIND_ACTIVATION, Header
+from aqpipe.pipeline.transport import KIND_ACTIVATION, Header
 from aqpipe.storage import MemoryStore, StoreView
 
 
@@ -269,7 +269,7 @@ def test_a_delta_whose_sum_would_overflow_goes_in_full_and_is_stored_when_it_fit
 
 
 def test_a_non_finite_activation_is_reported_naming_step_stage_and_sample(capsys):
-    from aqpipe.runtime.worker import report_nonfinite
+    from aqpipe.pipeline.worker import report_nonfinite
 
     x = torch.randn(3, 4)
     assert report_nonfinite(x, torch.tensor([10, 11, 12]), 4, 1) == []

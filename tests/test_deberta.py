@@ -2,14 +2,13 @@
 tensor across stages (tied gradients), and a 3-stage run trains and exports."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from aqpipe.runtime.tied import TiedGroup, sum_tied_grads, tied_sq_norm
+from aqpipe.pipeline.tied import TiedGroup, sum_tied_grads, tied_sq_norm
 from aqpipe.stages import deberta
+from tests import warm
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +68,9 @@ def test_a_three_stage_run_keeps_every_copy_equal_and_exports(checkpoint, tmp_pa
     from transformers import AutoModelForSequenceClassification
 
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", "--model", str(checkpoint), "--pp", "3",
+    proc = warm.run("launch", "--model", str(checkpoint), "--pp", "3",
                            "--partition", "1,1,2", "--steps", "12", "--seq-len", "32", "--max-samples", "256",
-                           "--lr", "1e-3", "--fw", "aqsgd:4", "--warmup-epochs", "0", "--no-progress", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                           "--lr", "1e-3", "--fw", "aqsgd:4", "--warmup-epochs", "0", "--no-progress", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     stages = [torch.load(out / "checkpoints" / "final" / f"stage-{k}.pt", weights_only=True) for k in range(3)]
     tables = [state[key] for state in stages for key in state if key.endswith("rel.rel_embeddings.weight")]

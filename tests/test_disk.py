@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from aqpipe.disk import DiskFullError, free_bytes, is_disk_full, size_text, write_atomic
+from tests import warm
 from tests.processes import small_disk
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
@@ -82,8 +83,7 @@ def test_a_run_that_fills_the_disk_says_where_and_how_to_continue(tmp_path):
     with small_disk(tmp_path / "disk", "24m") as disk:
         run = disk / "run"
         env = dict(os.environ, AQPIPE_CACHE=str(tmp_path / "cache"))
-        failed = subprocess.run([sys.executable, "-m", "aqpipe", "launch", *SMALL_RUN, "--steps", "6", "--out",
-                                 str(run)], capture_output=True, text=True, timeout=300, env=env)
+        failed = warm.run("launch", *SMALL_RUN, "--steps", "6", "--out", str(run), env=env)
         assert failed.returncode == 1, failed.stderr[-2000:]
         last = failed.stderr.strip().splitlines()[-1]
         assert last.startswith("aqpipe: run failed:") and "disk full writing" in last, failed.stderr[-2000:]
@@ -92,8 +92,7 @@ def test_a_run_that_fills_the_disk_says_where_and_how_to_continue(tmp_path):
         assert not [p for p in run.rglob("*.tmp")], "a half-written temporary file was left on the full disk"
         assert not [line for line in failed.stdout.splitlines() if line.strip() in ("[rank 0]", "[rank 1]", "[rank 2]")]
         subprocess.run(["mount", "-o", "remount,size=200m", str(disk)], check=True)
-        resumed = subprocess.run([sys.executable, "-m", "aqpipe", "launch", "--resume", str(run), "--no-progress"],
-                                 capture_output=True, text=True, timeout=300, env=env)
+        resumed = warm.run("launch", "--resume", str(run), "--no-progress", env=env)
         assert resumed.returncode == 0, resumed.stderr[-2000:]
         assert f"removed {run / 'checkpoints' / 'step-00000004'}" in resumed.stderr  # the one it could not finish
         summary = json.loads((run / "summary.json").read_text())

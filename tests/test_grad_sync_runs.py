@@ -4,8 +4,6 @@ every method keeps pp=1 x dp=3 replicas bit-identical over 15 steps of a model w
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,12 +15,14 @@ from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.compress.grad.quantized import CHUNK
 from aqpipe.compress.grad.ring import chunk_size
 from aqpipe.compress.grad.signsgd import count_bits
+from tests import warm
 from tests.distributed import run_ranks
 
-RUN = ["--pp", "2", "--dp", "2", "--seq-len", "32", "--max-samples", "256", "--micro-batch-size", "4",
-       "--micro-batches", "2", "--epochs", "3", "--no-progress"]
+RUN = ["--pp", "2", "--dp", "2", "--seq-len", "16", "--max-samples", "128", "--micro-batch-size", "4",
+       "--micro-batches", "2", "--epochs", "2", "--no-progress"]
 PP, DP = 2, 2
-STEPS, WARMUP_STEPS = 48, 10  # 256 samples / (2 replicas × 2 micro-batches × 4) per epoch × 3; gpt2-tiny's warm-up
+STEPS, WARMUP_STEPS = 16, 10  # 128 samples / (2 replicas × 2 micro-batches × 4) per epoch × 2; gpt2-tiny's warm-up
+CHECKPOINT_EVERY = 8
 
 
 def stage_shapes(out, stage: int) -> list[torch.Size]:
@@ -112,16 +112,15 @@ def expected_bytes(spec: str, shapes, step: int) -> tuple[int, int]:
 ])
 def test_compressor_trains_through_launch(tmp_path, spec, optimizer, lr):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", *RUN, "--grad-sync", spec, "--optimizer", optimizer,
-                           "--lr", lr, "--checkpoint-every", "16", "--out", str(out)], capture_output=True, text=True,
-                          timeout=300)
+    proc = warm.run("launch", *RUN, "--grad-sync", spec, "--optimizer", optimizer,
+                           "--lr", lr, "--checkpoint-every", str(CHECKPOINT_EVERY), "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     first = sum(r["loss"] for r in records[:3]) / 3
     last = json.loads((out / "summary.json").read_text())["final_loss"]
     assert last < first - 0.5, (first, last)
     # replicas bit-identical at the checkpoints kept (the two newest; each rank saves its own copy)
-    for step in (32, 48):
+    for step in (STEPS - CHECKPOINT_EVERY, STEPS):
         directory = out / "checkpoints" / f"step-{step:08d}"
         for stage in range(PP):
             a, b = (torch.load(directory / f"rank-{stage + r * PP}.pt", weights_only=True)["model"] for r in range(DP))
@@ -150,7 +149,7 @@ def _train_replicas(rank: int, world: int):
     own data; returns, per method, the final parameters and whether the unused rows kept their initial values."""
     from aqpipe.compress.grad import DPGroup, build_grad_sync
     from aqpipe.compress.grad.qadam import freeze_step
-    from aqpipe.runtime.optim import build_optimizer, momenta
+    from aqpipe.pipeline.optim import build_optimizer, momenta
 
     out = {}
     for method, optimizer_name in METHODS:

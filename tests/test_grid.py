@@ -2,7 +2,7 @@
 
 import pytest
 
-from aqpipe.runtime.grid import Grid
+from aqpipe.pipeline.grid import Grid
 from aqpipe.storage.base import stage_holding
 
 
@@ -44,7 +44,7 @@ def test_ranks_share_gpus_round_robin_and_nccl_only_with_a_gpu_each(monkeypatch)
     only when every local rank has a GPU of its own, else gloo (collectives staged through the host)."""
     import torch
 
-    from aqpipe.runtime.grid import collective_backend, rank_device
+    from aqpipe.pipeline.grid import collective_backend, rank_device
 
     assert rank_device("cpu", 3) == torch.device("cpu")
     assert collective_backend(torch.device("cpu"), 4) == "gloo"

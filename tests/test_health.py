@@ -6,13 +6,13 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 
 import lmdb
 import pytest
 
 from aqpipe.storage.health import damage
 from aqpipe.storage.lmdb_store import store_path
+from tests import warm
 
 PAGE = 4096
 
@@ -72,7 +72,7 @@ def test_a_missing_data_file_is_named(tmp_path):
 
 
 def aqpipe(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aqpipe", *args], capture_output=True, text=True, timeout=timeout)
+    return warm.run(*args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm
 from tests.processes import finish, none_left, start_run, tagged_processes
 
 
@@ -58,8 +59,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
 
 def _default_launch(tmp_path, *extra: str) -> tuple[Path, dict, list[dict]]:
     """`aqpipe launch` with nothing but `extra` given, in an empty directory: its run directory, summary and records."""
-    proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", *extra], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
+    proc = warm.run("launch", *extra, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (run,) = (tmp_path / "runs").iterdir()
     for name in ("config.json", "metrics.jsonl", "summary.json", "loss.png"):

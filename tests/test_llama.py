@@ -12,6 +12,7 @@ from aqpipe.launch.job import run_job
 from aqpipe.stages.llama import FAMILIES, PRESETS, decoder_spec, llama_config, pretrained_decoder_spec
 from aqpipe.stages.models import build_spec, classify_model
 from aqpipe.stages.spec import SpecError
+from tests import warm
 from tests.reference import train_single_process
 from tests.test_train import pipeline_params, relative_error
 
@@ -83,7 +84,7 @@ def test_each_family_loads_a_checkpoint_and_matches_the_hf_model(tmp_path, prese
 @pytest.mark.parametrize("preset", ["qwen2-tiny", "mistral-tiny"])
 def test_qwen2_and_mistral_shaped_models_train_through_the_launcher(tmp_path, preset):
     assert run_job(llama_config_for(tmp_path / "run", model=preset, pp=2, fw="aqsgd:4", bw="directq:8"),
-                   progress=False) == 0
+                   progress=False, starter=warm.ranks()) == 0
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert json.loads((tmp_path / "run" / "export" / "config.json").read_text())["model_type"] == preset.split("-")[0]
@@ -121,7 +122,7 @@ def llama_config_for(out, **kw) -> RunConfig:
 def test_llama_pipeline_matches_single_process(tmp_path, pp):
     """Plain-text LM training of the tied llama-tiny: losses and every parameter equal the single-process run."""
     ref_losses, ref_params, bounds = train_single_process(llama_config_for(tmp_path / "ref", pp=pp))
-    assert run_job(llama_config_for(tmp_path / "run", pp=pp), progress=False) == 0
+    assert run_job(llama_config_for(tmp_path / "run", pp=pp), progress=False, starter=warm.ranks()) == 0
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and losses[-1] < losses[0]
     for got, want in zip(losses, ref_losses):
@@ -139,7 +140,7 @@ def test_instruction_pipeline_matches_single_process(tmp_path, monkeypatch, pp, 
     monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
     kw = dict(data="builtin-instruct", pp=pp, dp=dp, seq_len=48)
     ref_losses, ref_params, bounds = train_single_process(llama_config_for(tmp_path / "ref", **kw))
-    assert run_job(llama_config_for(tmp_path / "run", **kw), progress=False) == 0
+    assert run_job(llama_config_for(tmp_path / "run", **kw), progress=False, starter=warm.ranks()) == 0
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for got, want in zip(losses, ref_losses):
         assert abs(got - want) <= 1e-5 * abs(want), (losses, ref_losses)
@@ -157,7 +158,7 @@ def test_tied_embedding_stays_one_tensor_under_aqsgd_and_the_export_matches_the_
     monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
     cfg = llama_config_for(tmp_path / "run", data="builtin-instruct", pp=3, fw="aqsgd:3", bw="directq:6",
                            warmup_epochs=0, steps=8)
-    assert run_job(cfg, progress=False) == 0
+    assert run_job(cfg, progress=False, starter=warm.ranks()) == 0
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
     assert last_line.startswith("held-out prompt: ") and " -> model: " in last_line
     final = tmp_path / "run" / "checkpoints" / "final"

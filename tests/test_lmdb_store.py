@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from aqpipe.storage.lmdb_store import LMDBStore, StoreFullError, pack_key
+from tests import warm
 
 
 @pytest.mark.parametrize("encoding", ["fp32", "fp16", "bf16"])
@@ -73,7 +74,7 @@ def test_store_verify_and_stats_on_a_real_run(tmp_path, capsys):
     out = tmp_path / "run"
     cfg = resolve(RunConfig(model="gpt2-tiny", seq_len=16, micro_batch_size=2, micro_batches=2, epochs=3, pp=3,
                             max_samples=24, device="cpu", out=str(out), fw="aqsgd:2", store="lmdb", store_dtype="q4"))
-    assert run_job(cfg, progress=False) == 0
+    assert run_job(cfg, progress=False, starter=warm.ranks()) == 0
     assert main(["store", "verify", str(out)]) == 0
     assert "0 mismatch(es) in 48 m(xi) entries compared" in capsys.readouterr().out
     assert main(["store", "stats", str(out)]) == 0

@@ -3,8 +3,6 @@ trains; the base stays frozen and out of the optimizer, the grad sync and the ch
 adapted stage; resume and export work; bad settings are clear errors."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from aqpipe.config import ConfigError, RunConfig, resolve
 from aqpipe.runtime.plan import make_plan
 from aqpipe.stages.lora import apply_lora, merged_state, training_state
 from aqpipe.stages.spec import Stage
+from tests import warm
 from tests.distributed import run_ranks
 from tests.reference import train_single_process
 
@@ -30,7 +29,7 @@ def config(out: Path, pp: int, dp: int = 1, model: str = "llama-tiny", **extra) 
 
 def _train(rank: int, world: int, pp: int, dp: int, partition: str, out: str) -> dict:
     from aqpipe.runtime.assemble import assemble_stage
-    from aqpipe.runtime.grid import Grid
+    from aqpipe.pipeline.grid import Grid
 
     torch.set_num_threads(1)
     plan = make_plan(config(Path(out), pp, dp, partition=partition))
@@ -118,10 +117,9 @@ def test_a_classifier_head_trains_whole_and_nothing_else_but_adapters(tmp_path):
 
 
 def _launch(out: Path, *extra: str) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", "--model", "llama-tiny", "--pp", "2",
+    proc = warm.run("launch", "--model", "llama-tiny", "--pp", "2",
                            "--max-samples", "64", "--seq-len", "32", "--micro-batch-size", "2", "--micro-batches", "2",
-                           "--fw", "fp32", "--bw", "fp32", "--lora", "4", "--out", str(out), "--no-progress", *extra],
-                          capture_output=True, text=True, timeout=300)
+                           "--fw", "fp32", "--bw", "fp32", "--lora", "4", "--out", str(out), "--no-progress", *extra)
     return proc.returncode, proc.stderr
 
 

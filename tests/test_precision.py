@@ -1,18 +1,17 @@
-"""Mixed precision (aqpipe.runtime.precision) and recomputation: bf16 through a pipeline computes what one stage
+"""Mixed precision (aqpipe.pipeline.mixed_precision) and recomputation: bf16 through a pipeline computes what one stage
 computes, bit for bit (lossless links carry the activation's own dtype); fp16's loss scale is one decision for the
 whole world — a gradient that overflows on one rank skips the step on every rank; --recompute changes no bit of
 the losses or weights and holds fewer activation bytes."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from aqpipe.config import RunConfig, resolve
-from aqpipe.runtime.precision import LossScaler
+from aqpipe.pipeline.mixed_precision import LossScaler
+from tests import warm
 from tests.distributed import run_ranks
 
 STEPS = 4
@@ -29,7 +28,7 @@ def config(out: Path, pp: int, **extra) -> RunConfig:
 def _train(rank: int, world: int, pp: int, out: str, extra: dict, poison: tuple[int, int] | None = None) -> dict:
     """Train STEPS steps on this rank; `poison` = (rank, step): that rank's gradients become inf at that step."""
     from aqpipe.runtime.assemble import assemble_stage
-    from aqpipe.runtime.grid import Grid
+    from aqpipe.pipeline.grid import Grid
     from aqpipe.runtime.plan import make_plan
 
     torch.set_num_threads(1)
@@ -130,10 +129,9 @@ def test_recompute_changes_no_bit_and_holds_less(tmp_path, model):
 
 def test_a_launch_reports_the_loss_scale_and_skipped_steps(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", "--model", "llama-tiny", "--pp", "2", "--steps",
+    proc = warm.run("launch", "--model", "llama-tiny", "--pp", "2", "--steps",
                            "3", "--max-samples", "48", "--seq-len", "32", "--precision", "fp16", "--recompute",
-                           "--fw", "aqsgd:4", "--warmup-epochs", "0", "--out", str(out), "--no-progress"],
-                          capture_output=True, text=True, timeout=300)
+                           "--fw", "aqsgd:4", "--warmup-epochs", "0", "--out", str(out), "--no-progress")
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["loss_scale"] for r in records] == [2.0 ** 16] * 3 and not any(r["skipped"] for r in records)

@@ -2,7 +2,7 @@
 
 import torch
 
-from aqpipe.runtime.grid import Grid
+from aqpipe.pipeline.grid import Grid
 from aqpipe.runtime.reconcile import checksum, disagreeing, reconcile
 from aqpipe.storage import MemoryStore
 from tests.distributed import run_ranks

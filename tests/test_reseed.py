@@ -4,12 +4,13 @@ turns the sample into a first sight; the receiver's is found ahead of time and r
 import pytest
 import torch
 
-from aqpipe.compress.aqsgd import AQSGDCodec, MODE_FULL
+from aqpipe.compress.aqsgd import MODE_FULL, AQSGDCodec
 from aqpipe.compress.codecs import QuantOptions
-from aqpipe.runtime.transport import Header, KIND_ACTIVATION
+from aqpipe.pipeline.transport import KIND_ACTIVATION, Header
 from aqpipe.storage import StoreView
 from aqpipe.storage.lmdb_store import LMDBStore, pack_key, unpack_key
 from aqpipe.storage.prefetch import PrefetchingStore
+from tests import warm
 
 
 def _link(tmp_path):
@@ -127,5 +128,5 @@ def test_a_live_run_survives_damage_to_a_receivers_store_and_ends_with_identical
     summary = json.loads((out / "summary.json").read_text())
     assert (0, "recv") in damaged and (1, "send") in damaged
     assert summary["store"]["reseeded"] > 0
-    verify = subprocess.run([sys.executable, "-m", "aqpipe", "store", "verify", str(out)], capture_output=True, text=True)
+    verify = warm.run("store", "verify", str(out))
     assert verify.returncode == 0 and "0 mismatch(es)" in verify.stdout, verify.stdout + verify.stderr

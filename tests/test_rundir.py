@@ -10,14 +10,14 @@ import pytest
 
 from aqpipe.config import ConfigError
 from aqpipe.launch.rundir import LOCK_NAME, RunDirectory, lock_holder
+from tests import warm
 from tests.processes import finish, none_left, start_run, tagged_processes
 
 QUICK = ["--pp", "2", "--seq-len", "16", "--max-samples", "64", "--no-progress"]
 
 
 def launch(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aqpipe", "launch", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return warm.run("launch", *args, timeout=timeout)
 
 
 def snapshot(run) -> dict[str, bytes]:

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from aqpipe.runtime import streams as s
-from aqpipe.runtime import transport as t
+from aqpipe.pipeline import streams as s
+from aqpipe.pipeline import transport as t
 
 
 def test_a_stray_connection_is_turned_away_and_the_right_sender_accepted():

@@ -21,8 +21,8 @@ class Copy(nn.Module):
 def _step(rank: int, world: int, method: str):
     """One stage (pp=1) of `world` replicas whose module holds two copies of a tied table; run the worker's grad
     reduction and optimizer step with per-copy gradients that differ, and return both copies after the step."""
-    from aqpipe.runtime.grid import Grid
-    from aqpipe.runtime.tied import TiedGroup
+    from aqpipe.pipeline.grid import Grid
+    from aqpipe.pipeline.tied import TiedGroup
 
     module = nn.Sequential(Copy(), Copy())
     generator = torch.Generator().manual_seed(rank)
@@ -55,8 +55,8 @@ def test_a_randomized_sync_leaves_the_copies_one_tensor():
 def _two_stages(rank: int, world: int):
     """pp=2: stage 0 holds both copies of a tied table, stage 1 (a custom stage) has no parameters at all; both run
     the grad reduction and the optimizer step; returns stage 0's copies (None on stage 1)."""
-    from aqpipe.runtime.grid import Grid
-    from aqpipe.runtime.tied import TiedGroup
+    from aqpipe.pipeline.grid import Grid
+    from aqpipe.pipeline.tied import TiedGroup
 
     module = nn.Sequential(Copy(), Copy()) if rank == 0 else nn.Sequential(nn.ReLU())
     for k, layer in enumerate(module if rank == 0 else []):

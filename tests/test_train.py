@@ -7,6 +7,7 @@ import torch
 
 from aqpipe.config import RunConfig, resolve
 from aqpipe.launch.job import run_job
+from tests import warm
 from tests.reference import train_single_process
 
 
@@ -37,7 +38,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_pipeline_matches_single_process(tmp_path, pp, dp):
     cfg = small_config(tmp_path / "run", pp=pp, dp=dp)
     ref_losses, ref_params, bounds = train_single_process(small_config(tmp_path / "ref", pp=pp, dp=dp))
-    assert run_job(cfg, progress=False) == 0
+    assert run_job(cfg, progress=False, starter=warm.ranks()) == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
     assert len(losses) == len(ref_losses) == 6
@@ -67,7 +68,7 @@ def test_pretrained_checkpoint_directory_trains_from_its_own_weights_and_tokeniz
                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).eval()
     hf.save_pretrained(ckpt)
     cfg = small_config(tmp_path / "run", model=str(ckpt), pp=2, steps=3)
-    assert run_job(cfg, progress=False) == 0
+    assert run_job(cfg, progress=False, starter=warm.ranks()) == 0
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     plan = make_plan(small_config(tmp_path / "ref", model=str(ckpt), pp=2, steps=3))
     data = plan.dataset.train
@@ -79,6 +80,6 @@ def test_pretrained_checkpoint_directory_trains_from_its_own_weights_and_tokeniz
 
 def test_time_partition_is_resolved_before_the_workers_start(tmp_path):
     cfg = small_config(tmp_path / "run", pp=3, partition="time", steps=2)
-    assert run_job(cfg, progress=False) == 0
+    assert run_job(cfg, progress=False, starter=warm.ranks()) == 0
     bounds = json.loads((tmp_path / "run" / "config.json").read_text())["stage_bounds"]
     assert bounds[0] == 0 and bounds[-1] == 6 and len(bounds) == 4 and all(a < b for a, b in zip(bounds, bounds[1:]))

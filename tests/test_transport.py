@@ -5,7 +5,7 @@ import struct
 import pytest
 import torch
 
-from aqpipe.runtime import transport as t
+from aqpipe.pipeline import transport as t
 from tests.distributed import run_ranks
 
 PEER = "rank 1 (stage 1, replica 0)"
@@ -96,7 +96,7 @@ def test_the_link_codec_checks_the_header_before_allocation():
 
 def _stream_from_rank_1(rank):
     """A stream from rank 1 (the sender) to rank 0 (the receiver), opened as the links open theirs."""
-    from aqpipe.runtime.streams import open_streams
+    from aqpipe.pipeline.streams import open_streams
 
     name = "test stream"
     return open_streams([name] if rank == 0 else [], [name] if rank == 1 else [], None, 20)[name]
@@ -186,7 +186,7 @@ def test_side_information_behind_an_odd_payload_reads_as_int64(payload_len):
 
 
 def test_an_activations_side_information_is_one_row_per_sample_or_an_error():
-    from aqpipe.runtime.link_ends import per_sample
+    from aqpipe.pipeline.link_ends import per_sample
 
     assert torch.equal(per_sample(SIDE.reshape(-1), torch.tensor([5, 9])), SIDE)
     assert per_sample(None, torch.tensor([5, 9])) is None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from aqpipe.config import RunConfig, resolve
-from aqpipe.runtime.schedule import SCHEDULES
+from aqpipe.pipeline.schedule import SCHEDULES
 from tests.distributed import run_ranks, worker_step
 from tests.reference import train_single_process
 
@@ -25,7 +25,7 @@ def _train_each(rank: int, world: int, pp: int, dp: int, micro_batch_counts: lis
     """On one rank: for each micro-batch count and schedule, assemble the stage afresh and train STEPS steps;
     returns {(m, schedule): (per-step loss sums, final state, peak activation bytes per step)}."""
     from aqpipe.runtime.assemble import assemble_stage
-    from aqpipe.runtime.grid import Grid
+    from aqpipe.pipeline.grid import Grid
     from aqpipe.runtime.plan import make_plan
 
     torch.set_num_threads(1)  # as each launched worker on these machines, and the single-process reference
@@ -99,8 +99,8 @@ def test_1f1b_holds_pp_over_m_of_gpipes_activations_on_the_first_stage(tmp_path)
 def _evaluate_between_steps(rank: int, world: int, out: str) -> tuple[int, int]:
     """pp=2: train a step, evaluate, train another; returns what rank 1 counted as received in each step."""
     from aqpipe.runtime.assemble import assemble_stage
-    from aqpipe.runtime.evaluate import eval_batches, evaluate_stage
-    from aqpipe.runtime.grid import Grid
+    from aqpipe.pipeline.evaluate import eval_batches, evaluate_stage
+    from aqpipe.pipeline.grid import Grid
     from aqpipe.runtime.plan import make_plan
 
     plan = make_plan(config(Path(out), 2, 1, 2, "1f1b"))
@@ -128,7 +128,7 @@ def _norm_the_sign_sync_sees(rank: int, world: int) -> float:
     norm the sync was handed (the input its compensation is formed from)."""
     from torch import nn
 
-    from aqpipe.runtime.grid import Grid
+    from aqpipe.pipeline.grid import Grid
 
     module = nn.Linear(4, 4)
     for p in module.parameters():

@@ -11,6 +11,9 @@ the store keeps it, and moved to the device for the update.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, Protocol
+
 import torch
 
 from aqpipe.compress.codecs import (
@@ -29,9 +32,31 @@ from aqpipe.compress.codecs import (
 )
 from aqpipe.compress.directq import decode_samples, encode_samples, sample_bytes
 from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize
-from aqpipe.storage.base import StoreView
 
 MODE_FULL, MODE_DELTA = 0, 1
+
+
+class SampleMemory(Protocol):
+    """What AQ-SGD needs of one side of one link's m(ξ) store (`aqpipe.storage.StoreView` is one): the codec holds
+    its memory through this, never a store type, so compression does not depend on storage."""
+
+    link: int
+    store: Any  # its `stats.overflow` counts the values no store encoding can hold
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def contains(self, ids: Sequence[int]) -> list[bool]: ...
+
+    def get(self, ids: Sequence[int]) -> list[torch.Tensor]: ...
+
+    def put(self, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None: ...
+
+    def present(self, ids: Sequence[int]) -> list[bool]: ...
+
+    def storable(self, values: Sequence[torch.Tensor]) -> list[bool]: ...
+
+    def delete(self, ids: Sequence[int]) -> None: ...
 
 
 _MERSENNE_61 = (1 << 61) - 1
@@ -72,7 +97,7 @@ def store_checksum(values: list[torch.Tensor | None]) -> int:
     return (h ^ (h >> 32)) & 0xFFFFFFFF
 
 
-def keep(view: StoreView, ids: list[int], values: list[torch.Tensor | None]) -> list[int]:
+def keep(view: SampleMemory, ids: list[int], values: list[torch.Tensor | None]) -> list[int]:
     """Store the new m(ξ) of each sample; a sample whose value is None (not storable) loses any m(ξ) it had, so its
     next sight goes at full precision on both sides. Returns those samples."""
     kept = [(i, v) for i, v in zip(ids, values) if v is not None]
@@ -104,7 +129,7 @@ class AQSGDCodec(LinkCodec):
 
     code = CODE_AQSGD
 
-    def __init__(self, bits: int, view: StoreView, options: QuantOptions, check: bool = True,
+    def __init__(self, bits: int, view: SampleMemory, options: QuantOptions, check: bool = True,
                  device: torch.device = HOST) -> None:
         self.bits, self.view, self.options, self.check, self.device = bits, view, options, check, device
         self.name = f"aqsgd:{bits}"

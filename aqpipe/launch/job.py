@@ -20,8 +20,8 @@ from aqpipe.launch.netns import format_rate
 from aqpipe.launch.rundir import RunDirectory
 from aqpipe.launch.signals import INTERRUPTS, deferred_interrupts, ignore_interrupts, interrupts_raise
 from aqpipe.metrics import write_json
+from aqpipe.pipeline.grid import Grid
 from aqpipe.runtime.capacity import refuse_if_unfit
-from aqpipe.runtime.grid import Grid
 from aqpipe.runtime.plan import RunPlan, make_plan
 
 
@@ -44,6 +44,7 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
         rank, world_size = rank_from_env()
         run_worker(cfg, rank, world_size, spec_factory)
         return 0
+    netns.require_throttling(cfg.bandwidth)
     if starter is None:  # started before planning, so that its imports run while this process plans
         starter = CommandStarter(worker_command) if worker_command else ForkServer.for_run(cfg.model, cfg.lora, cfg.store)
     try:

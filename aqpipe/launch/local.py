@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TextIO
 
-from aqpipe.launch.env import LOOPBACK_ENV
 from aqpipe.launch.netns import INTERFACE, Topology, exec_prefix
 from aqpipe.launch.signals import deferred_interrupts
+from aqpipe.pipeline.rendezvous import LOOPBACK_ENV
 from aqpipe.runtime.events import EVENT_PREFIX, HEARTBEAT_SECONDS
 
 # A worker whose error only says a peer went away is a consequence, not the cause.

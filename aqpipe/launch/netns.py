@@ -21,40 +21,16 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from aqpipe.config import ConfigError
+from aqpipe.config.rates import MAX_RATE_BITS, MIN_RATE_BITS, format_rate, parse_rate  # noqa: F401 - also read as netns.*
 from aqpipe.launch.signals import deferred_interrupts
 
 PREFIX = "aqpipe-"
 INTERFACE = "aq0"
 SUBNET = "10.231.0"  # private; only the namespaces a topology creates hold addresses in it
 MAX_RANKS = 250
-MIN_RATE_BITS = 1_000_000
-MAX_RATE_BITS = 100_000_000_000
-_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
-          "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9}
-_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$")
-
-
 class NetnsError(RuntimeError):
     """A topology cannot be made, used or removed; the text says what to do."""
-
-
-def parse_rate(text: str) -> int:
-    """Bits per second of a tc-style rate such as `100mbit`, `1gbit` or `12.5mbps` (bytes per second)."""
-    match = _RATE.match(str(text).lower())
-    if not match or match.group(2) not in _UNITS:
-        raise ValueError(f"bad rate {text!r}: write a number and a unit, e.g. 100mbit, 1gbit, 500kbit or 10mbps (bytes/s)")
-    bits = int(float(match.group(1)) * _UNITS[match.group(2)])
-    if not MIN_RATE_BITS <= bits <= MAX_RATE_BITS:
-        raise ValueError(f"rate {text!r} is outside the range tc tbf shapes reliably here (1mbit to 100gbit)")
-    return bits
-
-
-def format_rate(bits: float) -> str:
-    """A rate in the units people read: `100 Mbit/s`, `1.5 Gbit/s`."""
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bits >= scale:
-            return f"{bits / scale:.4g} {unit}"
-    return f"{bits:.0f} bit/s"
 
 
 def tbf_arguments(rate_bits: int) -> list[str]:
@@ -78,6 +54,13 @@ def can_throttle() -> str | None:
     if probe.returncode != 0:
         return f"--bandwidth needs network namespaces, and `ip netns list` failed: {probe.stderr.strip()}"
     return None
+
+
+def require_throttling(bandwidth: str | None) -> None:
+    """Raise ConfigError saying why, when a launch asks for --bandwidth and this process cannot build a topology."""
+    problem = can_throttle() if bandwidth is not None else None
+    if problem:
+        raise ConfigError(problem)
 
 
 def state_dir() -> Path:

@@ -35,7 +35,7 @@ def run_rank(spec_factory=None) -> int:
     from aqpipe.runtime.train import run_worker
 
     die_with_parent()
-    from aqpipe.cli import dump_stacks_on_sigusr1
+    from aqpipe.launch.signals import dump_stacks_on_sigusr1
 
     dump_stacks_on_sigusr1()
     rank, world_size = rank_from_env()

@@ -11,15 +11,15 @@ from aqpipe.compress.grad import DPGroup, build_grad_sync
 from aqpipe.compress.grad.methods import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.config import RunConfig
-from aqpipe.runtime.grid import Grid, ProcessGroups, collective_device, create_groups
-from aqpipe.runtime.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
-from aqpipe.runtime.optim import build_optimizer, momenta
+from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device, create_groups
+from aqpipe.pipeline.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
+from aqpipe.pipeline.mixed_precision import LossScaler, needs_loss_scaling
+from aqpipe.pipeline.optim import build_optimizer, momenta
+from aqpipe.pipeline.streams import open_streams
+from aqpipe.pipeline.tied import tied_groups
+from aqpipe.pipeline.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
+from aqpipe.pipeline.worker import StageWorker
 from aqpipe.runtime.plan import RunPlan, store_bytes_per_rank
-from aqpipe.runtime.precision import LossScaler, needs_loss_scaling
-from aqpipe.runtime.streams import open_streams
-from aqpipe.runtime.tied import tied_groups
-from aqpipe.runtime.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
-from aqpipe.runtime.worker import StageWorker
 from aqpipe.storage import MemoryStore, StoreView
 from aqpipe.storage.encoding import value_dtype
 from aqpipe.storage.lmdb_store import LMDBStore, store_path

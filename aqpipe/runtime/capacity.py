@@ -24,11 +24,11 @@ from aqpipe.compress.codecs import QuantOptions, build_codec, lossless_dtype, nu
 from aqpipe.compress.directq import sample_bytes
 from aqpipe.compress.specs import parse_spec
 from aqpipe.config import ConfigError, RunConfig
-from aqpipe.runtime import schedule as sch
-from aqpipe.runtime.grid import Grid
-from aqpipe.runtime.held import ActivationMeter
+from aqpipe.pipeline import schedule as sch
+from aqpipe.pipeline.grid import Grid
+from aqpipe.pipeline.held import ActivationMeter
+from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan, available_memory
-from aqpipe.runtime.precision import autocast
 from aqpipe.storage.dtypes import STORE_DTYPES
 
 # optimizer -> fp32 copies of each trained parameter it keeps (AdamW: both moments; SGD: its momentum buffer, when
@@ -43,7 +43,7 @@ class TraceError(RuntimeError):
 def state_copies(cfg: RunConfig) -> int:
     """fp32 copies per trained parameter the optimizer keeps, plus a sign-based grad sync's vote momentum."""
     from aqpipe.compress.grad.methods import parse_grad_spec
-    from aqpipe.runtime.optim import momenta
+    from aqpipe.pipeline.optim import momenta
 
     optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)
     copies = OPTIMIZER_STATE_COPIES[cfg.optimizer] if cfg.optimizer == "adamw" or optimizer_momentum > 0 else 0
@@ -164,7 +164,7 @@ def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, .
                     plan.spec.loss(out, mode.from_tensor(batch["targets"]))
             meter.keep(0, out if s < cfg.pp - 1 else None)
         traced.append((counts, meter.peak_bytes, tuple(out.shape), out.dtype))
-        x = out.detach().requires_grad_(True)  # as a received activation is (aqpipe.runtime.link_ends)
+        x = out.detach().requires_grad_(True)  # as a received activation is (aqpipe.pipeline.link_ends)
     return traced
 
 
@@ -187,7 +187,7 @@ def raw_payload_bytes(spec: str, direction: str, shape: tuple[int, ...], dtype: 
 
 def plan_capacity(plan: RunPlan) -> CapacityPlan:
     """The capacity plan of a resolved run (bounds known)."""
-    from aqpipe.launch.netns import parse_rate
+    from aqpipe.config.rates import parse_rate
 
     cfg = plan.cfg
     try:

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from aqpipe.metrics import MetricsLog
+from aqpipe.pipeline.evaluate import eval_batches, evaluate_stage, gather_eval
 from aqpipe.runtime.assemble import Stage
 from aqpipe.runtime.checkpoint import mark_complete, save_rank
-from aqpipe.runtime.evaluate import eval_batches, evaluate_stage, gather_eval
 from aqpipe.runtime.events import emit
 from aqpipe.runtime.outputs import print_eval, print_progress, step_record
 from aqpipe.runtime.replicas import check_replicas

@@ -16,10 +16,10 @@ from aqpipe.config import RunConfig
 from aqpipe.data.dataset import export_tokenizer
 from aqpipe.disk import DiskFullError, save_atomic, writing
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
-from aqpipe.runtime.grid import Grid, gather_rows
+from aqpipe.pipeline.grid import Grid, gather_rows
+from aqpipe.pipeline.worker import StepStats
 from aqpipe.runtime.plan import RunPlan
 from aqpipe.runtime.resume import kept_records
-from aqpipe.runtime.worker import StepStats
 from aqpipe.stages.export import export_adapter, export_hf
 from aqpipe.stages.lora import adapter_state, merged_state
 from aqpipe.stages.models import tokenizer_directory

@@ -14,7 +14,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from aqpipe.runtime.grid import Grid
+from aqpipe.pipeline.grid import Grid
 from aqpipe.storage.base import stage_holding
 
 

@@ -8,7 +8,7 @@ import hashlib
 import torch
 from torch import nn
 
-from aqpipe.runtime.grid import Grid, collective_device
+from aqpipe.pipeline.grid import Grid, collective_device
 
 
 class ReplicaDivergence(RuntimeError):

@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 
 from aqpipe.config import RunConfig
+from aqpipe.pipeline.optim import continue_schedule
+from aqpipe.pipeline.worker import StageWorker
 from aqpipe.runtime.checkpoint import CheckpointError, check_model_state, latest_step, load_rank, rank_file, step_dir
 from aqpipe.runtime.events import emit
-from aqpipe.runtime.optim import continue_schedule
 from aqpipe.runtime.reconcile import reconcile
-from aqpipe.runtime.worker import StageWorker
 from aqpipe.stages.lora import checkpointed_names, training_state
 from aqpipe.storage import MemoryStore
 

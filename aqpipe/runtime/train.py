@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from aqpipe.config import RunConfig
-from aqpipe.launch.env import loopback_rendezvous
+from aqpipe.pipeline.grid import Grid, collective_backend, rank_device
+from aqpipe.pipeline.rendezvous import loopback_rendezvous
 from aqpipe.runtime.assemble import Stage, assemble_stage
 from aqpipe.runtime.events import emit, start_heartbeat
-from aqpipe.runtime.grid import Grid, collective_backend, rank_device
 from aqpipe.runtime.loop import train_steps
 from aqpipe.runtime.outputs import finish_outputs, open_outputs, save_stage_weights
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds

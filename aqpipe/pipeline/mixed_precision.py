@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from aqpipe.runtime.precisions import PRECISIONS
+from aqpipe.pipeline.precisions import PRECISIONS
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

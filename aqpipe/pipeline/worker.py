@@ -14,13 +14,13 @@ from torch import nn
 
 from aqpipe.compress.grad import GradSync
 from aqpipe.data import ClassifySamples, InstructSamples, TokenSamples
-from aqpipe.runtime import schedule as sch
-from aqpipe.runtime.grid import Grid, ProcessGroups, collective_device
-from aqpipe.runtime.held import ActivationMeter
-from aqpipe.runtime.link_ends import StageLinks
-from aqpipe.runtime.optim import clip_by_global_norm, local_grad_sq_norm
-from aqpipe.runtime.precision import LossScaler, autocast
-from aqpipe.runtime.tied import TiedGroup, agree_tied_grads, sum_tied_grads, tied_ids, tied_sq_norm
+from aqpipe.pipeline import schedule as sch
+from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device
+from aqpipe.pipeline.held import ActivationMeter
+from aqpipe.pipeline.link_ends import StageLinks
+from aqpipe.pipeline.mixed_precision import LossScaler, autocast
+from aqpipe.pipeline.optim import clip_by_global_norm, local_grad_sq_norm
+from aqpipe.pipeline.tied import TiedGroup, agree_tied_grads, sum_tied_grads, tied_ids, tied_sq_norm
 from aqpipe.stages.spec import Stage
 
 
@@ -85,7 +85,7 @@ class StageWorker:
     device: torch.device
     schedule: str = "gpipe"
     tied: list[TiedGroup] = field(default_factory=list)  # parameters copied on several layers (DeBERTa)
-    precision: str = "fp32"  # the compute dtype of forward and loss (aqpipe.runtime.precisions.PRECISIONS)
+    precision: str = "fp32"  # the compute dtype of forward and loss (aqpipe.pipeline.precisions.PRECISIONS)
     scaler: LossScaler | None = None  # fp16's dynamic loss scale
     _mbs: dict[int, _MicroBatch] = field(default_factory=dict)
     _step: int = 0

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from aqpipe.compress.codecs import DeltaFidelity, LinkCodec, build_codec
-from aqpipe.runtime import schedule as sch
-from aqpipe.runtime.transport import (
+from aqpipe.pipeline import schedule as sch
+from aqpipe.pipeline.transport import (
     HEADER_SIZE,
     KIND_EVAL,
     SIDE_MASK,

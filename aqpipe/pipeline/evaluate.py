@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from aqpipe.runtime.grid import Grid, gather_rows
-from aqpipe.runtime.precision import autocast
-from aqpipe.runtime.worker import StageWorker
+from aqpipe.pipeline.grid import Grid, gather_rows
+from aqpipe.pipeline.mixed_precision import autocast
+from aqpipe.pipeline.worker import StageWorker
 
 
 def eval_batches(num_samples: int, replica: int, replicas: int, micro_batch_size: int) -> list[torch.Tensor]:

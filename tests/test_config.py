@@ -1,0 +1,73 @@
+"""The one definition of the settings: sections, typed values, the resume rule, and the CLI and README generated
+from it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aqpipe.cli import _parser
+from aqpipe.config import RESUME_MAY_CHANGE, SECTIONS, ConfigError, RunConfig, build_config, resume_values, settings
+from aqpipe.config.reference import BEGIN, END, flag, flag_help, markdown_reference
+from aqpipe.config.values import value_type
+
+ROOT = Path(__file__).resolve().parents[1]
+# A value of each type that differs from every field's default.
+OTHER = {bool: True, int: 7, float: 0.125, str: "other"}
+
+
+def test_every_setting_has_a_section_help_and_a_type_the_loader_knows():
+    for name, setting in settings().items():
+        assert setting.section in SECTIONS, name
+        assert len(flag_help(name)) > 10 and "{" not in flag_help(name), name
+        assert value_type(name) in (bool, int, float, str), (name, value_type(name))
+    assert set(settings()) == {f for f in RunConfig.__dataclass_fields__ if f != "stage_bounds"}
+
+
+def test_values_are_typed_by_their_fields_annotation():
+    cfg = build_config({"lora_alpha": 8, "clip": "0.5", "recompute": "on"}, {"lora": "4", "store_max_gb": "2"})
+    assert (cfg.lora_alpha, cfg.clip, cfg.recompute, cfg.lora, cfg.store_max_gb) == (8.0, 0.5, True, 4, 2.0)
+    assert isinstance(cfg.lora_alpha, float) and isinstance(cfg.lora, int)
+    with pytest.raises(ConfigError, match="--lora-alpha must be a number"):
+        build_config({}, {"lora_alpha": "many"})
+    with pytest.raises(ConfigError, match="--port must be an integer"):
+        build_config({"port": 1.5}, {})
+
+
+def test_the_resume_rule_is_the_definitions(tmp_path):
+    """Each setting given anew on --resume is taken when the definition marks it, and refused naming it otherwise."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(RunConfig(out=str(run)).to_dict()))
+    for name in settings():
+        if name in ("resume", "out"):
+            continue
+        value = OTHER[value_type(name)]
+        if name in RESUME_MAY_CHANGE:
+            assert resume_values(str(run), {}, {name: value})[name] == value, name
+        else:
+            with pytest.raises(ConfigError, match=f"{flag(name)} cannot change on --resume"):
+                resume_values(str(run), {}, {name: value})
+    assert "recompute" in RESUME_MAY_CHANGE and "seed" not in RESUME_MAY_CHANGE
+
+
+def test_help_shows_every_setting_in_its_section():
+    text = _parser()._subparsers._group_actions[0].choices["launch"].format_help()
+    for section, title in SECTIONS.items():
+        assert f"\n{title}:\n" in text, title
+    flat = " ".join(text.split())
+    for name in settings():
+        assert flag(name) in flat, name
+        assert " ".join(flag_help(name).replace("`", "").split())[:40] in flat, name
+    resume = " ".join(flag_help("resume").split())
+    assert all(flag(name) in resume for name in RESUME_MAY_CHANGE if name not in ("resume", "out"))
+
+
+def test_the_readme_reference_is_generated_from_the_definition():
+    readme = (ROOT / "README.md").read_text()
+    between = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert between == markdown_reference().strip(), "regenerate: python -m aqpipe.config.reference --update README.md"
+    out = subprocess.run([sys.executable, "-m", "aqpipe.config.reference"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == between
