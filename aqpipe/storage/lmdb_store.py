@@ -104,8 +104,8 @@ class LMDBStore:
             self.path.mkdir(parents=True, exist_ok=True)
         self.env = lmdb.open(str(self.path), map_size=initial_map_bytes, readonly=readonly, lock=not readonly,
                              sync=False, metasync=False, readahead=False, max_dbs=0)
-        self._compress = zstandard.ZstdCompressor(level=level)
-        self._decompress = zstandard.ZstdDecompressor()
+        self._zstd, self._level = zstandard, level
+        self._contexts = threading.local()  # zstd contexts are not thread-safe: each thread gets its own pair
         self._read_ahead: dict[tuple[int, str, int], torch.Tensor] = {}
         self._gate = TransactionGate()
 
@@ -239,7 +239,7 @@ class LMDBStore:
         dims = list(shape)
         if len(dims) > 8:
             raise ValueError("m(xi) of more than 8 dimensions cannot be stored")
-        body = self._compress.compress(raw)
+        body = self._context().compressor.compress(raw)
         head = _HEAD.pack(MAGIC, STORE_DTYPES[self.encoding].code, len(dims), *(dims + [0] * (8 - len(dims))), self.step,
                           zlib.crc32(body) & 0xFFFFFFFF, len(body))
         return head + body
@@ -267,9 +267,17 @@ class LMDBStore:
         if zlib.crc32(body) & 0xFFFFFFFF != crc:
             return None
         try:
-            return decode_value(self._decompress.decompress(body), self.encoding, tuple(shape[:ndim]))
+            return decode_value(self._context().decompressor.decompress(body), self.encoding, tuple(shape[:ndim]))
         except Exception:  # noqa: BLE001 - a body that passes its CRC but does not decode is damaged too
             return None
+
+    def _context(self) -> threading.local:
+        """This thread's zstd compressor and decompressor (the prefetch and write-behind threads use the store too)."""
+        context = self._contexts
+        if not hasattr(context, "compressor"):
+            context.compressor = self._zstd.ZstdCompressor(level=self._level)
+            context.decompressor = self._zstd.ZstdDecompressor()
+        return context
 
     def _delete(self, key: tuple[int, str, int]) -> None:
         with self._transaction(write=True) as txn:
