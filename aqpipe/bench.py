@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from aqpipe.compress.codecs import QuantOptions, build_codec
-from aqpipe.config import RunConfig
+from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.transport import Header
 from aqpipe.runtime.capacity import LinkNeeds, plan_capacity, steady_payload_bytes
@@ -72,11 +72,12 @@ def stage_compute_seconds(plan: RunPlan, device: torch.device, link_shape: tuple
     for s in range(cfg.pp):
         module = plan.build_stage(s).to(device).train()
         if s == 0:
+            assert batch["inputs"] is not None
             inputs = batch["inputs"].to(device)
         else:
             assert link_shape is not None
             inputs = torch.randn(link_shape, device=device, requires_grad=True)
-        targets = batch["targets"].to(device) if s == cfg.pp - 1 else None
+        targets = batch["targets"].to(device) if s == cfg.pp - 1 and batch["targets"] is not None else None
 
         def step(module=module, inputs=inputs, targets=targets) -> None:
             with autocast(device, cfg.precision):
@@ -91,7 +92,7 @@ def stage_compute_seconds(plan: RunPlan, device: torch.device, link_shape: tuple
     return seconds
 
 
-def codec_speeds(cfg: RunConfig, shape: tuple[int, ...], device: torch.device) -> dict[str, float]:
+def codec_speeds(cfg: ResolvedConfig, shape: tuple[int, ...], device: torch.device) -> dict[str, float]:
     """GB/s of a [shape] fp32 activation through encode + decode for the candidate codecs on `device`."""
     options = QuantOptions(per=cfg.quant_scales, grid=cfg.quant_grid)
     x = torch.randn(shape, device=device)
@@ -142,7 +143,7 @@ def loopback_rate(nbytes: int = 64 << 20) -> float:
     return received[0] / (time.perf_counter() - start)
 
 
-def recommend(link: LinkNeeds, cfg: RunConfig, rate: float, compute: float
+def recommend(link: LinkNeeds, cfg: ResolvedConfig, rate: float, compute: float
               ) -> tuple[int, bool, dict[int, tuple[float, float]]]:
     """The highest fw bits whose wire time per micro-batch, each way, fits within `compute` seconds; whether even
     the fewest bits leave the link the bottleneck; and the wire times per candidate."""
@@ -175,7 +176,7 @@ def run_bench(plan: RunPlan, bandwidth_bits: int | None) -> BenchResult:
                        bound)
 
 
-def format_bench(result: BenchResult, cfg: RunConfig) -> str:
+def format_bench(result: BenchResult, cfg: ResolvedConfig) -> str:
     """The report `aqpipe bench` prints."""
     lines = [f"bench: {cfg.model}, --pp {cfg.pp}, micro-batch {cfg.micro_batch_size} x {cfg.seq_len} tokens on "
              f"{cfg.device}, --precision {cfg.precision}{', --recompute' if cfg.recompute else ''}"

@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import NoReturn
 
-from aqpipe.config import ConfigError, RunConfig, build_config, load_config_file, resolve, resume_values, settings
+from aqpipe.config import ConfigError, ResolvedConfig, build_config, load_config_file, resolve, resume_values, settings
 from aqpipe.config.reference import flag, flag_help, shown_default, value_name
 from aqpipe.config.settings import LAUNCH_SWITCHES, SECTIONS
 from aqpipe.config.values import one_line
@@ -284,7 +284,7 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dry_run(cfg: RunConfig) -> int:
+def _dry_run(cfg: ResolvedConfig) -> int:
     """Print the capacity plan of a launch and start nothing (the run directory is not touched); exit 2 when the
     run would not fit."""
     from aqpipe.runtime.capacity import TraceError, format_plan, plan_capacity

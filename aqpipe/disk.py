@@ -52,7 +52,7 @@ class DiskFullError(OSError):
                                        f"{size_text(self.free)} was free on that filesystem")
 
     def __str__(self) -> str:
-        return self.strerror
+        return str(self.strerror)
 
 
 def _chain(error: BaseException | None) -> Iterator[BaseException]:

@@ -182,7 +182,7 @@ class AQSGDCodec(LinkCodec):
             new_m[i] = value if fits else None
         self.view.store.stats.overflow += len(keep(self.view, id_list, new_m))
         modes = torch.tensor([MODE_DELTA if k else MODE_FULL for k in known], dtype=torch.uint8, device=x.device)
-        payload = to_host(torch.cat([modes, *segments]))
+        payload = to_host(torch.cat([modes, *_every(segments)]))
         flags = (self.bits << 8) | (0 if self.check else FLAG_NO_CHECK)
         check = store_checksum(new_m) if self.check else 0
         return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
@@ -249,3 +249,11 @@ class AQSGDCodec(LinkCodec):
                              f"at step {header.step} micro-batch {header.micro_batch}")
         keep(self.view, id_list, new_m)
         return out
+
+
+def _every(items: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """`items`, each of which the code before has set."""
+    filled = [item for item in items if item is not None]
+    if len(filled) != len(items):
+        raise RuntimeError("an AQ-SGD message left a sample without its segment")
+    return filled

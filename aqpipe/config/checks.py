@@ -3,6 +3,7 @@ starts (ConfigError, exit 2, on the first problem)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -11,7 +12,7 @@ from typing import Any
 
 from aqpipe.compress.grids import GRIDS
 from aqpipe.config.rates import parse_rate
-from aqpipe.config.settings import RunConfig
+from aqpipe.config.settings import ResolvedConfig, RunConfig
 from aqpipe.config.values import ConfigError
 from aqpipe.storage.dtypes import MEMORY_DTYPES, STORE_DTYPES
 
@@ -35,8 +36,9 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
     "minilm-l6": dict(seq_len=64, micro_batch_size=8, micro_batches=4, epochs=3, lr=1e-4, warmup_steps=10),
 }
 
-def resolve(cfg: RunConfig) -> RunConfig:
-    """Fill preset defaults and validate every value; raises ConfigError on the first problem found."""
+def resolve(cfg: RunConfig) -> ResolvedConfig:
+    """`cfg` with the preset's and the machine's defaults filled in, every value checked; raises ConfigError on the
+    first problem found."""
     _check_choices(cfg)
     preset = PRESET_TRAINING.get(cfg.model, PRESET_TRAINING["default"])
     for key, value in preset.items():
@@ -51,7 +53,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
 
         cfg.task = model_task(cfg.model) or "lm"
     _validate(cfg)
-    return cfg
+    return ResolvedConfig(**dataclasses.asdict(cfg))
 
 
 def _cuda_available() -> bool:

@@ -215,6 +215,21 @@ class RunConfig:
         return self.micro_batch_size * self.micro_batches
 
 
+class ResolvedConfig(RunConfig):
+    """A RunConfig that `aqpipe.config.resolve` has filled and checked: the settings a preset or the machine decides
+    are known. What runs a run takes this type, so a setting still unresolved cannot reach it unnoticed."""
+
+    task: str
+    device: str
+    out: str
+    seq_len: int
+    micro_batch_size: int
+    micro_batches: int
+    epochs: int
+    lr: float
+    warmup_steps: int
+
+
 def settings() -> dict[str, Setting]:
     """Every field a user may set, in definition order, with what the CLI and the reference say about it."""
     return {f.name: f.metadata["setting"] for f in dataclasses.fields(RunConfig) if "setting" in f.metadata}

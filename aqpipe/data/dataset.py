@@ -81,7 +81,7 @@ def prepare_lm_dataset(
         vocab = tokenizer.vocab_size
         buf = io.BytesIO()
         torch.save({"train": train.tokens, "valid": valid.tokens, "vocab_size": vocab}, buf)
-        write_atomic(whole if wanted is None or stream.numel() < wanted else first, buf.getvalue(), shared=True)
+        write_atomic(whole if first is None or stream.numel() < (wanted or 0) else first, buf.getvalue(), shared=True)
     if len(train) == 0:
         raise DataError(f"--data {data!r} is too short for even one sample of --seq-len {seq_len}")
     if max_samples is not None:

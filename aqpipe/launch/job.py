@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from aqpipe.config import ConfigError, RunConfig
+from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.launch import netns
 from aqpipe.launch.env import CONFIG_ENV, in_distributed_env, rank_from_env
 from aqpipe.launch.forkserver import ForkServer
@@ -25,7 +25,7 @@ from aqpipe.runtime.capacity import refuse_if_unfit
 from aqpipe.runtime.plan import RunPlan, make_plan
 
 
-def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None = None, progress: bool = True,
+def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | None = None, progress: bool = True,
             overwrite: bool = False, starter: RankStarter | None = None) -> int:
     """Run a resolved configuration; returns the exit code (0 done, 1 failed during the run).
 
@@ -53,7 +53,7 @@ def run_job(cfg: RunConfig, spec_factory=None, worker_command: list[str] | None 
         starter.close()
 
 
-def _claim_and_run(cfg: RunConfig, spec_factory, starter: RankStarter, progress: bool, overwrite: bool) -> int:
+def _claim_and_run(cfg: ResolvedConfig, spec_factory, starter: RankStarter, progress: bool, overwrite: bool) -> int:
     """Lock the run directory, plan and check the run, then run its ranks."""
     run_dir = RunDirectory(cfg.out)
     run_dir.claim(resuming=cfg.resume is not None, overwrite=overwrite)
@@ -74,7 +74,7 @@ def _claim_and_run(cfg: RunConfig, spec_factory, starter: RankStarter, progress:
         run_dir.release()
 
 
-def _run_ranks(cfg: RunConfig, plan, starter: RankStarter, progress: bool) -> int:
+def _run_ranks(cfg: ResolvedConfig, plan, starter: RankStarter, progress: bool) -> int:
     """Start every rank with the resolved configuration, wait for the run to end, and report how it ended."""
     out = Path(cfg.out)
     write_json(out / "config.json", cfg.to_dict())
@@ -115,7 +115,7 @@ def _run_ranks(cfg: RunConfig, plan, starter: RankStarter, progress: bool) -> in
     return 0
 
 
-def _continue_hint(cfg: RunConfig) -> str:
+def _continue_hint(cfg: ResolvedConfig) -> str:
     """What to do after a run stopped on a full disk: resume from its last complete checkpoint, or start again."""
     from aqpipe.runtime.checkpoint import latest_step
 
@@ -125,7 +125,7 @@ def _continue_hint(cfg: RunConfig) -> str:
     return f"; free some space, then `aqpipe launch --resume {cfg.out}` continues after step {step}"
 
 
-def _check_checkpoint(cfg: RunConfig) -> None:
+def _check_checkpoint(cfg: ResolvedConfig) -> None:
     """The run to resume has a complete, undamaged checkpoint written with this configuration (checked before any
     worker starts); when the newest is unusable, the message says which older one is and how to use it."""
     from aqpipe.runtime.checkpoint import (
@@ -137,28 +137,31 @@ def _check_checkpoint(cfg: RunConfig) -> None:
         verify,
     )
 
-    step = latest_step(cfg.resume)
+    run = cfg.resume
+    if run is None:
+        raise ConfigError("not a resumed run: there is no checkpoint to check")
+    step = latest_step(run)
     if step is None:
-        raise ConfigError(f"--resume {cfg.resume}: no complete checkpoint under {cfg.resume}/checkpoints "
+        raise ConfigError(f"--resume {run}: no complete checkpoint under {run}/checkpoints "
                           "(the run stopped before its first --checkpoint-every)")
     settings = cfg.fixed_settings()
     try:
-        verify(cfg.resume, step, cfg.world_size, settings)
+        verify(run, step, cfg.world_size, settings)
     except CheckpointError as e:
-        for older in (s for s in complete_steps(cfg.resume) if s < step):
+        for older in (s for s in complete_steps(run) if s < step):
             try:
-                verify(cfg.resume, older, cfg.world_size, settings)
+                verify(run, older, cfg.world_size, settings)
             except CheckpointError:
                 continue
-            raise ConfigError(f"--resume: {e}; the older checkpoint {step_dir(cfg.resume, older)} is sound: move "
-                              f"{step_dir(cfg.resume, step)} out of the run directory to resume from step {older}") from None
+            raise ConfigError(f"--resume: {e}; the older checkpoint {step_dir(run, older)} is sound: move "
+                              f"{step_dir(run, step)} out of the run directory to resume from step {older}") from None
         raise ConfigError(f"--resume: {e}") from None
-    for directory in remove_incomplete(cfg.resume):  # nothing writes them now: the run directory is locked
+    for directory in remove_incomplete(run):  # nothing writes them now: the run directory is locked
         print(f"aqpipe: removed {directory}, a checkpoint its run did not finish writing", file=sys.stderr, flush=True)
-    print(f"aqpipe: resuming {cfg.resume} after step {step}", file=sys.stderr, flush=True)
+    print(f"aqpipe: resuming {run} after step {step}", file=sys.stderr, flush=True)
 
 
-def _drop_damaged_stores(cfg: RunConfig) -> None:
+def _drop_damaged_stores(cfg: ResolvedConfig) -> None:
     """Before a resume: every rank's LMDB m(ξ) store opens and walks, or it is removed (m(ξ) can always be rebuilt:
     the resumed ranks find its samples on one side of their links only and re-seed them at full precision)."""
     if cfg.store != "lmdb":
@@ -178,10 +181,10 @@ def _drop_damaged_stores(cfg: RunConfig) -> None:
 
 
 @contextlib.contextmanager
-def _topology(cfg: RunConfig):
+def _topology(cfg: ResolvedConfig):
     """The throttled namespaces of a --bandwidth run; a failure to build them is a configuration error."""
     try:
-        topology = netns.create(cfg.world_size, netns.parse_rate(cfg.bandwidth))
+        topology = netns.create(cfg.world_size, netns.parse_rate(str(cfg.bandwidth)))
     except netns.NetnsError as e:
         raise ConfigError(f"--bandwidth {cfg.bandwidth}: {e}") from None
     print(f"aqpipe: every rank in its own network namespace (aqpipe-{topology.name}-*), links shaped to "
@@ -197,7 +200,7 @@ def _topology(cfg: RunConfig):
                       file=sys.stderr, flush=True)
 
 
-def _announce(cfg: RunConfig, plan) -> None:
+def _announce(cfg: ResolvedConfig, plan) -> None:
     sizes = [plan.bounds[i + 1] - plan.bounds[i] for i in range(cfg.pp)]
     print(f"aqpipe: {cfg.model} ({len(plan.spec)} layers as {sizes} over {cfg.pp} stages) x {cfg.dp} replica(s) "
           f"on {cfg.device}; {len(plan.dataset.train)} samples of {cfg.seq_len} tokens, {plan.total_steps} steps; "

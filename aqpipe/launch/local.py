@@ -232,7 +232,7 @@ def _silent(workers: list[_Worker]) -> list[_Worker]:
 def _pump(worker: _Worker, events: queue.Queue) -> None:
     """Forward one worker's output lines: events to the launcher, everything else to its log file, and the
     ordinary lines (not tracebacks, not native log lines) to the terminal."""
-    for line in worker.proc.stdout:
+    for line in worker.proc.stdout or ():
         worker.last_seen = time.monotonic()
         line = line.rstrip("\n")
         if line.startswith(EVENT_PREFIX):
@@ -302,10 +302,10 @@ def _root_cause(workers: list[_Worker]) -> str:
     full = [w for w in workers if w.disk_full]
     if full:  # a full disk explains whatever else failed (a memory-mapped store on it may even have faulted)
         return f"{full[0].name} failed: {full[0].error}"
-    killed = [w for w in failed if w.proc.returncode < 0]
+    killed = [w for w in failed if (w.proc.returncode or 0) < 0]
     if killed:
         w = killed[0]
-        name = signal.Signals(-w.proc.returncode).name
+        name = signal.Signals(-(w.proc.returncode or 0)).name
         return f"{w.name} died: killed by signal {name}" + _SIGNAL_HINTS.get(name, "")
     silent = _silent(workers)
     if silent:  # its peers failed waiting for it

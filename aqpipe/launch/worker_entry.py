@@ -30,7 +30,7 @@ def rank_imports(model: str, lora: bool = False, store: str = "memory") -> list[
 
 def run_rank(spec_factory=None) -> int:
     """Run the rank described by the environment; returns the process exit code."""
-    from aqpipe.config import RunConfig
+    from aqpipe.config import ResolvedConfig
     from aqpipe.runtime.events import emit
     from aqpipe.runtime.train import run_worker
 
@@ -41,7 +41,7 @@ def run_rank(spec_factory=None) -> int:
     rank, world_size = rank_from_env()
     out = "."
     try:
-        cfg = RunConfig(**json.loads(os.environ[CONFIG_ENV]))
+        cfg = ResolvedConfig(**json.loads(os.environ[CONFIG_ENV]))
         out = cfg.out
         run_worker(cfg, rank, world_size, spec_factory)
         return 0

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aqpipe.pipeline import present
 from aqpipe.pipeline.grid import Grid, gather_rows
 from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.worker import StageWorker
@@ -49,13 +50,14 @@ def evaluate_stage(worker: StageWorker, step: int, batches: list[torch.Tensor], 
                 if grid.is_first_stage:
                     x, mask = samples.inputs(ids), samples.mask(ids)
                 else:
-                    x, ids, mask = links.act_in.receive_eval()
+                    x, ids, mask = present(links.act_in, "the incoming activation link").receive_eval()
                 out = worker.module(x.to(worker.device), None if mask is None else mask.to(worker.device))
                 if grid.is_last_stage:
                     terms = samples.loss_tokens(ids) if hasattr(samples, "loss_tokens") else ids.numel()
                     _count(totals, out, samples.targets(ids).to(worker.device), worker.loss_fn, terms)
                 else:
-                    totals.bytes_sent += links.act_out.send_eval(step, mb, out, ids, mask)
+                    out_link = present(links.act_out, "the outgoing activation link")
+                    totals.bytes_sent += out_link.send_eval(step, mb, out, ids, mask)
             if links.act_out is not None:
                 links.act_out.flush()
     finally:

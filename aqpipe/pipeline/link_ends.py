@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aqpipe.compress.codecs import DeltaFidelity, LinkCodec, build_codec
+from aqpipe.pipeline import present
 from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.transport import (
     HEADER_SIZE,
@@ -213,9 +214,9 @@ class StageLinks:
         self._request_with = None
         for ins in stream:
             if isinstance(ins, sch.RecvActivation) and self.act_in is not None:
-                self.act_in.post(step, ins.micro_batch)
+                self.act_in.post(step, present(ins.micro_batch, "a receive's micro-batch"))
             elif isinstance(ins, sch.RecvGrad) and self.grad_in is not None:
-                self.grad_in.post(step, ins.micro_batch)
+                self.grad_in.post(step, present(ins.micro_batch, "a receive's micro-batch"))
             elif isinstance(ins, sch.SendGrad):
                 self._request_with = ins.micro_batch
 
@@ -227,23 +228,23 @@ class StageLinks:
     def send_activation(self, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None
                         ) -> None:
         """Send micro-batch `mb`'s output to the next stage."""
-        self.act_out.send(self._step, mb, activation, ids, mask, self._compress)
+        present(self.act_out, "the outgoing activation link").send(self._step, mb, activation, ids, mask, self._compress)
 
     def receive_activation(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The next micro-batch's input from the previous stage: (activation, sample ids, mask)."""
-        return self.act_in.receive()
+        return present(self.act_in, "the incoming activation link").receive()
 
     def send_gradient(self, mb: int, grad: torch.Tensor, ids: torch.Tensor) -> None:
         """Send micro-batch `mb`'s input gradient to the previous stage; the step's last one carries the re-seed
         request."""
         last = mb == self._request_with
         reseed = self.act_in.missing(self._next_ids) if last and self.act_in is not None else None
-        self.grad_out.send(self._step, mb, grad, ids, self._compress, reseed)
+        present(self.grad_out, "the outgoing gradient link").send(self._step, mb, grad, ids, self._compress, reseed)
 
     def receive_gradient(self) -> torch.Tensor:
         """The next micro-batch's output gradient from the next stage (applying any re-seed request it carried)."""
-        grad, reseed = self.grad_in.receive()
-        self.act_out.forget(reseed)
+        grad, reseed = present(self.grad_in, "the incoming gradient link").receive()
+        present(self.act_out, "the outgoing activation link").forget(reseed)
         return grad
 
     def flush(self) -> None:

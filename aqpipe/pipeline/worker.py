@@ -14,6 +14,7 @@ from torch import nn
 
 from aqpipe.compress.grad import GradSync
 from aqpipe.data import ClassifySamples, InstructSamples, TokenSamples
+from aqpipe.pipeline import present
 from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device
 from aqpipe.pipeline.held import ActivationMeter
@@ -92,8 +93,11 @@ class StageWorker:
     _n: int = 1
     _weights: list[float] | None = None  # each micro-batch's share of the step's loss terms (instruction data)
     _sync_bytes_before: int = 0
-    _meter: ActivationMeter | None = None
+    _meter: ActivationMeter = field(init=False)
     _overflow: bool = False  # this step's gradients overflowed on some rank: no update anywhere
+
+    def __post_init__(self) -> None:
+        self._meter = ActivationMeter(self.module)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -109,8 +113,6 @@ class StageWorker:
         self._mbs = {mb: _MicroBatch(ids=ids) for mb, ids in enumerate(micro_batch_ids)}
         stream = sch.SCHEDULES[self.schedule].stream(self.grid.stage, self.grid.pp, n)
         self.links.begin_step(step, stream, compress, next_ids)
-        if self._meter is None:
-            self._meter = ActivationMeter(self.module)
         self._meter.begin_step()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -122,7 +124,7 @@ class StageWorker:
         for ins in stream:
             handler, waits_on_peers = self._HANDLERS[type(ins)]
             start = time.perf_counter()
-            handler(self, self._mbs.get(ins.micro_batch), ins.micro_batch, stats)
+            handler(self, self._mbs[ins.micro_batch] if ins.micro_batch is not None else None, ins.micro_batch, stats)
             elapsed = time.perf_counter() - start
             if waits_on_peers:
                 stats.comm_wait_seconds += elapsed
@@ -166,29 +168,32 @@ class StageWorker:
         mb.inputs, mb.ids, mb.mask = self.links.receive_activation()
 
     def _load_micro_batch(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
+        samples, ids = self.samples, present(mb.ids, "sample ids")
+        assert samples is not None, "a first or last stage holds its samples"
         if self.grid.is_first_stage:
-            mb.inputs = self.samples.inputs(mb.ids).to(self.device)
-            mb.mask = self.samples.mask(mb.ids)
+            mb.inputs = samples.inputs(ids).to(self.device)
+            mb.mask = samples.mask(ids)
         if self.grid.is_last_stage:
-            mb.targets = self.samples.targets(mb.ids).to(self.device)
+            mb.targets = samples.targets(ids).to(self.device)
 
     def _forward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         if isinstance(self.module, Stage) and self.module.recompute:  # the layer inputs kept for the backward
             self.module.on_held = lambda held: self._meter.keep(index, held)
         with self._meter.forward(index), autocast(self.device, self.precision):
-            out = self.module(mb.inputs, None if mb.mask is None else mb.mask.to(self.device))
+            out = self.module(present(mb.inputs, "inputs"), None if mb.mask is None else mb.mask.to(self.device))
             if self.grid.is_last_stage:
-                mb.loss = self.loss_fn(out, mb.targets)
+                mb.loss = loss = self.loss_fn(out, present(mb.targets, "targets"))
         if self.grid.is_last_stage:  # loss_sum / micro-batches is the step's loss
             share = 1.0 if self._weights is None else self._weights[index] * self._n
-            stats.loss_sum += float(mb.loss.detach()) * share
+            stats.loss_sum += float(loss.detach()) * share
         else:
             mb.outputs = out
         self._meter.keep(index, mb.outputs)
 
     def _send_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        report_nonfinite(mb.outputs, mb.ids, self._step, self.grid.stage, self.links.keeps_messages)
-        self.links.send_activation(index, mb.outputs, mb.ids, mb.mask)
+        outputs, ids = present(mb.outputs, "outputs"), present(mb.ids, "sample ids")
+        report_nonfinite(outputs, ids, self._step, self.grid.stage, self.links.keeps_messages)
+        self.links.send_activation(index, outputs, ids, mb.mask)
 
     def _recv_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         mb.output_grad = self.links.receive_gradient()
@@ -196,16 +201,17 @@ class StageWorker:
     def _backward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.grid.is_last_stage and self._weights is not None:
-            (mb.loss * (self._weights[index] * scale)).backward()  # the step's loss: the mean over response tokens
+            (present(mb.loss, "loss") * (self._weights[index] * scale)).backward()  # the mean over response tokens
         elif self.grid.is_last_stage:
-            (mb.loss * (scale / self._n)).backward()  # the step's loss is the mean over micro-batches
-        elif mb.outputs.requires_grad:  # (not when nothing up to here trains: a frozen embedding under LoRA)
-            mb.outputs.backward(mb.output_grad)
+            (present(mb.loss, "loss") * (scale / self._n)).backward()  # the step's loss: the mean over micro-batches
+        elif (outputs := present(mb.outputs, "outputs")).requires_grad:  # (not when nothing up to here trains)
+            outputs.backward(mb.output_grad)
         if self.grid.is_first_stage:
             self._release(index)
 
     def _send_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        self.links.send_gradient(index, mb.inputs.grad, mb.ids)
+        grad = present(present(mb.inputs, "inputs").grad, "the gradient of the inputs")
+        self.links.send_gradient(index, grad, present(mb.ids, "sample ids"))
         self._release(index)
 
     def _release(self, index: int) -> None:

@@ -10,7 +10,7 @@ from aqpipe.compress.codecs import QuantOptions, build_codec
 from aqpipe.compress.grad import DPGroup, build_grad_sync
 from aqpipe.compress.grad.methods import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
-from aqpipe.config import RunConfig
+from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device, create_groups
 from aqpipe.pipeline.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
 from aqpipe.pipeline.mixed_precision import LossScaler, needs_loss_scaling
@@ -38,7 +38,7 @@ class Stage:
     worker: StageWorker
 
 
-def open_store(cfg: RunConfig, rank: int, estimate: int | None = None, device: torch.device | None = None
+def open_store(cfg: ResolvedConfig, rank: int, estimate: int | None = None, device: torch.device | None = None
                ) -> MemoryStore | PrefetchingStore:
     """This rank's m(ξ) store: in memory (on the host, or on the stage's GPU with --store-device cuda), or an LMDB
     environment under the run directory, its map sized from the estimate when
@@ -57,7 +57,7 @@ def stream_name(replica: int, link: int, direction: str) -> str:
     return f"replica {replica} link {link} {direction}"
 
 
-def open_links(cfg: RunConfig, grid: Grid, groups: ProcessGroups, store, device: torch.device) -> StageLinks:
+def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, device: torch.device) -> StageLinks:
     """This rank's link ends, one per direction of each adjacent link, each on a stream of its own (every rank of
     the pipeline calls this together); the forward ones of an AQ-SGD link hold the side of m(ξ)
     `grid.owned_sides()` gives this rank."""

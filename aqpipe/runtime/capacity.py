@@ -23,7 +23,7 @@ import torch
 from aqpipe.compress.codecs import QuantOptions, build_codec, lossless_dtype, numel
 from aqpipe.compress.directq import sample_bytes
 from aqpipe.compress.specs import parse_spec
-from aqpipe.config import ConfigError, RunConfig
+from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.grid import Grid
 from aqpipe.pipeline.held import ActivationMeter
@@ -40,7 +40,7 @@ class TraceError(RuntimeError):
     """A stage the fake-tensor tracer cannot run (a custom model doing something fake tensors cannot)."""
 
 
-def state_copies(cfg: RunConfig) -> int:
+def state_copies(cfg: ResolvedConfig) -> int:
     """fp32 copies per trained parameter the optimizer keeps, plus a sign-based grad sync's vote momentum."""
     from aqpipe.compress.grad.methods import parse_grad_spec
     from aqpipe.pipeline.optim import momenta
@@ -97,7 +97,7 @@ class LinkNeeds:
 class CapacityPlan:
     """The plan of one run, and whatever does not fit."""
 
-    cfg: RunConfig
+    cfg: ResolvedConfig
     stages: list[StageNeeds]
     links: list[LinkNeeds]
     bandwidth_bits: int | None = None
@@ -156,12 +156,12 @@ def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, .
             meter.begin_step()
             if cfg.recompute:
                 module.on_held = partial(meter.keep, 0)
-            inputs = mode.from_tensor(batch["inputs"]) if s == 0 else x
+            inputs = mode.from_tensor(_given(batch["inputs"])) if s == 0 else x
             mask = batch["mask"]
             with meter.forward(0), autocast(device, cfg.precision):
                 out = module(inputs, None if mask is None else mode.from_tensor(mask))
                 if s == cfg.pp - 1:
-                    plan.spec.loss(out, mode.from_tensor(batch["targets"]))
+                    plan.spec.loss(out, mode.from_tensor(_given(batch["targets"])))
             meter.keep(0, out if s < cfg.pp - 1 else None)
         traced.append((counts, meter.peak_bytes, tuple(out.shape), out.dtype))
         x = out.detach().requires_grad_(True)  # as a received activation is (aqpipe.pipeline.link_ends)
@@ -223,7 +223,7 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
     return capacity
 
 
-def store_where(cfg: RunConfig) -> str:
+def store_where(cfg: ResolvedConfig) -> str:
     """Where the m(ξ) stores of a run live: RAM, GPU or disk."""
     if cfg.store == "lmdb":
         return "disk"
@@ -316,3 +316,10 @@ def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:
                           + f" (per stage in memory: {', '.join(_gb(s.memory_bytes) for s in capacity.stages)}; "
                           "see aqpipe launch ... --dry-run)")
     return capacity
+
+
+def _given(tensor: torch.Tensor | None) -> torch.Tensor:
+    """A tensor the traced batch holds for this stage (inputs on the first, targets on the last)."""
+    if tensor is None:
+        raise TraceError("the traced batch lacks the inputs or targets this stage needs")
+    return tensor

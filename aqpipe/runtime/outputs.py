@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from aqpipe.config import RunConfig
+from aqpipe.config import ResolvedConfig
 from aqpipe.data.dataset import export_tokenizer
 from aqpipe.disk import DiskFullError, save_atomic, writing
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
@@ -33,7 +33,7 @@ STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elemen
                "loss_scale", "aqsgd_signal", "aqsgd_change", "aqsgd_error")
 
 
-def open_outputs(cfg: RunConfig, plan: RunPlan, first_step: int) -> MetricsLog:
+def open_outputs(cfg: ResolvedConfig, plan: RunPlan, first_step: int) -> MetricsLog:
     """config.json, and the metrics log (a resumed run keeps the records up to its checkpoint)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -43,7 +43,7 @@ def open_outputs(cfg: RunConfig, plan: RunPlan, first_step: int) -> MetricsLog:
     return MetricsLog(out, kept_records(out, first_step) if first_step else [])
 
 
-def step_record(stats: StepStats, grid: Grid, cfg: RunConfig, step: int, steps_per_epoch: int, lr: float,
+def step_record(stats: StepStats, grid: Grid, cfg: ResolvedConfig, step: int, steps_per_epoch: int, lr: float,
                  step_seconds: float, device: torch.device) -> dict:
     """Collect every rank's numbers of this step on rank 0 and combine them into one metrics record."""
     mine = torch.tensor([float(getattr(stats, f)) for f in STAT_FIELDS] + [step_seconds], dtype=torch.float64)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from aqpipe.config import ConfigError, RunConfig
+from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.data import DataError, EpochPlan, TaskDataset, prepare_dataset, shard
 from aqpipe.stages import PipelineSpec, SpecError, partition
 from aqpipe.stages.lora import LoraSettings, apply_lora, check_targets, lora_settings
@@ -22,7 +22,7 @@ from aqpipe.storage.dtypes import STORE_DTYPES
 class RunPlan:
     """A resolved run: the data, the model spec, stage boundaries and step counts."""
 
-    cfg: RunConfig
+    cfg: ResolvedConfig
     dataset: TaskDataset
     spec: PipelineSpec
     bounds: list[int]
@@ -57,7 +57,7 @@ class RunPlan:
                          self.cfg.micro_batch_size, self.cfg.micro_batches)
 
 
-def make_plan(cfg: RunConfig, spec_factory=None, profile: bool = True, check_store: bool = True) -> RunPlan:
+def make_plan(cfg: ResolvedConfig, spec_factory=None, profile: bool = True, check_store: bool = True) -> RunPlan:
     """Prepare data and model spec and resolve the partition; raises ConfigError for anything the user must fix.
 
     With `profile=False`, a time-based partition not yet resolved is left to the caller; with `check_store=False`
@@ -101,7 +101,7 @@ def make_plan(cfg: RunConfig, spec_factory=None, profile: bool = True, check_sto
     return RunPlan(cfg, dataset, spec, bounds, steps_per_epoch, total_steps, plan_lora(cfg, spec))
 
 
-def plan_lora(cfg: RunConfig, spec: PipelineSpec) -> LoraSettings | None:
+def plan_lora(cfg: ResolvedConfig, spec: PipelineSpec) -> LoraSettings | None:
     """The adapters `--lora` asks for on this model (None without it), their targets checked against the model."""
     if cfg.lora is None:
         return None
@@ -120,7 +120,7 @@ def plan_lora(cfg: RunConfig, spec: PipelineSpec) -> LoraSettings | None:
 STORE_HEADROOM = 1.5  # LMDB pages, headers and growth slack over the raw value bytes
 
 
-def store_bytes_per_rank(cfg: RunConfig, spec: PipelineSpec, num_samples: int) -> int | None:
+def store_bytes_per_rank(cfg: ResolvedConfig, spec: PipelineSpec, num_samples: int) -> int | None:
     """Estimated bytes of a middle stage's m(ξ) (both sides of two links) — on disk with LMDB's headroom, or in RAM —
     or None when the activation size is unknown.
 
@@ -147,7 +147,7 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_store_capacity(cfg: RunConfig, spec: PipelineSpec, num_samples: int) -> None:
+def check_store_capacity(cfg: ResolvedConfig, spec: PipelineSpec, num_samples: int) -> None:
     """Refuse before training when RAM (--store memory), the disk or --store-max-gb cannot hold the m(ξ) stores."""
     per_rank = store_bytes_per_rank(cfg, spec, num_samples)
     if per_rank is None:
@@ -174,7 +174,7 @@ def check_store_capacity(cfg: RunConfig, spec: PipelineSpec, num_samples: int) -
                           f"{free / 1e9:.2f} GB free; use a low-bit --store-dtype, fewer samples, or another --out")
 
 
-def resolve_bounds(cfg: RunConfig, spec: PipelineSpec, dataset: TaskDataset) -> list[int]:
+def resolve_bounds(cfg: ResolvedConfig, spec: PipelineSpec, dataset: TaskDataset) -> list[int]:
     """Stage boundaries for `--partition` (profiling a real micro-batch for "time")."""
     method: str | list[int] = cfg.partition
     if method not in ("parameters", "time"):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from aqpipe.config import RunConfig
+from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.optim import continue_schedule
 from aqpipe.pipeline.worker import StageWorker
 from aqpipe.runtime.checkpoint import CheckpointError, check_model_state, latest_step, load_rank, rank_file, step_dir
@@ -82,14 +82,15 @@ def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
         setattr(store.stats, name, int(value))
 
 
-def resume_rank(cfg: RunConfig, worker: StageWorker, store) -> int:
+def resume_rank(cfg: ResolvedConfig, worker: StageWorker, store) -> int:
     """Load this rank's part of the run's last checkpoint and make every link's two m(ξ) copies agree; returns
     the step to continue from. Every rank calls it (reconciliation is collective)."""
-    step = latest_step(cfg.resume)
-    if step is None:
-        raise CheckpointError(f"--resume {cfg.resume}: no complete checkpoint under {cfg.resume}/checkpoints")
-    apply_state(load_rank(cfg.resume, step, worker.grid.rank, cfg.fixed_settings()), worker, store,
-                describe(cfg.resume, step, worker.grid.rank))
+    run = cfg.resume
+    step = latest_step(run) if run is not None else None
+    if run is None or step is None:
+        raise CheckpointError(f"--resume {run}: no complete checkpoint under {run}/checkpoints")
+    apply_state(load_rank(run, step, worker.grid.rank, cfg.fixed_settings()), worker, store,
+                describe(run, step, worker.grid.rank))
     reseeded = reconcile(store, worker.grid, worker.groups.pipeline)
     store.stats.reseeded += reseeded
     emit({"event": "resumed", "step": step, "rank": worker.grid.rank, "reseeded": reseeded})

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from aqpipe.config import RunConfig
+from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.grid import Grid, collective_backend, rank_device
 from aqpipe.pipeline.rendezvous import loopback_rendezvous
 from aqpipe.runtime.assemble import Stage, assemble_stage
@@ -23,7 +23,7 @@ from aqpipe.runtime.resume import resume_rank
 from aqpipe.storage import MemoryStore
 
 
-def run_worker(cfg: RunConfig, rank: int, world_size: int, spec_factory=None) -> dict | None:
+def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=None) -> dict | None:
     """Train this rank's stage for the whole run; returns the summary on rank 0 (None elsewhere)."""
     if world_size != cfg.world_size:
         raise RuntimeError(f"the launcher started {world_size} processes but --pp {cfg.pp} x --dp {cfg.dp} needs "
@@ -46,7 +46,9 @@ def run_worker(cfg: RunConfig, rank: int, world_size: int, spec_factory=None) ->
         if not plan.bounds:  # a time partition nobody resolved yet: rank 0 profiles, everyone takes its answer
             box = [resolve_bounds(cfg, plan.spec, plan.dataset) if rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
-            plan.bounds = box[0]
+            bounds = box[0]
+            assert bounds is not None, "rank 0 resolves the time partition"
+            plan.bounds = bounds
         return _train(plan, grid, device, backend)
     finally:
         dist.destroy_process_group()

@@ -43,6 +43,7 @@ class ModelSource:
 
 def model_imports(name: str) -> list[str]:
     """The modeling module a rank of `--model name` will import, when that is known without loading anything."""
+    kind: str | None
     if name in gpt2.PRESETS:
         kind = "gpt2"
     elif name in llama.PRESETS:

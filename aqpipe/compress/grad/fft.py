@@ -147,6 +147,7 @@ class FFTSparsifier(Compressor):
             flag = torch.zeros(1, dtype=torch.uint8, device=parts.device)
             return torch.cat([flag, parts.float().contiguous().view(torch.uint8)])
         flag = torch.ones(1, dtype=torch.uint8, device=parts.device)
+        assert self.format is not None  # agreed during calibration
         return torch.cat([flag, _pack_wide(self.format.encode(parts), self.bits)])
 
     def decode_spectrum(self, payload: torch.Tensor, length: int) -> torch.Tensor:
@@ -159,6 +160,7 @@ class FFTSparsifier(Compressor):
             raise ValueError(f"an fft message marks {int(mask.sum())} components, expected {k}")
         quantized, body = int(payload[mask_bytes]), payload[mask_bytes + 1 :]
         if quantized:
+            assert self.format is not None  # a quantized message comes after calibration
             parts = self.format.decode(_unpack_wide(body, self.bits, 2 * k))
         else:
             parts = body.clone().view(torch.float32)  # clone: the body starts at an odd offset
