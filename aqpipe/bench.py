@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aqpipe.compress.codecs import QuantOptions, build_codec
+from aqpipe.compress.link.codecs import QuantOptions, build_codec
 from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.transport import Header

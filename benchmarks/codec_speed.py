@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from aqpipe.compress.codecs import QuantOptions
-from aqpipe.compress.directq import decode_samples, encode_samples
+from aqpipe.compress.link.codecs import QuantOptions
+from aqpipe.compress.link.directq import decode_samples, encode_samples
 from aqpipe.compress.quantize import quantize
 
 
@@ -38,7 +38,7 @@ def measure(fn, repeats: int, device: torch.device | None = None) -> float:
 
 def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) -> list[dict]:
     """AQ-SGD's whole encode (delta, quantize, pack, m(ξ) update, checksum, bytes to the host) and decode."""
-    from aqpipe.compress.codecs import build_codec
+    from aqpipe.compress.link.codecs import build_codec
     from aqpipe.pipeline.transport import Header
     from aqpipe.storage import MemoryStore, StoreView
 

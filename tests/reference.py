@@ -7,8 +7,8 @@ from torch import nn
 
 from aqpipe.config import RunConfig
 from aqpipe.pipeline.optim import build_optimizer
-from aqpipe.runtime.plan import make_plan
 from aqpipe.pipeline.tied import local_copies
+from aqpipe.runtime.plan import make_plan
 from aqpipe.stages.lora import apply_lora
 from aqpipe.stages.spec import Stage
 

@@ -4,8 +4,7 @@ reads only its own weights from a checkpoint."""
 import pytest
 import torch
 
-from aqpipe.stages import Stage
-from aqpipe.stages import bert
+from aqpipe.stages import Stage, bert
 from aqpipe.stages.models import build_spec, check_task, classify_model
 from aqpipe.stages.spec import SpecError
 

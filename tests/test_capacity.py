@@ -10,9 +10,9 @@ import torch
 
 from aqpipe.cli import main
 from aqpipe.config import resolve
+from aqpipe.pipeline.schedule import SCHEDULES
 from aqpipe.runtime import capacity as cap
 from aqpipe.runtime.plan import make_plan
-from aqpipe.pipeline.schedule import SCHEDULES
 from tests import warm
 
 SMALL = ["--pp", "4", "--seq-len", "32", "--max-samples", "32", "--micro-batch-size", "4", "--micro-batches", "4",
@@ -100,7 +100,7 @@ def test_a_run_that_does_not_fit_is_refused_with_its_numbers(tmp_path, capsys, m
 
 
 def test_wire_bytes_of_each_codec_equal_a_real_message():
-    from aqpipe.compress.codecs import QuantOptions, build_codec
+    from aqpipe.compress.link.codecs import QuantOptions, build_codec
 
     options = QuantOptions()
     x = torch.randn(3, 7, 20)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from aqpipe.compress.aqsgd import MODE_DELTA, MODE_FULL
-from aqpipe.compress.codecs import FLAG_RAW, CodecError, QuantOptions, build_codec, parse_spec
+from aqpipe.compress.link.aqsgd import MODE_DELTA, MODE_FULL
+from aqpipe.compress.link.codecs import FLAG_RAW, CodecError, QuantOptions, build_codec, parse_spec
 from aqpipe.compress.quantize import dequantize, quantize
 from aqpipe.pipeline.transport import KIND_ACTIVATION, Header
 from aqpipe.storage import MemoryStore, StoreView
@@ -224,7 +224,7 @@ def test_topk_keeps_the_largest_entries_of_each_sample(fraction, n):
 
 
 def test_topk_position_format_is_the_smaller_one():
-    from aqpipe.compress.topk import position_format
+    from aqpipe.compress.link.topk import position_format
 
     assert position_format(1000, 200)[0] == "bitmap"
     assert position_format(1000, 10) == ("int16", 20)
@@ -282,7 +282,7 @@ def test_a_non_finite_activation_is_reported_naming_step_stage_and_sample(capsys
 def test_a_generator_state_from_another_device_type_is_not_forced_on_the_codec():
     """A resume may move a run between the host and a GPU: a saved stochastic-rounding state of another kind (another
     size) leaves the codec on its own seed; one of the same kind is restored."""
-    from aqpipe.compress.codecs import QuantOptions, build_codec
+    from aqpipe.compress.link.codecs import QuantOptions, build_codec
 
     codec = build_codec("directq:4", "fw", options=QuantOptions(stochastic=True, seed=1))
     same = build_codec("directq:4", "fw", options=QuantOptions(stochastic=True, seed=2))

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from aqpipe.compress.aqsgd import store_checksum
-from aqpipe.compress.codecs import QuantOptions, build_codec
+from aqpipe.compress.link.aqsgd import store_checksum
+from aqpipe.compress.link.codecs import QuantOptions, build_codec
 from aqpipe.pipeline.transport import Header
 from aqpipe.storage import MemoryStore, StoreView
 

@@ -6,9 +6,17 @@ import pytest
 import torch
 
 from aqpipe.compress.grad import DPGroup
-from aqpipe.compress.grad.sidco import (ADAPT_EVERY, FIRST_STAGE_RATIO, SIDCo, estimate_threshold,
-                                        exponential_threshold, gamma_quantile, gamma_threshold, pareto_threshold,
-                                        stage_ratios)
+from aqpipe.compress.grad.sidco import (
+    ADAPT_EVERY,
+    FIRST_STAGE_RATIO,
+    SIDCo,
+    estimate_threshold,
+    exponential_threshold,
+    gamma_quantile,
+    gamma_threshold,
+    pareto_threshold,
+    stage_ratios,
+)
 
 
 def laplace(n: int, generator: torch.Generator) -> torch.Tensor:

@@ -152,8 +152,8 @@ def test_instruction_pipeline_matches_single_process(tmp_path, monkeypatch, pp, 
 def test_tied_embedding_stays_one_tensor_under_aqsgd_and_the_export_matches_the_pipeline(tmp_path, monkeypatch, capsys):
     """pp=3 with AQ-SGD links: the embedding (stage 0) and LM head (stage 2) end bit-identical and trained; the
     export is tied, loads with AutoModelForCausalLM, and its logits equal the pipeline's on a padded batch."""
-    from transformers import AutoModelForCausalLM
     from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
     cfg = llama_config_for(tmp_path / "run", data="builtin-instruct", pp=3, fw="aqsgd:3", bw="directq:6",

@@ -27,8 +27,8 @@ def config(out: Path, pp: int, **extra) -> RunConfig:
 
 def _train(rank: int, world: int, pp: int, out: str, extra: dict, poison: tuple[int, int] | None = None) -> dict:
     """Train STEPS steps on this rank; `poison` = (rank, step): that rank's gradients become inf at that step."""
-    from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.pipeline.grid import Grid
+    from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.runtime.plan import make_plan
 
     torch.set_num_threads(1)

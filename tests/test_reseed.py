@@ -4,8 +4,8 @@ turns the sample into a first sight; the receiver's is found ahead of time and r
 import pytest
 import torch
 
-from aqpipe.compress.aqsgd import MODE_FULL, AQSGDCodec
-from aqpipe.compress.codecs import QuantOptions
+from aqpipe.compress.link.aqsgd import MODE_FULL, AQSGDCodec
+from aqpipe.compress.link.codecs import QuantOptions
 from aqpipe.pipeline.transport import KIND_ACTIVATION, Header
 from aqpipe.storage import StoreView
 from aqpipe.storage.lmdb_store import LMDBStore, pack_key, unpack_key

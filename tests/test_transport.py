@@ -82,7 +82,7 @@ def test_malformed_headers_are_rejected_naming_the_peer(mutate, needle):
 
 
 def test_the_link_codec_checks_the_header_before_allocation():
-    from aqpipe.compress.codecs import build_codec
+    from aqpipe.compress.link.codecs import build_codec
 
     codec = build_codec("fp32")
     checked = expect(check=codec.check_header)

@@ -24,8 +24,8 @@ def config(out: Path, pp: int, dp: int, micro_batches: int, schedule: str = "gpi
 def _train_each(rank: int, world: int, pp: int, dp: int, micro_batch_counts: list[int], out: str) -> dict:
     """On one rank: for each micro-batch count and schedule, assemble the stage afresh and train STEPS steps;
     returns {(m, schedule): (per-step loss sums, final state, peak activation bytes per step)}."""
-    from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.pipeline.grid import Grid
+    from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.runtime.plan import make_plan
 
     torch.set_num_threads(1)  # as each launched worker on these machines, and the single-process reference
@@ -100,9 +100,9 @@ def test_1f1b_holds_pp_over_m_of_gpipes_activations_on_the_first_stage(tmp_path)
 
 def _evaluate_between_steps(rank: int, world: int, out: str) -> tuple[int, int]:
     """pp=2: train a step, evaluate, train another; returns what rank 1 counted as received in each step."""
-    from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.pipeline.evaluate import eval_batches, evaluate_stage
     from aqpipe.pipeline.grid import Grid
+    from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.runtime.plan import make_plan
 
     plan = make_plan(config(Path(out), 2, 1, 2, "1f1b"))

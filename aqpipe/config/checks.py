@@ -64,7 +64,7 @@ def _cuda_available() -> bool:
 
 def _check_choices(cfg: RunConfig) -> None:
     """Codec specs and named choices are known."""
-    from aqpipe.compress.specs import CodecError, parse_spec
+    from aqpipe.compress.link.specs import CodecError, parse_spec
 
     try:
         parse_spec(cfg.fw, "fw")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aqpipe.compress.grad.methods import describe_methods_help
 from aqpipe.compress.grids import GRIDS
-from aqpipe.compress.specs import describe_codecs
+from aqpipe.compress.link.specs import describe_codecs
 from aqpipe.config.settings import LAUNCH_SWITCHES, RESUME_MAY_CHANGE, SECTIONS, RunConfig, settings
 from aqpipe.pipeline.precisions import PRECISIONS, describe_precisions
 from aqpipe.pipeline.schedule import SCHEDULES

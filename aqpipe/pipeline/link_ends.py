@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aqpipe.compress.codecs import DeltaFidelity, LinkCodec, build_codec
+from aqpipe.compress.link.codecs import DeltaFidelity, LinkCodec, build_codec
 from aqpipe.pipeline import present
 from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.transport import (

@@ -26,7 +26,7 @@ import torch
 from aqpipe.pipeline.streams import read_exactly
 
 if TYPE_CHECKING:
-    from aqpipe.compress.codecs import Encoded
+    from aqpipe.compress.link.codecs import Encoded
 
 MAGIC = b"AQP1"
 HEADER_SIZE = 128

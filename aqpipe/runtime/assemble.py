@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from aqpipe.compress.codecs import QuantOptions, build_codec
 from aqpipe.compress.grad import DPGroup, build_grad_sync
 from aqpipe.compress.grad.methods import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
+from aqpipe.compress.link.codecs import QuantOptions, build_codec
 from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device, create_groups
 from aqpipe.pipeline.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
@@ -27,7 +27,7 @@ from aqpipe.storage.prefetch import PrefetchingStore
 
 
 @dataclass
-class Stage:
+class RankStage:
     """Everything one rank trains with."""
 
     plan: RunPlan
@@ -93,7 +93,7 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
     return links
 
 
-def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> Stage:
+def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> RankStage:
     """Build this rank's stage from the run plan (every rank of the world calls it: it creates process groups)."""
     cfg = plan.cfg
     groups = create_groups(grid, backend)
@@ -116,4 +116,4 @@ def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str
         tied=[] if plan.lora is not None else tied_groups(plan.spec.extras),  # LoRA freezes every tied table
         scaler=LossScaler() if needs_loss_scaling(cfg.precision) else None,
     )
-    return Stage(plan, grid, groups, device, store, worker)
+    return RankStage(plan, grid, groups, device, store, worker)

@@ -20,9 +20,9 @@ from types import SimpleNamespace
 
 import torch
 
-from aqpipe.compress.codecs import QuantOptions, build_codec, lossless_dtype, numel
-from aqpipe.compress.directq import sample_bytes
-from aqpipe.compress.specs import parse_spec
+from aqpipe.compress.link.codecs import QuantOptions, build_codec, lossless_dtype, numel
+from aqpipe.compress.link.directq import sample_bytes
+from aqpipe.compress.link.specs import parse_spec
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.grid import Grid

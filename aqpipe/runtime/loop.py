@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from aqpipe.metrics import MetricsLog
 from aqpipe.pipeline.evaluate import eval_batches, evaluate_stage, gather_eval
-from aqpipe.runtime.assemble import Stage
+from aqpipe.runtime.assemble import RankStage
 from aqpipe.runtime.checkpoint import mark_complete, save_rank
 from aqpipe.runtime.events import emit
 from aqpipe.runtime.outputs import print_eval, print_progress, step_record
@@ -18,7 +18,7 @@ from aqpipe.runtime.resume import collect_state
 from aqpipe.storage.prefetch import PrefetchingStore
 
 
-def evaluate(stage: Stage, step: int) -> dict:
+def evaluate(stage: RankStage, step: int) -> dict:
     """One pass over the held-out split (all ranks); on rank 0 its numbers as `eval_*` record fields."""
     plan, grid = stage.plan, stage.grid
     cfg, ends = plan.cfg, grid.is_first_stage or grid.is_last_stage
@@ -32,7 +32,7 @@ def evaluate(stage: Stage, step: int) -> dict:
     return {f"eval_{k}": v for k, v in result.items()}
 
 
-def checkpoint(stage: Stage, step: int) -> None:
+def checkpoint(stage: RankStage, step: int) -> None:
     """Every rank writes its state after `step` steps (once the replicas of its stage agree on their parameters);
     rank 0 marks the checkpoint complete."""
     cfg, grid = stage.plan.cfg, stage.grid
@@ -45,7 +45,7 @@ def checkpoint(stage: Stage, step: int) -> None:
         mark_complete(cfg.out, step, grid.world_size, cfg.fixed_settings())
 
 
-def prefetch(stage: Stage, step: int, first_step: int) -> None:
+def prefetch(stage: RankStage, step: int, first_step: int) -> None:
     """Read ahead the m(ξ) this rank will need: this step's (on the first step only) and the next step's, on each
     side of m(ξ) this rank owns."""
     store, plan = stage.store, stage.plan
@@ -59,7 +59,7 @@ def prefetch(stage: Stage, step: int, first_step: int) -> None:
                 store.prefetch(link, side, ids)
 
 
-def train_steps(stage: Stage, first_step: int, log: MetricsLog | None, wall_start: float) -> None:
+def train_steps(stage: RankStage, first_step: int, log: MetricsLog | None, wall_start: float) -> None:
     """Run steps `first_step`… to the plan's end on this rank; rank 0 (the one with `log`) records them."""
     plan, grid, worker, store = stage.plan, stage.grid, stage.worker, stage.store
     cfg = plan.cfg

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.grid import Grid, collective_backend, rank_device
 from aqpipe.pipeline.rendezvous import loopback_rendezvous
-from aqpipe.runtime.assemble import Stage, assemble_stage
+from aqpipe.runtime.assemble import RankStage, assemble_stage
 from aqpipe.runtime.events import emit, start_heartbeat
 from aqpipe.runtime.loop import train_steps
 from aqpipe.runtime.outputs import finish_outputs, open_outputs, save_stage_weights
@@ -75,7 +75,7 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
     return summary
 
 
-def _finish_rank(stage: Stage, first_step: int) -> None:
+def _finish_rank(stage: RankStage, first_step: int) -> None:
     """Every rank at the end: replicas compared, final weights written (replica 0), the store closed or dumped."""
     cfg, grid = stage.plan.cfg, stage.grid
     if first_step >= stage.plan.total_steps:  # no step ran, so no checkpoint compared the replicas

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from aqpipe.compress.directq import decode_samples, encode_samples
+from aqpipe.compress.link.directq import decode_samples, encode_samples
 from aqpipe.compress.quantize import FP16_MAX, quantize
 from aqpipe.storage.dtypes import STORE_DTYPES
 

@@ -3,7 +3,7 @@
 Every codec has `encode(tensor, ids, compress) -> Encoded`, `decode(header, payload, ids) -> tensor`, and
 `check_header(header)`, which the transport calls before it allocates a payload. With `compress=False` (the
 warm-up epochs) a codec sends fp32 and flags the message raw. `build_codec` turns a `--fw`/`--bw` spec into a
-codec; `aqpipe.compress.specs` holds the table of codec names and validates a spec without building anything.
+codec; `aqpipe.compress.link.specs` holds the table of codec names and validates a spec without building anything.
 
 Codecs compute on the tensor's device: on a GPU, quantizing, packing and AQ-SGD's m(ξ) arithmetic and checksum run
 there, and only the packed payload crosses to the host (`to_host`, through pinned memory); a received payload is
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from aqpipe.compress.link.specs import CodecError, CodecSpec, parse_spec
 from aqpipe.compress.quantize import DEFAULT_GRID
-from aqpipe.compress.specs import CodecError, CodecSpec, parse_spec
 
 FLAG_RAW = 1  # the payload is the tensor, lossless (LOSSLESS_DTYPES): warm-up, or a codec asked not to compress
 FLAG_NO_CHECK = 2  # AQ-SGD: the sender did not checksum m(ξ)
@@ -220,9 +220,9 @@ def build_codec(spec: str | CodecSpec, direction: str = "fw", store_view=None, o
 
 def _build(spec: str | CodecSpec, direction: str, store_view, options: QuantOptions | None, check: bool,
            device: torch.device) -> LinkCodec:
-    from aqpipe.compress.aqsgd import AQSGDCodec
-    from aqpipe.compress.directq import DirectQCodec
-    from aqpipe.compress.topk import TopKCodec
+    from aqpipe.compress.link.aqsgd import AQSGDCodec
+    from aqpipe.compress.link.directq import DirectQCodec
+    from aqpipe.compress.link.topk import TopKCodec
 
     parsed = parse_spec(spec, direction) if isinstance(spec, str) else spec
     options = options or QuantOptions()

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from aqpipe.compress.codecs import (
+from aqpipe.compress.link.codecs import (
     CODE_AQSGD,
     FLAG_NO_CHECK,
     HOST,
@@ -30,7 +30,7 @@ from aqpipe.compress.codecs import (
     numel,
     to_host,
 )
-from aqpipe.compress.directq import decode_samples, encode_samples, sample_bytes
+from aqpipe.compress.link.directq import decode_samples, encode_samples, sample_bytes
 from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize
 
 MODE_FULL, MODE_DELTA = 0, 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
-from aqpipe.compress.codecs import (
+from aqpipe.compress.link.codecs import (
     CODE_DIRECTQ,
     HOST,
     Encoded,

@@ -13,7 +13,7 @@ import math
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
-from aqpipe.compress.codecs import (
+from aqpipe.compress.link.codecs import (
     CODE_TOPK,
     HOST,
     CodecError,
