@@ -102,7 +102,7 @@ def test_a_live_run_survives_damage_to_a_receivers_store_and_ends_with_identical
     import lmdb
 
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", "--pp", "3", "--steps", "100", "--seq-len", "16",
+    proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", "--pp", "3", "--steps", "48", "--seq-len", "16",
                              "--max-samples", "128", "--fw", "aqsgd:3", "--store", "lmdb", "--no-progress",
                              "--schedule", schedule,
                              "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

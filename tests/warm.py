@@ -36,7 +36,9 @@ MAX_MESSAGE = 1 << 20
 # it forks from itself) finds them imported.
 MODELS = [("gpt2-tiny", True, "lmdb"), ("llama-tiny", True, "memory"), ("bert-tiny", False, "memory"),
           ("deberta-tiny", False, "memory")]
-PRELOAD = ["aqpipe.cli", "aqpipe.launch.job", "aqpipe.launch.forkserver", "aqpipe.runtime.capacity"]
+# matplotlib: rank 0 draws the loss plot at the end of every run (about a second of imports here).
+PRELOAD = ["aqpipe.cli", "aqpipe.launch.job", "aqpipe.launch.forkserver", "aqpipe.runtime.capacity", "matplotlib.figure",
+           "matplotlib.backends.backend_agg", "matplotlib.pyplot"]
 
 
 # The zygote's side.
@@ -290,6 +292,6 @@ def ranks():
 
     with _lock:
         if _ranks_here is None or _ranks_here._server.process.poll() is not None:
-            modules = [m for model, lora, store in MODELS for m in rank_imports(model, lora, store)]
+            modules = [*PRELOAD[-3:], *(m for model, lora, store in MODELS for m in rank_imports(model, lora, store))]
             _ranks_here = _SharedRanks(ForkServer(modules))
         return _ranks_here
