@@ -34,6 +34,30 @@ def tagged_processes(tag: str, rank: str | None = None) -> list[int]:
     return pids
 
 
+def rank_under(launcher: int, rank: int) -> list[int]:
+    """PIDs of live forked ranks named aqpipe-rank-`rank` that descend from process `launcher` (a launch started
+    without an environment tag to find it by)."""
+    parents, names = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                names[int(entry.name)] = (entry / "comm").read_text().strip()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z":
+                parents[int(entry.name)] = int(fields[1])
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == launcher:
+                return True
+        return False
+
+    return [pid for pid in parents if names.get(pid) == f"aqpipe-rank-{rank}" and descends(pid)]
+
+
 def none_left(tag: str, within: float = 15.0) -> bool:
     """Whether every process tagged `tag` is gone, waiting up to `within` seconds: a process killed a moment ago
     is still in /proc until the kernel has finished it, and a fixed pause would race with that on a loaded machine."""

@@ -1,5 +1,6 @@
 """SIDCo: closed-form thresholds, multi-stage peak-over-threshold, adaptive stages hold the ratio within ±20%."""
 
+import functools
 import math
 
 import pytest
@@ -95,6 +96,7 @@ def test_later_stages_fit_the_exceedances_shifted_by_the_previous_threshold():
     assert estimate_threshold(x, 0.01, "gamma", 2) == pytest.approx(expected_gp)
 
 
+@functools.lru_cache(maxsize=None)  # the same six vectors for every parametrization (callers clone before use)
 def real_gradient(seed: int) -> torch.Tensor:
     """The flat gradient of a small GPT-2 on random tokens: a real-gradient vector."""
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -95,17 +95,13 @@ def test_a_live_run_survives_damage_to_a_receivers_store_and_ends_with_identical
     1F1B the re-seed request must come after the step's last activation (a late micro-batch of the step may hold
     a sample the next step needs)."""
     import json
-    import subprocess
-    import sys
     import time
 
     import lmdb
 
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", "--pp", "3", "--steps", "48", "--seq-len", "16",
-                             "--max-samples", "128", "--fw", "aqsgd:3", "--store", "lmdb", "--no-progress",
-                             "--schedule", schedule,
-                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = warm.start("launch", "--pp", "3", "--steps", "32", "--seq-len", "16", "--max-samples", "128", "--fw",
+                      "aqsgd:3", "--store", "lmdb", "--no-progress", "--schedule", schedule, "--out", str(out))
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 12):  # past the fp32 warm-up epoch (8 steps)
