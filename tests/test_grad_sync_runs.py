@@ -19,7 +19,7 @@ from tests import warm
 from tests.distributed import run_ranks
 
 RUN = ["--pp", "2", "--dp", "2", "--seq-len", "16", "--max-samples", "128", "--micro-batch-size", "4",
-       "--micro-batches", "2", "--epochs", "2", "--no-progress"]
+       "--micro-batches", "2", "--epochs", "2", "--eval-every", "0", "--no-progress"]
 PP, DP = 2, 2
 STEPS, WARMUP_STEPS = 16, 10  # 128 samples / (2 replicas × 2 micro-batches × 4) per epoch × 2; gpt2-tiny's warm-up
 CHECKPOINT_EVERY = 8

@@ -70,6 +70,7 @@ def test_a_missing_package_is_named_with_how_to_install_it(monkeypatch):
         models.classify_model("smollm2-135m")
 
 
+@pytest.mark.slow  # a launch of the real 135M model that writes its 517 MB merged export, then loads it twice
 def test_three_ranks_give_the_hf_models_loss_and_lora_exports_a_peft_adapter_for_the_real_base(smollm2, tmp_path):
     """--lora with --export-adapter on the real model over 3 ranks and fp32 links: the first step's loss (LoRA's B
     starts at zero, so the stages are the pretrained model) is the HF model's on the same conversations;
