@@ -35,8 +35,8 @@ def tagged_processes(tag: str, rank: str | None = None) -> list[int]:
 
 
 def rank_under(launcher: int, rank: int) -> list[int]:
-    """PIDs of live forked ranks named aqpipe-rank-`rank` that descend from process `launcher` (a launch started
-    without an environment tag to find it by)."""
+    """PIDs of live ranks `rank` that descend from process `launcher` (a launch started without an environment tag
+    to find it by): named aqpipe-rank-K when forked, RANK=K in their environment when started as fresh processes."""
     parents, names = {}, {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -55,7 +55,15 @@ def rank_under(launcher: int, rank: int) -> list[int]:
                 return True
         return False
 
-    return [pid for pid in parents if names.get(pid) == f"aqpipe-rank-{rank}" and descends(pid)]
+    def is_rank(pid: int) -> bool:
+        if names.get(pid) == f"aqpipe-rank-{rank}":
+            return True
+        try:
+            return f"RANK={rank}".encode() in (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            return False
+
+    return [pid for pid in parents if descends(pid) and is_rank(pid)]
 
 
 def none_left(tag: str, within: float = 15.0) -> bool:

@@ -101,10 +101,11 @@ def real_gradient(seed: int) -> torch.Tensor:
     """The flat gradient of a small GPT-2 on random tokens: a real-gradient vector."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_layer=2, n_embd=64, n_head=2, n_positions=64))
-    tokens = torch.randint(0, 300, (4, 32))
-    model(tokens, labels=tokens).loss.backward()
+    with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was, cached or not
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_layer=2, n_embd=64, n_head=2, n_positions=64))
+        tokens = torch.randint(0, 300, (4, 32))
+        model(tokens, labels=tokens).loss.backward()
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 

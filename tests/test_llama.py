@@ -118,7 +118,7 @@ def llama_config_for(out, **kw) -> RunConfig:
     return resolve(RunConfig(**settings))
 
 
-@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("pp", [2, 3])  # the tied copies on neighbouring stages, and across a middle stage
 def test_llama_pipeline_matches_single_process(tmp_path, pp):
     """Plain-text LM training of the tied llama-tiny: losses and every parameter equal the single-process run."""
     ref_losses, ref_params, bounds = train_single_process(llama_config_for(tmp_path / "ref", pp=pp))

@@ -3,6 +3,7 @@ trains; the base stays frozen and out of the optimizer, the grad sync and the ch
 adapted stage; resume and export work; bad settings are clear errors."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,7 @@ def _train(rank: int, world: int, pp: int, dp: int, partition: str, out: str) ->
             "merged": merged_state(worker.module)}
 
 
-@pytest.mark.parametrize("pp,dp,partition", [(2, 1, "parameters"), (3, 1, "2,2,2"), (2, 2, "parameters"),
+@pytest.mark.parametrize("pp,dp,partition", [(3, 1, "2,2,2"), (2, 2, "parameters"),
                                              (3, 1, "parameters")])  # the last: stage 0 is the embedding alone
 def test_lora_pipeline_equals_one_process_and_trains_only_the_adapters(tmp_path, pp, dp, partition):
     outcome = run_ranks(_train, pp * dp, pp, dp, partition, str(tmp_path))
@@ -234,3 +235,35 @@ def test_the_adapter_directory_loads_with_peft_on_the_base(tmp_path, architectur
         plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()(input_ids=ids).logits
     assert not torch.allclose(pipeline, plain, atol=1e-3)  # the adapters change the function
     torch.testing.assert_close(loaded, pipeline, rtol=1e-5, atol=1e-5)
+
+
+def test_a_launch_with_export_adapter_writes_a_peft_adapter_for_its_base(tmp_path):
+    """End to end on a small pretrained Llama checkpoint (with its own tokenizer) over 2 ranks: the run's
+    export-adapter/ loads with peft onto the base and computes what the merged export/ computes, the adapters moved,
+    and summary.json names the directory (SmolLM2's version of this runs under -m slow)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from aqpipe.data.corpus import builtin_corpus
+    from aqpipe.data.tokenizer import train_bpe
+    from aqpipe.stages.llama import FAMILIES, llama_config
+
+    base = tmp_path / "base"
+    PreTrainedTokenizerFast(tokenizer_object=train_bpe(builtin_corpus(), 512).tokenizer).save_pretrained(base)
+    torch.manual_seed(0)
+    FAMILIES["llama"].cls("ForCausalLM")(llama_config("llama-tiny", vocab_size=512)).save_pretrained(base)
+    out = tmp_path / "run"
+    proc = warm.run("launch", "--model", str(base), "--pp", "2", "--steps", "2", "--warmup-steps", "0", "--lr", "1e-2",
+                    "--seq-len", "32", "--max-samples", "32", "--lora", "4", "--export-adapter", "--eval-every", "0",
+                    "--no-progress", "--out", str(out), env=dict(os.environ, AQPIPE_CACHE=str(tmp_path / "cache")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    adapter = out / "export-adapter"
+    assert json.loads((out / "summary.json").read_text())["export_adapter"] == str(adapter)
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()(input_ids=ids)
+        merged = AutoModelForCausalLM.from_pretrained(out / "export").eval()(input_ids=ids)
+        plain = AutoModelForCausalLM.from_pretrained(base).eval()(input_ids=ids)
+    torch.testing.assert_close(loaded.logits, merged.logits, rtol=1e-5, atol=1e-4)
+    assert (loaded.logits - plain.logits).abs().max() > 1e-3  # the trained steps moved the adapters

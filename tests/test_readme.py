@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import warm
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -41,9 +43,8 @@ def test_python_api_example_trains(tmp_path):
 
 def test_module_function_model_from_the_command_line(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", "--model", "examples.custom_model:tiny_lm",
-                           "--pp", "2", "--steps", "3", "--seq-len", "16", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = warm.run("launch", "--model", "examples.custom_model:tiny_lm", "--pp", "2", "--steps", "3", "--seq-len", "16",
+                    "--out", str(out), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
     # 3 steps of the default aqsgd:4 all lie in the fp32 warm-up epoch: the launcher says the links never compress

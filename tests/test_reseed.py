@@ -100,7 +100,7 @@ def test_a_live_run_survives_damage_to_a_receivers_store_and_ends_with_identical
     import lmdb
 
     out = tmp_path / "run"
-    proc = warm.start("launch", "--pp", "3", "--steps", "32", "--seq-len", "16", "--max-samples", "128", "--fw",
+    proc = warm.start("launch", "--pp", "3", "--steps", "40", "--seq-len", "16", "--max-samples", "128", "--fw",
                       "aqsgd:3", "--store", "lmdb", "--no-progress", "--schedule", schedule, "--out", str(out))
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120

@@ -76,6 +76,8 @@ def _zygote(sock: socket.socket, parent: int) -> None:
         pid = os.fork()
         if pid == 0:
             sock.close()
+            if request.get("serve"):
+                _become_rank_server(fds[0], os.getppid())
             _become_command(request, fds)
         for fd in fds:
             os.close(fd)
@@ -91,6 +93,18 @@ def _report_exits(sock: socket.socket) -> None:
         if pid == 0:
             return
         sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _become_rank_server(fd: int, zygote: int) -> None:
+    """In the forked child: be a rank fork server (aqpipe's own) on socket `fd`; never returns."""
+    try:
+        from aqpipe.launch.forkserver import PARENT_ENV, serve
+
+        os.setsid()
+        os.environ[PARENT_ENV] = str(zygote)  # it dies with the zygote, its ranks with it
+        serve(socket.socket(fileno=fd), [])
+    finally:
+        os._exit(0)
 
 
 def _become_command(request: dict, fds: list[int]) -> None:
@@ -176,6 +190,30 @@ class WarmCommand:
         self.send_signal(signal.SIGKILL)
 
 
+class _ZygoteChild:
+    """A process the zygote forked, with the part of `subprocess.Popen`'s interface ForkServer uses."""
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self._zygote, self.pid, self.returncode = zygote, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["rank server"], timeout or 0.0)
+            time.sleep(0.02)
+        return code
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
 class _Zygote:
     def __init__(self) -> None:
         from aqpipe.launch.forkserver import SERVER_ENV
@@ -242,7 +280,7 @@ _ranks_here = None
 def _zygote_for_this_process() -> _Zygote | None:
     global _zygote_here
     with _lock:
-        if _zygote_here is None or _zygote_here._gone:
+        if _zygote_here is None or (_zygote_here.ready and _zygote_here._gone):  # an unsafe one is not retried
             _zygote_here = _Zygote()
         return _zygote_here if _zygote_here.ready else None
 
@@ -290,8 +328,17 @@ def ranks():
     from aqpipe.launch.forkserver import ForkServer
     from aqpipe.launch.worker_entry import rank_imports
 
+    zygote = _zygote_for_this_process()
     with _lock:
         if _ranks_here is None or _ranks_here._server.process.poll() is not None:
-            modules = [*PRELOAD[-3:], *(m for model, lora, store in MODELS for m in rank_imports(model, lora, store))]
-            _ranks_here = _SharedRanks(ForkServer(modules))
+            if zygote is None:  # a server of its own, which imports what the ranks need
+                modules = [*PRELOAD[-3:], *(m for model, lora, store in MODELS for m in rank_imports(model, lora, store))]
+                _ranks_here = _SharedRanks(ForkServer(modules))
+            else:  # forked from the zygote, which has imported all that already
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                pid = zygote.fork({"serve": True}, [theirs.fileno()])
+                theirs.close()
+                server = ForkServer.__new__(ForkServer)
+                server._attach(_ZygoteChild(zygote, pid), ours)
+                _ranks_here = _SharedRanks(server)
         return _ranks_here

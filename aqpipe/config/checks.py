@@ -37,8 +37,9 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
 }
 
 def resolve(cfg: RunConfig) -> ResolvedConfig:
-    """`cfg` with the preset's and the machine's defaults filled in, every value checked; raises ConfigError on the
-    first problem found."""
+    """A new config: `cfg` (left as given) with the preset's and the machine's defaults filled in, every value checked;
+    raises ConfigError on the first problem found."""
+    cfg = RunConfig(**dataclasses.asdict(cfg))
     _check_choices(cfg)
     preset = PRESET_TRAINING.get(cfg.model, PRESET_TRAINING["default"])
     for key, value in preset.items():

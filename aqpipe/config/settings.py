@@ -61,7 +61,8 @@ class RunConfig:
         "DeBERTa-v2/v3 family), a .gguf file, a hub id such as `openai-community/gpt2` (when the hub is reachable), "
         "or module:function returning a `PipelineSpec`", "gpt2-tiny", metavar="NAME|DIR|HUB-ID|module:function")
     task: str | None = setting(
-        "model", "`lm` (language modeling) or `classify` (sequence classification)", shown="the model's",
+        "model", "`lm` (language modeling) or `classify` (sequence classification)",
+        shown="what the model does: GPT-2 and Llama-family lm, BERT and DeBERTa classify",
         metavar="lm|classify")
     lora: int | None = setting(
         "model", "train LoRA adapters of rank R (peft) instead of every weight: the base is frozen and stays out of "
@@ -78,7 +79,7 @@ class RunConfig:
         "`export-adapter/`, a peft adapter directory for the base (`PeftModel.from_pretrained` loads it)", False)
     vocab_size: int | None = setting("model", "BPE vocabulary trained when the model brings no tokenizer",
                                      shown="4096", metavar="N")
-    dropout: float | None = setting("model", "dropout of the model", shown="the preset's (0 for gpt2-tiny, else 0.1)",
+    dropout: float | None = setting("model", "dropout of the model", shown="the model's own (its preset's or checkpoint's)",
                                     metavar="X")
 
     # Data
@@ -87,7 +88,8 @@ class RunConfig:
         "valid.*/test.*, or a hub dataset name[:config]; instruction data (the loss on responses only): "
         "`builtin-instruct` (Python's documentation as questions and answers) or a JSONL/JSON/CSV/TSV file or "
         "directory of them (prompt+response, instruction+output, question+answer or chat messages). Classify: a "
-        "CSV/TSV/JSONL file (10% held out) or a directory of train.* and valid.*/dev.*/test.* tables, `glue:TASK`, "
+        "CSV/TSV/JSONL file of text columns and a label (10% held out) or a directory of train.* and valid.*/dev.*/test.* "
+        "tables, `glue:TASK`, "
         "or prose for the built-in acceptability task (real sentences against word-shuffled ones)", "builtin",
         metavar="NAME|PATH")
     seq_len: int | None = setting("data", "tokens per sample", shown="preset", metavar="N")
@@ -151,8 +153,8 @@ class RunConfig:
         "store", "cap on each rank's LMDB store (GB); the map grows on demand up to it, and growth checks free disk "
         "first", shown="none", metavar="X")
     store_device: str = setting(
-        "store", "where the memory store keeps m(ξ) on a CUDA run: host RAM, or the stage's GPU (needs --store "
-        "memory --device cuda)", "cpu", metavar="cpu|cuda")
+        "store", "where the memory store keeps m(ξ) on a CUDA run: host RAM, or the stage's GPU (no host copies, GPU "
+        "memory spent; needs --store memory --device cuda)", "cpu", metavar="cpu|cuda")
     store_check: str = setting("store", "every AQ-SGD message carries a checksum of m(ξ) the receiver verifies",
                                "on", metavar="on|off")
     store_dump: str = setting("store", "save each rank's m(ξ) to <out>/store/rank-<r>.pt at the end (for "

@@ -11,5 +11,6 @@ def present(value: T | None, what: str) -> T:
     """`value`, which must be set at this point of a stage's work; an error naming `what` if it is not (an
     instruction stream out of order, a link end this stage does not have)."""
     if value is None:
-        raise RuntimeError(f"{what} missing: the instruction stream ran out of order")
+        raise RuntimeError(f"{what} missing at this point of the stage's work (an instruction out of order, or a link "
+                           "this stage does not have)")
     return value

@@ -74,4 +74,7 @@ def all_gather(dp: DPGroup, owned: int, codes: torch.Tensor, bits: int) -> tuple
         current = unpack(exchange(dp, payload, packed_bytes(c, bits)).view(1, -1), bits, c).view(-1)
         chunks[(owned - s - 1) % n] = current
         sent += payload.numel()
-    return [chunk for chunk in chunks if chunk is not None], sent
+    filled = [chunk for chunk in chunks if chunk is not None]
+    if len(filled) != n:
+        raise RuntimeError(f"the ring all-gather ended with {n - len(filled)} of {n} chunks missing")
+    return filled, sent
