@@ -111,6 +111,9 @@ def _become_command(request: dict, fds: list[int]) -> None:
     """In the forked child: run `aqpipe ARGV` as `python -m aqpipe ARGV` would; never returns."""
     code = 1
     try:
+        from aqpipe.launch.env import die_with
+
+        die_with(os.getppid())  # a command never outlives its zygote (nor, through it, its test worker)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         stdin = os.open(os.devnull, os.O_RDONLY)
         os.dup2(stdin, 0)
