@@ -28,8 +28,9 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
+
+from aqpipe.launch.forkserver import _wait_for
 
 MAX_MESSAGE = 1 << 20
 # What `aqpipe launch` imports for the models the suite runs, so each command's launcher (and the rank fork server
@@ -48,7 +49,7 @@ def _zygote(sock: socket.socket, parent: int) -> None:
 
     die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the terminal is pytest's
-    from aqpipe.launch.forkserver import _preload, native_threads
+    from aqpipe.launch.forkserver import _preload, _report_exits, native_threads
     from aqpipe.launch.worker_entry import rank_imports
 
     modules = list(PRELOAD)
@@ -82,17 +83,6 @@ def _zygote(sock: socket.socket, parent: int) -> None:
         for fd in fds:
             os.close(fd)
         sock.send(json.dumps({"pid": pid}).encode())
-
-
-def _report_exits(sock: socket.socket) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
 
 
 def _become_rank_server(fd: int, zygote: int) -> None:
@@ -148,30 +138,39 @@ def _become_command(request: dict, fds: list[int]) -> None:
 
 # The test's side.
 
-class WarmCommand:
-    """An `aqpipe` command forked from the zygote, with the part of `subprocess.Popen`'s interface tests use."""
+class _ZygoteChild:
+    """A process the zygote forked, with the part of `subprocess.Popen`'s interface tests and ForkServer use."""
 
-    def __init__(self, zygote: _Zygote, argv: list[str], env: dict[str, str], cwd: str) -> None:
-        self.args = ["aqpipe", *argv]
-        self._zygote = zygote
-        self._files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]  # noqa: SIM115 - closed by communicate
-        self.pid = zygote.fork({"argv": argv, "env": env, "cwd": cwd}, [f.fileno() for f in self._files])
-        self.returncode: int | None = None
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self._zygote, self.pid, self.returncode = zygote, pid, None
 
     def poll(self) -> int | None:
-        """The exit code once the command has ended (negative: the signal that killed it), else None."""
+        """The exit code once the process has ended (negative: the signal that killed it), else None."""
         if self.returncode is None:
             self.returncode = self._zygote.exit_code(self.pid)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        """Block until the command ends; raises subprocess.TimeoutExpired after `timeout` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            time.sleep(0.02)
-        return code
+        """Block until the process ends; raises subprocess.TimeoutExpired after `timeout` seconds."""
+        return _wait_for(self.poll, timeout, f"pid {self.pid}")
+
+    def send_signal(self, sig: int) -> None:
+        """Send `sig` to the process, unless it has ended."""
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the process, unless it has ended."""
+        self.send_signal(signal.SIGKILL)
+
+
+class WarmCommand(_ZygoteChild):
+    """An `aqpipe` command forked from the zygote, its stdout and stderr in files."""
+
+    def __init__(self, zygote: _Zygote, argv: list[str], env: dict[str, str], cwd: str) -> None:
+        self.args = ["aqpipe", *argv]
+        self._files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]  # noqa: SIM115 - closed by communicate
+        super().__init__(zygote, zygote.fork({"argv": argv, "env": env, "cwd": cwd}, [f.fileno() for f in self._files]))
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         """Wait for the end, then (stdout, stderr) as text."""
@@ -182,39 +181,6 @@ class WarmCommand:
             texts.append(f.read().decode("utf-8", errors="replace"))
             f.close()
         return texts[0], texts[1]
-
-    def send_signal(self, sig: int) -> None:
-        """Send `sig` to the command, unless it has ended."""
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL the command, unless it has ended."""
-        self.send_signal(signal.SIGKILL)
-
-
-class _ZygoteChild:
-    """A process the zygote forked, with the part of `subprocess.Popen`'s interface ForkServer uses."""
-
-    def __init__(self, zygote: _Zygote, pid: int) -> None:
-        self._zygote, self.pid, self.returncode = zygote, pid, None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._zygote.exit_code(self.pid)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(["rank server"], timeout or 0.0)
-            time.sleep(0.02)
-        return code
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
 
 
 class _Zygote:

@@ -8,6 +8,7 @@ A help text may name a vocabulary in braces (`{schedules}`); the reference fills
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -232,6 +233,7 @@ class ResolvedConfig(RunConfig):
     warmup_steps: int
 
 
+@functools.cache  # read once per flag while the CLI builds its parser
 def settings() -> dict[str, Setting]:
     """Every field a user may set, in definition order, with what the CLI and the reference say about it."""
     return {f.name: f.metadata["setting"] for f in dataclasses.fields(RunConfig) if "setting" in f.metadata}
