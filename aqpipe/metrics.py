@@ -69,6 +69,7 @@ def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall
             "bwd_bytes_per_second": _mean_rate(records, "bwd"),
         },
         "grad_sync_bytes": sum(r["grad_sync_bytes"] for r in records),
+        "tied_bytes": sum(r.get("tied_bytes", 0) for r in records),
         "wall_seconds": wall_seconds,
         "compute_seconds": sum(r["compute_seconds"] for r in records),
         "comm_wait_seconds": sum(r["comm_wait_seconds"] for r in records),

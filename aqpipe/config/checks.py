@@ -76,6 +76,7 @@ def _check_choices(cfg: RunConfig) -> None:
                                  ("quant-rounding", cfg.quant_rounding, ("nearest", "stochastic")),
                                  ("quant-grid", cfg.quant_grid, GRIDS),
                                  ("store-check", cfg.store_check, ("on", "off")),
+                                 ("tied-exchange", cfg.tied_exchange, ("rows", "dense")),
                                  ("store-dump", cfg.store_dump, ("on", "off"))):
         if value not in allowed:
             raise ConfigError(f"--{name} {value!r} is not one of {', '.join(allowed)}")

@@ -138,6 +138,12 @@ class RunConfig:
         "the vote, and rows that are zero on every replica (unused embedding rows) do not move. Whatever the method, "
         "the replicas compare a digest of their parameters at every checkpoint and at the end", "none",
         metavar="SPEC")
+    tied_exchange: str = setting(
+        "links", "how a tied input embedding (first stage) and LM head (last stage) stay one tensor (SmolLM2, "
+        "Qwen2.5, Llama 3.2): `rows` sends, between those two stages only, the rows of the step's tokens and their "
+        "gradient's rows (bytes scale with the distinct tokens of a step); `dense` all-reduces the whole table's "
+        "gradient over the pipeline every step, as Megatron and DeepSpeed do (for comparison: the same run, bit for "
+        "bit, with fp32 links)", "rows", metavar="rows|dense")
     bandwidth: str | None = setting(
         "links", "run each rank in its own network namespace, joined by a bridge, with its link shaped in both "
         "directions by a `tc tbf` qdisc at RATE (30mbit, 100mbit, 1gbit, or bytes/s as 12.5mbps); needs root and "

@@ -14,6 +14,7 @@ import torch
 from aqpipe.pipeline import present
 from aqpipe.pipeline.grid import Grid, gather_rows
 from aqpipe.pipeline.mixed_precision import autocast
+from aqpipe.pipeline.tied_rows import FOR_EVALUATION
 from aqpipe.pipeline.worker import StageWorker
 
 
@@ -42,6 +43,10 @@ def evaluate_stage(worker: StageWorker, step: int, batches: list[torch.Tensor], 
     if links.act_in is not None:
         for mb, ids in enumerate(batches):
             links.act_in.post_eval(step, mb, ids.numel())
+    if links.tied_rows is not None:  # the first stage looks up the held-out tokens' rows of a tied table
+        before = links.tied_rows.bytes_sent
+        links.tied_rows.begin(step, [samples.inputs(ids) for ids in batches], FOR_EVALUATION)
+        totals.bytes_sent += links.tied_rows.bytes_sent - before
     was_training = worker.module.training
     worker.module.eval()
     try:

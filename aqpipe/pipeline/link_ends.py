@@ -23,6 +23,7 @@ import torch
 from aqpipe.compress.link.codecs import DeltaFidelity, LinkCodec, build_codec
 from aqpipe.pipeline import present
 from aqpipe.pipeline import schedule as sch
+from aqpipe.pipeline.tied_rows import RowExchange
 from aqpipe.pipeline.transport import (
     HEADER_SIZE,
     KIND_EVAL,
@@ -199,6 +200,7 @@ class StageLinks:
     act_out: ActivationOut | None = None
     grad_in: GradientIn | None = None
     grad_out: GradientOut | None = None
+    tied_rows: RowExchange | None = None  # the first and last stage's end of a tied table's row exchange
     _step: int = 0
     _compress: bool = True
     _next_ids: list[int] | None = None
@@ -249,7 +251,7 @@ class StageLinks:
 
     def flush(self) -> None:
         """Wait until everything this rank sent has left."""
-        for end in (self.act_out, self.grad_out):
+        for end in (self.act_out, self.grad_out, self.tied_rows):
             if end is not None:
                 end.flush()
 
@@ -259,7 +261,7 @@ class StageLinks:
         for end in (self.act_in, self.grad_in):
             if end is not None:
                 end.close()
-        for send_end in (self.act_out, self.grad_out):
+        for send_end in (self.act_out, self.grad_out, self.tied_rows):
             if send_end is not None:
                 try:
                     send_end.close(abort)

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from aqpipe.compress.grad.base import ring_all_reduce_bytes
+
 
 @dataclass(frozen=True)
 class TiedGroup:
@@ -17,12 +19,25 @@ class TiedGroup:
     name: str
     shapes: tuple[tuple[int, ...], ...]
     copies: int
+    # An input embedding and the head that uses it (`extras["tied_rows"]`): its gradient's norm is counted on the
+    # stage holding the head, whole, as with a row exchange (so the two exchanges clip alike, bit for bit).
+    head_owned: bool = False
 
 
 def tied_groups(extras: dict) -> list[TiedGroup]:
     """The tied groups a spec declares (`extras["tied"]`: name → shapes, `extras["tied_copies"]`: name → count)."""
-    shapes, copies = extras.get("tied", {}), extras.get("tied_copies", {})
-    return [TiedGroup(name, tuple(tuple(s) for s in shapes[name]), int(copies[name])) for name in sorted(shapes)]
+    shapes, copies, head_owned = extras.get("tied", {}), extras.get("tied_copies", {}), extras.get("tied_rows", [])
+    return [TiedGroup(name, tuple(tuple(s) for s in shapes[name]), int(copies[name]), name in head_owned)
+            for name in sorted(shapes)]
+
+
+def row_tables(extras: dict, pp: int, exchange: str) -> list[str]:
+    """The tied groups kept equal by exchanging rows (`aqpipe.pipeline.tied_rows`) rather than by summing whole
+    gradients: those a spec declares as an input embedding on the first stage and a head on the last
+    (`extras["tied_rows"]`), when those are two stages and `--tied-exchange rows` asks for it."""
+    if exchange != "rows" or pp < 2:
+        return []
+    return sorted(extras.get("tied_rows", []))
 
 
 def local_copies(module: nn.Module) -> dict[str, list[list[nn.Parameter]]]:
@@ -41,25 +56,30 @@ def tied_ids(module: nn.Module) -> set[int]:
     return {id(p) for copies in local_copies(module).values() for copy in copies for p in copy}
 
 
-def sum_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device) -> None:
+def sum_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device) -> int:
     """Give every copy of each tied group the sum of all copies' gradients (all stages must call this; `device`: where
-    the pipeline group's collectives take their tensors)."""
-    _combine_copies(module, groups, group, pp, device, mean=False)
+    the pipeline group's collectives take their tensors); returns the bytes this rank sent for it."""
+    return _combine_copies(module, groups, group, pp, device, mean=False)
 
 
-def agree_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device) -> None:
+def agree_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device) -> int:
     """After the grad sync, give every copy the mean of the copies' synchronized gradients (all stages must call
     this): a compressor that selects or randomizes per coordinate (top-k, Marsit's transient bits, PowerSGD's
-    projections) can treat two copies differently, and the copies must stay one tensor."""
-    _combine_copies(module, groups, group, pp, device, mean=True)
+    projections) can treat two copies differently, and the copies must stay one tensor; returns the bytes sent."""
+    return _combine_copies(module, groups, group, pp, device, mean=True)
 
 
-def tied_sq_norm(module: nn.Module, groups: list[TiedGroup]) -> torch.Tensor:
+def tied_sq_norm(module: nn.Module, groups: list[TiedGroup], last_stage: bool = True) -> torch.Tensor:
     """This stage's share of the tied gradients' squared norm: each group's (common) gradient counted once over the
-    whole model, split over the copies."""
+    whole model, split over the copies (a head-owned group: whole on the last stage)."""
     copies = local_copies(module)
     share = torch.zeros((), dtype=torch.float64)
     for tied in groups:
+        if tied.head_owned:
+            held = copies.get(tied.name, [])
+            if last_stage and held:
+                share += sum(float(p.grad.double().pow(2).sum()) for p in held[-1] if p.grad is not None)
+            continue
         for copy in copies.get(tied.name, []):
             grads = [p.grad for p in copy if p.grad is not None]
             share += sum(float(g.double().pow(2).sum()) for g in grads) / tied.copies
@@ -67,10 +87,11 @@ def tied_sq_norm(module: nn.Module, groups: list[TiedGroup]) -> torch.Tensor:
 
 
 def _combine_copies(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device,
-                    mean: bool) -> None:
+                    mean: bool) -> int:
     """Every copy of each group gets the sum (or mean) over the whole pipeline of the copies' gradients (a stage
-    without copies, or without any parameter, still adds its zeros)."""
+    without copies, or without any parameter, still adds its zeros); returns this rank's bytes sent (a ring's)."""
     copies = local_copies(module)
+    sent = 0
     for tied in groups:
         mine = copies.get(tied.name, [])
         total = [torch.zeros(shape, dtype=torch.float32, device=device) for shape in tied.shapes]
@@ -81,9 +102,11 @@ def _combine_copies(module: nn.Module, groups: list[TiedGroup], group, pp: int, 
         flat = torch.cat([t.reshape(-1) for t in total])
         if pp > 1:
             dist.all_reduce(flat, group=group)
+            sent += ring_all_reduce_bytes(flat.numel() * flat.element_size(), pp)
         if mean:
             flat.div_(tied.copies)
         pieces = list(flat.split([t.numel() for t in total]))
         for copy in mine:
             for p, piece, shape in zip(copy, pieces, tied.shapes):
                 p.grad = piece.view(shape).to(p.device, p.dtype, copy=True)
+    return sent

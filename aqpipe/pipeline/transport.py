@@ -39,7 +39,10 @@ assert _LAYOUT.size <= HEADER_SIZE
 KIND_ACTIVATION = 1
 KIND_GRADIENT = 2
 KIND_EVAL = 3  # an evaluation activation: fp32, never through a compressing codec or the store
-KIND_NAMES = {KIND_ACTIVATION: "activation", KIND_GRADIENT: "gradient", KIND_EVAL: "evaluation activation"}
+KIND_TIED_ROWS = 4  # rows of a tied table, from the stage that owns it to the one that looks them up
+KIND_TIED_GRADS = 5  # the gradient's rows of a tied table, the other way
+KIND_NAMES = {KIND_ACTIVATION: "activation", KIND_GRADIENT: "gradient", KIND_EVAL: "evaluation activation",
+              KIND_TIED_ROWS: "tied table rows", KIND_TIED_GRADS: "tied table gradient rows"}
 
 SIDE_NONE = 0
 SIDE_MASK = 1  # an activation's attention mask: one row of bytes per sample

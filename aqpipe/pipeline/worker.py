@@ -22,6 +22,7 @@ from aqpipe.pipeline.link_ends import StageLinks
 from aqpipe.pipeline.mixed_precision import LossScaler, autocast
 from aqpipe.pipeline.optim import clip_by_global_norm, local_grad_sq_norm
 from aqpipe.pipeline.tied import TiedGroup, agree_tied_grads, sum_tied_grads, tied_ids, tied_sq_norm
+from aqpipe.pipeline.tied_rows import LOOKUP
 from aqpipe.stages.spec import Stage
 
 
@@ -35,6 +36,7 @@ class StepStats:
     fwd_elements: int = 0  # activation values those bytes stood for
     bwd_elements: int = 0
     grad_sync_bytes: int = 0
+    tied_bytes: int = 0  # a tied table's exchange: rows or gradient rows this rank sent (dense: its all-reduce share)
     fwd_recv_bytes: int = 0  # activation message bodies this rank received, and their time on the wire
     fwd_recv_seconds: float = 0.0
     bwd_recv_bytes: int = 0  # gradient message bodies this rank received, and their time on the wire
@@ -93,6 +95,8 @@ class StageWorker:
     _n: int = 1
     _weights: list[float] | None = None  # each micro-batch's share of the step's loss terms (instruction data)
     _sync_bytes_before: int = 0
+    _tied_bytes_before: int = 0
+    _dense_tied_bytes: int = 0  # this rank's share of the dense tied all-reduces so far
     _meter: ActivationMeter = field(init=False)
     _overflow: bool = False  # this step's gradients overflowed on some rank: no update anywhere
 
@@ -101,7 +105,26 @@ class StageWorker:
 
     @property
     def params(self) -> list[nn.Parameter]:
+        """Every trained parameter of the stage, a looked-up tied table included (loss scaling unscales it)."""
         return [p for p in self.module.parameters() if p.requires_grad]
+
+    @property
+    def updated_params(self) -> list[nn.Parameter]:
+        """The parameters this stage's optimizer updates: not a tied table it only looks rows up in (the stage
+        holding the table's other copy updates it; `aqpipe.pipeline.tied_rows`)."""
+        cache = self._row_cache
+        return [p for p in self.params if p is not cache]
+
+    @property
+    def row_cache_names(self) -> frozenset[str]:
+        """The state-dict names of a tied table this stage only looks rows up in (its unused rows are stale)."""
+        rows = self.links.tied_rows
+        return frozenset([rows.name]) if rows is not None and rows.role == LOOKUP else frozenset()
+
+    @property
+    def _row_cache(self) -> nn.Parameter | None:
+        rows = self.links.tied_rows
+        return rows.table if rows is not None and rows.role == LOOKUP else None
 
     def run_step(self, step: int, micro_batch_ids: list[torch.Tensor], compress: bool = True,
                  next_ids: list[int] | None = None) -> StepStats:
@@ -121,6 +144,12 @@ class StageWorker:
         self._weights = self._loss_weights(micro_batch_ids) if self.grid.is_last_stage else None
         self._overflow = False
         stats.loss_scale = self.scaler.scale if self.scaler is not None else 0.0
+        self._tied_bytes_before = self._tied_bytes()
+        if self.links.tied_rows is not None:  # the looked-up rows of a tied table, current before any forward
+            start = time.perf_counter()
+            samples: TokenSamples | ClassifySamples | InstructSamples = present(self.samples, "a first or last stage's samples")
+            self.links.tied_rows.begin(step, [samples.inputs(ids) for ids in micro_batch_ids])
+            stats.comm_wait_seconds += time.perf_counter() - start
         for ins in stream:
             handler, waits_on_peers = self._HANDLERS[type(ins)]
             start = time.perf_counter()
@@ -228,26 +257,40 @@ class StageWorker:
                 self.optimizer.zero_grad(set_to_none=True)
                 return
             self.scaler.unscale(self.params)
+        if self.links.tied_rows is not None:  # the head's gradient takes the embedding's rows, before anything reads it
+            self.links.tied_rows.exchange_gradients(self._step)
         if self.tied:  # first every copy takes the sum of all copies' gradients, so the sync sees the true gradient
-            sum_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp, collective_device(self.device))
+            self._dense_tied_bytes += sum_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp,
+                                                     collective_device(self.device))
         if self.grad_sync.sign_based:  # a sign method's input is clipped (Marsit: before its compensation is formed)
             stats.grad_norm = self._clip()
         self.grad_sync.lr = self.lr_schedule.get_last_lr()[0]
-        self.grad_sync.synchronize(self.params)
+        self.grad_sync.synchronize(self.updated_params)
         if self.tied and self.grid.dp > 1:  # a compressor may treat two copies' coordinates differently: re-agree
-            agree_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp, collective_device(self.device))
+            self._dense_tied_bytes += agree_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp,
+                                                       collective_device(self.device))
+
+    def _tied_bytes(self) -> int:
+        """Bytes this rank has sent so far to keep tied copies equal (row exchange and dense all-reduce)."""
+        rows = self.links.tied_rows
+        return self._dense_tied_bytes + (rows.bytes_sent if rows is not None else 0)
 
     def _clip(self) -> float:
         """Clip the gradients on the norm of the whole model (every stage, tied copies counted once); returns it."""
+        params = self.updated_params
         skip = tied_ids(self.module) if self.tied else set()
-        sq = local_grad_sq_norm([p for p in self.params if id(p) not in skip])
+        if self.links.tied_rows is not None:
+            skip.add(id(self.links.tied_rows.table))
+        sq = local_grad_sq_norm([p for p in params if id(p) not in skip])
         if self.tied:
-            sq = sq + tied_sq_norm(self.module, self.tied)
+            sq = sq + tied_sq_norm(self.module, self.tied, self.grid.is_last_stage)
+        if self.links.tied_rows is not None:
+            sq = sq + self.links.tied_rows.sq_norm()
         if self.grid.pp > 1:  # clip on the norm of the whole model, not of this stage
             sq = sq.to(collective_device(self.device))
             dist.all_reduce(sq, group=self.groups.pipeline)
         # signSGD's ±1 vector is the update itself: clipping its norm would only shrink every step
-        return clip_by_global_norm(self.params, self.clip if self.grad_sync.clippable else 0.0, sq.cpu())
+        return clip_by_global_norm(params, self.clip if self.grad_sync.clippable else 0.0, sq.cpu())
 
     def _optimizer_step(self, mb: None, index: None, stats: StepStats) -> None:
         if self.scaler is not None:
@@ -261,6 +304,7 @@ class StageWorker:
         self.optimizer.step()
         # counted after the optimizer: qadam's optimizer exchanges the momentum through the grad sync
         stats.grad_sync_bytes = self.grad_sync.bytes_sent - self._sync_bytes_before
+        stats.tied_bytes = self._tied_bytes() - self._tied_bytes_before
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
 

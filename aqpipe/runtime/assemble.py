@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from aqpipe.compress.grad import DPGroup, build_grad_sync
 from aqpipe.compress.grad.methods import parse_grad_spec
@@ -16,7 +17,8 @@ from aqpipe.pipeline.link_ends import ActivationIn, ActivationOut, GradientIn, G
 from aqpipe.pipeline.mixed_precision import LossScaler, needs_loss_scaling
 from aqpipe.pipeline.optim import build_optimizer, momenta
 from aqpipe.pipeline.streams import open_streams
-from aqpipe.pipeline.tied import tied_groups
+from aqpipe.pipeline.tied import row_tables, tied_groups
+from aqpipe.pipeline.tied_rows import LOOKUP, OWNER, RowExchange, table_parameter
 from aqpipe.pipeline.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
 from aqpipe.pipeline.worker import StageWorker
 from aqpipe.runtime.plan import RunPlan, store_bytes_per_rank
@@ -57,10 +59,12 @@ def stream_name(replica: int, link: int, direction: str) -> str:
     return f"replica {replica} link {link} {direction}"
 
 
-def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, device: torch.device) -> StageLinks:
+def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, device: torch.device,
+               module: nn.Module | None = None, row_names: list[str] | None = None) -> StageLinks:
     """This rank's link ends, one per direction of each adjacent link, each on a stream of its own (every rank of
     the pipeline calls this together); the forward ones of an AQ-SGD link hold the side of m(ξ)
-    `grid.owned_sides()` gives this rank."""
+    `grid.owned_sides()` gives this rank. With `row_names` (a tied table exchanged by rows), the first and the
+    last stage also open a stream each way between them and hold their end of the exchange (`links.tied_rows`)."""
     options = QuantOptions(per=cfg.quant_scales, stochastic=cfg.quant_rounding == "stochastic",
                            seed=cfg.seed + grid.rank, grid=cfg.quant_grid)
     check = cfg.store_check == "on"
@@ -72,8 +76,21 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
               ([names[(after, "gradient")]] if after is not None else [])
     outbound = ([names[(before, "gradient")]] if before is not None else []) + \
                ([names[(after, "activation")]] if after is not None else [])
+    tied_names = {d: f"replica {grid.replica} tied {d}" for d in ("rows", "grads")}
+    exchanges = bool(row_names) and (grid.is_first_stage or grid.is_last_stage)
+    if exchanges:  # rows go from the last stage (the owner) to the first (the lookup side), gradient rows back
+        (inbound if grid.is_first_stage else outbound).append(tied_names["rows"])
+        (outbound if grid.is_first_stage else inbound).append(tied_names["grads"])
     streams = open_streams(inbound, outbound, groups.pipeline, cfg.stall_timeout)
     links = StageLinks()
+    if exchanges:
+        assert module is not None and row_names, "a row exchange needs the stage module and its table's name"
+        first = grid.is_first_stage
+        peer = grid.describe(grid.rank_of(grid.pp - 1 if first else 0, grid.replica))
+        links.tied_rows = RowExchange(
+            LOOKUP if first else OWNER, *table_parameter(module, row_names[0]),
+            outbox=Outbox(streams[tied_names["grads" if first else "rows"]], peer, cfg.stall_timeout),
+            inbox=Inbox(streams[tied_names["rows" if first else "grads"]], peer, cfg.stall_timeout))
     if before is not None:  # link stage - 1: activations in, gradients out
         peer = grid.describe(grid.prev_rank)
         links.act_in = ActivationIn(before, KIND_ACTIVATION,
@@ -103,17 +120,22 @@ def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str
     optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)
     grad_sync = build_grad_sync(cfg.grad_sync, dp_group, cfg.seed, freeze_step(plan.total_steps, cfg.warmup_steps),
                                 momentum=vote_momentum)
+    row_names = [] if plan.lora is not None else row_tables(plan.spec.extras, cfg.pp, cfg.tied_exchange)
+    links = open_links(cfg, grid, groups, store, device, module, row_names)
+    rows = links.tied_rows
+    cache = rows.table if rows is not None and rows.role == LOOKUP else None  # the owner's optimizer updates it
     optimizer, lr_schedule = build_optimizer(
-        [p for p in module.parameters() if p.requires_grad], cfg.optimizer, cfg.lr, cfg.weight_decay,
+        [p for p in module.parameters() if p.requires_grad and p is not cache], cfg.optimizer, cfg.lr, cfg.weight_decay,
         cfg.warmup_steps, plan.total_steps, grad_sync=grad_sync, momentum=optimizer_momentum,
     )
     ends = grid.is_first_stage or grid.is_last_stage
     worker = StageWorker(
         grid=grid, groups=groups, module=module, loss_fn=plan.spec.loss,
-        samples=plan.dataset.train if ends else None, links=open_links(cfg, grid, groups, store, device),
+        samples=plan.dataset.train if ends else None, links=links,
         grad_sync=grad_sync, optimizer=optimizer, lr_schedule=lr_schedule, clip=cfg.clip, device=device,
         schedule=cfg.schedule, precision=cfg.precision,
-        tied=[] if plan.lora is not None else tied_groups(plan.spec.extras),  # LoRA freezes every tied table
+        # LoRA freezes every tied table
+        tied=[] if plan.lora is not None else [g for g in tied_groups(plan.spec.extras) if g.name not in row_names],
         scaler=LossScaler() if needs_loss_scaling(cfg.precision) else None,
     )
     return RankStage(plan, grid, groups, device, store, worker)

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
+from aqpipe.compress.grad.base import ring_all_reduce_bytes
 from aqpipe.compress.link.codecs import QuantOptions, build_codec, lossless_dtype, numel
 from aqpipe.compress.link.directq import sample_bytes
 from aqpipe.compress.link.specs import parse_spec
@@ -28,6 +29,8 @@ from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.grid import Grid
 from aqpipe.pipeline.held import ActivationMeter
 from aqpipe.pipeline.mixed_precision import autocast
+from aqpipe.pipeline.tied import row_tables, tied_groups
+from aqpipe.pipeline.tied_rows import step_rows
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan, available_memory
 from aqpipe.storage.dtypes import STORE_DTYPES
 
@@ -94,6 +97,16 @@ class LinkNeeds:
 
 
 @dataclass
+class TiedNeeds:
+    """What keeping tied tables one tensor sends per optimizer step of one replica (both directions, all ranks)."""
+
+    how: str  # "rows" (between the first and the last stage) or "dense" (an all-reduce over the pipeline)
+    step_bytes: int
+    table_bytes: int  # the tables' size, fp32
+    distinct_tokens: float = 0.0  # rows: the mean distinct tokens per step over the first steps of the data order
+
+
+@dataclass
 class CapacityPlan:
     """The plan of one run, and whatever does not fit."""
 
@@ -101,6 +114,7 @@ class CapacityPlan:
     stages: list[StageNeeds]
     links: list[LinkNeeds]
     bandwidth_bits: int | None = None
+    tied: TiedNeeds | None = None  # a tied table split over stages (None: none, or its copies share one stage)
     available: dict[str, int] = field(default_factory=dict)  # "RAM", "disk", "cuda:0", … -> free bytes
     problems: list[str] = field(default_factory=list)
 
@@ -218,9 +232,32 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
             s, (plan.bounds[s], plan.bounds[s + 1]), params, trainable, 4 * params, 4 * trainable,
             4 * copies * trainable, act, micro_batches_held(cfg.schedule, s, cfg.pp, m),
             int(sum(sides) * headroom), store_where(cfg)))
-    capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None)
+    capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None,
+                            tied_needs(plan))
     check_fits(capacity)
     return capacity
+
+
+def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
+    """Bytes per step one replica sends for its tied tables: with `--tied-exchange rows`, a table's looked-up rows
+    and their gradient (`aqpipe.pipeline.tied_rows`), counted on the first `sampled_steps` steps of the real data
+    order; otherwise a ring all-reduce of every table over the pipeline (every rank sends 2·(pp−1)/pp of it)."""
+    cfg = plan.cfg
+    groups = tied_groups(plan.spec.extras)
+    if cfg.pp < 2 or plan.lora is not None or not groups:
+        return None
+    by_rows = set(row_tables(plan.spec.extras, cfg.pp, cfg.tied_exchange))
+    table_bytes = {g.name: 4 * sum(numel(shape) for shape in g.shapes) for g in groups}
+    dense = sum(ring_all_reduce_bytes(table_bytes[g.name], cfg.pp) * cfg.pp for g in groups if g.name not in by_rows)
+    if not by_rows:
+        return TiedNeeds("dense", dense, sum(table_bytes.values()))
+    epochs = plan.epoch_plan(0)
+    counts = [len(step_rows([plan.dataset.train.inputs(ids) for ids in epochs.micro_batches_of(step)]))
+              for step in range(min(sampled_steps, plan.total_steps))]
+    distinct = sum(counts) / max(1, len(counts))
+    widths = [g.shapes[0][1] for g in groups if g.name in by_rows]
+    rows = sum(2 * round(distinct) * (4 * width + 8) for width in widths)  # the rows, then the gradient's rows
+    return TiedNeeds("rows", rows + dense, sum(table_bytes.values()), distinct)
 
 
 def store_where(cfg: ResolvedConfig) -> str:
@@ -291,6 +328,8 @@ def format_plan(capacity: CapacityPlan) -> str:
                          f"{link.activation_dtype:<6} {_gb(link.fwd_bytes):>12} {_gb(link.bwd_bytes):>14}   "
                          f"{_gb(link.warmup_fwd_bytes):>8}/{_gb(link.warmup_bwd_bytes):<9} "
                          f"{_gb(link.store_side_bytes) if link.store_side_bytes else '-':>14}")
+        if capacity.tied is not None:
+            lines.append(format_tied(capacity.tied, cfg))
         step = capacity.link_bound_step_seconds()
         if step is not None:
             lines.append(f"at --bandwidth {cfg.bandwidth}: the links alone need at least {step:.2f} s per step "
@@ -302,6 +341,16 @@ def format_plan(capacity: CapacityPlan) -> str:
               + ", ".join(f"{k} {_gb(v)}" for k, v in capacity.available.items())]
     lines += [f"does not fit: {p}" for p in capacity.problems] or ["fits"]
     return "\n".join(lines)
+
+
+def format_tied(tied: TiedNeeds, cfg: ResolvedConfig) -> str:
+    """The plan's line about tied tables."""
+    if tied.how == "rows":
+        return (f"tied embedding/LM head: {_gb(tied.step_bytes)} per step between stage 0 and stage {cfg.pp - 1} "
+                f"(the rows of ~{tied.distinct_tokens:,.0f} distinct tokens and their gradient; the table is "
+                f"{_gb(tied.table_bytes)}; --tied-exchange dense would send "
+                f"{_gb(ring_all_reduce_bytes(tied.table_bytes, cfg.pp) * cfg.pp)})")
+    return f"tied tables: {_gb(tied.step_bytes)} per step (an all-reduce of {_gb(tied.table_bytes)} over the pipeline)"
 
 
 def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:

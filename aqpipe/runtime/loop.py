@@ -38,7 +38,8 @@ def checkpoint(stage: RankStage, step: int) -> None:
     cfg, grid = stage.plan.cfg, stage.grid
     if isinstance(stage.store, PrefetchingStore):
         stage.store.flush()
-    check_replicas(stage.worker.module, grid, stage.groups.data_parallel, step, stage.device)
+    check_replicas(stage.worker.module, grid, stage.groups.data_parallel, step, stage.device,
+                   stage.worker.row_cache_names)
     save_rank(cfg.out, step, grid.rank, collect_state(stage.worker, stage.store), cfg.fixed_settings())
     dist.barrier()
     if grid.rank == 0:

@@ -26,7 +26,7 @@ from aqpipe.stages.models import tokenizer_directory
 from aqpipe.storage.base import stage_holding
 
 # The StepStats fields every rank contributes to a step's record (plus its step time), in the order they travel.
-STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elements", "grad_sync_bytes",
+STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elements", "grad_sync_bytes", "tied_bytes",
                "compute_seconds", "comm_wait_seconds", "grad_norm", "store_hits", "store_misses", "store_reseeded",
                "store_overflow", "fwd_recv_bytes", "fwd_recv_seconds", "bwd_recv_bytes", "bwd_recv_seconds",
                "forward_seconds", "backward_seconds", "peak_activation_bytes", "peak_memory_bytes", "overflow",
@@ -85,6 +85,8 @@ def step_record(stats: StepStats, grid: Grid, cfg: ResolvedConfig, step: int, st
         "fwd_bytes": int(col["fwd_bytes"].sum()),
         "bwd_bytes": int(col["bwd_bytes"].sum()),
         "grad_sync_bytes": int(col["grad_sync_bytes"].sum()),
+        "tied_bytes": int(col["tied_bytes"].sum()),
+        "stage_tied_bytes": [int(sum(col["tied_bytes"][grid.rank_of(s, r)] for r in range(cfg.dp))) for s in range(cfg.pp)],
         "link_fwd_bytes": [int(b) for b in per_link("fwd_bytes", "send")],
         "link_bwd_bytes": [int(b) for b in per_link("bwd_bytes", "recv")],
         "link_fwd_wire_seconds": per_link("fwd_recv_seconds", "recv"),

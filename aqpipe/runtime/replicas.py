@@ -15,24 +15,29 @@ class ReplicaDivergence(RuntimeError):
     """The data-parallel replicas of a stage hold different parameters."""
 
 
-def parameter_digest(module: nn.Module) -> int:
-    """A 63-bit digest (SHA-256) of every parameter and buffer of `module`, by name and raw bytes."""
+def parameter_digest(module: nn.Module, skip: frozenset[str] = frozenset()) -> int:
+    """A 63-bit digest (SHA-256) of every parameter and buffer of `module` but those named in `skip`, by name and
+    raw bytes."""
     digest = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
+        if name in skip:
+            continue
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
     return int.from_bytes(digest.digest()[:8], "little") >> 1
 
 
-def check_replicas(module: nn.Module, grid: Grid, dp_group, step: int, device: torch.device) -> None:
+def check_replicas(module: nn.Module, grid: Grid, dp_group, step: int, device: torch.device,
+                   skip: frozenset[str] = frozenset()) -> None:
     """All replicas of this stage must call this together; raises ReplicaDivergence on every one of them if any
-    replica's parameters differ from replica 0's."""
+    replica's parameters differ from replica 0's (`skip`: names left out, such as a tied table's row cache, whose
+    unused rows differ by design)."""
     if grid.dp == 1:
         return
     import torch.distributed as dist
 
     where = collective_device(device)
-    mine = torch.tensor([parameter_digest(module)], dtype=torch.int64, device=where)
+    mine = torch.tensor([parameter_digest(module, skip)], dtype=torch.int64, device=where)
     everyone = [torch.zeros_like(mine) for _ in range(grid.dp)]
     dist.all_gather(everyone, mine, group=dp_group)
     digests = [int(d) for d in everyone]

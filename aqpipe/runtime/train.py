@@ -63,6 +63,9 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
         emit({"event": "start", "total_steps": plan.total_steps, "rank": grid.rank, "first_step": first_step})
         wall_start = time.perf_counter() - (log.records[-1]["elapsed_seconds"] if log is not None and log.records else 0.0)
         train_steps(stage, first_step, log, wall_start)
+        rows = stage.worker.links.tied_rows
+        if rows is not None and grid.replica == 0:  # replica 0's first stage writes its final weights whole
+            rows.complete(plan.total_steps)
     except BaseException:
         stage.worker.links.close(abort=True)
         raise
@@ -79,7 +82,8 @@ def _finish_rank(stage: RankStage, first_step: int) -> None:
     """Every rank at the end: replicas compared, final weights written (replica 0), the store closed or dumped."""
     cfg, grid = stage.plan.cfg, stage.grid
     if first_step >= stage.plan.total_steps:  # no step ran, so no checkpoint compared the replicas
-        check_replicas(stage.worker.module, grid, stage.groups.data_parallel, stage.plan.total_steps, stage.device)
+        check_replicas(stage.worker.module, grid, stage.groups.data_parallel, stage.plan.total_steps, stage.device,
+                       stage.worker.row_cache_names)
     if grid.replica == 0:
         save_stage_weights(stage.worker.module, Path(cfg.out), grid.stage, adapters=cfg.export_adapter)
     dist.barrier()  # every stage's final weights are on disk before rank 0 merges them

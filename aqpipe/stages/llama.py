@@ -247,7 +247,8 @@ def decoder_spec(config, weights: Callable[[str], dict] | None = None, name: str
     layers.append(partial(_build, "head", config, 0, weights))
     extras: dict[str, Any] = {"hf_config": config.to_dict(), "task": "lm", "architecture": config.model_type}
     if config.tie_word_embeddings:
-        extras.update(tied={TIE_NAME: [(config.vocab_size, config.hidden_size)]}, tied_copies={TIE_NAME: 2})
+        extras.update(tied={TIE_NAME: [(config.vocab_size, config.hidden_size)]}, tied_copies={TIE_NAME: 2},
+                      tied_rows=[TIE_NAME])  # the embedding looks rows up; the head uses all of them
     return PipelineSpec(layers=layers, loss=lm_loss, name=name, extras=extras)
 
 

@@ -1,0 +1,195 @@
+"""A tied input embedding and LM head on different stages, exchanged as rows: the lookup side computes on the owner's
+current rows, the owner's gradient is exactly the dense sum, only the two stages holding copies send anything, and a
+whole run is the dense exchange's bit for bit while sending a small fraction of its bytes."""
+
+import json
+import shutil
+import socket
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from aqpipe.config import RunConfig, resolve
+from aqpipe.launch.job import run_job
+from aqpipe.pipeline.tied_rows import FOR_EVALUATION, LOOKUP, OWNER, RowExchange, step_rows, table_parameter
+from aqpipe.pipeline.transport import Inbox, Outbox, TransportError
+from tests import warm
+
+VOCAB, WIDTH = 40, 6
+
+
+def test_a_steps_rows_are_its_distinct_tokens_ascending():
+    tokens = [torch.tensor([[5, 3, 5], [9, 3, 0]]), torch.tensor([[9, 7, 7]])]
+    assert step_rows(tokens).tolist() == [0, 3, 5, 7, 9]
+    assert step_rows([]).numel() == 0
+
+
+def pair(owner_table: torch.Tensor, lookup_table: torch.Tensor) -> tuple[RowExchange, RowExchange]:
+    """The owner's and the lookup side's ends over two local socket pairs (one per direction)."""
+    rows_out, rows_in = socket.socketpair()
+    grads_out, grads_in = socket.socketpair()
+    owner = RowExchange(OWNER, "weight", nn.Parameter(owner_table.clone()), Outbox(rows_out, "lookup", 5.0),
+                        Inbox(grads_in, "lookup", 5.0))
+    lookup = RowExchange(LOOKUP, "weight", nn.Parameter(lookup_table.clone()), Outbox(grads_out, "owner", 5.0),
+                         Inbox(rows_in, "owner", 5.0))
+    return owner, lookup
+
+
+def close(*ends: RowExchange) -> None:
+    for end in ends:
+        end.close(abort=True)
+
+
+def test_the_lookup_side_computes_on_the_owners_rows_and_the_owner_gets_the_dense_sum():
+    generator = torch.Generator().manual_seed(0)
+    current, stale = torch.randn(VOCAB, WIDTH, generator=generator), torch.randn(VOCAB, WIDTH, generator=generator)
+    owner, lookup = pair(current, stale)
+    try:
+        tokens = [torch.tensor([[4, 1, 4, 30]]), torch.tensor([[1, 17, 2, 2]])]
+        owner.begin(3, tokens)
+        lookup.begin(3, tokens)
+        used = torch.tensor([1, 2, 4, 17, 30])
+        assert torch.equal(lookup.table[used], current[used])
+        unused = torch.ones(VOCAB, dtype=torch.bool)
+        unused[used] = False
+        assert torch.equal(lookup.table[unused], stale[unused])  # only the step's rows travelled
+
+        head_grad = torch.randn(VOCAB, WIDTH, generator=generator)  # a head's gradient is dense
+        embed_grad = torch.zeros(VOCAB, WIDTH)
+        embed_grad[used] = torch.randn(len(used), WIDTH, generator=generator)  # an embedding's, only where looked up
+        owner.table.grad, lookup.table.grad = head_grad.clone(), embed_grad.clone()
+        lookup.exchange_gradients(3)
+        owner.exchange_gradients(3)
+        assert torch.equal(owner.table.grad, head_grad + embed_grad)  # what the dense all-reduce forms, bit for bit
+        assert lookup.table.grad is None  # the lookup side's optimizer does not hold the table
+        assert float(lookup.sq_norm()) == 0.0
+        assert float(owner.sq_norm()) == float((head_grad + embed_grad).double().pow(2).sum())
+        assert lookup.bytes_sent == owner.bytes_sent == len(used) * (4 * WIDTH + 8)
+    finally:
+        close(owner, lookup)
+
+
+def test_an_evaluation_fetches_its_own_rows_and_the_end_makes_the_copy_whole():
+    generator = torch.Generator().manual_seed(1)
+    current = torch.randn(VOCAB, WIDTH, generator=generator)
+    owner, lookup = pair(current, torch.zeros(VOCAB, WIDTH))
+    try:
+        tokens = [torch.tensor([[8, 9]])]
+        owner.begin(5, tokens, FOR_EVALUATION)
+        lookup.begin(5, tokens, FOR_EVALUATION)
+        assert torch.equal(lookup.table[8:10], current[8:10]) and not lookup.table[:8].any()
+        owner.complete(6)
+        lookup.complete(6)
+        assert torch.equal(lookup.table, current)
+    finally:
+        close(owner, lookup)
+
+
+def test_rows_of_other_tokens_are_refused_naming_the_peer():
+    owner, lookup = pair(torch.zeros(VOCAB, WIDTH), torch.zeros(VOCAB, WIDTH))
+    try:
+        owner.begin(0, [torch.tensor([[1, 2]])])
+        with pytest.raises(TransportError, match="owner sent the rows of other tokens for tied table weight at step 1"):
+            lookup.begin(0, [torch.tensor([[1, 3]])])
+    finally:
+        close(owner, lookup)
+
+
+def test_a_stage_must_hold_exactly_one_copy_of_a_table_it_exchanges():
+    from aqpipe.stages.llama import DecoderEmbedding, llama_config
+
+    embedding = DecoderEmbedding(llama_config("llama-tiny", 50))
+    name, table = table_parameter(nn.Sequential(embedding), "embed_tokens")
+    assert name == "0.embed_tokens.weight" and table is embedding.embed_tokens.weight
+    with pytest.raises(ValueError, match="exactly one copy"):
+        table_parameter(nn.Sequential(embedding, DecoderEmbedding(llama_config("llama-tiny", 50))), "embed_tokens")
+
+
+def tied_config(out, exchange: str, **kw) -> RunConfig:
+    settings = dict(model="llama-tiny", pp=3, seq_len=32, micro_batch_size=2, micro_batches=3, steps=6, lr=2e-3,
+                    warmup_steps=2, seed=1, max_samples=96, device="cpu", out=str(out), clip=0.5, fw="fp32", bw="fp32",
+                    eval_every=3, tied_exchange=exchange)
+    settings.update(kw)
+    return resolve(RunConfig(**settings))
+
+
+def records(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def rows_and_dense(tmp_path_factory):
+    """The tied llama-tiny over 3 stages with fp32 links, once exchanging rows and once all-reducing the table."""
+    runs = {}
+    for exchange in ("rows", "dense"):
+        out = tmp_path_factory.mktemp(exchange) / "run"
+        assert run_job(tied_config(out, exchange), progress=False, starter=warm.ranks()) == 0
+        runs[exchange] = out
+    return runs
+
+
+def test_rows_train_the_dense_exchanges_model_bit_for_bit(rows_and_dense):
+    rows, dense = (records(rows_and_dense[k]) for k in ("rows", "dense"))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in dense]
+    assert [r["grad_norm"] for r in rows] == [r["grad_norm"] for r in dense]
+    assert [r["eval_loss"] for r in rows if "eval_loss" in r] == [r["eval_loss"] for r in dense if "eval_loss" in r]
+    exported = [load_file(next((rows_and_dense[k] / "export").glob("*.safetensors"))) for k in ("rows", "dense")]
+    assert exported[0].keys() == exported[1].keys()
+    assert all(torch.equal(exported[0][key], exported[1][key]) for key in exported[0])
+    final = rows_and_dense["rows"] / "checkpoints" / "final"
+    first, last = (torch.load(final / f"stage-{k}.pt", weights_only=True) for k in (0, 2))
+    head = next(v for k, v in last.items() if k.endswith("lm_head.weight"))
+    assert torch.equal(first["0.embed_tokens.weight"], head)  # the first stage's final weights are whole
+
+
+def test_only_the_two_stages_holding_copies_send_rows_and_far_fewer_bytes(rows_and_dense):
+    rows, dense = (records(rows_and_dense[k]) for k in ("rows", "dense"))
+    for record in rows:
+        first, middle, last = record["stage_tied_bytes"]
+        assert middle == 0 and first > 0 and last > 0
+        assert record["tied_bytes"] == first + last
+    for record in dense:
+        assert record["stage_tied_bytes"][1] > 0  # the all-reduce runs through the middle stage too
+    final = torch.load(rows_and_dense["rows"] / "checkpoints" / "final" / "stage-0.pt", weights_only=True)
+    table = 4 * final["0.embed_tokens.weight"].numel()
+    assert all(r["tied_bytes"] < table / 2 for r in rows)
+    assert all(r["tied_bytes"] >= 2 * table for r in dense)  # a ring over 3 ranks sends 2·(3−1)/3 of it from each
+    summary = json.loads((rows_and_dense["rows"] / "summary.json").read_text())
+    assert summary["tied_bytes"] == sum(r["tied_bytes"] for r in rows)
+
+
+def test_the_dry_run_predicts_the_rows_a_step_sends(rows_and_dense):
+    from aqpipe.runtime.capacity import plan_capacity
+    from aqpipe.runtime.plan import make_plan
+
+    capacity = plan_capacity(make_plan(tied_config(rows_and_dense["rows"].parent / "plan", "rows")))
+    assert capacity.tied is not None and capacity.tied.how == "rows"
+    measured = [r["tied_bytes"] for r in records(rows_and_dense["rows"])]
+    assert 0.8 * sum(measured) / len(measured) <= capacity.tied.step_bytes <= 1.25 * max(measured)
+    dense = plan_capacity(make_plan(tied_config(rows_and_dense["rows"].parent / "plan2", "dense"))).tied
+    assert dense is not None and dense.how == "dense"
+    assert dense.step_bytes == records(rows_and_dense["dense"])[0]["tied_bytes"]
+
+
+def test_a_resumed_run_fetches_its_rows_before_its_first_step(rows_and_dense, tmp_path):
+    """The first stage's checkpointed table is stale outside the rows it last looked up: a run resumed from step 3
+    must compute steps 4-6 exactly as the uninterrupted run did."""
+    whole = tmp_path / "whole"
+    assert run_job(tied_config(whole, "rows", checkpoint_every=3, eval_every=0), progress=False,
+                   starter=warm.ranks()) == 0
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    for later in ("step-00000006", "final"):
+        shutil.rmtree(resumed / "checkpoints" / later)
+    assert run_job(tied_config(resumed, "rows", checkpoint_every=3, eval_every=0, resume=str(resumed)),
+                   progress=False, starter=warm.ranks()) == 0
+    assert [r["loss"] for r in records(resumed)] == [r["loss"] for r in records(whole)]
+
+
+def test_an_unknown_tied_exchange_is_refused():
+    from aqpipe.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--tied-exchange 'sparse' is not one of rows, dense"):
+        tied_config("x", "sparse")
