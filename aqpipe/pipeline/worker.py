@@ -147,8 +147,8 @@ class StageWorker:
         self._tied_bytes_before = self._tied_bytes()
         if self.links.tied_rows is not None:  # the looked-up rows of a tied table, current before any forward
             start = time.perf_counter()
-            samples: TokenSamples | ClassifySamples | InstructSamples = present(self.samples, "a first or last stage's samples")
-            self.links.tied_rows.begin(step, [samples.inputs(ids) for ids in micro_batch_ids])
+            assert self.samples is not None, "a first or last stage holds its samples"
+            self.links.tied_rows.begin(step, [self.samples.inputs(ids) for ids in micro_batch_ids])
             stats.comm_wait_seconds += time.perf_counter() - start
         for ins in stream:
             handler, waits_on_peers = self._HANDLERS[type(ins)]
