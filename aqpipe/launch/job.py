@@ -41,8 +41,13 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
         if cfg.bandwidth is not None:
             raise ConfigError("--bandwidth works only when aqpipe launch starts the ranks itself, not under torchrun "
                               "or the DeepSpeed launcher; shape the hosts' links with tc instead")
+        from aqpipe.runtime.checkpoint import CheckpointError
+
         rank, world_size = rank_from_env()
-        run_worker(cfg, rank, world_size, spec_factory)
+        try:
+            run_worker(cfg, rank, world_size, spec_factory)
+        except CheckpointError as e:  # every rank finds the same: one line each, exit 2
+            raise ConfigError(str(e)) from None
         return 0
     netns.require_throttling(cfg.bandwidth)
     if starter is None:  # started before planning, so that its imports run while this process plans

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,26 @@ def create_groups(grid: Grid, backend: str | None = None) -> ProcessGroups:
         if stage == grid.stage:
             data_parallel = group
     return ProcessGroups(pipeline=pipeline, data_parallel=data_parallel)
+
+
+def local_rank() -> int:
+    """This rank's index among the ranks of its host: LOCAL_RANK (torchrun, the DeepSpeed launcher, aqpipe)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_world_size(world_size: int) -> int:
+    """How many ranks run on this host: torchrun's LOCAL_WORLD_SIZE, the DeepSpeed launcher's LOCAL_SIZE, else
+    (one host) the whole world."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return world_size
+
+
+def host_leader() -> bool:
+    """Whether this rank writes its host's copy of the run's shared files (config.json, checkpoint markers): the
+    first rank on each host, so that hosts without a shared disk each keep their own."""
+    return local_rank() == 0
 
 
 def rank_device(kind: str, local_rank: int) -> torch.device:

@@ -5,7 +5,8 @@ Layout under the run directory:
     checkpoints/step-00000040/rank-0.pt       everything rank 0 needs to continue after step 40
     checkpoints/step-00000040/rank-0.sha256   "<SHA-256 of the file> rank=0 step=40 config=<digest>", written after it
     checkpoints/step-00000040/run.json        the settings a resume may not change, and their digest
-    checkpoints/step-00000040/COMPLETE        written by rank 0 once every rank has written (a barrier)
+    checkpoints/step-00000040/COMPLETE        written once every rank has written (a barrier), by the first rank of
+                                              each host on that host's disk (hosts need not share one)
     checkpoints/latest                        the name of the newest complete step directory
 
 A step directory without COMPLETE (a run killed while saving) is never resumed from, and is removed once a newer
@@ -119,6 +120,19 @@ def complete_steps(out: str | Path) -> list[int]:
         if (directory / "COMPLETE").is_file() and directory.name[len("step-"):].isdigit():
             steps.append(int(directory.name[len("step-"):]))
     return sorted(steps, reverse=True)
+
+
+def sound_steps(out: str | Path, rank: int) -> list[int]:
+    """The steps, newest first, of the complete checkpoints on this host whose file for `rank` is present,
+    undamaged and written for that rank and step."""
+    sound = []
+    for step in complete_steps(out):
+        try:
+            _read_checked(rank_file(step_dir(out, step), rank), rank, step)
+        except CheckpointError:
+            continue
+        sound.append(step)
+    return sound
 
 
 def verify(out: str | Path, step: int, world_size: int, settings: dict) -> None:

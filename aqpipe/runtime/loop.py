@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from aqpipe.metrics import MetricsLog
 from aqpipe.pipeline.evaluate import eval_batches, evaluate_stage, gather_eval
+from aqpipe.pipeline.grid import host_leader
 from aqpipe.runtime.assemble import RankStage
 from aqpipe.runtime.checkpoint import mark_complete, save_rank
 from aqpipe.runtime.events import emit
@@ -34,15 +35,15 @@ def evaluate(stage: RankStage, step: int) -> dict:
 
 def checkpoint(stage: RankStage, step: int) -> None:
     """Every rank writes its state after `step` steps (once the replicas of its stage agree on their parameters);
-    rank 0 marks the checkpoint complete."""
+    then the first rank of every host marks the checkpoint complete on that host's disk."""
     cfg, grid = stage.plan.cfg, stage.grid
     if isinstance(stage.store, PrefetchingStore):
         stage.store.flush()
     check_replicas(stage.worker.module, grid, stage.groups.data_parallel, step, stage.device,
                    stage.worker.row_cache_names)
     save_rank(cfg.out, step, grid.rank, collect_state(stage.worker, stage.store), cfg.fixed_settings())
-    dist.barrier()
-    if grid.rank == 0:
+    dist.barrier()  # every rank has written its part: each host marks the step complete on its own disk
+    if host_leader():
         mark_complete(cfg.out, step, grid.world_size, cfg.fixed_settings())
 
 

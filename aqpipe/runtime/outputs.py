@@ -3,19 +3,23 @@ evaluation lines, the final stage weights, the merged HF export, summary.json an
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from aqpipe.config import ResolvedConfig
 from aqpipe.data.dataset import export_tokenizer
 from aqpipe.disk import DiskFullError, save_atomic, writing
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
+from aqpipe.pipeline import present
 from aqpipe.pipeline.grid import Grid, gather_rows
 from aqpipe.pipeline.worker import StepStats
 from aqpipe.runtime.plan import RunPlan
@@ -33,13 +37,19 @@ STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elemen
                "loss_scale", "aqsgd_signal", "aqsgd_change", "aqsgd_error")
 
 
-def open_outputs(cfg: ResolvedConfig, plan: RunPlan, first_step: int) -> MetricsLog:
-    """config.json, and the metrics log (a resumed run keeps the records up to its checkpoint)."""
+def write_config(cfg: ResolvedConfig, plan: RunPlan) -> None:
+    """config.json, as resolved (the first rank of every host writes it: a resume on any host reads it)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     resolved = cfg.to_dict()
     resolved["stage_bounds"] = plan.bounds
     write_json(out / "config.json", resolved)
+
+
+def open_outputs(cfg: ResolvedConfig, plan: RunPlan, first_step: int) -> MetricsLog:
+    """config.json, and the metrics log (a resumed run keeps the records up to its checkpoint)."""
+    write_config(cfg, plan)
+    out = Path(cfg.out)
     return MetricsLog(out, kept_records(out, first_step) if first_step else [])
 
 
@@ -141,16 +151,56 @@ def eval_summary(records: list[dict]) -> dict:
     return {**{k: v for k, v in final.items() if k.startswith("eval_")}, "eval_step": final["step"]}
 
 
-def export_model(plan: RunPlan) -> str | None:
+@dataclass
+class FinalWeights:
+    """Every stage's final weights (and LoRA adapters with --export-adapter) on rank 0, gathered over the network
+    from replica 0's ranks, and the bytes that took."""
+
+    states: list[dict[str, torch.Tensor]]
+    adapters: list[dict[str, torch.Tensor]] | None
+    bytes_received: int
+
+
+def gather_final_weights(module: torch.nn.Module, grid: Grid, plan: RunPlan) -> FinalWeights | None:
+    """Send replica 0's final stage weights to rank 0, which writes the export (every rank calls this; hosts need not
+    share a disk). Nothing travels for a model aqpipe does not export; returns what rank 0 received (None
+    elsewhere)."""
+    exporting = plan.spec.extras.get("architecture") is not None
+    mine = None
+    if exporting and grid.replica == 0 and grid.rank != 0:
+        parts = {"model": merged_state(module)}
+        if plan.cfg.export_adapter:
+            parts["adapter"] = adapter_state(module)
+        buffer = io.BytesIO()
+        torch.save(parts, buffer)
+        mine = buffer.getvalue()
+    everyone: list[bytes | None] | None = [None] * grid.world_size if grid.rank == 0 else None
+    if exporting:
+        dist.gather_object(mine, everyone, dst=0)
+    if everyone is None:
+        return None
+    own = {"model": merged_state(module), **({"adapter": adapter_state(module)} if plan.cfg.export_adapter else {})}
+    parts_of = [own] + [None] * (plan.cfg.pp - 1)
+    for stage in range(1, plan.cfg.pp):
+        data = everyone[grid.rank_of(stage, 0)]
+        parts_of[stage] = torch.load(io.BytesIO(data), weights_only=True) if data is not None else None
+    if not exporting or any(p is None for p in parts_of):
+        return None
+    return FinalWeights([p["model"] for p in parts_of if p is not None],
+                        [p["adapter"] for p in parts_of if p is not None] if plan.cfg.export_adapter else None,
+                        sum(len(d) for d in everyone if d is not None))
+
+
+def export_model(plan: RunPlan, final: FinalWeights | None) -> str | None:
     """Merge the final stage weights into an HF checkpoint directory `<out>/export` (None for custom models)."""
     architecture = plan.spec.extras.get("architecture")
-    if architecture is None:
+    if architecture is None or final is None:
         return None
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with the launcher's output
     out = Path(plan.cfg.out)
-    states = [torch.load(out / "checkpoints" / "final" / f"stage-{k}.pt", weights_only=True) for k in range(plan.cfg.pp)]
+    states = final.states
     tokenizer = export_tokenizer(plan.cfg.task, plan.cfg.data, tokenizer_directory(plan.cfg.model), plan.cfg.vocab_size)
     try:
         with writing(out / "export", sum(t.numel() * t.element_size() for s in states for t in s.values())):
@@ -186,11 +236,10 @@ def save_stage_weights(module: torch.nn.Module, out: Path, stage: int, adapters:
     return path
 
 
-def export_adapter_dir(plan: RunPlan) -> str:
+def export_adapter_dir(plan: RunPlan, final: FinalWeights) -> str:
     """Write the LoRA adapters of every stage as a peft adapter directory `<out>/export-adapter`."""
     out = Path(plan.cfg.out)
-    states = [torch.load(out / "checkpoints" / "final" / f"stage-{k}.adapter.pt", weights_only=True)
-              for k in range(plan.cfg.pp)]
+    states = present(final.adapters, "the stages' LoRA adapters")
     try:
         with writing(out / "export-adapter", sum(t.numel() * t.element_size() for s in states for t in s.values())):
             path = export_adapter(states, plan.bounds, plan.spec.extras["architecture"], plan.lora,
@@ -201,7 +250,7 @@ def export_adapter_dir(plan: RunPlan) -> str:
     return str(path)
 
 
-def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float) -> dict:
+def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float, final: FinalWeights | None = None) -> dict:
     """Rank 0, after every stage's final weights are on disk: summary.json, the export and loss.png; returns the
     summary."""
     cfg = plan.cfg
@@ -212,13 +261,13 @@ def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float) -> dict:
     with ThreadPoolExecutor(1, thread_name_prefix="aqpipe-plot") as pool:
         plot = pool.submit(plot_loss, log.records, out / "loss.png",
                            title=f"{cfg.model}  pp={cfg.pp} dp={cfg.dp}  fw={cfg.fw} bw={cfg.bw}")
-        summary = _summary(plan, log, wall_seconds)
+        summary = _summary(plan, log, wall_seconds, final)
         write_json(out / "summary.json", summary)
         plot.result()  # its error, if any, is the run's
     return summary
 
 
-def _summary(plan: RunPlan, log: MetricsLog, wall_seconds: float) -> dict:
+def _summary(plan: RunPlan, log: MetricsLog, wall_seconds: float, final: FinalWeights | None) -> dict:
     """Everything summary.json holds, writing the export on the way."""
     cfg = plan.cfg
     summary = summarize(log.records, used_steps=cfg.steps is not None, warmup_epochs=cfg.warmup_epochs,
@@ -228,9 +277,10 @@ def _summary(plan: RunPlan, log: MetricsLog, wall_seconds: float) -> dict:
                         "overflow": last.get("store_overflow", 0)}
     summary["skipped_steps"] = sum(1 for r in log.records if r.get("skipped"))
     summary.update(eval_summary(log.records))
-    summary["export"] = export_model(plan)
-    if cfg.export_adapter:
-        summary["export_adapter"] = export_adapter_dir(plan)
+    summary["export"] = export_model(plan, final)
+    summary["final_weights_bytes"] = final.bytes_received if final is not None else 0
+    if cfg.export_adapter and final is not None:
+        summary["export_adapter"] = export_adapter_dir(plan, final)
     if plan.dataset.info:
         summary["data"] = plan.dataset.info
     if summary["export"] and getattr(plan.dataset.valid, "prompts", None):

@@ -4,14 +4,17 @@ grad-sync (error feedback) and, for an in-memory store, m(ξ) itself; and resumi
 from __future__ import annotations
 
 import json
+import socket
+import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.optim import continue_schedule
 from aqpipe.pipeline.worker import StageWorker
-from aqpipe.runtime.checkpoint import CheckpointError, check_model_state, latest_step, load_rank, rank_file, step_dir
+from aqpipe.runtime.checkpoint import CheckpointError, check_model_state, load_rank, rank_file, sound_steps, step_dir
 from aqpipe.runtime.events import emit
 from aqpipe.runtime.reconcile import reconcile
 from aqpipe.stages.lora import checkpointed_names, training_state
@@ -86,15 +89,36 @@ def resume_rank(cfg: ResolvedConfig, worker: StageWorker, store) -> int:
     """Load this rank's part of the run's last checkpoint and make every link's two m(ξ) copies agree; returns
     the step to continue from. Every rank calls it (reconciliation is collective)."""
     run = cfg.resume
-    step = latest_step(run) if run is not None else None
-    if run is None or step is None:
-        raise CheckpointError(f"--resume {run}: no complete checkpoint under {run}/checkpoints")
+    if run is None:
+        raise CheckpointError("not a resumed run: there is no checkpoint to resume from")
+    step = agreed_step(run, worker.grid.rank)
     apply_state(load_rank(run, step, worker.grid.rank, cfg.fixed_settings()), worker, store,
                 describe(run, step, worker.grid.rank))
     reseeded = reconcile(store, worker.grid, worker.groups.pipeline)
     store.stats.reseeded += reseeded
     emit({"event": "resumed", "step": step, "rank": worker.grid.rank, "reseeded": reseeded})
     return step
+
+
+def agreed_step(run: str | Path, rank: int) -> int:
+    """The newest checkpoint every rank can resume from, each reading its own host's disk (every rank calls this
+    together): the newest step complete on every host with every rank's own file sound. CheckpointError naming
+    the hosts and what each holds when there is none."""
+    mine = sound_steps(run, rank)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (socket.gethostname(), mine))
+    common = set(everyone[0][1]).intersection(*(set(steps) for _, steps in everyone[1:]))
+    if common:
+        step = max(common)
+        newest = max(steps[0] for _, steps in everyone if steps)
+        if rank == 0 and newest > step:
+            print(f"aqpipe: resuming after step {step}: the checkpoint of step {newest} is not complete and sound on "
+                  "every host", file=sys.stderr, flush=True)
+        return step
+    holdings = "; ".join(f"rank {r} on {host}: {', '.join(map(str, steps)) or 'none'}"
+                         for r, (host, steps) in enumerate(everyone))
+    raise CheckpointError(f"--resume {run}: no checkpoint is complete and sound on every host (steps held: "
+                          f"{holdings})")
 
 
 def describe(out: str | Path, step: int, rank: int) -> str:

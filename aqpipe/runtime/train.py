@@ -11,12 +11,19 @@ import torch
 import torch.distributed as dist
 
 from aqpipe.config import ResolvedConfig
-from aqpipe.pipeline.grid import Grid, collective_backend, rank_device
+from aqpipe.pipeline.grid import Grid, collective_backend, host_leader, local_rank, local_world_size, rank_device
 from aqpipe.pipeline.rendezvous import loopback_rendezvous
 from aqpipe.runtime.assemble import RankStage, assemble_stage
 from aqpipe.runtime.events import emit, start_heartbeat
 from aqpipe.runtime.loop import train_steps
-from aqpipe.runtime.outputs import finish_outputs, open_outputs, save_stage_weights
+from aqpipe.runtime.outputs import (
+    FinalWeights,
+    finish_outputs,
+    gather_final_weights,
+    open_outputs,
+    save_stage_weights,
+    write_config,
+)
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds
 from aqpipe.runtime.replicas import check_replicas
 from aqpipe.runtime.resume import resume_rank
@@ -30,8 +37,8 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
                            f"{cfg.world_size}")
     grid = Grid(cfg.pp, cfg.dp, rank)
     start_heartbeat()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    device = rank_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
+    local_world = local_world_size(world_size)
+    device = rank_device(cfg.device, local_rank())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -60,6 +67,8 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
     try:
         first_step = resume_rank(cfg, stage.worker, stage.store) if cfg.resume else 0
         log = open_outputs(cfg, plan, first_step) if grid.rank == 0 else None
+        if log is None and host_leader():  # another host's copy, for a resume there
+            write_config(cfg, plan)
         emit({"event": "start", "total_steps": plan.total_steps, "rank": grid.rank, "first_step": first_step})
         wall_start = time.perf_counter() - (log.records[-1]["elapsed_seconds"] if log is not None and log.records else 0.0)
         train_steps(stage, first_step, log, wall_start)
@@ -70,25 +79,27 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
         stage.worker.links.close(abort=True)
         raise
     stage.worker.links.close()
-    _finish_rank(stage, first_step)
+    final = _finish_rank(stage, first_step)
     if log is None:
         return None
-    summary = finish_outputs(plan, log, time.perf_counter() - wall_start)
+    summary = finish_outputs(plan, log, time.perf_counter() - wall_start, final)
     emit({"event": "done", "summary": summary})
     return summary
 
 
-def _finish_rank(stage: RankStage, first_step: int) -> None:
-    """Every rank at the end: replicas compared, final weights written (replica 0), the store closed or dumped."""
+def _finish_rank(stage: RankStage, first_step: int) -> FinalWeights | None:
+    """Every rank at the end: replicas compared, final weights written (replica 0) on this rank's host and gathered
+    on rank 0 for the export, the store closed or dumped; returns what rank 0 gathered (None elsewhere)."""
     cfg, grid = stage.plan.cfg, stage.grid
     if first_step >= stage.plan.total_steps:  # no step ran, so no checkpoint compared the replicas
         check_replicas(stage.worker.module, grid, stage.groups.data_parallel, stage.plan.total_steps, stage.device,
                        stage.worker.row_cache_names)
     if grid.replica == 0:
         save_stage_weights(stage.worker.module, Path(cfg.out), grid.stage, adapters=cfg.export_adapter)
-    dist.barrier()  # every stage's final weights are on disk before rank 0 merges them
+    final = gather_final_weights(stage.worker.module, grid, stage.plan)  # hosts need not share a disk
     if cfg.store == "lmdb":
         stage.store.close()
     elif cfg.store_dump == "on" and isinstance(stage.store, MemoryStore):
         (Path(cfg.out) / "store").mkdir(parents=True, exist_ok=True)
         stage.store.dump(Path(cfg.out) / "store" / f"rank-{grid.rank}.pt")
+    return final
