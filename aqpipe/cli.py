@@ -35,9 +35,16 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--local_rank", "--local-rank", dest="_local_rank", help=argparse.SUPPRESS)
     for name, section, text in LAUNCH_SWITCHES:
         groups[section].add_argument(flag(name), dest=name, action="store_true", help=_escaped(text))
-    store = sub.add_parser("store", help="inspect the activation store of a run (verify, stats)")
-    store.add_argument("action", choices=["verify", "stats"])
+    store = sub.add_parser(
+        "store", help="inspect the activation store of a run (verify, stats, digest)",
+        description="verify: compare both copies of m(xi) on every link (a side whose store is on another host is "
+                    "read from the DIGESTS file `aqpipe store digest` wrote there). stats: entries, bytes and "
+                    "compression per link and side. digest: write a digest of every m(xi) value of the stores on "
+                    "this host (to --out, default stdout) for a verify on another host.")
+    store.add_argument("action", choices=["verify", "stats", "digest"])
     store.add_argument("run_dir")
+    store.add_argument("digests", nargs="*", metavar="DIGESTS", help="digest files of the other hosts (verify)")
+    store.add_argument("--out", dest="digest_out", help="where `digest` writes (default: standard output)")
     report = sub.add_parser("report", help="compare runs: their loss curves on one plot and a table of summaries")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     report.add_argument("--out", default="report.png", help="where the plot goes (default report.png)")
@@ -146,11 +153,23 @@ def _command(argv: list[str] | None) -> int:
 
 
 def _store(args: argparse.Namespace) -> int:
-    from aqpipe.storage.inspect import DamagedStore, InspectError, stats, verify
+    import json
+    from pathlib import Path
+
+    from aqpipe.storage.inspect import DamagedStore, InspectError, digests, stats, verify
 
     try:
+        if args.digests and args.action != "verify":
+            raise InspectError(f"only `aqpipe store verify` takes digest files, not `{args.action}`")
+        if args.action == "digest":
+            text = json.dumps(digests(args.run_dir), sort_keys=True) + "\n"
+            if args.digest_out:
+                Path(args.digest_out).write_text(text)
+            else:
+                sys.stdout.write(text)
+            return 0
         if args.action == "verify":
-            compared, problems = verify(args.run_dir)
+            compared, problems = verify(args.run_dir, args.digests)
             for line in problems:
                 print(line)
             print(f"{len(problems)} mismatch(es) in {compared} m(xi) entries compared")

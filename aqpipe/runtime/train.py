@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.grid import Grid, collective_backend, host_leader, local_rank, local_world_size, rank_device
-from aqpipe.pipeline.rendezvous import loopback_rendezvous
+from aqpipe.pipeline.rendezvous import loopback_rendezvous, pin_gloo_interface
 from aqpipe.runtime.assemble import RankStage, assemble_stage
 from aqpipe.runtime.events import emit, start_heartbeat
 from aqpipe.runtime.loop import train_steps
@@ -41,10 +41,16 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
     device = rank_device(cfg.device, local_rank())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    # OMP_NUM_THREADS, when set (torchrun sets 1 with several processes per node), as torch reads it; else the
+    # host's cores shared among its ranks
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
+                          else max(1, (os.cpu_count() or 1) // local_world))
     torch.manual_seed(cfg.seed)
 
     backend = collective_backend(device, local_world)
+    if backend == "gloo":
+        pin_gloo_interface()
     timeout = timedelta(seconds=cfg.stall_timeout)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                             store=loopback_rendezvous(rank, world_size, timeout))
@@ -56,6 +62,9 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
             bounds = box[0]
             assert bounds is not None, "rank 0 resolves the time partition"
             plan.bounds = bounds
+        # what config.json records and checkpoints are checked against, as in a run `aqpipe launch` starts (under
+        # torchrun nothing set it before)
+        cfg.stage_bounds = plan.bounds
         return _train(plan, grid, device, backend)
     finally:
         dist.destroy_process_group()

@@ -1,8 +1,11 @@
-"""`aqpipe store verify|stats`: compare the two copies of m(ξ) on every link of a run, and size up the stores."""
+"""`aqpipe store verify|stats|digest`: compare the two copies of m(ξ) on every link of a run (on one host, or across
+hosts through digest files), and size up the stores."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import socket
 from collections import defaultdict
 from pathlib import Path
 
@@ -42,21 +45,72 @@ def _open(run_dir: str, config: dict, rank: int) -> LMDBStore:
     return LMDBStore(path, config["store_dtype"], readonly=True)
 
 
-def verify(run_dir: str) -> tuple[int, list[str]]:
-    """(entries compared, mismatch descriptions) over every link of every replica."""
+def _digest(value: torch.Tensor) -> str:
+    """A short SHA-256 of one m(ξ) value's raw bytes (what two hosts compare when neither sees the other's store)."""
+    return hashlib.sha256(value.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()).hexdigest()[:32]
+
+
+def _side_values(run_dir: str, config: dict, rank: int, link: int, side: str) -> dict[int, torch.Tensor]:
+    store = _open(run_dir, config, rank)
+    try:
+        return {k[2]: v for k, v in store.items() if k[:2] == (link, side)}
+    finally:
+        store.close()
+
+
+def digests(run_dir: str) -> dict:
+    """The digest of every m(ξ) value in the stores this host holds of a run (`aqpipe store digest`): what
+    `verify` on another host needs to compare the copies across a link between two hosts."""
     config = _run_config(run_dir)
+    stores: dict[str, dict[str, dict[str, str]]] = {}
+    for rank in range(config["pp"] * config["dp"]):
+        if not store_path(run_dir, rank).is_dir():
+            continue
+        store = _open(run_dir, config, rank)
+        try:
+            table: dict[str, dict[str, str]] = defaultdict(dict)
+            for (link, side, sample), value in store.items():
+                table[f"{link}:{side}"][str(sample)] = _digest(value)
+        finally:
+            store.close()
+        stores[str(rank)] = dict(table)
+    return {"pp": config["pp"], "dp": config["dp"], "host": socket.gethostname(), "stores": stores}
+
+
+def load_digests(paths: list[str]) -> dict[int, dict[str, dict[str, str]]]:
+    """The stores the digest files of other hosts describe, by rank."""
+    found: dict[int, dict[str, dict[str, str]]] = {}
+    for path in paths:
+        try:
+            record = json.loads(Path(path).read_text())
+            found.update({int(rank): table for rank, table in record["stores"].items()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InspectError(f"{path!r} is not a digest file of `aqpipe store digest`: {e}") from None
+    return found
+
+
+def verify(run_dir: str, digest_files: list[str] | None = None) -> tuple[int, list[str]]:
+    """(entries compared, mismatch descriptions) over every link of every replica. A side of a link whose store is
+    not under `run_dir` (it is on another host) is read from the digest files that host's `aqpipe store digest`
+    wrote; the values are then compared by digest."""
+    config = _run_config(run_dir)
+    remote = load_digests(digest_files or [])
     pp, dp = config["pp"], config["dp"]
     compared, problems = 0, []
     for replica in range(dp):
         for link in range(pp - 1):
-            sender = _open(run_dir, config, replica * pp + stage_holding(link, "send"))
-            receiver = _open(run_dir, config, replica * pp + stage_holding(link, "recv"))
-            try:
-                sent = {k[2]: v for k, v in sender.items() if k[:2] == (link, "send")}
-                got = {k[2]: v for k, v in receiver.items() if k[:2] == (link, "recv")}
-            finally:
-                sender.close()
-                receiver.close()
+            sides: dict[str, dict] = {}
+            for side in ("send", "recv"):
+                rank = replica * pp + stage_holding(link, side)
+                if store_path(run_dir, rank).is_dir():
+                    sides[side] = _side_values(run_dir, config, rank, link, side)
+                elif rank in remote:
+                    sides[side] = remote[rank].get(f"{link}:{side}", {})
+                else:
+                    raise InspectError(f"rank {rank}'s store {store_path(run_dir, rank)} is not on this host: run "
+                                       f"`aqpipe store digest {run_dir} --out FILE` on the host that holds it and "
+                                       "pass FILE after the run directory")
+            sent, got = {int(k): v for k, v in sides["send"].items()}, {int(k): v for k, v in sides["recv"].items()}
             where = f"replica {replica} link {link}->{link + 1}"
             for sample in sorted(sent.keys() | got.keys()):
                 compared += 1
@@ -64,10 +118,20 @@ def verify(run_dir: str) -> tuple[int, list[str]]:
                     problems.append(f"{where} sample {sample}: only the sender holds m(xi)")
                 elif sample not in sent:
                     problems.append(f"{where} sample {sample}: only the receiver holds m(xi)")
-                elif not torch.equal(sent[sample].contiguous().view(torch.uint8), got[sample].contiguous().view(torch.uint8)):
-                    diff = float((sent[sample].float() - got[sample].float()).abs().max())
-                    problems.append(f"{where} sample {sample}: copies differ (max |difference| {diff:.3g})")
+                else:
+                    problems += _compare(where, sample, sent[sample], got[sample])
     return compared, problems
+
+
+def _compare(where: str, sample: int, sent: torch.Tensor | str, got: torch.Tensor | str) -> list[str]:
+    """The mismatch of one sample's two copies (values, or digests when one side is on another host), if any."""
+    if isinstance(sent, torch.Tensor) and isinstance(got, torch.Tensor):
+        if torch.equal(sent.contiguous().view(torch.uint8), got.contiguous().view(torch.uint8)):
+            return []
+        diff = float((sent.float() - got.float()).abs().max())
+        return [f"{where} sample {sample}: copies differ (max |difference| {diff:.3g})"]
+    mine, theirs = (_digest(v) if isinstance(v, torch.Tensor) else v for v in (sent, got))
+    return [] if mine == theirs else [f"{where} sample {sample}: copies differ (their digests do not match)"]
 
 
 def stats(run_dir: str) -> list[dict]:

@@ -1,0 +1,129 @@
+"""Simulated hosts on one machine, for tests and benchmarks of real multi-host runs.
+
+Each host is a network namespace of a throttled topology (`aqpipe.launch.netns`: its link to the others shaped by
+`tc tbf` in both directions; the ranks of one host talk over that namespace's own addresses, unshaped), with a
+private disk: a per-host directory bind-mounted, in a mount namespace of its own, at one path every host shares.
+So a run directory or `$AQPIPE_CACHE` has the same path on every host and different contents, as on separate
+machines. Each host runs one `torchrun … -m aqpipe launch …`, exactly the command the README's "Across hosts"
+gives users (`Hosts.command` prints it). Needs root (namespaces, mounts, tc).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from aqpipe.launch import netns
+
+# `sh -c` inside the host's mount namespace: bind its disk at the shared path, then become the command
+MOUNT_THEN_EXEC = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+
+
+@dataclass
+class Hosts:
+    """H simulated hosts with `ranks_per_host` ranks each; host h's disk is `root/host-h`, seen at `mount`."""
+
+    topology: netns.Topology
+    root: Path
+    mount: Path
+    ranks_per_host: int
+    port: int
+
+    @property
+    def count(self) -> int:
+        return self.topology.ranks
+
+    def disk(self, host: int) -> Path:
+        """Host `host`'s private disk, as this (the root) namespace sees it."""
+        return self.root / f"host-{host}"
+
+    def on_disk(self, host: int, path: Path | str) -> Path:
+        """Where a path under the shared mount point lives on host `host`'s disk."""
+        return self.disk(host) / Path(path).relative_to(self.mount)
+
+    def torchrun(self, host: int, *aqpipe_args: str) -> list[str]:
+        """The command a user types on host `host` (the README's), for `aqpipe <aqpipe_args>`."""
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.count),
+                "--nproc-per-node", str(self.ranks_per_host), "--node-rank", str(host),
+                "--master-addr", self.topology.address(0), "--master-port", str(self.port),
+                "-m", "aqpipe", *aqpipe_args]
+
+    def command(self, host: int, argv: list[str]) -> list[str]:
+        """`argv` run on host `host`: in its network namespace, with its disk at the shared mount point."""
+        return [*self.topology.exec_prefix(host), "unshare", "--mount", "--propagation", "private",
+                "sh", "-c", MOUNT_THEN_EXEC, "sh", str(self.disk(host)), str(self.mount), *argv]
+
+    def start(self, host: int, *aqpipe_args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+        """Start `torchrun … -m aqpipe <aqpipe_args>` on host `host` (its own session, output to `log`)."""
+        out = open(log or self.disk(host) / "torchrun.log", "ab")
+        try:
+            return subprocess.Popen(self.command(host, self.torchrun(host, *aqpipe_args)), stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    env={**os.environ, **(env or {})})
+        finally:
+            out.close()
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        """SIGKILL a host's whole process tree (torchrun and every rank it started), as when a machine dies."""
+        for pid in [*descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first found, then theirs), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Every host's exit code, waiting at most `timeout` seconds in all (then killing what is left: -9)."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for pid in [*descendants(proc.pid), proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+            codes.append(-9)
+    return codes
+
+
+@contextmanager
+def simulated_hosts(root: Path, count: int, ranks_per_host: int, rate_bits: int, port: int = 29517
+                    ) -> Iterator[Hosts]:
+    """`count` hosts with private disks under `root`, joined by links of `rate_bits`; everything is removed on the
+    way out (the namespaces; the mounts lived only in the hosts' processes)."""
+    mount = root / "mnt"
+    mount.mkdir(parents=True, exist_ok=True)
+    for host in range(count):
+        (root / f"host-{host}").mkdir(parents=True, exist_ok=True)
+    with netns.throttled(count, rate_bits) as topology:
+        yield Hosts(topology, root, mount, ranks_per_host, port)
