@@ -1,7 +1,9 @@
-"""How the ranks of a run find each other: the rendezvous store of a single-machine launch."""
+"""How the ranks of a run find each other (the rendezvous store, the interface gloo listens on) and agree, before any
+collective, on what they must share."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from datetime import timedelta
@@ -65,3 +67,58 @@ def interface_of(address: str) -> str | None:
             if socket.inet_ntoa(answer[20:24]) == address:
                 return name
     return None
+
+
+# Settings that may differ between hosts: where each host keeps its own files, and its launcher's port.
+HOST_LOCAL_SETTINGS = frozenset({"out", "resume", "port"})
+
+
+class HostDisagreement(ValueError):
+    """The ranks of a run, started on different hosts, resolved something differently that they must share."""
+
+
+def rendezvous_store(rank: int, world_size: int, timeout: timedelta):
+    """The store every rank of the run meets at: a local launch's loopback one, else torch's env:// rendezvous
+    (MASTER_ADDR/MASTER_PORT, or torchrun's agent store)."""
+    store = loopback_rendezvous(rank, world_size, timeout)
+    if store is not None:
+        return store
+    import torch.distributed as dist
+
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return store
+
+
+def agree(store, rank: int, world_size: int, facts: dict) -> None:
+    """Every rank publishes `facts` (JSON values: device kind, backend, grid, the resolved configuration…) and
+    checks everyone's, before any collective: a rank that chose otherwise (a host without a GPU picking gloo while
+    the others pick NCCL, a host given another flag) would otherwise hang the rendezvous or train something else.
+    Raises HostDisagreement naming the first fact that differs, with each rank's host and value."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"aqpipe/agree/{attempt}/{{}}"
+    store.set(key.format(rank), json.dumps({"host": socket.gethostname(), "facts": facts}, sort_keys=True))
+    everyone = [json.loads(store.get(key.format(r))) for r in range(world_size)]
+    flat = [_flatten(e["facts"]) for e in everyone]
+    for name in sorted(set().union(*flat)):
+        values = [json.dumps(f.get(name), sort_keys=True) for f in flat]
+        if len(set(values)) > 1:
+            seen = "; ".join(f"rank {r} on {e['host']}: {_short(values[r])}" for r, e in enumerate(everyone)
+                             if r == 0 or values[r] != values[0])
+            raise HostDisagreement(f"the ranks disagree on {name} ({seen}); every host must run the same command "
+                                   f"with the same flags{' (give --device explicitly)' if name in ('device', 'backend', 'config device') else ''}")
+
+
+def _flatten(facts: dict) -> dict:
+    """A dict fact (the configuration) as one fact per setting, so a disagreement names the setting."""
+    flat = {}
+    for name, value in facts.items():
+        if isinstance(value, dict):
+            flat.update({f"{name} {key}": inner for key, inner in value.items()})
+        else:
+            flat[name] = value
+    return flat
+
+
+def _short(value: str, limit: int = 80) -> str:
+    return value if len(value) <= limit else value[: limit - 1] + "…"

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from aqpipe.config import ResolvedConfig
+from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.pipeline.grid import Grid, collective_backend, host_leader, local_rank, local_world_size, rank_device
-from aqpipe.pipeline.rendezvous import loopback_rendezvous, pin_gloo_interface
+from aqpipe.pipeline.rendezvous import HOST_LOCAL_SETTINGS, HostDisagreement, agree, pin_gloo_interface, rendezvous_store
 from aqpipe.runtime.assemble import RankStage, assemble_stage
 from aqpipe.runtime.events import emit, start_heartbeat
 from aqpipe.runtime.loop import train_steps
@@ -33,8 +33,8 @@ from aqpipe.storage import MemoryStore
 def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=None) -> dict | None:
     """Train this rank's stage for the whole run; returns the summary on rank 0 (None elsewhere)."""
     if world_size != cfg.world_size:
-        raise RuntimeError(f"the launcher started {world_size} processes but --pp {cfg.pp} x --dp {cfg.dp} needs "
-                           f"{cfg.world_size}")
+        raise ConfigError(f"the launcher started {world_size} processes but --pp {cfg.pp} x --dp {cfg.dp} needs "
+                          f"{cfg.world_size}")
     grid = Grid(cfg.pp, cfg.dp, rank)
     start_heartbeat()
     local_world = local_world_size(world_size)
@@ -52,8 +52,14 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
     if backend == "gloo":
         pin_gloo_interface()
     timeout = timedelta(seconds=cfg.stall_timeout)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                            store=loopback_rendezvous(rank, world_size, timeout))
+    store = rendezvous_store(rank, world_size, timeout)
+    try:
+        agree(store, rank, world_size, {
+            "device": device.type, "backend": backend, "world": [cfg.pp, cfg.dp, world_size],
+            "config": {k: v for k, v in cfg.to_dict().items() if k not in HOST_LOCAL_SETTINGS}})
+    except HostDisagreement as e:
+        raise ConfigError(str(e)) from None
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
     try:
         plan = make_plan(cfg, spec_factory, profile=False)
         if not plan.bounds:  # a time partition nobody resolved yet: rank 0 profiles, everyone takes its answer

@@ -1,0 +1,100 @@
+"""Ranks on different hosts agree, before any collective, on what they must share; gloo listens where the other
+hosts can reach it; a local launch's rendezvous stays on loopback."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from aqpipe.launch.local import free_port
+from aqpipe.pipeline.rendezvous import HostDisagreement, agree, interface_of, pin_gloo_interface
+
+FACTS = {"device": "cuda", "backend": "nccl", "world": [2, 1, 2], "config": {"lr": 0.001, "pp": 2}}
+
+
+def agree_all(facts_by_rank: list[dict]) -> list[str | None]:
+    """Every rank of one store agreeing on its facts, each on a thread: the error text each got (None: agreed)."""
+    store = dist.HashStore()
+    results: list[str | None] = [None] * len(facts_by_rank)
+
+    def one(rank: int) -> None:
+        try:
+            agree(store, rank, len(facts_by_rank), facts_by_rank[rank])
+        except HostDisagreement as e:
+            results[rank] = str(e)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(facts_by_rank))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
+def test_ranks_that_resolved_the_same_agree():
+    assert agree_all([FACTS, FACTS, FACTS]) == [None, None, None]
+
+
+def test_a_host_without_a_gpu_is_named_on_every_rank():
+    cpu = {**FACTS, "device": "cpu", "backend": "gloo"}
+    results = agree_all([FACTS, FACTS, cpu])
+    host = socket.gethostname()
+    for text in results:
+        assert text is not None and text.startswith("the ranks disagree on backend (rank 0 on ")
+        assert f"rank 0 on {host}: \"nccl\"; rank 2 on {host}: \"gloo\"" in text
+        assert "give --device explicitly" in text and "rank 1" not in text
+
+
+def test_a_flag_given_differently_is_named():
+    other = {**FACTS, "config": {"lr": 0.002, "pp": 2}}
+    text = agree_all([FACTS, other])[0]
+    assert text is not None and text.startswith("the ranks disagree on config lr (rank 0 on ") and ": 0.002)" in text
+
+
+def test_gloo_is_pinned_to_the_interface_that_reaches_the_master(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("AQPIPE_LOOPBACK", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert pin_gloo_interface() is None  # loopback: nothing to choose
+    assert interface_of("127.0.0.1") == "lo" and interface_of("203.0.113.250") is None
+    monkeypatch.setattr("aqpipe.pipeline.streams.local_address", lambda: "10.9.9.9")
+    monkeypatch.setattr("aqpipe.pipeline.rendezvous.interface_of", lambda address: "eth7")
+    assert pin_gloo_interface() == "eth7" and os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")
+    assert pin_gloo_interface() is None and os.environ["GLOO_SOCKET_IFNAME"] == "mine"  # the user's choice stands
+
+
+def test_two_torchrun_hosts_given_different_flags_stop_with_one_line_each(tmp_path):
+    """Two `torchrun --nnodes 2` on this machine (two "hosts" on loopback), the second given another --lr: both
+    ranks exit 2 naming the setting before any collective, instead of training two different runs together."""
+    port = free_port()
+    procs = []
+    for node, lr in ((0, "1e-3"), (1, "2e-3")):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+               str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "aqpipe", "launch",
+               "--model", "gpt2-tiny", "--pp", "2", "--steps", "1", "--lr", lr, "--out", str(tmp_path / f"host{node}"),
+               "--no-progress"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, "HF_HUB_OFFLINE": "1"}))
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode != 0, err[-2000:]
+        lines = [line for line in err.splitlines() if line.startswith("aqpipe: error:")]
+        assert len(lines) == 1 and "the ranks disagree on config lr" in lines[0] and ": 0.002)" in lines[0], err[-2000:]
+        assert "exitcode  : 2" in err
+    assert not (tmp_path / "host0" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("variables, size", [({"LOCAL_WORLD_SIZE": "2"}, 2), ({"LOCAL_SIZE": "3"}, 3), ({}, 8)])
+def test_the_ranks_of_a_host_are_counted_under_torchrun_and_deepspeed(monkeypatch, variables, size):
+    from aqpipe.pipeline.grid import local_world_size
+
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert local_world_size(8) == size
