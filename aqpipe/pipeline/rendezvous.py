@@ -105,8 +105,9 @@ def agree(store, rank: int, world_size: int, facts: dict) -> None:
         if len(set(values)) > 1:
             seen = "; ".join(f"rank {r} on {e['host']}: {_short(values[r])}" for r, e in enumerate(everyone)
                              if r == 0 or values[r] != values[0])
+            hint = " (give --device explicitly)" if name in ("device", "backend", "config device") else ""
             raise HostDisagreement(f"the ranks disagree on {name} ({seen}); every host must run the same command "
-                                   f"with the same flags{' (give --device explicitly)' if name in ('device', 'backend', 'config device') else ''}")
+                                   f"with the same flags{hint}")
 
 
 def _flatten(facts: dict) -> dict:
