@@ -70,12 +70,26 @@ def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall
         },
         "grad_sync_bytes": sum(r["grad_sync_bytes"] for r in records),
         "tied_bytes": sum(r.get("tied_bytes", 0) for r in records),
+        "traffic": traffic_totals(records),
         "wall_seconds": wall_seconds,
         "compute_seconds": sum(r["compute_seconds"] for r in records),
         "comm_wait_seconds": sum(r["comm_wait_seconds"] for r in records),
         "store": {"hits": 0, "misses": 0, "reseeded": 0, "overflow": 0},
         **_aqsgd_fidelity(tail),
     }
+
+
+# Per-step record fields by traffic class: every byte a run's ranks send, by what it is for.
+TRAFFIC_FIELDS = {"link_payload": ("fwd_bytes", "bwd_bytes"), "link_framing": ("fwd_framing_bytes", "bwd_framing_bytes"),
+                  "grad_sync": ("grad_sync_bytes",), "tied": ("tied_bytes",), "control": ("control_bytes",),
+                  "evaluation": ("eval_bytes",)}
+
+
+def traffic_totals(records: list[dict]) -> dict:
+    """Bytes the whole run sent, by traffic class, and in all (the final weights' gather is added by the run)."""
+    totals = {name: sum(r.get(f, 0) for r in records for f in fields) for name, fields in TRAFFIC_FIELDS.items()}
+    totals["total"] = sum(totals.values())
+    return totals
 
 
 def _aqsgd_fidelity(tail: list[dict]) -> dict:

@@ -110,3 +110,37 @@ def test_two_hosts_of_two_ranks_train_the_one_machine_model_and_only_the_link_be
     reference = load_file(next((local / "export").glob("*.safetensors")))
     assert reference.keys() == exported.keys()
     assert all(torch.equal(reference[k], exported[k]) for k in reference)
+
+
+FRAME_HEADERS = 14 + 20 + 32  # Ethernet, IPv4 and TCP (with timestamps) headers of each packet
+
+
+def interface_bytes(hosts, host: int) -> int:
+    """What host `host`'s network interface has transmitted, its packets' Ethernet/IP/TCP headers aside."""
+    def read(counter: str) -> int:
+        path = f"/sys/class/net/{netns.INTERFACE}/statistics/{counter}"
+        return int(subprocess.run([*hosts.topology.exec_prefix(host), "cat", path], capture_output=True, text=True,
+                                  check=True).stdout)
+
+    return read("tx_bytes") - FRAME_HEADERS * read("tx_packets")
+
+
+def test_every_byte_on_the_wire_is_in_the_metrics(tmp_path):
+    """A throttled tied llama-tiny run over 2 hosts, 3 epochs: what the hosts' interfaces transmitted (TCP/IP headers
+    aside) is at least what metrics.jsonl and summary.json claim, and within 1.3x of it (everything is in the claim:
+    link payload and framing, tied rows, control, the final weights; outside it only the start-up rendezvous and
+    connections)."""
+    with simulated_hosts(tmp_path, 2, 1, 100_000_000) as hosts:
+        run = hosts.mount / "run"
+        before = [interface_bytes(hosts, h) for h in range(2)]
+        procs = [hosts.start(h, "launch", *SMALL, "--pp", "2", "--epochs", "3", "--seq-len", "64", "--out", str(run),
+                             env=ENV) for h in range(2)]
+        assert wait_all(procs, 240) == [0, 0], host_log(hosts, 0) + host_log(hosts, 1)
+        wire = sum(interface_bytes(hosts, h) - before[h] for h in range(2))
+        summary = json.loads(hosts.on_disk(0, run / "summary.json").read_text())
+    traffic = summary["traffic"]
+    steps = records(hosts.on_disk(0, run / "metrics.jsonl"))
+    assert summary["epochs"] == 3 and traffic["tied"] > 0 and traffic["control"] > 0 and traffic["link_framing"] > 0
+    assert traffic["link_payload"] == sum(r["fwd_bytes"] + r["bwd_bytes"] for r in steps)
+    assert traffic["total"] == sum(v for k, v in traffic.items() if k != "total")
+    assert traffic["total"] <= wire <= 1.3 * traffic["total"], (wire, traffic)

@@ -83,8 +83,12 @@ def test_a_mixed_precision_pipeline_computes_what_one_stage_computes_bit_for_bit
     single = _run(tmp_path / "pp1", 1, dict(precision=precision, dropout=0.0))
     assert pipeline[-1]["losses"] == single[0]["losses"]
     whole = _whole_model(pipeline, STEPS - 1)
-    assert whole.keys() == single[0]["states"][-1].keys()
-    assert all(torch.equal(whole[k], v) for k, v in single[0]["states"][-1].items())
+    reference = single[0]["states"][-1]
+    assert whole.keys() == reference.keys()
+    # the tied table lives in the last stage's head; the first stage's copy is current only in the rows it looked up
+    head = next(k for k in whole if k.endswith("lm_head.weight"))
+    assert torch.equal(whole[head], reference["0.embed_tokens.weight"])
+    assert all(torch.equal(whole[k], v) for k, v in reference.items() if k != "0.embed_tokens.weight")
     assert all(v.dtype == torch.float32 for v in whole.values() if v.is_floating_point())  # fp32 master weights
     fp32 = _run(tmp_path / "fp32", 1, dict(dropout=0.0))[0]["losses"]
     assert fp32 != single[0]["losses"]  # autocast really ran in the low precision ...
@@ -96,7 +100,10 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     for rank, result in enumerate(results):
         assert result["overflow"] == [0, 1, 0, 0], rank
         assert result["skipped"] == 1
-        assert all(torch.equal(result["states"][1][k], v) for k, v in result["states"][0].items()), rank  # no update
+        # no update (the first stage's copy of the tied table is a cache of the head's rows: it takes the rows step
+        # 1 looks up, which step 0 changed)
+        assert all(torch.equal(result["states"][1][k], v) for k, v in result["states"][0].items()
+                   if k != "0.embed_tokens.weight"), rank
         assert not all(torch.equal(result["states"][2][k], v) for k, v in result["states"][1].items()), rank
         assert result["scale"] == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15, 2.0 ** 15]
         assert all(torch.isfinite(v).all() for v in result["states"][-1].values() if v.is_floating_point())

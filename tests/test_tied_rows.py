@@ -14,7 +14,7 @@ from torch import nn
 from aqpipe.config import RunConfig, resolve
 from aqpipe.launch.job import run_job
 from aqpipe.pipeline.tied_rows import FOR_EVALUATION, LOOKUP, OWNER, RowExchange, step_rows, table_parameter
-from aqpipe.pipeline.transport import Inbox, Outbox, TransportError
+from aqpipe.pipeline.transport import HEADER_SIZE, Inbox, Outbox, TransportError
 from tests import warm
 
 VOCAB, WIDTH = 40, 6
@@ -66,7 +66,7 @@ def test_the_lookup_side_computes_on_the_owners_rows_and_the_owner_gets_the_dens
         assert lookup.table.grad is None  # the lookup side's optimizer does not hold the table
         assert float(lookup.sq_norm()) == 0.0
         assert float(owner.sq_norm()) == float((head_grad + embed_grad).double().pow(2).sum())
-        assert lookup.bytes_sent == owner.bytes_sent == len(used) * (4 * WIDTH + 8)
+        assert lookup.bytes_sent == owner.bytes_sent == len(used) * (4 * WIDTH + 8) + HEADER_SIZE
     finally:
         close(owner, lookup)
 

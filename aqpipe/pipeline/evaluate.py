@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aqpipe.pipeline import present
+from aqpipe.pipeline import comm, present
 from aqpipe.pipeline.grid import Grid, gather_rows
 from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.tied_rows import FOR_EVALUATION
@@ -85,16 +85,18 @@ def _count(totals: EvalTotals, out: torch.Tensor, targets: torch.Tensor, loss_fn
 def gather_eval(totals: EvalTotals, grid: Grid, num_labels: int, device: torch.device | None = None) -> dict | None:
     """Sum every rank's totals on rank 0 and turn them into metrics (None on other ranks)."""
     confusion = totals.confusion if totals.confusion is not None else torch.zeros(0, dtype=torch.int64)
-    mine = torch.cat([torch.tensor([totals.loss_sum, float(totals.samples), totals.terms], dtype=torch.float64),
-                      confusion.reshape(-1).to(torch.float64)])
-    rows = gather_rows(mine, grid, device or torch.device("cpu"))
+    mine = torch.cat([torch.tensor([totals.loss_sum, float(totals.samples), totals.terms, float(totals.bytes_sent)],
+                                   dtype=torch.float64), confusion.reshape(-1).to(torch.float64)])
+    rows = gather_rows(mine, grid, device or torch.device("cpu"), comm.EVALUATION)
     if rows is None:
         return None
     total = rows.sum(dim=0)
     loss_sum, count, terms = float(total[0]), int(total[1]), float(total[2])
-    result: dict = {"loss": loss_sum / terms if terms else float("nan"), "samples": count}
+    gathered = (grid.world_size - 1) * mine.numel() * mine.element_size()
+    result: dict = {"loss": loss_sum / terms if terms else float("nan"), "samples": count,
+                    "bytes": int(total[3]) + gathered}  # every message and gather the pass sent
     if num_labels:
-        result.update(classification_metrics(total[3:].round().to(torch.int64).view(num_labels, num_labels)))
+        result.update(classification_metrics(total[4:].round().to(torch.int64).view(num_labels, num_labels)))
     else:
         result["perplexity"] = math.exp(min(result["loss"], 700.0))
     return result

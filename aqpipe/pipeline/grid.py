@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from aqpipe.pipeline import comm
+
 
 @dataclass(frozen=True)
 class Grid:
@@ -156,12 +158,11 @@ def collective_device(device: torch.device) -> torch.device:
     return device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def gather_rows(mine: torch.Tensor, grid: Grid, device: torch.device) -> torch.Tensor | None:
+def gather_rows(mine: torch.Tensor, grid: Grid, device: torch.device, traffic: str = comm.CONTROL
+                ) -> torch.Tensor | None:
     """Every rank's 1-D `mine` stacked in rank order on rank 0 (on the host); None elsewhere."""
-    import torch.distributed as dist
-
     where = collective_device(device)
     mine = mine.to(where)
     gathered = [torch.zeros_like(mine) for _ in range(grid.world_size)] if grid.rank == 0 else None
-    dist.gather(mine, gathered, dst=0)
+    comm.gather(mine, gathered, traffic, dst=0)
     return torch.stack(gathered).cpu() if gathered is not None else None

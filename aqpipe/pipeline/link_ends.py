@@ -44,6 +44,8 @@ class LinkCounters:
     """What one end moved since the counters were last taken."""
 
     payload_bytes: int = 0  # sent: payload bytes (headers, ids and side information aside)
+    framing_bytes: int = 0  # sent: each message's header, sample ids and attention mask
+    control_bytes: int = 0  # sent: re-seed requests riding on gradients
     elements: int = 0  # sent: the tensor values those bytes stood for
     body_bytes: int = 0  # received: message bodies
     wire_seconds: float = 0.0  # received: the time those bodies spent on the wire
@@ -63,12 +65,16 @@ class SendEnd:
     def _send(self, step: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor, compress: bool,
               side: torch.Tensor | None = None, side_kind: int = SIDE_NONE, kind: int | None = None,
               codec: LinkCodec | None = None) -> int:
-        """Encode `tensor` and queue it with its side information; returns the payload bytes."""
+        """Encode `tensor` and queue it with its side information; returns the payload bytes (the rest of the message
+        is counted here: framing, or control for a re-seed request)."""
         codec = codec or self.codec
         encoded = codec.encode(tensor.detach(), ids, compress)
         header = Header.for_encoded(encoded, codec.code, kind or self.kind, step, mb, ids.numel(),
                                     side_kind if side is not None else SIDE_NONE)
         self.outbox.send(header, ids, encoded.payload, side)
+        side_bytes = 0 if side is None else side.numel() * side.element_size()
+        self.counters.framing_bytes += HEADER_SIZE + 8 * ids.numel() + (0 if side_kind == SIDE_RESEED else side_bytes)
+        self.counters.control_bytes += side_bytes if side_kind == SIDE_RESEED else 0
         if encoded.fidelity is not None:
             sofar = self.counters.fidelity
             self.counters.fidelity = encoded.fidelity if sofar is None else sofar + encoded.fidelity
@@ -127,8 +133,13 @@ class ActivationOut(SendEnd):
 
     def send_eval(self, step: int, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None
                   ) -> int:
-        """Send an evaluation activation in fp32, never through the link's codec or m(ξ); returns its bytes."""
-        return HEADER_SIZE + self._send(step, mb, activation, ids, False, mask, SIDE_MASK, KIND_EVAL, EVAL_CODEC)
+        """Send an evaluation activation in fp32, never through the link's codec or m(ξ); returns its bytes (all of
+        the message: evaluation traffic is counted whole, not in the training counters)."""
+        framing, control = self.counters.framing_bytes, self.counters.control_bytes
+        payload = self._send(step, mb, activation, ids, False, mask, SIDE_MASK, KIND_EVAL, EVAL_CODEC)
+        sent = payload + self.counters.framing_bytes - framing
+        self.counters.framing_bytes, self.counters.control_bytes = framing, control
+        return sent
 
     def forget(self, ids: list[int]) -> None:
         """The sender half of re-seeding: drop m(ξ) of samples the receiver lacks, so they next go in full."""

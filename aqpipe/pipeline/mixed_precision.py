@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from aqpipe.pipeline import comm
 from aqpipe.pipeline.precisions import PRECISIONS
 
 
@@ -58,7 +59,7 @@ class LossScaler:
         if finite:  # one flag from every gradient, read back once below (no host sync per tensor)
             flag += (~torch.stack(finite).all()).float().to(device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            comm.all_reduce(flag, comm.CONTROL, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
     def unscale(self, params: list[torch.nn.Parameter]) -> None:

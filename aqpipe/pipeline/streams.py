@@ -151,12 +151,14 @@ def open_streams(inbound: list[str], outbound: list[str], group, timeout: float)
     rank of the group and outbound on exactly one."""
     import torch.distributed as dist
 
+    from aqpipe.pipeline import comm
+
     address = local_address()
     listeners = {name: Listener(address) for name in inbound}
     try:
         mine = {name: listener.endpoint for name, listener in listeners.items()}
         everyone: list[dict | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+        comm.all_gather_object(everyone, mine, comm.SETUP, group=group)
         endpoints = {name: endpoint for table in everyone if table for name, endpoint in table.items()}
         streams = {}
         for name in outbound:  # the peer's listen backlog holds our connection until it accepts

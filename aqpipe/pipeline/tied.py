@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from aqpipe.compress.grad.base import ring_all_reduce_bytes
+from aqpipe.pipeline import comm
 
 
 @dataclass(frozen=True)
@@ -56,17 +55,17 @@ def tied_ids(module: nn.Module) -> set[int]:
     return {id(p) for copies in local_copies(module).values() for copy in copies for p in copy}
 
 
-def sum_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device) -> int:
+def sum_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device) -> None:
     """Give every copy of each tied group the sum of all copies' gradients (all stages must call this; `device`: where
-    the pipeline group's collectives take their tensors); returns the bytes this rank sent for it."""
-    return _combine_copies(module, groups, group, pp, device, mean=False)
+    the pipeline group's collectives take their tensors)."""
+    _combine_copies(module, groups, group, pp, device, mean=False)
 
 
-def agree_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device) -> int:
+def agree_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device) -> None:
     """After the grad sync, give every copy the mean of the copies' synchronized gradients (all stages must call
     this): a compressor that selects or randomizes per coordinate (top-k, Marsit's transient bits, PowerSGD's
-    projections) can treat two copies differently, and the copies must stay one tensor; returns the bytes sent."""
-    return _combine_copies(module, groups, group, pp, device, mean=True)
+    projections) can treat two copies differently, and the copies must stay one tensor."""
+    _combine_copies(module, groups, group, pp, device, mean=True)
 
 
 def tied_sq_norm(module: nn.Module, groups: list[TiedGroup], last_stage: bool = True) -> torch.Tensor:
@@ -87,11 +86,10 @@ def tied_sq_norm(module: nn.Module, groups: list[TiedGroup], last_stage: bool = 
 
 
 def _combine_copies(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device,
-                    mean: bool) -> int:
+                    mean: bool) -> None:
     """Every copy of each group gets the sum (or mean) over the whole pipeline of the copies' gradients (a stage
-    without copies, or without any parameter, still adds its zeros); returns this rank's bytes sent (a ring's)."""
+    without copies, or without any parameter, still adds its zeros)."""
     copies = local_copies(module)
-    sent = 0
     for tied in groups:
         mine = copies.get(tied.name, [])
         total = [torch.zeros(shape, dtype=torch.float32, device=device) for shape in tied.shapes]
@@ -101,12 +99,10 @@ def _combine_copies(module: nn.Module, groups: list[TiedGroup], group, pp: int, 
                     acc.add_(p.grad.to(device, torch.float32))
         flat = torch.cat([t.reshape(-1) for t in total])
         if pp > 1:
-            dist.all_reduce(flat, group=group)
-            sent += ring_all_reduce_bytes(flat.numel() * flat.element_size(), pp)
+            comm.all_reduce(flat, comm.TIED, group=group)
         if mean:
             flat.div_(tied.copies)
         pieces = list(flat.split([t.numel() for t in total]))
         for copy in mine:
             for p, piece, shape in zip(copy, pieces, tied.shapes):
                 p.grad = piece.view(shape).to(p.device, p.dtype, copy=True)
-    return sent

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from aqpipe.pipeline.tied import local_copies
-from aqpipe.pipeline.transport import KIND_TIED_GRADS, KIND_TIED_ROWS, Expect, Header, Inbox, Outbox, TransportError
+from aqpipe.pipeline.transport import HEADER_SIZE, KIND_TIED_GRADS, KIND_TIED_ROWS, Expect, Header, Inbox, Outbox, TransportError
 
 # What a rows message is for, in its header's micro-batch field: a training step's rows, or an evaluation pass's.
 FOR_TRAINING = 0
@@ -141,7 +141,7 @@ class RowExchange:
         values = values.contiguous().cpu()
         header = Header(kind, step, purpose, tuple(values.shape), values.dtype, len(rows), 0)
         self.outbox.send(header, rows, values)
-        self.bytes_sent += values.numel() * values.element_size() + 8 * len(rows)
+        self.bytes_sent += HEADER_SIZE + values.numel() * values.element_size() + 8 * len(rows)
 
     def _receive(self, kind: int, step: int, purpose: int, rows: torch.Tensor) -> torch.Tensor:
         self.inbox.expect(Expect(kind, step, purpose, len(rows)))

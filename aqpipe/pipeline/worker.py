@@ -9,12 +9,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from aqpipe.compress.grad import GradSync
 from aqpipe.data import ClassifySamples, InstructSamples, TokenSamples
-from aqpipe.pipeline import present
+from aqpipe.pipeline import comm, present
 from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device
 from aqpipe.pipeline.held import ActivationMeter
@@ -37,6 +36,9 @@ class StepStats:
     bwd_elements: int = 0
     grad_sync_bytes: int = 0
     tied_bytes: int = 0  # a tied table's exchange: rows or gradient rows this rank sent (dense: its all-reduce share)
+    fwd_framing_bytes: int = 0  # the rest of the messages whose payloads fwd_bytes/bwd_bytes count: headers, sample
+    bwd_framing_bytes: int = 0  # ids, attention masks
+    control_bytes: int = 0  # loss weights, overflow flags, norm all-reduces, re-seed requests, metrics gathers…
     fwd_recv_bytes: int = 0  # activation message bodies this rank received, and their time on the wire
     fwd_recv_seconds: float = 0.0
     bwd_recv_bytes: int = 0  # gradient message bodies this rank received, and their time on the wire
@@ -96,7 +98,6 @@ class StageWorker:
     _weights: list[float] | None = None  # each micro-batch's share of the step's loss terms (instruction data)
     _sync_bytes_before: int = 0
     _tied_bytes_before: int = 0
-    _dense_tied_bytes: int = 0  # this rank's share of the dense tied all-reduces so far
     _meter: ActivationMeter = field(init=False)
     _overflow: bool = False  # this step's gradients overflowed on some rank: no update anywhere
 
@@ -179,13 +180,16 @@ class StageWorker:
         total = torch.tensor([float(sum(tokens))], dtype=torch.float64)
         if self.grid.dp > 1:
             total = total.to(collective_device(self.device))
-            dist.all_reduce(total, group=self.groups.data_parallel)
+            comm.all_reduce(total, comm.CONTROL, group=self.groups.data_parallel)
         return [t * self.grid.dp / float(total) for t in tokens]
 
     def _count_links(self, stats: StepStats) -> None:
         counters = self.links.take_counters()
         stats.fwd_bytes, stats.fwd_elements = counters["fwd_sent"].payload_bytes, counters["fwd_sent"].elements
         stats.bwd_bytes, stats.bwd_elements = counters["bwd_sent"].payload_bytes, counters["bwd_sent"].elements
+        stats.fwd_framing_bytes = counters["fwd_sent"].framing_bytes
+        stats.bwd_framing_bytes = counters["bwd_sent"].framing_bytes
+        stats.control_bytes += counters["bwd_sent"].control_bytes  # re-seed requests
         stats.fwd_recv_bytes, stats.fwd_recv_seconds = counters["fwd_received"].body_bytes, counters["fwd_received"].wire_seconds
         stats.bwd_recv_bytes, stats.bwd_recv_seconds = counters["bwd_received"].body_bytes, counters["bwd_received"].wire_seconds
         fidelity = counters["fwd_sent"].fidelity
@@ -253,27 +257,26 @@ class StageWorker:
         self._sync_bytes_before = self.grad_sync.bytes_sent
         if self.scaler is not None:  # fp16: skip the step everywhere if any rank overflowed, before any compressor
             self._overflow = self.scaler.overflowed(self.params, collective_device(self.device))
-            if self._overflow:
-                self.optimizer.zero_grad(set_to_none=True)
+            if self._overflow:  # every gradient goes, a looked-up tied table's too (its optimizer is the head's)
+                for p in self.params:
+                    p.grad = None
                 return
             self.scaler.unscale(self.params)
         if self.links.tied_rows is not None:  # the head's gradient takes the embedding's rows, before anything reads it
             self.links.tied_rows.exchange_gradients(self._step)
         if self.tied:  # first every copy takes the sum of all copies' gradients, so the sync sees the true gradient
-            self._dense_tied_bytes += sum_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp,
-                                                     collective_device(self.device))
+            sum_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp, collective_device(self.device))
         if self.grad_sync.sign_based:  # a sign method's input is clipped (Marsit: before its compensation is formed)
             stats.grad_norm = self._clip()
         self.grad_sync.lr = self.lr_schedule.get_last_lr()[0]
         self.grad_sync.synchronize(self.updated_params)
         if self.tied and self.grid.dp > 1:  # a compressor may treat two copies' coordinates differently: re-agree
-            self._dense_tied_bytes += agree_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp,
-                                                       collective_device(self.device))
+            agree_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp, collective_device(self.device))
 
     def _tied_bytes(self) -> int:
         """Bytes this rank has sent so far to keep tied copies equal (row exchange and dense all-reduce)."""
         rows = self.links.tied_rows
-        return self._dense_tied_bytes + (rows.bytes_sent if rows is not None else 0)
+        return comm.TRAFFIC.sent[comm.TIED] + (rows.bytes_sent if rows is not None else 0)
 
     def _clip(self) -> float:
         """Clip the gradients on the norm of the whole model (every stage, tied copies counted once); returns it."""
@@ -288,7 +291,7 @@ class StageWorker:
             sq = sq + self.links.tied_rows.sq_norm()
         if self.grid.pp > 1:  # clip on the norm of the whole model, not of this stage
             sq = sq.to(collective_device(self.device))
-            dist.all_reduce(sq, group=self.groups.pipeline)
+            comm.all_reduce(sq, comm.CONTROL, group=self.groups.pipeline)
         # signSGD's ±1 vector is the update itself: clipping its norm would only shrink every step
         return clip_by_global_norm(params, self.clip if self.grad_sync.clippable else 0.0, sq.cpu())
 

@@ -31,6 +31,7 @@ from aqpipe.pipeline.held import ActivationMeter
 from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.tied import row_tables, tied_groups
 from aqpipe.pipeline.tied_rows import step_rows
+from aqpipe.pipeline.transport import HEADER_SIZE
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan, available_memory
 from aqpipe.storage.dtypes import STORE_DTYPES
 
@@ -256,7 +257,8 @@ def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
               for step in range(min(sampled_steps, plan.total_steps))]
     distinct = sum(counts) / max(1, len(counts))
     widths = [g.shapes[0][1] for g in groups if g.name in by_rows]
-    rows = sum(2 * round(distinct) * (4 * width + 8) for width in widths)  # the rows, then the gradient's rows
+    # the rows, then the gradient's rows: two messages of `distinct` rows and their indices
+    rows = sum(2 * (round(distinct) * (4 * width + 8) + HEADER_SIZE) for width in widths)
     return TiedNeeds("rows", rows + dense, sum(table_bytes.values()), distinct)
 
 

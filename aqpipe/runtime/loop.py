@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 
 from aqpipe.metrics import MetricsLog
+from aqpipe.pipeline import comm
 from aqpipe.pipeline.evaluate import eval_batches, evaluate_stage, gather_eval
 from aqpipe.pipeline.grid import host_leader
 from aqpipe.runtime.assemble import RankStage
@@ -42,7 +42,7 @@ def checkpoint(stage: RankStage, step: int) -> None:
     check_replicas(stage.worker.module, grid, stage.groups.data_parallel, step, stage.device,
                    stage.worker.row_cache_names)
     save_rank(cfg.out, step, grid.rank, collect_state(stage.worker, stage.store), cfg.fixed_settings())
-    dist.barrier()  # every rank has written its part: each host marks the step complete on its own disk
+    comm.barrier()  # every rank has written its part: each host marks the step complete on its own disk
     if host_leader():
         mark_complete(cfg.out, step, grid.world_size, cfg.fixed_settings())
 
@@ -67,6 +67,7 @@ def train_steps(stage: RankStage, first_step: int, log: MetricsLog | None, wall_
     cfg = plan.cfg
     epochs = plan.epoch_plan(grid.replica)
     evaluating = len(plan.dataset.valid) > 0 and cfg.eval_every != 0
+    mark = comm.TRAFFIC.snapshot()  # control traffic since the last record (checkpoints', metrics' gathers…)
     for step in range(first_step, plan.total_steps):
         step_start = time.perf_counter()
         lr = float(worker.lr_schedule.get_last_lr()[0])
@@ -77,11 +78,13 @@ def train_steps(stage: RankStage, first_step: int, log: MetricsLog | None, wall_
                     if done < plan.total_steps and plan.compresses(done) else None)
         stats = worker.run_step(step, epochs.micro_batches_of(step), compress=plan.compresses(step),
                                 next_ids=next_ids)
+        stats.control_bytes += comm.TRAFFIC.sent[comm.CONTROL] - mark[comm.CONTROL]
         counts = store.stats
         stats.store_hits, stats.store_misses, stats.store_reseeded, stats.store_overflow = (
             counts.hits, counts.misses, counts.reseeded, counts.overflow)
         record = step_record(stats, grid, cfg, step, plan.steps_per_epoch, lr, time.perf_counter() - step_start,
                              stage.device)
+        mark = comm.TRAFFIC.snapshot()  # the record counts its own gather
         if evaluating and (done == plan.total_steps or (cfg.eval_every and done % cfg.eval_every == 0)):
             record.update(evaluate(stage, done))
         if log is not None:

@@ -13,13 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from aqpipe.config import ResolvedConfig
 from aqpipe.data.dataset import export_tokenizer
 from aqpipe.disk import DiskFullError, save_atomic, writing
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
-from aqpipe.pipeline import present
+from aqpipe.pipeline import comm, present
 from aqpipe.pipeline.grid import Grid, gather_rows
 from aqpipe.pipeline.worker import StepStats
 from aqpipe.runtime.plan import RunPlan
@@ -31,6 +30,7 @@ from aqpipe.storage.base import stage_holding
 
 # The StepStats fields every rank contributes to a step's record (plus its step time), in the order they travel.
 STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elements", "grad_sync_bytes", "tied_bytes",
+               "fwd_framing_bytes", "bwd_framing_bytes", "control_bytes",
                "compute_seconds", "comm_wait_seconds", "grad_norm", "store_hits", "store_misses", "store_reseeded",
                "store_overflow", "fwd_recv_bytes", "fwd_recv_seconds", "bwd_recv_bytes", "bwd_recv_seconds",
                "forward_seconds", "backward_seconds", "peak_activation_bytes", "peak_memory_bytes", "overflow",
@@ -96,6 +96,10 @@ def step_record(stats: StepStats, grid: Grid, cfg: ResolvedConfig, step: int, st
         "bwd_bytes": int(col["bwd_bytes"].sum()),
         "grad_sync_bytes": int(col["grad_sync_bytes"].sum()),
         "tied_bytes": int(col["tied_bytes"].sum()),
+        "fwd_framing_bytes": int(col["fwd_framing_bytes"].sum()),
+        "bwd_framing_bytes": int(col["bwd_framing_bytes"].sum()),
+        # this record's own gather (every rank but 0 sends its row) is control traffic of this step too
+        "control_bytes": int(col["control_bytes"].sum()) + (grid.world_size - 1) * mine.numel() * mine.element_size(),
         "stage_tied_bytes": [int(sum(col["tied_bytes"][grid.rank_of(s, r)] for r in range(cfg.dp))) for s in range(cfg.pp)],
         "link_fwd_bytes": [int(b) for b in per_link("fwd_bytes", "send")],
         "link_bwd_bytes": [int(b) for b in per_link("bwd_bytes", "recv")],
@@ -176,7 +180,7 @@ def gather_final_weights(module: torch.nn.Module, grid: Grid, plan: RunPlan) -> 
         mine = buffer.getvalue()
     everyone: list[bytes | None] | None = [None] * grid.world_size if grid.rank == 0 else None
     if exporting:
-        dist.gather_object(mine, everyone, dst=0)
+        comm.gather_object(mine, everyone, comm.FINAL_WEIGHTS, dst=0)
     if everyone is None:
         return None
     own = {"model": merged_state(module), **({"adapter": adapter_state(module)} if plan.cfg.export_adapter else {})}
@@ -279,6 +283,8 @@ def _summary(plan: RunPlan, log: MetricsLog, wall_seconds: float, final: FinalWe
     summary.update(eval_summary(log.records))
     summary["export"] = export_model(plan, final)
     summary["final_weights_bytes"] = final.bytes_received if final is not None else 0
+    summary["traffic"]["final_weights"] = summary["final_weights_bytes"]
+    summary["traffic"]["total"] += summary["final_weights_bytes"]
     if cfg.export_adapter and final is not None:
         summary["export_adapter"] = export_adapter_dir(plan, final)
     if plan.dataset.info:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import zlib
 
 import torch
-import torch.distributed as dist
 
+from aqpipe.pipeline import comm
 from aqpipe.pipeline.grid import Grid
 from aqpipe.storage.base import stage_holding
 
@@ -42,7 +42,7 @@ def reconcile(store, grid: Grid, pipeline_group) -> int:
     sides (its peers delete theirs); returns how many entries this rank deleted. All ranks must call it."""
     table = store_table(store, grid)
     everyone: list = [None] * grid.pp
-    dist.all_gather_object(everyone, table, group=pipeline_group)
+    comm.all_gather_object(everyone, table, comm.SETUP, group=pipeline_group)
     deleted = 0
     for (link, side), entries in table.items():
         peer_side = "recv" if side == "send" else "send"

@@ -8,6 +8,7 @@ import hashlib
 import torch
 from torch import nn
 
+from aqpipe.pipeline import comm
 from aqpipe.pipeline.grid import Grid, collective_device
 
 
@@ -34,12 +35,11 @@ def check_replicas(module: nn.Module, grid: Grid, dp_group, step: int, device: t
     unused rows differ by design)."""
     if grid.dp == 1:
         return
-    import torch.distributed as dist
 
     where = collective_device(device)
     mine = torch.tensor([parameter_digest(module, skip)], dtype=torch.int64, device=where)
     everyone = [torch.zeros_like(mine) for _ in range(grid.dp)]
-    dist.all_gather(everyone, mine, group=dp_group)
+    comm.all_gather(everyone, mine, comm.CONTROL, group=dp_group)
     digests = [int(d) for d in everyone]
     differ = [replica for replica, d in enumerate(digests) if d != digests[0]]
     if differ:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from aqpipe.config import ResolvedConfig
+from aqpipe.pipeline import comm
 from aqpipe.pipeline.optim import continue_schedule
 from aqpipe.pipeline.worker import StageWorker
 from aqpipe.runtime.checkpoint import CheckpointError, check_model_state, load_rank, rank_file, sound_steps, step_dir
@@ -106,7 +107,7 @@ def agreed_step(run: str | Path, rank: int) -> int:
     the hosts and what each holds when there is none."""
     mine = sound_steps(run, rank)
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (socket.gethostname(), mine))
+    comm.all_gather_object(everyone, (socket.gethostname(), mine), comm.SETUP)
     common = set(everyone[0][1]).intersection(*(set(steps) for _, steps in everyone[1:]))
     if common:
         step = max(common)

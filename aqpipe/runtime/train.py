@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from aqpipe.config import ConfigError, ResolvedConfig
+from aqpipe.pipeline import comm
 from aqpipe.pipeline.grid import Grid, collective_backend, host_leader, local_rank, local_world_size, rank_device
 from aqpipe.pipeline.rendezvous import HOST_LOCAL_SETTINGS, HostDisagreement, agree, pin_gloo_interface, rendezvous_store
 from aqpipe.runtime.assemble import RankStage, assemble_stage
@@ -64,7 +65,7 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
         plan = make_plan(cfg, spec_factory, profile=False)
         if not plan.bounds:  # a time partition nobody resolved yet: rank 0 profiles, everyone takes its answer
             box = [resolve_bounds(cfg, plan.spec, plan.dataset) if rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
+            comm.broadcast_object_list(box, comm.SETUP, src=0)
             bounds = box[0]
             assert bounds is not None, "rank 0 resolves the time partition"
             plan.bounds = bounds

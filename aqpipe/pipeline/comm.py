@@ -1,0 +1,105 @@
+"""Every collective a rank runs outside the link streams and the grad sync, counted in bytes by traffic class.
+
+A run over slow links must account for every byte it puts on the wire, so no module calls `torch.distributed`'s
+collectives directly: they go through here, naming the traffic class they belong to, and `TRAFFIC` adds up what
+this rank sent. (The link streams count their messages themselves, payload and framing apart; a grad-sync method
+counts its own `bytes_sent`, since what it sends depends on its compressor.)
+
+What one rank sends in a collective depends on the algorithm the backend picks; the counts here are those of the
+usual ones: a ring all-reduce sends 2·(n−1)/n of the tensor from every member, a ring all-gather (n−1) times each
+member's part, a gather each non-root member's part once, a broadcast the root's tensor to each other member.
+Objects count as the bytes of their pickle, which is what torch sends for them.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from aqpipe.compress.grad.base import ring_all_reduce_bytes
+
+# The traffic classes outside the links (one vocabulary: metrics fields are `<class>_bytes`).
+GRAD_SYNC, TIED, CONTROL, EVALUATION, FINAL_WEIGHTS, SETUP = (
+    "grad_sync", "tied", "control", "evaluation", "final_weights", "setup")
+CLASSES = (GRAD_SYNC, TIED, CONTROL, EVALUATION, FINAL_WEIGHTS, SETUP)
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank has sent so far, by traffic class."""
+
+    sent: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
+
+    def add(self, traffic: str, nbytes: int) -> None:
+        """Count `nbytes` sent in class `traffic`."""
+        if traffic not in self.sent:
+            raise ValueError(f"unknown traffic class {traffic!r}; one of {', '.join(CLASSES)}")
+        self.sent[traffic] += int(nbytes)
+
+    def snapshot(self) -> dict[str, int]:
+        """The counts so far (a copy: subtract two snapshots for what a span of work sent)."""
+        return dict(self.sent)
+
+
+TRAFFIC = Traffic()  # one rank per process
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, traffic: str, group=None, op=dist.ReduceOp.SUM) -> None:
+    """`dist.all_reduce`, counted."""
+    dist.all_reduce(tensor, op=op, group=group)
+    TRAFFIC.add(traffic, ring_all_reduce_bytes(_nbytes(tensor), _size(group)))
+
+
+def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, traffic: str, group=None) -> None:
+    """`dist.all_gather`, counted."""
+    dist.all_gather(outputs, tensor, group=group)
+    TRAFFIC.add(traffic, (_size(group) - 1) * _nbytes(tensor))
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, traffic: str, dst: int = 0, group=None
+           ) -> None:
+    """`dist.gather` to global rank `dst`, counted."""
+    dist.gather(tensor, gather_list, dst=dst, group=group)
+    if dist.get_rank() != dst:
+        TRAFFIC.add(traffic, _nbytes(tensor))
+
+
+def all_gather_object(outputs: list, obj, traffic: str, group=None) -> None:
+    """`dist.all_gather_object`, counted as each member's pickle sent to the others."""
+    dist.all_gather_object(outputs, obj, group=group)
+    TRAFFIC.add(traffic, (_size(group) - 1) * len(pickle.dumps(obj)))
+
+
+def gather_object(obj, outputs: list | None, traffic: str, dst: int = 0) -> None:
+    """`dist.gather_object` to global rank `dst` over the whole world, counted (bytes objects as their length)."""
+    dist.gather_object(obj, outputs, dst=dst)
+    if dist.get_rank() != dst:
+        TRAFFIC.add(traffic, len(obj) if isinstance(obj, bytes) else len(pickle.dumps(obj)))
+
+
+def broadcast_object_list(objects: list, traffic: str, src: int = 0) -> None:
+    """`dist.broadcast_object_list` from global rank `src`, counted on the sender."""
+    dist.broadcast_object_list(objects, src=src)
+    if dist.get_rank() == src:
+        TRAFFIC.add(traffic, (dist.get_world_size() - 1) * len(pickle.dumps(objects)))
+
+
+def barrier(traffic: str = CONTROL) -> None:
+    """`dist.barrier` (gloo: an all-reduce of one value; counted as such)."""
+    dist.barrier()
+    TRAFFIC.add(traffic, ring_all_reduce_bytes(4, dist.get_world_size()))
