@@ -26,3 +26,19 @@ def gpt2_4x128(vocab_size: int, seq_len: int):
     config = GPT2Config(vocab_size=vocab_size, n_layer=4, n_embd=128, n_head=4, n_positions=max(seq_len, 128),
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return gpt2_spec(config, name="gpt2-4x128")
+
+
+def llama_tied_4x128(vocab_size: int, seq_len: int):
+    """4 Llama decoder layers of hidden 128 (4 heads, 2 KV heads), no dropout, with SmolLM2's real vocabulary of
+    49,152 rows (rows past the run's tokenizer stay unused) and the input embedding tied to the LM head: the
+    tied-embedding benchmark's model (with --pp 4 and --partition 2,1,1,2 one decoder layer per stage)."""
+    from transformers import LlamaConfig
+
+    from aqpipe.stages.llama import decoder_spec
+
+    config = LlamaConfig(vocab_size=max(vocab_size, 49152), hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(seq_len, 128),
+                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                         attention_dropout=0.0)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    return decoder_spec(config, name="llama-tied-4x128")
