@@ -96,7 +96,7 @@ def write_markdown(results: list[dict], args, info: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default="4mbit")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=";".join(VARIANTS), help="names separated by ;")
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--mbs", type=int, default=4)
@@ -108,7 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="aqpipe-tied-") as work:
-        for variant in args.variants.split(","):
+        for variant in args.variants.split(";"):
             results.append(run(args, variant, Path(work)))
             print(json.dumps(results[-1]), flush=True)
     info = machine()
