@@ -180,6 +180,9 @@ def _store(args: argparse.Namespace) -> int:
             print(f"{row['replica']:>7} {row['link']:>6} {row['side']:>4} {row['entries']:>8} "
                   f"{row['stored_bytes'] / 1e6:>10.3f} {row['raw_bytes'] / 1e6:>8.3f} {row['compression_ratio']:>6.2f}")
         print(f"bytes on disk: {rows[-1]['bytes_on_disk']}")
+        if rows[-1]["elsewhere"]:
+            print(f"not on this host (another host's, or missing): the stores of rank(s) "
+                  f"{', '.join(map(str, rows[-1]['elsewhere']))}")
         return 0
     except DamagedStore as e:
         print(f"aqpipe: {one_line(str(e))}", file=sys.stderr)

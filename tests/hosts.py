@@ -1,6 +1,6 @@
 """Simulated hosts on one machine, for tests and benchmarks of real multi-host runs.
 
-Each host is a network namespace of a throttled topology (`aqpipe.launch.netns`: its link to the others shaped by
+Each host is a network namespace of a throttled topology, named `host-<h>` in a UTS namespace of its own (`aqpipe.launch.netns`: its link to the others shaped by
 `tc tbf` in both directions; the ranks of one host talk over that namespace's own addresses, unshaped), with a
 private disk: a per-host directory bind-mounted, in a mount namespace of its own, at one path every host shares.
 So a run directory or `$AQPIPE_CACHE` has the same path on every host and different contents, as on separate
@@ -22,8 +22,9 @@ from pathlib import Path
 
 from aqpipe.launch import netns
 
-# `sh -c` inside the host's mount namespace: bind its disk at the shared path, then become the command
-MOUNT_THEN_EXEC = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+# `sh -c` inside the host's mount and UTS namespaces: take the host's name, bind its disk at the shared path, then
+# become the command
+MOUNT_THEN_EXEC = 'hostname "$3" && mount --bind "$1" "$2" && shift 3 && exec "$@"'
 
 
 @dataclass
@@ -57,8 +58,13 @@ class Hosts:
 
     def command(self, host: int, argv: list[str]) -> list[str]:
         """`argv` run on host `host`: in its network namespace, with its disk at the shared mount point."""
-        return [*self.topology.exec_prefix(host), "unshare", "--mount", "--propagation", "private",
-                "sh", "-c", MOUNT_THEN_EXEC, "sh", str(self.disk(host)), str(self.mount), *argv]
+        return [*self.topology.exec_prefix(host), "unshare", "--mount", "--uts", "--propagation", "private",
+                "sh", "-c", MOUNT_THEN_EXEC, "sh", str(self.disk(host)), str(self.mount), self.name(host), *argv]
+
+    @staticmethod
+    def name(host: int) -> str:
+        """Host `host`'s name (its UTS namespace's hostname)."""
+        return f"host-{host}"
 
     def start(self, host: int, *aqpipe_args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
         """Start `torchrun … -m aqpipe <aqpipe_args>` on host `host` (its own session, output to `log`)."""

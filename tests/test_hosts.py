@@ -3,6 +3,7 @@ link and its own disk at the same path, one torchrun per host. Nothing may assum
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -52,6 +53,19 @@ def test_two_hosts_with_private_disks_survive_a_dead_host_resume_each_from_its_o
             assert (hosts.on_disk(host, run / "checkpoints" / "step-00000004" / "COMPLETE")).is_file()
             assert (hosts.on_disk(host, run / "config.json")).is_file()
         assert not (hosts.on_disk(0, run / "checkpoints" / "step-00000004" / "rank-1.pt")).exists()  # not shared
+
+        # without host 1's checkpoints no step is complete everywhere: every rank says so, naming the hosts
+        hidden = hosts.disk(1) / "hidden-checkpoints"
+        hosts.on_disk(1, run / "checkpoints").rename(hidden)
+        procs = [hosts.start(h, "launch", "--resume", str(run), "--no-progress", env=ENV,
+                             log=hosts.disk(h) / "refused.log") for h in range(2)]
+        assert all(code != 0 for code in wait_all(procs, 120))
+        for host in range(2):
+            said = [line for line in (hosts.disk(host) / "refused.log").read_text().splitlines()
+                    if line.startswith("aqpipe: error:")]
+            assert len(said) == 1 and "no checkpoint is complete and sound on every host" in said[0], said
+            assert re.search(r"rank 0 on host-0: \d", said[0]) and "rank 1 on host-1: none" in said[0], said
+        hidden.rename(hosts.on_disk(1, run / "checkpoints"))
 
         procs = [hosts.start(h, "launch", "--resume", str(run), "--no-progress", env=ENV) for h in range(2)]
         assert wait_all(procs, 180) == [0, 0], host_log(hosts, 0) + host_log(hosts, 1)

@@ -45,7 +45,7 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
 
         rank, world_size = rank_from_env()
         try:
-            run_worker(cfg, rank, world_size, spec_factory)
+            run_worker(cfg, rank, world_size, spec_factory, stores_checked=False)
         except CheckpointError as e:  # every rank finds the same: one line each, exit 2
             raise ConfigError(str(e)) from None
         return 0
@@ -171,18 +171,11 @@ def _drop_damaged_stores(cfg: ResolvedConfig) -> None:
     the resumed ranks find its samples on one side of their links only and re-seed them at full precision)."""
     if cfg.store != "lmdb":
         return
-    import shutil
-
-    from aqpipe.storage.health import damage
+    from aqpipe.storage.health import drop_if_damaged
     from aqpipe.storage.lmdb_store import store_path
 
     for rank in range(cfg.world_size):
-        path = store_path(cfg.out, rank)
-        problem = damage(path) if path.exists() else None
-        if problem is not None:
-            print(f"aqpipe: rank {rank}'s m(xi) store is damaged ({problem}); dropping it: its samples are re-seeded "
-                  "at full precision and counted in store.reseeded", file=sys.stderr, flush=True)
-            shutil.rmtree(path)
+        drop_if_damaged(store_path(cfg.out, rank), rank)
 
 
 @contextlib.contextmanager

@@ -80,16 +80,37 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, traffic
 
 
 def all_gather_object(outputs: list, obj, traffic: str, group=None) -> None:
-    """`dist.all_gather_object`, counted as each member's pickle sent to the others."""
+    """`dist.all_gather_object`, counted: torch pads every member's pickle to the largest, and each member sends
+    its padded pickle to the others (and its size first)."""
     dist.all_gather_object(outputs, obj, group=group)
-    TRAFFIC.add(traffic, (_size(group) - 1) * len(pickle.dumps(obj)))
+    largest = max(len(pickle.dumps(o)) for o in outputs)
+    TRAFFIC.add(traffic, (_size(group) - 1) * (largest + 8))
 
 
-def gather_object(obj, outputs: list | None, traffic: str, dst: int = 0) -> None:
-    """`dist.gather_object` to global rank `dst` over the whole world, counted (bytes objects as their length)."""
-    dist.gather_object(obj, outputs, dst=dst)
-    if dist.get_rank() != dst:
-        TRAFFIC.add(traffic, len(obj) if isinstance(obj, bytes) else len(pickle.dumps(obj)))
+# A large transfer goes in pieces of this size, so the process group's time-out bounds a stall, not a transfer.
+CHUNK = 64 << 20
+
+
+def send_bytes(data: bytes, dst: int, traffic: str, device: torch.device) -> None:
+    """Send `data` to global rank `dst` (which calls `receive_bytes`): its length, then its bytes in pieces, as
+    tensors on `device` (the collectives' device); counted."""
+    dist.send(torch.tensor([len(data)], dtype=torch.int64, device=device), dst)
+    view = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    for start in range(0, len(data), CHUNK):
+        dist.send(view[start : start + CHUNK].to(device), dst)
+    TRAFFIC.add(traffic, 8 + len(data))
+
+
+def receive_bytes(src: int, device: torch.device) -> bytes:
+    """What global rank `src` sends with `send_bytes`."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, src)
+    data = bytearray()
+    for start in range(0, int(size.item()), CHUNK):
+        piece = torch.empty(min(CHUNK, int(size.item()) - start), dtype=torch.uint8, device=device)
+        dist.recv(piece, src)
+        data += piece.cpu().numpy().tobytes()
+    return bytes(data)
 
 
 def broadcast_object_list(objects: list, traffic: str, src: int = 0) -> None:

@@ -19,8 +19,8 @@ and only the two stages holding copies send any.
 
 The lookup side's table is therefore a cache: rows it has not looked up lately are stale, its optimizer does not
 hold it, its resumable checkpoints carry it only as the rows it last read (a resumed step fetches its rows first),
-and the replica digest leaves it out. Once, at the end, the owner sends the whole table, so the first stage's final
-weights are whole; the export takes the table from the head.
+and the replica digest leaves it out. At the end, rank 0 (replica 0's first stage) receives every stage's final
+weights for the export anyway, and takes the whole table from the head's before it writes its own.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from aqpipe.pipeline.transport import HEADER_SIZE, KIND_TIED_GRADS, KIND_TIED_RO
 # What a rows message is for, in its header's micro-batch field: a training step's rows, or an evaluation pass's.
 FOR_TRAINING = 0
 FOR_EVALUATION = 1
-FOR_FINAL_WEIGHTS = 2  # the whole table, once, so the first stage's final weights are whole
 
 OWNER, LOOKUP = "owner", "lookup"
 
@@ -90,17 +89,6 @@ class RowExchange:
         values = self._receive(KIND_TIED_ROWS, step, purpose, rows)
         with torch.no_grad():
             self.table.index_copy_(0, rows.to(self.table.device), values.to(self.table.device, self.table.dtype))
-
-    def complete(self, step: int) -> None:
-        """Make the lookup side's copy whole (every row, once: before its final weights are written)."""
-        rows = torch.arange(self.table.shape[0], dtype=torch.int64)
-        if self.role == OWNER:
-            self._send(KIND_TIED_ROWS, step, FOR_FINAL_WEIGHTS, rows, self.table.detach())
-            self.flush()
-            return
-        values = self._receive(KIND_TIED_ROWS, step, FOR_FINAL_WEIGHTS, rows)
-        with torch.no_grad():
-            self.table.copy_(values.to(self.table.device, self.table.dtype))
 
     def exchange_gradients(self, step: int) -> None:
         """After the backward (and any loss-scale unscaling): the lookup side sends its gradient's rows and lets go

@@ -163,6 +163,7 @@ class StageWorker:
             if type(ins) in self._MODEL_TIMERS:
                 setattr(stats, self._MODEL_TIMERS[type(ins)], getattr(stats, self._MODEL_TIMERS[type(ins)]) + elapsed)
         self._mbs = {}
+        stats.tied_bytes = self._tied_bytes() - self._tied_bytes_before  # a skipped (fp16 overflow) step's rows too
         stats.peak_activation_bytes = self._meter.peak_bytes
         stats.peak_memory_bytes = peak_memory_bytes(self.device)
         self._count_links(stats)
@@ -307,7 +308,6 @@ class StageWorker:
         self.optimizer.step()
         # counted after the optimizer: qadam's optimizer exchanges the momentum through the grad sync
         stats.grad_sync_bytes = self.grad_sync.bytes_sent - self._sync_bytes_before
-        stats.tied_bytes = self._tied_bytes() - self._tied_bytes_before
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -85,6 +85,8 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
     links = StageLinks()
     if exchanges:
         assert module is not None and row_names, "a row exchange needs the stage module and its table's name"
+        if len(row_names) > 1:
+            raise ValueError(f"one tied table can be exchanged by rows, the model declares {len(row_names)}: {row_names}")
         first = grid.is_first_stage
         peer = grid.describe(grid.rank_of(grid.pp - 1 if first else 0, grid.replica))
         links.tied_rows = RowExchange(

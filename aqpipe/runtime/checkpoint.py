@@ -75,8 +75,9 @@ def save_rank(out: str | Path, step: int, rank: int, state: dict, settings: dict
 
 
 def mark_complete(out: str | Path, step: int, world_size: int, settings: dict) -> None:
-    """Rank 0, after every rank saved: record the settings, mark the step complete, point `latest` at it, drop old
-    checkpoints and incomplete ones (no other checkpoint can be in writing now: every rank passed the barrier)."""
+    """The first rank of each host, after every rank saved: record the settings, mark the step complete, point `latest`
+    at it, drop old checkpoints and incomplete ones (no other checkpoint can be in writing now: every rank passed the
+    barrier)."""
     directory = step_dir(out, step)
     record = {"step": step, "world_size": world_size, "config": settings, "config_digest": settings_digest(settings)}
     write_atomic(directory / "run.json", (json.dumps(record, indent=2, sort_keys=True) + "\n").encode(), durable=True)
@@ -122,13 +123,13 @@ def complete_steps(out: str | Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def sound_steps(out: str | Path, rank: int) -> list[int]:
+def sound_steps(out: str | Path, rank: int, settings: dict) -> list[int]:
     """The steps, newest first, of the complete checkpoints on this host whose file for `rank` is present,
-    undamaged and written for that rank and step."""
+    undamaged and written for that rank and step by a run with these `settings` (a resume may not change them)."""
     sound = []
     for step in complete_steps(out):
         try:
-            _read_checked(rank_file(step_dir(out, step), rank), rank, step)
+            _read_checked(rank_file(step_dir(out, step), rank), rank, step, settings_digest(settings))
         except CheckpointError:
             continue
         sound.append(step)

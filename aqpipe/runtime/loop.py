@@ -61,8 +61,9 @@ def prefetch(stage: RankStage, step: int, first_step: int) -> None:
                 store.prefetch(link, side, ids)
 
 
-def train_steps(stage: RankStage, first_step: int, log: MetricsLog | None, wall_start: float) -> None:
-    """Run steps `first_step`… to the plan's end on this rank; rank 0 (the one with `log`) records them."""
+def train_steps(stage: RankStage, first_step: int, log: MetricsLog | None, wall_start: float) -> int:
+    """Run steps `first_step`… to the plan's end on this rank; rank 0 (the one with `log`) records them. Returns the
+    control bytes this rank sent after the last record (the last checkpoint's), which no record holds."""
     plan, grid, worker, store = stage.plan, stage.grid, stage.worker, stage.store
     cfg = plan.cfg
     epochs = plan.epoch_plan(grid.replica)
@@ -95,3 +96,4 @@ def train_steps(stage: RankStage, first_step: int, log: MetricsLog | None, wall_
             print_progress(record, plan.total_steps)
         if done == plan.total_steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
             checkpoint(stage, done)
+    return comm.TRAFFIC.sent[comm.CONTROL] - mark[comm.CONTROL]

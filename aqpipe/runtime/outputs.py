@@ -19,7 +19,7 @@ from aqpipe.data.dataset import export_tokenizer
 from aqpipe.disk import DiskFullError, save_atomic, writing
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
 from aqpipe.pipeline import comm, present
-from aqpipe.pipeline.grid import Grid, gather_rows
+from aqpipe.pipeline.grid import Grid, collective_device, gather_rows
 from aqpipe.pipeline.worker import StepStats
 from aqpipe.runtime.plan import RunPlan
 from aqpipe.runtime.resume import kept_records
@@ -165,40 +165,43 @@ class FinalWeights:
     bytes_received: int
 
 
-def gather_final_weights(module: torch.nn.Module, grid: Grid, plan: RunPlan) -> FinalWeights | None:
-    """Send replica 0's final stage weights to rank 0, which writes the export (every rank calls this; hosts need not
-    share a disk). Nothing travels for a model aqpipe does not export; returns what rank 0 received (None
-    elsewhere)."""
+def gather_final_weights(module: torch.nn.Module, grid: Grid, plan: RunPlan, device: torch.device,
+                         tied_head: str | None = None, row_cache: torch.nn.Parameter | None = None
+                         ) -> FinalWeights | None:
+    """Send replica 0's final stage weights to rank 0 (one stage after another, point to point: hosts need not share
+    a disk), which writes the export; nothing travels for a model aqpipe neither exports nor ties by rows. With a
+    tied table exchanged by rows, rank 0 (the first stage, holding the `row_cache`) takes the whole table from the
+    last stage's head (`tied_head`: its name there) before its own weights are saved. Every rank calls this;
+    returns what rank 0 received (None elsewhere)."""
     exporting = plan.spec.extras.get("architecture") is not None
-    mine = None
-    if exporting and grid.replica == 0 and grid.rank != 0:
-        parts = {"model": merged_state(module)}
+    if not (exporting or tied_head is not None or row_cache is not None) or grid.replica != 0:
+        return None
+    where = collective_device(device)
+    if grid.rank != 0:
+        parts: dict = {"model": merged_state(module), "tied_head": tied_head}
         if plan.cfg.export_adapter:
             parts["adapter"] = adapter_state(module)
         buffer = io.BytesIO()
         torch.save(parts, buffer)
-        mine = buffer.getvalue()
-    everyone: list[bytes | None] | None = [None] * grid.world_size if grid.rank == 0 else None
-    if exporting:
-        comm.gather_object(mine, everyone, comm.FINAL_WEIGHTS, dst=0)
-    if everyone is None:
+        comm.send_bytes(buffer.getvalue(), 0, comm.FINAL_WEIGHTS, where)
         return None
+    received = [comm.receive_bytes(grid.rank_of(stage, 0), where) for stage in range(1, plan.cfg.pp)]
+    parts_of = [torch.load(io.BytesIO(data), weights_only=True) for data in received]
+    head = parts_of[-1].get("tied_head") if parts_of else None
+    if row_cache is not None and head is not None:
+        with torch.no_grad():
+            row_cache.copy_(parts_of[-1]["model"][head].to(row_cache.device, row_cache.dtype))
     own = {"model": merged_state(module), **({"adapter": adapter_state(module)} if plan.cfg.export_adapter else {})}
-    parts_of = [own] + [None] * (plan.cfg.pp - 1)
-    for stage in range(1, plan.cfg.pp):
-        data = everyone[grid.rank_of(stage, 0)]
-        parts_of[stage] = torch.load(io.BytesIO(data), weights_only=True) if data is not None else None
-    if not exporting or any(p is None for p in parts_of):
-        return None
-    return FinalWeights([p["model"] for p in parts_of if p is not None],
-                        [p["adapter"] for p in parts_of if p is not None] if plan.cfg.export_adapter else None,
-                        sum(len(d) for d in everyone if d is not None))
+    parts_of = [own, *parts_of]
+    return FinalWeights([p["model"] for p in parts_of],
+                        [p["adapter"] for p in parts_of] if plan.cfg.export_adapter else None,
+                        sum(8 + len(d) for d in received))
 
 
 def export_model(plan: RunPlan, final: FinalWeights | None) -> str | None:
     """Merge the final stage weights into an HF checkpoint directory `<out>/export` (None for custom models)."""
     architecture = plan.spec.extras.get("architecture")
-    if architecture is None or final is None:
+    if architecture is None or final is None:  # a custom model (no export), or not rank 0
         return None
     from transformers.utils import logging as hf_logging
 
@@ -254,7 +257,20 @@ def export_adapter_dir(plan: RunPlan, final: FinalWeights) -> str:
     return str(path)
 
 
-def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float, final: FinalWeights | None = None) -> dict:
+def unrecorded_traffic(control: int, grid: Grid, device: torch.device) -> dict[str, int] | None:
+    """What the ranks sent outside every step record, summed on rank 0 (None elsewhere; every rank calls this): the
+    start-up's (stream endpoints, the partition, a resume's agreement and m(ξ) reconciliation) as `setup`, and
+    `control` after the last record (its checkpoint's barrier and digests) plus this gather's own bytes."""
+    mine = torch.tensor([float(comm.TRAFFIC.sent[comm.SETUP]), float(control)], dtype=torch.float64)
+    rows = gather_rows(mine, grid, device)
+    if rows is None:
+        return None
+    total = rows.sum(dim=0)
+    return {comm.SETUP: int(total[0]), comm.CONTROL: int(total[1]) + (grid.world_size - 1) * mine.numel() * 8}
+
+
+def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float, final: FinalWeights | None = None,
+                   unrecorded: dict[str, int] | None = None) -> dict:
     """Rank 0, after every stage's final weights are on disk: summary.json, the export and loss.png; returns the
     summary."""
     cfg = plan.cfg
@@ -265,13 +281,14 @@ def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float, final: F
     with ThreadPoolExecutor(1, thread_name_prefix="aqpipe-plot") as pool:
         plot = pool.submit(plot_loss, log.records, out / "loss.png",
                            title=f"{cfg.model}  pp={cfg.pp} dp={cfg.dp}  fw={cfg.fw} bw={cfg.bw}")
-        summary = _summary(plan, log, wall_seconds, final)
+        summary = _summary(plan, log, wall_seconds, final, unrecorded or {})
         write_json(out / "summary.json", summary)
         plot.result()  # its error, if any, is the run's
     return summary
 
 
-def _summary(plan: RunPlan, log: MetricsLog, wall_seconds: float, final: FinalWeights | None) -> dict:
+def _summary(plan: RunPlan, log: MetricsLog, wall_seconds: float, final: FinalWeights | None,
+             unrecorded: dict[str, int]) -> dict:
     """Everything summary.json holds, writing the export on the way."""
     cfg = plan.cfg
     summary = summarize(log.records, used_steps=cfg.steps is not None, warmup_epochs=cfg.warmup_epochs,
@@ -283,8 +300,11 @@ def _summary(plan: RunPlan, log: MetricsLog, wall_seconds: float, final: FinalWe
     summary.update(eval_summary(log.records))
     summary["export"] = export_model(plan, final)
     summary["final_weights_bytes"] = final.bytes_received if final is not None else 0
-    summary["traffic"]["final_weights"] = summary["final_weights_bytes"]
-    summary["traffic"]["total"] += summary["final_weights_bytes"]
+    traffic = summary["traffic"]
+    traffic["final_weights"] = summary["final_weights_bytes"]
+    traffic["setup"] = unrecorded.get(comm.SETUP, 0)
+    traffic["control"] += unrecorded.get(comm.CONTROL, 0)
+    traffic["total"] = sum(v for k, v in traffic.items() if k != "total")
     if cfg.export_adapter and final is not None:
         summary["export_adapter"] = export_adapter_dir(plan, final)
     if plan.dataset.info:

@@ -92,7 +92,7 @@ def resume_rank(cfg: ResolvedConfig, worker: StageWorker, store) -> int:
     run = cfg.resume
     if run is None:
         raise CheckpointError("not a resumed run: there is no checkpoint to resume from")
-    step = agreed_step(run, worker.grid.rank)
+    step = agreed_step(run, worker.grid.rank, cfg.fixed_settings())
     apply_state(load_rank(run, step, worker.grid.rank, cfg.fixed_settings()), worker, store,
                 describe(run, step, worker.grid.rank))
     reseeded = reconcile(store, worker.grid, worker.groups.pipeline)
@@ -101,11 +101,11 @@ def resume_rank(cfg: ResolvedConfig, worker: StageWorker, store) -> int:
     return step
 
 
-def agreed_step(run: str | Path, rank: int) -> int:
+def agreed_step(run: str | Path, rank: int, settings: dict) -> int:
     """The newest checkpoint every rank can resume from, each reading its own host's disk (every rank calls this
     together): the newest step complete on every host with every rank's own file sound. CheckpointError naming
     the hosts and what each holds when there is none."""
-    mine = sound_steps(run, rank)
+    mine = sound_steps(run, rank, settings)
     everyone: list = [None] * dist.get_world_size()
     comm.all_gather_object(everyone, (socket.gethostname(), mine), comm.SETUP)
     common = set(everyone[0][1]).intersection(*(set(steps) for _, steps in everyone[1:]))

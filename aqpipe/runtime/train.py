@@ -14,6 +14,7 @@ from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.pipeline import comm
 from aqpipe.pipeline.grid import Grid, collective_backend, host_leader, local_rank, local_world_size, rank_device
 from aqpipe.pipeline.rendezvous import HOST_LOCAL_SETTINGS, HostDisagreement, agree, pin_gloo_interface, rendezvous_store
+from aqpipe.pipeline.tied_rows import LOOKUP, OWNER
 from aqpipe.runtime.assemble import RankStage, assemble_stage
 from aqpipe.runtime.events import emit, start_heartbeat
 from aqpipe.runtime.loop import train_steps
@@ -23,16 +24,22 @@ from aqpipe.runtime.outputs import (
     gather_final_weights,
     open_outputs,
     save_stage_weights,
+    unrecorded_traffic,
     write_config,
 )
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds
 from aqpipe.runtime.replicas import check_replicas
 from aqpipe.runtime.resume import resume_rank
 from aqpipe.storage import MemoryStore
+from aqpipe.storage.health import drop_if_damaged
+from aqpipe.storage.lmdb_store import store_path
 
 
-def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=None) -> dict | None:
-    """Train this rank's stage for the whole run; returns the summary on rank 0 (None elsewhere)."""
+def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=None, stores_checked: bool = True
+               ) -> dict | None:
+    """Train this rank's stage for the whole run; returns the summary on rank 0 (None elsewhere). Without
+    `stores_checked` (torchrun, DeepSpeed: no `aqpipe launch` checked the run's LMDB stores before a resume) each
+    rank checks its own, on its own host."""
     if world_size != cfg.world_size:
         raise ConfigError(f"the launcher started {world_size} processes but --pp {cfg.pp} x --dp {cfg.dp} needs "
                           f"{cfg.world_size}")
@@ -72,13 +79,15 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
         # what config.json records and checkpoints are checked against, as in a run `aqpipe launch` starts (under
         # torchrun nothing set it before)
         cfg.stage_bounds = plan.bounds
-        return _train(plan, grid, device, backend)
+        return _train(plan, grid, device, backend, stores_checked)
     finally:
         dist.destroy_process_group()
 
 
-def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dict | None:
+def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, stores_checked: bool) -> dict | None:
     cfg = plan.cfg
+    if cfg.resume and cfg.store == "lmdb" and not stores_checked:
+        drop_if_damaged(store_path(cfg.out, grid.rank), grid.rank)
     stage = assemble_stage(plan, grid, device, backend)
     try:
         first_step = resume_rank(cfg, stage.worker, stage.store) if cfg.resume else 0
@@ -87,18 +96,16 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> dic
             write_config(cfg, plan)
         emit({"event": "start", "total_steps": plan.total_steps, "rank": grid.rank, "first_step": first_step})
         wall_start = time.perf_counter() - (log.records[-1]["elapsed_seconds"] if log is not None and log.records else 0.0)
-        train_steps(stage, first_step, log, wall_start)
-        rows = stage.worker.links.tied_rows
-        if rows is not None and grid.replica == 0:  # replica 0's first stage writes its final weights whole
-            rows.complete(plan.total_steps)
+        unrecorded_control = train_steps(stage, first_step, log, wall_start)
     except BaseException:
         stage.worker.links.close(abort=True)
         raise
     stage.worker.links.close()
     final = _finish_rank(stage, first_step)
+    unrecorded = unrecorded_traffic(unrecorded_control, grid, device)
     if log is None:
         return None
-    summary = finish_outputs(plan, log, time.perf_counter() - wall_start, final)
+    summary = finish_outputs(plan, log, time.perf_counter() - wall_start, final, unrecorded)
     emit({"event": "done", "summary": summary})
     return summary
 
@@ -110,9 +117,13 @@ def _finish_rank(stage: RankStage, first_step: int) -> FinalWeights | None:
     if first_step >= stage.plan.total_steps:  # no step ran, so no checkpoint compared the replicas
         check_replicas(stage.worker.module, grid, stage.groups.data_parallel, stage.plan.total_steps, stage.device,
                        stage.worker.row_cache_names)
+    rows = stage.worker.links.tied_rows
+    # hosts need not share a disk; and the first stage's tied table is whole once it has the head's
+    final = gather_final_weights(stage.worker.module, grid, stage.plan, stage.device,
+                                 tied_head=rows.name if rows is not None and rows.role == OWNER else None,
+                                 row_cache=rows.table if rows is not None and rows.role == LOOKUP else None)
     if grid.replica == 0:
         save_stage_weights(stage.worker.module, Path(cfg.out), grid.stage, adapters=cfg.export_adapter)
-    final = gather_final_weights(stage.worker.module, grid, stage.plan)  # hosts need not share a disk
     if cfg.store == "lmdb":
         stage.store.close()
     elif cfg.store_dump == "on" and isinstance(stage.store, MemoryStore):

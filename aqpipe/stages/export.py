@@ -97,10 +97,8 @@ def build_hf_model(hf_config: dict, architecture: str, state: dict):
     elif architecture in FAMILIES:
         family = FAMILIES[architecture]
         config = family.cls("Config").from_dict(hf_config)
-        if config.tie_word_embeddings and "lm_head.weight" in state:
-            # the last stage's head is the table: the first stage's copy is current only in the rows it last looked
-            # up when the two exchange rows (aqpipe.pipeline.tied_rows)
-            state = {**state, "model.embed_tokens.weight": state["lm_head.weight"]}
+        if config.tie_word_embeddings and not torch.equal(state["model.embed_tokens.weight"], state["lm_head.weight"]):
+            raise ExportError("the tied input embedding and LM head differ between the first and the last stage")
         model = family.cls("ForCausalLM")(config)
     else:
         raise ExportError(f"cannot export a {architecture!r} model as an HF checkpoint ({', '.join(_KEYS)} can be)")

@@ -65,3 +65,19 @@ def _walk(path: str) -> int:
 
 if __name__ == "__main__":
     sys.exit(_walk(sys.argv[1]))
+
+
+def drop_if_damaged(path: str | Path, rank: int) -> bool:
+    """Before a resume: remove rank `rank`'s LMDB m(ξ) store at `path` when it does not open and walk cleanly
+    (m(ξ) can always be rebuilt: the resumed ranks find its samples on one side of their links only and re-seed them
+    at full precision), saying so on stderr; returns whether it did."""
+    import shutil
+
+    path = Path(path)
+    problem = damage(path) if path.exists() else None
+    if problem is None:
+        return False
+    print(f"aqpipe: rank {rank}'s m(xi) store is damaged ({problem}); dropping it: its samples are re-seeded at full "
+          "precision and counted in store.reseeded", file=sys.stderr, flush=True)
+    shutil.rmtree(path)
+    return True

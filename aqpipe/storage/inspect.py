@@ -135,11 +135,19 @@ def _compare(where: str, sample: int, sent: torch.Tensor | str, got: torch.Tenso
 
 
 def stats(run_dir: str) -> list[dict]:
-    """Per (replica, link, side): entries, bytes stored, raw bytes before zstd, and the compression ratio."""
+    """Per (replica, link, side): entries, bytes stored, raw bytes before zstd, and the compression ratio, of the
+    stores on this host; the last item holds the bytes on disk and the ranks whose stores are not here (another
+    host's). InspectError when no store is here at all."""
     config = _run_config(run_dir)
     rows: dict[tuple[int, int, str], dict] = defaultdict(lambda: {"entries": 0, "stored_bytes": 0, "raw_bytes": 0})
     disk = 0
-    for rank in range(config["pp"] * config["dp"]):
+    ranks = range(config["pp"] * config["dp"])
+    elsewhere = [rank for rank in ranks if not store_path(run_dir, rank).is_dir()]
+    if len(elsewhere) == len(ranks):
+        raise InspectError(f"no m(xi) store of the run is under {run_dir!r} (rank 0's would be {store_path(run_dir, 0)})")
+    for rank in ranks:
+        if rank in elsewhere:
+            continue
         store = _open(run_dir, config, rank)
         try:
             for (link, side, _sample), _fields, stored in store.raw_records():
@@ -154,5 +162,5 @@ def stats(run_dir: str) -> list[dict]:
     out = [{"replica": r, "link": f"{link}->{link + 1}", "side": s, **v,
             "compression_ratio": v["raw_bytes"] / v["stored_bytes"] if v["stored_bytes"] else 0.0}
            for (r, link, s), v in sorted(rows.items())]
-    out.append({"bytes_on_disk": disk})
+    out.append({"bytes_on_disk": disk, "elsewhere": elsewhere})
     return out
