@@ -27,7 +27,7 @@ from aqpipe.compress.link.codecs import QuantOptions, build_codec
 from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.transport import Header
-from aqpipe.runtime.capacity import LinkNeeds, plan_capacity, steady_payload_bytes
+from aqpipe.runtime.capacity import LinkNeeds, TiedNeeds, format_tied, plan_capacity, steady_payload_bytes
 from aqpipe.runtime.plan import RunPlan
 from aqpipe.storage import MemoryStore, StoreView
 
@@ -47,6 +47,7 @@ class BenchResult:
     wire_seconds: dict[int, tuple[float, float]]  # fw bits -> (forward, backward) seconds per micro-batch
     recommended_bits: int
     link_bound: bool  # even the fewest bits leave the link slower than compute
+    tied: TiedNeeds | None = None  # what keeping a tied table one tensor sends per step (the capacity plan's)
 
 
 def _time(fn, device: torch.device, repeats: int = REPEATS) -> float:
@@ -170,10 +171,10 @@ def run_bench(plan: RunPlan, bandwidth_bits: int | None) -> BenchResult:
     if bandwidth_bits is not None and bandwidth_bits / 8 < rate:
         rate, source = bandwidth_bits / 8, "--bandwidth"
     if link is None:
-        return BenchResult(seconds, speeds, 0, rate, source, {}, 8, False)
+        return BenchResult(seconds, speeds, 0, rate, source, {}, 8, False, capacity.tied)
     bits, bound, wire = recommend(link, cfg, rate, max(seconds))
     return BenchResult(seconds, speeds, 4 * int(torch.Size(link.activation_shape).numel()), rate, source, wire, bits,
-                       bound)
+                       bound, capacity.tied)
 
 
 def format_bench(result: BenchResult, cfg: ResolvedConfig) -> str:
@@ -188,6 +189,9 @@ def format_bench(result: BenchResult, cfg: ResolvedConfig) -> str:
         lines += [f"{spec:<12} {gbps:8.3g}" for spec, gbps in result.codec_gbps.items()]
     source = "one TCP stream over this host's loopback" if result.link_source == "loopback" else "--bandwidth"
     lines += ["", f"link: {result.link_bytes_per_second * 8 / 1e6:,.0f} Mbit/s ({source})"]
+    if result.tied is not None:
+        seconds = result.tied.step_bytes / result.link_bytes_per_second
+        lines.append(format_tied(result.tied, cfg) + f"; {seconds:.2f} s per step on this link")
     if result.wire_seconds:
         slowest = max(result.stage_seconds)
 

@@ -45,3 +45,15 @@ def test_bench_refuses_a_bad_rate_with_one_line(tmp_path, capsys):
     assert main(["bench", "--model", "gpt2-tiny", "--bandwidth", "fast", "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--bandwidth" in err[0]
+
+
+def test_the_report_counts_the_tied_exchange_and_its_time_on_the_link():
+    from aqpipe.bench import BenchResult, format_bench
+    from aqpipe.runtime.capacity import TiedNeeds
+
+    cfg = resolve(RunConfig(model="llama-tiny", pp=4, device="cpu"))
+    tied = TiedNeeds("rows", 3_000_000, 113_000_000, 650.0)
+    report = format_bench(BenchResult([0.1] * 4, {}, 0, 12.5e6, "--bandwidth", {}, 8, False, tied), cfg)
+    line = next(line for line in report.splitlines() if line.startswith("tied embedding/LM head"))
+    assert "3 MB per step between stage 0 and stage 3" in line and "~650 distinct tokens" in line
+    assert "dense would send 678 MB" in line and line.endswith("; 0.24 s per step on this link")
