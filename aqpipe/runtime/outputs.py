@@ -169,28 +169,35 @@ def gather_final_weights(module: torch.nn.Module, grid: Grid, plan: RunPlan, dev
                          tied_head: str | None = None, row_cache: torch.nn.Parameter | None = None
                          ) -> FinalWeights | None:
     """Send replica 0's final stage weights to rank 0 (one stage after another, point to point: hosts need not share
-    a disk), which writes the export; nothing travels for a model aqpipe neither exports nor ties by rows. With a
-    tied table exchanged by rows, rank 0 (the first stage, holding the `row_cache`) takes the whole table from the
-    last stage's head (`tied_head`: its name there) before its own weights are saved. Every rank calls this;
-    returns what rank 0 received (None elsewhere)."""
+    a disk), which writes the export. With a tied table exchanged by rows, rank 0 (the first stage, holding the
+    `row_cache`) takes the whole table from the last stage's head (`tied_head`: its name there) before its own
+    weights are saved; for a model aqpipe does not export only that table travels, and nothing at all without one.
+    Every rank calls this; returns what rank 0 received (None elsewhere, or without an export)."""
     exporting = plan.spec.extras.get("architecture") is not None
     if not (exporting or tied_head is not None or row_cache is not None) or grid.replica != 0:
         return None
     where = collective_device(device)
-    if grid.rank != 0:
-        parts: dict = {"model": merged_state(module), "tied_head": tied_head}
+    senders = range(1, plan.cfg.pp) if exporting else [plan.cfg.pp - 1]
+    if grid.rank != 0 and grid.stage in senders:
+        model = merged_state(module)
+        if not exporting:  # only the head's table is wanted
+            model = {tied_head: model[tied_head]} if tied_head is not None else {}
+        parts: dict = {"model": model, "tied_head": tied_head}
         if plan.cfg.export_adapter:
             parts["adapter"] = adapter_state(module)
         buffer = io.BytesIO()
         torch.save(parts, buffer)
         comm.send_bytes(buffer.getvalue(), 0, comm.FINAL_WEIGHTS, where)
+    if grid.rank != 0:
         return None
-    received = [comm.receive_bytes(grid.rank_of(stage, 0), where) for stage in range(1, plan.cfg.pp)]
+    received = [comm.receive_bytes(grid.rank_of(stage, 0), where) for stage in senders]
     parts_of = [torch.load(io.BytesIO(data), weights_only=True) for data in received]
     head = parts_of[-1].get("tied_head") if parts_of else None
     if row_cache is not None and head is not None:
         with torch.no_grad():
             row_cache.copy_(parts_of[-1]["model"][head].to(row_cache.device, row_cache.dtype))
+    if not exporting:
+        return None
     own = {"model": merged_state(module), **({"adapter": adapter_state(module)} if plan.cfg.export_adapter else {})}
     parts_of = [own, *parts_of]
     return FinalWeights([p["model"] for p in parts_of],
