@@ -110,5 +110,4 @@ def worker_step(grid, module, method: str, lr: float = 1.0, clip: float = 0.0, t
                          grad_sync=sync, optimizer=optimizer, lr_schedule=schedule, clip=clip,
                          device=torch.device("cpu"), tied=list(tied))
     stats = StepStats()
-    worker._reduce_grads(None, None, stats)
-    worker._optimizer_step(None, None, stats)
+    worker.optimizer_phase.run(0, stats)

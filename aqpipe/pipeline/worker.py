@@ -19,46 +19,11 @@ from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device
 from aqpipe.pipeline.held import ActivationMeter
 from aqpipe.pipeline.link_ends import StageLinks
 from aqpipe.pipeline.mixed_precision import LossScaler, autocast
-from aqpipe.pipeline.optim import clip_by_global_norm, local_grad_sq_norm
-from aqpipe.pipeline.tied import TiedGroup, agree_tied_grads, sum_tied_grads, tied_ids, tied_sq_norm
+from aqpipe.pipeline.optimizer_phase import OptimizerPhase
+from aqpipe.pipeline.step_stats import StepStats
+from aqpipe.pipeline.tied import TiedGroup
 from aqpipe.pipeline.tied_rows import LOOKUP
 from aqpipe.stages.spec import Stage
-
-
-@dataclass
-class StepStats:
-    """What one rank measured during one optimizer step."""
-
-    loss_sum: float = 0.0  # sum over micro-batches of the loss (last stage only)
-    fwd_bytes: int = 0  # activation payload bytes this rank sent
-    bwd_bytes: int = 0  # gradient payload bytes this rank sent
-    fwd_elements: int = 0  # activation values those bytes stood for
-    bwd_elements: int = 0
-    grad_sync_bytes: int = 0
-    tied_bytes: int = 0  # a tied table's exchange: rows or gradient rows this rank sent (dense: its all-reduce share)
-    fwd_framing_bytes: int = 0  # the rest of the messages whose payloads fwd_bytes/bwd_bytes count: headers, sample
-    bwd_framing_bytes: int = 0  # ids, attention masks
-    control_bytes: int = 0  # loss weights, overflow flags, norm all-reduces, re-seed requests, metrics gathers…
-    fwd_recv_bytes: int = 0  # activation message bodies this rank received, and their time on the wire
-    fwd_recv_seconds: float = 0.0
-    bwd_recv_bytes: int = 0  # gradient message bodies this rank received, and their time on the wire
-    bwd_recv_seconds: float = 0.0
-    compute_seconds: float = 0.0
-    comm_wait_seconds: float = 0.0
-    forward_seconds: float = 0.0  # the model's forward and backward alone, parts of compute_seconds
-    backward_seconds: float = 0.0
-    grad_norm: float = 0.0
-    peak_activation_bytes: int = 0  # the most bytes of activations held for backward at once
-    peak_memory_bytes: int = 0  # CUDA: the most bytes allocated on the device this step; CPU: the process's peak RSS
-    overflow: int = 0  # 1: an fp16 gradient overflowed somewhere, and every rank skipped this step's update
-    loss_scale: float = 0.0  # fp16's loss scale during this step (0 without loss scaling)
-    store_hits: int = 0  # the m(ξ) store's counters so far (the loop fills them in)
-    store_misses: int = 0
-    store_reseeded: int = 0
-    store_overflow: int = 0
-    aqsgd_signal: float = 0.0  # AQ-SGD activations this rank sent as deltas: Σ‖a‖², Σ‖a − m_old‖², Σ‖a − m_new‖²
-    aqsgd_change: float = 0.0
-    aqsgd_error: float = 0.0
 
 
 @dataclass
@@ -96,13 +61,15 @@ class StageWorker:
     _step: int = 0
     _n: int = 1
     _weights: list[float] | None = None  # each micro-batch's share of the step's loss terms (instruction data)
-    _sync_bytes_before: int = 0
     _tied_bytes_before: int = 0
     _meter: ActivationMeter = field(init=False)
-    _overflow: bool = False  # this step's gradients overflowed on some rank: no update anywhere
+    optimizer_phase: OptimizerPhase = field(init=False)
 
     def __post_init__(self) -> None:
         self._meter = ActivationMeter(self.module)
+        self.optimizer_phase = OptimizerPhase(
+            self.grid, self.groups, self.module, self.optimizer, self.lr_schedule, self.grad_sync, self.clip,
+            self.device, self.tied, self.links.tied_rows, self.scaler)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -110,22 +77,10 @@ class StageWorker:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     @property
-    def updated_params(self) -> list[nn.Parameter]:
-        """The parameters this stage's optimizer updates: not a tied table it only looks rows up in (the stage
-        holding the table's other copy updates it; `aqpipe.pipeline.tied_rows`)."""
-        cache = self._row_cache
-        return [p for p in self.params if p is not cache]
-
-    @property
     def row_cache_names(self) -> frozenset[str]:
         """The state-dict names of a tied table this stage only looks rows up in (its unused rows are stale)."""
         rows = self.links.tied_rows
         return frozenset([rows.name]) if rows is not None and rows.role == LOOKUP else frozenset()
-
-    @property
-    def _row_cache(self) -> nn.Parameter | None:
-        rows = self.links.tied_rows
-        return rows.table if rows is not None and rows.role == LOOKUP else None
 
     def run_step(self, step: int, micro_batch_ids: list[torch.Tensor], compress: bool = True,
                  next_ids: list[int] | None = None) -> StepStats:
@@ -143,7 +98,6 @@ class StageWorker:
         self.module.train()
         self._step, self._n = step, n
         self._weights = self._loss_weights(micro_batch_ids) if self.grid.is_last_stage else None
-        self._overflow = False
         stats.loss_scale = self.scaler.scale if self.scaler is not None else 0.0
         self._tied_bytes_before = self._tied_bytes()
         if self.links.tied_rows is not None:  # the looked-up rows of a tied table, current before any forward
@@ -255,61 +209,15 @@ class StageWorker:
 
     def _reduce_grads(self, mb: None, index: None, stats: StepStats) -> None:
         self.links.flush()
-        self._sync_bytes_before = self.grad_sync.bytes_sent
-        if self.scaler is not None:  # fp16: skip the step everywhere if any rank overflowed, before any compressor
-            self._overflow = self.scaler.overflowed(self.params, collective_device(self.device))
-            if self._overflow:  # every gradient goes, a looked-up tied table's too (its optimizer is the head's)
-                for p in self.params:
-                    p.grad = None
-                return
-            self.scaler.unscale(self.params)
-        if self.links.tied_rows is not None:  # the head's gradient takes the embedding's rows, before anything reads it
-            self.links.tied_rows.exchange_gradients(self._step)
-        if self.tied:  # first every copy takes the sum of all copies' gradients, so the sync sees the true gradient
-            sum_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp, collective_device(self.device))
-        if self.grad_sync.sign_based:  # a sign method's input is clipped (Marsit: before its compensation is formed)
-            stats.grad_norm = self._clip()
-        self.grad_sync.lr = self.lr_schedule.get_last_lr()[0]
-        self.grad_sync.synchronize(self.updated_params)
-        if self.tied and self.grid.dp > 1:  # a compressor may treat two copies' coordinates differently: re-agree
-            agree_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp, collective_device(self.device))
+        self.optimizer_phase.reduce(self._step, stats)
+
+    def _optimizer_step(self, mb: None, index: None, stats: StepStats) -> None:
+        self.optimizer_phase.update(stats)
 
     def _tied_bytes(self) -> int:
         """Bytes this rank has sent so far to keep tied copies equal (row exchange and dense all-reduce)."""
         rows = self.links.tied_rows
         return comm.TRAFFIC.sent[comm.TIED] + (rows.bytes_sent if rows is not None else 0)
-
-    def _clip(self) -> float:
-        """Clip the gradients on the norm of the whole model (every stage, tied copies counted once); returns it."""
-        params = self.updated_params
-        skip = tied_ids(self.module) if self.tied else set()
-        if self.links.tied_rows is not None:
-            skip.add(id(self.links.tied_rows.table))
-        sq = local_grad_sq_norm([p for p in params if id(p) not in skip])
-        if self.tied:
-            sq = sq + tied_sq_norm(self.module, self.tied, self.grid.is_last_stage)
-        if self.links.tied_rows is not None:
-            sq = sq + self.links.tied_rows.sq_norm()
-        if self.grid.pp > 1:  # clip on the norm of the whole model, not of this stage
-            sq = sq.to(collective_device(self.device))
-            comm.all_reduce(sq, comm.CONTROL, group=self.groups.pipeline)
-        # signSGD's ±1 vector is the update itself: clipping its norm would only shrink every step
-        return clip_by_global_norm(params, self.clip if self.grad_sync.clippable else 0.0, sq.cpu())
-
-    def _optimizer_step(self, mb: None, index: None, stats: StepStats) -> None:
-        if self.scaler is not None:
-            self.scaler.update(self._overflow)
-        if self._overflow:  # skipped on every rank; the learning-rate schedule still moves on with the run's steps
-            stats.overflow = 1
-            self.lr_schedule.step()
-            return
-        if not self.grad_sync.sign_based:
-            stats.grad_norm = self._clip()
-        self.optimizer.step()
-        # counted after the optimizer: qadam's optimizer exchanges the momentum through the grad sync
-        stats.grad_sync_bytes = self.grad_sync.bytes_sent - self._sync_bytes_before
-        self.lr_schedule.step()
-        self.optimizer.zero_grad(set_to_none=True)
 
     # instruction type -> (handler, whether its time counts as waiting on peers rather than computing)
     _HANDLERS: ClassVar[dict[type, tuple[Callable[..., None], bool]]] = {

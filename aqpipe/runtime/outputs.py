@@ -20,21 +20,13 @@ from aqpipe.disk import DiskFullError, save_atomic, writing
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
 from aqpipe.pipeline import comm, present
 from aqpipe.pipeline.grid import Grid, collective_device, gather_rows
-from aqpipe.pipeline.worker import StepStats
+from aqpipe.pipeline.step_stats import COMBINED, INTEGER_FIELDS, STAT_FIELDS, StepStats
 from aqpipe.runtime.plan import RunPlan
 from aqpipe.runtime.resume import kept_records
 from aqpipe.stages.export import export_adapter, export_hf
 from aqpipe.stages.lora import adapter_state, merged_state
 from aqpipe.stages.models import tokenizer_directory
 from aqpipe.storage.base import stage_holding
-
-# The StepStats fields every rank contributes to a step's record (plus its step time), in the order they travel.
-STAT_FIELDS = ("loss_sum", "fwd_bytes", "bwd_bytes", "fwd_elements", "bwd_elements", "grad_sync_bytes", "tied_bytes",
-               "fwd_framing_bytes", "bwd_framing_bytes", "control_bytes",
-               "compute_seconds", "comm_wait_seconds", "grad_norm", "store_hits", "store_misses", "store_reseeded",
-               "store_overflow", "fwd_recv_bytes", "fwd_recv_seconds", "bwd_recv_bytes", "bwd_recv_seconds",
-               "forward_seconds", "backward_seconds", "peak_activation_bytes", "peak_memory_bytes", "overflow",
-               "loss_scale", "aqsgd_signal", "aqsgd_change", "aqsgd_error")
 
 
 def write_config(cfg: ResolvedConfig, plan: RunPlan) -> None:
@@ -89,18 +81,11 @@ def step_record(stats: StepStats, grid: Grid, cfg: ResolvedConfig, step: int, st
         "epoch": step // steps_per_epoch,
         "loss": loss,
         "lr": lr,
-        "grad_norm": float(col["grad_norm"][0]),
         "samples_per_second": cfg.samples_per_step * cfg.dp / slowest,
         "step_seconds": slowest,
-        "fwd_bytes": int(col["fwd_bytes"].sum()),
-        "bwd_bytes": int(col["bwd_bytes"].sum()),
-        "grad_sync_bytes": int(col["grad_sync_bytes"].sum()),
-        "tied_bytes": int(col["tied_bytes"].sum()),
-        "fwd_framing_bytes": int(col["fwd_framing_bytes"].sum()),
-        "bwd_framing_bytes": int(col["bwd_framing_bytes"].sum()),
+        **combined(col, grid),
         # this record's own gather (every rank but 0 sends its row) is control traffic of this step too
         "control_bytes": int(col["control_bytes"].sum()) + (grid.world_size - 1) * mine.numel() * mine.element_size(),
-        "stage_tied_bytes": [int(sum(col["tied_bytes"][grid.rank_of(s, r)] for r in range(cfg.dp))) for s in range(cfg.pp)],
         "link_fwd_bytes": [int(b) for b in per_link("fwd_bytes", "send")],
         "link_bwd_bytes": [int(b) for b in per_link("bwd_bytes", "recv")],
         "link_fwd_wire_seconds": per_link("fwd_recv_seconds", "recv"),
@@ -109,22 +94,30 @@ def step_record(stats: StepStats, grid: Grid, cfg: ResolvedConfig, step: int, st
         "link_bwd_bytes_per_second": rates("bwd", "send"),
         "fwd_bytes_per_element": int(col["fwd_bytes"].sum()) / fwd_elements if fwd_elements else 0.0,
         "bwd_bytes_per_element": int(col["bwd_bytes"].sum()) / bwd_elements if bwd_elements else 0.0,
-        "store_hits": int(col["store_hits"].sum()),
-        "store_misses": int(col["store_misses"].sum()),
-        "store_reseeded": int(col["store_reseeded"].sum()),
-        "store_overflow": int(col["store_overflow"].sum()),
-        "compute_seconds": float(col["compute_seconds"].max()),
-        "comm_wait_seconds": float(col["comm_wait_seconds"].max()),
-        "stage_compute_seconds": [float(col["compute_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
-        "stage_comm_wait_seconds": [float(col["comm_wait_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
-        "stage_forward_seconds": [float(col["forward_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
-        "stage_backward_seconds": [float(col["backward_seconds"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
-        "stage_peak_activation_bytes": [int(col["peak_activation_bytes"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
-        "stage_peak_memory_bytes": [int(col["peak_memory_bytes"][grid.rank_of(s, 0)]) for s in range(cfg.pp)],
-        "loss_scale": float(col["loss_scale"][0]),
         "skipped": bool(col["overflow"].max() > 0),  # fp16: a gradient overflowed and no rank updated
         **(aqsgd if any(v is not None for v in aqsgd["link_aqsgd_change"]) else {}),
     }
+
+
+def combined(col: dict[str, torch.Tensor], grid: Grid) -> dict:
+    """The record fields of every StepStats field that declares how the ranks' values combine (`combine`)."""
+    record: dict = {}
+    for name, how in COMBINED.items():
+        cast = int if name in INTEGER_FIELDS else float
+        values = col[name]
+        for kind in how:
+            if kind == "sum":
+                record[name] = cast(values.sum())
+            elif kind == "max":
+                record[name] = cast(values.max())
+            elif kind == "first":
+                record[name] = cast(values[0])
+            elif kind == "per_stage":
+                record[f"stage_{name}"] = [cast(values[grid.rank_of(s, 0)]) for s in range(grid.pp)]
+            else:  # stage_sum
+                record[f"stage_{name}"] = [cast(sum(values[grid.rank_of(s, r)] for r in range(grid.dp)))
+                                           for s in range(grid.pp)]
+    return record
 
 
 def print_progress(record: dict, total: int) -> None:
@@ -172,7 +165,7 @@ def gather_final_weights(module: torch.nn.Module, grid: Grid, plan: RunPlan, dev
     a disk), which writes the export. With a tied table exchanged by rows, rank 0 (the first stage, holding the
     `row_cache`) takes the whole table from the last stage's head (`tied_head`: its name there) before its own
     weights are saved; for a model aqpipe does not export only that table travels, and nothing at all without one.
-    Every rank calls this; returns what rank 0 received (None elsewhere, or without an export)."""
+    Every rank calls this; returns what rank 0 received (None elsewhere, and when nothing travelled)."""
     exporting = plan.spec.extras.get("architecture") is not None
     if not (exporting or tied_head is not None or row_cache is not None) or grid.replica != 0:
         return None
@@ -196,8 +189,8 @@ def gather_final_weights(module: torch.nn.Module, grid: Grid, plan: RunPlan, dev
     if row_cache is not None and head is not None:
         with torch.no_grad():
             row_cache.copy_(parts_of[-1]["model"][head].to(row_cache.device, row_cache.dtype))
-    if not exporting:
-        return None
+    if not exporting:  # the table alone travelled: counted, nothing to export
+        return FinalWeights([], None, sum(8 + len(d) for d in received))
     own = {"model": merged_state(module), **({"adapter": adapter_state(module)} if plan.cfg.export_adapter else {})}
     parts_of = [own, *parts_of]
     return FinalWeights([p["model"] for p in parts_of],
