@@ -13,7 +13,8 @@ from torch import nn
 
 from aqpipe.config import RunConfig, resolve
 from aqpipe.launch.job import run_job
-from aqpipe.pipeline.tied_rows import FOR_EVALUATION, LOOKUP, OWNER, RowExchange, step_rows, table_parameter
+from aqpipe.pipeline.tied_rows import (FOR_EVALUATION, LOOKUP, OWNER, RowExchange, step_parts, step_rows,
+                                       table_parameter)
 from aqpipe.pipeline.transport import HEADER_SIZE, Inbox, Outbox, TransportError
 from tests import warm
 
@@ -42,14 +43,31 @@ def close(*ends: RowExchange) -> None:
         end.close(abort=True)
 
 
+def test_a_steps_rows_are_split_by_first_use_and_by_the_backward_that_ends_their_gradient():
+    tokens = [torch.tensor([[4, 1, 4]]), torch.tensor([[1, 17]]), torch.tensor([[2, 30, 17]])]
+    parts = step_parts(tokens, backward_order=[2, 1, 0])
+    assert parts.rows.tolist() == [1, 2, 4, 17, 30]
+    assert [p.tolist() for p in parts.values] == [[1, 4], [17], [2, 30]]  # what forward k needs first
+    assert [p.tolist() for p in parts.grads] == [[2, 30], [17], [1, 4]]  # final after the 1st, 2nd, 3rd backward
+    ascending = step_parts(tokens, backward_order=[0, 1, 2])
+    assert [p.tolist() for p in ascending.grads] == [[4], [1], [2, 17, 30]]
+    with pytest.raises(ValueError, match="names each of the 3 micro-batches once"):
+        step_parts(tokens, backward_order=[0, 0, 2])
+
+
 def test_the_lookup_side_computes_on_the_owners_rows_and_the_owner_gets_the_dense_sum():
     generator = torch.Generator().manual_seed(0)
     current, stale = torch.randn(VOCAB, WIDTH, generator=generator), torch.randn(VOCAB, WIDTH, generator=generator)
     owner, lookup = pair(current, stale)
     try:
         tokens = [torch.tensor([[4, 1, 4, 30]]), torch.tensor([[1, 17, 2, 2]])]
-        owner.begin(3, tokens)
-        lookup.begin(3, tokens)
+        owner.begin(3, tokens, backward_order=[1, 0])
+        lookup.begin(3, tokens, backward_order=[1, 0])
+        lookup.ready(0)  # the first forward waits only for its own rows
+        first = torch.tensor([1, 4, 30])
+        assert torch.equal(lookup.table[first], current[first])
+        assert torch.equal(lookup.table[[2, 17]], stale[[2, 17]])
+        lookup.ready(1)
         used = torch.tensor([1, 2, 4, 17, 30])
         assert torch.equal(lookup.table[used], current[used])
         unused = torch.ones(VOCAB, dtype=torch.bool)
@@ -57,16 +75,54 @@ def test_the_lookup_side_computes_on_the_owners_rows_and_the_owner_gets_the_dens
         assert torch.equal(lookup.table[unused], stale[unused])  # only the step's rows travelled
 
         head_grad = torch.randn(VOCAB, WIDTH, generator=generator)  # a head's gradient is dense
-        embed_grad = torch.zeros(VOCAB, WIDTH)
-        embed_grad[used] = torch.randn(len(used), WIDTH, generator=generator)  # an embedding's, only where looked up
-        owner.table.grad, lookup.table.grad = head_grad.clone(), embed_grad.clone()
-        lookup.exchange_gradients(3)
-        owner.exchange_gradients(3)
+        contributions = {index: torch.zeros(VOCAB, WIDTH) for index in (0, 1)}  # an embedding's: where looked up
+        for index, batch in enumerate(tokens):
+            contributions[index][batch.unique()] = torch.randn(len(batch.unique()), WIDTH, generator=generator)
+        owner.table.grad = head_grad.clone()
+        for index in (1, 0):  # the backwards, gradients accumulating as autograd does
+            grad = contributions[index].clone() if lookup.table.grad is None else lookup.table.grad + contributions[index]
+            lookup.table.grad = grad
+            lookup.backward_done(3)
+        embed_grad = contributions[1] + contributions[0]
+        lookup.exchange_gradients()
+        owner.exchange_gradients()
         assert torch.equal(owner.table.grad, head_grad + embed_grad)  # what the dense all-reduce forms, bit for bit
         assert lookup.table.grad is None  # the lookup side's optimizer does not hold the table
         assert float(lookup.sq_norm()) == 0.0
         assert float(owner.sq_norm()) == float((head_grad + embed_grad).double().pow(2).sum())
-        assert lookup.bytes_sent == owner.bytes_sent == len(used) * (4 * WIDTH + 8) + HEADER_SIZE
+        messages = len(tokens) * HEADER_SIZE  # one a micro-batch each way
+        assert lookup.bytes_sent == owner.bytes_sent == len(used) * (4 * WIDTH + 8) + messages
+    finally:
+        close(owner, lookup)
+
+
+def test_the_owner_unscales_the_streamed_gradient_rows_as_the_lookup_side_would_have():
+    owner, lookup = pair(torch.zeros(VOCAB, WIDTH), torch.zeros(VOCAB, WIDTH))
+    try:
+        tokens = [torch.tensor([[3, 5]])]
+        for end in (owner, lookup):
+            end.begin(0, tokens)
+        lookup.ready(0)
+        scaled = torch.randn(VOCAB, WIDTH) * 1024.0
+        lookup.table.grad = scaled.clone()
+        lookup.backward_done(0)
+        owner.table.grad = torch.zeros(VOCAB, WIDTH)
+        lookup.exchange_gradients()
+        owner.exchange_gradients(unscale=1.0 / 1024.0)
+        assert torch.equal(owner.table.grad[[3, 5]], scaled[[3, 5]].mul_(1.0 / 1024.0))
+
+        for end in (owner, lookup):  # an overflowed step: the sent rows are received and dropped
+            end.begin(1, tokens)
+        lookup.ready(0)
+        lookup.table.grad = torch.full((VOCAB, WIDTH), float("inf"))
+        lookup.backward_done(1)
+        owner.table.grad = None
+        lookup.exchange_gradients(drop=True)
+        owner.exchange_gradients(drop=True)
+        assert owner.table.grad is None and lookup.table.grad is None
+        for end in (owner, lookup):  # and the streams are in step for the next one
+            end.begin(2, tokens)
+        lookup.ready(0)
     finally:
         close(owner, lookup)
 
@@ -88,8 +144,9 @@ def test_rows_of_other_tokens_are_refused_naming_the_peer():
     owner, lookup = pair(torch.zeros(VOCAB, WIDTH), torch.zeros(VOCAB, WIDTH))
     try:
         owner.begin(0, [torch.tensor([[1, 2]])])
+        lookup.begin(0, [torch.tensor([[1, 3]])])
         with pytest.raises(TransportError, match="owner sent the rows of other tokens for tied table weight at step 1"):
-            lookup.begin(0, [torch.tensor([[1, 3]])])
+            lookup.ready(0)
     finally:
         close(owner, lookup)
 

@@ -2,8 +2,9 @@
 
 1. fp16: one overflow flag for the whole world; on overflow every rank drops its gradients and skips the update;
    otherwise the gradients are unscaled.
-2. Tied tables: a looked-up table's gradient rows go to the head that owns it (`aqpipe.pipeline.tied_rows`), and
-   copies kept whole sum their gradients over the pipeline (`aqpipe.pipeline.tied`).
+2. Tied tables: the head that owns a looked-up table adds the gradient rows the lookup side streamed during the
+   backward (`aqpipe.pipeline.tied_rows`), and copies kept whole sum their gradients over the pipeline
+   (`aqpipe.pipeline.tied`).
 3. A sign-based grad sync clips before its vote; then the replicas combine gradients (`aqpipe.compress.grad`), and
    tied copies re-agree on the mean when a compressor may have treated them differently.
 4. Clipping on the whole model's norm (tied tables counted once), the optimizer, the learning-rate schedule.
@@ -79,12 +80,14 @@ class OptimizerPhase:
         if self.scaler is not None:  # fp16: skip the step everywhere if any rank overflowed, before any compressor
             self.overflow = self.scaler.overflowed(self.params, where)
             if self.overflow:  # every gradient goes, a looked-up tied table's too (its optimizer is the head's)
+                if self.tied_rows is not None:  # (the gradient rows already sent are received and dropped)
+                    self.tied_rows.exchange_gradients(drop=True)
                 for p in self.params:
                     p.grad = None
                 return
             self.scaler.unscale(self.params)
         if self.tied_rows is not None:  # the head's gradient takes the embedding's rows, before anything reads it
-            self.tied_rows.exchange_gradients(step)
+            self.tied_rows.exchange_gradients(unscale=1.0 / self.scaler.scale if self.scaler is not None else 1.0)
         if self.tied:  # every copy takes the sum of all copies' gradients, so the sync sees the true gradient
             sum_tied_grads(self.module, self.tied, self.groups.pipeline, self.grid.pp, where)
         if self.grad_sync.sign_based:  # a sign method's input is clipped (Marsit: before its compensation is formed)

@@ -10,12 +10,19 @@ activations the links carry. The step needs much less:
   non-zero only there.
 
 So at the start of a step the owner sends the current values of those rows (it holds the same samples: its targets
-are the tokens), the lookup side writes them into its copy, and after the backward the lookup side sends its
+are the tokens), the lookup side writes them into its copy, and as the backward goes the lookup side sends its
 gradient's rows, which the owner adds to the head's gradient before clipping, the grad sync and the optimizer.
 The owner's gradient is then exactly the sum the dense all-reduce forms (one addition per element; adding the other
 stages' zeros changes nothing), and the lookup side computes on exactly the owner's rows: with fp32 links the run is
 the dense exchange's, bit for bit. Bytes per step scale with the distinct tokens of the step, not the vocabulary,
 and only the two stages holding copies send any.
+
+Both directions stream, so that the exchange hides behind the pipeline rather than delaying it (at 1 Mbit/s a step's
+rows of a 49,152-token vocabulary take seconds): the owner sends the rows in the order of the micro-batches that
+first use them, one message per micro-batch, and the lookup side waits, before each forward, only for the rows of
+that micro-batch; after each backward the lookup side sends the gradient rows no later micro-batch touches (a row's
+gradient is then final: later backwards add exact zeros to it), one message per backward. The values are the same
+as sent whole, so streaming changes no bit of the run.
 
 The lookup side's table is therefore a cache: rows it has not looked up lately are stale, its optimizer does not
 hold it, its resumable checkpoints carry it only as the rows it last read (a resumed step fetches its rows first),
@@ -33,9 +40,10 @@ from torch import nn
 from aqpipe.pipeline.tied import local_copies
 from aqpipe.pipeline.transport import HEADER_SIZE, KIND_TIED_GRADS, KIND_TIED_ROWS, Expect, Header, Inbox, Outbox, TransportError
 
-# What a rows message is for, in its header's micro-batch field: a training step's rows, or an evaluation pass's.
-FOR_TRAINING = 0
-FOR_EVALUATION = 1
+# The micro-batch field of an evaluation pass's rows message (one message, every row); a training step's messages
+# carry the index of the micro-batch (rows) or of the backward (gradient rows) they belong to.
+EVALUATION_PART = -1
+FOR_TRAINING, FOR_EVALUATION = "training", "evaluation"
 
 OWNER, LOOKUP = "owner", "lookup"
 
@@ -45,6 +53,33 @@ def step_rows(tokens: list[torch.Tensor]) -> torch.Tensor:
     if not tokens:
         return torch.zeros(0, dtype=torch.int64)
     return torch.unique(torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in tokens]), sorted=True)
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """How one step's rows travel: `rows` (the step's distinct tokens, ascending), `values[k]` the rows micro-batch k
+    is the first to use (sent before its forward), `grads[i]` the rows whose gradient is final after the i-th
+    backward of the lookup side (no later backward touches them)."""
+
+    rows: torch.Tensor
+    values: list[torch.Tensor]
+    grads: list[torch.Tensor]
+
+
+def step_parts(tokens: list[torch.Tensor], backward_order: list[int]) -> StepParts:
+    """Split a step's rows by the micro-batch that first uses them and by the backward after which their gradient is
+    final (`backward_order`: the lookup side's micro-batches in the order it runs their backwards)."""
+    rows = step_rows(tokens)
+    n = len(tokens)
+    if sorted(backward_order) != list(range(n)):
+        raise ValueError(f"a backward order names each of the {n} micro-batches once, got {backward_order}")
+    first = torch.full((len(rows),), n, dtype=torch.int64)
+    last = torch.full((len(rows),), -1, dtype=torch.int64)
+    for position, index in enumerate(backward_order):
+        used = torch.searchsorted(rows, step_rows([tokens[index]]))
+        first[used] = torch.minimum(first[used], torch.tensor(index))
+        last[used] = position
+    return StepParts(rows, [rows[first == k] for k in range(n)], [rows[last == i] for i in range(n)])
 
 
 def table_parameter(module: nn.Module, group: str) -> tuple[str, nn.Parameter]:
@@ -62,7 +97,8 @@ def table_parameter(module: nn.Module, group: str) -> tuple[str, nn.Parameter]:
 class RowExchange:
     """One end of a replica's row exchange of one tied table: `owner` (the last stage's LM head) sends rows and
     receives gradient rows, `lookup` (the first stage's embedding) the other way round. Both ends are called with
-    the same token batches at the same points of a step."""
+    the same token batches at the same points of a step: `begin`, then on the lookup side `ready` before each
+    forward and `backward_done` after each backward, then `exchange_gradients` on both."""
 
     role: str
     name: str  # the table's parameter name in its stage module (state dict key)
@@ -70,43 +106,79 @@ class RowExchange:
     outbox: Outbox
     inbox: Inbox
     bytes_sent: int = 0
-    _rows: torch.Tensor | None = None  # the current step's rows
+    _parts: StepParts | None = None  # the current step's
+    _received: int = 0  # lookup side: micro-batches whose rows have arrived this step
+    _backwards: int = 0  # lookup side: backwards run this step
 
     def __post_init__(self) -> None:
         if self.role not in (OWNER, LOOKUP):
             raise ValueError(f"a row exchange end is {OWNER!r} or {LOOKUP!r}, not {self.role!r}")
 
-    def begin(self, step: int, tokens: list[torch.Tensor], purpose: int = FOR_TRAINING) -> None:
-        """Bring the lookup side's copy of the rows `tokens` use up to date: the owner sends them (and returns at
-        once), the lookup side waits for them and writes them into its table."""
-        rows = step_rows(tokens)
-        if purpose == FOR_TRAINING:
-            self._rows = rows
-        if self.role == OWNER:
-            values = self.table.detach()[rows.to(self.table.device)]
-            self._send(KIND_TIED_ROWS, step, purpose, rows, values)
+    def begin(self, step: int, tokens: list[torch.Tensor], purpose: str = FOR_TRAINING,
+              backward_order: list[int] | None = None) -> None:
+        """Start a step (`backward_order`: the lookup side's, default ascending) or an evaluation pass over `tokens`,
+        one tensor per micro-batch. The owner sends the rows and returns at once. For a step, the lookup side only
+        announces what it expects (`ready` waits); for an evaluation it waits for every row and writes them."""
+        if purpose == FOR_EVALUATION:
+            rows = step_rows(tokens)
+            if self.role == OWNER:
+                self._send(KIND_TIED_ROWS, step, EVALUATION_PART, rows, self._current(rows))
+                return
+            self._expect(KIND_TIED_ROWS, step, EVALUATION_PART, rows)
+            self._write(rows, self._receive(rows))
             return
-        values = self._receive(KIND_TIED_ROWS, step, purpose, rows)
-        with torch.no_grad():
-            self.table.index_copy_(0, rows.to(self.table.device), values.to(self.table.device, self.table.dtype))
+        parts = self._parts = step_parts(tokens, list(range(len(tokens))) if backward_order is None else backward_order)
+        self._received = self._backwards = 0
+        if self.role == OWNER:
+            for index, rows in enumerate(parts.values):
+                self._send(KIND_TIED_ROWS, step, index, rows, self._current(rows))
+            for position, rows in enumerate(parts.grads):
+                self._expect(KIND_TIED_GRADS, step, position, rows)
+            return
+        for index, rows in enumerate(parts.values):
+            self._expect(KIND_TIED_ROWS, step, index, rows)
 
-    def exchange_gradients(self, step: int) -> None:
-        """After the backward (and any loss-scale unscaling): the lookup side sends its gradient's rows and lets go
-        of its gradient (its optimizer does not hold the table); the owner adds them to the head's gradient."""
-        rows = self._rows
-        if rows is None:
-            raise RuntimeError("exchange_gradients before begin: the step's rows are not known")
+    def ready(self, index: int) -> None:
+        """Lookup side, before the forward of micro-batch `index`: wait until the rows it uses are current."""
+        parts = self._step_parts()
+        while self._received <= index:
+            rows = parts.values[self._received]
+            self._write(rows, self._receive(rows))
+            self._received += 1
+
+    def backward_done(self, step: int) -> None:
+        """Lookup side, after each backward (any loss scale still in the gradient; the owner unscales): send the
+        gradient rows no later backward of the step touches."""
+        parts = self._step_parts()
+        rows = parts.grads[self._backwards]
+        grad = self.table.grad
+        values = torch.zeros(len(rows), self.table.shape[1], dtype=self.table.dtype) if grad is None \
+            else grad.detach()[rows.to(grad.device)]
+        self._send(KIND_TIED_GRADS, step, self._backwards, rows, values)
+        self._backwards += 1
+
+    def exchange_gradients(self, unscale: float = 1.0, drop: bool = False) -> None:
+        """After the step's backwards: the lookup side lets go of its gradient (its optimizer does not hold the
+        table); the owner receives every gradient row, multiplies them by `unscale` (the loss scale's inverse, as
+        the lookup side's own gradients are unscaled) and adds them to the head's gradient, or with `drop` (an
+        overflowed step) receives and discards them."""
+        parts = self._step_parts()
         if self.role == LOOKUP:
-            grad = self.table.grad
-            values = torch.zeros(len(rows), self.table.shape[1], dtype=self.table.dtype) if grad is None \
-                else grad.detach()[rows.to(grad.device)]
-            self._send(KIND_TIED_GRADS, step, FOR_TRAINING, rows, values)
+            if self._backwards != len(parts.grads):
+                raise RuntimeError(f"the step ran {self._backwards} backwards of {len(parts.grads)} on the tied table "
+                                   f"{self.name}'s lookup side")
             self.table.grad = None
             return
-        values = self._receive(KIND_TIED_GRADS, step, FOR_TRAINING, rows)
+        received = [self._receive(rows) for rows in parts.grads]
+        if drop:
+            return
         if self.table.grad is None:
             self.table.grad = torch.zeros_like(self.table)
-        self.table.grad.index_add_(0, rows.to(self.table.device), values.to(self.table.device, self.table.grad.dtype))
+        for rows, values in zip(parts.grads, received):
+            values = values.to(self.table.device, self.table.grad.dtype)
+            if unscale != 1.0:
+                values = values.mul_(unscale)
+            self.table.grad.index_add_(0, rows.to(self.table.device), values)
 
     def sq_norm(self) -> torch.Tensor:
         """The table's share of the whole model's squared gradient norm (float64): all of it on the owner, whose
@@ -125,18 +197,33 @@ class RowExchange:
         self.inbox.close()
         self.outbox.close(abort)
 
-    def _send(self, kind: int, step: int, purpose: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+    def _step_parts(self) -> StepParts:
+        if self._parts is None:
+            raise RuntimeError("the tied rows of a step used before begin: the step's rows are not known")
+        return self._parts
+
+    def _current(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.table.detach()[rows.to(self.table.device)]
+
+    def _write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.table.index_copy_(0, rows.to(self.table.device), values.to(self.table.device, self.table.dtype))
+
+    def _send(self, kind: int, step: int, part: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         values = values.contiguous().cpu()
-        header = Header(kind, step, purpose, tuple(values.shape), values.dtype, len(rows), 0)
+        header = Header(kind, step, part, tuple(values.shape), values.dtype, len(rows), 0)
         self.outbox.send(header, rows, values)
         self.bytes_sent += HEADER_SIZE + values.numel() * values.element_size() + 8 * len(rows)
 
-    def _receive(self, kind: int, step: int, purpose: int, rows: torch.Tensor) -> torch.Tensor:
-        self.inbox.expect(Expect(kind, step, purpose, len(rows)))
+    def _expect(self, kind: int, step: int, part: int, rows: torch.Tensor) -> None:
+        self.inbox.expect(Expect(kind, step, part, len(rows)))
+
+    def _receive(self, rows: torch.Tensor) -> torch.Tensor:
+        """The next announced message's values, which must be for exactly `rows`."""
         message = self.inbox.get()
         if not torch.equal(message.ids, rows):
             raise TransportError(f"{self.inbox.peer_name} sent the rows of other tokens for tied table {self.name} "
-                                 f"at step {step + 1} (the two stages disagree on the step's samples)")
+                                 f"at step {message.header.step + 1} (the two stages disagree on the step's samples)")
         width = self.table.shape[1]
         if message.header.shape != (len(rows), width) or message.header.dtype != self.table.dtype \
                 or message.payload.numel() != len(rows) * width * self.table.element_size():

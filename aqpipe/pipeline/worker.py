@@ -77,6 +77,12 @@ class StageWorker:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     @property
+    def _looks_rows_up(self) -> bool:
+        """This stage looks rows up in a tied table whose other copy (the head) is on the last stage."""
+        rows = self.links.tied_rows
+        return rows is not None and rows.role == LOOKUP
+
+    @property
     def row_cache_names(self) -> frozenset[str]:
         """The state-dict names of a tied table this stage only looks rows up in (its unused rows are stale)."""
         rows = self.links.tied_rows
@@ -100,11 +106,11 @@ class StageWorker:
         self._weights = self._loss_weights(micro_batch_ids) if self.grid.is_last_stage else None
         stats.loss_scale = self.scaler.scale if self.scaler is not None else 0.0
         self._tied_bytes_before = self._tied_bytes()
-        if self.links.tied_rows is not None:  # the looked-up rows of a tied table, current before any forward
-            start = time.perf_counter()
+        if self.links.tied_rows is not None:  # a tied table's rows stream to the first stage, its gradient rows back
             assert self.samples is not None, "a first or last stage holds its samples"
-            self.links.tied_rows.begin(step, [self.samples.inputs(ids) for ids in micro_batch_ids])
-            stats.comm_wait_seconds += time.perf_counter() - start
+            first_stage = sch.SCHEDULES[self.schedule].stream(0, self.grid.pp, n)
+            self.links.tied_rows.begin(step, [self.samples.inputs(ids) for ids in micro_batch_ids],
+                                       backward_order=[i.micro_batch for i in first_stage if isinstance(i, sch.Backward)])
         for ins in stream:
             handler, waits_on_peers = self._HANDLERS[type(ins)]
             start = time.perf_counter()
@@ -165,6 +171,12 @@ class StageWorker:
             mb.targets = samples.targets(ids).to(self.device)
 
     def _forward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
+        if self._looks_rows_up:  # the rows this micro-batch looks up, current (waiting on the head's stage)
+            start = time.perf_counter()
+            present(self.links.tied_rows, "tied rows").ready(index)
+            waited = time.perf_counter() - start
+            stats.comm_wait_seconds += waited
+            stats.compute_seconds -= waited  # the handler's whole time is counted as compute
         if isinstance(self.module, Stage) and self.module.recompute:  # the layer inputs kept for the backward
             self.module.on_held = lambda held: self._meter.keep(index, held)
         with self._meter.forward(index), autocast(self.device, self.precision):
@@ -194,6 +206,8 @@ class StageWorker:
             (present(mb.loss, "loss") * (scale / self._n)).backward()  # the step's loss: the mean over micro-batches
         elif (outputs := present(mb.outputs, "outputs")).requires_grad:  # (not when nothing up to here trains)
             outputs.backward(mb.output_grad)
+        if self._looks_rows_up:  # the tied table's gradient rows no later backward touches go to the head now
+            present(self.links.tied_rows, "tied rows").backward_done(self._step)
         if self.grid.is_first_stage:
             self._release(index)
 

@@ -257,8 +257,8 @@ def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
               for step in range(min(sampled_steps, plan.total_steps))]
     distinct = sum(counts) / max(1, len(counts))
     widths = [g.shapes[0][1] for g in groups if g.name in by_rows]
-    # the rows, then the gradient's rows: two messages of `distinct` rows and their indices
-    rows = sum(2 * (round(distinct) * (4 * width + 8) + HEADER_SIZE) for width in widths)
+    # the rows and the gradient's rows, `distinct` each with their indices, streamed as a message per micro-batch
+    rows = sum(2 * (round(distinct) * (4 * width + 8) + cfg.micro_batches * HEADER_SIZE) for width in widths)
     return TiedNeeds("rows", rows + dense, sum(table_bytes.values()), distinct)
 
 
