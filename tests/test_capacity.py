@@ -104,7 +104,8 @@ def test_wire_bytes_of_each_codec_equal_a_real_message():
 
     options = QuantOptions()
     x = torch.randn(3, 7, 20)
-    for spec, direction in [("fp32", "fw"), ("fp16", "fw"), ("directq:4", "fw"), ("topk:0.1:8", "bw"), ("bf16", "bw")]:
+    for spec, direction in [("fp32", "fw"), ("fp16", "fw"), ("directq:4", "fw"), ("topk:0.1:8", "bw"), ("bf16", "bw"),
+                            ("rtq:4", "bw")]:
         encoded = build_codec(spec, direction, options=options).encode(x, torch.arange(3))
         assert encoded.payload.numel() == cap.steady_payload_bytes(spec, direction, tuple(x.shape), x.dtype, options)
     assert cap.raw_payload_bytes("fp32", "fw", (3, 7, 20), torch.bfloat16) == 3 * 7 * 20 * 2

@@ -6,6 +6,7 @@ import torch
 from aqpipe.compress.link.aqsgd import MODE_DELTA, MODE_FULL
 from aqpipe.compress.link.codecs import FLAG_RAW, CodecError, QuantOptions, build_codec, parse_spec
 from aqpipe.compress.quantize import dequantize, quantize
+from aqpipe.compress.rotated import rotated_dequantize, rotated_quantize
 from aqpipe.pipeline.transport import KIND_ACTIVATION, Header
 from aqpipe.storage import MemoryStore, StoreView
 
@@ -46,7 +47,7 @@ def test_bad_specs(spec, direction):
         parse_spec(spec, direction)
 
 
-@pytest.mark.parametrize("spec", ["fp32", "fp16", "bf16", "directq:1", "directq:3", "directq:8"])
+@pytest.mark.parametrize("spec", ["fp32", "fp16", "bf16", "directq:1", "directq:3", "directq:8", "rtq:3", "rtq:4"])
 def test_stateless_codecs_round_trip_within_their_precision(spec):
     codec = build_codec(spec)
     x = torch.randn(3, 16, 32)
@@ -56,6 +57,10 @@ def test_stateless_codecs_round_trip_within_their_precision(spec):
         assert torch.equal(y, x)
     elif spec in ("fp16", "bf16"):
         assert torch.allclose(y, x, rtol=1e-2, atol=1e-2)
+    elif spec.startswith("rtq"):
+        bits = int(spec.split(":")[1])  # the rotated quantizer's reconstruction (its tests bound it)
+        assert torch.equal(y, rotated_dequantize(rotated_quantize(x, bits), tuple(x.shape)))
+        assert encoded.payload.numel() == 3 * (2 * 16 + (16 * 32 * bits + 7) // 8)  # a scale per token: one 32-tile
     else:
         bits = int(spec.split(":")[1])  # exactly the quantizer's reconstruction on the default grid (its tests bound it)
         assert torch.equal(y, dequantize(quantize(x, bits), tuple(x.shape)))
@@ -64,7 +69,7 @@ def test_stateless_codecs_round_trip_within_their_precision(spec):
 
 def test_uncompressed_sends_are_raw_fp32_for_every_codec():
     x = torch.randn(2, 4, 8)
-    for spec in ("fp16", "directq:2", "topk:0.1:4"):
+    for spec in ("fp16", "directq:2", "topk:0.1:4", "rtq:3"):
         codec = build_codec(spec, "bw" if spec.startswith("topk") else "fw")
         encoded = codec.encode(x, torch.arange(2), compress=False)
         assert encoded.flags & FLAG_RAW and encoded.payload.numel() == x.numel() * 4
@@ -93,7 +98,7 @@ def test_lossless_messages_carry_a_half_precision_tensor_in_its_own_dtype(dtype)
     assert "does not match" in codec.check_header(short)
 
 
-@pytest.mark.parametrize("spec", ["directq:3", "topk:0.25:4"])
+@pytest.mark.parametrize("spec", ["directq:3", "topk:0.25:4", "rtq:4"])
 def test_a_sample_payload_does_not_depend_on_its_micro_batch(spec):
     torch.manual_seed(0)
     a, b, c = torch.randn(3, 1, 8, 16).unbind(0)

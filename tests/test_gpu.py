@@ -36,7 +36,8 @@ def launch(out: Path, *flags: str) -> list[dict]:
 
 @pytest.mark.parametrize("spec,direction,per", [("fp32", "fw", "channel"), ("fp16", "fw", "channel"),
                                                 ("bf16", "bw", "channel"), ("directq:4", "fw", "channel"),
-                                                ("directq:2", "bw", "token"), ("topk:0.1:8", "bw", "channel")])
+                                                ("directq:2", "bw", "token"), ("topk:0.1:8", "bw", "channel"),
+                                                ("rtq:4", "fw", "channel"), ("rtq:6", "bw", "channel")])
 def test_a_codec_encodes_on_the_device_and_only_bytes_reach_the_host(spec, direction, per):
     options = QuantOptions(per=per)
     x = torch.randn(4, 24, 40, device=DEVICE)

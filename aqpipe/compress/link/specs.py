@@ -25,6 +25,8 @@ CODEC_KINDS: dict[str, CodecKind] = {
     "fp16": CodecKind((), ("fw", "bw"), "half precision"),
     "bf16": CodecKind((), ("fw", "bw"), "bfloat16"),
     "directq": CodecKind(("B",), ("fw", "bw"), "B-bit quantization of the tensor itself"),
+    "rtq": CodecKind(("B",), ("fw", "bw"), "B-bit rotated tile quantization: a 64-channel Hadamard rotation, "
+                     "one fp16 scale per tile of a token"),
     "aqsgd": CodecKind(("B",), ("fw",), "AQ-SGD: B-bit quantization of the change since the sample's last visit"),
     "topk": CodecKind(("F", "B"), ("bw",), "keep the largest fraction F, B-bit values"),
 }

@@ -1,0 +1,139 @@
+"""Rotated tile quantization: a block Hadamard rotation along the hidden dimension, then b bits per value with one
+fp16 scale per tile of one token.
+
+A transformer's activations (and their gradients) carry a few outlier channels; a scale shared with them wastes
+most of a group's levels on values near zero. Rotating each tile of `tile` channels by the orthonormal Hadamard
+matrix H/√n spreads an outlier over the whole tile (QuaRot, QuIP#, TAH-Quant), so one scale per (token, tile) fits
+the tile's values well. The hidden size need not be a multiple of the tile: the channels that remain after the
+whole tiles are split into power-of-two pieces (576 = 9·64; 100 = 64 + 32 + 4), each a tile of its own.
+
+Reconstruction is bit-identical on every device. A code k stands for the level (k − offset)/steps of the grid
+(`aqpipe.compress.quantize`), so 2k − 2·offset is an integer, and a tile comes back as H · (2k − 2·offset) — a
+matrix product of small integers held exactly in fp32, whatever order a BLAS or GPU kernel sums them in — times one
+fp32 factor per tile, scale / (2 · steps · √n). Both ends of an AQ-SGD link therefore derive the same m(ξ) from the
+same bytes. Only the sender's forward rotation (a plain matmul) may differ across devices, and it never has to
+agree with anything.
+
+Codes [B, tokens·C] and scales [B, tokens·tiles] are per sample, so a sample's bytes never depend on the other
+samples of its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from aqpipe.compress.grids import DEFAULT_GRID
+from aqpipe.compress.quantize import _offset_steps, as_rows, check_grid, quantize
+
+DEFAULT_TILE = 64
+_hadamards: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The n×n Sylvester Hadamard matrix of ±1 (n a power of two), fp32, cached per size and device."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard tile is a power of two, got {n}")
+    key = (n, str(device))
+    if key not in _hadamards:
+        h = torch.ones(1, 1)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+        _hadamards[key] = h.to(device)
+    return _hadamards[key]
+
+
+def tile_pieces(width: int, tile: int = DEFAULT_TILE) -> list[tuple[int, int]]:
+    """How `width` channels split into tiles: (tile size, count) pieces in channel order — whole tiles, then the
+    rest as power-of-two tiles, largest first."""
+    if tile < 1 or tile & (tile - 1):
+        raise ValueError(f"the rotation tile must be a power of two, got {tile}")
+    if width < 1:
+        raise ValueError(f"cannot tile {width} channels")
+    whole, rest = divmod(width, tile)
+    pieces = [(tile, whole)] if whole else []
+    while rest:
+        size = 1 << (rest.bit_length() - 1)
+        pieces.append((size, 1))
+        rest -= size
+    return pieces
+
+
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """View [B, ..., C] as [B, T, C] (a 2-D [B, C] is one token per sample)."""
+    if x.dim() == 2:
+        return x.reshape(x.shape[0], 1, x.shape[1])
+    return as_rows(x)
+
+
+def scales_per_sample(shape: tuple[int, ...], tile: int = DEFAULT_TILE) -> int:
+    """fp16 scales one sample of a tensor of `shape` [B, ..., C] takes: one per tile of each token."""
+    rows = token_rows(torch.empty(shape, device="meta"))
+    return rows.shape[1] * sum(count for _, count in tile_pieces(rows.shape[2], tile))
+
+
+@dataclass
+class RotatedQuantized:
+    """Codes [B, tokens·C] (uint8, channel order within each token's pieces) and fp16 scales [B, tokens·tiles]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    tile: int = DEFAULT_TILE
+    grid: str = DEFAULT_GRID
+
+
+def _pieces_of(rows: torch.Tensor, tile: int) -> list[tuple[int, torch.Tensor]]:
+    """[B, T, C] → (tile size, [B, T·count, size]) per piece, in channel order."""
+    b, t, _ = rows.shape
+    out, start = [], 0
+    for size, count in tile_pieces(rows.shape[2], tile):
+        out.append((size, rows[:, :, start:start + size * count].reshape(b, t * count, size)))
+        start += size * count
+    return out
+
+
+def rotated_quantize(x: torch.Tensor, bits: int, tile: int = DEFAULT_TILE, stochastic: bool = False,
+                     generator: torch.Generator | None = None, grid: str = DEFAULT_GRID) -> RotatedQuantized:
+    """Rotate each tile of `x` [B, ..., C] along C, then quantize it to `bits` bits with one fp16 scale per tile
+    (nearest or stochastic rounding, on `grid`), on x's device."""
+    check_grid(grid)
+    rows = token_rows(x.detach().float())
+    b = rows.shape[0]
+    codes, scales = [], []
+    for size, piece in _pieces_of(rows, tile):
+        rotated = piece @ hadamard(size, piece.device) if size > 1 else piece
+        if size > 1:
+            rotated.mul_(1.0 / math.sqrt(size))
+        q = quantize(rotated, bits, "token", stochastic, generator, grid)
+        codes.append(q.codes.view(b, piece.shape[1], size))
+        scales.append(q.scales.view(b, piece.shape[1]))
+    if len(codes) == 1:
+        return RotatedQuantized(codes[0].reshape(b, -1), scales[0], bits, tile, grid)
+    t = rows.shape[1]  # each token's pieces side by side, as its channels were
+    joined = torch.cat([c.view(b, t, -1) for c in codes], dim=2).reshape(b, -1)
+    return RotatedQuantized(joined, torch.cat([s.view(b, t, -1) for s in scales], dim=2).reshape(b, -1), bits, tile,
+                            grid)
+
+
+def rotated_dequantize(q: RotatedQuantized, shape: tuple[int, ...]) -> torch.Tensor:
+    """The float32 tensor of `shape` that `q` stands for, bit-identical on every device (see the module's
+    docstring)."""
+    view = token_rows(torch.empty(shape, device="meta"))
+    b, t, c = view.shape
+    offset, steps, _ = _offset_steps(q.bits, q.grid)
+    codes = q.codes.view(b, t, c)
+    scales = q.scales.view(b, t, -1)
+    out = torch.empty((b, t, c), dtype=torch.float32, device=q.codes.device)
+    start, first_tile = 0, 0
+    for size, count in tile_pieces(c, q.tile):
+        width = size * count
+        integers = codes[:, :, start:start + width].float().mul_(2.0).sub_(2.0 * offset).view(b, t, count, size)
+        if size > 1:  # exact: small integers times ±1, summed in any order
+            integers = integers @ hadamard(size, integers.device)
+        factor = scales[:, :, first_tile:first_tile + count].float().div_(2.0 * steps * math.sqrt(size))
+        out[:, :, start:start + width] = (integers * factor.unsqueeze(-1)).view(b, t, width)
+        start, first_tile = start + width, first_tile + count
+    return out.view(shape)
