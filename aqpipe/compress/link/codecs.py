@@ -221,8 +221,7 @@ def build_codec(spec: str | CodecSpec, direction: str = "fw", store_view=None, o
 def _build(spec: str | CodecSpec, direction: str, store_view, options: QuantOptions | None, check: bool,
            device: torch.device) -> LinkCodec:
     from aqpipe.compress.link.aqsgd import AQSGDCodec
-    from aqpipe.compress.link.directq import DirectQCodec
-    from aqpipe.compress.link.rotated import RotatedCodec
+    from aqpipe.compress.link.sample_coders import CoderCodec, QuantCoder, RotatedCoder
     from aqpipe.compress.link.topk import TopKCodec
 
     parsed = parse_spec(spec, direction) if isinstance(spec, str) else spec
@@ -234,9 +233,9 @@ def _build(spec: str | CodecSpec, direction: str, store_view, options: QuantOpti
     if parsed.kind == "bf16":
         return FloatCodec("bf16", torch.bfloat16, CODE_BF16)
     if parsed.kind == "directq":
-        return DirectQCodec(parsed.bits, options, device)
+        return CoderCodec(CODE_DIRECTQ, QuantCoder(parsed.bits, options), options, device)
     if parsed.kind == "rtq":
-        return RotatedCodec(parsed.bits, options, device)
+        return CoderCodec(CODE_RTQ, RotatedCoder(parsed.bits, options), options, device)
     if parsed.kind == "topk":
         return TopKCodec(parsed.fraction, parsed.bits, options, device)
     if store_view is None:

@@ -1,0 +1,151 @@
+"""Sample coders: how a batch becomes one byte row per sample and back — the parts link codecs are made of.
+
+A coder's `encode` gives the rows and, asked for them, the values they stand for (what the receiver's `decode` will
+rebuild, bit for bit, on any device), so AQ-SGD can update m(ξ) from exactly what travels without unpacking its own
+bytes. A sample's row depends on that sample alone. `CoderCodec` makes a stateless link codec of a coder (DirectQ,
+RTQ). AQ-SGD takes two coders as parts: one for the change of a sample it has
+seen (`QuantCoder`, or `RotatedCoder`), one for the first sight of a sample it has not (`--first-sight`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from aqpipe.compress.bitpack import pack, packed_bytes, unpack
+from aqpipe.compress.grids import DEFAULT_GRID
+from aqpipe.compress.link.codecs import HOST, Encoded, LinkCodec, QuantOptions, bytes_as, generator_on, numel, to_host
+from aqpipe.compress.link.directq import decode_samples, encode_samples, sample_bytes
+from aqpipe.compress.link.specs import CodecError, parse_spec
+from aqpipe.compress.quantize import dequantize, quantize
+from aqpipe.compress.rotated import DEFAULT_TILE, RotatedQuantized, rotated_dequantize, rotated_quantize, scales_per_sample
+
+# what --first-sight accepts (a codec name of the forward table): stateless coders whose rows are per sample
+FIRST_SIGHT_KINDS = ("fp32", "bf16", "fp16", "directq", "rtq")
+
+
+class SampleCoder(Protocol):
+    """Turns a float32 batch [B, ...] into rows [B, sample_bytes] of uint8 and back."""
+
+    name: str
+
+    def sample_bytes(self, shape: tuple[int, ...]) -> int: ...
+
+    def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor: ...
+
+
+@dataclass
+class CastCoder:
+    """The values cast to a float dtype (fp32: lossless)."""
+
+    name: str
+    dtype: torch.dtype
+
+    def sample_bytes(self, shape: tuple[int, ...]) -> int:
+        return numel(shape[1:]) * self.dtype.itemsize
+
+    def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        wire = x.to(self.dtype).contiguous()
+        return wire.view(torch.uint8).reshape(x.shape[0], -1), wire.float() if values else None
+
+    def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return bytes_as(rows, self.dtype).float().view(shape)
+
+
+@dataclass
+class QuantCoder:
+    """B-bit quantization with per-sample scales (per channel or token) on a grid: DirectQ's rows, AQ-SGD's deltas."""
+
+    bits: int
+    options: QuantOptions
+    generator: torch.Generator | None = None
+
+    @property
+    def name(self) -> str:
+        return f"directq:{self.bits}"
+
+    def sample_bytes(self, shape: tuple[int, ...]) -> int:
+        return sample_bytes(shape, self.bits, self.options.per)
+
+    def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q = quantize(x, self.bits, self.options.per, self.options.stochastic, self.generator, self.options.grid)
+        return encode_samples(q), dequantize(q, tuple(x.shape)) if values else None
+
+    def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return decode_samples(rows, shape, self.bits, self.options.per, self.options.grid)
+
+
+@dataclass
+class RotatedCoder:
+    """B-bit rotated tile quantization (`aqpipe.compress.rotated`): fp16 tile scales, then packed codes."""
+
+    bits: int
+    options: QuantOptions
+    generator: torch.Generator | None = None
+    tile: int = DEFAULT_TILE
+
+    @property
+    def name(self) -> str:
+        return f"rtq:{self.bits}"
+
+    def sample_bytes(self, shape: tuple[int, ...]) -> int:
+        return 2 * scales_per_sample(shape, self.tile) + packed_bytes(numel(shape[1:]), self.bits)
+
+    def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q = rotated_quantize(x, self.bits, self.tile, self.options.stochastic, self.generator, self.options.grid)
+        rows = torch.cat([q.scales.contiguous().view(torch.uint8), pack(q.codes, q.bits)], dim=1)
+        return rows, rotated_dequantize(q, tuple(x.shape)) if values else None
+
+    def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        s = scales_per_sample(shape, self.tile)
+        scales = bytes_as(rows[:, : 2 * s], torch.float16)
+        codes = unpack(rows[:, 2 * s :], self.bits, numel(shape[1:]))
+        return rotated_dequantize(RotatedQuantized(codes, scales, self.bits, self.tile, self.options.grid), shape)
+
+
+class CoderCodec(LinkCodec):
+    """A stateless link codec made of a sample coder: the payload is each sample's row, in order."""
+
+    def __init__(self, code: int, coder: QuantCoder | RotatedCoder, options: QuantOptions,
+                 device: torch.device = HOST) -> None:
+        self.code, self.coder, self.bits, self.name, self.device = code, coder, coder.bits, coder.name, device
+        self._generator = coder.generator = generator_on(device, options.seed)
+
+    def payload_bytes(self, header) -> int:
+        return header.shape[0] * self.coder.sample_bytes(header.shape)
+
+    def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
+        x = tensor.float()
+        rows, _ = self.coder.encode(x)
+        return Encoded(to_host(rows.reshape(-1)), tuple(x.shape), torch.uint8, flags=self.flags())
+
+    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.coder.decode(payload.view(header.shape[0], -1), header.shape)
+
+
+def sample_coder(spec: str, options: QuantOptions | None = None, generator: torch.Generator | None = None,
+                 flag: str = "--first-sight") -> SampleCoder:
+    """The coder a spec names (fp32, bf16, fp16, directq:B, rtq:B); a CodecError naming `flag` otherwise."""
+    parsed = check_first_sight(spec, flag)
+    options = options or QuantOptions(grid=DEFAULT_GRID)
+    if parsed.kind in ("fp32", "bf16", "fp16"):
+        return CastCoder(parsed.kind, {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[parsed.kind])
+    if parsed.kind == "rtq":
+        return RotatedCoder(parsed.bits, options, generator)
+    return QuantCoder(parsed.bits, options, generator)
+
+
+def check_first_sight(spec: str, flag: str = "--first-sight"):
+    """Parse a first-sight spec (a CodecError naming `flag` and the choices if it is not one)."""
+    try:
+        parsed = parse_spec(spec, "fw")
+    except CodecError:
+        parsed = None
+    if parsed is None or parsed.kind not in FIRST_SIGHT_KINDS:
+        raise CodecError(f"{flag} {spec!r} is not a first-sight coder; use fp32, bf16, fp16, directq:B or rtq:B "
+                         "(B = 1..8 bits)")
+    return parsed
