@@ -81,3 +81,23 @@ def test_warm_up_epochs_send_everything_uncompressed(tmp_path):
         else:
             assert r["fwd_bytes_per_element"] < 0.51 and r["bwd_bytes_per_element"] < 1  # 3/8 + scales; a 20% top-k
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_a_quantized_first_sight_compresses_from_the_first_step_and_seeds_both_copies_alike(tmp_path):
+    """--first-sight rtq:4 --warmup-epochs 0: the first epoch's activations go as rotated 4-bit tiles (4 bits and
+    one fp16 scale per 64 values, plus a mode byte per sample) instead of fp32, and both copies of m(ξ) are
+    seeded from them bit for bit, so every later delta checks out."""
+    cfg, records, stores, summary = run(tmp_path, pp=2, warmup_epochs=0, epochs=2, fw="aqsgd:2",
+                                        first_sight="rtq:4")
+    hidden, tokens = 128, cfg.seq_len
+    first_epoch = [r for r in records if r["epoch"] == 0]
+    expected = 4 / 8 + 2 / 64 + 1 / (tokens * hidden)
+    for r in first_epoch:
+        assert r["fwd_bytes_per_element"] == pytest.approx(expected, rel=1e-9)
+        assert r["bwd_bytes_per_element"] < 1  # directq:4 from the first step too
+    sent = {k: v for k, v in stores[0].items() if k.startswith("0/send/")}
+    got = {k.replace("/recv/", "/send/"): v for k, v in stores[1].items() if k.startswith("0/recv/")}
+    assert len(sent) == 48 and sent.keys() == got.keys()
+    assert all(torch.equal(v.view(torch.int16), got[k].view(torch.int16)) for k, v in sent.items())
+    assert summary["store"]["misses"] == 48 and summary["store"]["hits"] == 48
+    assert records[-1]["loss"] < records[0]["loss"]

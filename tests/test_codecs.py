@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from aqpipe.compress.link.aqsgd import MODE_DELTA, MODE_FULL
+from aqpipe.compress.link.aqsgd import MODE_DELTA, MODE_FIRST, MODE_FULL, MODE_FULL_BF16
 from aqpipe.compress.link.codecs import FLAG_RAW, CodecError, QuantOptions, build_codec, parse_spec
+from aqpipe.compress.link.sample_coders import sample_coder
 from aqpipe.compress.quantize import dequantize, quantize
 from aqpipe.compress.rotated import rotated_dequantize, rotated_quantize
 from aqpipe.pipeline.transport import KIND_ACTIVATION, Header
@@ -121,6 +122,63 @@ def test_aqsgd_first_sight_is_full_precision_then_deltas():
     per_sample = 2 * 16 + (8 * 16 * 2 + 7) // 8
     assert encoded2.payload.numel() == 4 + 4 * per_sample
     assert (y2 - x2).abs().max() < (x2 - x).abs().max()  # a 2-bit delta is finer than the change itself
+
+
+@pytest.mark.parametrize("first_sight", ["rtq:4", "directq:3", "bf16"])
+def test_a_coded_first_sight_seeds_both_copies_from_the_bytes_sent(first_sight):
+    options = QuantOptions()
+    stores = MemoryStore(torch.float16), MemoryStore(torch.float16)
+    sender, receiver = (build_codec("aqsgd:2", "fw", StoreView(store, 0, side), options, first_sight=first_sight)
+                        for store, side in zip(stores, ("send", "recv")))
+    x, ids = torch.randn(4, 8, 64), torch.tensor([10, 11, 12, 13])
+    x[:, :, 5] *= 40.0  # an outlier channel
+    encoded, y = send(sender, receiver, x, ids)
+    assert encoded.payload[:4].tolist() == [MODE_FIRST] * 4
+    coder = sample_coder(first_sight, options)
+    assert encoded.payload.numel() == 4 + 4 * coder.sample_bytes(tuple(x.shape)) < 0.51 * x.numel() * 4
+    rows, values = coder.encode(x, values=True)
+    assert torch.equal(y, values)  # the receiver computes on what the coder's bytes stand for
+    for i in ids.tolist():  # and both sides hold it as m(ξ), bit for bit
+        assert torch.equal(stores[0].get(0, "send", [i])[0], stores[1].get(0, "recv", [i])[0])
+    assert (y - x).pow(2).sum() < 0.05 * x.pow(2).sum()
+    x2 = x + 0.05 * torch.randn_like(x)
+    encoded2, y2 = send(sender, receiver, x2, ids)  # the deltas then check out against the seeded copies
+    assert encoded2.payload[:4].tolist() == [MODE_DELTA] * 4
+    # while not compressing (the warm-up) a first sight stays lossless, and an out-of-range one too
+    wide = x.clone()
+    wide[0, 0, 0] = 1e6
+    encoded3, y3 = send(sender, receiver, wide, torch.tensor([20, 21, 22, 23]))
+    assert encoded3.payload[:4].tolist() == [MODE_FULL, MODE_FIRST, MODE_FIRST, MODE_FIRST]
+    assert torch.equal(y3[0], wide[0])
+    encoded4, _ = send(sender, receiver, x, torch.tensor([30, 31, 32, 33]), compress=False)
+    assert encoded4.payload[:4].tolist() == [MODE_FULL] * 4
+
+
+def test_a_receiver_without_the_senders_first_sight_coder_says_so():
+    stores = MemoryStore(torch.float16), MemoryStore(torch.float16)
+    sender = build_codec("aqsgd:2", "fw", StoreView(stores[0], 0, "send"), first_sight="rtq:4")
+    receiver = build_codec("aqsgd:2", "fw", StoreView(stores[1], 0, "recv"))
+    x, ids = torch.randn(2, 4, 64), torch.tensor([1, 2])
+    encoded = sender.encode(x, ids)
+    with pytest.raises(CodecError, match="no --first-sight coder"):
+        receiver.decode(wire(receiver, encoded, ids), encoded.payload, ids)
+
+
+def test_a_half_precision_activations_lossless_first_sight_travels_in_its_own_dtype():
+    sender, receiver, s_store, r_store = aqsgd_pair(3)
+    x, ids = torch.randn(2, 8, 16).to(torch.bfloat16), torch.tensor([1, 2])
+    encoded, y = send(sender, receiver, x, ids)
+    assert encoded.payload[:2].tolist() == [MODE_FULL_BF16] * 2
+    assert encoded.payload.numel() == 2 + x.numel() * 2 and torch.equal(y, x.float())
+    assert torch.equal(s_store.get(0, "send", [1])[0], r_store.get(0, "recv", [1])[0])
+
+
+@pytest.mark.parametrize("spec", ["aqsgd:4", "topk:0.1:8", "rtq:0", "gzip"])
+def test_a_first_sight_must_be_a_per_sample_coder(spec):
+    from aqpipe.compress.link.specs import check_first_sight
+
+    with pytest.raises(CodecError, match="is not a first-sight coder; use fp32, bf16, fp16, directq:B or rtq:B"):
+        check_first_sight(spec)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

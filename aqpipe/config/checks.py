@@ -65,13 +65,17 @@ def _cuda_available() -> bool:
 
 def _check_choices(cfg: RunConfig) -> None:
     """Codec specs and named choices are known."""
-    from aqpipe.compress.link.specs import CodecError, parse_spec
+    from aqpipe.compress.link.specs import CodecError, check_first_sight, parse_spec
 
     try:
-        parse_spec(cfg.fw, "fw")
+        fw = parse_spec(cfg.fw, "fw")
         parse_spec(cfg.bw, "bw")
+        check_first_sight(cfg.first_sight)
     except CodecError as e:
         raise ConfigError(str(e)) from None
+    if cfg.first_sight != "fp32" and fw.kind != "aqsgd":
+        raise ConfigError(f"--first-sight {cfg.first_sight} codes the first sight of a sample on an AQ-SGD link "
+                          f"(--fw aqsgd:B); --fw {cfg.fw} sends every sample alike")
     for name, value, allowed in (("quant-scales", cfg.quant_scales, ("channel", "token")),
                                  ("quant-rounding", cfg.quant_rounding, ("nearest", "stochastic")),
                                  ("quant-grid", cfg.quant_grid, GRIDS),

@@ -125,6 +125,11 @@ class RunConfig:
     warmup_epochs: int = setting(
         "links", "epochs sent uncompressed in both directions while AQ-SGD fills m(ξ); also where "
         "`samples_per_second` starts counting", 1, metavar="N")
+    first_sight: str = setting(
+        "links", "how an AQ-SGD link sends a sample without m(ξ) (a first visit, a re-seed) outside the warm-up "
+        "epochs: `fp32` losslessly, in the activation's own dtype (bf16/fp16 under mixed precision), or compressed "
+        "with bf16, fp16, directq:B or rtq:B, both sides seeding m(ξ) from exactly the values sent; with "
+        "`--warmup-epochs 0` a run compresses from its first step", "fp32", metavar="SPEC")
     quant_scales: str = setting("links", "quantization scales per sample and channel, or per sample and token",
                                 "channel", metavar="channel|token")
     quant_rounding: str = setting("links", "deterministic, or unbiased stochastic rounding", "nearest",

@@ -96,7 +96,7 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
     if before is not None:  # link stage - 1: activations in, gradients out
         peer = grid.describe(grid.prev_rank)
         links.act_in = ActivationIn(before, KIND_ACTIVATION,
-                                    build_codec(cfg.fw, "fw", views["recv"], options, check, device),
+                                    build_codec(cfg.fw, "fw", views["recv"], options, check, device, cfg.first_sight),
                                     Inbox(streams[names[(before, "activation")]], peer, cfg.stall_timeout), device,
                                     cfg.micro_batch_size, (SIDE_MASK,))
         links.grad_out = GradientOut(before, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options, device=device),
@@ -104,7 +104,7 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
     if after is not None:  # link stage: activations out, gradients in
         peer = grid.describe(grid.next_rank)
         links.act_out = ActivationOut(after, KIND_ACTIVATION,
-                                      build_codec(cfg.fw, "fw", views["send"], options, check, device),
+                                      build_codec(cfg.fw, "fw", views["send"], options, check, device, cfg.first_sight),
                                       Outbox(streams[names[(after, "activation")]], peer, cfg.stall_timeout))
         links.grad_in = GradientIn(after, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options, device=device),
                                    Inbox(streams[names[(after, "gradient")]], peer, cfg.stall_timeout), device,

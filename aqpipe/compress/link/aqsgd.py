@@ -1,9 +1,12 @@
 """AQ-SGD (Wang et al. 2022, Algorithm 1): send Q(a(ξ) − m(ξ)) and let both sides set m(ξ) ← m(ξ) + Q(a(ξ) − m(ξ)).
 
-A sample with no m(ξ) yet (first sight, or any sample during the warm-up epochs) travels in fp32 and seeds
-m(ξ) on both sides. Payload: one mode byte per sample (0 = full fp32, 1 = quantized delta), then each sample's
-segment in order — its fp32 values, or its fp16 scales and packed codes. The header carries a checksum of the
-m(ξ) values the receiver must end up with, so a divergence of the two copies is caught at the first message.
+A sample with no m(ξ) yet (first sight, a re-seed, or any sample during the warm-up epochs) seeds m(ξ) on both
+sides from the same bytes: losslessly, in the activation's own dtype (fp32, or bf16/fp16 under mixed precision), or
+— outside the warm-up, with a first-sight coder (`--first-sight rtq:4`) — quantized, both sides seeding m(ξ) from
+exactly the dequantized values. The change of a known sample goes through the delta coder (B-bit quantization with
+per-sample scales). Payload: one mode byte per sample (MODES), then each sample's segment in order. The header
+carries a checksum of the m(ξ) values the receiver must end up with, so a divergence of the two copies is caught at
+the first message.
 
 The arithmetic runs on the activation's device (a GPU's m(ξ) update never visits the host); m(ξ) is kept wherever
 the store keeps it, and moved to the device for the update.
@@ -30,10 +33,13 @@ from aqpipe.compress.link.codecs import (
     numel,
     to_host,
 )
-from aqpipe.compress.link.directq import decode_samples, encode_samples, sample_bytes
-from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize
+from aqpipe.compress.link.sample_coders import QuantCoder, SampleCoder
+from aqpipe.compress.quantize import FP16_MAX
 
-MODE_FULL, MODE_DELTA = 0, 1
+# A sample's mode byte: what its segment holds.
+MODE_FULL, MODE_DELTA, MODE_FIRST, MODE_FULL_BF16, MODE_FULL_FP16 = 0, 1, 2, 3, 4
+LOSSLESS_MODES = {torch.float32: MODE_FULL, torch.bfloat16: MODE_FULL_BF16, torch.float16: MODE_FULL_FP16}
+MODE_DTYPES = {mode: dtype for dtype, mode in LOSSLESS_MODES.items()}
 
 
 class SampleMemory(Protocol):
@@ -125,70 +131,99 @@ def _fidelity(x: torch.Tensor, delta: list[int], m_old: torch.Tensor, change: to
 
 
 class AQSGDCodec(LinkCodec):
-    """Delta quantization against the per-sample message store, one side of one link."""
+    """Delta quantization against the per-sample message store, one side of one link. Its parts: `delta`, the coder
+    of a known sample's change (default: B-bit quantization with the options' scales and grid), and `first_sight`,
+    the coder of a sample without m(ξ) once the link compresses (None: lossless)."""
 
     code = CODE_AQSGD
 
     def __init__(self, bits: int, view: SampleMemory, options: QuantOptions, check: bool = True,
-                 device: torch.device = HOST) -> None:
+                 device: torch.device = HOST, delta: SampleCoder | None = None,
+                 first_sight: SampleCoder | None = None) -> None:
         self.bits, self.view, self.options, self.check, self.device = bits, view, options, check, device
         self.name = f"aqsgd:{bits}"
         self._generator = generator_on(device, options.seed * 7919 + view.link)
+        self.delta = delta if delta is not None else QuantCoder(bits, options)
+        self.first_sight = first_sight
+        for part in (self.delta, self.first_sight):  # stochastic rounding draws from this codec's generator
+            if part is not None and hasattr(part, "generator"):
+                part.generator = self._generator
 
     # -- sender ------------------------------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, ids: torch.Tensor, compress: bool = True) -> Encoded:
-        """Quantized deltas for samples with an m(ξ), fp32 for the others (all of them while not compressing).
+        """Quantized deltas for samples with an m(ξ); for the others the first-sight coder's rows, or (while not
+        compressing, or without one) the lossless values.
 
         A sample whose new m(ξ) would not be finite in the store's dtype (an activation beyond fp16's range, an inf
-        or NaN) goes at full precision instead, and if even its fp32 value cannot be stored, m(ξ) is dropped on both
-        sides (counted as `overflow`) rather than kept poisoned for every later epoch."""
+        or NaN) goes losslessly instead, and if even that value cannot be stored, m(ξ) is dropped on both sides
+        (counted as `overflow`) rather than kept poisoned for every later epoch."""
+        lossless_dtype = tensor.dtype if tensor.dtype in LOSSLESS_MODES else torch.float32
         x = tensor.detach().float().contiguous()
         id_list = ids.tolist()
-        known = self.view.contains(id_list) if compress else [False] * len(id_list)
-        delta = [i for i, k in enumerate(known) if k]
-        segments: list[torch.Tensor | None] = [None] * len(id_list)
-        new_m: list[torch.Tensor | None] = [None] * len(id_list)
+        b = len(id_list)
+        modes = [MODE_DELTA if k else MODE_FIRST for k in self.view.contains(id_list)] if compress \
+            else [MODE_FULL] * b
+        if self.first_sight is None:
+            modes = [MODE_FULL if m == MODE_FIRST else m for m in modes]
+        segments: list[torch.Tensor | None] = [None] * b
+        new_m: list[torch.Tensor | None] = [None] * b
         fidelity = None
+        delta = [i for i, m in enumerate(modes) if m == MODE_DELTA]
         if delta:
             m_old = torch.stack(self.view.get([id_list[i] for i in delta])).to(x.device, torch.float32)
             change = x[delta] - m_old
-            # an fp16 scale cannot span a change beyond 65504 (nor an inf or NaN): those samples go in full
-            in_range = (change.abs() <= FP16_MAX).reshape(len(delta), -1).all(dim=1).tolist()
-            for i, ok in zip(delta, in_range):
-                known[i] = ok
-            if not all(in_range):
-                rows_in_range = torch.tensor(in_range, device=x.device)
-                delta = [i for i, ok in zip(delta, in_range) if ok]
-                m_old, change = m_old[rows_in_range], change[rows_in_range]
+            delta, m_old, change = self._in_range(delta, m_old, change, modes, MODE_FULL)
         if delta:
-            q = quantize(change, self.bits, self.options.per, self.options.stochastic, self._generator,
-                         self.options.grid)
-            rows = encode_samples(q)
+            rows, deq = self.delta.encode(change, values=True)
             # the sender updates its copy from exactly the codes and fp16 scales the receiver will unpack
-            m_new = (m_old + dequantize(q, tuple(m_old.shape))).to(self.view.dtype)
+            m_new = (m_old + present(deq)).to(self.view.dtype)
             as_delta = []
             for j, (i, fits) in enumerate(zip(delta, self.view.storable(list(m_new)))):
                 if fits:
                     segments[i], new_m[i] = rows[j], m_new[j]
                     as_delta.append(j)
                 else:
-                    known[i] = False  # sent in full below; the receiver does the same with the same fp32 value
+                    modes[i] = MODE_FULL  # sent losslessly below; the receiver does the same with the same value
             if as_delta:
                 fidelity = _fidelity(x, delta, m_old, change, m_new, as_delta)
-        full = [i for i, k in enumerate(known) if not k]
+        first = [i for i, m in enumerate(modes) if m == MODE_FIRST]
+        if first:
+            first, _, values = self._in_range(first, x[first], x[first], modes, MODE_FULL)
+        if first:
+            rows, deq = present(self.first_sight).encode(values, values=True)
+            seeds = [v.to(self.view.dtype, copy=True) for v in present(deq)]
+            for j, (i, fits) in enumerate(zip(first, self.view.storable(seeds))):
+                segments[i], new_m[i] = rows[j], seeds[j] if fits else None
+        full = [i for i, m in enumerate(modes) if m == MODE_FULL]
+        raw = tensor.detach().to(lossless_dtype)
         firsts = [x[i].to(self.view.dtype, copy=True) for i in full]  # never a view of the live activation
         for i, value, fits in zip(full, firsts, self.view.storable(firsts)):
-            segments[i] = x[i].view(torch.uint8).reshape(-1)
+            modes[i] = LOSSLESS_MODES[lossless_dtype]
+            segments[i] = raw[i].contiguous().view(torch.uint8).reshape(-1)
             new_m[i] = value if fits else None
         self.view.store.stats.overflow += len(keep(self.view, id_list, new_m))
-        modes = torch.tensor([MODE_DELTA if k else MODE_FULL for k in known], dtype=torch.uint8, device=x.device)
-        payload = to_host(torch.cat([modes, *_every(segments)]))
+        mode_bytes = torch.tensor(modes, dtype=torch.uint8, device=x.device)
+        payload = to_host(torch.cat([mode_bytes, *(s.reshape(-1) for s in _every(segments))]))
         flags = (self.bits << 8) | (0 if self.check else FLAG_NO_CHECK)
         check = store_checksum(new_m) if self.check else 0
         return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
 
+    @staticmethod
+    def _in_range(rows: list[int], base: torch.Tensor, coded: torch.Tensor, modes: list[int], fallback: int
+                  ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Keep the samples whose `coded` values an fp16 scale can span (finite, |v| ≤ 65504); the others take mode
+        `fallback`. Returns the kept rows and their `base` and `coded` values."""
+        in_range = (coded.abs() <= FP16_MAX).reshape(len(rows), -1).all(dim=1).tolist()
+        if all(in_range):
+            return rows, base, coded
+        for i, ok in zip(rows, in_range):
+            if not ok:
+                modes[i] = fallback
+        kept = torch.tensor(in_range, device=coded.device)
+        return [i for i, ok in zip(rows, in_range) if ok], base[kept], coded[kept]
+
     def forget(self, ids: list[int]) -> None:
-        """Drop m(ξ) of samples the receiver lacks, so that their next message goes at full precision."""
+        """Drop m(ξ) of samples the receiver lacks, so that their next message seeds it again."""
         if ids:
             self.view.delete(ids)
 
@@ -197,11 +232,20 @@ class AQSGDCodec(LinkCodec):
         """The samples among `ids` whose m(ξ) this side lacks (never seen, or found damaged and dropped)."""
         return [i for i, present in zip(ids, self.view.present(ids)) if not present]
 
+    def _segment_bytes(self, shape: tuple[int, ...]) -> dict[int, int]:
+        """Each mode's segment length for a message of `shape`."""
+        n = numel(shape[1:])
+        sizes = {mode: n * dtype.itemsize for mode, dtype in MODE_DTYPES.items()}
+        sizes[MODE_DELTA] = self.delta.sample_bytes(shape)
+        if self.first_sight is not None:
+            sizes[MODE_FIRST] = self.first_sight.sample_bytes(shape)
+        return sizes
+
     def _payload_problem(self, header) -> str | None:
-        """The length varies with each sample's mode; it must lie between all-delta and all-full."""
+        """The length varies with each sample's mode; it must lie between all-shortest and all-longest."""
         b = header.shape[0] if header.shape else 0
-        full, delta = numel(header.shape[1:]) * 4, sample_bytes(header.shape, self.bits, self.options.per)
-        low, high = b + b * min(full, delta), b + b * max(full, delta)
+        sizes = self._segment_bytes(header.shape).values()
+        low, high = b + b * min(sizes), b + b * max(sizes)
         if not low <= header.payload_len <= high:
             return f"payload length {header.payload_len} is outside {low}..{high} for shape {header.shape}"
         return None
@@ -212,36 +256,45 @@ class AQSGDCodec(LinkCodec):
         b = shape[0]
         payload = payload.to(self.device)
         modes = payload[:b].tolist()
-        if any(m not in (MODE_FULL, MODE_DELTA) for m in modes):
-            raise CodecError(f"aqsgd payload has unknown sample modes {sorted(set(modes))}")
-        full, delta = numel(shape[1:]) * 4, sample_bytes(shape, self.bits, self.options.per)
-        sizes = [delta if m == MODE_DELTA else full for m in modes]
-        if b + sum(sizes) != payload.numel():
+        sizes = self._segment_bytes(shape)
+        if any(m not in sizes for m in modes):
+            unknown = sorted(set(modes) - set(sizes))
+            if MODE_FIRST in unknown:
+                raise CodecError("the peer sends quantized first sights but this side has no --first-sight coder "
+                                 "(the two sides of a link must be given the same --first-sight)")
+            raise CodecError(f"aqsgd payload has unknown sample modes {unknown}")
+        if b + sum(sizes[m] for m in modes) != payload.numel():
             raise CodecError(f"aqsgd payload of {payload.numel()} bytes does not match its sample modes")
         id_list = ids.tolist()
         out = torch.empty(shape, dtype=torch.float32, device=self.device)
         new_m: list[torch.Tensor | None] = [None] * b
-        offset, delta_rows, delta_at = b, [], []
-        for i, (mode, size) in enumerate(zip(modes, sizes)):
-            segment = payload[offset : offset + size]
-            offset += size
-            if mode == MODE_FULL:
-                out[i] = bytes_as(segment.view(1, -1), torch.float32).view(shape[1:])
+        offset = b
+        coded: dict[int, tuple[list[torch.Tensor], list[int]]] = {MODE_DELTA: ([], []), MODE_FIRST: ([], [])}
+        for i, mode in enumerate(modes):
+            segment = payload[offset : offset + sizes[mode]]
+            offset += sizes[mode]
+            if mode in MODE_DTYPES:
+                out[i] = bytes_as(segment.view(1, -1), MODE_DTYPES[mode]).view(shape[1:])
                 value = out[i].to(self.view.dtype, copy=True)
                 new_m[i] = value if self.view.storable([value])[0] else None  # the sender's rule, on the same value
             else:
-                delta_rows.append(segment)
-                delta_at.append(i)
-        if delta_at:
+                coded[mode][0].append(segment)
+                coded[mode][1].append(i)
+        rows, at = coded[MODE_FIRST]
+        if at:
+            values = present(self.first_sight).decode(torch.stack(rows), (len(at), *shape[1:]))
+            seeds = [v.to(self.view.dtype, copy=True) for v in values]
+            for j, (i, fits) in enumerate(zip(at, self.view.storable(seeds))):
+                out[i], new_m[i] = values[j], seeds[j] if fits else None
+        rows, at = coded[MODE_DELTA]
+        if at:
             try:
-                m_old = torch.stack(self.view.get([id_list[i] for i in delta_at])).to(self.device, torch.float32)
+                m_old = torch.stack(self.view.get([id_list[i] for i in at])).to(self.device, torch.float32)
             except KeyError as e:
                 raise CodecError(f"m(xi) diverged: the sender sent a delta but this side has never seen the sample "
                                  f"({e.args[0]})") from None
-            deltas = decode_samples(torch.stack(delta_rows), tuple(m_old.shape), self.bits, self.options.per,
-                                    self.options.grid)
-            m_new = (m_old + deltas).to(self.view.dtype)
-            for j, i in enumerate(delta_at):
+            m_new = (m_old + self.delta.decode(torch.stack(rows), tuple(m_old.shape))).to(self.view.dtype)
+            for j, i in enumerate(at):
                 new_m[i] = m_new[j]
                 out[i] = m_new[j].float()
         if not header.flags & FLAG_NO_CHECK and store_checksum(new_m) != header.codec_check:
@@ -249,6 +302,13 @@ class AQSGDCodec(LinkCodec):
                              f"at step {header.step} micro-batch {header.micro_batch}")
         keep(self.view, id_list, new_m)
         return out
+
+
+def present(value):
+    """`value`, which the code before has set (not None)."""
+    if value is None:
+        raise RuntimeError("an AQ-SGD part used where none was set")
+    return value
 
 
 def _every(items: list[torch.Tensor | None]) -> list[torch.Tensor]:

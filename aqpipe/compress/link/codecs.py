@@ -210,18 +210,18 @@ def generator_on(device: torch.device, seed: int) -> torch.Generator:
 
 
 def build_codec(spec: str | CodecSpec, direction: str = "fw", store_view=None, options: QuantOptions | None = None,
-                check: bool = True, device: torch.device | str = "cpu") -> LinkCodec:
+                check: bool = True, device: torch.device | str = "cpu", first_sight: str = "fp32") -> LinkCodec:
     """The codec for a spec, decoding onto `device`; AQ-SGD needs `store_view` (one side of one link of the message
-    store)."""
-    codec = _build(spec, direction, store_view, options, check, torch.device(device))
+    store) and codes a sample without m(ξ) with `first_sight` (`fp32`: losslessly)."""
+    codec = _build(spec, direction, store_view, options, check, torch.device(device), first_sight)
     codec.device = torch.device(device)
     return codec
 
 
 def _build(spec: str | CodecSpec, direction: str, store_view, options: QuantOptions | None, check: bool,
-           device: torch.device) -> LinkCodec:
+           device: torch.device, first_sight: str) -> LinkCodec:
     from aqpipe.compress.link.aqsgd import AQSGDCodec
-    from aqpipe.compress.link.sample_coders import CoderCodec, QuantCoder, RotatedCoder
+    from aqpipe.compress.link.sample_coders import CoderCodec, QuantCoder, RotatedCoder, sample_coder
     from aqpipe.compress.link.topk import TopKCodec
 
     parsed = parse_spec(spec, direction) if isinstance(spec, str) else spec
@@ -240,4 +240,5 @@ def _build(spec: str | CodecSpec, direction: str, store_view, options: QuantOpti
         return TopKCodec(parsed.fraction, parsed.bits, options, device)
     if store_view is None:
         raise CodecError("the aqsgd codec needs a message store")
-    return AQSGDCodec(parsed.bits, store_view, options, check, device)
+    first = None if first_sight == "fp32" else sample_coder(first_sight, options)
+    return AQSGDCodec(parsed.bits, store_view, options, check, device, first_sight=first)

@@ -18,12 +18,9 @@ from aqpipe.compress.bitpack import pack, packed_bytes, unpack
 from aqpipe.compress.grids import DEFAULT_GRID
 from aqpipe.compress.link.codecs import HOST, Encoded, LinkCodec, QuantOptions, bytes_as, generator_on, numel, to_host
 from aqpipe.compress.link.directq import decode_samples, encode_samples, sample_bytes
-from aqpipe.compress.link.specs import CodecError, parse_spec
+from aqpipe.compress.link.specs import check_first_sight
 from aqpipe.compress.quantize import dequantize, quantize
 from aqpipe.compress.rotated import DEFAULT_TILE, RotatedQuantized, rotated_dequantize, rotated_quantize, scales_per_sample
-
-# what --first-sight accepts (a codec name of the forward table): stateless coders whose rows are per sample
-FIRST_SIGHT_KINDS = ("fp32", "bf16", "fp16", "directq", "rtq")
 
 
 class SampleCoder(Protocol):
@@ -137,15 +134,3 @@ def sample_coder(spec: str, options: QuantOptions | None = None, generator: torc
     if parsed.kind == "rtq":
         return RotatedCoder(parsed.bits, options, generator)
     return QuantCoder(parsed.bits, options, generator)
-
-
-def check_first_sight(spec: str, flag: str = "--first-sight"):
-    """Parse a first-sight spec (a CodecError naming `flag` and the choices if it is not one)."""
-    try:
-        parsed = parse_spec(spec, "fw")
-    except CodecError:
-        parsed = None
-    if parsed is None or parsed.kind not in FIRST_SIGHT_KINDS:
-        raise CodecError(f"{flag} {spec!r} is not a first-sight coder; use fp32, bf16, fp16, directq:B or rtq:B "
-                         "(B = 1..8 bits)")
-    return parsed

@@ -32,6 +32,10 @@ CODEC_KINDS: dict[str, CodecKind] = {
 }
 
 
+# what --first-sight accepts: forward codecs that code each sample alone and keep nothing between messages
+FIRST_SIGHT_KINDS = ("fp32", "bf16", "fp16", "directq", "rtq")
+
+
 @dataclass(frozen=True)
 class CodecSpec:
     """A parsed `--fw`/`--bw` value."""
@@ -86,3 +90,15 @@ def parse_spec(spec: str, direction: str) -> CodecSpec:
         if not 0.0 < fraction <= 1.0:
             raise CodecError(f"{flag} {spec!r}: the kept fraction F must be in (0, 1], got {args[0]}")
     return CodecSpec(kind, int(args[-1]), fraction)
+
+
+def check_first_sight(spec: str, flag: str = "--first-sight") -> CodecSpec:
+    """Parse a first-sight spec (a CodecError naming `flag` and the choices if it is not one)."""
+    try:
+        parsed: CodecSpec | None = parse_spec(spec, "fw")
+    except CodecError:
+        parsed = None
+    if parsed is None or parsed.kind not in FIRST_SIGHT_KINDS:
+        raise CodecError(f"{flag} {spec!r} is not a first-sight coder; use fp32, bf16, fp16, directq:B or rtq:B "
+                         "(B = 1..8 bits)")
+    return parsed
