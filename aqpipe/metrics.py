@@ -64,6 +64,7 @@ def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall
             "per_link_fwd": [sum(v) for v in zip(*(r.get("link_fwd_bytes", []) for r in records))],
             "per_link_bwd": [sum(v) for v in zip(*(r.get("link_bwd_bytes", []) for r in records))],
         },
+        "bytes_per_element": run_bytes_per_element(records),
         "link_rate": {
             "fwd_bytes_per_second": _mean_rate(records, "fwd"),
             "bwd_bytes_per_second": _mean_rate(records, "bwd"),
@@ -77,6 +78,21 @@ def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall
         "store": {"hits": 0, "misses": 0, "reseeded": 0, "overflow": 0},
         **_aqsgd_fidelity(tail),
     }
+
+
+def run_bytes_per_element(records: list[dict]) -> dict:
+    """Link payload bytes per activation (forward) and gradient (backward) value over the whole run, and over both
+    (lossless fp32 links: 4; AQ-SGD adds a mode byte per sample)."""
+    totals = {}
+    for direction in ("fwd", "bwd"):
+        sent = sum(r[f"{direction}_bytes"] for r in records)
+        values = sum(r[f"{direction}_bytes"] / r[f"{direction}_bytes_per_element"] for r in records
+                     if r.get(f"{direction}_bytes_per_element"))
+        totals[direction] = (sent, values)
+    per = {d: sent / values if values else 0.0 for d, (sent, values) in totals.items()}
+    values = sum(v for _, v in totals.values())
+    per["all"] = sum(s for s, _ in totals.values()) / values if values else 0.0
+    return per
 
 
 # Per-step record fields by traffic class: every byte a run's ranks send, by what it is for.

@@ -32,6 +32,8 @@ DATA = Path("/work/shared/data/wikitext-2/valid.txt")
 VARIANTS = {  # name -> (fw, bw, tied exchange)
     "fp32, rows": ("fp32", "fp32", "rows"),
     "aqsgd fw3 bw6, rows": ("aqsgd:3", "directq:6", "rows"),
+    "fp32, rows:bf16": ("fp32", "fp32", "rows:bf16"),
+    "aqsgd fw3 bw6, rows:bf16": ("aqsgd:3", "directq:6", "rows:bf16"),
     "fp32, dense": ("fp32", "fp32", "dense"),
     "aqsgd fw3 bw6, dense": ("aqsgd:3", "directq:6", "dense"),
 }

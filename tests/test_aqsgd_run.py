@@ -101,3 +101,6 @@ def test_a_quantized_first_sight_compresses_from_the_first_step_and_seeds_both_c
     assert all(torch.equal(v.view(torch.int16), got[k].view(torch.int16)) for k, v in sent.items())
     assert summary["store"]["misses"] == 48 and summary["store"]["hits"] == 48
     assert records[-1]["loss"] < records[0]["loss"]
+    later = 2 / 8 + (2 * hidden + 1) / (tokens * hidden)  # the second epoch: 2-bit deltas, a scale per channel
+    assert summary["bytes_per_element"]["fwd"] == pytest.approx((expected + later) / 2, rel=0.02)
+    assert summary["bytes_per_element"]["bwd"] == pytest.approx(4 / 8 + 2 * hidden / (tokens * hidden), rel=1e-9)

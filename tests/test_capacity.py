@@ -47,7 +47,8 @@ def test_micro_batches_held_follow_the_schedule(schedule):
     ["--model", "gpt2-tiny", "--schedule", "eager-1f1b", "--lora", "4"],
     ["--model", "llama-tiny", "--data", "builtin-instruct", "--seq-len", "64", "--max-samples", "48",
      "--precision", "bf16"],
-], ids=["gpt2-gpipe", "gpt2-1f1b-bf16-recompute", "gpt2-eager-lora", "llama-instruct-bf16"])
+    ["--model", "gpt2-tiny", "--first-sight", "rtq:4"],
+], ids=["gpt2-gpipe", "gpt2-1f1b-bf16-recompute", "gpt2-eager-lora", "llama-instruct-bf16", "gpt2-first-sight"])
 def test_the_plan_matches_what_a_real_run_measures(tmp_path, extra):
     flags = [*SMALL, *extra, "--epochs", "2", "--no-progress"]
     proc = warm.run("launch", *flags, "--out", str(tmp_path / "run"))
@@ -73,8 +74,10 @@ def test_the_plan_matches_what_a_real_run_measures(tmp_path, extra):
     for link in capacity.links:
         assert abs(steady["link_fwd_bytes"][link.link] - link.fwd_bytes) <= 0.1 * link.fwd_bytes, (steady, link)
         assert abs(steady["link_bwd_bytes"][link.link] - link.bwd_bytes) <= 0.1 * link.bwd_bytes, (steady, link)
-    first = records[0]  # the first epoch: every sample is new, so AQ-SGD sends it in fp32
-    assert first["link_fwd_bytes"][0] == capacity.links[0].warmup_fwd_bytes
+    first = records[0]  # the first epoch: every sample is new, so AQ-SGD sends it as --first-sight says
+    assert first["link_fwd_bytes"][0] == capacity.links[0].first_fwd_bytes
+    sent = sum(r["fwd_bytes"] + r["bwd_bytes"] for r in records)  # the whole run's link bytes, predicted
+    assert abs(sent - capacity.run_link_bytes()[0]) <= 0.1 * sent
 
 
 def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):

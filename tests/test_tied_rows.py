@@ -248,5 +248,30 @@ def test_a_resumed_run_fetches_its_rows_before_its_first_step(rows_and_dense, tm
 def test_an_unknown_tied_exchange_is_refused():
     from aqpipe.config import ConfigError
 
-    with pytest.raises(ConfigError, match="--tied-exchange 'sparse' is not one of rows, dense"):
+    with pytest.raises(ConfigError, match="--tied-exchange 'sparse' is not one of rows, rows:bf16, dense"):
         tied_config("x", "sparse")
+
+
+def test_bf16_rows_travel_in_half_the_bytes_and_the_head_keeps_its_fp32_table():
+    generator = torch.Generator().manual_seed(2)
+    current = torch.randn(VOCAB, WIDTH, generator=generator)
+    owner, lookup = pair(current, torch.zeros(VOCAB, WIDTH))
+    for end in (owner, lookup):
+        end.wire_dtype = torch.bfloat16
+    try:
+        tokens = [torch.tensor([[3, 9, 3]])]
+        for end in (owner, lookup):
+            end.begin(0, tokens)
+        lookup.ready(0)
+        assert torch.equal(lookup.table[[3, 9]], current[[3, 9]].bfloat16().float())  # computes on rounded rows
+        embed = torch.zeros(VOCAB, WIDTH)
+        embed[[3, 9]] = torch.randn(2, WIDTH, generator=generator)
+        lookup.table.grad, owner.table.grad = embed.clone(), torch.zeros(VOCAB, WIDTH)
+        lookup.backward_done(0)
+        lookup.exchange_gradients()
+        owner.exchange_gradients()
+        assert torch.equal(owner.table.grad, embed.bfloat16().float())
+        assert torch.equal(owner.table, current)  # the owner's table is untouched fp32
+        assert owner.bytes_sent == lookup.bytes_sent == 2 * (2 * WIDTH + 8) + HEADER_SIZE
+    finally:
+        close(owner, lookup)

@@ -14,6 +14,7 @@ from aqpipe.compress.grids import GRIDS
 from aqpipe.config.rates import parse_rate
 from aqpipe.config.settings import ResolvedConfig, RunConfig
 from aqpipe.config.values import ConfigError
+from aqpipe.pipeline.tied_exchanges import TIED_EXCHANGES
 from aqpipe.storage.dtypes import MEMORY_DTYPES, STORE_DTYPES
 
 # Training defaults per model preset; a model that is not a preset takes the "default" row.
@@ -80,7 +81,7 @@ def _check_choices(cfg: RunConfig) -> None:
                                  ("quant-rounding", cfg.quant_rounding, ("nearest", "stochastic")),
                                  ("quant-grid", cfg.quant_grid, GRIDS),
                                  ("store-check", cfg.store_check, ("on", "off")),
-                                 ("tied-exchange", cfg.tied_exchange, ("rows", "dense")),
+                                 ("tied-exchange", cfg.tied_exchange, TIED_EXCHANGES),
                                  ("store-dump", cfg.store_dump, ("on", "off"))):
         if value not in allowed:
             raise ConfigError(f"--{name} {value!r} is not one of {', '.join(allowed)}")

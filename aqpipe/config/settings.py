@@ -148,7 +148,8 @@ class RunConfig:
         "Qwen2.5, Llama 3.2): `rows` sends, between those two stages only, the rows of the step's tokens and their "
         "gradient's rows (bytes scale with the distinct tokens of a step); `dense` all-reduces the whole table's "
         "gradient over the pipeline every step, as Megatron and DeepSpeed do (for comparison: the same run, bit for "
-        "bit, with fp32 links)", "rows", metavar="rows|dense")
+        "bit, with fp32 links); `rows:bf16` sends the rows and gradient rows in bf16, half the bytes, the embedding "
+        "then computing on bf16-rounded rows", "rows", metavar="rows|rows:bf16|dense")
     bandwidth: str | None = setting(
         "links", "run each rank in its own network namespace, joined by a bridge, with its link shaped in both "
         "directions by a `tc tbf` qdisc at RATE (30mbit, 100mbit, 1gbit, or bytes/s as 12.5mbps); needs root and "

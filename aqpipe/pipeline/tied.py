@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from aqpipe.pipeline import comm
+from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ def row_tables(extras: dict, pp: int, exchange: str) -> list[str]:
     """The tied groups kept equal by exchanging rows (`aqpipe.pipeline.tied_rows`) rather than by summing whole
     gradients: those a spec declares as an input embedding on the first stage and a head on the last
     (`extras["tied_rows"]`), when those are two stages and `--tied-exchange rows` asks for it."""
-    if exchange != "rows" or pp < 2:
+    if exchange not in ROW_EXCHANGES or pp < 2:
         return []
     return sorted(extras.get("tied_rows", []))
 

@@ -105,6 +105,7 @@ class RowExchange:
     table: nn.Parameter
     outbox: Outbox
     inbox: Inbox
+    wire_dtype: torch.dtype = torch.float32  # what rows and gradient rows travel in (--tied-exchange rows:bf16)
     bytes_sent: int = 0
     _parts: StepParts | None = None  # the current step's
     _received: int = 0  # lookup side: micro-batches whose rows have arrived this step
@@ -210,7 +211,7 @@ class RowExchange:
             self.table.index_copy_(0, rows.to(self.table.device), values.to(self.table.device, self.table.dtype))
 
     def _send(self, kind: int, step: int, part: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        values = values.contiguous().cpu()
+        values = values.to(self.wire_dtype).contiguous().cpu()
         header = Header(kind, step, part, tuple(values.shape), values.dtype, len(rows), 0)
         self.outbox.send(header, rows, values)
         self.bytes_sent += HEADER_SIZE + values.numel() * values.element_size() + 8 * len(rows)
@@ -225,9 +226,9 @@ class RowExchange:
             raise TransportError(f"{self.inbox.peer_name} sent the rows of other tokens for tied table {self.name} "
                                  f"at step {message.header.step + 1} (the two stages disagree on the step's samples)")
         width = self.table.shape[1]
-        if message.header.shape != (len(rows), width) or message.header.dtype != self.table.dtype \
-                or message.payload.numel() != len(rows) * width * self.table.element_size():
+        if message.header.shape != (len(rows), width) or message.header.dtype != self.wire_dtype \
+                or message.payload.numel() != len(rows) * width * self.wire_dtype.itemsize:
             raise TransportError(f"{self.inbox.peer_name} sent rows of shape {message.header.shape} "
                                  f"{message.header.dtype} for tied table {self.name}, expected "
-                                 f"{(len(rows), width)} {self.table.dtype}")
-        return message.payload.view(self.table.dtype).view(len(rows), width)
+                                 f"{(len(rows), width)} {self.wire_dtype}")
+        return message.payload.view(self.wire_dtype).view(len(rows), width).to(self.table.dtype)

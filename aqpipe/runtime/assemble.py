@@ -18,6 +18,7 @@ from aqpipe.pipeline.mixed_precision import LossScaler, needs_loss_scaling
 from aqpipe.pipeline.optim import build_optimizer, momenta
 from aqpipe.pipeline.streams import open_streams
 from aqpipe.pipeline.tied import row_tables, tied_groups
+from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
 from aqpipe.pipeline.tied_rows import LOOKUP, OWNER, RowExchange, table_parameter
 from aqpipe.pipeline.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
 from aqpipe.pipeline.worker import StageWorker
@@ -92,7 +93,8 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
         links.tied_rows = RowExchange(
             LOOKUP if first else OWNER, *table_parameter(module, row_names[0]),
             outbox=Outbox(streams[tied_names["grads" if first else "rows"]], peer, cfg.stall_timeout),
-            inbox=Inbox(streams[tied_names["rows" if first else "grads"]], peer, cfg.stall_timeout))
+            inbox=Inbox(streams[tied_names["rows" if first else "grads"]], peer, cfg.stall_timeout),
+            wire_dtype=getattr(torch, ROW_EXCHANGES[cfg.tied_exchange]))
     if before is not None:  # link stage - 1: activations in, gradients out
         peer = grid.describe(grid.prev_rank)
         links.act_in = ActivationIn(before, KIND_ACTIVATION,

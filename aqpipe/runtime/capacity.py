@@ -23,6 +23,7 @@ import torch
 from aqpipe.compress.grad.base import ring_all_reduce_bytes
 from aqpipe.compress.link.codecs import QuantOptions, build_codec, lossless_dtype, numel
 from aqpipe.compress.link.directq import sample_bytes
+from aqpipe.compress.link.sample_coders import sample_coder
 from aqpipe.compress.link.specs import parse_spec
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.pipeline import schedule as sch
@@ -30,6 +31,7 @@ from aqpipe.pipeline.grid import Grid
 from aqpipe.pipeline.held import ActivationMeter
 from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.tied import row_tables, tied_groups
+from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
 from aqpipe.pipeline.tied_rows import step_rows
 from aqpipe.pipeline.transport import HEADER_SIZE
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan, available_memory
@@ -95,6 +97,20 @@ class LinkNeeds:
     warmup_fwd_bytes: int  # during the fp32 warm-up epochs
     warmup_bwd_bytes: int
     store_side_bytes: int  # one side's m(ξ) values (0 unless the link runs AQ-SGD)
+    first_fwd_bytes: int = 0  # a compressing step whose samples are all first sights (AQ-SGD: --first-sight)
+
+    def run_bytes(self, steps: int, steps_per_epoch: int, warmup_epochs: int) -> tuple[int, int]:
+        """Payload bytes (forward, backward) over a run of `steps`: the warm-up epochs lossless, then — when no
+        warm-up seeded m(ξ) — a first epoch of first sights, then deltas."""
+        fwd = bwd = 0
+        for step in range(steps):
+            epoch = step // steps_per_epoch
+            if epoch < warmup_epochs:
+                fwd, bwd = fwd + self.warmup_fwd_bytes, bwd + self.warmup_bwd_bytes
+            else:
+                fwd += self.first_fwd_bytes if epoch == 0 else self.fwd_bytes
+                bwd += self.bwd_bytes
+        return fwd, bwd
 
 
 @dataclass
@@ -118,6 +134,14 @@ class CapacityPlan:
     tied: TiedNeeds | None = None  # a tied table split over stages (None: none, or its copies share one stage)
     available: dict[str, int] = field(default_factory=dict)  # "RAM", "disk", "cuda:0", … -> free bytes
     problems: list[str] = field(default_factory=list)
+    steps: int = 0  # the run's optimizer steps, and its epochs' length
+    steps_per_epoch: int = 1
+
+    def run_link_bytes(self) -> tuple[int, int]:
+        """Payload bytes over the whole run on every link of one replica: (sent, what fp32 links would send)."""
+        sent = sum(sum(link.run_bytes(self.steps, self.steps_per_epoch, self.cfg.warmup_epochs)) for link in self.links)
+        fp32 = sum(self.steps * (link.warmup_fwd_bytes + link.warmup_bwd_bytes) for link in self.links)
+        return sent, fp32
 
     def link_seconds(self, link: LinkNeeds, warmup: bool = False) -> tuple[float, float] | None:
         """Seconds on the wire per step (forward, backward) at --bandwidth; None without one."""
@@ -194,10 +218,21 @@ def steady_payload_bytes(spec: str, direction: str, shape: tuple[int, ...], dtyp
 
 
 def raw_payload_bytes(spec: str, direction: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Payload bytes of one warm-up message (lossless; AQ-SGD's carries a mode byte per sample and fp32 values)."""
-    if parse_spec(spec, direction).kind == "aqsgd":
-        return shape[0] + numel(shape) * 4
-    return numel(shape) * lossless_dtype(dtype).itemsize
+    """Payload bytes of one warm-up message (lossless, in the activation's own dtype; AQ-SGD's carries a mode byte
+    per sample too)."""
+    values = numel(shape) * lossless_dtype(dtype).itemsize
+    return shape[0] + values if parse_spec(spec, direction).kind == "aqsgd" else values
+
+
+def first_sight_payload_bytes(spec: str, first_sight: str, shape: tuple[int, ...], dtype: torch.dtype,
+                              options: QuantOptions) -> int:
+    """Payload bytes of one compressed forward message whose samples are all first sights: AQ-SGD codes them with
+    `first_sight` (fp32: losslessly); any other codec sends them as it sends every sample."""
+    if parse_spec(spec, "fw").kind != "aqsgd":
+        return steady_payload_bytes(spec, "fw", shape, dtype, options)
+    if first_sight == "fp32":
+        return raw_payload_bytes(spec, "fw", shape, dtype)
+    return shape[0] + shape[0] * sample_coder(first_sight, options).sample_bytes(shape)
 
 
 def plan_capacity(plan: RunPlan) -> CapacityPlan:
@@ -223,7 +258,7 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
             m * steady_payload_bytes(cfg.fw, "fw", shape, dtype, options),
             m * steady_payload_bytes(cfg.bw, "bw", shape, torch.float32, options),
             m * raw_payload_bytes(cfg.fw, "fw", shape, dtype), m * raw_payload_bytes(cfg.bw, "bw", shape, torch.float32),
-            side))
+            side, m * first_sight_payload_bytes(cfg.fw, cfg.first_sight, shape, dtype, options)))
     copies = state_copies(cfg)
     headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
     stages = []
@@ -234,7 +269,7 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
             4 * copies * trainable, act, micro_batches_held(cfg.schedule, s, cfg.pp, m),
             int(sum(sides) * headroom), store_where(cfg)))
     capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None,
-                            tied_needs(plan))
+                            tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch)
     check_fits(capacity)
     return capacity
 
@@ -258,7 +293,8 @@ def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
     distinct = sum(counts) / max(1, len(counts))
     widths = [g.shapes[0][1] for g in groups if g.name in by_rows]
     # the rows and the gradient's rows, `distinct` each with their indices, streamed as a message per micro-batch
-    rows = sum(2 * (round(distinct) * (4 * width + 8) + cfg.micro_batches * HEADER_SIZE) for width in widths)
+    value_bytes = getattr(torch, ROW_EXCHANGES[cfg.tied_exchange]).itemsize
+    rows = sum(2 * (round(distinct) * (value_bytes * width + 8) + cfg.micro_batches * HEADER_SIZE) for width in widths)
     return TiedNeeds("rows", rows + dense, sum(table_bytes.values()), distinct)
 
 
@@ -330,6 +366,14 @@ def format_plan(capacity: CapacityPlan) -> str:
                          f"{link.activation_dtype:<6} {_gb(link.fwd_bytes):>12} {_gb(link.bwd_bytes):>14}   "
                          f"{_gb(link.warmup_fwd_bytes):>8}/{_gb(link.warmup_bwd_bytes):<9} "
                          f"{_gb(link.store_side_bytes) if link.store_side_bytes else '-':>14}")
+        if cfg.warmup_epochs == 0 and cfg.fw.startswith("aqsgd"):
+            lines.append(f"first epoch (every sample a first sight, --first-sight {cfg.first_sight}): "
+                         + ", ".join(f"{link.link}->{link.link + 1} {_gb(link.first_fwd_bytes)} fwd per step"
+                                     for link in capacity.links))
+        sent, fp32 = capacity.run_link_bytes()
+        if sent:
+            lines.append(f"over the run ({capacity.steps} steps): {_gb(sent)} on the links of a replica, "
+                         f"{fp32 / sent:.2f}x fewer than lossless links ({_gb(fp32)})")
         if capacity.tied is not None:
             lines.append(format_tied(capacity.tied, cfg))
         step = capacity.link_bound_step_seconds()
