@@ -21,7 +21,7 @@ from aqpipe.compress.quantize import DEFAULT_GRID
 
 FLAG_RAW = 1  # the payload is the tensor, lossless (LOSSLESS_DTYPES): warm-up, or a codec asked not to compress
 FLAG_NO_CHECK = 2  # AQ-SGD: the sender did not checksum m(ξ)
-CODE_FP32, CODE_FP16, CODE_BF16, CODE_DIRECTQ, CODE_AQSGD, CODE_TOPK, CODE_RTQ = 1, 2, 3, 4, 5, 6, 7
+CODE_FP32, CODE_FP16, CODE_BF16, CODE_DIRECTQ, CODE_AQSGD, CODE_TOPK, CODE_RTQ, CODE_TAHQ = 1, 2, 3, 4, 5, 6, 7, 8
 # What a lossless message (fp32 codec, or any codec's raw message) carries: the tensor in its own float dtype, so a
 # bf16/fp16 activation of a mixed-precision stage crosses at its own size, bit for bit; anything else as fp32.
 LOSSLESS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -222,6 +222,7 @@ def _build(spec: str | CodecSpec, direction: str, store_view, options: QuantOpti
            device: torch.device, first_sight: str) -> LinkCodec:
     from aqpipe.compress.link.aqsgd import AQSGDCodec
     from aqpipe.compress.link.sample_coders import CoderCodec, QuantCoder, RotatedCoder, sample_coder
+    from aqpipe.compress.link.tahq import TAHQuantCodec
     from aqpipe.compress.link.topk import TopKCodec
 
     parsed = parse_spec(spec, direction) if isinstance(spec, str) else spec
@@ -236,6 +237,8 @@ def _build(spec: str | CodecSpec, direction: str, store_view, options: QuantOpti
         return CoderCodec(CODE_DIRECTQ, QuantCoder(parsed.bits, options), options, device)
     if parsed.kind == "rtq":
         return CoderCodec(CODE_RTQ, RotatedCoder(parsed.bits, options), options, device)
+    if parsed.kind == "tahq":
+        return TAHQuantCodec(device)
     if parsed.kind == "topk":
         return TopKCodec(parsed.fraction, parsed.bits, options, device)
     if store_view is None:

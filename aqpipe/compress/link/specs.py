@@ -27,6 +27,8 @@ CODEC_KINDS: dict[str, CodecKind] = {
     "directq": CodecKind(("B",), ("fw", "bw"), "B-bit quantization of the tensor itself"),
     "rtq": CodecKind(("B",), ("fw", "bw"), "B-bit rotated tile quantization: a 64-channel Hadamard rotation, "
                      "one fp16 scale per tile of a token"),
+    "tahq": CodecKind((), ("fw", "bw"), "TAH-Quant (arXiv 2506.01352) as published, a baseline: 4 bits, 3 for "
+                      "the 20% lowest-entropy tokens, Hadamard-rotated outlier tiles, fp16 zero and step per 64-tile"),
     "aqsgd": CodecKind(("B",), ("fw",), "AQ-SGD: B-bit quantization of the change since the sample's last visit"),
     "topk": CodecKind(("F", "B"), ("bw",), "keep the largest fraction F, B-bit values"),
 }
