@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from aqpipe.compress.link.codecs import QuantOptions, build_codec
+from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.transport import Header
@@ -95,21 +96,21 @@ def stage_compute_seconds(plan: RunPlan, device: torch.device, link_shape: tuple
 
 def codec_speeds(cfg: ResolvedConfig, shape: tuple[int, ...], device: torch.device) -> dict[str, float]:
     """GB/s of a [shape] fp32 activation through encode + decode for the candidate codecs on `device`."""
-    options = QuantOptions(per=cfg.quant_scales, grid=cfg.quant_grid)
+    options = QuantOptions.of(cfg)
     x = torch.randn(shape, device=device)
     ids = torch.arange(shape[0])
     speeds = {}
     for spec in ["fp32", *[f"aqsgd:{b}" for b in FW_BITS], *[f"directq:{min(2 * b, 8)}" for b in FW_BITS]]:
         if spec in speeds:
             continue
-        if spec.startswith("aqsgd"):
+        if keeps_messages(spec):
             send, recv = MemoryStore(torch.float16, device), MemoryStore(torch.float16, device)
             sender = build_codec(spec, "fw", StoreView(send, 0, "send"), options, device=device)
             receiver = build_codec(spec, "fw", StoreView(recv, 0, "recv"), options, device=device)
             first = sender.encode(x, ids, compress=True)  # seeds m(ξ) on both sides: every later visit is a delta
             receiver.decode(Header.for_encoded(first, sender.code), first.payload, ids)
         else:
-            sender = receiver = build_codec(spec, "bw" if spec.startswith("directq") else "fw", options=options,
+            sender = receiver = build_codec(spec, "fw", options=options,
                                             device=device)
 
         def round_trip(sender=sender, receiver=receiver) -> None:
@@ -148,7 +149,7 @@ def recommend(link: LinkNeeds, cfg: ResolvedConfig, rate: float, compute: float
               ) -> tuple[int, bool, dict[int, tuple[float, float]]]:
     """The highest fw bits whose wire time per micro-batch, each way, fits within `compute` seconds; whether even
     the fewest bits leave the link the bottleneck; and the wire times per candidate."""
-    options = QuantOptions(per=cfg.quant_scales, grid=cfg.quant_grid)
+    options = QuantOptions.of(cfg)
     dtype = getattr(torch, link.activation_dtype)
     wire = {}
     for bits in FW_BITS:

@@ -5,6 +5,7 @@ import torch
 
 from aqpipe.compress.link.aqsgd import MODE_DELTA, MODE_FIRST, MODE_FULL, MODE_FULL_BF16
 from aqpipe.compress.link.codecs import FLAG_RAW, CodecError, QuantOptions, build_codec, parse_spec
+from aqpipe.compress.link.specs import CODEC_KINDS
 from aqpipe.compress.link.sample_coders import sample_coder
 from aqpipe.compress.quantize import dequantize, quantize
 from aqpipe.compress.rotated import rotated_dequantize, rotated_quantize
@@ -354,3 +355,37 @@ def test_a_generator_state_from_another_device_type_is_not_forced_on_the_codec()
     before = same._generator.get_state()
     same.load_state_dict({"generator": torch.zeros(16, dtype=torch.uint8)})  # a CUDA generator's (Philox) state
     assert torch.equal(same._generator.get_state(), before)
+
+
+@pytest.mark.parametrize("kind", list(CODEC_KINDS))
+def test_every_codec_of_the_table_builds_round_trips_and_sizes_its_messages(kind):
+    """The name table is all a codec needs: its entry builds it, sizes its messages exactly and says what it can
+    do."""
+    from aqpipe.compress.link.codecs import message_bytes
+    from aqpipe.compress.link.specs import check_first_sight, usage
+
+    entry = CODEC_KINDS[kind]
+    spec, direction = usage(kind).replace("F", "0.25").replace("B", "4"), entry.directions[0]
+    torch.manual_seed(0)
+    x, ids = torch.randn(3, 8, 64), torch.tensor([4, 5, 6])
+    views = [StoreView(MemoryStore(torch.float16), 0, side) if entry.keeps_messages else None
+             for side in ("send", "recv")]
+    sender, receiver = (build_codec(spec, direction, view, first_sight="rtq:3") for view in views)
+    assert sender.keeps_messages == entry.keeps_messages
+    first, y = send(sender, receiver, x, ids)
+    kept = 0.8 if kind == "topk" else 0.1  # top-k drops three quarters of the values, the largest kept
+    assert y.shape == x.shape and (y - x).pow(2).sum() < kept * x.pow(2).sum()
+    if entry.keeps_messages:  # a first sight (here rtq:3), then a delta
+        assert first.payload.numel() == message_bytes(spec, direction, tuple(x.shape), x.dtype, QuantOptions(),
+                                                      "rtq:3", first_sights=True)
+        first, _ = send(sender, receiver, x + 0.01, ids)
+    sized = message_bytes(spec, direction, tuple(x.shape), x.dtype, QuantOptions())
+    if kind == "tahq":  # sized with no tile rotated: each rotated one adds a 6-bit pivot
+        assert sized <= first.payload.numel() <= sized + 3 * 8 * 6 // 8
+    else:
+        assert first.payload.numel() == sized
+    if entry.first_sight:
+        check_first_sight(spec)
+    else:
+        with pytest.raises(CodecError):
+            check_first_sight(spec)

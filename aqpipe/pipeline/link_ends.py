@@ -143,7 +143,7 @@ class ActivationOut(SendEnd):
 
     def forget(self, ids: list[int]) -> None:
         """The sender half of re-seeding: drop m(ξ) of samples the receiver lacks, so they next go in full."""
-        if ids and hasattr(self.codec, "forget"):
+        if ids:
             self.codec.forget(ids)
 
 
@@ -166,9 +166,7 @@ class ActivationIn(RecvEnd):
 
     def missing(self, next_ids: list[int] | None) -> list[int]:
         """The receiver half of re-seeding: those of the next step's samples whose m(ξ) this side lacks."""
-        if not next_ids or not hasattr(self.codec, "missing"):
-            return []
-        return self.codec.missing(next_ids)
+        return self.codec.missing(next_ids) if next_ids else []
 
 
 class GradientOut(SendEnd):
@@ -236,7 +234,7 @@ class StageLinks:
     @property
     def keeps_messages(self) -> bool:
         """Whether this rank's outgoing activations go through an m(ξ) store (AQ-SGD)."""
-        return self.act_out is not None and hasattr(self.act_out.codec, "view")
+        return self.act_out is not None and self.act_out.codec.keeps_messages
 
     def send_activation(self, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None
                         ) -> None:

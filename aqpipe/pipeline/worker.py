@@ -110,7 +110,8 @@ class StageWorker:
             assert self.samples is not None, "a first or last stage holds its samples"
             first_stage = sch.SCHEDULES[self.schedule].stream(0, self.grid.pp, n)
             self.links.tied_rows.begin(step, [self.samples.inputs(ids) for ids in micro_batch_ids],
-                                       backward_order=[i.micro_batch for i in first_stage if isinstance(i, sch.Backward)])
+                                       backward_order=[i.micro_batch for i in first_stage
+                                                       if isinstance(i, sch.Backward) and i.micro_batch is not None])
         for ins in stream:
             handler, waits_on_peers = self._HANDLERS[type(ins)]
             start = time.perf_counter()

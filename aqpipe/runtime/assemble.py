@@ -66,8 +66,7 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
     the pipeline calls this together); the forward ones of an AQ-SGD link hold the side of m(ξ)
     `grid.owned_sides()` gives this rank. With `row_names` (a tied table exchanged by rows), the first and the
     last stage also open a stream each way between them and hold their end of the exchange (`links.tied_rows`)."""
-    options = QuantOptions(per=cfg.quant_scales, stochastic=cfg.quant_rounding == "stochastic",
-                           seed=cfg.seed + grid.rank, grid=cfg.quant_grid)
+    options = QuantOptions.of(cfg, grid.rank)
     check = cfg.store_check == "on"
     views = {side: StoreView(store, link, side) for link, side in grid.owned_sides()}
     before, after = grid.link_in, grid.link_out  # the links this rank's stage sits between (None at an end)

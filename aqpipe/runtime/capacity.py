@@ -16,15 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from types import SimpleNamespace
 
 import torch
 
 from aqpipe.compress.grad.base import ring_all_reduce_bytes
-from aqpipe.compress.link.codecs import QuantOptions, build_codec, lossless_dtype, numel
-from aqpipe.compress.link.directq import sample_bytes
-from aqpipe.compress.link.sample_coders import sample_coder
-from aqpipe.compress.link.specs import parse_spec
+from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_bytes, numel
+from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.grid import Grid
@@ -210,29 +207,21 @@ def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, .
 def steady_payload_bytes(spec: str, direction: str, shape: tuple[int, ...], dtype: torch.dtype,
                          options: QuantOptions) -> int:
     """Payload bytes of one compressed message of `shape` with a --fw/--bw spec (AQ-SGD: every sample a delta)."""
-    parsed = parse_spec(spec, direction)
-    if parsed.kind == "aqsgd":
-        return shape[0] + shape[0] * sample_bytes(shape, parsed.bits, options.per)
-    codec = build_codec(parsed, direction, options=options)
-    return codec.payload_bytes(SimpleNamespace(shape=shape, dtype=lossless_dtype(dtype)))
+    return message_bytes(spec, direction, shape, dtype, options)
 
 
 def raw_payload_bytes(spec: str, direction: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Payload bytes of one warm-up message (lossless, in the activation's own dtype; AQ-SGD's carries a mode byte
-    per sample too)."""
+    """Payload bytes of one warm-up message (lossless, in the activation's own dtype; a codec keeping m(ξ) sends a
+    mode byte per sample too)."""
     values = numel(shape) * lossless_dtype(dtype).itemsize
-    return shape[0] + values if parse_spec(spec, direction).kind == "aqsgd" else values
+    return shape[0] + values if keeps_messages(spec, direction) else values
 
 
 def first_sight_payload_bytes(spec: str, first_sight: str, shape: tuple[int, ...], dtype: torch.dtype,
                               options: QuantOptions) -> int:
     """Payload bytes of one compressed forward message whose samples are all first sights: AQ-SGD codes them with
     `first_sight` (fp32: losslessly); any other codec sends them as it sends every sample."""
-    if parse_spec(spec, "fw").kind != "aqsgd":
-        return steady_payload_bytes(spec, "fw", shape, dtype, options)
-    if first_sight == "fp32":
-        return raw_payload_bytes(spec, "fw", shape, dtype)
-    return shape[0] + shape[0] * sample_coder(first_sight, options).sample_bytes(shape)
+    return message_bytes(spec, "fw", shape, dtype, options, first_sight, first_sights=True)
 
 
 def plan_capacity(plan: RunPlan) -> CapacityPlan:
@@ -244,7 +233,7 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
         traced = trace_stages(plan)
     except Exception as e:  # noqa: BLE001 - whatever a custom model's forward raises on fake tensors
         raise TraceError(f"the stages could not be traced with fake tensors: {e}") from e
-    options = QuantOptions(per=cfg.quant_scales, grid=cfg.quant_grid)
+    options = QuantOptions.of(cfg)
     m = cfg.micro_batches
     samples_per_replica = -(-len(plan.dataset.train) // cfg.dp)
     store = STORE_DTYPES[cfg.store_dtype]
@@ -252,7 +241,7 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
     for k in range(cfg.pp - 1):
         _, _, shape, dtype = traced[k]
         per_sample = numel(shape[1:])
-        side = int(samples_per_replica * per_sample * store.value_bytes) if cfg.fw.startswith("aqsgd") else 0
+        side = int(samples_per_replica * per_sample * store.value_bytes) if keeps_messages(cfg.fw) else 0
         links.append(LinkNeeds(
             k, shape, str(dtype).removeprefix("torch."),
             m * steady_payload_bytes(cfg.fw, "fw", shape, dtype, options),
@@ -366,7 +355,7 @@ def format_plan(capacity: CapacityPlan) -> str:
                          f"{link.activation_dtype:<6} {_gb(link.fwd_bytes):>12} {_gb(link.bwd_bytes):>14}   "
                          f"{_gb(link.warmup_fwd_bytes):>8}/{_gb(link.warmup_bwd_bytes):<9} "
                          f"{_gb(link.store_side_bytes) if link.store_side_bytes else '-':>14}")
-        if cfg.warmup_epochs == 0 and cfg.fw.startswith("aqsgd"):
+        if cfg.warmup_epochs == 0 and keeps_messages(cfg.fw):
             lines.append(f"first epoch (every sample a first sight, --first-sight {cfg.first_sight}): "
                          + ", ".join(f"{link.link}->{link.link + 1} {_gb(link.first_fwd_bytes)} fwd per step"
                                      for link in capacity.links))

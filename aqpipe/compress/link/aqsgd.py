@@ -24,6 +24,7 @@ from aqpipe.compress.link.codecs import (
     FLAG_NO_CHECK,
     HOST,
     CodecError,
+    CodecParts,
     DeltaFidelity,
     Encoded,
     LinkCodec,
@@ -33,7 +34,8 @@ from aqpipe.compress.link.codecs import (
     numel,
     to_host,
 )
-from aqpipe.compress.link.sample_coders import QuantCoder, SampleCoder
+from aqpipe.compress.link.sample_coders import CastCoder, QuantCoder, SampleCoder, sample_coder
+from aqpipe.compress.link.specs import CodecSpec
 from aqpipe.compress.quantize import FP16_MAX
 
 # A sample's mode byte: what its segment holds.
@@ -136,6 +138,25 @@ class AQSGDCodec(LinkCodec):
     the coder of a sample without m(ξ) once the link compresses (None: lossless)."""
 
     code = CODE_AQSGD
+    keeps_messages = True
+
+    @classmethod
+    def from_spec(cls, spec: CodecSpec, parts: CodecParts) -> AQSGDCodec:
+        first = None if parts.first_sight == "fp32" else sample_coder(parts.first_sight, parts.options)
+        return cls(spec.bits, parts.store_view, parts.options, parts.check, parts.device, first_sight=first)
+
+    @classmethod
+    def message_bytes(cls, spec: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype, options: QuantOptions,
+                      first_sight: str = "fp32", first_sights: bool = False) -> int:
+        """A mode byte per sample, then every sample's delta — or, with `first_sights`, its first sight: the
+        `first_sight` coder's row, or (fp32) its values in the activation's own lossless dtype."""
+        if not first_sights:
+            coder: SampleCoder = QuantCoder(spec.bits, options)
+        elif first_sight == "fp32":
+            coder = CastCoder("fp32", dtype if dtype in LOSSLESS_MODES else torch.float32)
+        else:
+            coder = sample_coder(first_sight, options)
+        return shape[0] + shape[0] * coder.sample_bytes(shape)
 
     def __init__(self, bits: int, view: SampleMemory, options: QuantOptions, check: bool = True,
                  device: torch.device = HOST, delta: SampleCoder | None = None,

@@ -2,8 +2,9 @@
 
 Every codec has `encode(tensor, ids, compress) -> Encoded`, `decode(header, payload, ids) -> tensor`, and
 `check_header(header)`, which the transport calls before it allocates a payload. With `compress=False` (the
-warm-up epochs) a codec sends fp32 and flags the message raw. `build_codec` turns a `--fw`/`--bw` spec into a
-codec; `aqpipe.compress.link.specs` holds the table of codec names and validates a spec without building anything.
+warm-up epochs) a codec sends fp32 and flags the message raw. `aqpipe.compress.link.specs` holds the one table of
+codec names: each entry names the class that implements it, whose `from_spec` builds one (`build_codec`) and whose
+`message_bytes` sizes a message (`message_bytes`), and says what the codec can do.
 
 Codecs compute on the tensor's device: on a GPU, quantizing, packing and AQ-SGD's m(ξ) arithmetic and checksum run
 there, and only the packed payload crosses to the host (`to_host`, through pinned memory); a received payload is
@@ -12,11 +13,14 @@ decoded on the codec's `device`.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
-from aqpipe.compress.link.specs import CodecError, CodecSpec, parse_spec
+from aqpipe.compress.link.specs import CODEC_KINDS, CodecError, CodecSpec, parse_spec
 from aqpipe.compress.quantize import DEFAULT_GRID
 
 FLAG_RAW = 1  # the payload is the tensor, lossless (LOSSLESS_DTYPES): warm-up, or a codec asked not to compress
@@ -90,6 +94,30 @@ class LinkCodec:
     name = "fp32"
     bits = 0
     device = HOST  # where received messages are decoded (build_codec sets the stage's device)
+    keeps_messages = False  # a per-sample m(ξ) on both sides (AQ-SGD): see forget and missing
+
+    @classmethod
+    def from_spec(cls, spec: CodecSpec, parts: CodecParts) -> LinkCodec:
+        """The codec a parsed spec names, from what `build_codec` was given."""
+        raise NotImplementedError(f"{cls.__name__} does not say how to build {spec}")
+
+    @classmethod
+    def message_bytes(cls, spec: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype, options: QuantOptions,
+                      first_sight: str = "fp32", first_sights: bool = False) -> int:
+        """Payload bytes of one compressed message of `shape` (a codec keeping m(ξ): every sample a known one, or
+        with `first_sights` every sample a first sight coded by `first_sight`)."""
+        codec = cls.from_spec(spec, CodecParts("fw" if "fw" in CODEC_KINDS[spec.kind].directions else "bw",
+                                               None, options, True, HOST, first_sight))
+        return codec.payload_bytes(SimpleNamespace(shape=shape, dtype=lossless_dtype(dtype)))
+
+    def forget(self, ids: list[int]) -> None:
+        """Sender side of a re-seed: drop the m(ξ) of samples the receiver lacks (nothing to drop unless the codec
+        keeps messages)."""
+
+    def missing(self, ids: list[int]) -> list[int]:
+        """Receiver side of a re-seed: the samples among `ids` whose m(ξ) this side lacks (none unless the codec
+        keeps messages)."""
+        return []
 
     def encode(self, tensor: torch.Tensor, ids: torch.Tensor, compress: bool = True) -> Encoded:
         """The wire form of `tensor` (a batch whose first dimension matches `ids`)."""
@@ -171,6 +199,12 @@ class FloatCodec(LinkCodec):
     def __init__(self, name: str, wire_dtype: torch.dtype, code: int) -> None:
         self.name, self.wire_dtype, self.code = name, wire_dtype, code
 
+    @classmethod
+    def from_spec(cls, spec: CodecSpec, parts: CodecParts) -> FloatCodec:
+        dtype, code = {"fp32": (torch.float32, CODE_FP32), "fp16": (torch.float16, CODE_FP16),
+                       "bf16": (torch.bfloat16, CODE_BF16)}[spec.kind]
+        return cls(spec.kind, dtype, code)
+
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a tensor of `dtype` goes on the wire as."""
         return dtype if self.wire_dtype == torch.float32 and dtype in LOSSLESS_DTYPES else self.wire_dtype
@@ -203,6 +237,25 @@ class QuantOptions:
     seed: int = 0
     grid: str = DEFAULT_GRID  # which levels a code stands for (aqpipe.compress.quantize.GRIDS)
 
+    @classmethod
+    def of(cls, cfg: Any, rank: int = 0) -> QuantOptions:
+        """The options a run's configuration asks for (`--quant-scales/-rounding/-grid`, `--seed`), for `rank`
+        (each rank's stochastic rounding draws from a stream of its own)."""
+        return cls(per=cfg.quant_scales, stochastic=cfg.quant_rounding == "stochastic", seed=cfg.seed + rank,
+                   grid=cfg.quant_grid)
+
+
+@dataclass
+class CodecParts:
+    """What `build_codec` hands a codec's `from_spec`."""
+
+    direction: str  # "fw" or "bw"
+    store_view: Any  # one side of one link of the message store (a codec that keeps messages needs it)
+    options: QuantOptions
+    check: bool  # AQ-SGD: checksum m(ξ) in every message
+    device: torch.device
+    first_sight: str  # AQ-SGD: the coder of a sample without m(ξ) (fp32: lossless)
+
 
 def generator_on(device: torch.device, seed: int) -> torch.Generator:
     """A seeded random generator on `device` (stochastic rounding draws where it quantizes)."""
@@ -213,35 +266,23 @@ def build_codec(spec: str | CodecSpec, direction: str = "fw", store_view=None, o
                 check: bool = True, device: torch.device | str = "cpu", first_sight: str = "fp32") -> LinkCodec:
     """The codec for a spec, decoding onto `device`; AQ-SGD needs `store_view` (one side of one link of the message
     store) and codes a sample without m(ξ) with `first_sight` (`fp32`: losslessly)."""
-    codec = _build(spec, direction, store_view, options, check, torch.device(device), first_sight)
-    codec.device = torch.device(device)
+    parsed = parse_spec(spec, direction) if isinstance(spec, str) else spec
+    if CODEC_KINDS[parsed.kind].keeps_messages and store_view is None:
+        raise CodecError(f"the {parsed.kind} codec needs a message store")
+    parts = CodecParts(direction, store_view, options or QuantOptions(), check, torch.device(device), first_sight)
+    codec = codec_class(parsed.kind).from_spec(parsed, parts)
+    codec.device = parts.device
     return codec
 
 
-def _build(spec: str | CodecSpec, direction: str, store_view, options: QuantOptions | None, check: bool,
-           device: torch.device, first_sight: str) -> LinkCodec:
-    from aqpipe.compress.link.aqsgd import AQSGDCodec
-    from aqpipe.compress.link.sample_coders import CoderCodec, QuantCoder, RotatedCoder, sample_coder
-    from aqpipe.compress.link.tahq import TAHQuantCodec
-    from aqpipe.compress.link.topk import TopKCodec
+def codec_class(kind: str) -> type[LinkCodec]:
+    """The class implementing codec `kind` (imported on first use)."""
+    module, _, name = CODEC_KINDS[kind].implementation.partition(":")
+    return getattr(importlib.import_module(module), name)
 
-    parsed = parse_spec(spec, direction) if isinstance(spec, str) else spec
-    options = options or QuantOptions()
-    if parsed.kind == "fp32":
-        return FloatCodec("fp32", torch.float32, CODE_FP32)
-    if parsed.kind == "fp16":
-        return FloatCodec("fp16", torch.float16, CODE_FP16)
-    if parsed.kind == "bf16":
-        return FloatCodec("bf16", torch.bfloat16, CODE_BF16)
-    if parsed.kind == "directq":
-        return CoderCodec(CODE_DIRECTQ, QuantCoder(parsed.bits, options), options, device)
-    if parsed.kind == "rtq":
-        return CoderCodec(CODE_RTQ, RotatedCoder(parsed.bits, options), options, device)
-    if parsed.kind == "tahq":
-        return TAHQuantCodec(device)
-    if parsed.kind == "topk":
-        return TopKCodec(parsed.fraction, parsed.bits, options, device)
-    if store_view is None:
-        raise CodecError("the aqsgd codec needs a message store")
-    first = None if first_sight == "fp32" else sample_coder(first_sight, options)
-    return AQSGDCodec(parsed.bits, store_view, options, check, device, first_sight=first)
+
+def message_bytes(spec: str, direction: str, shape: tuple[int, ...], dtype: torch.dtype, options: QuantOptions,
+                  first_sight: str = "fp32", first_sights: bool = False) -> int:
+    """Payload bytes of one compressed message of `shape` with a --fw/--bw spec (see `LinkCodec.message_bytes`)."""
+    parsed = parse_spec(spec, direction)
+    return codec_class(parsed.kind).message_bytes(parsed, shape, dtype, options, first_sight, first_sights)

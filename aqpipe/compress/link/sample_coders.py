@@ -15,10 +15,21 @@ from typing import Protocol
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
-from aqpipe.compress.grids import DEFAULT_GRID
-from aqpipe.compress.link.codecs import HOST, Encoded, LinkCodec, QuantOptions, bytes_as, generator_on, numel, to_host
+from aqpipe.compress.link.codecs import (
+    CODE_DIRECTQ,
+    CODE_RTQ,
+    HOST,
+    CodecParts,
+    Encoded,
+    LinkCodec,
+    QuantOptions,
+    bytes_as,
+    generator_on,
+    numel,
+    to_host,
+)
 from aqpipe.compress.link.directq import decode_samples, encode_samples, sample_bytes
-from aqpipe.compress.link.specs import check_first_sight
+from aqpipe.compress.link.specs import CodecSpec, check_first_sight
 from aqpipe.compress.quantize import dequantize, quantize
 from aqpipe.compress.rotated import DEFAULT_TILE, RotatedQuantized, rotated_dequantize, rotated_quantize, scales_per_sample
 
@@ -26,7 +37,8 @@ from aqpipe.compress.rotated import DEFAULT_TILE, RotatedQuantized, rotated_dequ
 class SampleCoder(Protocol):
     """Turns a float32 batch [B, ...] into rows [B, sample_bytes] of uint8 and back."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def sample_bytes(self, shape: tuple[int, ...]) -> int: ...
 
@@ -112,6 +124,12 @@ class CoderCodec(LinkCodec):
         self.code, self.coder, self.bits, self.name, self.device = code, coder, coder.bits, coder.name, device
         self._generator = coder.generator = generator_on(device, options.seed)
 
+    @classmethod
+    def from_spec(cls, spec: CodecSpec, parts: CodecParts) -> CoderCodec:
+        if spec.kind == "rtq":
+            return cls(CODE_RTQ, RotatedCoder(spec.bits, parts.options), parts.options, parts.device)
+        return cls(CODE_DIRECTQ, QuantCoder(spec.bits, parts.options), parts.options, parts.device)
+
     def payload_bytes(self, header) -> int:
         return header.shape[0] * self.coder.sample_bytes(header.shape)
 
@@ -128,7 +146,7 @@ def sample_coder(spec: str, options: QuantOptions | None = None, generator: torc
                  flag: str = "--first-sight") -> SampleCoder:
     """The coder a spec names (fp32, bf16, fp16, directq:B, rtq:B); a CodecError naming `flag` otherwise."""
     parsed = check_first_sight(spec, flag)
-    options = options or QuantOptions(grid=DEFAULT_GRID)
+    options = options or QuantOptions()
     if parsed.kind in ("fp32", "bf16", "fp16"):
         return CastCoder(parsed.kind, {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[parsed.kind])
     if parsed.kind == "rtq":

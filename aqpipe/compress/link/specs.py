@@ -13,29 +13,36 @@ class CodecError(ValueError):
 
 @dataclass(frozen=True)
 class CodecKind:
-    """One codec name: its parameters (B = bits 1..8, F = kept fraction), the directions it may serve, its help."""
+    """One codec name: its parameters (B = bits 1..8, F = kept fraction), the directions it may serve, its help, the
+    class that implements it (`module:Class`, imported only when a codec is built or sized: its `from_spec` builds
+    one, its `message_bytes` sizes a message), and what it can do."""
 
     params: tuple[str, ...]
     directions: tuple[str, ...]
     summary: str
+    implementation: str
+    keeps_messages: bool = False  # keeps a per-sample m(ξ) on both sides of a link (needs a message store)
+    first_sight: bool = False  # codes each sample alone and keeps nothing: may code AQ-SGD's first sights
 
 
+_CODECS = "aqpipe.compress.link"
 CODEC_KINDS: dict[str, CodecKind] = {
-    "fp32": CodecKind((), ("fw", "bw"), "lossless"),
-    "fp16": CodecKind((), ("fw", "bw"), "half precision"),
-    "bf16": CodecKind((), ("fw", "bw"), "bfloat16"),
-    "directq": CodecKind(("B",), ("fw", "bw"), "B-bit quantization of the tensor itself"),
+    "fp32": CodecKind((), ("fw", "bw"), "lossless", f"{_CODECS}.codecs:FloatCodec", first_sight=True),
+    "fp16": CodecKind((), ("fw", "bw"), "half precision", f"{_CODECS}.codecs:FloatCodec", first_sight=True),
+    "bf16": CodecKind((), ("fw", "bw"), "bfloat16", f"{_CODECS}.codecs:FloatCodec", first_sight=True),
+    "directq": CodecKind(("B",), ("fw", "bw"), "B-bit quantization of the tensor itself",
+                         f"{_CODECS}.sample_coders:CoderCodec", first_sight=True),
     "rtq": CodecKind(("B",), ("fw", "bw"), "B-bit rotated tile quantization: a 64-channel Hadamard rotation, "
-                     "one fp16 scale per tile of a token"),
+                     "one fp16 scale per tile of a token", f"{_CODECS}.sample_coders:CoderCodec", first_sight=True),
     "tahq": CodecKind((), ("fw", "bw"), "TAH-Quant (arXiv 2506.01352) as published, a baseline: 4 bits, 3 for "
-                      "the 20% lowest-entropy tokens, Hadamard-rotated outlier tiles, fp16 zero and step per 64-tile"),
-    "aqsgd": CodecKind(("B",), ("fw",), "AQ-SGD: B-bit quantization of the change since the sample's last visit"),
-    "topk": CodecKind(("F", "B"), ("bw",), "keep the largest fraction F, B-bit values"),
+                      "the 20% lowest-entropy tokens, Hadamard-rotated outlier tiles, fp16 zero and step per 64-tile",
+                      f"{_CODECS}.tahq:TAHQuantCodec"),
+    "aqsgd": CodecKind(("B",), ("fw",), "AQ-SGD: B-bit quantization of the change since the sample's last visit",
+                       f"{_CODECS}.aqsgd:AQSGDCodec", keeps_messages=True),
+    "topk": CodecKind(("F", "B"), ("bw",), "keep the largest fraction F, B-bit values", f"{_CODECS}.topk:TopKCodec"),
 }
-
-
-# what --first-sight accepts: forward codecs that code each sample alone and keep nothing between messages
-FIRST_SIGHT_KINDS = ("fp32", "bf16", "fp16", "directq", "rtq")
+# what --first-sight accepts: the codecs that code each sample alone and keep nothing between messages
+FIRST_SIGHT_KINDS = tuple(name for name, kind in CODEC_KINDS.items() if kind.first_sight)
 
 
 @dataclass(frozen=True)
@@ -104,3 +111,8 @@ def check_first_sight(spec: str, flag: str = "--first-sight") -> CodecSpec:
         raise CodecError(f"{flag} {spec!r} is not a first-sight coder; use fp32, bf16, fp16, directq:B or rtq:B "
                          "(B = 1..8 bits)")
     return parsed
+
+
+def keeps_messages(spec: str, direction: str = "fw") -> bool:
+    """Whether a codec spec keeps a per-sample m(ξ) on both sides of its link (AQ-SGD)."""
+    return CODEC_KINDS[parse_spec(spec, direction).kind].keeps_messages

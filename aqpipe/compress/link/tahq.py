@@ -21,7 +21,19 @@ from __future__ import annotations
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
-from aqpipe.compress.link.codecs import CODE_TAHQ, HOST, CodecError, Encoded, LinkCodec, bytes_as, numel, to_host
+from aqpipe.compress.link.codecs import (
+    CODE_TAHQ,
+    HOST,
+    CodecError,
+    CodecParts,
+    Encoded,
+    LinkCodec,
+    QuantOptions,
+    bytes_as,
+    numel,
+    to_host,
+)
+from aqpipe.compress.link.specs import CodecSpec
 from aqpipe.compress.rotated import hadamard, token_rows
 
 TILE, HIGH_BITS, LOW_BITS, LOW_SHARE = 64, 4, 3, 0.2
@@ -112,6 +124,16 @@ class TAHQuantCodec(LinkCodec):
 
     def __init__(self, device: torch.device = HOST) -> None:
         self.device = device
+
+    @classmethod
+    def from_spec(cls, spec: CodecSpec, parts: CodecParts) -> TAHQuantCodec:
+        return cls(parts.device)
+
+    @classmethod
+    def message_bytes(cls, spec: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype, options: QuantOptions,
+                      first_sight: str = "fp32", first_sights: bool = False) -> int:
+        """With no tile rotated (each rotated tile adds its 6-bit pivot position)."""
+        return round(shape[0] * tahq_bits_per_value(shape) * numel(shape[1:]) / 8)
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
         x = tensor.float()

@@ -17,6 +17,7 @@ from aqpipe.compress.link.codecs import (
     CODE_TOPK,
     HOST,
     CodecError,
+    CodecParts,
     Encoded,
     LinkCodec,
     QuantOptions,
@@ -25,6 +26,7 @@ from aqpipe.compress.link.codecs import (
     numel,
     to_host,
 )
+from aqpipe.compress.link.specs import CodecSpec
 from aqpipe.compress.quantize import Quantized, dequantize, quantize
 
 
@@ -51,6 +53,10 @@ class TopKCodec(LinkCodec):
         self.fraction, self.bits, self.options, self.device = fraction, bits, options, device
         self.name = f"topk:{fraction:g}:{bits}"
         self._generator = generator_on(device, options.seed + 17)
+
+    @classmethod
+    def from_spec(cls, spec: CodecSpec, parts: CodecParts) -> TopKCodec:
+        return cls(spec.fraction, spec.bits, parts.options, parts.device)
 
     def _layout(self, shape: tuple[int, ...]) -> tuple[int, int, str, int, int]:
         n = numel(shape[1:])
