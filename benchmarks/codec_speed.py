@@ -1,6 +1,7 @@
 """Codec speed: quantize+pack and unpack+dequantize, in MB/s of fp32 input, for every bit width — on one CPU core,
 or on a GPU with --device cuda (where it also times AQ-SGD's whole encode and decode, m(ξ) update and checksum
-included, with m(ξ) in GPU memory, and the bytes' copy to the host).
+included, with m(ξ) in GPU memory, and the bytes' copy to the host) — then the whole link codecs of --codecs
+(rotated tile quantization, TAH-Quant, …) through their encode and decode, header and bytes to the host included.
 
     python benchmarks/codec_speed.py --out benchmarks/results/codec_speed
     python benchmarks/codec_speed.py --device cuda --out benchmarks/results/codec_speed_cuda
@@ -66,6 +67,34 @@ def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) ->
     return rows
 
 
+def link_codec_rows(x: torch.Tensor, specs: list[str], repeats: int, device: torch.device) -> list[dict]:
+    """Each stateless link codec's whole encode and decode, by spec."""
+    from aqpipe.compress.link.codecs import build_codec
+    from aqpipe.pipeline.transport import Header
+
+    mb = x.numel() * 4 / 1e6
+    ids = torch.arange(x.shape[0])
+    rows = []
+    for spec in specs:
+        codec = build_codec(spec, "fw", device=device)
+        box = {}
+
+        def encode():
+            box["e"] = codec.encode(x, ids)
+
+        def decode():
+            codec.decode(Header.for_encoded(box["e"], codec.code), box["e"].payload, ids)
+
+        encode()
+        enc, dec = measure(encode, repeats, device), measure(decode, repeats, device)
+        bits = 8 * box["e"].payload.numel() / x.numel()
+        rows.append({"codec": spec, "bits_per_value": bits, "encode_MBps": mb / enc, "decode_MBps": mb / dec,
+                     "round_trip_MBps": mb / (enc + dec)})
+        print(f"{spec:10s} {bits:5.2f} bits/value  encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s  "
+              f"both {mb / (enc + dec):7.0f} MB/s", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="4,512,1600")
@@ -73,6 +102,7 @@ def main() -> None:
     parser.add_argument("--per", default="channel")
     parser.add_argument("--out", default="benchmarks/results/codec_speed")
     parser.add_argument("--device", default="cpu", help="cpu (one core) or cuda")
+    parser.add_argument("--codecs", default="directq:4,rtq:3,rtq:4,tahq", help="link codecs timed whole")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
@@ -97,6 +127,7 @@ def main() -> None:
                   flush=True)
     if device.type == "cuda":
         rows += aqsgd_rows(x, args.per, args.repeats, device)
+    rows += link_codec_rows(x, [s for s in args.codecs.split(",") if s], args.repeats, device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"shape": shape, "per": args.per, "torch": torch.__version__,

@@ -107,7 +107,7 @@ def _scales(rows: torch.Tensor, dim: int, bits: int, grid: str, stochastic: bool
     if grid in ("uniform", "symmetric") or bits == 1:
         return rows.abs().amax(dim=dim, keepdim=True)
     positive = rows.amax(dim=dim, keepdim=True).clamp(min=0)
-    negative = (-rows).amax(dim=dim, keepdim=True).clamp(min=0)
+    negative = rows.amin(dim=dim, keepdim=True).neg_().clamp_(min=0)  # no negated copy of the rows
     h = float(1 << (bits - 1))
     if grid == "signed":  # the long side (−1 … ) goes where the largest magnitude is: scale = −(that value)
         return torch.where(positive > negative, -positive, negative)

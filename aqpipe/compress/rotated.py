@@ -8,9 +8,9 @@ the tile's values well. The hidden size need not be a multiple of the tile: the 
 whole tiles are split into power-of-two pieces (576 = 9·64; 100 = 64 + 32 + 4), each a tile of its own.
 
 Reconstruction is bit-identical on every device. A code k stands for the level (k − offset)/steps of the grid
-(`aqpipe.compress.quantize`), so 2k − 2·offset is an integer, and a tile comes back as H · (2k − 2·offset) — a
-matrix product of small integers held exactly in fp32, whatever order a BLAS or GPU kernel sums them in — times one
-fp32 factor per tile, scale / (2 · steps · √n). Both ends of an AQ-SGD link therefore derive the same m(ξ) from the
+(`aqpipe.compress.quantize`), and H's first column is all ones while its others sum to zero, so a tile comes back as
+(k·H − offset·n·e₀) — small integers, held exactly in fp32 whatever order a BLAS or GPU kernel sums them in — times
+one fp32 factor per tile, scale / (steps · √n). Both ends of an AQ-SGD link therefore derive the same m(ξ) from the
 same bytes. Only the sender's forward rotation (a plain matmul) may differ across devices, and it never has to
 agree with anything.
 
@@ -32,16 +32,17 @@ DEFAULT_TILE = 64
 _hadamards: dict[tuple[int, str], torch.Tensor] = {}
 
 
-def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The n×n Sylvester Hadamard matrix of ±1 (n a power of two), fp32, cached per size and device."""
+def hadamard(n: int, device: torch.device | str = "cpu", normalized: bool = False) -> torch.Tensor:
+    """The n×n Sylvester Hadamard matrix of ±1 (n a power of two), fp32, or with `normalized` the orthonormal
+    H/√n; cached per size and device."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Hadamard tile is a power of two, got {n}")
-    key = (n, str(device))
+    key = (n, str(device), normalized)
     if key not in _hadamards:
         h = torch.ones(1, 1)
         while h.shape[0] < n:
             h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
-        _hadamards[key] = h.to(device)
+        _hadamards[key] = (h / math.sqrt(n) if normalized else h).to(device)
     return _hadamards[key]
 
 
@@ -104,9 +105,7 @@ def rotated_quantize(x: torch.Tensor, bits: int, tile: int = DEFAULT_TILE, stoch
     b = rows.shape[0]
     codes, scales = [], []
     for size, piece in _pieces_of(rows, tile):
-        rotated = piece @ hadamard(size, piece.device) if size > 1 else piece
-        if size > 1:
-            rotated.mul_(1.0 / math.sqrt(size))
+        rotated = piece @ hadamard(size, piece.device, normalized=True) if size > 1 else piece
         q = quantize(rotated, bits, "token", stochastic, generator, grid)
         codes.append(q.codes.view(b, piece.shape[1], size))
         scales.append(q.scales.view(b, piece.shape[1]))
@@ -126,14 +125,25 @@ def rotated_dequantize(q: RotatedQuantized, shape: tuple[int, ...]) -> torch.Ten
     offset, steps, _ = _offset_steps(q.bits, q.grid)
     codes = q.codes.view(b, t, c)
     scales = q.scales.view(b, t, -1)
-    out = torch.empty((b, t, c), dtype=torch.float32, device=q.codes.device)
+    pieces = tile_pieces(c, q.tile)
+    out = torch.empty((b, t, c), dtype=torch.float32, device=q.codes.device) if len(pieces) > 1 else None
     start, first_tile = 0, 0
-    for size, count in tile_pieces(c, q.tile):
+    for size, count in pieces:
         width = size * count
-        integers = codes[:, :, start:start + width].float().mul_(2.0).sub_(2.0 * offset).view(b, t, count, size)
-        if size > 1:  # exact: small integers times ±1, summed in any order
-            integers = integers @ hadamard(size, integers.device)
-        factor = scales[:, :, first_tile:first_tile + count].float().div_(2.0 * steps * math.sqrt(size))
-        out[:, :, start:start + width] = (integers * factor.unsqueeze(-1)).view(b, t, width)
+        # exact: codes (< 256) times ±1, summed in any order; the offset only moves the first column
+        integers = codes[:, :, start:start + width].float().view(b, t, count, size) @ hadamard(size, codes.device)
+        integers[..., 0] -= offset * size
+        factor = scales[:, :, first_tile:first_tile + count].float().div_(steps * math.sqrt(size))
+        values = integers.mul_(factor.unsqueeze(-1)).view(b, t, width)
+        if out is None:
+            return values.view(shape)
+        out[:, :, start:start + width] = values
         start, first_tile = start + width, first_tile + count
-    return out.view(shape)
+    return present_out(out).view(shape)
+
+
+def present_out(out: torch.Tensor | None) -> torch.Tensor:
+    """The assembled output of a reconstruction in several pieces."""
+    if out is None:
+        raise RuntimeError("a reconstruction assembled no piece")
+    return out
