@@ -26,11 +26,12 @@ def send(sender, receiver, x, ids, compress=True):
     return encoded, receiver.decode(header, encoded.payload.clone(), ids)
 
 
-def aqsgd_pair(bits, dtype=torch.float16, **options):
+def aqsgd_pair(bits, dtype=torch.float16, kind="aqsgd", first_sight="fp32", **options):
     sender_store, receiver_store = MemoryStore(dtype), MemoryStore(dtype)
     opts = QuantOptions(**options)
-    return (build_codec(f"aqsgd:{bits}", "fw", StoreView(sender_store, 0, "send"), opts),
-            build_codec(f"aqsgd:{bits}", "fw", StoreView(receiver_store, 0, "recv"), opts), sender_store, receiver_store)
+    return (build_codec(f"{kind}:{bits}", "fw", StoreView(sender_store, 0, "send"), opts, first_sight=first_sight),
+            build_codec(f"{kind}:{bits}", "fw", StoreView(receiver_store, 0, "recv"), opts, first_sight=first_sight),
+            sender_store, receiver_store)
 
 
 @pytest.mark.parametrize("spec,direction,parsed", [
@@ -183,16 +184,19 @@ def test_a_first_sight_must_be_a_per_sample_coder(spec):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("options", [{}, {"stochastic": True}, {"per": "token"}])
+@pytest.mark.parametrize("options", [{}, {"stochastic": True}, {"per": "token"},
+                                     {"kind": "aqsgd-rtq", "stochastic": True, "first_sight": "rtq:4"},
+                                     {"first_sight": "directq:4", "grid": "fit"}])
 def test_aqsgd_both_copies_stay_bit_identical(dtype, options):
     sender, receiver, s_store, r_store = aqsgd_pair(3, dtype, **options)
+    coded_first = options.get("first_sight", "fp32") != "fp32"  # then compress from the first epoch: first sights
     torch.manual_seed(1)
     base = torch.randn(12, 6, 10)
     for epoch in range(5):
         order = torch.randperm(12)
         for chunk in order.split(5):  # different micro-batch compositions every epoch
             drift = base[chunk] + 0.1 * epoch * torch.randn(len(chunk), 6, 10)
-            _, y = send(sender, receiver, drift, chunk, compress=epoch > 0)
+            _, y = send(sender, receiver, drift, chunk, compress=epoch > 0 or coded_first)
             got = torch.stack(r_store.get(0, "recv", chunk.tolist()))
             if epoch > 0:
                 assert torch.equal(y, got.float())

@@ -29,7 +29,7 @@ from aqpipe.compress.grids import DEFAULT_GRID
 from aqpipe.compress.quantize import _offset_steps, as_rows, check_grid, quantize
 
 DEFAULT_TILE = 64
-_hadamards: dict[tuple[int, str], torch.Tensor] = {}
+_hadamards: dict[tuple[int, str, bool], torch.Tensor] = {}
 
 
 def hadamard(n: int, device: torch.device | str = "cpu", normalized: bool = False) -> torch.Tensor:

@@ -66,7 +66,7 @@ def _cuda_available() -> bool:
 
 def _check_choices(cfg: RunConfig) -> None:
     """Codec specs and named choices are known."""
-    from aqpipe.compress.link.specs import CodecError, check_first_sight, parse_spec
+    from aqpipe.compress.link.specs import CODEC_KINDS, CodecError, check_first_sight, parse_spec
 
     try:
         fw = parse_spec(cfg.fw, "fw")
@@ -74,7 +74,7 @@ def _check_choices(cfg: RunConfig) -> None:
         check_first_sight(cfg.first_sight)
     except CodecError as e:
         raise ConfigError(str(e)) from None
-    if cfg.first_sight != "fp32" and fw.kind != "aqsgd":
+    if cfg.first_sight != "fp32" and not CODEC_KINDS[fw.kind].keeps_messages:
         raise ConfigError(f"--first-sight {cfg.first_sight} codes the first sight of a sample on an AQ-SGD link "
                           f"(--fw aqsgd:B); --fw {cfg.fw} sends every sample alike")
     for name, value, allowed in (("quant-scales", cfg.quant_scales, ("channel", "token")),

@@ -21,6 +21,7 @@ import torch
 
 from aqpipe.compress.link.codecs import (
     CODE_AQSGD,
+    CODE_AQSGD_RTQ,
     FLAG_NO_CHECK,
     HOST,
     CodecError,
@@ -34,7 +35,7 @@ from aqpipe.compress.link.codecs import (
     numel,
     to_host,
 )
-from aqpipe.compress.link.sample_coders import CastCoder, QuantCoder, SampleCoder, sample_coder
+from aqpipe.compress.link.sample_coders import CastCoder, QuantCoder, RotatedCoder, SampleCoder, sample_coder
 from aqpipe.compress.link.specs import CodecSpec
 from aqpipe.compress.quantize import FP16_MAX
 
@@ -143,7 +144,10 @@ class AQSGDCodec(LinkCodec):
     @classmethod
     def from_spec(cls, spec: CodecSpec, parts: CodecParts) -> AQSGDCodec:
         first = None if parts.first_sight == "fp32" else sample_coder(parts.first_sight, parts.options)
-        return cls(spec.bits, parts.store_view, parts.options, parts.check, parts.device, first_sight=first)
+        codec = cls(spec.bits, parts.store_view, parts.options, parts.check, parts.device,
+                    delta=_delta_coder(spec, parts.options), first_sight=first)
+        codec.name, codec.code = str(spec), CODE_AQSGD_RTQ if spec.kind == "aqsgd-rtq" else CODE_AQSGD
+        return codec
 
     @classmethod
     def message_bytes(cls, spec: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype, options: QuantOptions,
@@ -151,7 +155,7 @@ class AQSGDCodec(LinkCodec):
         """A mode byte per sample, then every sample's delta — or, with `first_sights`, its first sight: the
         `first_sight` coder's row, or (fp32) its values in the activation's own lossless dtype."""
         if not first_sights:
-            coder: SampleCoder = QuantCoder(spec.bits, options)
+            coder: SampleCoder = _delta_coder(spec, options)
         elif first_sight == "fp32":
             coder = CastCoder("fp32", dtype if dtype in LOSSLESS_MODES else torch.float32)
         else:
@@ -323,6 +327,11 @@ class AQSGDCodec(LinkCodec):
                              f"at step {header.step} micro-batch {header.micro_batch}")
         keep(self.view, id_list, new_m)
         return out
+
+
+def _delta_coder(spec: CodecSpec, options: QuantOptions) -> SampleCoder:
+    """The coder of a known sample's change: B-bit quantization with the options' scales, or rotated tiles."""
+    return RotatedCoder(spec.bits, options) if spec.kind == "aqsgd-rtq" else QuantCoder(spec.bits, options)
 
 
 def present(value):

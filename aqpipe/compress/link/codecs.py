@@ -25,7 +25,8 @@ from aqpipe.compress.quantize import DEFAULT_GRID
 
 FLAG_RAW = 1  # the payload is the tensor, lossless (LOSSLESS_DTYPES): warm-up, or a codec asked not to compress
 FLAG_NO_CHECK = 2  # AQ-SGD: the sender did not checksum m(ξ)
-CODE_FP32, CODE_FP16, CODE_BF16, CODE_DIRECTQ, CODE_AQSGD, CODE_TOPK, CODE_RTQ, CODE_TAHQ = 1, 2, 3, 4, 5, 6, 7, 8
+(CODE_FP32, CODE_FP16, CODE_BF16, CODE_DIRECTQ, CODE_AQSGD, CODE_TOPK, CODE_RTQ, CODE_TAHQ,
+ CODE_AQSGD_RTQ) = range(1, 10)
 # What a lossless message (fp32 codec, or any codec's raw message) carries: the tensor in its own float dtype, so a
 # bf16/fp16 activation of a mixed-precision stage crosses at its own size, bit for bit; anything else as fp32.
 LOSSLESS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -39,6 +39,8 @@ CODEC_KINDS: dict[str, CodecKind] = {
                       f"{_CODECS}.tahq:TAHQuantCodec"),
     "aqsgd": CodecKind(("B",), ("fw",), "AQ-SGD: B-bit quantization of the change since the sample's last visit",
                        f"{_CODECS}.aqsgd:AQSGDCodec", keeps_messages=True),
+    "aqsgd-rtq": CodecKind(("B",), ("fw",), "AQ-SGD whose changes go through rtq:B (rotated tiles) instead",
+                           f"{_CODECS}.aqsgd:AQSGDCodec", keeps_messages=True),
     "topk": CodecKind(("F", "B"), ("bw",), "keep the largest fraction F, B-bit values", f"{_CODECS}.topk:TopKCodec"),
 }
 # what --first-sight accepts: the codecs that code each sample alone and keep nothing between messages
