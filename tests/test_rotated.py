@@ -76,11 +76,22 @@ def test_a_samples_bytes_do_not_depend_on_the_rest_of_its_batch():
     assert torch.equal(whole.codes[2:3], alone.codes) and torch.equal(whole.scales[2:3], alone.scales)
 
 
-def test_zero_stays_exactly_zero_and_a_zero_tile_costs_nothing_extra():
-    x = torch.zeros(2, 8, 128)
+@pytest.mark.parametrize("grid", ["signed", "fit", "symmetric"])  # `uniform` has no zero level (see quantize)
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_an_exact_zero_survives_every_grid_with_a_zero(grid, bits):
+    x = torch.zeros(2, 8, 100)
     x[:, :, :64] = torch.randn(2, 8, 64)
-    out = rotated_dequantize(rotated_quantize(x, 3), tuple(x.shape))
-    assert torch.equal(out[:, :, 64:], torch.zeros(2, 8, 64))
+    x[1] = 0.0  # a whole sample of zeros, and the tiles 64..99 of the other
+    out = rotated_dequantize(rotated_quantize(x, bits, grid=grid), tuple(x.shape))
+    assert torch.equal(out[:, :, 64:], torch.zeros(2, 8, 36)) and torch.equal(out[1], torch.zeros(8, 100))
+
+
+def test_rotating_then_rotating_back_is_the_identity():
+    for n in (1, 2, 32, 64, 128):
+        h = hadamard(n, normalized=True)
+        assert torch.allclose(h @ h, torch.eye(n), atol=1e-6)
+        x = torch.randn(5, n)
+        assert torch.allclose((x @ h) @ h, x, atol=1e-5)
 
 
 def test_stochastic_rounding_is_unbiased():

@@ -66,3 +66,28 @@ def test_a_width_that_is_not_a_multiple_of_the_tile_is_refused():
         build_codec("tahq", "fw").encode(torch.randn(2, 4, 100), torch.arange(2))
     bad = Header(KIND_ACTIVATION, 0, 0, (2, 4, 64), torch.uint8, 2, 7, codec=build_codec("tahq").code, flags=0)
     assert "outside" in build_codec("tahq").check_header(bad)
+
+
+def test_a_hand_computed_sample():
+    """Five tokens of one 64-channel tile each. Token 1 is a single spike: the lowest entropy (so it is the one
+    3-bit token of five), an outlier tile (4 ≥ 2·0): its spike is swapped to position 0 and rotated into 64 equal
+    values 4/8 = 0.5, an fp16 zero of 0.5 and a step of 0, and it comes back exactly. Token 0 is the ramp 0, 1/8, …,
+    63/8: no outlier (63/8 < 2·62/8), zero 0, step fp16(63/8 / 15), codes round(x / step)."""
+    torch.manual_seed(3)
+    x = torch.randn(1, 5, 64) * 0.1
+    x[0, 0] = torch.arange(64) / 8
+    x[0, 1] = 0.0
+    x[0, 1, 10] = 4.0
+    encoded, y = round_trip(x)
+    payload = encoded.payload
+    assert payload[0] == 0b00010  # the token bit map: token 1 at 3 bits
+    assert payload[1] == 0b00010  # the tile bit map: token 1's tile rotated (the small random tokens' are not)
+    assert payload[2] == 10  # its pivot position, 6 bits
+    zeros = payload[3:13].clone().view(torch.float16)
+    steps = payload[13:23].clone().view(torch.float16)
+    assert zeros[:2].tolist() == [0.0, 0.5] and steps[1] == 0.0
+    step = torch.tensor(63 / 8 / 15).half()
+    assert steps[0] == step
+    assert torch.equal(y[0, 1], x[0, 1])  # the spike, exactly
+    assert torch.equal(y[0, 0], (x[0, 0] / step.float()).round() * step.float())
+    assert payload.numel() == 1 + 1 + 1 + 10 + 10 + 64 * 3 // 8 + 4 * 64 * 4 // 8
