@@ -49,6 +49,8 @@ class BenchResult:
     recommended_bits: int
     link_bound: bool  # even the fewest bits leave the link slower than compute
     tied: TiedNeeds | None = None  # what keeping a tied table one tensor sends per step (the capacity plan's)
+    first_sight_bytes: int = 0  # one micro-batch's forward message when its samples are all first sights
+    run_bytes: tuple[int, int] = (0, 0)  # link bytes of the whole run on one replica, and with lossless links
 
 
 def _time(fn, device: torch.device, repeats: int = REPEATS) -> float:
@@ -175,7 +177,7 @@ def run_bench(plan: RunPlan, bandwidth_bits: int | None) -> BenchResult:
         return BenchResult(seconds, speeds, 0, rate, source, {}, 8, False, capacity.tied)
     bits, bound, wire = recommend(link, cfg, rate, max(seconds))
     return BenchResult(seconds, speeds, 4 * int(torch.Size(link.activation_shape).numel()), rate, source, wire, bits,
-                       bound, capacity.tied)
+                       bound, capacity.tied, link.first_fwd_bytes // cfg.micro_batches, capacity.run_link_bytes())
 
 
 def format_bench(result: BenchResult, cfg: ResolvedConfig) -> str:
@@ -206,6 +208,14 @@ def format_bench(result: BenchResult, cfg: ResolvedConfig) -> str:
                   f"{codec_ms(f'aqsgd:{b}'):7.1f} / {codec_ms(f'directq:{min(2 * b, 8)}'):<6.1f} ms"
                   f"{'   <- recommended' if b == result.recommended_bits else ''}"
                   for b, (f, w) in result.wire_seconds.items()]
+        if result.first_sight_bytes:
+            warmup = ", --warmup-epochs 0" if not cfg.warmup_epochs else ""
+            lines.append(f"first sights (--first-sight {cfg.first_sight}{warmup}): {result.first_sight_bytes / 1e6:.3g} MB, "
+                         f"{result.first_sight_bytes / result.link_bytes_per_second * 1e3:.1f} ms per micro-batch fwd")
+        sent, lossless = result.run_bytes
+        if sent:
+            lines.append(f"over the run: {sent / 1e6:,.1f} MB on the links of a replica with --fw {cfg.fw} --bw {cfg.bw}, "
+                         f"{lossless / sent:.2f}x fewer than lossless links")
         b = result.recommended_bits
         advice = (f"recommended: --fw aqsgd:{b} --bw directq:{min(2 * b, 8)} --schedule 1f1b"
                   + (" (the link stays the bottleneck even at 2 bits: expect link-bound steps)" if result.link_bound

@@ -39,6 +39,18 @@ def test_bench_prints_its_measurements_and_a_recommendation(tmp_path, capsys):
     speeds = [float(line.split()[-1]) for line in out.splitlines() if line.startswith(("fp32 ", "aqsgd:", "directq:"))
               and len(line.split()) == 2]
     assert speeds and all(s > 0 for s in speeds)
+    assert "over the run: " in out and "fewer than lossless links" in out
+
+
+def test_bench_counts_coded_first_sights(tmp_path, capsys):
+    code = main(["bench", "--model", "gpt2-tiny", "--pp", "2", "--seq-len", "32", "--max-samples", "32",
+                 "--bandwidth", "20mbit", "--device", "cpu", "--warmup-epochs", "0", "--first-sight", "rtq:4",
+                 "--out", str(tmp_path / "b")])
+    out = capsys.readouterr().out
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("first sights (--first-sight rtq:4, --warmup-epochs 0)"))
+    # a micro-batch of 4 samples of 32 x 128: a mode byte each, 4 bits and one fp16 scale per 64 values
+    assert f"{(4 + 4 * (32 * 128 // 2 + 2 * 32 * 2)) / 1e6:.3g} MB" in line
 
 
 def test_bench_refuses_a_bad_rate_with_one_line(tmp_path, capsys):
