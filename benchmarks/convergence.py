@@ -33,6 +33,10 @@ EXTRA = {
     # end-to-end compression (the paper's Figure 5): AQ-SGD activations, quantized gradients, QuantizedAdam
     # across replicas; run with --dp 2
     "e2e aqsgd fw3 bw6 qadam4": ("aqsgd:3", "directq:6", "qadam:4"),
+    # rotated tile quantization (issue 29): on AQ-SGD's deltas, on the gradients, and on the activations themselves
+    "aqsgd-rtq fw2 bw4": ("aqsgd-rtq:2", "directq:4"),
+    "aqsgd-rtq fw2 rtq bw4": ("aqsgd-rtq:2", "rtq:4"),
+    "rtq fw2 bw4": ("rtq:2", "rtq:4"),
 }
 
 
