@@ -34,6 +34,7 @@ VARIANTS = {
     "first rtq4 fw3 bw6": ("--fw", "aqsgd:3", "--bw", "directq:6", "--first-sight", "rtq:4", "--warmup-epochs", "0"),
     "first rtq4 rtq-deltas fw3 bw6": ("--fw", "aqsgd-rtq:3", "--bw", "rtq:6", "--first-sight", "rtq:4",
                                       "--warmup-epochs", "0"),
+    "first rtq4 fw3 bw rtq4": ("--fw", "aqsgd:3", "--bw", "rtq:4", "--first-sight", "rtq:4", "--warmup-epochs", "0"),
     "first rtq3 fw2 bw4": ("--fw", "aqsgd:2", "--bw", "directq:4", "--first-sight", "rtq:3", "--warmup-epochs", "0"),
 }
 # Layers per stage: the embedding costs nothing, the tied LM head about 8 decoder layers (576 × 49152 per token).
