@@ -158,7 +158,8 @@ def test_every_byte_on_the_wire_is_in_the_metrics(tmp_path):
         procs = [hosts.start(h, "launch", *SMALL, "--pp", "2", "--epochs", "3", "--seq-len", "64", "--out", str(run),
                              env=ENV) for h in range(2)]
         assert wait_all(procs, 240) == [0, 0], host_log(hosts, 0) + host_log(hosts, 1)
-        wire = sum(interface_bytes(hosts, h) - before[h] for h in range(2))
+        per_host = [interface_bytes(hosts, h) - before[h] for h in range(2)]
+        wire = sum(per_host)
         summary = json.loads(hosts.on_disk(0, run / "summary.json").read_text())
     traffic = summary["traffic"]
     steps = records(hosts.on_disk(0, run / "metrics.jsonl"))
@@ -166,3 +167,11 @@ def test_every_byte_on_the_wire_is_in_the_metrics(tmp_path):
     assert traffic["link_payload"] == sum(r["fwd_bytes"] + r["bwd_bytes"] for r in steps)
     assert traffic["total"] == sum(v for k, v in traffic.items() if k != "total")
     assert traffic["total"] <= wire <= 1.3 * traffic["total"], (wire, traffic)
+    # each host's own: stage 0 sends the activations and its tied gradient rows, stage 1 the gradients, the tied
+    # rows and the final weights; control, setup and evaluation traffic are claimed for the run, not per rank
+    shared = traffic["control"] + traffic["setup"] + traffic["evaluation"]
+    claims = [sum(r["fwd_bytes"] + r["fwd_framing_bytes"] + r["stage_tied_bytes"][0] for r in steps),
+              sum(r["bwd_bytes"] + r["bwd_framing_bytes"] + r["stage_tied_bytes"][1] for r in steps)
+              + traffic["final_weights"]]
+    for host, (claim, sent) in enumerate(zip(claims, per_host)):
+        assert claim <= sent <= 1.3 * (claim + shared), (host, sent, claim, shared)

@@ -52,7 +52,8 @@ class OptimizerPhase:
 
     @property
     def params(self) -> list[nn.Parameter]:
-        """Every trained parameter of the stage, a looked-up tied table included (loss scaling unscales it)."""
+        """Every trained parameter of the stage, a looked-up tied table included (fp16: its rows, sent scaled, count
+        in the overflow check)."""
         return [p for p in self.module.parameters() if p.requires_grad]
 
     @property
@@ -85,7 +86,7 @@ class OptimizerPhase:
                 for p in self.params:
                     p.grad = None
                 return
-            self.scaler.unscale(self.params)
+            self.scaler.unscale(self.updated_params)  # a looked-up table's rows went scaled; the head unscales them
         if self.tied_rows is not None:  # the head's gradient takes the embedding's rows, before anything reads it
             self.tied_rows.exchange_gradients(unscale=1.0 / self.scaler.scale if self.scaler is not None else 1.0)
         if self.tied:  # every copy takes the sum of all copies' gradients, so the sync sees the true gradient

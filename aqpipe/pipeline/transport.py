@@ -202,14 +202,14 @@ class Message:
 
 class Outbox:
     """Sends messages to one peer over a stream (`aqpipe.pipeline.streams`) from a writer thread: `send` returns at
-    once unless SEND_QUEUE messages already wait (backpressure), `flush` waits until everything queued has been
-    handed to the kernel."""
+    once unless `queue_size` (SEND_QUEUE) messages already wait (backpressure), `flush` waits until everything
+    queued has been handed to the kernel."""
 
-    def __init__(self, stream: socket.socket, peer_name: str, timeout: float) -> None:
+    def __init__(self, stream: socket.socket, peer_name: str, timeout: float, queue_size: int = SEND_QUEUE) -> None:
         self.stream, self.peer_name = stream, peer_name
         # each send() call of at most SEND_CHUNK bytes must make progress within this long, or the peer is stalled
         stream.settimeout(timeout)
-        self._queue: queue.Queue = queue.Queue(maxsize=SEND_QUEUE)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: TransportError | None = None
         self._thread = threading.Thread(target=self._run, name=f"outbox-{peer_name}", daemon=True)
         self._thread.start()

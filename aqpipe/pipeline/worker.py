@@ -73,7 +73,8 @@ class StageWorker:
 
     @property
     def params(self) -> list[nn.Parameter]:
-        """Every trained parameter of the stage, a looked-up tied table included (loss scaling unscales it)."""
+        """Every trained parameter of the stage, a looked-up tied table included (fp16: its rows, sent scaled, count
+        in the overflow check)."""
         return [p for p in self.module.parameters() if p.requires_grad]
 
     @property
@@ -177,7 +178,8 @@ class StageWorker:
             present(self.links.tied_rows, "tied rows").ready(index)
             waited = time.perf_counter() - start
             stats.comm_wait_seconds += waited
-            stats.compute_seconds -= waited  # the handler's whole time is counted as compute
+            stats.compute_seconds -= waited  # the handler's whole time is counted as compute and as the forward's
+            stats.forward_seconds -= waited
         if isinstance(self.module, Stage) and self.module.recompute:  # the layer inputs kept for the backward
             self.module.on_held = lambda held: self._meter.keep(index, held)
         with self._meter.forward(index), autocast(self.device, self.precision):

@@ -91,7 +91,9 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
         peer = grid.describe(grid.rank_of(grid.pp - 1 if first else 0, grid.replica))
         links.tied_rows = RowExchange(
             LOOKUP if first else OWNER, *table_parameter(module, row_names[0]),
-            outbox=Outbox(streams[tied_names["grads" if first else "rows"]], peer, cfg.stall_timeout),
+            # a step's messages all queue at once (one per micro-batch), so neither end waits on the link to go on
+            outbox=Outbox(streams[tied_names["grads" if first else "rows"]], peer, cfg.stall_timeout,
+                          queue_size=cfg.micro_batches + 1),
             inbox=Inbox(streams[tied_names["rows" if first else "grads"]], peer, cfg.stall_timeout),
             wire_dtype=getattr(torch, ROW_EXCHANGES[cfg.tied_exchange]))
     if before is not None:  # link stage - 1: activations in, gradients out
