@@ -300,3 +300,23 @@ def test_a_hub_repository_with_pytorch_pickles_only_is_fetched_with_them(tmp_pat
     new = hub_snapshot("new/org")
     assert sorted(p.name for p in Path(new).iterdir()) == ["config.json", "model.safetensors"]  # no pickles needed
     assert calls == ["old/org", "old/org", "new/org"]
+
+
+def test_building_stages_never_reseeds_a_cuda_generator(monkeypatch):
+    """A stage is initialised under the host's generator only: `torch.manual_seed` inside the initialisers would
+    also reseed every CUDA generator (issue 30), leaving a GPU's dropout and stochastic rounding at the last layer's
+    seed instead of `--seed`'s. Its host stream is unchanged: the same layer gets the same weights."""
+    import torch
+
+    from aqpipe.stages.llama import decoder_spec, llama_config
+    from aqpipe.stages.lora import LoraSettings, apply_lora
+
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: reseeded.append(seed))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: reseeded.append(seed))
+    spec = decoder_spec(llama_config("llama-tiny", 50))
+    stage = spec.build_stage(0, len(spec), seed=3)
+    apply_lora(stage, 0, LoraSettings(4, 8.0, 0.0, ("q_proj",)), seed=3)
+    again = spec.build_stage(0, len(spec), seed=3)
+    assert torch.equal(stage[1].layer.self_attn.k_proj.weight, again[1].layer.self_attn.k_proj.weight)
+    assert reseeded == []

@@ -18,7 +18,7 @@ from torch import nn
 
 from aqpipe.stages.bert import classifier_config, classify_loss, init_like_bert, load_head
 from aqpipe.stages.hf_weights import CheckpointWeights
-from aqpipe.stages.spec import PipelineSpec, SpecError
+from aqpipe.stages.spec import PipelineSpec, SpecError, host_rng
 
 PRESETS: dict[str, dict] = {
     "deberta-tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512),
@@ -142,8 +142,7 @@ def _build(kind: str, config, index: int, weights: Callable[[str], dict] | None)
         return layer
     init_like_bert(layer, config.initializer_range)
     if isinstance(layer, DebertaEncoderLayer):  # every copy of the tied table starts equal, whichever rank builds it
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1_000_003)
+        with host_rng(1_000_003):
             init_like_bert(layer.rel, config.initializer_range)
     if weights is None:
         return layer

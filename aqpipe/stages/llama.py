@@ -22,7 +22,7 @@ from torch import nn
 
 from aqpipe.stages.gpt2 import lm_loss
 from aqpipe.stages.hf_weights import CheckpointWeights, model_type
-from aqpipe.stages.spec import PipelineSpec, SpecError
+from aqpipe.stages.spec import PipelineSpec, SpecError, host_rng
 
 TIE_NAME = "embed_tokens"  # the tied group of the input embedding and the LM head
 
@@ -195,8 +195,7 @@ def init_like_hf(module: nn.Module, std: float) -> None:
 
 def _tied_init(weight: torch.Tensor, std: float) -> None:
     """Both copies of a tied embedding start equal, whichever rank builds them."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1_000_003)
+    with host_rng(1_000_003):
         weight.data.normal_(0.0, std)
 
 

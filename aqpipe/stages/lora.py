@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from aqpipe.stages.spec import PipelineSpec, SpecError, Stage
+from aqpipe.stages.spec import PipelineSpec, SpecError, Stage, host_rng
 
 # the module names adapted by default, per architecture (spec.extras["architecture"])
 _DECODER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -92,8 +92,7 @@ def apply_lora(stage: Stage, first_layer: int, settings: LoraSettings, seed: int
     for offset, layer in enumerate(stage):
         trains_whole = getattr(layer, "lora_trains_whole", False)
         if not trains_whole and _leaf_names(layer) & set(settings.targets):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed * 1_000_003 + first_layer + offset + _SEED_SALT)
+            with host_rng(seed * 1_000_003 + first_layer + offset + _SEED_SALT):
                 inject_adapter_in_model(config, layer, adapter_name=ADAPTER)
             adapted += 1
         for name, p in layer.named_parameters():

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,16 @@ from torch.utils.checkpoint import checkpoint
 
 LayerSource = nn.Module | Callable[[], nn.Module]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@contextlib.contextmanager
+def host_rng(seed: int) -> Iterator[None]:
+    """Run a block under the host's default generator seeded with `seed`, restored afterwards. Only the host's: a
+    model is initialised on the host, and `torch.manual_seed` would also reseed every CUDA generator, leaving the
+    GPUs' dropout and stochastic rounding streams at the last initialiser's seed instead of `--seed`'s."""
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(seed)
+        yield
 
 
 class SpecError(ValueError):
@@ -80,8 +91,7 @@ class PipelineSpec:
         source = self.layers[index]
         if isinstance(source, nn.Module):
             return source
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 1_000_003 + index)
+        with host_rng(seed * 1_000_003 + index):
             layer = source()
         if not isinstance(layer, nn.Module):
             raise SpecError(f"the factory of layer {index} returned {type(layer).__name__}, not an nn.Module")
