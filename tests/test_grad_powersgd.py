@@ -39,3 +39,25 @@ def test_plain_averages_then_exact_rank_one_in_fewer_bytes(tmp_path):
     assert sent[0] == sent[1] == 4 * (40 * 30 + 30)  # 2(n-1)/n of the fp32 buffer, n = 2
     assert sent[2] == sent[3] == 4 * (40 + 30 + 30)  # P (40x1), Q (30x1) and the uncompressed vector
     assert restored
+
+
+def _on_a_cuda_host(rank: int, world: int, tmp: str):
+    """The same steps in a process that sees CUDA (as on a GPU machine) while its group's collectives run on the
+    host (gloo: dp > 1 with ranks sharing a GPU, or --device cpu): torch.cuda.synchronize raises for a host device,
+    as the real one does."""
+    def synchronize(device=None):
+        if device is not None and torch.device(device).type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+
+    torch.cuda.is_available = lambda: True
+    torch.cuda.synchronize = synchronize
+    return _steps(rank, world, tmp)
+
+
+def test_a_cuda_host_staging_collectives_through_the_host_does_not_crash(tmp_path):
+    """Issue 30: torch's hook ends each compressed step with torch.cuda.synchronize(bucket.device) whenever CUDA
+    is available, which raised for the host bucket gloo's collectives use."""
+    results = run_ranks(_on_a_cuda_host, 2, str(tmp_path))
+    assert all(status == "ok" for status, _ in results), results
+    outs, sent, m, _ = results[0][1]
+    assert torch.allclose(outs[3][0], m * (1 + 3 + 2 + 3) / 2, rtol=1e-4, atol=1e-4)  # a compressed step, exact

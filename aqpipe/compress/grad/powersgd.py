@@ -7,7 +7,8 @@ interface. The first two steps are plain all-reduces (torch's hook compresses fr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import cast
 
 import numpy as np
@@ -42,6 +43,26 @@ class _Bucket:
         return True
 
 
+@contextlib.contextmanager
+def _host_buckets_need_no_cuda_sync() -> Iterator[None]:
+    """torch's hook ends a compressed step with `torch.cuda.synchronize(bucket.device)` whenever CUDA is available,
+    which raises for a host bucket: on a GPU machine whose replicas stage their collectives through the host (gloo
+    with ranks sharing a GPU, `--device cpu`). A host bucket has no GPU work to wait for (the gradients' copy to it
+    already synchronized), so for the hook's call a synchronize of a host device does nothing."""
+    real = torch.cuda.synchronize
+
+    def synchronize(device=None) -> None:
+        if device is not None and torch.device(device).type != "cuda":
+            return
+        real(device)
+
+    torch.cuda.synchronize = synchronize
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = real
+
+
 class PowerSGD(Compressor):
     """Low-rank gradient approximation P·Qᵀ per weight matrix; vectors and small matrices go uncompressed."""
 
@@ -63,7 +84,8 @@ class PowerSGD(Compressor):
         before = self.state.total_numel_after_compression
         plain = self.state.iter < self.state.start_powerSGD_iter
         bucket = cast(dist.GradBucket, _Bucket(flat, [g.shape for g in grads]))  # what the hook reads of one
-        result = psgd.powerSGD_hook(self.state, bucket).wait()
+        with _host_buckets_need_no_cuda_sync():
+            result = psgd.powerSGD_hook(self.state, bucket).wait()
         result = result[0] if isinstance(result, list) else result
         sent = flat.numel() if plain else self.state.total_numel_after_compression - before
         self.bytes_sent += ring_all_reduce_bytes(4 * sent, self.dp.size)
