@@ -144,3 +144,41 @@ def test_dry_run_reports_a_store_that_does_not_fit_beside_the_plan(tmp_path, cap
     captured = capsys.readouterr()
     assert code == 2 and "stage  layers" in captured.out and "m(xi) per side" in captured.out
     assert "does not fit" in captured.out and "the m(xi) stores need about" in captured.err
+
+
+def _gpu_plan(stage_bytes: int, ranks: int):
+    """A capacity plan of `ranks` stages of `stage_bytes` each, all on one GPU (what check_fits reads of a plan)."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(device="cuda", world_size=ranks, pp=ranks, dp=1, store_device="cpu")
+    stages = [SimpleNamespace(memory_bytes=stage_bytes) for _ in range(ranks)]
+    return cap.CapacityPlan(cfg, stages, [])
+
+
+def test_a_gpu_fits_by_its_free_memory_with_a_context_and_allocator_headroom_per_rank(monkeypatch):
+    """Issue 30: the plan compared the ranks' tensors with the GPU's total memory. 4 ranks of 10 GiB on an 80 GiB
+    GPU of which another process uses 35 GiB: 40 GiB of tensors 'fit' the total, but with a CUDA context and the
+    caching allocator's headroom each they need about 48.5 GiB, and 45 GiB are free."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda gpu: SimpleNamespace(total_memory=80 << 30))
+    monkeypatch.setattr(torch.cuda, "device_memory_used", lambda gpu: 35 << 30)
+    assert cap.gpu_free_bytes(0) == (45 << 30, True)
+    assert cap.gpu_bytes_needed([10 << 30] * 4) == 4 * (int((10 << 30) * cap.ALLOCATOR_HEADROOM) + cap.CUDA_CONTEXT_BYTES)
+    refused = _gpu_plan(10 << 30, 4)
+    cap.check_fits(refused)
+    assert refused.available == {"cuda:0": 45 << 30}
+    assert len(refused.problems) == 1 and "of its 4 rank(s), with 671 MB of CUDA context each" in refused.problems[0]
+    assert "but has 48.3 GB free" in refused.problems[0]
+    fits = _gpu_plan(8 << 30, 4)
+    cap.check_fits(fits)
+    assert fits.problems == []
+
+    def no_nvml(gpu):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "device_memory_used", no_nvml)  # then the total is all that is known, and said
+    unknown = _gpu_plan(20 << 30, 4)
+    cap.check_fits(unknown)
+    assert "in all (free memory unknown: no pynvml)" in unknown.problems[0]

@@ -312,19 +312,42 @@ def check_fits(capacity: CapacityPlan) -> None:
     if gpus == 0:
         capacity.problems.append("--device cuda, but this machine shows no GPU")
         return
-    per_gpu: dict[int, int] = {}
+    per_gpu: dict[int, list[int]] = {}
     for rank in range(cfg.world_size):  # a rank runs on cuda:(local rank mod GPUs), like the worker's device
-        needs = capacity.stages[Grid(cfg.pp, cfg.dp, rank).stage].memory_bytes
-        per_gpu[rank % gpus] = per_gpu.get(rank % gpus, 0) + needs
-    for gpu, needed in sorted(per_gpu.items()):
-        # the device's total (its properties need no CUDA context in this launcher process, which would itself
-        # take memory the ranks need); what other processes use is not counted
-        free = torch.cuda.get_device_properties(gpu).total_memory
+        per_gpu.setdefault(rank % gpus, []).append(capacity.stages[Grid(cfg.pp, cfg.dp, rank).stage].memory_bytes)
+    for gpu, ranks in sorted(per_gpu.items()):
+        free, known = gpu_free_bytes(gpu)
+        needed = gpu_bytes_needed(ranks)
         capacity.available[f"cuda:{gpu}"] = free
         if needed > free:
-            capacity.problems.append(f"cuda:{gpu} would hold about {_gb(needed)} (weights, gradients, optimizer "
-                                     f"state, activations{', m(xi) stores' if cfg.store_device == 'cuda' else ''} of "
-                                     f"its ranks) but has {_gb(free)} in all")
+            capacity.problems.append(
+                f"cuda:{gpu} would hold about {_gb(needed)} (weights, gradients, optimizer state, activations"
+                f"{', m(xi) stores' if cfg.store_device == 'cuda' else ''} of its {len(ranks)} rank(s), with "
+                f"{_gb(CUDA_CONTEXT_BYTES)} of CUDA context each and {ALLOCATOR_HEADROOM - 1:.0%} for the caching "
+                f"allocator) but has {_gb(free)} {'free' if known else 'in all (free memory unknown: no pynvml)'}")
+
+
+# What a rank's process takes on its GPU beyond its tensors: the CUDA context with cuBLAS/cuDNN workspaces (about
+# 0.5-0.7 GB on Hopper with torch 2.x), and the caching allocator's rounding and fragmentation.
+CUDA_CONTEXT_BYTES = 640 << 20
+ALLOCATOR_HEADROOM = 1.15
+
+
+def gpu_bytes_needed(rank_bytes: list[int]) -> int:
+    """Device memory the ranks sharing one GPU need: their tensors with the allocator's headroom, and a CUDA context
+    each."""
+    return sum(int(b * ALLOCATOR_HEADROOM) + CUDA_CONTEXT_BYTES for b in rank_bytes)
+
+
+def gpu_free_bytes(gpu: int) -> tuple[int, bool]:
+    """(bytes free on `gpu`, whether that is its free memory) — as NVML reports it, which needs no CUDA context in
+    this launcher (a context would itself take memory, and a process that forks ranks must not hold one); the total
+    when NVML cannot be asked."""
+    total = int(torch.cuda.get_device_properties(gpu).total_memory)
+    try:
+        return total - int(torch.cuda.device_memory_used(gpu)), True
+    except Exception:  # noqa: BLE001 - no pynvml, or NVML unavailable: the total is what is known
+        return total, False
 
 
 def _gb(n: float) -> str:
