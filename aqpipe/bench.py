@@ -208,7 +208,7 @@ def format_bench(result: BenchResult, cfg: ResolvedConfig) -> str:
                   f"{codec_ms(f'aqsgd:{b}'):7.1f} / {codec_ms(f'directq:{min(2 * b, 8)}'):<6.1f} ms"
                   f"{'   <- recommended' if b == result.recommended_bits else ''}"
                   for b, (f, w) in result.wire_seconds.items()]
-        if result.first_sight_bytes:
+        if result.first_sight_bytes and keeps_messages(cfg.fw) and cfg.warmup_epochs == 0:
             warmup = ", --warmup-epochs 0" if not cfg.warmup_epochs else ""
             lines.append(f"first sights (--first-sight {cfg.first_sight}{warmup}): {result.first_sight_bytes / 1e6:.3g} MB, "
                          f"{result.first_sight_bytes / result.link_bytes_per_second * 1e3:.1f} ms per micro-batch fwd")

@@ -88,6 +88,7 @@ def run_cli(capsys, args, tmp_path):
     (["--fw", "rtq:9"], "bits must be an integer in 1..8"),
     (["--fw", "rtq"], "must look like rtq:B"),
     (["--fw", "tahq:4"], "tahq takes no parameters"),
+    (["--bw", "tahq"], "not a backward codec"),
     (["--fw", "aqsgd-rtq:0"], "bits must be an integer in 1..8"),
     (["--bw", "aqsgd-rtq:3"], "not a backward codec"),
     (["--first-sight", "aqsgd:4"], "--first-sight 'aqsgd:4' is not a first-sight coder; use fp32, bf16, fp16"),

@@ -393,3 +393,33 @@ def test_every_codec_of_the_table_builds_round_trips_and_sizes_its_messages(kind
     else:
         with pytest.raises(CodecError):
             check_first_sight(spec)
+
+
+def test_a_value_a_rotated_tile_cannot_carry_goes_losslessly_instead_of_clipping():
+    """A rotated value is up to √64 = 8 times its tile's largest, and its scale is an fp16: beyond 65504 / 8 a
+    first sight (or a rotated delta) would clip, so AQ-SGD sends that sample losslessly, as it does a change an
+    fp16 scale cannot span."""
+    from aqpipe.compress.rotated import largest_codable
+
+    assert largest_codable(64) == 65504 / 8
+    sender, receiver, s_store, r_store = aqsgd_pair(3, torch.float32, kind="aqsgd-rtq", first_sight="rtq:4")
+    x = torch.randn(2, 4, 64)
+    x[1] = 10_000.0  # a tile of 10000s: rotated, 80000 in its first position
+    encoded, y = send(sender, receiver, x, torch.tensor([7, 8]))
+    assert encoded.payload[:2].tolist() == [MODE_FIRST, MODE_FULL]
+    assert torch.equal(y[1], x[1])
+    x2 = x.clone()
+    x2[0] += 9_000.0  # a change no rotated tile carries either
+    encoded, y = send(sender, receiver, x2, torch.tensor([7, 8]))
+    assert encoded.payload[:2].tolist() == [MODE_FULL, MODE_DELTA] and torch.equal(y[0], x2[0])
+    assert torch.equal(s_store.get(0, "send", [7])[0], r_store.get(0, "recv", [7])[0])
+
+
+@pytest.mark.parametrize("spec", ["aqsgd:3", "rtq:4", "directq:4"])
+def test_a_header_that_is_no_batch_of_samples_is_refused_in_words(spec):
+    codec = build_codec(spec, "fw", StoreView(MemoryStore(torch.float16), 0, "recv") if "aqsgd" in spec else None)
+    for shape, n_ids, needle in [((), 0, "a sample dimension and more"), ((4,), 4, "a sample dimension and more"),
+                                 ((4, 0, 8), 4, "a sample dimension and more"), ((4, 2, 8), 3, "4 samples but 3")]:
+        header = Header(KIND_ACTIVATION, 0, 0, shape, torch.uint8, n_ids, 64, codec=codec.code, flags=codec.flags())
+        problem = codec.check_header(header)
+        assert problem is not None and needle in problem, (shape, problem)

@@ -56,14 +56,16 @@ def test_reconstruction_is_exact_integer_arithmetic_times_one_factor_per_tile():
     x = outlier_activations(c=100)
     q = rotated_quantize(x, 3)
     out = rotated_dequantize(q, tuple(x.shape))
-    # the same reconstruction in float64, rounded to fp32 only at the last multiply, gives the same bits: the
-    # integer products are exact, so no summation order (no BLAS, no GPU kernel) can change them
+    # the same reconstruction with the integer part in float64 gives the same bits: the products of codes and ±1
+    # are exact in fp32, so no summation order (no BLAS, no GPU kernel) can change them; then one fp32 product by
+    # an fp32 factor (scale times the fp32 reciprocal of steps·√n; 3 bits: steps 4, offset 4)
     codes = q.codes.view(4, 16, 100).double()
     scales = q.scales.view(4, 16, 3).float()
     expected, start = [], 0
     for piece, (size, _) in enumerate(tile_pieces(100)):
-        integers = (codes[:, :, start:start + size] * 2 - 2 * 4) @ hadamard(size).double()
-        factor = scales[:, :, piece:piece + 1] / (2.0 * 4 * size ** 0.5)
+        integers = codes[:, :, start:start + size] @ hadamard(size).double()
+        integers[..., 0] -= 4 * size
+        factor = scales[:, :, piece:piece + 1] * torch.tensor(1 / (4 * size ** 0.5), dtype=torch.float32)
         expected.append(integers.float() * factor)
         start += size
     assert torch.equal(out, torch.cat(expected, dim=2))

@@ -15,7 +15,8 @@ same bytes. Only the sender's forward rotation (a plain matmul) may differ acros
 agree with anything.
 
 Codes [B, tokens·C] and scales [B, tokens·tiles] are per sample, so a sample's bytes never depend on the other
-samples of its batch.
+samples of its batch. A tile's values are carried up to |x| ≤ 65504/√tile (8188 at 64: a rotated value can be √tile
+times the tile's largest and its scale is an fp16); AQ-SGD sends a sample beyond it losslessly (`largest_codable`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from aqpipe.compress.grids import DEFAULT_GRID
-from aqpipe.compress.quantize import _offset_steps, as_rows, check_grid, quantize
+from aqpipe.compress.quantize import FP16_MAX, _offset_steps, as_rows, check_grid, quantize
 
 DEFAULT_TILE = 64
 _hadamards: dict[tuple[int, str, bool], torch.Tensor] = {}
@@ -67,6 +68,12 @@ def token_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2:
         return x.reshape(x.shape[0], 1, x.shape[1])
     return as_rows(x)
+
+
+def largest_codable(tile: int = DEFAULT_TILE) -> float:
+    """The largest |x| every tile can carry: a rotated value is at most √tile times the tile's largest, and its scale
+    is an fp16 (at most 65504); beyond it a value clips."""
+    return FP16_MAX / math.sqrt(tile)
 
 
 def scales_per_sample(shape: tuple[int, ...], tile: int = DEFAULT_TILE) -> int:
@@ -125,25 +132,17 @@ def rotated_dequantize(q: RotatedQuantized, shape: tuple[int, ...]) -> torch.Ten
     offset, steps, _ = _offset_steps(q.bits, q.grid)
     codes = q.codes.view(b, t, c)
     scales = q.scales.view(b, t, -1)
-    pieces = tile_pieces(c, q.tile)
-    out = torch.empty((b, t, c), dtype=torch.float32, device=q.codes.device) if len(pieces) > 1 else None
+    parts = []
     start, first_tile = 0, 0
-    for size, count in pieces:
+    for size, count in tile_pieces(c, q.tile):
         width = size * count
         # exact: codes (< 256) times ±1, summed in any order; the offset only moves the first column
         integers = codes[:, :, start:start + width].float().view(b, t, count, size) @ hadamard(size, codes.device)
         integers[..., 0] -= offset * size
-        factor = scales[:, :, first_tile:first_tile + count].float().div_(steps * math.sqrt(size))
-        values = integers.mul_(factor.unsqueeze(-1)).view(b, t, width)
-        if out is None:
-            return values.view(shape)
-        out[:, :, start:start + width] = values
+        # one fp32 product per value with an fp32 reciprocal made on the host: the same rounding on every device (a
+        # division by a host scalar is a multiply by its reciprocal on CUDA and a true division on the CPU)
+        reciprocal = torch.tensor(1.0 / (steps * math.sqrt(size)), dtype=torch.float32, device=codes.device)
+        factor = scales[:, :, first_tile:first_tile + count].float().mul_(reciprocal)
+        parts.append(integers.mul_(factor.unsqueeze(-1)).view(b, t, width))
         start, first_tile = start + width, first_tile + count
-    return present_out(out).view(shape)
-
-
-def present_out(out: torch.Tensor | None) -> torch.Tensor:
-    """The assembled output of a reconstruction in several pieces."""
-    if out is None:
-        raise RuntimeError("a reconstruction assembled no piece")
-    return out
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).view(shape)

@@ -35,9 +35,15 @@ from aqpipe.compress.link.codecs import (
     numel,
     to_host,
 )
-from aqpipe.compress.link.sample_coders import CastCoder, QuantCoder, RotatedCoder, SampleCoder, sample_coder
+from aqpipe.compress.link.sample_coders import (
+    CastCoder,
+    QuantCoder,
+    RotatedCoder,
+    SampleCoder,
+    batch_problem,
+    sample_coder,
+)
 from aqpipe.compress.link.specs import CodecSpec
-from aqpipe.compress.quantize import FP16_MAX
 
 # A sample's mode byte: what its segment holds.
 MODE_FULL, MODE_DELTA, MODE_FIRST, MODE_FULL_BF16, MODE_FULL_FP16 = 0, 1, 2, 3, 4
@@ -197,7 +203,7 @@ class AQSGDCodec(LinkCodec):
         if delta:
             m_old = torch.stack(self.view.get([id_list[i] for i in delta])).to(x.device, torch.float32)
             change = x[delta] - m_old
-            delta, m_old, change = self._in_range(delta, m_old, change, modes, MODE_FULL)
+            delta, m_old, change = self._in_range(delta, m_old, change, modes, self.delta.largest)
         if delta:
             rows, deq = self.delta.encode(change, values=True)
             # the sender updates its copy from exactly the codes and fp16 scales the receiver will unpack
@@ -213,12 +219,16 @@ class AQSGDCodec(LinkCodec):
                 fidelity = _fidelity(x, delta, m_old, change, m_new, as_delta)
         first = [i for i, m in enumerate(modes) if m == MODE_FIRST]
         if first:
-            first, _, values = self._in_range(first, x[first], x[first], modes, MODE_FULL)
+            coder = present(self.first_sight)
+            first, _, values = self._in_range(first, x[first], x[first], modes, coder.largest)
         if first:
-            rows, deq = present(self.first_sight).encode(values, values=True)
+            rows, deq = coder.encode(values, values=True)
             seeds = [v.to(self.view.dtype, copy=True) for v in present(deq)]
             for j, (i, fits) in enumerate(zip(first, self.view.storable(seeds))):
-                segments[i], new_m[i] = rows[j], seeds[j] if fits else None
+                if fits:
+                    segments[i], new_m[i] = rows[j], seeds[j]
+                else:
+                    modes[i] = MODE_FULL  # as a delta that cannot be stored: losslessly, below
         full = [i for i, m in enumerate(modes) if m == MODE_FULL]
         raw = tensor.detach().to(lossless_dtype)
         firsts = [x[i].to(self.view.dtype, copy=True) for i in full]  # never a view of the live activation
@@ -234,16 +244,17 @@ class AQSGDCodec(LinkCodec):
         return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
 
     @staticmethod
-    def _in_range(rows: list[int], base: torch.Tensor, coded: torch.Tensor, modes: list[int], fallback: int
+    def _in_range(rows: list[int], base: torch.Tensor, coded: torch.Tensor, modes: list[int], largest: float
                   ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """Keep the samples whose `coded` values an fp16 scale can span (finite, |v| ≤ 65504); the others take mode
-        `fallback`. Returns the kept rows and their `base` and `coded` values."""
-        in_range = (coded.abs() <= FP16_MAX).reshape(len(rows), -1).all(dim=1).tolist()
+        """Keep the samples whose `coded` values the coder can carry (finite, |v| ≤ `largest`: fp16 scales span
+        65504, a rotated tile's 65504/√tile); the others go losslessly. Returns the kept rows and their `base` and
+        `coded` values."""
+        in_range = (coded.abs() <= largest).reshape(len(rows), -1).all(dim=1).tolist()
         if all(in_range):
             return rows, base, coded
         for i, ok in zip(rows, in_range):
             if not ok:
-                modes[i] = fallback
+                modes[i] = MODE_FULL
         kept = torch.tensor(in_range, device=coded.device)
         return [i for i, ok in zip(rows, in_range) if ok], base[kept], coded[kept]
 
@@ -255,7 +266,7 @@ class AQSGDCodec(LinkCodec):
     # -- receiver ----------------------------------------------------------------------------------------------
     def missing(self, ids: list[int]) -> list[int]:
         """The samples among `ids` whose m(ξ) this side lacks (never seen, or found damaged and dropped)."""
-        return [i for i, present in zip(ids, self.view.present(ids)) if not present]
+        return [i for i, held in zip(ids, self.view.present(ids)) if not held]
 
     def _segment_bytes(self, shape: tuple[int, ...]) -> dict[int, int]:
         """Each mode's segment length for a message of `shape`."""
@@ -268,7 +279,10 @@ class AQSGDCodec(LinkCodec):
 
     def _payload_problem(self, header) -> str | None:
         """The length varies with each sample's mode; it must lie between all-shortest and all-longest."""
-        b = header.shape[0] if header.shape else 0
+        problem = batch_problem(header)
+        if problem:
+            return problem
+        b = header.shape[0]
         sizes = self._segment_bytes(header.shape).values()
         low, high = b + b * min(sizes), b + b * max(sizes)
         if not low <= header.payload_len <= high:

@@ -30,8 +30,15 @@ from aqpipe.compress.link.codecs import (
 )
 from aqpipe.compress.link.directq import decode_samples, encode_samples, sample_bytes
 from aqpipe.compress.link.specs import CodecSpec, check_first_sight
-from aqpipe.compress.quantize import dequantize, quantize
-from aqpipe.compress.rotated import DEFAULT_TILE, RotatedQuantized, rotated_dequantize, rotated_quantize, scales_per_sample
+from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize
+from aqpipe.compress.rotated import (
+    DEFAULT_TILE,
+    RotatedQuantized,
+    largest_codable,
+    rotated_dequantize,
+    rotated_quantize,
+    scales_per_sample,
+)
 
 
 class SampleCoder(Protocol):
@@ -39,6 +46,11 @@ class SampleCoder(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def largest(self) -> float:
+        """The largest |value| the coder carries without clipping."""
+        ...
 
     def sample_bytes(self, shape: tuple[int, ...]) -> int: ...
 
@@ -53,6 +65,10 @@ class CastCoder:
 
     name: str
     dtype: torch.dtype
+
+    @property
+    def largest(self) -> float:
+        return float(torch.finfo(self.dtype).max)
 
     def sample_bytes(self, shape: tuple[int, ...]) -> int:
         return numel(shape[1:]) * self.dtype.itemsize
@@ -76,6 +92,10 @@ class QuantCoder:
     @property
     def name(self) -> str:
         return f"directq:{self.bits}"
+
+    @property
+    def largest(self) -> float:
+        return FP16_MAX  # an fp16 scale
 
     def sample_bytes(self, shape: tuple[int, ...]) -> int:
         return sample_bytes(shape, self.bits, self.options.per)
@@ -101,6 +121,10 @@ class RotatedCoder:
     def name(self) -> str:
         return f"rtq:{self.bits}"
 
+    @property
+    def largest(self) -> float:
+        return largest_codable(self.tile)
+
     def sample_bytes(self, shape: tuple[int, ...]) -> int:
         return 2 * scales_per_sample(shape, self.tile) + packed_bytes(numel(shape[1:]), self.bits)
 
@@ -114,6 +138,15 @@ class RotatedCoder:
         scales = bytes_as(rows[:, : 2 * s], torch.float16)
         codes = unpack(rows[:, 2 * s :], self.bits, numel(shape[1:]))
         return rotated_dequantize(RotatedQuantized(codes, scales, self.bits, self.tile, self.options.grid), shape)
+
+
+def batch_problem(header) -> str | None:
+    """Why a header cannot hold a batch of samples, one id each (None if it can)."""
+    if len(header.shape) < 2 or 0 in header.shape[1:]:
+        return f"a batch of samples has a sample dimension and more, not shape {header.shape}"
+    if header.shape[0] != header.n_ids:
+        return f"{header.shape[0]} samples but {header.n_ids} sample ids"
+    return None
 
 
 class CoderCodec(LinkCodec):
@@ -132,6 +165,9 @@ class CoderCodec(LinkCodec):
 
     def payload_bytes(self, header) -> int:
         return header.shape[0] * self.coder.sample_bytes(header.shape)
+
+    def _payload_problem(self, header) -> str | None:
+        return batch_problem(header) or super()._payload_problem(header)
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
         x = tensor.float()

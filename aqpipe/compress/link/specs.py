@@ -34,7 +34,7 @@ CODEC_KINDS: dict[str, CodecKind] = {
                          f"{_CODECS}.sample_coders:CoderCodec", first_sight=True),
     "rtq": CodecKind(("B",), ("fw", "bw"), "B-bit rotated tile quantization: a 64-channel Hadamard rotation, "
                      "one fp16 scale per tile of a token", f"{_CODECS}.sample_coders:CoderCodec", first_sight=True),
-    "tahq": CodecKind((), ("fw", "bw"), "TAH-Quant (arXiv 2506.01352) as published, a baseline: 4 bits, 3 for "
+    "tahq": CodecKind((), ("fw",), "TAH-Quant (arXiv 2506.01352) as published, a baseline: 4 bits, 3 for "
                       "the 20% lowest-entropy tokens, Hadamard-rotated outlier tiles, fp16 zero and step per 64-tile",
                       f"{_CODECS}.tahq:TAHQuantCodec"),
     "aqsgd": CodecKind(("B",), ("fw",), "AQ-SGD: B-bit quantization of the change since the sample's last visit",
