@@ -102,7 +102,9 @@ def codec_speeds(cfg: ResolvedConfig, shape: tuple[int, ...], device: torch.devi
     x = torch.randn(shape, device=device)
     ids = torch.arange(shape[0])
     speeds = {}
-    for spec in ["fp32", *[f"aqsgd:{b}" for b in FW_BITS], *[f"directq:{min(2 * b, 8)}" for b in FW_BITS]]:
+    coded_first = [cfg.first_sight] if cfg.first_sight != "fp32" else []
+    for spec in ["fp32", *[f"aqsgd:{b}" for b in FW_BITS], *[f"directq:{min(2 * b, 8)}" for b in FW_BITS], "rtq:4",
+                 *coded_first]:
         if spec in speeds:
             continue
         if keeps_messages(spec):

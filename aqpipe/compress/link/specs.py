@@ -24,6 +24,11 @@ class CodecKind:
     keeps_messages: bool = False  # keeps a per-sample m(ξ) on both sides of a link (needs a message store)
     first_sight: bool = False  # codes each sample alone and keeps nothing: may code AQ-SGD's first sights
 
+    @property
+    def stateless(self) -> bool:
+        """Keeps nothing between messages: any message decodes alone (a resume, a re-seed need nothing of it)."""
+        return not self.keeps_messages
+
 
 _CODECS = "aqpipe.compress.link"
 CODEC_KINDS: dict[str, CodecKind] = {
