@@ -49,6 +49,25 @@ def test_a_host_without_a_gpu_is_named_on_every_rank():
         assert "give --device explicitly" in text and "rank 1" not in text
 
 
+def test_powersgd_replicas_on_different_gpu_models_are_refused_before_they_diverge(monkeypatch):
+    """Issue 30: PowerSGD's QR and P·Qᵀ agree bit for bit only on one GPU model; replicas on an H100 and an A100
+    would fail the replica digest at the first checkpoint. The hosts now say so before any collective."""
+    import torch
+
+    from aqpipe.pipeline.rendezvous import GPU_MODEL, replica_gpu_facts
+
+    cuda = torch.device("cuda", 0)
+    assert replica_gpu_facts("powersgd:4", 1, cuda) == {} and replica_gpu_facts("signsgd", 2, cuda) == {}
+    assert replica_gpu_facts("powersgd:4", 2, torch.device("cpu")) == {}
+    models = iter(["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: next(models))
+    facts = [{**FACTS, **replica_gpu_facts("powersgd:4", 2, cuda)} for _ in range(2)]
+    assert facts[0][GPU_MODEL].startswith("NVIDIA H100 80GB HBM3, CUDA ")
+    text = agree_all(facts)[1]
+    assert text is not None and text.startswith(f"the ranks disagree on {GPU_MODEL}")
+    assert "A100" in text and "use one GPU model for every replica, or another --grad-sync" in text
+
+
 def test_a_flag_given_differently_is_named():
     other = {**FACTS, "config": {"lr": 0.002, "pp": 2}}
     text = agree_all([FACTS, other])[0]

@@ -105,9 +105,26 @@ def agree(store, rank: int, world_size: int, facts: dict) -> None:
         if len(set(values)) > 1:
             seen = "; ".join(f"rank {r} on {e['host']}: {_short(values[r])}" for r, e in enumerate(everyone)
                              if r == 0 or values[r] != values[0])
-            hint = " (give --device explicitly)" if name in ("device", "backend", "config device") else ""
+            hint = (" (give --device explicitly)" if name in ("device", "backend", "config device") else
+                    "; use one GPU model for every replica, or another --grad-sync" if name == GPU_MODEL else "")
             raise HostDisagreement(f"the ranks disagree on {name} ({seen}); every host must run the same command "
                                    f"with the same flags{hint}")
+
+
+# The fact a run whose replicas must compute bit for bit alike on their GPUs adds (PowerSGD orthogonalizes its
+# factor on every replica: QR and P·Qᵀ agree bit for bit only on the same GPU model, CUDA and torch).
+GPU_MODEL = "GPU model (--grad-sync powersgd orthogonalizes on every replica)"
+
+
+def replica_gpu_facts(grad_sync: str, dp: int, device) -> dict:
+    """What the replicas' GPUs must share for `grad_sync` to keep them bit-identical: with PowerSGD and dp > 1 on
+    CUDA, the GPU model with the CUDA and torch versions (mismatched GPUs would fail the replica digest only at the
+    first checkpoint, as diverged weights); nothing otherwise."""
+    if dp < 2 or device.type != "cuda" or not grad_sync.startswith("powersgd"):
+        return {}
+    import torch
+
+    return {GPU_MODEL: f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, torch {torch.__version__}"}
 
 
 def _flatten(facts: dict) -> dict:

@@ -13,7 +13,14 @@ import torch.distributed as dist
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.pipeline import comm
 from aqpipe.pipeline.grid import Grid, collective_backend, host_leader, local_rank, local_world_size, rank_device
-from aqpipe.pipeline.rendezvous import HOST_LOCAL_SETTINGS, HostDisagreement, agree, pin_gloo_interface, rendezvous_store
+from aqpipe.pipeline.rendezvous import (
+    HOST_LOCAL_SETTINGS,
+    HostDisagreement,
+    agree,
+    pin_gloo_interface,
+    rendezvous_store,
+    replica_gpu_facts,
+)
 from aqpipe.pipeline.tied_rows import LOOKUP, OWNER
 from aqpipe.runtime.assemble import RankStage, assemble_stage
 from aqpipe.runtime.events import emit, start_heartbeat
@@ -64,7 +71,8 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
     try:
         agree(store, rank, world_size, {
             "device": device.type, "backend": backend, "world": [cfg.pp, cfg.dp, world_size],
-            "config": {k: v for k, v in cfg.to_dict().items() if k not in HOST_LOCAL_SETTINGS}})
+            "config": {k: v for k, v in cfg.to_dict().items() if k not in HOST_LOCAL_SETTINGS},
+            **replica_gpu_facts(cfg.grad_sync, cfg.dp, device)})
     except HostDisagreement as e:
         raise ConfigError(str(e)) from None
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
