@@ -211,8 +211,8 @@ def format_bench(result: BenchResult, cfg: ResolvedConfig) -> str:
                   f"{'   <- recommended' if b == result.recommended_bits else ''}"
                   for b, (f, w) in result.wire_seconds.items()]
         if result.first_sight_bytes and keeps_messages(cfg.fw) and cfg.warmup_epochs == 0:
-            warmup = ", --warmup-epochs 0" if not cfg.warmup_epochs else ""
-            lines.append(f"first sights (--first-sight {cfg.first_sight}{warmup}): {result.first_sight_bytes / 1e6:.3g} MB, "
+            lines.append(f"first sights (--first-sight {cfg.first_sight}, --warmup-epochs 0): "
+                         f"{result.first_sight_bytes / 1e6:.3g} MB, "
                          f"{result.first_sight_bytes / result.link_bytes_per_second * 1e3:.1f} ms per micro-batch fwd")
         sent, lossless = result.run_bytes
         if sent:

@@ -91,7 +91,7 @@ def run_cli(capsys, args, tmp_path):
     (["--bw", "tahq"], "not a backward codec"),
     (["--fw", "aqsgd-rtq:0"], "bits must be an integer in 1..8"),
     (["--bw", "aqsgd-rtq:3"], "not a backward codec"),
-    (["--first-sight", "aqsgd:4"], "--first-sight 'aqsgd:4' is not a first-sight coder; use fp32, bf16, fp16"),
+    (["--first-sight", "aqsgd:4"], "--first-sight 'aqsgd:4' is not a first-sight coder; use fp32, fp16, bf16"),
     (["--first-sight", "tahq"], "is not a first-sight coder"),
     (["--first-sight", "rtq:0"], "is not a first-sight coder"),
     (["--fw", "directq:4", "--first-sight", "rtq:4"], "codes the first sight of a sample on an AQ-SGD link"),

@@ -179,7 +179,7 @@ def test_a_half_precision_activations_lossless_first_sight_travels_in_its_own_dt
 def test_a_first_sight_must_be_a_per_sample_coder(spec):
     from aqpipe.compress.link.specs import check_first_sight
 
-    with pytest.raises(CodecError, match="is not a first-sight coder; use fp32, bf16, fp16, directq:B or rtq:B"):
+    with pytest.raises(CodecError, match="is not a first-sight coder; use fp32, fp16, bf16, directq:B, rtq:B"):
         check_first_sight(spec)
 
 

@@ -138,8 +138,8 @@ class CapacityPlan:
         """Payload bytes over the whole run on every link of one replica: (sent, what lossless links would send —
         fp32, or the activations' own bf16/fp16 under mixed precision)."""
         sent = sum(sum(link.run_bytes(self.steps, self.steps_per_epoch, self.cfg.warmup_epochs)) for link in self.links)
-        fp32 = sum(self.steps * (link.warmup_fwd_bytes + link.warmup_bwd_bytes) for link in self.links)
-        return sent, fp32
+        lossless = sum(self.steps * (link.warmup_fwd_bytes + link.warmup_bwd_bytes) for link in self.links)
+        return sent, lossless
 
     def link_seconds(self, link: LinkNeeds, warmup: bool = False) -> tuple[float, float] | None:
         """Seconds on the wire per step (forward, backward) at --bandwidth; None without one."""

@@ -150,10 +150,8 @@ class AQSGDCodec(LinkCodec):
     @classmethod
     def from_spec(cls, spec: CodecSpec, parts: CodecParts) -> AQSGDCodec:
         first = None if parts.first_sight == "fp32" else sample_coder(parts.first_sight, parts.options)
-        codec = cls(spec.bits, parts.store_view, parts.options, parts.check, parts.device,
-                    delta=_delta_coder(spec, parts.options), first_sight=first)
-        codec.name, codec.code = str(spec), CODE_AQSGD_RTQ if spec.kind == "aqsgd-rtq" else CODE_AQSGD
-        return codec
+        return cls(spec.bits, parts.store_view, parts.options, parts.check, parts.device,
+                   delta=_delta_coder(spec, parts.options), first_sight=first)
 
     @classmethod
     def message_bytes(cls, spec: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype, options: QuantOptions,
@@ -172,9 +170,10 @@ class AQSGDCodec(LinkCodec):
                  device: torch.device = HOST, delta: SampleCoder | None = None,
                  first_sight: SampleCoder | None = None) -> None:
         self.bits, self.view, self.options, self.check, self.device = bits, view, options, check, device
-        self.name = f"aqsgd:{bits}"
         self._generator = generator_on(device, options.seed * 7919 + view.link)
         self.delta = delta if delta is not None else QuantCoder(bits, options)
+        rotated = isinstance(self.delta, RotatedCoder)  # its own name and header code: the peer must rotate too
+        self.name, self.code = (f"aqsgd-rtq:{bits}", CODE_AQSGD_RTQ) if rotated else (f"aqsgd:{bits}", CODE_AQSGD)
         self.first_sight = first_sight
         for part in (self.delta, self.first_sight):  # stochastic rounding draws from this codec's generator
             if part is not None and hasattr(part, "generator"):

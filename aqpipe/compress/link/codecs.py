@@ -27,6 +27,9 @@ FLAG_RAW = 1  # the payload is the tensor, lossless (LOSSLESS_DTYPES): warm-up, 
 FLAG_NO_CHECK = 2  # AQ-SGD: the sender did not checksum m(ξ)
 (CODE_FP32, CODE_FP16, CODE_BF16, CODE_DIRECTQ, CODE_AQSGD, CODE_TOPK, CODE_RTQ, CODE_TAHQ,
  CODE_AQSGD_RTQ) = range(1, 10)
+# The float codecs by name: the dtype they send and their header code.
+FLOAT_CODECS = {"fp32": (torch.float32, CODE_FP32), "fp16": (torch.float16, CODE_FP16),
+                "bf16": (torch.bfloat16, CODE_BF16)}
 # What a lossless message (fp32 codec, or any codec's raw message) carries: the tensor in its own float dtype, so a
 # bf16/fp16 activation of a mixed-precision stage crosses at its own size, bit for bit; anything else as fp32.
 LOSSLESS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -202,9 +205,7 @@ class FloatCodec(LinkCodec):
 
     @classmethod
     def from_spec(cls, spec: CodecSpec, parts: CodecParts) -> FloatCodec:
-        dtype, code = {"fp32": (torch.float32, CODE_FP32), "fp16": (torch.float16, CODE_FP16),
-                       "bf16": (torch.bfloat16, CODE_BF16)}[spec.kind]
-        return cls(spec.kind, dtype, code)
+        return cls(spec.kind, *FLOAT_CODECS[spec.kind])
 
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a tensor of `dtype` goes on the wire as."""

@@ -19,15 +19,23 @@ def sample_bytes(shape: tuple[int, ...], bits: int, per: str) -> int:
     return 2 * scale_count(shape, per) + packed_bytes(numel(shape[1:]), bits)
 
 
+def join_rows(scales: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[B, fp16 scales | packed codes] bytes: the row layout of every quantizing sample coder (DirectQ, RTQ)."""
+    return torch.cat([scales.contiguous().view(torch.uint8), pack(codes, bits)], dim=1)
+
+
+def split_rows(rows: torch.Tensor, scales: int, codes: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `join_rows`: each row's `scales` fp16 scales and `codes` codes of `bits` bits."""
+    return bytes_as(rows[:, : 2 * scales], torch.float16), unpack(rows[:, 2 * scales :], bits, codes)
+
+
 def encode_samples(q: Quantized) -> torch.Tensor:
     """[B, scales | codes] bytes of a quantized batch."""
-    return torch.cat([q.scales.contiguous().view(torch.uint8), pack(q.codes, q.bits)], dim=1)
+    return join_rows(q.scales, q.codes, q.bits)
 
 
 def decode_samples(rows: torch.Tensor, shape: tuple[int, ...], bits: int, per: str, grid: str = DEFAULT_GRID
                    ) -> torch.Tensor:
     """Inverse of `encode_samples` for rows [B, sample_bytes] of a tensor of `shape` quantized on `grid`."""
-    s = scale_count(shape, per)
-    scales = bytes_as(rows[:, : 2 * s], torch.float16)
-    codes = unpack(rows[:, 2 * s :], bits, numel(shape[1:]))
+    scales, codes = split_rows(rows, scale_count(shape, per), numel(shape[1:]), bits)
     return dequantize(Quantized(codes, scales, bits, per, grid), shape)

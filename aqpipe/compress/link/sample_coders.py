@@ -3,8 +3,8 @@
 A coder's `encode` gives the rows and, asked for them, the values they stand for (what the receiver's `decode` will
 rebuild, bit for bit, on any device), so AQ-SGD can update m(ξ) from exactly what travels without unpacking its own
 bytes. A sample's row depends on that sample alone. `CoderCodec` makes a stateless link codec of a coder (DirectQ,
-RTQ). AQ-SGD takes two coders as parts: one for the change of a sample it has
-seen (`QuantCoder`, or `RotatedCoder`), one for the first sight of a sample it has not (`--first-sight`).
+RTQ). AQ-SGD takes two coders as parts: one for the change of a sample it has seen (`QuantCoder`, or
+`RotatedCoder`), one for the first sight of a sample it has not (`--first-sight`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from typing import Protocol
 
 import torch
 
-from aqpipe.compress.bitpack import pack, packed_bytes, unpack
+from aqpipe.compress.bitpack import packed_bytes
 from aqpipe.compress.link.codecs import (
     CODE_DIRECTQ,
     CODE_RTQ,
+    FLOAT_CODECS,
     HOST,
     CodecParts,
     Encoded,
@@ -28,7 +29,7 @@ from aqpipe.compress.link.codecs import (
     numel,
     to_host,
 )
-from aqpipe.compress.link.directq import decode_samples, encode_samples, sample_bytes
+from aqpipe.compress.link.directq import decode_samples, encode_samples, join_rows, sample_bytes, split_rows
 from aqpipe.compress.link.specs import CodecSpec, check_first_sight
 from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize
 from aqpipe.compress.rotated import (
@@ -130,13 +131,10 @@ class RotatedCoder:
 
     def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = rotated_quantize(x, self.bits, self.tile, self.options.stochastic, self.generator, self.options.grid)
-        rows = torch.cat([q.scales.contiguous().view(torch.uint8), pack(q.codes, q.bits)], dim=1)
-        return rows, rotated_dequantize(q, tuple(x.shape)) if values else None
+        return join_rows(q.scales, q.codes, q.bits), rotated_dequantize(q, tuple(x.shape)) if values else None
 
     def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        s = scales_per_sample(shape, self.tile)
-        scales = bytes_as(rows[:, : 2 * s], torch.float16)
-        codes = unpack(rows[:, 2 * s :], self.bits, numel(shape[1:]))
+        scales, codes = split_rows(rows, scales_per_sample(shape, self.tile), numel(shape[1:]), self.bits)
         return rotated_dequantize(RotatedQuantized(codes, scales, self.bits, self.tile, self.options.grid), shape)
 
 
@@ -178,13 +176,13 @@ class CoderCodec(LinkCodec):
         return self.coder.decode(payload.view(header.shape[0], -1), header.shape)
 
 
-def sample_coder(spec: str, options: QuantOptions | None = None, generator: torch.Generator | None = None,
-                 flag: str = "--first-sight") -> SampleCoder:
-    """The coder a spec names (fp32, bf16, fp16, directq:B, rtq:B); a CodecError naming `flag` otherwise."""
-    parsed = check_first_sight(spec, flag)
+def sample_coder(spec: str, options: QuantOptions | None = None, generator: torch.Generator | None = None
+                 ) -> SampleCoder:
+    """The coder a --first-sight spec names (fp32, bf16, fp16, directq:B, rtq:B); a CodecError otherwise."""
+    parsed = check_first_sight(spec)
     options = options or QuantOptions()
-    if parsed.kind in ("fp32", "bf16", "fp16"):
-        return CastCoder(parsed.kind, {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[parsed.kind])
+    if parsed.kind in FLOAT_CODECS:
+        return CastCoder(parsed.kind, FLOAT_CODECS[parsed.kind][0])
     if parsed.kind == "rtq":
         return RotatedCoder(parsed.bits, options, generator)
     return QuantCoder(parsed.bits, options, generator)

@@ -24,11 +24,6 @@ class CodecKind:
     keeps_messages: bool = False  # keeps a per-sample m(ξ) on both sides of a link (needs a message store)
     first_sight: bool = False  # codes each sample alone and keeps nothing: may code AQ-SGD's first sights
 
-    @property
-    def stateless(self) -> bool:
-        """Keeps nothing between messages: any message decodes alone (a resume, a re-seed need nothing of it)."""
-        return not self.keeps_messages
-
 
 _CODECS = "aqpipe.compress.link"
 CODEC_KINDS: dict[str, CodecKind] = {
@@ -108,15 +103,15 @@ def parse_spec(spec: str, direction: str) -> CodecSpec:
     return CodecSpec(kind, int(args[-1]), fraction)
 
 
-def check_first_sight(spec: str, flag: str = "--first-sight") -> CodecSpec:
-    """Parse a first-sight spec (a CodecError naming `flag` and the choices if it is not one)."""
+def check_first_sight(spec: str) -> CodecSpec:
+    """Parse a --first-sight spec (a CodecError naming the choices if it is not one)."""
     try:
         parsed: CodecSpec | None = parse_spec(spec, "fw")
     except CodecError:
         parsed = None
     if parsed is None or parsed.kind not in FIRST_SIGHT_KINDS:
-        raise CodecError(f"{flag} {spec!r} is not a first-sight coder; use fp32, bf16, fp16, directq:B or rtq:B "
-                         "(B = 1..8 bits)")
+        raise CodecError(f"--first-sight {spec!r} is not a first-sight coder; use "
+                         f"{', '.join(usage(kind) for kind in FIRST_SIGHT_KINDS)} (B = 1..8 bits)")
     return parsed
 
 
