@@ -13,7 +13,7 @@ from torch import nn
 
 from aqpipe.compress.grad import GradSync
 from aqpipe.data import ClassifySamples, InstructSamples, TokenSamples
-from aqpipe.pipeline import comm, present
+from aqpipe.pipeline import comm, present, sync_audit
 from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device
 from aqpipe.pipeline.held import ActivationMeter
@@ -113,23 +113,27 @@ class StageWorker:
             self.links.tied_rows.begin(step, [self.samples.inputs(ids) for ids in micro_batch_ids],
                                        backward_order=[i.micro_batch for i in first_stage
                                                        if isinstance(i, sch.Backward) and i.micro_batch is not None])
-        for ins in stream:
-            handler, waits_on_peers = self._HANDLERS[type(ins)]
-            start = time.perf_counter()
-            handler(self, self._mbs[ins.micro_batch] if ins.micro_batch is not None else None, ins.micro_batch, stats)
-            elapsed = time.perf_counter() - start
-            if waits_on_peers:
-                stats.comm_wait_seconds += elapsed
-            else:
-                stats.compute_seconds += elapsed
-            if type(ins) in self._MODEL_TIMERS:
-                setattr(stats, self._MODEL_TIMERS[type(ins)], getattr(stats, self._MODEL_TIMERS[type(ins)]) + elapsed)
+        with sync_audit.audited(step, self.device):
+            for ins in stream:
+                self._run_instruction(ins, stats)
         self._mbs = {}
         stats.tied_bytes = self._tied_bytes() - self._tied_bytes_before  # a skipped (fp16 overflow) step's rows too
         stats.peak_activation_bytes = self._meter.peak_bytes
         stats.peak_memory_bytes = peak_memory_bytes(self.device)
         self._count_links(stats)
         return stats
+
+    def _run_instruction(self, ins: sch.Instruction, stats: StepStats) -> None:
+        handler, waits_on_peers = self._HANDLERS[type(ins)]
+        start = time.perf_counter()
+        handler(self, self._mbs[ins.micro_batch] if ins.micro_batch is not None else None, ins.micro_batch, stats)
+        elapsed = time.perf_counter() - start
+        if waits_on_peers:
+            stats.comm_wait_seconds += elapsed
+        else:
+            stats.compute_seconds += elapsed
+        if type(ins) in self._MODEL_TIMERS:
+            setattr(stats, self._MODEL_TIMERS[type(ins)], getattr(stats, self._MODEL_TIMERS[type(ins)]) + elapsed)
 
     def _loss_weights(self, micro_batch_ids: list[torch.Tensor]) -> list[float] | None:
         """With response-only targets, each micro-batch's weight in the step's loss, so that the step's loss (after the

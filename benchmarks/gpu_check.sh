@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Every GPU check in one command (issue 30), on a machine with one CUDA GPU, as root (tc for the throttled links):
+#
+#     bash benchmarks/gpu_check.sh [OUT]          # OUT defaults to benchmarks/results/gpu_check
+#
+# Parts, each under its own time limit, each writing <part>.log in OUT; OUT/results.md gathers the device, every
+# part's exit status and time, and the numbers each part ends with:
+#   sync-audit   gpt2-tiny fp32 and llama-tiny bf16, 4 ranks on the GPU, aqsgd:3 / directq:6, every step from the
+#                third under torch.cuda.set_sync_debug_mode (AQPIPE_CUDA_SYNC_AUDIT=1): synchronizing calls per step
+#   gpu-tests    python -m pytest -m gpu tests/test_gpu.py
+#   codec-speed  benchmarks/codec_speed.py on the GPU, at GPT2-XL's activation shape and at SmolLM2-135M's
+#   throughput   benchmarks/throughput.py: 4 ranks on the one GPU behind 100 Mbit/s tc links, fp32 vs aqsgd fw3 bw6
+# About 6-8 minutes on an H100. AQPIPE_BENCH_DATA names the WikiText-2 file the throughput part trains on.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+out=${1:-benchmarks/results/gpu_check}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+data=${AQPIPE_BENCH_DATA:-/work/shared/data/wikitext-2/valid.txt}
+results="$out/results.md"
+parts=${AQPIPE_GPU_CHECK_PARTS:-sync-audit gpu-tests codec-speed throughput}  # a subset, for a short lease
+export PYTHONUNBUFFERED=1
+
+part() {  # part NAME SECONDS COMMAND...: run COMMAND with its output in NAME.log, record status and time
+  local name=$1 limit=$2 start rc
+  shift 2
+  [[ " $parts " == *" $name "* ]] || return 0
+  start=$(date +%s)
+  echo "== $name ($(date -u +%H:%M:%S), limit ${limit}s)" >&2
+  timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  echo "| $name | $rc$([ "$rc" = 124 ] && echo ' (time limit)') | $(($(date +%s) - start)) s |" >>"$results"
+  return 0
+}
+
+sync_audit() {  # two short runs with every rank audited; their rank logs hold the per-step counts
+  local flags=(--pp 4 --seq-len 32 --max-samples 64 --micro-batch-size 4 --micro-batches 4 --epochs 3
+               --device cuda --no-progress --eval-every 0 --overwrite)
+  AQPIPE_CUDA_SYNC_AUDIT=1 python -m aqpipe launch --model gpt2-tiny "${flags[@]}" --fw aqsgd:3 --bw directq:6 \
+    --out "$out/audit-fp32" || return
+  AQPIPE_CUDA_SYNC_AUDIT=1 python -m aqpipe launch --model llama-tiny "${flags[@]}" --precision bf16 \
+    --fw aqsgd:3 --bw directq:6 --out "$out/audit-bf16" || return
+  for run in audit-fp32 audit-bf16; do
+    echo "## $run"
+    grep -h "cuda sync audit" "$out/$run"/logs/rank-*.log
+  done
+}
+
+{
+  echo "# GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/- GPU: /'
+  python -c 'import sys, torch, transformers; print(f"- python {sys.version.split()[0]}, torch {torch.__version__}, '\
+'CUDA {torch.version.cuda}, transformers {transformers.__version__}, {torch.cuda.device_count()} GPU(s)")'
+  echo "- CPU cores: $(nproc)"
+  echo
+  echo "| part | exit | time |"
+  echo "|---|---|---|"
+} >"$results"
+
+part sync-audit 150 sync_audit
+part gpu-tests 300 python -m pytest -m gpu tests/test_gpu.py -n 8 -p no:cacheprovider -q -rfE
+part codec-speed 120 bash -c "python benchmarks/codec_speed.py --device cuda --out '$out/codec_speed_cuda' && \
+  python benchmarks/codec_speed.py --device cuda --shape 4,128,576 --out '$out/codec_speed_cuda_smollm2'"
+part throughput 240 python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 \
+  --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda"
+
+{
+  echo
+  echo "## synchronizing calls per audited step (rank logs)"
+  grep -h "synchronizing calls" "$out/sync-audit.log" | sort | uniq -c | sort -rn | head -20
+  echo
+  echo "## GPU tests"
+  tail -n 15 "$out/gpu-tests.log"
+  echo
+  echo "## codec speed"
+  grep -h -E "MB/s" "$out/codec-speed.log" | head -60
+  echo
+  echo "## throughput (samples/s)"
+  grep -h -E "samples/s|≥|target" "$out/throughput.log" | head -20
+} >>"$results" 2>&1
+cat "$results"
