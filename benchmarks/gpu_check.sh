@@ -58,7 +58,9 @@ sync_audit() {  # two short runs with every rank audited; their rank logs hold t
   echo "|---|---|---|"
 } >"$results"
 
-part sync-audit 150 sync_audit
+export -f sync_audit
+export out
+part sync-audit 150 bash -c sync_audit
 part gpu-tests 300 python -m pytest -m gpu tests/test_gpu.py -n 8 -p no:cacheprovider -q -rfE
 part codec-speed 120 bash -c "python benchmarks/codec_speed.py --device cuda --out '$out/codec_speed_cuda' && \
   python benchmarks/codec_speed.py --device cuda --shape 4,128,576 --out '$out/codec_speed_cuda_smollm2'"

@@ -104,6 +104,24 @@ def test_a_stage_needs_only_hidden_states_and_the_mask_from_its_peer():
     torch.testing.assert_close(split, whole, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("cache_name", ["cache", "past_key_values"])
+def test_a_stage_builds_its_mask_with_either_name_of_the_masking_cache_argument(monkeypatch, cache_name):
+    """transformers renamed create_causal_mask's fourth parameter (past_key_values up to 5.17, cache later); a stage
+    works with both (transformers 5.17 on a GPU machine failed with `unexpected keyword argument 'cache'`)."""
+    import transformers.masking_utils as masking
+
+    real = masking.create_causal_mask
+    namespace: dict = {}
+    exec(f"def shaped(config, inputs_embeds, attention_mask, {cache_name}, position_ids=None):\n"
+         f"    return real(config, inputs_embeds, attention_mask, {cache_name}, position_ids=position_ids)",
+         {"real": real}, namespace)
+    monkeypatch.setattr(masking, "create_causal_mask", namespace["shaped"])
+    spec = decoder_spec(llama_config("llama-tiny", 50))
+    ids, mask = padded_batch(50)
+    with torch.no_grad():
+        assert spec.build_stage(0, 2)(ids, mask).shape[:2] == ids.shape
+
+
 def test_a_random_init_tied_model_starts_with_equal_copies_on_different_ranks():
     spec = decoder_spec(llama_config("llama-tiny", 80))
     embed, head = spec.build_layer(0, seed=3), spec.build_layer(len(spec) - 1, seed=3)

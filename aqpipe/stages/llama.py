@@ -150,8 +150,8 @@ class DecoderLayer(nn.Module):
         if cached is not None and cached[0] is mask and cached[1] == key:  # `is`: the cache holds the tensor alive
             return cached[2]
         build = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        attention = build(config=self.config, inputs_embeds=hidden,
-                          attention_mask=None if mask is None else mask.to(torch.bool), cache=None,
+        # the cache goes by position: transformers named it past_key_values up to 5.17 and cache after
+        attention = build(self.config, hidden, None if mask is None else mask.to(torch.bool), None,
                           position_ids=positions)
         self._last_mask[self.sliding] = (mask, key, attention)
         return attention
