@@ -26,6 +26,7 @@ import torch
 from aqpipe.compress.link.codecs import QuantOptions, build_codec
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ResolvedConfig
+from aqpipe.launch.gpu_sharing import sharing_note
 from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.transport import Header
 from aqpipe.runtime.capacity import LinkNeeds, TiedNeeds, format_tied, plan_capacity, steady_payload_bytes
@@ -51,6 +52,7 @@ class BenchResult:
     tied: TiedNeeds | None = None  # what keeping a tied table one tensor sends per step (the capacity plan's)
     first_sight_bytes: int = 0  # one micro-batch's forward message when its samples are all first sights
     run_bytes: tuple[int, int] = (0, 0)  # link bytes of the whole run on one replica, and with lossless links
+    gpu_sharing: str | None = None  # ranks sharing a GPU: with NVIDIA MPS or time-slicing (aqpipe.launch.gpu_sharing)
 
 
 def _time(fn, device: torch.device, repeats: int = REPEATS) -> float:
@@ -175,11 +177,13 @@ def run_bench(plan: RunPlan, bandwidth_bits: int | None) -> BenchResult:
     rate, source = loopback_rate(), "loopback"
     if bandwidth_bits is not None and bandwidth_bits / 8 < rate:
         rate, source = bandwidth_bits / 8, "--bandwidth"
+    sharing = sharing_note(cfg.device, cfg.world_size, torch.cuda.device_count()) if device.type == "cuda" else None
     if link is None:
-        return BenchResult(seconds, speeds, 0, rate, source, {}, 8, False, capacity.tied)
+        return BenchResult(seconds, speeds, 0, rate, source, {}, 8, False, capacity.tied, gpu_sharing=sharing)
     bits, bound, wire = recommend(link, cfg, rate, max(seconds))
     return BenchResult(seconds, speeds, 4 * int(torch.Size(link.activation_shape).numel()), rate, source, wire, bits,
-                       bound, capacity.tied, link.first_fwd_bytes // cfg.micro_batches, capacity.run_link_bytes())
+                       bound, capacity.tied, link.first_fwd_bytes // cfg.micro_batches, capacity.run_link_bytes(),
+                       sharing)
 
 
 def format_bench(result: BenchResult, cfg: ResolvedConfig) -> str:
@@ -189,6 +193,8 @@ def format_bench(result: BenchResult, cfg: ResolvedConfig) -> str:
              f"{f', --lora {cfg.lora}' if cfg.lora else ''}", "",
              "stage  forward+backward per micro-batch"]
     lines += [f"{s:<6} {t * 1e3:9.1f} ms" for s, t in enumerate(result.stage_seconds)]
+    if result.gpu_sharing:  # the stage times above are each alone on the GPU; the run's ranks share it
+        lines += ["", f"gpu: {result.gpu_sharing}"]
     if result.codec_gbps:
         lines += ["", "codec        encode+decode (GB/s of activation)"]
         lines += [f"{spec:<12} {gbps:8.3g}" for spec, gbps in result.codec_gbps.items()]

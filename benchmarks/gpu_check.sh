@@ -5,11 +5,13 @@
 #
 # Parts, each under its own time limit, each writing <part>.log in OUT; OUT/results.md gathers the device, every
 # part's exit status and time, and the numbers each part ends with:
-#   sync-audit   gpt2-tiny fp32 and llama-tiny bf16, 4 ranks on the GPU, aqsgd:3 / directq:6, every step from the
-#                third under torch.cuda.set_sync_debug_mode (AQPIPE_CUDA_SYNC_AUDIT=1): synchronizing calls per step
+#   sync-audit   gpt2-tiny fp32 (m(ξ) in host RAM) and llama-tiny bf16 (m(ξ) on the GPU), 4 ranks on the GPU,
+#                aqsgd:3 / directq:6, every step from the third under torch.cuda.set_sync_debug_mode
+#                (AQPIPE_CUDA_SYNC_AUDIT=1): synchronizing calls per step and where
 #   gpu-tests    python -m pytest -m gpu tests/test_gpu.py
 #   codec-speed  benchmarks/codec_speed.py on the GPU, at GPT2-XL's activation shape and at SmolLM2-135M's
 #   throughput   benchmarks/throughput.py: 4 ranks on the one GPU behind 100 Mbit/s tc links, fp32 vs aqsgd fw3 bw6
+#   throughput-mps  the same under NVIDIA MPS (started and stopped here), where nvidia-cuda-mps-control exists
 # About 6-8 minutes on an H100. AQPIPE_BENCH_DATA names the WikiText-2 file the throughput part trains on.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +20,7 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 data=${AQPIPE_BENCH_DATA:-/work/shared/data/wikitext-2/valid.txt}
 results="$out/results.md"
-parts=${AQPIPE_GPU_CHECK_PARTS:-sync-audit gpu-tests codec-speed throughput}  # a subset, for a short lease
+parts=${AQPIPE_GPU_CHECK_PARTS:-gpu-tests sync-audit throughput codec-speed throughput-mps}  # a subset, for a short lease
 export PYTHONUNBUFFERED=1
 
 part() {  # part NAME SECONDS COMMAND...: run COMMAND with its output in NAME.log, record status and time
@@ -39,7 +41,7 @@ sync_audit() {  # two short runs with every rank audited; their rank logs hold t
   AQPIPE_CUDA_SYNC_AUDIT=1 python -m aqpipe launch --model gpt2-tiny "${flags[@]}" --fw aqsgd:3 --bw directq:6 \
     --out "$out/audit-fp32" || return
   AQPIPE_CUDA_SYNC_AUDIT=1 python -m aqpipe launch --model llama-tiny "${flags[@]}" --precision bf16 \
-    --fw aqsgd:3 --bw directq:6 --out "$out/audit-bf16" || return
+    --fw aqsgd:3 --bw directq:6 --store-device cuda --out "$out/audit-bf16" || return
   for run in audit-fp32 audit-bf16; do
     echo "## $run"
     grep -h "cuda sync audit" "$out/$run"/logs/rank-*.log
@@ -58,19 +60,40 @@ sync_audit() {  # two short runs with every rank audited; their rank logs hold t
   echo "|---|---|---|"
 } >"$results"
 
+part gpu-tests 300 python -m pytest -m gpu tests/test_gpu.py -n 12 -p no:cacheprovider -q -rfE
 export -f sync_audit
 export out
 part sync-audit 150 bash -c sync_audit
-part gpu-tests 300 python -m pytest -m gpu tests/test_gpu.py -n 8 -p no:cacheprovider -q -rfE
+throughput_mps() {  # the same pipeline with NVIDIA MPS: the four ranks' kernels share the GPU instead of time-slicing
+  command -v nvidia-cuda-mps-control >/dev/null || { echo "no nvidia-cuda-mps-control on this machine"; return 3; }
+  nvidia-cuda-mps-control -d || return
+  python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 --epochs 2 \
+    --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda_mps"
+  local rc=$?
+  echo quit | nvidia-cuda-mps-control
+  return $rc
+}
+
+part throughput 240 python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 \
+  --epochs 2 \
+  --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda"
+
 part codec-speed 120 bash -c "python benchmarks/codec_speed.py --device cuda --out '$out/codec_speed_cuda' && \
   python benchmarks/codec_speed.py --device cuda --shape 4,128,576 --out '$out/codec_speed_cuda_smollm2'"
-part throughput 240 python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 \
-  --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda"
+export -f throughput_mps
+export data
+part throughput-mps 150 bash -c throughput_mps
 
 {
   echo
-  echo "## synchronizing calls per audited step (rank logs)"
-  grep -h "synchronizing calls" "$out/sync-audit.log" | sort | uniq -c | sort -rn | head -20
+  echo "## synchronizing calls per audited step and rank, and where (rank logs)"
+  for run in audit-fp32 audit-bf16; do
+    [ -d "$out/$run/logs" ] || continue
+    echo "### $run: calls per step (how many rank-steps saw each count)"
+    grep -h "synchronizing calls" "$out/$run"/logs/rank-*.log | awk '{print $(NF-2)}' | sort -n | uniq -c
+    echo "### $run: places, summed over ranks and steps"
+    grep -h "cuda sync audit:  " "$out/$run"/logs/rank-*.log | awk '{n[$5" "$6]+=$4} END {for (p in n) print n[p], p}' | sort -rn
+  done
   echo
   echo "## GPU tests"
   tail -n 15 "$out/gpu-tests.log"
@@ -80,5 +103,7 @@ part throughput 240 python benchmarks/throughput.py --device cuda --pp 4 --bandw
   echo
   echo "## throughput (samples/s)"
   grep -h -E "samples/s|≥|target" "$out/throughput.log" | head -20
+  echo "### with NVIDIA MPS"
+  grep -h -E "samples/s|≥|target|MPS|mps" "$out/throughput-mps.log" | head -20
 } >>"$results" 2>&1
 cat "$results"

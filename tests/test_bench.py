@@ -69,3 +69,16 @@ def test_the_report_counts_the_tied_exchange_and_its_time_on_the_link():
     line = next(line for line in report.splitlines() if line.startswith("tied embedding/LM head"))
     assert "3 MB per step between stage 0 and stage 3" in line and "~650 distinct tokens" in line
     assert "dense would send 678 MB" in line and line.endswith("; 0.24 s per step on this link")
+
+
+def test_the_report_says_when_ranks_share_a_gpu_and_how_mps_helps():
+    """Four ranks on one GPU: the report carries the MPS note (issue 30 item 6); a GPU per rank carries none."""
+    from aqpipe.bench import BenchResult, format_bench
+    from aqpipe.launch.gpu_sharing import sharing_note
+
+    cfg = resolve(RunConfig(model="gpt2-tiny", pp=4, device="cpu"))
+    shared = BenchResult([0.1] * 4, {}, 0, 12.5e6, "loopback", {}, 8, False,
+                         gpu_sharing=sharing_note("cuda", 4, 1, mps=False))
+    assert "gpu: 4 ranks share each GPU without NVIDIA MPS" in format_bench(shared, cfg)
+    alone = BenchResult([0.1] * 4, {}, 0, 12.5e6, "loopback", {}, 8, False, gpu_sharing=sharing_note("cuda", 4, 4))
+    assert "gpu:" not in format_bench(alone, cfg)

@@ -337,12 +337,16 @@ def test_a_delta_whose_sum_would_overflow_goes_in_full_and_is_stored_when_it_fit
 
 
 def test_a_non_finite_activation_is_reported_naming_step_stage_and_sample(capsys):
-    from aqpipe.pipeline.worker import report_nonfinite
+    from aqpipe.pipeline.worker import finite_rows, report_nonfinite
 
     x = torch.randn(3, 4)
-    assert report_nonfinite(x, torch.tensor([10, 11, 12]), 4, 1) == []
-    x[2, 1] = float("nan")
-    assert report_nonfinite(x, torch.tensor([10, 11, 12]), 4, 1) == [12]
+    assert report_nonfinite([(finite_rows(x), torch.tensor([10, 11, 12]))], 4, 1) == []
+    assert capsys.readouterr().err == ""
+    y = x.clone()
+    y[2, 1] = float("nan")
+    # the sends of one step are read together: each send's rows with its own sample ids
+    assert report_nonfinite([(finite_rows(x), torch.tensor([1, 2, 3])), (finite_rows(y), torch.tensor([10, 11, 12]))],
+                            4, 1) == [12]
     err = capsys.readouterr().err
     assert "step 5, stage 1" in err and "[12]" in err and "not finite" in err
 

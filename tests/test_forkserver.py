@@ -2,6 +2,7 @@
 reports them, no thread or CUDA context copied into a rank, and nothing left once it is closed."""
 
 import json
+import io
 import os
 import signal
 import subprocess
@@ -72,6 +73,39 @@ def test_a_server_that_started_a_thread_does_not_fork_and_ranks_start_afresh(cap
 def test_a_cuda_context_in_the_server_forbids_a_fork(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: True)))
     assert "CUDA context" in forkserver._unsafe_to_fork()
+
+
+def _maps_with_the_cuda_driver(monkeypatch):
+    """This process's memory map as a CUDA build of torch leaves it at import: the driver's library mapped."""
+    line = "7f0000000000-7f0000001000 r-xp 00000000 00:00 0 /usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04\n"
+    real = open
+
+    def fake_open(path, *args, **kwargs):
+        return io.StringIO(line) if path == "/proc/self/maps" else real(path, *args, **kwargs)
+
+    monkeypatch.setattr(forkserver, "open", fake_open, raising=False)
+    monkeypatch.setattr(forkserver, "native_threads", lambda: 1)
+
+
+def test_a_cuda_driver_mapped_but_not_initialised_allows_a_fork(monkeypatch):
+    """torch 2.11's CUDA build maps libcuda.so at `import torch` (its CUDA libraries are preloaded): on a GPU machine
+    the fork server refused every fork, and ranks started as fresh processes. Only an initialised driver (cuInit)
+    makes a fork unsound."""
+    _maps_with_the_cuda_driver(monkeypatch)
+    monkeypatch.setattr(forkserver, "_driver_initialised", lambda path: False, raising=False)
+    assert forkserver._unsafe_to_fork() is None
+
+
+def test_an_initialised_cuda_driver_forbids_a_fork(monkeypatch):
+    _maps_with_the_cuda_driver(monkeypatch)
+    monkeypatch.setattr(forkserver, "_driver_initialised", lambda path: True)
+    assert "initialised the CUDA driver" in forkserver._unsafe_to_fork()
+
+
+def test_a_driver_that_cannot_be_asked_counts_as_initialised(monkeypatch):
+    """The library named in the map cannot be opened (here: no such file): the server assumes the worst."""
+    _maps_with_the_cuda_driver(monkeypatch)
+    assert forkserver.cuda_driver_initialised() is True
 
 
 def test_what_the_server_imports_starts_no_thread_and_no_cuda():

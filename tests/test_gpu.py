@@ -26,12 +26,22 @@ TINY = ["--seq-len", "32", "--max-samples", "64", "--micro-batch-size", "4", "--
         "--no-progress", "--device", DEVICE]
 
 
-def launch(out: Path, *flags: str) -> list[dict]:
+def launch(out: Path, *flags: str, env: dict | None = None) -> list[dict]:
     """Run `aqpipe launch` (every rank on this machine's one GPU); returns the metrics records."""
     proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", *TINY, *flags, "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=None if env is None else {**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (out / "launch-stderr.txt").write_text(proc.stderr)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="a check of CUDA itself (no host equivalent)")
+
+# Where a training step may make the host wait for the GPU (file, function), each for a reason: the one read of an
+# AQ-SGD message's verdicts and checksum sums, the copy of its new m(ξ) into host RAM (none with --store-device
+# cuda), and the step's gradient norm, which crosses to the host for the collectives staged through it.
+EXPECTED_SYNCS = {("aqpipe/compress/link/aqsgd.py", "read_all"), ("aqpipe/storage/base.py", "on_device"),
+                  ("aqpipe/pipeline/optim.py", "local_grad_sq_norm")}
 
 
 @pytest.mark.parametrize("spec,direction,per", [("fp32", "fw", "channel"), ("fp16", "fw", "channel"),
@@ -143,3 +153,76 @@ def test_a_grad_sync_state_moved_to_the_collectives_device_loads_back(method):
         for got, want in pairs:
             if isinstance(want, torch.Tensor):
                 assert torch.equal(got.cpu(), want.cpu()), key
+
+
+@needs_cuda
+def test_the_fork_servers_driver_probe_sees_cuinit_and_nothing_before():
+    """`import torch` (a CUDA build) maps libcuda.so; the probe must call that uninitialised, and initialised once
+    torch has initialised CUDA."""
+    code = ("import torch\n"
+            "from aqpipe.launch.forkserver import cuda_driver_initialised\n"
+            "before = cuda_driver_initialised()\n"
+            "torch.cuda.init()\n"
+            "print(before, cuda_driver_initialised())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True"]
+
+
+@needs_cuda
+def test_a_launch_on_the_gpu_forks_its_ranks(tmp_path):
+    launch(tmp_path / "run", "--model", "gpt2-tiny", "--pp", "2", "--steps", "2")
+    assert "fresh processes" not in (tmp_path / "run" / "launch-stderr.txt").read_text()
+
+
+@needs_cuda
+@pytest.mark.parametrize("store", ["host", "gpu"])
+def test_a_training_step_waits_for_the_gpu_only_where_expected(tmp_path, store):
+    """Every step from the third under torch.cuda.set_sync_debug_mode (AQPIPE_CUDA_SYNC_AUDIT): each place that
+    made the host wait is one of EXPECTED_SYNCS, at most twice per AQ-SGD message."""
+    flags = ["--model", "gpt2-tiny", "--pp", "4", "--epochs", "3", "--fw", "aqsgd:3", "--bw", "directq:6"]
+    launch(tmp_path / "run", *flags, *(["--store-device", "cuda"] if store == "gpu" else []),
+           env={"AQPIPE_CUDA_SYNC_AUDIT": "1"})
+    places, steps = {}, 0
+    for log in (tmp_path / "run" / "logs").glob("rank-*.log"):
+        for line in log.read_text().splitlines():
+            if "synchronizing calls" in line:
+                steps += 1
+                # a middle stage codes 2 AQ-SGD messages per micro-batch (4 per step), each read once and, with a
+                # host store, copied once; plus the gradient norm
+                assert int(line.split(":")[2].split()[0]) <= 4 * 2 * (2 if store == "host" else 1) + 1, line
+            elif "cuda sync audit:" in line:
+                count, where, function = line.split("cuda sync audit:")[1].split()
+                place = (where.rsplit(":", 1)[0], function)
+                places[place] = places.get(place, 0) + int(count)
+    assert steps > 0
+    assert set(places) <= EXPECTED_SYNCS, places
+    if store == "gpu":
+        assert ("aqpipe/storage/base.py", "on_device") not in places
+
+
+def test_the_schedules_agree_bit_for_bit_on_the_gpu_with_evaluations(tmp_path):
+    """GPipe, 1F1B and eager 1F1B accumulate gradients in the same order: the same losses, bit for bit, on a model
+    whose embedding is tied to its head (GPT-2), evaluations included."""
+    runs = {schedule: launch(tmp_path / schedule, "--model", "gpt2-tiny", "--pp", "4", "--steps", "4",
+                             "--eval-every", "2", "--schedule", schedule)
+            for schedule in ("gpipe", "1f1b", "eager-1f1b")}
+    losses = {schedule: [(r["loss"], r.get("eval_loss")) for r in records] for schedule, records in runs.items()}
+    assert losses["gpipe"] == losses["1f1b"] == losses["eager-1f1b"]
+    assert sum(r.get("eval_loss") is not None for r in runs["gpipe"]) == 2
+
+
+def test_fp16_with_loss_scaling_trains_on_the_gpu(tmp_path):
+    records = launch(tmp_path / "run", "--model", "gpt2-tiny", "--pp", "2", "--epochs", "3", "--precision", "fp16",
+                     "--lr", "3e-3", "--fw", "aqsgd:3", "--bw", "directq:6")
+    assert all(r["loss"] == r["loss"] for r in records)  # finite where a step was not skipped for an overflow
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_powersgd_with_collectives_staged_through_the_host(tmp_path):
+    """pp 2 x dp 2 on one GPU: gloo, the DP group's collectives on the host, where torch's PowerSGD hook once
+    crashed asking CUDA to synchronize a host device; the run checks the replicas bit for bit."""
+    records = launch(tmp_path / "run", "--model", "gpt2-tiny", "--pp", "2", "--dp", "2", "--steps", "4",
+                     "--grad-sync", "powersgd:2")
+    assert records[-1]["grad_sync_bytes"] > 0
+

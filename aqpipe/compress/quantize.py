@@ -24,6 +24,7 @@ feedback stays bounded; stochastic rounding keeps the max |x| scale, the one tha
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,13 @@ def levels(bits: int, device: torch.device | None = None, grid: str = DEFAULT_GR
     """The 2**bits reconstruction points of a unit scale (codes past the grid's top repeat it), computed in float64
     then rounded once."""
     check_grid(grid)
+    return _levels(bits, grid, torch.device("cpu") if device is None else torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _levels(bits: int, grid: str, device: torch.device) -> torch.Tensor:
+    """`levels`, built once per device (a GPU is not sent the table, and made to wait for it, on every call). The
+    table is shared: callers read it, never write it."""
     offset, steps, top = _offset_steps(bits, grid)
     k = torch.arange(1 << bits, dtype=torch.float64).clamp(max=top)
     return ((k - offset) / steps).to(torch.float32).to(device)
@@ -94,9 +102,8 @@ def fp16_scales(scale: torch.Tensor) -> torch.Tensor:
     """fp16 scales whose magnitude is ≥ the given one (rounded up; capped at the fp16 maximum), sign kept."""
     magnitude = scale.float().abs().clamp(max=FP16_MAX)
     half = magnitude.to(torch.float16)
-    low = half.float() < magnitude
-    if bool(low.any()):
-        half = torch.where(low, torch.nextafter(half, torch.full_like(half, float("inf"))), half)
+    low = half.float() < magnitude  # (applied everywhere, not only when some are low: asking would make a GPU wait)
+    half = torch.where(low, torch.nextafter(half, torch.full_like(half, float("inf"))), half)
     return torch.where(scale < 0, -half, half)
 
 

@@ -141,7 +141,8 @@ def rotated_dequantize(q: RotatedQuantized, shape: tuple[int, ...]) -> torch.Ten
         integers[..., 0] -= offset * size
         # one fp32 product per value with an fp32 reciprocal made on the host: the same rounding on every device (a
         # division by a host scalar is a multiply by its reciprocal on CUDA and a true division on the CPU)
-        reciprocal = torch.tensor(1.0 / (steps * math.sqrt(size)), dtype=torch.float32, device=codes.device)
+        # (a 0-d host tensor: a GPU takes it as an fp32 kernel argument, with no copy to wait for)
+        reciprocal = torch.tensor(1.0 / (steps * math.sqrt(size)), dtype=torch.float32)
         factor = scales[:, :, first_tile:first_tile + count].float().mul_(reciprocal)
         parts.append(integers.mul_(factor.unsqueeze(-1)).view(b, t, width))
         start, first_tile = start + width, first_tile + count

@@ -7,7 +7,8 @@ state (`ForkServer.forked_here`), and every rank of the launch is a `fork()` of 
 
 Why a server rather than forking the launcher when the ranks start: by then the launcher holds threads (its log
 readers, OpenMP's pool after a capacity trace) and may hold a CUDA context, and neither survives a fork. The server
-does nothing but wait, and refuses to fork if a thread, a CUDA context or the CUDA driver is in it; the ranks then
+does nothing but wait, and refuses to fork if a thread, a CUDA context or an initialised CUDA driver is in it (the
+driver's library merely mapped, as `import torch` leaves it in a CUDA build, is sound to fork); the ranks then
 start as fresh processes. A caller that already holds threads (the Python API, a test) gets a server started as a
 fresh process that does the imports itself (`ForkServer.for_run`). Why not `multiprocessing`'s forkserver: ranks
 must start in their own process group and network namespace with their output on a pipe of the launcher's, the
@@ -305,11 +306,28 @@ def cuda_initialised() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
-def cuda_driver_loaded() -> bool:
-    """Whether the CUDA driver library is mapped into this process (something asked CUDA a question: a fork of it
-    may not use CUDA)."""
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def cuda_driver_initialised() -> bool:
+    """Whether this process has initialised the CUDA driver (cuInit), asked without initialising it. A mapped driver
+    library alone is sound to fork: a CUDA build of torch maps libcuda.so at `import torch` (it preloads its CUDA
+    libraries), and a child initialises the driver for itself. An initialised driver is not: its state does not
+    survive a fork. A library that cannot be asked counts as initialised."""
     with open("/proc/self/maps") as maps:
-        return any("libcuda.so" in line for line in maps)
+        path = next((line.split()[-1] for line in maps if "libcuda.so" in line), None)
+    return path is not None and _driver_initialised(path)
+
+
+def _driver_initialised(path: str) -> bool:
+    """Ask the driver library at `path`, already mapped (RTLD_NOLOAD: never loaded here), whether cuInit has run:
+    before it, every driver call answers CUDA_ERROR_NOT_INITIALIZED."""
+    try:
+        driver = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        context = ctypes.c_void_p()
+        return driver.cuCtxGetCurrent(ctypes.byref(context)) != CUDA_ERROR_NOT_INITIALIZED
+    except (OSError, AttributeError):
+        return True
 
 
 def _preload(modules: list[str], run: dict | None = None) -> None:
@@ -375,8 +393,8 @@ def _unsafe_to_fork() -> str | None:
     """Why forking now would hand the rank a broken process, or None."""
     if cuda_initialised():
         return "a CUDA context exists in the fork server"
-    if cuda_driver_loaded():
-        return "an import loaded the CUDA driver in the fork server"
+    if cuda_driver_initialised():
+        return "an import initialised the CUDA driver in the fork server"
     threads = native_threads()
     if threads > 1:
         return f"an import started {threads - 1} thread(s) in the fork server, and a fork would copy their locks"

@@ -71,14 +71,14 @@ class SendEnd:
         encoded = codec.encode(tensor.detach(), ids, compress)
         header = Header.for_encoded(encoded, codec.code, kind or self.kind, step, mb, ids.numel(),
                                     side_kind if side is not None else SIDE_NONE)
-        self.outbox.send(header, ids, encoded.payload, side)
+        self.outbox.send(header, ids, encoded.host, side, encoded.ready)
         side_bytes = 0 if side is None else side.numel() * side.element_size()
         self.counters.framing_bytes += HEADER_SIZE + 8 * ids.numel() + (0 if side_kind == SIDE_RESEED else side_bytes)
         self.counters.control_bytes += side_bytes if side_kind == SIDE_RESEED else 0
         if encoded.fidelity is not None:
             sofar = self.counters.fidelity
             self.counters.fidelity = encoded.fidelity if sofar is None else sofar + encoded.fidelity
-        return encoded.payload.numel()
+        return encoded.payload_len
 
     def flush(self) -> None:
         """Wait until everything queued has left."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from aqpipe.compress.link.codecs import to_host
 from aqpipe.pipeline.streams import read_exactly
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class Header:
     def for_encoded(cls, encoded: Encoded, codec: int, kind: int = 0, step: int = 0, micro_batch: int = 0,
                     n_ids: int = 0, side_kind: int = SIDE_NONE) -> Header:
         """The header of a message carrying `encoded` (made by the codec whose code is `codec`)."""
-        return cls(kind, step, micro_batch, encoded.shape, encoded.wire_dtype, n_ids, encoded.payload.numel(),
+        return cls(kind, step, micro_batch, encoded.shape, encoded.wire_dtype, n_ids, encoded.payload_len,
                    codec=codec, codec_check=encoded.codec_check, flags=encoded.flags, side_kind=side_kind)
 
     def pack(self) -> bytes:
@@ -214,18 +215,21 @@ class Outbox:
         self._thread = threading.Thread(target=self._run, name=f"outbox-{peer_name}", daemon=True)
         self._thread.start()
 
-    def send(self, header: Header, ids: torch.Tensor, payload: torch.Tensor, side: torch.Tensor | None = None) -> None:
-        """Queue one message (header.checksum is filled here); `side` is lossless extra data sent as raw bytes, of
-        the kind header.side_kind names."""
+    def send(self, header: Header, ids: torch.Tensor, payload: torch.Tensor, side: torch.Tensor | None = None,
+             ready: torch.cuda.Event | None = None) -> None:
+        """Queue one message (header.checksum is filled by the writer thread); `side` is lossless extra data sent as
+        raw bytes, of the kind header.side_kind names. With `ready`, the payload is host memory a device copy is still
+        filling: the writer thread waits on the event before it reads the bytes, so the caller never waits."""
         self._raise_error()
         ids = ids.to(torch.int64).contiguous().cpu()
-        payload = payload.contiguous().view(torch.uint8).reshape(-1).cpu()
+        payload = payload.contiguous().view(torch.uint8).reshape(-1)
+        if payload.device.type != "cpu":
+            payload, ready = to_host(payload)
         side = torch.empty(0, dtype=torch.uint8) if side is None else side.contiguous().cpu().view(torch.uint8).reshape(-1)
         header.n_ids, header.payload_len, header.side_len = ids.numel(), payload.numel(), side.numel()
         if (header.side_kind == SIDE_NONE) != (side.numel() == 0):
             raise ValueError(f"side information of {side.numel()} bytes with side_kind {header.side_kind}")
-        header.checksum = body_checksum(ids, payload, side)
-        self._queue.put((header.pack(), torch.cat([ids.view(torch.uint8), payload, side])))
+        self._queue.put((header, ids, payload, side, ready))
 
     def flush(self) -> None:
         """Block until every queued message has been handed to the kernel (or raise why it could not be)."""
@@ -258,15 +262,24 @@ class Outbox:
                 if item is None:
                     return
                 if self._error is None:
-                    head, body = item
-                    self._write(memoryview(head))
-                    self._write(memoryview(body.numpy()).cast("B"))
+                    header, ids, payload, side, ready = item
+                    if ready is not None:
+                        ready.synchronize()  # the payload's device-to-host copy has landed
+                    header.checksum = body_checksum(ids, payload, side)
+                    # the parts go as they are (no joined copy): the header, then the body the checksum covers
+                    for part in (header.pack(), *(_bytes(t) for t in (ids, payload, side) if t.numel())):
+                        self._write(memoryview(part))
             except BaseException as e:  # noqa: BLE001 - the stream is broken: later sends and flushes raise this
                 what = "stopped reading" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {_first_line(e)}"
                 self._error = TransportError(f"sending to {self.peer_name} failed: {what}")
             finally:
                 item = None  # let go of the sent buffer now, not when the next message arrives
                 self._queue.task_done()
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A host tensor's bytes, without a copy."""
+    return t.numpy().data.cast("B")
 
 
 def _shutdown(stream: socket.socket) -> None:

@@ -104,6 +104,8 @@ class StageWorker:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.module.train()
         self._step, self._n = step, n
+        self._finite: list[tuple[torch.Tensor, torch.Tensor]] = []  # each send's finite rows and sample ids
+        self._loss_sum: torch.Tensor | None = None  # the step's loss, summed on the device (read after the step)
         self._weights = self._loss_weights(micro_batch_ids) if self.grid.is_last_stage else None
         stats.loss_scale = self.scaler.scale if self.scaler is not None else 0.0
         self._tied_bytes_before = self._tied_bytes()
@@ -117,6 +119,8 @@ class StageWorker:
             for ins in stream:
                 self._run_instruction(ins, stats)
         self._mbs = {}
+        report_nonfinite(self._finite, step, self.grid.stage, self.links.keeps_messages)
+        stats.loss_sum = float(self._loss_sum) if self._loss_sum is not None else 0.0
         stats.tied_bytes = self._tied_bytes() - self._tied_bytes_before  # a skipped (fp16 overflow) step's rows too
         stats.peak_activation_bytes = self._meter.peak_bytes
         stats.peak_memory_bytes = peak_memory_bytes(self.device)
@@ -171,10 +175,10 @@ class StageWorker:
         samples, ids = self.samples, present(mb.ids, "sample ids")
         assert samples is not None, "a first or last stage holds its samples"
         if self.grid.is_first_stage:
-            mb.inputs = samples.inputs(ids).to(self.device)
+            mb.inputs = samples.inputs(ids).to(self.device, non_blocking=True)  # (host tensors: staged, no wait)
             mb.mask = samples.mask(ids)
         if self.grid.is_last_stage:
-            mb.targets = samples.targets(ids).to(self.device)
+            mb.targets = samples.targets(ids).to(self.device, non_blocking=True)
 
     def _forward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         if self._looks_rows_up:  # the rows this micro-batch looks up, current (waiting on the head's stage)
@@ -187,19 +191,21 @@ class StageWorker:
         if isinstance(self.module, Stage) and self.module.recompute:  # the layer inputs kept for the backward
             self.module.on_held = lambda held: self._meter.keep(index, held)
         with self._meter.forward(index), autocast(self.device, self.precision):
-            out = self.module(present(mb.inputs, "inputs"), None if mb.mask is None else mb.mask.to(self.device))
+            out = self.module(present(mb.inputs, "inputs"),
+                              None if mb.mask is None else mb.mask.to(self.device, non_blocking=True))
             if self.grid.is_last_stage:
                 mb.loss = loss = self.loss_fn(out, present(mb.targets, "targets"))
         if self.grid.is_last_stage:  # loss_sum / micro-batches is the step's loss
             share = 1.0 if self._weights is None else self._weights[index] * self._n
-            stats.loss_sum += float(loss.detach()) * share
+            part = loss.detach().double() * share  # (float64: the sum a host float sum gave, bit for bit)
+            self._loss_sum = part if self._loss_sum is None else self._loss_sum + part
         else:
             mb.outputs = out
         self._meter.keep(index, mb.outputs)
 
     def _send_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         outputs, ids = present(mb.outputs, "outputs"), present(mb.ids, "sample ids")
-        report_nonfinite(outputs, ids, self._step, self.grid.stage, self.links.keeps_messages)
+        self._finite.append((finite_rows(outputs), ids))  # read once, after the step
         self.links.send_activation(index, outputs, ids, mb.mask)
 
     def _recv_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
@@ -266,14 +272,22 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB
 
 
-def report_nonfinite(activation: torch.Tensor, ids: torch.Tensor, step: int, stage: int, aqsgd: bool = True
+def finite_rows(activation: torch.Tensor) -> torch.Tensor:
+    """Per sample, on the activation's device: whether its activation is finite (nothing read: a GPU is not waited
+    for on every send)."""
+    return torch.isfinite(activation.detach().reshape(activation.shape[0], -1)).all(dim=1)
+
+
+def report_nonfinite(checks: list[tuple[torch.Tensor, torch.Tensor]], step: int, stage: int, aqsgd: bool = True
                      ) -> list[int]:
-    """Name on stderr the samples whose activation holds an inf or NaN (an AQ-SGD link sends them at full precision
-    and keeps no m(ξ) for them); returns their ids."""
-    finite = torch.isfinite(activation.detach().reshape(activation.shape[0], -1)).all(dim=1)
-    if bool(finite.all()):
+    """Name on stderr the samples whose activation held an inf or NaN (an AQ-SGD link sends them at full precision
+    and keeps no m(ξ) for them), from each send's (`finite_rows`, sample ids), read in one wait; returns their ids."""
+    if not checks:
         return []
-    bad = ids[~finite.cpu()].tolist()
-    print(f"warning: step {step + 1}, stage {stage}: the activation of sample(s) {bad} is not finite (inf or NaN)"
-          f"{'; sent at full precision, its m(xi) not stored' if aqsgd else ''}", file=sys.stderr, flush=True)
+    finite = torch.cat([rows for rows, _ in checks]).tolist()
+    ids = torch.cat([i.reshape(-1).cpu() for _, i in checks]).tolist()
+    bad = [i for i, ok in zip(ids, finite) if not ok]
+    if bad:
+        print(f"warning: step {step + 1}, stage {stage}: the activation of sample(s) {bad} is not finite (inf or NaN)"
+              f"{'; sent at full precision, its m(xi) not stored' if aqsgd else ''}", file=sys.stderr, flush=True)
     return bad

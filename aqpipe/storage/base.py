@@ -52,6 +52,8 @@ class MessageStore(Protocol):
 
     def storable(self, values: Sequence[torch.Tensor]) -> list[bool]: ...
 
+    def storable_rows(self, values: torch.Tensor) -> torch.Tensor: ...
+
     def items(self): ...
 
     def close(self) -> None: ...
@@ -93,6 +95,24 @@ class StoreView:
         """Whether each value (in the store dtype) can be kept: finite, and in range of a low-bit encoding."""
         return self.store.storable(values)
 
+    def storable_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """`storable` for every row of a batch [B, ...], as a bool tensor [B] on its device (nothing read)."""
+        return self.store.storable_rows(values)
+
     def delete(self, ids: Sequence[int]) -> None:
         """Forget m(ξ) of each id."""
         self.store.delete(self.link, self.side, ids)
+
+
+def on_device(values: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """`values` on `device`, each owning its storage: those from elsewhere (a GPU's m(ξ) going to host RAM or disk)
+    cross in one copy — one wait for the GPU, not one per value — when they share a shape."""
+    device = torch.device(device)
+    away = [j for j, v in enumerate(values) if v.device != device]
+    if len(away) < 2 or len({tuple(values[j].shape) for j in away}) > 1:
+        return [v.to(device) for v in values]
+    moved = torch.stack([values[j] for j in away]).to(device).unbind(0)
+    out = list(values)
+    for j, v in zip(away, moved):
+        out[j] = v.clone()  # a row of its own, not a view that would keep the whole copy alive
+    return out

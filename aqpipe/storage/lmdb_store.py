@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from aqpipe.disk import ensure_room
-from aqpipe.storage.base import SIDES, StoreStats
+from aqpipe.storage.base import SIDES, StoreStats, on_device
 from aqpipe.storage.dtypes import STORE_DTYPES
-from aqpipe.storage.encoding import decode_value, encode_value, storable, value_dtype
+from aqpipe.storage.encoding import decode_value, encode_value, storable_each, storable_rows, value_dtype
 
 _KEY = struct.Struct(">HBQ")
 _HEAD = struct.Struct("<4sBB8qqII")  # magic, encoding, ndim, shape[8], step, crc32, body length
@@ -139,7 +139,8 @@ class LMDBStore:
         return out
 
     def put(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
-        self.put_raw(link, side, ids, [self.encode_raw(v) for v in values], [tuple(v.shape) for v in values])
+        on_host = on_device(values, "cpu")
+        self.put_raw(link, side, ids, [self.encode_raw(v) for v in on_host], [tuple(v.shape) for v in values])
 
     def encode_raw(self, value: torch.Tensor):
         """The uncompressed bytes `value` is stored as (quantized, for the low-bit encodings)."""
@@ -153,7 +154,11 @@ class LMDBStore:
 
     def storable(self, values: Sequence[torch.Tensor]) -> list[bool]:
         """Whether each value survives this store's encoding (finite, and in range for the quantized ones)."""
-        return [storable(v, self.encoding) for v in values]
+        return storable_each(values, self.encoding)
+
+    def storable_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """`storable` for every row of a batch, as a bool tensor on its device (nothing read)."""
+        return storable_rows(values, self.encoding)
 
     def put_raw(self, link: int, side: str, ids: Sequence[int], raws: Sequence, shapes: Sequence[tuple[int, ...]]
                 ) -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from aqpipe.disk import save_atomic
-from aqpipe.storage.base import StoreStats
+from aqpipe.storage.base import StoreStats, on_device
+from aqpipe.storage.encoding import storable_each, storable_rows
 
 
 def compact(value: torch.Tensor) -> torch.Tensor:
@@ -48,18 +49,19 @@ class MemoryStore:
 
     def put(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
         """Keep each value as a compact tensor of its own: a row of a stacked micro-batch would pin the whole batch."""
-        for i, v in zip(ids, values):
+        for v in values:
             if v.dtype != self.dtype:
                 raise TypeError(f"the store keeps {self.dtype}, got {v.dtype}")
-            self._values[(link, side, int(i))] = self._keep(v)
-
-    def _keep(self, value: torch.Tensor) -> torch.Tensor:
-        """A compact copy of `value` on the store's device, or `value` itself when it already is one."""
-        return compact(value.to(self.device))
+        for i, v in zip(ids, on_device(values, self.device)):
+            self._values[(link, side, int(i))] = compact(v)
 
     def storable(self, values: Sequence[torch.Tensor]) -> list[bool]:
         """Whether each value (in the store dtype) is finite: an inf or NaN m(ξ) would poison every later epoch."""
-        return [bool(torch.isfinite(v).all()) for v in values]
+        return storable_each(values)
+
+    def storable_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """`storable` for every row of a batch, as a bool tensor on its device (nothing read)."""
+        return storable_rows(values)
 
     def encode_raw(self, value: torch.Tensor) -> torch.Tensor:
         """What a value is kept as (the write-behind interface; in memory, a compact copy of the value itself)."""
@@ -90,7 +92,7 @@ class MemoryStore:
         self._values = {}
         for key, value in entries.items():
             link, side, sample = key.split("/")
-            self._values[(int(link), side, int(sample))] = self._keep(value.to(self.dtype))
+            self._values[(int(link), side, int(sample))] = compact(value.to(self.dtype).to(self.device))
 
     def entries(self) -> dict[str, torch.Tensor]:
         """Every entry keyed 'link/side/id' (what `dump` writes and `load` reads)."""

@@ -19,6 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from aqpipe.storage.base import on_device
+
 Key = tuple[int, str, int]
 MAX_QUEUED_WRITES = 16  # put batches (one micro-batch of one link each) waiting for the disk
 
@@ -117,11 +119,16 @@ class PrefetchingStore:
         """Whether each value survives the backend's encoding."""
         return self.backend.storable(values)
 
+    def storable_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """`storable` for every row of a batch, as a bool tensor on its device (nothing read)."""
+        return self.backend.storable_rows(values)
+
     def put(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
         """Make the values visible to reads at once — as the store will hold them — and queue them for the disk;
         waits while the writer is MAX_QUEUED_WRITES batches behind."""
         if self._write_error is not None:
             raise self._write_error
+        values = on_device(values, "cpu")  # the backend encodes on the host: one copy from a GPU, not one per value
         raws = [self.backend.encode_raw(v) for v in values]
         stored = [self.backend.decode_raw(raw, tuple(v.shape)) for raw, v in zip(raws, values)]
         batch = []

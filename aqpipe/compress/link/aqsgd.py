@@ -33,7 +33,7 @@ from aqpipe.compress.link.codecs import (
     bytes_as,
     generator_on,
     numel,
-    to_host,
+    to_device,
 )
 from aqpipe.compress.link.sample_coders import (
     CastCoder,
@@ -71,6 +71,8 @@ class SampleMemory(Protocol):
 
     def storable(self, values: Sequence[torch.Tensor]) -> list[bool]: ...
 
+    def storable_rows(self, values: torch.Tensor) -> torch.Tensor: ...
+
     def delete(self, ids: Sequence[int]) -> None: ...
 
 
@@ -98,7 +100,14 @@ def store_checksum(values: list[torch.Tensor | None]) -> int:
     kept = [(position, v) for position, v in enumerate(values) if v is not None]
     if not kept:
         return 0
-    words = torch.stack([v.contiguous().view(torch.int16).reshape(-1) for _, v in kept])
+    sums = row_sums(torch.stack([v.contiguous() for _, v in kept])).tolist()
+    return fold_checksum([position for position, _ in kept], sums)
+
+
+def row_sums(values: torch.Tensor) -> torch.Tensor:
+    """Each row's position-weighted sum of its 16-bit words (int64 [B], on the values' device): what
+    `store_checksum` folds, formed before anything is read so that it can cross to the host with other numbers."""
+    words = values.contiguous().view(torch.int16).reshape(values.shape[0], -1)
     weights = _weights(words.shape[1], words.device)
     # |word| < 2^15 and weight < 2^16: each row's sum stays below 2^63 for up to 2^31 words (8 GB per sample); the
     # int64 products are formed a slice of columns at a time, so the transient stays small beside a large batch
@@ -106,10 +115,48 @@ def store_checksum(values: list[torch.Tensor | None]) -> int:
     for start in range(0, words.shape[1], _CHECKSUM_COLUMNS):
         part = slice(start, start + _CHECKSUM_COLUMNS)
         sums += (words[:, part].to(torch.int64) * weights[part]).sum(dim=1)
+    return sums
+
+
+def fold_checksum(positions: list[int], sums: list[int]) -> int:
+    """The 32-bit checksum of kept values at `positions` (in order) with row sums `sums`."""
     h = 0
-    for (position, _), s in zip(kept, sums.tolist()):
+    for position, s in zip(positions, sums):
         h = (h * 1_000_003 + position * 7919 + s) % _MERSENNE_61
     return (h ^ (h >> 32)) & 0xFFFFFFFF
+
+
+def rows_of(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Rows `rows` of a batch: the batch itself when they are all of it in order, else a gather whose index reaches
+    the device without the host waiting (a Python list as an index is a synchronous copy)."""
+    if rows == list(range(t.shape[0])):
+        return t
+    return t.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), t.device))
+
+
+class _Candidates:
+    """Rows that may be sent one way (as deltas, first sights or losslessly) and what m(ξ) would become: which of
+    them can go that way and their checksum sums are asked for together with every other kind's, in one read."""
+
+    def __init__(self, at: list[int], values: torch.Tensor, ok: torch.Tensor) -> None:
+        self.at, self.values, self.ok = at, values, ok
+        self.sums = row_sums(values) if at else ok.to(torch.int64)
+        self.fits: list[bool] = []
+        self.read: list[int] = []
+
+    @staticmethod
+    def read_all(groups: list[_Candidates]) -> None:
+        """Read every group's verdicts and sums from the device at once."""
+        groups = [g for g in groups if g.at]
+        if not groups:
+            return
+        numbers = torch.cat([torch.cat([g.ok.to(torch.int64), g.sums]) for g in groups]).tolist()
+        start = 0
+        for g in groups:
+            n = len(g.at)
+            g.fits = [bool(v) for v in numbers[start:start + n]]
+            g.read = numbers[start + n:start + 2 * n]
+            start += 2 * n
 
 
 def keep(view: SampleMemory, ids: list[int], values: list[torch.Tensor | None]) -> list[int]:
@@ -135,8 +182,8 @@ def _fidelity(x: torch.Tensor, delta: list[int], m_old: torch.Tensor, change: to
     activation, of its change since m(ξ), and of what m(ξ) still misses after the update in the store's dtype —
     what the receiver computes on. One full-size temporary: m_new − m_old − change = m_new − x."""
     error = m_new.to(torch.float32, copy=True).sub_(m_old).sub_(change)
-    signal = _row_sq(x)[[delta[j] for j in as_delta]]
-    return DeltaFidelity(signal.sum(), _row_sq(change)[as_delta].sum(), _row_sq(error)[as_delta].sum())
+    signal = rows_of(_row_sq(x), [delta[j] for j in as_delta])
+    return DeltaFidelity(signal.sum(), rows_of(_row_sq(change), as_delta).sum(), rows_of(_row_sq(error), as_delta).sum())
 
 
 class AQSGDCodec(LinkCodec):
@@ -197,65 +244,73 @@ class AQSGDCodec(LinkCodec):
             modes = [MODE_FULL if m == MODE_FIRST else m for m in modes]
         segments: list[torch.Tensor | None] = [None] * b
         new_m: list[torch.Tensor | None] = [None] * b
+        sums: list[int] = [0] * b
         fidelity = None
+        # Every kind of row is coded first; whether each can go that way (in the coder's range, its new m(ξ)
+        # storable) and the checksum sums are then read in one wait for the device, not one per question.
         delta = [i for i, m in enumerate(modes) if m == MODE_DELTA]
+        groups: dict[int, _Candidates] = {}
         if delta:
-            m_old = torch.stack(self.view.get([id_list[i] for i in delta])).to(x.device, torch.float32)
-            change = x[delta] - m_old
-            delta, m_old, change = self._in_range(delta, m_old, change, modes, self.delta.largest)
-        if delta:
-            rows, deq = self.delta.encode(change, values=True)
+            m_old = self._recall([id_list[i] for i in delta], x.device)
+            change = rows_of(x, delta) - m_old
+            delta_rows, deq = self.delta.encode(change, values=True)
             # the sender updates its copy from exactly the codes and fp16 scales the receiver will unpack
             m_new = (m_old + present(deq)).to(self.view.dtype)
-            as_delta = []
-            for j, (i, fits) in enumerate(zip(delta, self.view.storable(list(m_new)))):
-                if fits:
-                    segments[i], new_m[i] = rows[j], m_new[j]
-                    as_delta.append(j)
-                else:
-                    modes[i] = MODE_FULL  # sent losslessly below; the receiver does the same with the same value
-            if as_delta:
-                fidelity = _fidelity(x, delta, m_old, change, m_new, as_delta)
+            groups[MODE_DELTA] = _Candidates(delta, m_new, self._sendable(change, m_new, self.delta.largest))
         first = [i for i, m in enumerate(modes) if m == MODE_FIRST]
         if first:
             coder = present(self.first_sight)
-            first, _, values = self._in_range(first, x[first], x[first], modes, coder.largest)
-        if first:
-            rows, deq = coder.encode(values, values=True)
-            seeds = [v.to(self.view.dtype, copy=True) for v in present(deq)]
-            for j, (i, fits) in enumerate(zip(first, self.view.storable(seeds))):
-                if fits:
-                    segments[i], new_m[i] = rows[j], seeds[j]
+            values = rows_of(x, first)
+            first_rows, deq = coder.encode(values, values=True)
+            seeds = present(deq).to(self.view.dtype, copy=True)
+            groups[MODE_FIRST] = _Candidates(first, seeds, self._sendable(values, seeds, coder.largest))
+        groups[MODE_FULL] = self._lossless([i for i, m in enumerate(modes) if m == MODE_FULL], x)
+        _Candidates.read_all(list(groups.values()))
+        late = []  # rows a coder could not carry, or whose coded m(ξ) could not be stored: sent losslessly
+        for mode, rows in ((MODE_DELTA, delta_rows if delta else None), (MODE_FIRST, first_rows if first else None)):
+            group = groups.get(mode)
+            if group is None or rows is None:
+                continue
+            for j, i in enumerate(group.at):
+                if group.fits[j]:
+                    segments[i], new_m[i], sums[i] = rows[j], group.values[j], group.read[j]
                 else:
-                    modes[i] = MODE_FULL  # as a delta that cannot be stored: losslessly, below
-        full = [i for i, m in enumerate(modes) if m == MODE_FULL]
+                    late.append(i)
+        if delta and (as_delta := [j for j, ok in enumerate(groups[MODE_DELTA].fits) if ok]):
+            fidelity = _fidelity(x, delta, m_old, change, groups[MODE_DELTA].values, as_delta)
+        lossless = [groups[MODE_FULL]]
+        if late:
+            lossless.append(self._lossless(sorted(late), x))
+            _Candidates.read_all(lossless[1:])
         raw = tensor.detach().to(lossless_dtype)
-        firsts = [x[i].to(self.view.dtype, copy=True) for i in full]  # never a view of the live activation
-        for i, value, fits in zip(full, firsts, self.view.storable(firsts)):
-            modes[i] = LOSSLESS_MODES[lossless_dtype]
-            segments[i] = raw[i].contiguous().view(torch.uint8).reshape(-1)
-            new_m[i] = value if fits else None
+        for group in lossless:
+            for j, i in enumerate(group.at):
+                modes[i] = LOSSLESS_MODES[lossless_dtype]
+                segments[i] = raw[i].contiguous().view(torch.uint8).reshape(-1)
+                new_m[i], sums[i] = (group.values[j], group.read[j]) if group.fits[j] else (None, 0)
         self.view.store.stats.overflow += len(keep(self.view, id_list, new_m))
-        mode_bytes = torch.tensor(modes, dtype=torch.uint8, device=x.device)
-        payload = to_host(torch.cat([mode_bytes, *(s.reshape(-1) for s in _every(segments))]))
+        mode_bytes = to_device(torch.tensor(modes, dtype=torch.uint8), x.device)
         flags = (self.bits << 8) | (0 if self.check else FLAG_NO_CHECK)
-        check = store_checksum(new_m) if self.check else 0
-        return Encoded(payload, tuple(x.shape), torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
+        kept = [i for i in range(b) if new_m[i] is not None]
+        check = fold_checksum(kept, [sums[i] for i in kept]) if self.check else 0
+        return Encoded.of(torch.cat([mode_bytes, *(s.reshape(-1) for s in _every(segments))]), tuple(x.shape),
+                          torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
 
-    @staticmethod
-    def _in_range(rows: list[int], base: torch.Tensor, coded: torch.Tensor, modes: list[int], largest: float
-                  ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """Keep the samples whose `coded` values the coder can carry (finite, |v| ≤ `largest`: fp16 scales span
-        65504, a rotated tile's 65504/√tile); the others go losslessly. Returns the kept rows and their `base` and
-        `coded` values."""
-        in_range = (coded.abs() <= largest).reshape(len(rows), -1).all(dim=1).tolist()
-        if all(in_range):
-            return rows, base, coded
-        for i, ok in zip(rows, in_range):
-            if not ok:
-                modes[i] = MODE_FULL
-        kept = torch.tensor(in_range, device=coded.device)
-        return [i for i, ok in zip(rows, in_range) if ok], base[kept], coded[kept]
+    def _recall(self, ids: list[int], device: torch.device) -> torch.Tensor:
+        """m(ξ) of `ids`, stacked in float32 on `device` (from host RAM in one copy the host does not wait for)."""
+        return to_device(torch.stack(self.view.get(ids)), device).float()
+
+    def _sendable(self, coded: torch.Tensor, stored: torch.Tensor, largest: float) -> torch.Tensor:
+        """Per row, on the device: the coder can carry `coded` (finite, |v| ≤ `largest`: fp16 scales span 65504, a
+        rotated tile's 65504/√tile) and the store can keep `stored`."""
+        in_range = (coded.abs() <= largest).reshape(coded.shape[0], -1).all(dim=1)
+        return in_range & self.view.storable_rows(stored)
+
+    def _lossless(self, at: list[int], x: torch.Tensor) -> _Candidates:
+        """Rows `at` sent losslessly: m(ξ) becomes the value itself (a copy, never a view of the live activation),
+        or, where the store cannot keep it, is dropped on both sides."""
+        values = rows_of(x, at).to(self.view.dtype, copy=True) if at else x.new_empty((0,))
+        return _Candidates(at, values, self.view.storable_rows(values) if at else values.bool())
 
     def forget(self, ids: list[int]) -> None:
         """Drop m(ξ) of samples the receiver lacks, so that their next message seeds it again."""
@@ -292,8 +347,8 @@ class AQSGDCodec(LinkCodec):
         """Rebuild the activation and update this side's m(ξ) exactly as the sender did."""
         shape = header.shape
         b = shape[0]
-        payload = payload.to(self.device)
-        modes = payload[:b].tolist()
+        modes = payload[:b].tolist()  # read where the bytes arrived (the host), before they go to the device
+        payload = to_device(payload, self.device)
         sizes = self._segment_bytes(shape)
         if any(m not in sizes for m in modes):
             unknown = sorted(set(modes) - set(sizes))
@@ -305,37 +360,48 @@ class AQSGDCodec(LinkCodec):
             raise CodecError(f"aqsgd payload of {payload.numel()} bytes does not match its sample modes")
         id_list = ids.tolist()
         out = torch.empty(shape, dtype=torch.float32, device=self.device)
-        new_m: list[torch.Tensor | None] = [None] * b
+        segments: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
         offset = b
-        coded: dict[int, tuple[list[torch.Tensor], list[int]]] = {MODE_DELTA: ([], []), MODE_FIRST: ([], [])}
         for i, mode in enumerate(modes):
-            segment = payload[offset : offset + sizes[mode]]
+            rows, at = segments.setdefault(mode, ([], []))
+            rows.append(payload[offset : offset + sizes[mode]])
+            at.append(i)
             offset += sizes[mode]
+        # m(ξ)'s new values, kind by kind; whether each may be kept (the sender's rule, on the same values) and the
+        # checksum sums are read in one wait for the device
+        groups = []
+        for mode, (rows, at) in segments.items():
             if mode in MODE_DTYPES:
-                out[i] = bytes_as(segment.view(1, -1), MODE_DTYPES[mode]).view(shape[1:])
-                value = out[i].to(self.view.dtype, copy=True)
-                new_m[i] = value if self.view.storable([value])[0] else None  # the sender's rule, on the same value
+                values = bytes_as(torch.stack(rows), MODE_DTYPES[mode]).view(len(at), *shape[1:]).float()
+                seeds = values.to(self.view.dtype, copy=True)
+                ok = self.view.storable_rows(seeds)
+            elif mode == MODE_FIRST:
+                values = present(self.first_sight).decode(torch.stack(rows), (len(at), *shape[1:]))
+                seeds = values.to(self.view.dtype, copy=True)
+                ok = self.view.storable_rows(seeds)
+            else:  # MODE_DELTA: the sender sent a delta only where the new m(ξ) could be kept
+                try:
+                    m_old = self._recall([id_list[i] for i in at], self.device)
+                except KeyError as e:
+                    raise CodecError(f"m(xi) diverged: the sender sent a delta but this side has never seen the "
+                                     f"sample ({e.args[0]})") from None
+                seeds = (m_old + self.delta.decode(torch.stack(rows), tuple(m_old.shape))).to(self.view.dtype)
+                values = seeds.float()
+                ok = torch.ones(len(at), dtype=torch.bool, device=seeds.device)
+            if len(at) == b:
+                out.copy_(values)
             else:
-                coded[mode][0].append(segment)
-                coded[mode][1].append(i)
-        rows, at = coded[MODE_FIRST]
-        if at:
-            values = present(self.first_sight).decode(torch.stack(rows), (len(at), *shape[1:]))
-            seeds = [v.to(self.view.dtype, copy=True) for v in values]
-            for j, (i, fits) in enumerate(zip(at, self.view.storable(seeds))):
-                out[i], new_m[i] = values[j], seeds[j] if fits else None
-        rows, at = coded[MODE_DELTA]
-        if at:
-            try:
-                m_old = torch.stack(self.view.get([id_list[i] for i in at])).to(self.device, torch.float32)
-            except KeyError as e:
-                raise CodecError(f"m(xi) diverged: the sender sent a delta but this side has never seen the sample "
-                                 f"({e.args[0]})") from None
-            m_new = (m_old + self.delta.decode(torch.stack(rows), tuple(m_old.shape))).to(self.view.dtype)
-            for j, i in enumerate(at):
-                new_m[i] = m_new[j]
-                out[i] = m_new[j].float()
-        if not header.flags & FLAG_NO_CHECK and store_checksum(new_m) != header.codec_check:
+                out.index_copy_(0, to_device(torch.tensor(at, dtype=torch.int64), out.device), values)
+            groups.append(_Candidates(at, seeds, ok))
+        _Candidates.read_all(groups)
+        new_m: list[torch.Tensor | None] = [None] * b
+        sums: list[int] = [0] * b
+        for group in groups:
+            for j, i in enumerate(group.at):
+                if group.fits[j]:
+                    new_m[i], sums[i] = group.values[j], group.read[j]
+        kept = [i for i in range(b) if new_m[i] is not None]
+        if not header.flags & FLAG_NO_CHECK and fold_checksum(kept, [sums[i] for i in kept]) != header.codec_check:
             raise CodecError(f"m(xi) diverged on link {self.view.link}: this side's copy fails the sender's checksum "
                              f"at step {header.step} micro-batch {header.micro_batch}")
         keep(self.view, id_list, new_m)

@@ -7,8 +7,8 @@ codec names: each entry names the class that implements it, whose `from_spec` bu
 `message_bytes` sizes a message (`message_bytes`), and says what the codec can do.
 
 Codecs compute on the tensor's device: on a GPU, quantizing, packing and AQ-SGD's m(ξ) arithmetic and checksum run
-there, and only the packed payload crosses to the host (`to_host`, through pinned memory); a received payload is
-decoded on the codec's `device`.
+there, and only the packed payload crosses to the host (`to_host`: into pinned memory, without waiting; the outbox
+thread waits for the copy's event); a received payload is decoded on the codec's `device`.
 """
 
 from __future__ import annotations
@@ -36,13 +36,26 @@ LOSSLESS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HOST = torch.device("cpu")
 
 
-def to_host(payload: torch.Tensor) -> torch.Tensor:
-    """A message's encoded bytes on the host, where the socket reads them: the one device-to-host copy a message
-    makes, into pinned memory (a DMA, not a staged copy); host bytes are returned as they are."""
+def to_host(payload: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A message's encoded bytes on their way to the host, where the socket reads them, and the CUDA event that
+    marks their arrival (None: host bytes, ready as they are). The one device-to-host copy a message makes goes into
+    pinned memory without waiting (a DMA queued behind the encode), so the compute thread never waits for the GPU:
+    whoever reads the bytes waits on the event first (the outbox thread; `Encoded.payload`)."""
     if payload.device.type == "cpu":
-        return payload
+        return payload, None
     host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
-    return host.copy_(payload)  # synchronous: the outbox thread reads the bytes next
+    host.copy_(payload, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host values on `device` without making the host wait: a pageable tensor is staged by the driver before the
+    call returns, so the source may change afterwards; on the host, the values themselves."""
+    if device.type == "cpu" or values.device == device:
+        return values
+    return values.to(device, non_blocking=True)
 
 
 @dataclass
@@ -61,14 +74,33 @@ class DeltaFidelity:
 
 @dataclass
 class Encoded:
-    """What a codec puts on the wire for one tensor."""
+    """What a codec puts on the wire for one tensor: its bytes on the host (or on their way there: `ready`)."""
 
-    payload: torch.Tensor  # flat uint8, on the host
+    host: torch.Tensor  # flat uint8, on the host (pinned, still being filled while `ready` has not passed)
     shape: tuple[int, ...]
     wire_dtype: torch.dtype
     codec_check: int = 0
     flags: int = 0
     fidelity: DeltaFidelity | None = None  # AQ-SGD messages with deltas in them
+    ready: torch.cuda.Event | None = None  # recorded after the copy to `host` (None: host bytes, ready now)
+
+    @classmethod
+    def of(cls, payload: torch.Tensor, shape: tuple[int, ...], wire_dtype: torch.dtype, **fields: Any) -> Encoded:
+        """The message of encoded bytes `payload` (flat uint8, on any device), their copy to the host queued."""
+        host, ready = to_host(payload)
+        return cls(host, shape, wire_dtype, ready=ready, **fields)
+
+    @property
+    def payload(self) -> torch.Tensor:
+        """The bytes, once they are on the host (waits for their copy)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host
+
+    @property
+    def payload_len(self) -> int:
+        """The payload's length in bytes (known before the bytes arrive)."""
+        return self.host.numel()
 
 
 def bytes_as(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -131,7 +163,7 @@ class LinkCodec:
 
     def decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The tensor a received message stands for: float32, or a raw message's own dtype."""
-        payload = payload.to(self.device)
+        payload = to_device(payload, self.device)
         if header.flags & FLAG_RAW:
             return bytes_as(payload.view(1, -1), header.dtype).view(header.shape)
         return self._decode(header, payload, ids)
@@ -156,8 +188,7 @@ class LinkCodec:
 
     def _raw(self, tensor: torch.Tensor) -> Encoded:
         wire = lossless(tensor.detach()).contiguous()
-        return Encoded(to_host(wire.view(torch.uint8).reshape(-1)), tuple(wire.shape), wire.dtype,
-                       flags=self.flags(raw=True))
+        return Encoded.of(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), wire.dtype, flags=self.flags(raw=True))
 
     def payload_bytes(self, header) -> int:
         """The exact payload length of a compressed message with this header."""
@@ -221,7 +252,7 @@ class FloatCodec(LinkCodec):
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
         wire = tensor.to(self._wire(tensor.dtype)).contiguous()
-        return Encoded(to_host(wire.view(torch.uint8).reshape(-1)), tuple(wire.shape), wire.dtype, flags=self.flags())
+        return Encoded.of(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), wire.dtype, flags=self.flags())
 
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if header.dtype != self._wire(header.dtype):

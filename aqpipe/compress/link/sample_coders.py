@@ -27,7 +27,6 @@ from aqpipe.compress.link.codecs import (
     bytes_as,
     generator_on,
     numel,
-    to_host,
 )
 from aqpipe.compress.link.directq import decode_samples, encode_samples, join_rows, sample_bytes, split_rows
 from aqpipe.compress.link.specs import CodecSpec, check_first_sight
@@ -170,7 +169,7 @@ class CoderCodec(LinkCodec):
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
         x = tensor.float()
         rows, _ = self.coder.encode(x)
-        return Encoded(to_host(rows.reshape(-1)), tuple(x.shape), torch.uint8, flags=self.flags())
+        return Encoded.of(rows.reshape(-1), tuple(x.shape), torch.uint8, flags=self.flags())
 
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.coder.decode(payload.view(header.shape[0], -1), header.shape)

@@ -31,7 +31,6 @@ from aqpipe.compress.link.codecs import (
     QuantOptions,
     bytes_as,
     numel,
-    to_host,
 )
 from aqpipe.compress.link.specs import CodecSpec
 from aqpipe.compress.rotated import hadamard, token_rows
@@ -139,7 +138,7 @@ class TAHQuantCodec(LinkCodec):
         x = tensor.float()
         rows = token_rows(x)
         payload = torch.cat([_encode_sample(sample) for sample in rows])
-        return Encoded(to_host(payload), tuple(x.shape), torch.uint8, flags=self.flags())
+        return Encoded.of(payload, tuple(x.shape), torch.uint8, flags=self.flags())
 
     def _payload_problem(self, header) -> str | None:
         """The length varies with the rotated tiles: between none and every tile rotated."""

@@ -24,7 +24,6 @@ from aqpipe.compress.link.codecs import (
     bytes_as,
     generator_on,
     numel,
-    to_host,
 )
 from aqpipe.compress.link.specs import CodecSpec
 from aqpipe.compress.quantize import Quantized, dequantize, quantize
@@ -82,7 +81,7 @@ class TopKCodec(LinkCodec):
         else:
             positions = idx.to(torch.int16 if fmt == "int16" else torch.int32).contiguous().view(torch.uint8)
         rows = torch.cat([q.scales.contiguous().view(torch.uint8), positions, pack(q.codes, self.bits)], dim=1)
-        return Encoded(to_host(rows.reshape(-1)), tuple(tensor.shape), torch.uint8, flags=self.flags())
+        return Encoded.of(rows.reshape(-1), tuple(tensor.shape), torch.uint8, flags=self.flags())
 
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         shape = header.shape
