@@ -60,10 +60,10 @@ sync_audit() {  # two short runs with every rank audited; their rank logs hold t
   echo "|---|---|---|"
 } >"$results"
 
-part gpu-tests 300 python -m pytest -m gpu tests/test_gpu.py -n 12 -p no:cacheprovider -q -rfE
+part gpu-tests 170 python -m pytest -m gpu tests/test_gpu.py -n 12 -p no:cacheprovider -q -rfE
 export -f sync_audit
 export out
-part sync-audit 150 bash -c sync_audit
+part sync-audit 90 bash -c sync_audit
 throughput_mps() {  # the same pipeline with NVIDIA MPS: the four ranks' kernels share the GPU instead of time-slicing
   command -v nvidia-cuda-mps-control >/dev/null || { echo "no nvidia-cuda-mps-control on this machine"; return 3; }
   nvidia-cuda-mps-control -d || return
@@ -74,15 +74,15 @@ throughput_mps() {  # the same pipeline with NVIDIA MPS: the four ranks' kernels
   return $rc
 }
 
-part throughput 240 python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 \
+part throughput 120 python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 \
   --epochs 2 \
   --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda"
 
-part codec-speed 120 bash -c "python benchmarks/codec_speed.py --device cuda --out '$out/codec_speed_cuda' && \
+part codec-speed 60 bash -c "python benchmarks/codec_speed.py --device cuda --out '$out/codec_speed_cuda' && \
   python benchmarks/codec_speed.py --device cuda --shape 4,128,576 --out '$out/codec_speed_cuda_smollm2'"
 export -f throughput_mps
 export data
-part throughput-mps 150 bash -c throughput_mps
+part throughput-mps 120 bash -c throughput_mps
 
 {
   echo

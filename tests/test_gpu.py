@@ -226,3 +226,23 @@ def test_powersgd_with_collectives_staged_through_the_host(tmp_path):
                      "--grad-sync", "powersgd:2")
     assert records[-1]["grad_sync_bytes"] > 0
 
+
+
+@needs_cuda
+def test_a_run_moves_between_the_host_and_the_gpu_on_resume(tmp_path):
+    """Epoch 1 on the host, epoch 2 resumed on the GPU, epoch 3 resumed on the host again: every resume loads the
+    other device's checkpoint (optimizer, codec generators, grad-sync state) and m(ξ) from disk, and both copies of
+    m(ξ) still agree at the end."""
+    run = tmp_path / "run"
+    launch(run, "--model", "gpt2-tiny", "--pp", "2", "--epochs", "1", "--warmup-epochs", "1", "--fw", "aqsgd:3",
+           "--bw", "directq:6", "--store", "lmdb", "--device", "cpu")
+    for epochs, device in (("2", "cuda"), ("3", "cpu")):
+        proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", "--resume", str(run), "--epochs", epochs,
+                               "--device", device, "--no-progress"], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and records[-1]["epoch"] >= 2
+    assert records[-1]["store_hits"] > 0
+    verify = subprocess.run([sys.executable, "-m", "aqpipe", "store", "verify", str(run)], capture_output=True,
+                            text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
