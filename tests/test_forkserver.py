@@ -191,3 +191,20 @@ def test_a_launcher_holding_a_thread_starts_its_server_afresh_instead():
              "server.close()\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "True", out.stderr[-3000:]
+
+
+def test_the_refusal_names_the_threads_that_make_a_fork_unsafe():
+    """On a GPU machine an import started a thread in the fork server; the note must say which, so that the import
+    can be found (the kernel's thread name, as `ps -L` shows it)."""
+    import threading as _threading
+
+    stop = _threading.Event()
+    worker = _threading.Thread(target=stop.wait, name="probe-thread", daemon=True)
+    worker.start()
+    try:
+        why = forkserver._unsafe_to_fork()
+        assert why is not None and "probe-thread" in why and "started" in why
+        assert forkserver.other_thread_names().count("probe-thread") == 1
+    finally:
+        stop.set()
+        worker.join()

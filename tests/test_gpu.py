@@ -39,9 +39,10 @@ needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="a check of CUDA itself
 
 # Where a training step may make the host wait for the GPU (file, function), each for a reason: the one read of an
 # AQ-SGD message's verdicts and checksum sums, the copy of its new m(ξ) into host RAM (none with --store-device
-# cuda), and the step's gradient norm, which crosses to the host for the collectives staged through it.
+# cuda), and the step's gradient norm, which crosses to the host for the collectives staged through it and for
+# the clipping decision.
 EXPECTED_SYNCS = {("aqpipe/compress/link/aqsgd.py", "read_all"), ("aqpipe/storage/base.py", "on_device"),
-                  ("aqpipe/pipeline/optim.py", "local_grad_sq_norm")}
+                  ("aqpipe/pipeline/optimizer_phase.py", "_clip")}
 
 
 @pytest.mark.parametrize("spec,direction,per", [("fp32", "fw", "channel"), ("fp16", "fw", "channel"),
@@ -179,10 +180,12 @@ def test_a_launch_on_the_gpu_forks_its_ranks(tmp_path):
 @pytest.mark.parametrize("store", ["host", "gpu"])
 def test_a_training_step_waits_for_the_gpu_only_where_expected(tmp_path, store):
     """Every step from the third under torch.cuda.set_sync_debug_mode (AQPIPE_CUDA_SYNC_AUDIT): each place that
-    made the host wait is one of EXPECTED_SYNCS, at most twice per AQ-SGD message."""
-    flags = ["--model", "gpt2-tiny", "--pp", "4", "--epochs", "3", "--fw", "aqsgd:3", "--bw", "directq:6"]
-    launch(tmp_path / "run", *flags, *(["--store-device", "cuda"] if store == "gpu" else []),
-           env={"AQPIPE_CUDA_SYNC_AUDIT": "1"})
+    made the host wait is one of EXPECTED_SYNCS, at most twice per AQ-SGD message. m(ξ) in host RAM: GPT-2 in fp32;
+    on the GPU: Llama (its embedding tied to its head: the row exchange) in bf16."""
+    model = ["--model", "gpt2-tiny"] if store == "host" else ["--model", "llama-tiny", "--precision", "bf16",
+                                                               "--store-device", "cuda"]
+    flags = ["--pp", "4", "--epochs", "3", "--fw", "aqsgd:3", "--bw", "directq:6"]
+    launch(tmp_path / "run", *model, *flags, env={"AQPIPE_CUDA_SYNC_AUDIT": "1"})
     places, steps = {}, 0
     for log in (tmp_path / "run" / "logs").glob("rank-*.log"):
         for line in log.read_text().splitlines():

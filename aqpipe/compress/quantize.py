@@ -95,7 +95,7 @@ def _levels(bits: int, grid: str, device: torch.device) -> torch.Tensor:
     table is shared: callers read it, never write it."""
     offset, steps, top = _offset_steps(bits, grid)
     k = torch.arange(1 << bits, dtype=torch.float64).clamp(max=top)
-    return ((k - offset) / steps).to(torch.float32).to(device)
+    return ((k - offset) / steps).to(torch.float32).to(device, non_blocking=True)  # (a fresh host tensor: staged)
 
 
 def fp16_scales(scale: torch.Tensor) -> torch.Tensor:

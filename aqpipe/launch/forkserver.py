@@ -300,6 +300,22 @@ def native_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def other_thread_names() -> list[str]:
+    """The names of this process's threads other than the calling one, for saying which import made a fork unsafe:
+    a Python thread's own name, else the kernel's (a native library's thread is often named for it: OpenMP's, a
+    CUDA library's)."""
+    python = {t.native_id: t.name for t in threading.enumerate()}
+    names = []
+    for task in sorted(os.listdir("/proc/self/task"), key=int):
+        if int(task) == threading.get_native_id():
+            continue
+        try:
+            names.append(python.get(int(task)) or Path(f"/proc/self/task/{task}/comm").read_text().strip())
+        except OSError:  # it ended meanwhile
+            pass
+    return names
+
+
 def cuda_initialised() -> bool:
     """Whether torch has created a CUDA context in this process (False when torch is not even imported)."""
     torch = sys.modules.get("torch")
@@ -397,7 +413,9 @@ def _unsafe_to_fork() -> str | None:
         return "an import initialised the CUDA driver in the fork server"
     threads = native_threads()
     if threads > 1:
-        return f"an import started {threads - 1} thread(s) in the fork server, and a fork would copy their locks"
+        names = ", ".join(other_thread_names()) or "unnamed"
+        return (f"an import started {threads - 1} thread(s) in the fork server ({names}), and a fork would copy "
+                f"their locks")
     return None
 
 

@@ -73,16 +73,18 @@ def tied_sq_norm(module: nn.Module, groups: list[TiedGroup], last_stage: bool = 
     """This stage's share of the tied gradients' squared norm: each group's (common) gradient counted once over the
     whole model, split over the copies (a head-owned group: whole on the last stage)."""
     copies = local_copies(module)
-    share = torch.zeros((), dtype=torch.float64)
+    share = torch.zeros((), dtype=torch.float64)  # float64 sums on the gradients' device: nothing is read here
     for tied in groups:
         if tied.head_owned:
             held = copies.get(tied.name, [])
             if last_stage and held:
-                share += sum(float(p.grad.double().pow(2).sum()) for p in held[-1] if p.grad is not None)
+                share = share + sum((p.grad.double().pow(2).sum() for p in held[-1] if p.grad is not None),
+                                    torch.zeros((), dtype=torch.float64))
             continue
         for copy in copies.get(tied.name, []):
             grads = [p.grad for p in copy if p.grad is not None]
-            share += sum(float(g.double().pow(2).sum()) for g in grads) / tied.copies
+            share = share + sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64)) \
+                / tied.copies
     return share
 
 

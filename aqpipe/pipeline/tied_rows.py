@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from aqpipe.compress.link.codecs import to_device
 from aqpipe.pipeline.tied import local_copies
 from aqpipe.pipeline.transport import HEADER_SIZE, KIND_TIED_GRADS, KIND_TIED_ROWS, Expect, Header, Inbox, Outbox, TransportError
 
@@ -154,7 +155,7 @@ class RowExchange:
         rows = parts.grads[self._backwards]
         grad = self.table.grad
         values = torch.zeros(len(rows), self.table.shape[1], dtype=self.table.dtype) if grad is None \
-            else grad.detach()[rows.to(grad.device)]
+            else grad.detach()[to_device(rows, grad.device)]
         self._send(KIND_TIED_GRADS, step, self._backwards, rows, values)
         self._backwards += 1
 
@@ -176,10 +177,10 @@ class RowExchange:
         if self.table.grad is None:
             self.table.grad = torch.zeros_like(self.table)
         for rows, values in zip(parts.grads, received):
-            values = values.to(self.table.device, self.table.grad.dtype)
+            values = to_device(values, self.table.device).to(self.table.grad.dtype)
             if unscale != 1.0:
                 values = values.mul_(unscale)
-            self.table.grad.index_add_(0, rows.to(self.table.device), values)
+            self.table.grad.index_add_(0, to_device(rows, self.table.device), values)
 
     def sq_norm(self) -> torch.Tensor:
         """The table's share of the whole model's squared gradient norm (float64): all of it on the owner, whose
@@ -187,7 +188,7 @@ class RowExchange:
         grad = self.table.grad
         if self.role == LOOKUP or grad is None:
             return torch.zeros((), dtype=torch.float64)
-        return torch.tensor(float(grad.detach().double().pow(2).sum()), dtype=torch.float64)
+        return grad.detach().double().pow(2).sum()  # on the device: read once, with the rest of the norm
 
     def flush(self) -> None:
         """Wait until everything this end sent has left (raising why it could not)."""
@@ -204,14 +205,15 @@ class RowExchange:
         return self._parts
 
     def _current(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.table.detach()[rows.to(self.table.device)]
+        return self.table.detach()[to_device(rows, self.table.device)]
 
     def _write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         with torch.no_grad():
-            self.table.index_copy_(0, rows.to(self.table.device), values.to(self.table.device, self.table.dtype))
+            self.table.index_copy_(0, to_device(rows, self.table.device),
+                                   to_device(values, self.table.device).to(self.table.dtype))
 
     def _send(self, kind: int, step: int, part: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        values = values.to(self.wire_dtype).contiguous().cpu()
+        values = values.to(self.wire_dtype).contiguous()  # (a GPU's rows reach the host in the outbox's own time)
         header = Header(kind, step, part, tuple(values.shape), values.dtype, len(rows), 0)
         self.outbox.send(header, rows, values)
         self.bytes_sent += HEADER_SIZE + values.numel() * values.element_size() + 8 * len(rows)
