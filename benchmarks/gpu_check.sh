@@ -12,7 +12,7 @@
 #   codec-speed  benchmarks/codec_speed.py on the GPU, at GPT2-XL's activation shape and at SmolLM2-135M's
 #   throughput   benchmarks/throughput.py: 4 ranks on the one GPU behind 100 Mbit/s tc links, fp32 vs aqsgd fw3 bw6
 #   throughput-mps  the same under NVIDIA MPS (started and stopped here), where nvidia-cuda-mps-control exists
-# About 6-8 minutes on an H100. AQPIPE_BENCH_DATA names the WikiText-2 file the throughput part trains on.
+# About 7-8 minutes on an H200 (each part stops at its own limit, 10 minutes in all at most). AQPIPE_BENCH_DATA names the WikiText-2 file the throughput part trains on.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu_check}
@@ -60,7 +60,7 @@ sync_audit() {  # two short runs with every rank audited; their rank logs hold t
   echo "|---|---|---|"
 } >"$results"
 
-part gpu-tests 170 python -m pytest -m gpu tests/test_gpu.py -n 12 -p no:cacheprovider -q -rfE
+part gpu-tests 240 python -m pytest -m gpu tests/test_gpu.py -n 12 -p no:cacheprovider -v --timeout 150 -rfE
 export -f sync_audit
 export out
 part sync-audit 90 bash -c sync_audit
@@ -82,7 +82,7 @@ part codec-speed 60 bash -c "python benchmarks/codec_speed.py --device cuda --ou
   python benchmarks/codec_speed.py --device cuda --shape 4,128,576 --out '$out/codec_speed_cuda_smollm2'"
 export -f throughput_mps
 export data
-part throughput-mps 120 bash -c throughput_mps
+part throughput-mps 90 bash -c throughput_mps
 
 {
   echo
@@ -96,7 +96,11 @@ part throughput-mps 120 bash -c throughput_mps
   done
   echo
   echo "## GPU tests"
-  tail -n 15 "$out/gpu-tests.log"
+  for outcome in PASSED FAILED ERROR SKIPPED; do
+    echo "- $outcome: $(grep -c " $outcome " "$out/gpu-tests.log")"
+  done
+  grep -E " (FAILED|ERROR) tests/" "$out/gpu-tests.log" | sed 's/^.* \(FAILED\|ERROR\) /- \1 /'
+  tail -n 3 "$out/gpu-tests.log"
   echo
   echo "## codec speed"
   grep -h -E "MB/s" "$out/codec-speed.log" | head -60
