@@ -37,3 +37,25 @@ def test_a_memory_store_that_cannot_fit_in_ram_is_refused_with_the_numbers(capsy
     assert code == 2 and len(err) == 1
     assert "GB of RAM" in err[0] and "0.00 GB is available" in err[0] and "--store lmdb" in err[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_values_from_another_device_cross_in_one_copy(monkeypatch):
+    """A GPU's m(ξ) for host RAM (here: host values for the meta device) moves as one stacked copy, one wait for the
+    GPU per message rather than one per sample, and each value then owns its storage."""
+    from aqpipe.storage.base import on_device
+
+    copies = []
+    real_to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        copies.append(tuple(self.shape))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    values = [torch.randn(5, 3).half() for _ in range(4)]
+    moved = on_device(values, "meta")
+    assert copies == [(4, 5, 3)]
+    assert all(v.device.type == "meta" and v.shape == (5, 3) for v in moved)
+    copies.clear()
+    same = on_device(values, "cpu")
+    assert all(a is b for a, b in zip(same, values))  # already there: the values themselves, no copy

@@ -233,3 +233,42 @@ def test_sends_are_asynchronous():
     assert s0 == s1 == "ok"
     assert received == 64 << 20
     assert queued < 1.0 < delivered  # the sender was free to compute while the message waited for its receiver
+
+
+class _LandsWhenWaited:
+    """Stands in for the CUDA event of a payload's queued copy to the host: the bytes land only when it is waited on
+    (so a writer that read them before waiting would send zeros, under a checksum of zeros)."""
+
+    def __init__(self, payload: torch.Tensor, value: int) -> None:
+        self.payload, self.value, self.waited = payload, value, False
+
+    def synchronize(self) -> None:
+        self.payload.fill_(self.value)
+        self.waited = True
+
+
+def test_the_writer_waits_for_a_queued_copy_before_it_checksums_and_sends_the_bytes():
+    import socket
+
+    sender, receiver = socket.socketpair()
+    box, inbox = t.Outbox(sender, "rank 1", timeout=10), t.Inbox(receiver, "rank 0", timeout=10)
+    payload = torch.zeros(4096, dtype=torch.uint8)
+    ready = _LandsWhenWaited(payload, 7)
+    inbox.expect(t.Expect(t.KIND_ACTIVATION, 0, 0, 2))
+    box.send(t.Header(t.KIND_ACTIVATION, 0, 0, (payload.numel(),), torch.uint8, 2, payload.numel()),
+             torch.tensor([5, 9]), payload, ready=ready)
+    box.flush()
+    msg = inbox.get()  # raises if the header's checksum was of other bytes than the body's
+    assert ready.waited
+    assert torch.equal(msg.payload, torch.full((4096,), 7, dtype=torch.uint8)) and msg.ids.tolist() == [5, 9]
+    box.close()
+    inbox.close()
+
+
+def test_an_encoded_messages_payload_is_read_only_after_its_copy_lands():
+    from aqpipe.compress.link.codecs import Encoded
+
+    host = torch.zeros(8, dtype=torch.uint8)
+    encoded = Encoded(host, (8,), torch.uint8, ready=_LandsWhenWaited(host, 3))
+    assert encoded.payload_len == 8 and not encoded.ready.waited  # the length is known before the bytes
+    assert encoded.payload.tolist() == [3] * 8
