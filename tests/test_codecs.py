@@ -427,3 +427,14 @@ def test_a_header_that_is_no_batch_of_samples_is_refused_in_words(spec):
         header = Header(KIND_ACTIVATION, 0, 0, shape, torch.uint8, n_ids, 64, codec=codec.code, flags=codec.flags())
         problem = codec.check_header(header)
         assert problem is not None and needle in problem, (shape, problem)
+
+
+@pytest.mark.parametrize("spec,compress", [("fp32", True), ("fp32", False), ("directq:4", False), ("bf16", True)])
+def test_a_message_never_aliases_the_tensor_it_was_encoded_from(spec, compress):
+    """The link's writer thread reads a message's bytes after `send` returns; a payload that was the caller's own
+    tensor (fp32 of an fp32 activation, any raw warm-up message) would go out with whatever the caller wrote since."""
+    x = torch.randn(2, 3, 4)
+    encoded = build_codec(spec, "fw").encode(x, torch.arange(2), compress)
+    before = encoded.payload.clone()
+    x.mul_(2)
+    assert torch.equal(encoded.payload, before)

@@ -24,6 +24,9 @@ def _step(q, per: str, bits: int, grid: str) -> torch.Tensor:
 @pytest.mark.parametrize("bits", range(2, 9))
 @pytest.mark.parametrize("per", ["channel", "token"])
 def test_nearest_rounding_error_is_at_most_half_a_step_inside_the_range(grid, bits, per):
+    # seeded: the bound holds to float32's rounding of x / scale · steps (two roundings, a few ulp of the step), and
+    # about one unseeded draw in 5,000 landed within that of a half-step boundary (1.5e-5 over it at 7 bits)
+    torch.manual_seed(bits * 31 + len(grid) + len(per))
     x = torch.randn(3, 10, 16) * torch.linspace(0.1, 10, 16)
     q = quantize(x, bits, per, grid=grid)
     y = dequantize(q, tuple(x.shape))
@@ -33,11 +36,11 @@ def test_nearest_rounding_error_is_at_most_half_a_step_inside_the_range(grid, bi
     error = (x - y).abs()
     # `signed` clips the short side of its grid: beyond its last level the error may reach one step, never more
     bound = step if grid == "signed" else step / 2
-    assert bool((error <= bound * (1 + 1e-5)).all())
+    assert bool((error <= bound * (1 + 1e-4)).all())
     if grid == "signed":  # and only the values past the short side's last level, (2^(b-1) - 1) / 2^(b-1) of the scale
         signed = q.scales.float().view(3, 1, 16) if per == "channel" else q.scales.float().view(3, 10, 1)
         past = x / signed > 1 - 2.0 ** (1 - bits) + 1e-6
-        assert not bool((error > step / 2 * (1 + 1e-5))[~past].any())
+        assert not bool((error > step / 2 * (1 + 1e-4))[~past].any())
 
 
 @pytest.mark.parametrize("grid", ZERO_GRIDS)

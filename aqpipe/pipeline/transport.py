@@ -27,7 +27,7 @@ from aqpipe.compress.link.codecs import to_host
 from aqpipe.pipeline.streams import read_exactly
 
 if TYPE_CHECKING:
-    from aqpipe.compress.link.codecs import Encoded
+    from aqpipe.compress.link.codecs import Encoded, Landing
 
 MAGIC = b"AQP1"
 HEADER_SIZE = 128
@@ -216,16 +216,18 @@ class Outbox:
         self._thread.start()
 
     def send(self, header: Header, ids: torch.Tensor, payload: torch.Tensor, side: torch.Tensor | None = None,
-             ready: torch.cuda.Event | None = None) -> None:
+             ready: Landing | None = None) -> None:
         """Queue one message (header.checksum is filled by the writer thread); `side` is lossless extra data sent as
         raw bytes, of the kind header.side_kind names. With `ready`, the payload is host memory a device copy is still
         filling: the writer thread waits on the event before it reads the bytes, so the caller never waits."""
         self._raise_error()
-        ids = ids.to(torch.int64).contiguous().cpu()
+        # the writer thread reads the bytes later: the small parts are copied now (the caller may reuse its tensors);
+        # the payload is a codec's own bytes (a codec never hands over a tensor it will change)
+        ids = ids.to(torch.int64).cpu().clone()
         payload = payload.contiguous().view(torch.uint8).reshape(-1)
         if payload.device.type != "cpu":
             payload, ready = to_host(payload)
-        side = torch.empty(0, dtype=torch.uint8) if side is None else side.contiguous().cpu().view(torch.uint8).reshape(-1)
+        side = torch.empty(0, dtype=torch.uint8) if side is None else side.cpu().clone().view(torch.uint8).reshape(-1)
         header.n_ids, header.payload_len, header.side_len = ids.numel(), payload.numel(), side.numel()
         if (header.side_kind == SIDE_NONE) != (side.numel() == 0):
             raise ValueError(f"side information of {side.numel()} bytes with side_kind {header.side_kind}")

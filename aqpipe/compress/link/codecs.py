@@ -36,18 +36,40 @@ LOSSLESS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HOST = torch.device("cpu")
 
 
-def to_host(payload: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """A message's encoded bytes on their way to the host, where the socket reads them, and the CUDA event that
-    marks their arrival (None: host bytes, ready as they are). The one device-to-host copy a message makes goes into
+def to_host(payload: torch.Tensor) -> tuple[torch.Tensor, Landing | None]:
+    """A message's encoded bytes on their way to the host, where the socket reads them, and what marks their arrival
+    (None: host bytes, ready as they are). The one device-to-host copy a message makes goes into
     pinned memory without waiting (a DMA queued behind the encode), so the compute thread never waits for the GPU:
     whoever reads the bytes waits on the event first (the outbox thread; `Encoded.payload`)."""
     if payload.device.type == "cpu":
         return payload, None
     host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
-    host.copy_(payload, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
+    host.copy_(payload, non_blocking=True)  # queued on the payload's device's current stream
+    event = torch.cuda.Event(blocking=True)  # a waiting thread sleeps rather than spins
+    event.record(torch.cuda.current_stream(payload.device))
+    return host, Landing(event, payload.device)
+
+
+@dataclass
+class Landing:
+    """The CUDA event that marks a payload's queued copy to the host, and the GPU it was queued on."""
+
+    event: torch.cuda.Event
+    device: torch.device
+
+    def synchronize(self) -> None:
+        """Wait until the bytes are on the host, with the copy's GPU current: a thread that has never chosen one is
+        on GPU 0, and a wait from there would make a CUDA context on GPU 0 (memory, and a share of its time)."""
+        with torch.cuda.device(self.device):
+            self.event.synchronize()
+
+
+def _owned(wire: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """`wire`, or a copy of it where it is the caller's host tensor itself: the link's writer thread reads a message's
+    bytes later, and the caller may change its tensor meanwhile (a GPU's bytes are copied to the host anyway)."""
+    if wire.device.type == "cpu" and wire.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+        return wire.clone()
+    return wire
 
 
 def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -82,7 +104,7 @@ class Encoded:
     codec_check: int = 0
     flags: int = 0
     fidelity: DeltaFidelity | None = None  # AQ-SGD messages with deltas in them
-    ready: torch.cuda.Event | None = None  # recorded after the copy to `host` (None: host bytes, ready now)
+    ready: Landing | None = None  # marks the copy to `host` (None: host bytes, ready now)
 
     @classmethod
     def of(cls, payload: torch.Tensor, shape: tuple[int, ...], wire_dtype: torch.dtype, **fields: Any) -> Encoded:
@@ -187,7 +209,7 @@ class LinkCodec:
         return (self.bits << 8) | (FLAG_RAW if raw else 0)
 
     def _raw(self, tensor: torch.Tensor) -> Encoded:
-        wire = lossless(tensor.detach()).contiguous()
+        wire = _owned(lossless(tensor.detach()).contiguous(), tensor)
         return Encoded.of(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), wire.dtype, flags=self.flags(raw=True))
 
     def payload_bytes(self, header) -> int:
@@ -251,7 +273,7 @@ class FloatCodec(LinkCodec):
         return numel(header.shape) * self._wire(header.dtype).itemsize
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
-        wire = tensor.to(self._wire(tensor.dtype)).contiguous()
+        wire = _owned(tensor.to(self._wire(tensor.dtype)).contiguous(), tensor)
         return Encoded.of(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), wire.dtype, flags=self.flags())
 
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
