@@ -438,3 +438,44 @@ def test_a_message_never_aliases_the_tensor_it_was_encoded_from(spec, compress):
     before = encoded.payload.clone()
     x.mul_(2)
     assert torch.equal(encoded.payload, before)
+
+
+def _reads(monkeypatch) -> list[tuple[str, int]]:
+    """Every read of tensor values into Python (what makes a host wait for a GPU), as (how, elements)."""
+    seen: list[tuple[str, int]] = []
+    for how in ("tolist", "item", "__bool__", "__float__", "__int__"):
+        real = getattr(torch.Tensor, how)
+
+        def spy(self, *args, _real=real, _how=how, **kwargs):
+            seen.append((_how, self.numel()))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, how, spy)
+    return seen
+
+
+@pytest.mark.parametrize("first_sight", ["fp32", "rtq:4"])
+def test_an_aqsgd_message_reads_its_numbers_from_the_device_once(monkeypatch, first_sight):
+    """On a GPU each read of tensor values into Python waits for the GPU. An AQ-SGD encode reads once — which
+    samples go as deltas (or first sights) and the m(ξ) checksum sums, together — besides its sample ids (host
+    numbers); a decode reads the same once, besides the ids and the mode bytes, which it reads where they arrived.
+    Before, a steady-state message read 15-20 times (one per sample for storability, the range check, the
+    checksum, the fidelity's indices…)."""
+    b = 4
+    options = QuantOptions()
+    send, recv = MemoryStore(torch.float16), MemoryStore(torch.float16)
+    sender = build_codec("aqsgd:3", "fw", StoreView(send, 0, "send"), options, first_sight=first_sight)
+    receiver = build_codec("aqsgd:3", "fw", StoreView(recv, 0, "recv"), options, first_sight=first_sight)
+    ids = torch.tensor([3, 1, 4, 5])
+    x = torch.randn(b, 16, 32)
+    for compress in (False, True):  # the first visit seeds m(ξ); the second is all deltas
+        encoded = sender.encode(x, ids, compress=compress)
+        receiver.decode(Header.for_encoded(encoded, sender.code), encoded.payload, ids)
+        x = x + 0.1 * torch.randn_like(x)
+    reads = _reads(monkeypatch)
+    encoded = sender.encode(x, ids, compress=True)
+    assert reads == [("tolist", b), ("tolist", 2 * b)]  # the ids; the verdicts with the sums
+    reads.clear()
+    header = Header.for_encoded(encoded, sender.code)
+    receiver.decode(header, encoded.payload, ids)
+    assert reads == [("tolist", b), ("tolist", b), ("tolist", 2 * b)]  # the mode bytes and the ids (host); one read
