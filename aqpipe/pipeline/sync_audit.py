@@ -47,7 +47,7 @@ def audited(step: int, device: torch.device) -> Iterator[None]:
     places: Counter[str] = Counter()
     show = warnings.showwarning
 
-    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 (warnings' signature)
+    def record(message, category, filename, lineno, file=None, line=None):  # warnings.showwarning's signature
         if "synchronizing CUDA operation" in str(message):
             places[_caller(traceback.extract_stack()[:-1])] += 1
         else:
