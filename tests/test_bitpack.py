@@ -39,3 +39,17 @@ def test_bad_widths(bits):
 def test_wrong_byte_count_on_unpack():
     with pytest.raises(ValueError, match="cannot hold exactly"):
         unpack(torch.zeros(1, 3, dtype=torch.uint8), 4, 8)
+
+
+@pytest.mark.parametrize("bits", range(1, 8))
+def test_the_gpus_one_broadcast_packs_the_same_bytes_as_the_cpus_columns(monkeypatch, bits):
+    """A GPU assembles every column of a group in one broadcast shift; it must give the bytes the column-at-a-time
+    CPU path gives (both run here on the host), and unpack them back."""
+    from aqpipe.compress import bitpack
+
+    codes = torch.randint(0, 1 << bits, (3, 1001), dtype=torch.uint8)
+    by_column = bitpack.pack(codes, bits)
+    monkeypatch.setattr(bitpack, "_at_once", lambda device: True)
+    at_once = bitpack.pack(codes, bits)
+    assert torch.equal(at_once, by_column)
+    assert torch.equal(bitpack.unpack(at_once, bits, 1001), codes)
