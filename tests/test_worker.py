@@ -148,3 +148,39 @@ def test_a_sign_method_is_handed_gradients_already_clipped():
     assert all(status == "ok" for status, _ in results), results
     for _, norm in results:
         assert norm == pytest.approx(1.0, rel=1e-4)
+
+
+def test_a_receive_waits_for_its_peer_only_until_the_message_arrives(monkeypatch):
+    """A receive's time splits: blocked on the inbox is waiting for the peer; decoding (and, on a GPU, the work
+    queued before it) is the stage's own. Counted together as waiting, a GPU's backward — queued, then waited for
+    by the next receive — read as time lost to the link. (A stand-in clock: 2 s for the message, 3 s to decode.)"""
+    from types import SimpleNamespace
+
+    from aqpipe.pipeline import link_ends
+
+    clock = [0.0]
+    monkeypatch.setattr(link_ends.time, "perf_counter", lambda: clock[0])
+
+    class Inbox:
+        def get(self):
+            clock[0] += 2.0
+            return SimpleNamespace(header=None, payload=None, ids=None, wire_bytes=200, transfer_seconds=0.0)
+
+    class Codec:
+        def decode(self, header, payload, ids):
+            clock[0] += 3.0
+            return torch.zeros(1)
+
+    end = link_ends.RecvEnd(0, 1, Codec(), Inbox(), torch.device("cpu"), 1)
+    end._receive()
+    end._receive()
+    assert end.blocked_seconds == 4.0 and clock[0] == 10.0
+
+
+def test_a_gpu_timer_times_nothing_on_the_host():
+    from aqpipe.pipeline.gpu_timing import GpuTimer
+
+    timer = GpuTimer(torch.device("cpu"))
+    with timer.span("forward_seconds"):
+        torch.ones(3).sum()
+    assert not timer.enabled and timer.settle() == {}

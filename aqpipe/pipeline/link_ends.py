@@ -16,6 +16,7 @@ crosses after every forward of that step under every schedule, so the request is
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +102,7 @@ class RecvEnd:
     micro_batch_size: int
     side_kinds: tuple[int, ...] = ()
     counters: LinkCounters = field(default_factory=LinkCounters)
+    blocked_seconds: float = 0.0  # so far: time spent waiting for a message to arrive (its decoding aside)
 
     def post(self, step: int, mb: int) -> None:
         """Announce micro-batch `mb` of `step`; the inbox thread starts receiving it at once."""
@@ -110,7 +112,9 @@ class RecvEnd:
     def _receive(self, codec: LinkCodec | None = None) -> tuple[torch.Tensor, Message]:
         """The next message, decoded on the stage's device, and the message itself; a training message (no
         `codec` given) is counted, an evaluation message is not (evaluation runs between steps)."""
+        start = time.perf_counter()
         msg = self.inbox.get()
+        self.blocked_seconds += time.perf_counter() - start
         if codec is None:
             self.counters.body_bytes += msg.wire_bytes - HEADER_SIZE
             self.counters.wire_seconds += msg.transfer_seconds
@@ -257,6 +261,10 @@ class StageLinks:
         grad, reseed = present(self.grad_in, "the incoming gradient link").receive()
         present(self.act_out, "the outgoing activation link").forget(reseed)
         return grad
+
+    def blocked_seconds(self) -> float:
+        """Time this rank's receiving ends have spent so far waiting for messages to arrive."""
+        return sum(end.blocked_seconds for end in (self.act_in, self.grad_in) if end is not None)
 
     def flush(self) -> None:
         """Wait until everything this rank sent has left."""

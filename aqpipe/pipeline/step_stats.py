@@ -47,7 +47,7 @@ class StepStats:
     bwd_recv_seconds: float = stat(0.0)
     compute_seconds: float = stat(0.0, "max", "per_stage")
     comm_wait_seconds: float = stat(0.0, "max", "per_stage")
-    forward_seconds: float = stat(0.0, "per_stage")  # the model's forward and backward alone, parts of compute
+    forward_seconds: float = stat(0.0, "per_stage")  # the model's forward and backward alone (a GPU's: by its events)
     backward_seconds: float = stat(0.0, "per_stage")
     grad_norm: float = stat(0.0, "first")
     peak_activation_bytes: int = stat(0, "per_stage")  # the most bytes of activations held for backward at once

@@ -15,6 +15,7 @@ from aqpipe.compress.grad import GradSync
 from aqpipe.data import ClassifySamples, InstructSamples, TokenSamples
 from aqpipe.pipeline import comm, present, sync_audit
 from aqpipe.pipeline import schedule as sch
+from aqpipe.pipeline.gpu_timing import GpuTimer
 from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device
 from aqpipe.pipeline.held import ActivationMeter
 from aqpipe.pipeline.link_ends import StageLinks
@@ -67,6 +68,7 @@ class StageWorker:
 
     def __post_init__(self) -> None:
         self._meter = ActivationMeter(self.module)
+        self._gpu_time = GpuTimer(self.device)
         self.optimizer_phase = OptimizerPhase(
             self.grid, self.groups, self.module, self.optimizer, self.lr_schedule, self.grad_sync, self.clip,
             self.device, self.tied, self.links.tied_rows, self.scaler)
@@ -119,6 +121,8 @@ class StageWorker:
             for ins in stream:
                 self._run_instruction(ins, stats)
         self._mbs = {}
+        for name, seconds in self._gpu_time.settle().items():  # a GPU's forward and backward time, from its events
+            setattr(stats, name, getattr(stats, name) + seconds)
         report_nonfinite(self._finite, step, self.grid.stage, self.links.keeps_messages)
         stats.loss_sum = float(self._loss_sum) if self._loss_sum is not None else 0.0
         stats.tied_bytes = self._tied_bytes() - self._tied_bytes_before  # a skipped (fp16 overflow) step's rows too
@@ -129,14 +133,16 @@ class StageWorker:
 
     def _run_instruction(self, ins: sch.Instruction, stats: StepStats) -> None:
         handler, waits_on_peers = self._HANDLERS[type(ins)]
+        blocked_before = self.links.blocked_seconds()
         start = time.perf_counter()
         handler(self, self._mbs[ins.micro_batch] if ins.micro_batch is not None else None, ins.micro_batch, stats)
         elapsed = time.perf_counter() - start
-        if waits_on_peers:
-            stats.comm_wait_seconds += elapsed
-        else:
-            stats.compute_seconds += elapsed
-        if type(ins) in self._MODEL_TIMERS:
+        # a receive waits for its peer only while its message has not arrived; decoding it (and, on a GPU, waiting
+        # for work queued before it) is this stage's own time
+        waited = elapsed if waits_on_peers else self.links.blocked_seconds() - blocked_before
+        stats.comm_wait_seconds += waited
+        stats.compute_seconds += elapsed - waited
+        if type(ins) in self._MODEL_TIMERS and not self._gpu_time.enabled:  # (a GPU's are timed by its events)
             setattr(stats, self._MODEL_TIMERS[type(ins)], getattr(stats, self._MODEL_TIMERS[type(ins)]) + elapsed)
 
     def _loss_weights(self, micro_batch_ids: list[torch.Tensor]) -> list[float] | None:
@@ -187,10 +193,11 @@ class StageWorker:
             waited = time.perf_counter() - start
             stats.comm_wait_seconds += waited
             stats.compute_seconds -= waited  # the handler's whole time is counted as compute and as the forward's
-            stats.forward_seconds -= waited
+            if not self._gpu_time.enabled:
+                stats.forward_seconds -= waited
         if isinstance(self.module, Stage) and self.module.recompute:  # the layer inputs kept for the backward
             self.module.on_held = lambda held: self._meter.keep(index, held)
-        with self._meter.forward(index), autocast(self.device, self.precision):
+        with self._gpu_time.span("forward_seconds"), self._meter.forward(index), autocast(self.device, self.precision):
             out = self.module(present(mb.inputs, "inputs"),
                               None if mb.mask is None else mb.mask.to(self.device, non_blocking=True))
             if self.grid.is_last_stage:
@@ -213,12 +220,13 @@ class StageWorker:
 
     def _backward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        if self.grid.is_last_stage and self._weights is not None:
-            (present(mb.loss, "loss") * (self._weights[index] * scale)).backward()  # the mean over response tokens
-        elif self.grid.is_last_stage:
-            (present(mb.loss, "loss") * (scale / self._n)).backward()  # the step's loss: the mean over micro-batches
-        elif (outputs := present(mb.outputs, "outputs")).requires_grad:  # (not when nothing up to here trains)
-            outputs.backward(mb.output_grad)
+        with self._gpu_time.span("backward_seconds"):
+            if self.grid.is_last_stage and self._weights is not None:
+                (present(mb.loss, "loss") * (self._weights[index] * scale)).backward()  # the mean over response tokens
+            elif self.grid.is_last_stage:
+                (present(mb.loss, "loss") * (scale / self._n)).backward()  # the step's loss: the mean over micro-batches
+            elif (outputs := present(mb.outputs, "outputs")).requires_grad:  # (not when nothing up to here trains)
+                outputs.backward(mb.output_grad)
         if self._looks_rows_up:  # the tied table's gradient rows no later backward touches go to the head now
             present(self.links.tied_rows, "tied rows").backward_done(self._step)
         if self.grid.is_first_stage:
@@ -248,11 +256,11 @@ class StageWorker:
 
     # instruction type -> (handler, whether its time counts as waiting on peers rather than computing)
     _HANDLERS: ClassVar[dict[type, tuple[Callable[..., None], bool]]] = {
-        sch.RecvActivation: (_recv_activation, True),
+        sch.RecvActivation: (_recv_activation, False),  # (its wait for the message: links.blocked_seconds)
         sch.LoadMicroBatch: (_load_micro_batch, False),
         sch.Forward: (_forward, False),
         sch.SendActivation: (_send_activation, False),
-        sch.RecvGrad: (_recv_grad, True),
+        sch.RecvGrad: (_recv_grad, False),
         sch.Backward: (_backward, False),
         sch.SendGrad: (_send_grad, False),
         sch.ReduceGrads: (_reduce_grads, True),
