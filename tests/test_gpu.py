@@ -126,6 +126,10 @@ def test_bf16_recompute_and_lora_train_on_the_gpu(tmp_path):
                      "--recompute", "--lora", "8", "--lr", "3e-3", "--fw", "aqsgd:3", "--bw", "directq:6")
     assert records[-1]["loss"] < records[0]["loss"] - 0.1
     assert all(b > 0 for b in records[-1]["stage_peak_memory_bytes"])
+    # a GPU's forward and backward times come from its events (in seconds): positive, and within the step's time
+    step_seconds = records[-1]["elapsed_seconds"] - records[-2]["elapsed_seconds"]
+    for forward, backward in zip(records[-1]["stage_forward_seconds"], records[-1]["stage_backward_seconds"]):
+        assert 0 < forward and 0 < backward and forward + backward < step_seconds
 
 
 def test_the_capacity_plan_reads_the_gpu(tmp_path):
