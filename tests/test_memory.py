@@ -42,13 +42,16 @@ def test_a_memory_store_that_cannot_fit_in_ram_is_refused_with_the_numbers(capsy
 def test_values_from_another_device_cross_in_one_copy(monkeypatch):
     """A GPU's m(ξ) for host RAM (here: host values for the meta device) moves as one stacked copy, one wait for the
     GPU per message rather than one per sample, and each value then owns its storage."""
+    import threading
+
     from aqpipe.storage.base import on_device
 
     copies = []
     real_to = torch.Tensor.to
 
     def counting_to(self, *args, **kwargs):
-        copies.append(tuple(self.shape))
+        if threading.current_thread() is threading.main_thread():  # (another test's lingering thread is not ours)
+            copies.append(tuple(self.shape))
         return real_to(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", counting_to)
