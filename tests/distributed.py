@@ -46,11 +46,20 @@ def _entry(rank: int, world: int, port: int, fn, args, results: str) -> None:
 def run_ranks(fn, world: int, *args):
     """Call fn(rank, world, *args) on `world` gloo ranks; returns each rank's ("ok", value) or ("error", text)
     (None for a rank that ended without a result)."""
-    with tempfile.TemporaryDirectory(prefix="aqpipe-ranks-") as results:
-        mp.start_processes(_entry, args=(world, _free_port(), fn, args, results), nprocs=world,
-                           start_method="forkserver")
-        files = [Path(results) / f"rank-{r}.pkl" for r in range(world)]
-        return [pickle.loads(f.read_bytes()) if f.exists() else None for f in files]
+    for attempt in range(3):
+        with tempfile.TemporaryDirectory(prefix="aqpipe-ranks-") as results:
+            try:
+                mp.start_processes(_entry, args=(world, _free_port(), fn, args, results), nprocs=world,
+                                   start_method="forkserver")
+            except mp.ProcessRaisedException as e:
+                # the port picked free was taken before the ranks bound it (another test process, between our
+                # probe and gloo's bind): the ranks never ran `fn`, so they start again on another port
+                if "Address already in use" in str(e) and attempt < 2:
+                    continue
+                raise
+            files = [Path(results) / f"rank-{r}.pkl" for r in range(world)]
+            return [pickle.loads(f.read_bytes()) if f.exists() else None for f in files]
+    raise AssertionError("unreachable")
 
 
 def record_unbatched_point_to_point() -> list[str]:
