@@ -50,8 +50,6 @@ class MessageStore(Protocol):
 
     def present(self, link: int, side: str, ids: Sequence[int]) -> list[bool]: ...
 
-    def storable(self, values: Sequence[torch.Tensor]) -> list[bool]: ...
-
     def storable_rows(self, values: torch.Tensor) -> torch.Tensor: ...
 
     def items(self): ...
@@ -91,12 +89,9 @@ class StoreView:
         """Whether a sound m(ξ) exists for each id, without counting lookups (a damaged one is dropped and counted)."""
         return self.store.present(self.link, self.side, ids)
 
-    def storable(self, values: Sequence[torch.Tensor]) -> list[bool]:
-        """Whether each value (in the store dtype) can be kept: finite, and in range of a low-bit encoding."""
-        return self.store.storable(values)
-
     def storable_rows(self, values: torch.Tensor) -> torch.Tensor:
-        """`storable` for every row of a batch [B, ...], as a bool tensor [B] on its device (nothing read)."""
+        """Whether each row of a batch [B, ...] (in the store dtype) can be kept — finite, and in range of a low-bit
+        encoding — as a bool tensor [B] on its device (nothing read, so a GPU is not waited for)."""
         return self.store.storable_rows(values)
 
     def delete(self, ids: Sequence[int]) -> None:

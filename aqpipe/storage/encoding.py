@@ -7,8 +7,6 @@ serves exactly that, before and after it reaches the disk.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from aqpipe.compress.link.directq import decode_samples, encode_samples
@@ -27,29 +25,15 @@ def bits_of(encoding: str) -> int:
     return STORE_DTYPES[encoding].bits
 
 
-def storable(value: torch.Tensor, encoding: str) -> bool:
-    """Whether `value` (already in `value_dtype`) survives the encoding: every element finite in the store dtype and,
-    for the quantized encodings, within the fp16 range of their scales."""
-    return bool(storable_rows(value.unsqueeze(0), encoding)[0])
-
-
 def storable_rows(values: torch.Tensor, encoding: str | None = None) -> torch.Tensor:
-    """`storable` for every row of a batch [B, ...], as a bool tensor [B] on the values' device (nothing is read, so
-    a GPU is not waited for); `encoding` None: finite is enough (a store of floats)."""
+    """Whether each row of a batch [B, ...] (already in `value_dtype`) survives the encoding — every element finite
+    in the store dtype and, for the quantized encodings, within the fp16 range of their scales — as a bool tensor [B]
+    on the values' device (nothing is read, so a GPU is not waited for); `encoding` None: finite is enough."""
     flat = values.reshape(values.shape[0], -1)
     ok = torch.isfinite(flat).all(dim=1)
     if encoding is not None and encoding not in FLOAT_ENCODINGS and flat.shape[1]:
         ok &= flat.abs().amax(dim=1) <= FP16_MAX
     return ok
-
-
-def storable_each(values: Sequence[torch.Tensor], encoding: str | None = None) -> list[bool]:
-    """`storable` for each of several values, read from the device at once (one wait, not one per value)."""
-    if not values:
-        return []
-    if len({tuple(v.shape) for v in values}) > 1:
-        return [bool(storable_rows(v.unsqueeze(0), encoding)[0]) for v in values]
-    return storable_rows(torch.stack(list(values)), encoding).tolist()
 
 
 def encode_value(value: torch.Tensor, encoding: str):

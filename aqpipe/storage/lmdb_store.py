@@ -27,7 +27,7 @@ import torch
 from aqpipe.disk import ensure_room
 from aqpipe.storage.base import SIDES, StoreStats, on_device
 from aqpipe.storage.dtypes import STORE_DTYPES
-from aqpipe.storage.encoding import decode_value, encode_value, storable_each, storable_rows, value_dtype
+from aqpipe.storage.encoding import decode_value, encode_value, storable_rows, value_dtype
 
 _KEY = struct.Struct(">HBQ")
 _HEAD = struct.Struct("<4sBB8qqII")  # magic, encoding, ndim, shape[8], step, crc32, body length
@@ -152,12 +152,9 @@ class LMDBStore:
         """The value `encode_raw` bytes stand for: what a read of them returns."""
         return decode_value(raw, self.encoding, shape)
 
-    def storable(self, values: Sequence[torch.Tensor]) -> list[bool]:
-        """Whether each value survives this store's encoding (finite, and in range for the quantized ones)."""
-        return storable_each(values, self.encoding)
-
     def storable_rows(self, values: torch.Tensor) -> torch.Tensor:
-        """`storable` for every row of a batch, as a bool tensor on its device (nothing read)."""
+        """Whether each row of a batch survives this store's encoding (finite, and in range for the quantized ones),
+        as a bool tensor on its device (nothing read)."""
         return storable_rows(values, self.encoding)
 
     def put_raw(self, link: int, side: str, ids: Sequence[int], raws: Sequence, shapes: Sequence[tuple[int, ...]]

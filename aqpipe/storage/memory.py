@@ -9,7 +9,7 @@ import torch
 
 from aqpipe.disk import save_atomic
 from aqpipe.storage.base import StoreStats, on_device
-from aqpipe.storage.encoding import storable_each, storable_rows
+from aqpipe.storage.encoding import storable_rows
 
 
 def compact(value: torch.Tensor) -> torch.Tensor:
@@ -55,12 +55,9 @@ class MemoryStore:
         for i, v in zip(ids, on_device(values, self.device)):
             self._values[(link, side, int(i))] = compact(v)
 
-    def storable(self, values: Sequence[torch.Tensor]) -> list[bool]:
-        """Whether each value (in the store dtype) is finite: an inf or NaN m(ξ) would poison every later epoch."""
-        return storable_each(values)
-
     def storable_rows(self, values: torch.Tensor) -> torch.Tensor:
-        """`storable` for every row of a batch, as a bool tensor on its device (nothing read)."""
+        """Whether each row of a batch (in the store dtype) is finite, as a bool tensor on its device: an inf or NaN
+        m(ξ) would poison every later epoch."""
         return storable_rows(values)
 
     def encode_raw(self, value: torch.Tensor) -> torch.Tensor:

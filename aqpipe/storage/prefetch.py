@@ -115,12 +115,8 @@ class PrefetchingStore:
         return out
 
     # -- writing ---------------------------------------------------------------------------------------------------
-    def storable(self, values: Sequence[torch.Tensor]) -> list[bool]:
-        """Whether each value survives the backend's encoding."""
-        return self.backend.storable(values)
-
     def storable_rows(self, values: torch.Tensor) -> torch.Tensor:
-        """`storable` for every row of a batch, as a bool tensor on its device (nothing read)."""
+        """Whether each row of a batch survives the backend's encoding, as a bool tensor on its device."""
         return self.backend.storable_rows(values)
 
     def put(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:

@@ -69,8 +69,6 @@ class SampleMemory(Protocol):
 
     def present(self, ids: Sequence[int]) -> list[bool]: ...
 
-    def storable(self, values: Sequence[torch.Tensor]) -> list[bool]: ...
-
     def storable_rows(self, values: torch.Tensor) -> torch.Tensor: ...
 
     def delete(self, ids: Sequence[int]) -> None: ...
@@ -135,27 +133,28 @@ def rows_of(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 class _Candidates:
-    """Rows that may be sent one way (as deltas, first sights or losslessly) and what m(ξ) would become: which of
-    them can go that way and their checksum sums are asked for together with every other kind's, in one read."""
+    """Rows `at` of a message that may go one way (as deltas, first sights or losslessly): their coded segments
+    (None: lossless), what m(ξ) would become, and whether each can go that way — asked, with the checksum's row sums,
+    together with every other kind's in one read (`read_all` fills `fits` and `sums`)."""
 
-    def __init__(self, at: list[int], values: torch.Tensor, ok: torch.Tensor) -> None:
-        self.at, self.values, self.ok = at, values, ok
-        self.sums = row_sums(values) if at else ok.to(torch.int64)
+    def __init__(self, at: list[int], values: torch.Tensor, ok: torch.Tensor, segments: torch.Tensor | None = None
+                 ) -> None:
+        self.at, self.values, self.ok, self.segments = at, values, ok, segments
+        self._row_sums = row_sums(values)
         self.fits: list[bool] = []
-        self.read: list[int] = []
+        self.sums: list[int] = []
 
     @staticmethod
     def read_all(groups: list[_Candidates]) -> None:
-        """Read every group's verdicts and sums from the device at once."""
-        groups = [g for g in groups if g.at]
+        """Read every group's verdicts and row sums from the device at once."""
         if not groups:
             return
-        numbers = torch.cat([torch.cat([g.ok.to(torch.int64), g.sums]) for g in groups]).tolist()
+        numbers = torch.cat([torch.cat([g.ok.to(torch.int64), g._row_sums]) for g in groups]).tolist()
         start = 0
         for g in groups:
             n = len(g.at)
             g.fits = [bool(v) for v in numbers[start:start + n]]
-            g.read = numbers[start + n:start + 2 * n]
+            g.sums = numbers[start + n:start + 2 * n]
             start += 2 * n
 
 
@@ -253,41 +252,41 @@ class AQSGDCodec(LinkCodec):
         if delta:
             m_old = self._recall([id_list[i] for i in delta], x.device)
             change = rows_of(x, delta) - m_old
-            delta_rows, deq = self.delta.encode(change, values=True)
+            coded, deq = self.delta.encode(change, values=True)
             # the sender updates its copy from exactly the codes and fp16 scales the receiver will unpack
             m_new = (m_old + present(deq)).to(self.view.dtype)
-            groups[MODE_DELTA] = _Candidates(delta, m_new, self._sendable(change, m_new, self.delta.largest))
+            groups[MODE_DELTA] = _Candidates(delta, m_new, self._sendable(change, m_new, self.delta.largest), coded)
         first = [i for i, m in enumerate(modes) if m == MODE_FIRST]
         if first:
             coder = present(self.first_sight)
             values = rows_of(x, first)
-            first_rows, deq = coder.encode(values, values=True)
+            coded, deq = coder.encode(values, values=True)
             seeds = present(deq).to(self.view.dtype, copy=True)
-            groups[MODE_FIRST] = _Candidates(first, seeds, self._sendable(values, seeds, coder.largest))
-        groups[MODE_FULL] = self._lossless([i for i, m in enumerate(modes) if m == MODE_FULL], x)
+            groups[MODE_FIRST] = _Candidates(first, seeds, self._sendable(values, seeds, coder.largest), coded)
+        if full := [i for i, m in enumerate(modes) if m == MODE_FULL]:
+            groups[MODE_FULL] = self._lossless(full, x)
         _Candidates.read_all(list(groups.values()))
         late = []  # rows a coder could not carry, or whose coded m(ξ) could not be stored: sent losslessly
-        for mode, rows in ((MODE_DELTA, delta_rows if delta else None), (MODE_FIRST, first_rows if first else None)):
-            group = groups.get(mode)
-            if group is None or rows is None:
+        for group in groups.values():
+            if group.segments is None:
                 continue
             for j, i in enumerate(group.at):
                 if group.fits[j]:
-                    segments[i], new_m[i], sums[i] = rows[j], group.values[j], group.read[j]
+                    segments[i], new_m[i], sums[i] = group.segments[j], group.values[j], group.sums[j]
                 else:
                     late.append(i)
         if delta and (as_delta := [j for j, ok in enumerate(groups[MODE_DELTA].fits) if ok]):
             fidelity = _fidelity(x, delta, m_old, change, groups[MODE_DELTA].values, as_delta)
-        lossless = [groups[MODE_FULL]]
+        lossless = [g for g in groups.values() if g.segments is None]
         if late:
             lossless.append(self._lossless(sorted(late), x))
-            _Candidates.read_all(lossless[1:])
+            _Candidates.read_all(lossless[-1:])
         raw = tensor.detach().to(lossless_dtype)
         for group in lossless:
             for j, i in enumerate(group.at):
                 modes[i] = LOSSLESS_MODES[lossless_dtype]
                 segments[i] = raw[i].contiguous().view(torch.uint8).reshape(-1)
-                new_m[i], sums[i] = (group.values[j], group.read[j]) if group.fits[j] else (None, 0)
+                new_m[i], sums[i] = (group.values[j], group.sums[j]) if group.fits[j] else (None, 0)
         self.view.store.stats.overflow += len(keep(self.view, id_list, new_m))
         mode_bytes = to_device(torch.tensor(modes, dtype=torch.uint8), x.device)
         flags = (self.bits << 8) | (0 if self.check else FLAG_NO_CHECK)
@@ -309,8 +308,8 @@ class AQSGDCodec(LinkCodec):
     def _lossless(self, at: list[int], x: torch.Tensor) -> _Candidates:
         """Rows `at` sent losslessly: m(ξ) becomes the value itself (a copy, never a view of the live activation),
         or, where the store cannot keep it, is dropped on both sides."""
-        values = rows_of(x, at).to(self.view.dtype, copy=True) if at else x.new_empty((0,))
-        return _Candidates(at, values, self.view.storable_rows(values) if at else values.bool())
+        values = rows_of(x, at).to(self.view.dtype, copy=True)
+        return _Candidates(at, values, self.view.storable_rows(values))
 
     def forget(self, ids: list[int]) -> None:
         """Drop m(ξ) of samples the receiver lacks, so that their next message seeds it again."""
@@ -371,15 +370,13 @@ class AQSGDCodec(LinkCodec):
         # checksum sums are read in one wait for the device
         groups = []
         for mode, (rows, at) in segments.items():
-            if mode in MODE_DTYPES:
-                values = bytes_as(torch.stack(rows), MODE_DTYPES[mode]).view(len(at), *shape[1:]).float()
+            if mode != MODE_DELTA:  # a lossless value or a first sight: kept where the store can (the sender's rule)
+                values = (bytes_as(torch.stack(rows), MODE_DTYPES[mode]).view(len(at), *shape[1:]).float()
+                          if mode in MODE_DTYPES
+                          else present(self.first_sight).decode(torch.stack(rows), (len(at), *shape[1:])))
                 seeds = values.to(self.view.dtype, copy=True)
                 ok = self.view.storable_rows(seeds)
-            elif mode == MODE_FIRST:
-                values = present(self.first_sight).decode(torch.stack(rows), (len(at), *shape[1:]))
-                seeds = values.to(self.view.dtype, copy=True)
-                ok = self.view.storable_rows(seeds)
-            else:  # MODE_DELTA: the sender sent a delta only where the new m(ξ) could be kept
+            else:  # the sender sent a delta only where the new m(ξ) could be kept
                 try:
                     m_old = self._recall([id_list[i] for i in at], self.device)
                 except KeyError as e:
@@ -399,7 +396,7 @@ class AQSGDCodec(LinkCodec):
         for group in groups:
             for j, i in enumerate(group.at):
                 if group.fits[j]:
-                    new_m[i], sums[i] = group.values[j], group.read[j]
+                    new_m[i], sums[i] = group.values[j], group.sums[j]
         kept = [i for i in range(b) if new_m[i] is not None]
         if not header.flags & FLAG_NO_CHECK and fold_checksum(kept, [sums[i] for i in kept]) != header.codec_check:
             raise CodecError(f"m(xi) diverged on link {self.view.link}: this side's copy fails the sender's checksum "
