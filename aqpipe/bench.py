@@ -26,7 +26,7 @@ import torch
 from aqpipe.compress.link.codecs import QuantOptions, build_codec
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ResolvedConfig
-from aqpipe.launch.gpu_sharing import sharing_note
+from aqpipe.launch.gpu_sharing import local_sharing_note
 from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.transport import Header
 from aqpipe.runtime.capacity import LinkNeeds, TiedNeeds, format_tied, plan_capacity, steady_payload_bytes
@@ -177,7 +177,7 @@ def run_bench(plan: RunPlan, bandwidth_bits: int | None) -> BenchResult:
     rate, source = loopback_rate(), "loopback"
     if bandwidth_bits is not None and bandwidth_bits / 8 < rate:
         rate, source = bandwidth_bits / 8, "--bandwidth"
-    sharing = sharing_note(cfg.device, cfg.world_size, torch.cuda.device_count()) if device.type == "cuda" else None
+    sharing = local_sharing_note(cfg.device, cfg.world_size)
     if link is None:
         return BenchResult(seconds, speeds, 0, rate, source, {}, 8, False, capacity.tied, gpu_sharing=sharing)
     bits, bound, wire = recommend(link, cfg, rate, max(seconds))

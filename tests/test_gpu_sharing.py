@@ -29,3 +29,17 @@ def test_the_note_says_time_slicing_and_how_to_start_mps_only_when_ranks_share_a
     assert "through NVIDIA MPS" in sharing_note("cuda", 4, 1, mps=True)
     assert sharing_note("cuda", 4, 4, mps=False) is None  # a GPU per rank
     assert sharing_note("cpu", 4, 0, mps=False) is None
+
+
+def test_this_machines_ranks_are_its_local_world_under_torchrun(monkeypatch):
+    import torch
+
+    from aqpipe.launch.gpu_sharing import local_sharing_note
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/nonexistent")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert "4 ranks share each GPU" in local_sharing_note("cuda", 8)  # a local launch: all 8 ranks, 2 GPUs
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert local_sharing_note("cuda", 8) is None  # torchrun: 2 ranks here, a GPU each
+    assert local_sharing_note("cpu", 8) is None

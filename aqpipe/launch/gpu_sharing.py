@@ -33,6 +33,16 @@ def ranks_per_gpu(local_ranks: int, gpus: int) -> int:
     return -(-local_ranks // gpus) if gpus > 0 else 0
 
 
+def local_sharing_note(device: str, world_size: int) -> str | None:
+    """`sharing_note` for this machine: its ranks (LOCAL_WORLD_SIZE under torchrun, else every rank of a local
+    launch) over its GPUs, counted as torch counts them (through NVML where the launcher asks it to: no context)."""
+    if device != "cuda":
+        return None
+    import torch
+
+    return sharing_note(device, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count())
+
+
 def sharing_note(device: str, local_ranks: int, gpus: int, mps: bool | None = None) -> str | None:
     """What to tell a user whose ranks share a GPU (None when none do): with MPS their kernels overlap, without it
     their contexts take turns, and how to start it."""

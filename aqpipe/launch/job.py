@@ -15,7 +15,7 @@ from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.launch import netns
 from aqpipe.launch.env import CONFIG_ENV, in_distributed_env, rank_from_env
 from aqpipe.launch.forkserver import ForkServer
-from aqpipe.launch.gpu_sharing import sharing_note
+from aqpipe.launch.gpu_sharing import local_sharing_note
 from aqpipe.launch.local import INTERRUPTED, CommandStarter, LaunchResult, RankStarter, launch_local
 from aqpipe.launch.netns import format_rate
 from aqpipe.launch.rundir import RunDirectory
@@ -204,19 +204,10 @@ def _announce(cfg: ResolvedConfig, plan) -> None:
     print(f"aqpipe: {cfg.model} ({len(plan.spec)} layers as {sizes} over {cfg.pp} stages) x {cfg.dp} replica(s) "
           f"on {cfg.device}; {len(plan.dataset.train)} samples of {cfg.seq_len} tokens, {plan.total_steps} steps; "
           f"fw {cfg.fw}, bw {cfg.bw}; run directory {cfg.out}", file=sys.stderr, flush=True)
-    for note in (warmup_note(plan), _gpu_sharing_note(cfg)):
+    for note in (warmup_note(plan), local_sharing_note(cfg.device, cfg.world_size)):
         if note:
             print(f"aqpipe: note: {note}", file=sys.stderr, flush=True)
 
-
-def _gpu_sharing_note(cfg: ResolvedConfig) -> str | None:
-    """The MPS note when this machine's ranks share a GPU (the GPUs counted through NVML, not a CUDA context)."""
-    if cfg.device != "cuda":
-        return None
-    import torch
-
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
-    return sharing_note(cfg.device, local_ranks, torch.cuda.device_count())
 
 
 def warmup_note(plan: RunPlan) -> str | None:

@@ -78,13 +78,11 @@ def tied_sq_norm(module: nn.Module, groups: list[TiedGroup], last_stage: bool = 
         if tied.head_owned:
             held = copies.get(tied.name, [])
             if last_stage and held:
-                share = share + sum((p.grad.double().pow(2).sum() for p in held[-1] if p.grad is not None),
-                                    torch.zeros((), dtype=torch.float64))
+                share = share + sum(p.grad.double().pow(2).sum() for p in held[-1] if p.grad is not None)
             continue
         for copy in copies.get(tied.name, []):
             grads = [p.grad for p in copy if p.grad is not None]
-            share = share + sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64)) \
-                / tied.copies
+            share = share + sum(g.double().pow(2).sum() for g in grads) / tied.copies
     return share
 
 
