@@ -37,6 +37,11 @@ VARIANTS = {
                                       "--warmup-epochs", "0"),
     "first rtq4 fw3 bw rtq4": ("--fw", "aqsgd:3", "--bw", "rtq:4", "--first-sight", "rtq:4", "--warmup-epochs", "0"),
     "first rtq3 fw2 bw4": ("--fw", "aqsgd:2", "--bw", "directq:4", "--first-sight", "rtq:3", "--warmup-epochs", "0"),
+    # the contract's link codecs (aqsgd:4 forward, directq:8 backward) with an fp32 warm-up epoch: the defaults
+    # before issue 29, and with rotated 4-bit first sights from the first step
+    "aqsgd fw4 bw8": ("--fw", "aqsgd:4", "--bw", "directq:8", "--first-sight", "fp32", "--warmup-epochs", "1"),
+    "first rtq4 fw4 bw8": ("--fw", "aqsgd:4", "--bw", "directq:8", "--first-sight", "rtq:4", "--warmup-epochs", "0"),
+    "defaults": (),  # no link flags: whatever this commit's defaults are
 }
 # Layers per stage: the embedding costs nothing, the tied LM head about 8 decoder layers (576 × 49152 per token).
 PARTITION = "11,10,8,3"
@@ -45,6 +50,9 @@ PARTITION = "11,10,8,3"
 def train(name: str, links: tuple[str, ...], args, work: Path, extra: tuple[str, ...] = ()) -> dict:
     """One variant's run (or the finished one with --reuse): its summary and per-step records."""
     out = work / name.replace(" ", "_")
+    if name == "fp32" and args.fp32_from:
+        earlier = json.loads(Path(args.fp32_from).read_text())["fp32"]
+        return {"run": f"fp32 of {args.fp32_from}", "summary": earlier, "records": []}
     if args.reuse and (out / "summary.json").is_file():
         return load(out)
     cmd = [sys.executable, "-m", "aqpipe", "launch", "--overwrite", "--model", "smollm2-135m", "--data", "builtin-instruct",
@@ -76,8 +84,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reuse", action="store_true", help="take a variant whose run directory already holds a "
                                                              "finished run as it is (same settings assumed)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from: {', '.join(VARIANTS)} "
-                                                                        "(fp32 always runs: it is the baseline)")
+    parser.add_argument("--fp32-from", metavar="JSON", help="take fp32's summary from an earlier results file of the "
+                                                            "same settings instead of running it again (its curve is "
+                                                            "then left out of the plot)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma list from: {', '.join(VARIANTS)} (fp32 always runs, or comes from --fp32-from: it "
+                             "is the baseline)")
     args = parser.parse_args()
     chosen = {"fp32": VARIANTS["fp32"], **{n: VARIANTS[n] for n in args.variants.split(",") if n}}
     out = Path(args.out)
@@ -135,6 +147,8 @@ def plot(results: dict[str, dict], start: float, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, result in results.items():
         points = [(0, start)] + [(r["step"], r["eval_loss"]) for r in result["records"] if "eval_loss" in r]
+        if len(points) == 1:
+            continue  # a summary taken from an earlier file: no curve
         ax.plot(*zip(*points), marker="o", label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("held-out loss (response tokens)")
