@@ -482,3 +482,43 @@ def test_an_aqsgd_message_reads_its_numbers_from_the_device_once(monkeypatch, fi
     header = Header.for_encoded(encoded, sender.code)
     receiver.decode(header, encoded.payload, ids)
     assert reads == [("tolist", b), ("tolist", b), ("tolist", 2 * b)]  # the mode bytes and the ids (host); one read
+
+
+def _topk_message(fraction: float):
+    """A top-k codec, one gradient message of 3 samples of 8 × 16 and its header (0.25: a bitmap; 0.05: int16)."""
+    from aqpipe.compress.link.topk import kept, position_format
+
+    codec = build_codec(f"topk:{fraction}:4", "bw")
+    torch.manual_seed(0)
+    encoded = codec.encode(torch.randn(3, 8, 16), torch.arange(3), True)
+    fmt = position_format(128, kept(128, fraction))[0]
+    return codec, encoded.payload.clone(), Header.for_encoded(encoded, codec.code), fmt
+
+
+@pytest.mark.parametrize("fraction,fmt", [(0.25, "bitmap"), (0.05, "int16")])
+def test_topk_refuses_positions_that_cannot_be_a_top_k(fraction, fmt):
+    codec, payload, header, got = _topk_message(fraction)
+    assert got == fmt
+    if fmt == "bitmap":
+        payload[2] ^= 0xFF  # the first sample's first 8 positions flipped: no longer k marks
+        needle = "does not mark exactly"
+    else:
+        payload.view(3, -1)[1, 2:4] = torch.tensor([0xFF, 0x7F], dtype=torch.uint8)  # position 32767 of 128
+        needle = "outside the tensor"
+    with pytest.raises(CodecError, match=needle):
+        codec.decode(header, payload, torch.arange(3))
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.05])
+def test_topk_checks_positions_on_the_bytes_as_they_arrived(monkeypatch, fraction):
+    """A message's bytes arrive on the host; read there, the check costs no wait, while on the stage's GPU (where
+    it read before) it made the host wait for the GPU on every gradient message."""
+    from aqpipe.compress.link import codecs
+
+    codec, payload, header, _ = _topk_message(fraction)
+    reads = _reads(monkeypatch)
+    moved: list[int] = []
+    real = codecs.to_device
+    monkeypatch.setattr(codecs, "to_device", lambda values, device: (moved.append(len(reads)), real(values, device))[1])
+    codec.decode(header, payload, torch.arange(3))
+    assert reads and moved == [len(reads)]  # every read came before the bytes were handed to the device

@@ -15,6 +15,7 @@ import torch
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
 from aqpipe.compress.link.codecs import (
     CODE_TOPK,
+    FLAG_RAW,
     HOST,
     CodecError,
     CodecParts,
@@ -83,23 +84,43 @@ class TopKCodec(LinkCodec):
         rows = torch.cat([q.scales.contiguous().view(torch.uint8), positions, pack(q.codes, self.bits)], dim=1)
         return Encoded.of(rows.reshape(-1), tuple(tensor.shape), torch.uint8, flags=self.flags())
 
+    def decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """As every codec's, with the positions checked on the bytes as they arrived (the host), before they go to
+        the stage's device: a check there would make the host wait for the GPU on every message."""
+        if not header.flags & FLAG_RAW:
+            problem = self._positions_problem(header, payload)
+            if problem:
+                raise CodecError(problem)
+        return super().decode(header, payload, ids)
+
+    def _positions(self, header, payload: torch.Tensor) -> torch.Tensor:
+        """The [b, k] positions of the kept entries of each sample (a bitmap's marks, in order)."""
+        b = header.shape[0]
+        n, k, fmt, pos_bytes, _ = self._layout(header.shape)
+        positions = payload.view(b, -1)[:, 2 : 2 + pos_bytes]
+        if fmt == "bitmap":
+            return unpack(positions.contiguous(), 1, n).bool().nonzero()[:, 1].view(b, k)
+        return bytes_as(positions, torch.int16 if fmt == "int16" else torch.int32).long()
+
+    def _positions_problem(self, header, payload: torch.Tensor) -> str | None:
+        """Why a payload's positions cannot be a top-k of its shape (None if they can)."""
+        b = header.shape[0]
+        n, k, fmt, pos_bytes, _ = self._layout(header.shape)
+        if fmt == "bitmap":
+            marked = unpack(payload.view(b, -1)[:, 2 : 2 + pos_bytes].contiguous(), 1, n).sum(dim=1)
+            return None if bool((marked == k).all()) else f"topk bitmap does not mark exactly {k} positions per sample"
+        idx = self._positions(header, payload)
+        return None if bool(((idx >= 0) & (idx < n)).all()) else "topk positions fall outside the tensor"
+
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """A payload whose positions `decode` has checked."""
         shape = header.shape
         b = shape[0]
         n, k, fmt, pos_bytes, _ = self._layout(shape)
         rows = payload.view(b, -1)
         scales = bytes_as(rows[:, :2], torch.float16)
-        positions = rows[:, 2 : 2 + pos_bytes]
         codes = unpack(rows[:, 2 + pos_bytes :], self.bits, k)
-        if fmt == "bitmap":
-            mask = unpack(positions.contiguous(), 1, n).bool()
-            if bool((mask.sum(dim=1) != k).any()):
-                raise CodecError(f"topk bitmap does not mark exactly {k} positions per sample")
-            idx = mask.nonzero()[:, 1].view(b, k)
-        else:
-            idx = bytes_as(positions, torch.int16 if fmt == "int16" else torch.int32).long()
-            if bool(((idx < 0) | (idx >= n)).any()):
-                raise CodecError("topk positions fall outside the tensor")
+        idx = self._positions(header, payload)
         values = dequantize(Quantized(codes, scales, self.bits, "channel", self.options.grid), (b, k))
         out = torch.zeros(b, n, dtype=torch.float32, device=rows.device)
         out.scatter_(1, idx, values)
