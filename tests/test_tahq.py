@@ -91,3 +91,52 @@ def test_a_hand_computed_sample():
     assert torch.equal(y[0, 1], x[0, 1])  # the spike, exactly
     assert torch.equal(y[0, 0], (x[0, 0] / step.float()).round() * step.float())
     assert payload.numel() == 1 + 1 + 1 + 10 + 10 + 64 * 3 // 8 + 4 * 64 * 4 // 8
+
+
+def _message(x: torch.Tensor):
+    codec = build_codec("tahq", "fw")
+    encoded = codec.encode(x, torch.arange(x.shape[0]))
+    return codec, encoded.payload.clone(), Header.for_encoded(encoded, codec.code, KIND_ACTIVATION, 0, 0, x.shape[0])
+
+
+def test_a_payload_that_cannot_be_its_samples_is_refused():
+    torch.manual_seed(4)
+    x = torch.randn(2, 10, 64)
+    x[1, :, 3] *= 50.0  # the second sample's tiles rotated: its row is longer
+    codec, payload, header = _message(x)
+    ids = torch.arange(2)
+    wrong_share = payload.clone()
+    wrong_share[0] ^= 0x01  # a token more or less marked 3-bit
+    with pytest.raises(CodecError, match="tokens as 3-bit, not 2"):
+        codec.decode(header, wrong_share, ids)
+    fewer_rotated = payload.clone()
+    first_row = codec.encode(x[:1], ids[:1]).payload.numel()
+    fewer_rotated[first_row + 2] = 0  # the second sample's tile map (after its 2-byte token map): none rotated
+    with pytest.raises(CodecError, match="holds"):
+        codec.decode(header, fewer_rotated, ids)
+
+
+def test_the_layout_of_each_sample_is_read_on_the_bytes_as_they_arrived(monkeypatch):
+    """A row's length varies with its rotated tiles. Read on the stage's GPU, the maps made the host wait for the
+    GPU once per sample; read where the bytes arrived (the host), before they go to the device, they cost no wait."""
+    from aqpipe.compress.link import codecs, tahq
+    from tests.test_codecs import _reads
+
+    torch.manual_seed(5)
+    x = torch.randn(3, 10, 128)
+    x[1, :, 70] *= 50.0
+    codec, payload, header = _message(x)
+    expected = codec.decode(header, payload, torch.arange(3))
+    reads = _reads(monkeypatch)
+    moved: list[int] = []
+    real = codecs.to_device
+
+    def spy(values, device):
+        moved.append(len(reads))
+        return real(values, device)
+
+    for module in (codecs, tahq):
+        monkeypatch.setattr(module, "to_device", spy, raising=False)
+    y = codec.decode(header, payload, torch.arange(3))
+    assert torch.equal(y, expected)
+    assert reads and moved[0] == len(reads)  # no read of the payload's values after it was handed to the device

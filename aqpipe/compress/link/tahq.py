@@ -18,11 +18,14 @@ About 4.4 bits per value; the row's length varies with the number of rotated til
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
 from aqpipe.compress.link.codecs import (
     CODE_TAHQ,
+    FLAG_RAW,
     HOST,
     CodecError,
     CodecParts,
@@ -31,6 +34,7 @@ from aqpipe.compress.link.codecs import (
     QuantOptions,
     bytes_as,
     numel,
+    to_device,
 )
 from aqpipe.compress.link.specs import CodecSpec
 from aqpipe.compress.rotated import hadamard, token_rows
@@ -82,37 +86,71 @@ def _encode_sample(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([part.reshape(-1) for part in parts])
 
 
-def _decode_sample(row: torch.Tensor, t: int, c: int) -> tuple[torch.Tensor, int]:
-    """The sample a row at the start of `row` stands for, and the row's length."""
+@dataclass(frozen=True)
+class _Row:
+    """Where one sample's row lies in a payload and what its bit maps say, read on the bytes as they arrived."""
+
+    start: int
+    length: int
+    low_tokens: torch.Tensor  # indices of the 3-bit tokens (host)
+    high_tokens: torch.Tensor  # indices of the 4-bit tokens (host)
+    rotated: torch.Tensor  # indices of the rotated tiles (host)
+
+
+def _rows(payload: torch.Tensor, b: int, t: int, c: int) -> list[_Row]:
+    """The layout of each of the b rows of a payload (a CodecError if it cannot be b tahq samples of [t, c])."""
     low, tiles, fixed = _layout(t, c)
-    at = 0
+    maps = packed_bytes(t, 1) + packed_bytes(tiles, 1)
+    rows, at = [], 0
+    for _ in range(b):
+        if at + maps > payload.numel():
+            raise CodecError("a tahq payload ends inside a sample")
+        low_map = unpack(payload[at:at + packed_bytes(t, 1)].view(1, -1), 1, t).view(-1).bool()
+        rotate_map = unpack(payload[at + packed_bytes(t, 1):at + maps].view(1, -1), 1, tiles).view(-1).bool()
+        marked = int(low_map.sum())
+        if marked != low:
+            raise CodecError(f"a tahq sample marks {marked} of {t} tokens as 3-bit, not {low}")
+        rotated = rotate_map.nonzero().view(-1)
+        length = fixed + packed_bytes(len(rotated), PIVOT_BITS)
+        if at + length > payload.numel():
+            raise CodecError("a tahq payload ends inside a sample")
+        rows.append(_Row(at, length, low_map.nonzero().view(-1), (~low_map).nonzero().view(-1), rotated))
+        at += length
+    if at != payload.numel():
+        raise CodecError(f"a tahq payload of {payload.numel()} bytes holds {at} bytes of samples")
+    return rows
+
+
+def _decode_sample(payload: torch.Tensor, row: _Row, t: int, c: int) -> torch.Tensor:
+    """The [t, c] sample a row stands for, computed where `payload` is with the row's layout read beforehand (so
+    a GPU's payload is never read back to the host)."""
+    low, tiles, _ = _layout(t, c)
+    device = payload.device
+    at = row.start + packed_bytes(t, 1) + packed_bytes(tiles, 1)
 
     def take(n: int) -> torch.Tensor:
         nonlocal at
-        if at + n > row.numel():
-            raise CodecError("a tahq payload ends inside a sample")
         at += n
-        return row[at - n:at].view(1, -1)
+        return payload[at - n:at].view(1, -1)
 
-    low_tokens = unpack(take(packed_bytes(t, 1)), 1, t).view(-1).bool()
-    rotate = unpack(take(packed_bytes(tiles, 1)), 1, tiles).view(-1).bool()
-    if int(low_tokens.sum()) != low:
-        raise CodecError(f"a tahq sample marks {int(low_tokens.sum())} of {t} tokens as 3-bit, not {low}")
-    n_rot = int(rotate.sum())
+    n_rot = len(row.rotated)
     pivots = unpack(take(packed_bytes(n_rot, PIVOT_BITS)), PIVOT_BITS, n_rot).view(-1).long()
     zero = bytes_as(take(2 * tiles), torch.float16).view(tiles, 1).float()
     step = bytes_as(take(2 * tiles), torch.float16).view(tiles, 1).float()
-    codes = torch.empty(t, c, dtype=torch.uint8, device=row.device)
-    codes[low_tokens] = unpack(take(packed_bytes(low * c, LOW_BITS)), LOW_BITS, low * c).view(low, c)
-    codes[~low_tokens] = unpack(take(packed_bytes((t - low) * c, HIGH_BITS)), HIGH_BITS, (t - low) * c).view(t - low, c)
+    codes = torch.empty(t, c, dtype=torch.uint8, device=device)
+    codes.index_copy_(0, to_device(row.low_tokens, device),
+                      unpack(take(packed_bytes(low * c, LOW_BITS)), LOW_BITS, low * c).view(low, c))
+    codes.index_copy_(0, to_device(row.high_tokens, device),
+                      unpack(take(packed_bytes((t - low) * c, HIGH_BITS)), HIGH_BITS, (t - low) * c).view(t - low, c))
     flat = codes.view(tiles, TILE).float() * step + zero
     if n_rot:
-        chosen = (flat[rotate] @ hadamard(TILE, row.device)) / 8.0
-        index = torch.arange(n_rot, device=row.device)
+        rotated = to_device(row.rotated, device)
+        chosen = (flat.index_select(0, rotated) @ hadamard(TILE, device)) / 8.0
+        index = torch.arange(n_rot, device=device)
         peak, first = chosen[:, 0].clone(), chosen[index, pivots].clone()
         chosen[index, pivots], chosen[:, 0] = peak, first
-        flat[rotate] = chosen
-    return flat.view(t, c), at
+        flat.index_copy_(0, rotated, chosen)
+    return flat.view(t, c)
 
 
 class TAHQuantCodec(LinkCodec):
@@ -155,17 +193,16 @@ class TAHQuantCodec(LinkCodec):
             return f"payload length {header.payload_len} is outside {low}..{high} for shape {header.shape}"
         return None
 
-    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        rows = token_rows(torch.empty(header.shape, device="meta"))
-        b, t, c = rows.shape
-        out, at = [], 0
-        for _ in range(b):
-            sample, used = _decode_sample(payload[at:], t, c)
-            out.append(sample)
-            at += used
-        if at != payload.numel():
-            raise CodecError(f"a tahq payload of {payload.numel()} bytes holds {at} bytes of samples")
-        return torch.stack(out).view(header.shape)
+    def decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """As every codec's, with each sample's layout (where its row starts, its 3-bit tokens and rotated tiles)
+        read on the bytes as they arrived (the host), before they go to the stage's device: read there, a row's
+        varying length would make the host wait for the GPU once per sample."""
+        if header.flags & FLAG_RAW:
+            return super().decode(header, payload, ids)
+        _, t, c = token_rows(torch.empty(header.shape, device="meta")).shape
+        rows = _rows(payload, header.shape[0], t, c)
+        on_device = to_device(payload, self.device)
+        return torch.stack([_decode_sample(on_device, row, t, c) for row in rows]).view(header.shape)
 
 
 def tahq_bits_per_value(shape: tuple[int, ...], rotated_share: float = 0.0) -> float:
