@@ -251,6 +251,36 @@ def _netns(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
 
 
+def _resolve(file_values: dict, flags: dict, resume: str | None) -> ResolvedConfig:
+    """The run's configuration, resolved and checked. A resumed run's recorded settings that no longer hold
+    together were edited after its last checkpoint: the refusal names the edited setting (the cause), not what the
+    edit broke (a --first-sight left by an --fw edited away from AQ-SGD)."""
+    try:
+        return resolve(build_config(file_values, flags))
+    except ConfigError:
+        if resume:
+            _refuse_an_edited_config(str(resume), file_values)
+        raise
+
+
+def _refuse_an_edited_config(run: str, values: dict) -> None:
+    """Raise a ConfigError naming the first setting of `values` (a resumed run's config.json) that differs from
+    what its newest checkpoint was written with; nothing if none does."""
+    import json
+
+    from aqpipe.config.settings import RESUME_MAY_CHANGE
+    from aqpipe.runtime.checkpoint import CheckpointError, latest_step, verify
+
+    step = latest_step(run)
+    if step is None:
+        return
+    fixed = json.loads(json.dumps({k: v for k, v in values.items() if k not in RESUME_MAY_CHANGE}))
+    try:
+        verify(run, step, int(values.get("pp") or 1) * int(values.get("dp") or 1), fixed)
+    except CheckpointError as e:
+        raise ConfigError(f"--resume: {e}") from None
+
+
 def _launch(args: argparse.Namespace) -> int:
     dump_stacks_on_sigusr1()
     flags, file_values = _run_values(args)
@@ -260,7 +290,7 @@ def _launch(args: argparse.Namespace) -> int:
     from aqpipe.launch.netns import require_throttling
 
     if args.dry_run or in_distributed_env():
-        cfg = resolve(build_config(file_values, flags))
+        cfg = _resolve(file_values, flags, resume)
         if args.dry_run:
             return _dry_run(cfg)
         from aqpipe.launch.job import run_job
@@ -269,7 +299,7 @@ def _launch(args: argparse.Namespace) -> int:
     from aqpipe.launch.forkserver import ForkServer, fork_safe_environment
 
     with fork_safe_environment():  # no CUDA driver initialised by asking whether there is a GPU
-        cfg = resolve(build_config(file_values, flags))
+        cfg = _resolve(file_values, flags, resume)
     require_throttling(cfg.bandwidth)
     RunDirectory(cfg.out).precheck(resuming=cfg.resume is not None, overwrite=args.overwrite)
     # Before anything else starts a thread: import what the ranks need here (planning needs the same modules), then

@@ -37,17 +37,24 @@ EXTRA = {
     "aqsgd-rtq fw2 bw4": ("aqsgd-rtq:2", "directq:4"),
     "aqsgd-rtq fw2 rtq bw4": ("aqsgd-rtq:2", "rtq:4"),
     "rtq fw2 bw4": ("rtq:2", "rtq:4"),
+    # the contract's link codecs: with this script's fp32 warm-up epoch (the defaults before issue 29), and
+    # compressed from the first step with rotated 4-bit first sights (the defaults since)
+    "aqsgd fw4 bw8": ("aqsgd:4", "directq:8"),
+    "first rtq4 fw4 bw8": ("aqsgd:4", "directq:8", "none", ("--first-sight", "rtq:4", "--warmup-epochs", "0")),
 }
 
 
-def train(name: str, fw: str, bw: str, args, work: Path, grad_sync: str = "none") -> Path:
+def train(name: str, fw: str, bw: str, args, work: Path, grad_sync: str = "none", flags: tuple[str, ...] = ()) -> Path:
+    """One variant's run directory; `flags` (a variant's own) override the script's warm-up and first sight."""
     out = work / name.replace(" ", "_")
     cmd = [sys.executable, "-m", "aqpipe", "launch", "--overwrite", "--model", "benchmarks.models:gpt2_6x128", "--pp", "4",
            "--dp", str(args.dp), "--grad-sync", grad_sync,
            "--data", str(args.data / "valid.txt"), "--seq-len", "128", "--max-samples", str(args.samples),
            "--vocab-size", "260", "--micro-batch-size", "4", "--micro-batches", "4", "--epochs", str(args.epochs),
            "--lr", "1e-3", "--warmup-steps", "10", "--fw", fw, "--bw", bw, "--quant-rounding", args.rounding,
-           "--quant-scales", args.scales, "--quant-grid", args.grid, "--seed", str(args.seed), "--device", "cpu", "--out", str(out), "--no-progress"]
+           "--quant-scales", args.scales, "--quant-grid", args.grid, "--seed", str(args.seed), "--device", "cpu",
+           "--out", str(out), "--no-progress", "--warmup-epochs", str(args.warmup_epochs), "--first-sight", "fp32",
+           *flags]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
     return out
 
@@ -99,6 +106,8 @@ def main() -> None:
     parser.add_argument("--grid", default="signed", help="quantization grid (--quant-grid): signed, fit, symmetric, uniform")
     parser.add_argument("--rounding", default="stochastic", help="quantization rounding: stochastic or nearest")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-epochs", type=int, default=1, help="epochs every variant sends uncompressed (the "
+                                                                      "paper's setup; a variant may override it)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each with its shard of the samples)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma list from: {', '.join([*VARIANTS, *EXTRA])} (fp32 is always run first)")
@@ -113,10 +122,10 @@ def main() -> None:
     results = {}
     for name, (fw, bw, *sync) in chosen.items():
         start = time.monotonic()
-        run = train(name, fw, bw, args, work, *sync)
+        run = train(name, fw, bw, args, work, *sync)  # type: ignore[arg-type]
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((run / "summary.json").read_text())
-        results[name] = {"fw": fw, "bw": bw, "grad_sync": sync[0] if sync else "none", "final_loss": summary["final_loss"], "test_loss": test_loss(run, args),
+        results[name] = {"fw": fw, "bw": bw, "grad_sync": str(sync[0]) if sync else "none", "final_loss": summary["final_loss"], "test_loss": test_loss(run, args),
                          "losses": [r["loss"] for r in records], "fwd_bytes": summary["link_bytes"]["fwd"],
                          "bwd_bytes": summary["link_bytes"]["bwd"], "minutes": (time.monotonic() - start) / 60,
                          "aqsgd_by_epoch": aqsgd_by_epoch(records)}

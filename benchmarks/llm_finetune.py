@@ -26,9 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
     "fp32": ("--fw", "fp32", "--bw", "fp32"),
     "bf16": ("--fw", "bf16", "--bw", "bf16", "--warmup-epochs", "0"),  # codecs that keep nothing: from step 1
-    "aqsgd fw3 bw6": ("--fw", "aqsgd:3", "--bw", "directq:6"),  # the release's: a first epoch at fp32
-    "aqsgd fw2 bw4": ("--fw", "aqsgd:2", "--bw", "directq:4"),
-    "directq fw2 bw4": ("--fw", "directq:2", "--bw", "directq:4"),
+    # an fp32 first epoch (the warm-up of the paper and of the defaults before issue 29)
+    "aqsgd fw3 bw6": ("--fw", "aqsgd:3", "--bw", "directq:6", "--first-sight", "fp32", "--warmup-epochs", "1"),
+    "aqsgd fw2 bw4": ("--fw", "aqsgd:2", "--bw", "directq:4", "--first-sight", "fp32", "--warmup-epochs", "1"),
+    "directq fw2 bw4": ("--fw", "directq:2", "--bw", "directq:4", "--warmup-epochs", "1"),
     # TAH-Quant as published: ~4.4 bits forward, 6-bit gradients, from the first step (it keeps no cache)
     "tahq": ("--fw", "tahq", "--bw", "directq:6", "--warmup-epochs", "0"),
     "rtq fw4 bw6": ("--fw", "rtq:4", "--bw", "rtq:6", "--warmup-epochs", "0"),

@@ -58,7 +58,7 @@ def launch_args(args, fw: str, bw: str, bandwidth: str, out: Path, schedule: str
            "--data", str(args.data), "--vocab-size", "512", "--seq-len", str(args.seq_len),
            "--micro-batch-size", str(args.mbs), "--micro-batches", str(args.mb),
            "--max-samples", str(args.mbs * args.mb * args.steps_per_epoch), "--epochs", str(args.epochs),
-           "--warmup-epochs", "0", "--fw", fw, "--bw", bw, "--device", args.device, "--out", str(out), "--no-progress"]
+           "--warmup-epochs", "0", "--first-sight", "fp32", "--fw", fw, "--bw", bw, "--device", args.device, "--out", str(out), "--no-progress"]
     return cmd + ([] if bandwidth == "unthrottled" else ["--bandwidth", bandwidth])
 
 

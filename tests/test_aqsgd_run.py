@@ -51,7 +51,7 @@ def test_both_copies_of_every_m_agree_after_several_epochs(tmp_path, pp, dp):
 
 
 def test_first_sight_is_full_precision_and_later_epochs_cost_b_over_8(tmp_path):
-    cfg, records, _, summary = run(tmp_path, pp=2, warmup_epochs=0, epochs=3, fw="aqsgd:2")
+    cfg, records, _, summary = run(tmp_path, pp=2, warmup_epochs=0, epochs=3, fw="aqsgd:2", first_sight="fp32")
     hidden, tokens = 128, cfg.seq_len
     per_element_full = 4 + 1 / (tokens * hidden)  # fp32 values plus one mode byte per sample
     first_epoch = [r for r in records if r["epoch"] == 0]
@@ -83,12 +83,14 @@ def test_warm_up_epochs_send_everything_uncompressed(tmp_path):
     assert records[-1]["loss"] < records[0]["loss"]
 
 
-def test_a_quantized_first_sight_compresses_from_the_first_step_and_seeds_both_copies_alike(tmp_path):
-    """--first-sight rtq:4 --warmup-epochs 0: the first epoch's activations go as rotated 4-bit tiles (4 bits and
-    one fp16 scale per 64 values, plus a mode byte per sample) instead of fp32, and both copies of m(ξ) are
-    seeded from them bit for bit, so every later delta checks out."""
-    cfg, records, stores, summary = run(tmp_path, pp=2, warmup_epochs=0, epochs=2, fw="aqsgd:2",
-                                        first_sight="rtq:4")
+def test_by_default_a_run_compresses_from_the_first_step_and_its_first_sights_seed_both_copies_alike(tmp_path):
+    """The defaults (--first-sight rtq:4 --warmup-epochs 0): the first epoch's activations go as rotated 4-bit
+    tiles (4 bits and one fp16 scale per 64 values, plus a mode byte per sample) instead of fp32, and both copies
+    of m(ξ) are seeded from them bit for bit, so every later delta checks out."""
+    defaults = RunConfig()
+    cfg, records, stores, summary = run(tmp_path, pp=2, warmup_epochs=defaults.warmup_epochs, epochs=2,
+                                        fw="aqsgd:2", first_sight=defaults.first_sight)
+    assert (cfg.warmup_epochs, cfg.first_sight) == (0, "rtq:4")
     hidden, tokens = 128, cfg.seq_len
     first_epoch = [r for r in records if r["epoch"] == 0]
     expected = 4 / 8 + 2 / 64 + 1 / (tokens * hidden)

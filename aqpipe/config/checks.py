@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from aqpipe.compress.grids import GRIDS
+from aqpipe.compress.link.specs import DEFAULT_FIRST_SIGHT, keeps_messages
 from aqpipe.config.rates import parse_rate
 from aqpipe.config.settings import ResolvedConfig, RunConfig
 from aqpipe.config.values import ConfigError
@@ -50,6 +51,8 @@ def resolve(cfg: RunConfig) -> ResolvedConfig:
         cfg.device = "cuda" if _cuda_available() else "cpu"
     if cfg.out is None:
         cfg.out = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    if cfg.first_sight is None:
+        cfg.first_sight = DEFAULT_FIRST_SIGHT if keeps_messages(cfg.fw) else "fp32"
     if cfg.task is None:
         from aqpipe.stages.models import model_task
 
@@ -71,10 +74,11 @@ def _check_choices(cfg: RunConfig) -> None:
     try:
         fw = parse_spec(cfg.fw, "fw")
         parse_spec(cfg.bw, "bw")
-        check_first_sight(cfg.first_sight)
+        if cfg.first_sight is not None:
+            check_first_sight(cfg.first_sight)
     except CodecError as e:
         raise ConfigError(str(e)) from None
-    if cfg.first_sight != "fp32" and not CODEC_KINDS[fw.kind].keeps_messages:
+    if cfg.first_sight not in (None, "fp32") and not CODEC_KINDS[fw.kind].keeps_messages:
         raise ConfigError(f"--first-sight {cfg.first_sight} codes the first sight of a sample on an AQ-SGD link "
                           f"(--fw aqsgd:B); --fw {cfg.fw} sends every sample alike")
     for name, value, allowed in (("quant-scales", cfg.quant_scales, ("channel", "token")),

