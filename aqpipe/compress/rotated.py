@@ -15,8 +15,9 @@ same bytes. Only the sender's forward rotation (a plain matmul) may differ acros
 agree with anything.
 
 Codes [B, tokens·C] and scales [B, tokens·tiles] are per sample, so a sample's bytes never depend on the other
-samples of its batch. A tile's values are carried up to |x| ≤ 65504/√tile (8188 at 64: a rotated value can be √tile
-times the tile's largest and its scale is an fp16); AQ-SGD sends a sample beyond it losslessly (`largest_codable`).
+samples of its batch. A tile's scale is an fp16 of its largest rotated value, which is at most √tile times the
+tile's largest |x| (a tile of equal magnitudes) and as little as 1/√tile of it (one massive channel); a scale that
+would pass 65504 is clamped there and its tile clips, and AQ-SGD sends such a sample losslessly.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from aqpipe.compress.grids import DEFAULT_GRID
-from aqpipe.compress.quantize import FP16_MAX, _offset_steps, as_rows, check_grid, quantize
+from aqpipe.compress.quantize import _offset_steps, as_rows, check_grid, quantize
 
 DEFAULT_TILE = 64
 _hadamards: dict[tuple[int, str, bool], torch.Tensor] = {}
@@ -68,12 +69,6 @@ def token_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2:
         return x.reshape(x.shape[0], 1, x.shape[1])
     return as_rows(x)
-
-
-def largest_codable(tile: int = DEFAULT_TILE) -> float:
-    """The largest |x| every tile can carry: a rotated value is at most √tile times the tile's largest, and its scale
-    is an fp16 (at most 65504); beyond it a value clips."""
-    return FP16_MAX / math.sqrt(tile)
 
 
 def scales_per_sample(shape: tuple[int, ...], tile: int = DEFAULT_TILE) -> int:

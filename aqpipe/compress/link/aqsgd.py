@@ -255,14 +255,15 @@ class AQSGDCodec(LinkCodec):
             coded, deq = self.delta.encode(change, values=True)
             # the sender updates its copy from exactly the codes and fp16 scales the receiver will unpack
             m_new = (m_old + present(deq)).to(self.view.dtype)
-            groups[MODE_DELTA] = _Candidates(delta, m_new, self._sendable(change, m_new, self.delta.largest), coded)
+            groups[MODE_DELTA] = _Candidates(delta, m_new, self._sendable(self.delta.carried(change, coded), m_new),
+                                             coded)
         first = [i for i, m in enumerate(modes) if m == MODE_FIRST]
         if first:
             coder = present(self.first_sight)
             values = rows_of(x, first)
             coded, deq = coder.encode(values, values=True)
             seeds = present(deq).to(self.view.dtype, copy=True)
-            groups[MODE_FIRST] = _Candidates(first, seeds, self._sendable(values, seeds, coder.largest), coded)
+            groups[MODE_FIRST] = _Candidates(first, seeds, self._sendable(coder.carried(values, coded), seeds), coded)
         if full := [i for i, m in enumerate(modes) if m == MODE_FULL]:
             groups[MODE_FULL] = self._lossless(full, x)
         _Candidates.read_all(list(groups.values()))
@@ -299,11 +300,10 @@ class AQSGDCodec(LinkCodec):
         """m(ξ) of `ids`, stacked in float32 on `device` (from host RAM in one copy the host does not wait for)."""
         return to_device(torch.stack(self.view.get(ids)), device).float()
 
-    def _sendable(self, coded: torch.Tensor, stored: torch.Tensor, largest: float) -> torch.Tensor:
-        """Per row, on the device: the coder can carry `coded` (finite, |v| ≤ `largest`: fp16 scales span 65504, a
-        rotated tile's 65504/√tile) and the store can keep `stored`."""
-        in_range = (coded.abs() <= largest).reshape(coded.shape[0], -1).all(dim=1)
-        return in_range & self.view.storable_rows(stored)
+    def _sendable(self, carried: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+        """Per row, on the device: the coder carried the row without clipping (its fp16 scales below 65504, a cast
+        finite) and the store can keep `stored`."""
+        return carried & self.view.storable_rows(stored)
 
     def _lossless(self, at: list[int], x: torch.Tensor) -> _Candidates:
         """Rows `at` sent losslessly: m(ξ) becomes the value itself (a copy, never a view of the live activation),

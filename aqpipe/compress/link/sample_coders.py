@@ -30,11 +30,10 @@ from aqpipe.compress.link.codecs import (
 )
 from aqpipe.compress.link.directq import decode_samples, encode_samples, join_rows, sample_bytes, split_rows
 from aqpipe.compress.link.specs import CodecSpec, check_first_sight
-from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize
+from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize, scale_count
 from aqpipe.compress.rotated import (
     DEFAULT_TILE,
     RotatedQuantized,
-    largest_codable,
     rotated_dequantize,
     rotated_quantize,
     scales_per_sample,
@@ -47,9 +46,9 @@ class SampleCoder(Protocol):
     @property
     def name(self) -> str: ...
 
-    @property
-    def largest(self) -> float:
-        """The largest |value| the coder carries without clipping."""
+    def carried(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Per sample of `x` (bool [B], on its device, nothing read): whether `rows`, its coding, carry it without
+        clipping a value to the coder's range."""
         ...
 
     def sample_bytes(self, shape: tuple[int, ...]) -> int: ...
@@ -66,9 +65,8 @@ class CastCoder:
     name: str
     dtype: torch.dtype
 
-    @property
-    def largest(self) -> float:
-        return float(torch.finfo(self.dtype).max)
+    def carried(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return (x.abs() <= torch.finfo(self.dtype).max).reshape(x.shape[0], -1).all(dim=1)
 
     def sample_bytes(self, shape: tuple[int, ...]) -> int:
         return numel(shape[1:]) * self.dtype.itemsize
@@ -93,9 +91,8 @@ class QuantCoder:
     def name(self) -> str:
         return f"directq:{self.bits}"
 
-    @property
-    def largest(self) -> float:
-        return FP16_MAX  # an fp16 scale
+    def carried(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return scales_in_range(rows, scale_count(tuple(x.shape), self.options.per))
 
     def sample_bytes(self, shape: tuple[int, ...]) -> int:
         return sample_bytes(shape, self.bits, self.options.per)
@@ -121,9 +118,10 @@ class RotatedCoder:
     def name(self) -> str:
         return f"rtq:{self.bits}"
 
-    @property
-    def largest(self) -> float:
-        return largest_codable(self.tile)
+    def carried(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # the scales of the rotated tiles decide, not a bound on x: a rotated value reaches √tile times its tile's
+        # largest only for a tile of equal magnitudes; one massive channel spreads as 1/√tile of itself
+        return scales_in_range(rows, scales_per_sample(tuple(x.shape), self.tile))
 
     def sample_bytes(self, shape: tuple[int, ...]) -> int:
         return 2 * scales_per_sample(shape, self.tile) + packed_bytes(numel(shape[1:]), self.bits)
@@ -135,6 +133,12 @@ class RotatedCoder:
     def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         scales, codes = split_rows(rows, scales_per_sample(shape, self.tile), numel(shape[1:]), self.bits)
         return rotated_dequantize(RotatedQuantized(codes, scales, self.bits, self.tile, self.options.grid), shape)
+
+
+def scales_in_range(rows: torch.Tensor, scales: int) -> torch.Tensor:
+    """Per row of `join_rows` bytes with `scales` fp16 scales first: whether every scale lies below the fp16 maximum
+    (a group whose scale reached it was clamped there, and its values clip; an inf or NaN fails too)."""
+    return (bytes_as(rows[:, : 2 * scales], torch.float16).float().abs() < FP16_MAX).all(dim=1)
 
 
 def batch_problem(header) -> str | None:
