@@ -42,7 +42,8 @@ VARIANTS = {"fp32": ("fp32", "fp32"), "fp16": ("fp16", "fp16"), "directq fw3 bw6
             "aqsgd fw3 bw6": ("aqsgd:3", "directq:6"), "aqsgd fw4 bw8": ("aqsgd:4", "directq:8")}
 # not in the default grid: 4-bit gradients, the remedy for the backward link being the bottleneck at 25 Mbit; the
 # contract's link codecs as they start a run (issue 29, with --whole-run): the paper's fp32 first epoch (the defaults
-# before), and rotated 4-bit first sights from step 1 (the defaults since: no link flags at all)
+# before), and rotated 4-bit first sights from step 1 (the defaults since; launch_args asks for fp32 first sights,
+# so this variant names its own)
 EXTRA = {"aqsgd fw3 bw4": ("aqsgd:3", "directq:4"),
          "aqsgd fw4 bw8, fp32 warm-up": ("aqsgd:4", "directq:8", ("--warmup-epochs", "1")),
          "defaults": ("aqsgd:4", "directq:8", ("--first-sight", "rtq:4", "--warmup-epochs", "0"))}

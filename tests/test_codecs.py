@@ -458,7 +458,7 @@ def test_a_message_never_aliases_the_tensor_it_was_encoded_from(spec, compress):
 def _reads(monkeypatch) -> list[tuple[str, int]]:
     """Every read of tensor values into Python (what makes a host wait for a GPU), as (how, elements)."""
     seen: list[tuple[str, int]] = []
-    for how in ("tolist", "item", "__bool__", "__float__", "__int__"):
+    for how in ("tolist", "item", "__bool__", "__float__", "__int__", "nonzero"):
         real = getattr(torch.Tensor, how)
 
         def spy(self, *args, _real=real, _how=how, **kwargs):
@@ -524,14 +524,22 @@ def test_topk_refuses_positions_that_cannot_be_a_top_k(fraction, fmt):
 
 @pytest.mark.parametrize("fraction", [0.25, 0.05])
 def test_topk_checks_positions_on_the_bytes_as_they_arrived(monkeypatch, fraction):
-    """A message's bytes arrive on the host; read there, the check costs no wait, while on the stage's GPU (where
-    it read before) it made the host wait for the GPU on every gradient message."""
-    from aqpipe.compress.link import codecs
+    """A message's bytes arrive on the host; read there, the positions (a bitmap's marks found with `nonzero`) and
+    their check cost no wait, while on the stage's GPU (where they were read before) they made the host wait for
+    the GPU on every gradient message."""
+    from aqpipe.compress.link import codecs, topk
 
     codec, payload, header, _ = _topk_message(fraction)
+    expected = codec.decode(header, payload, torch.arange(3))
     reads = _reads(monkeypatch)
     moved: list[int] = []
     real = codecs.to_device
-    monkeypatch.setattr(codecs, "to_device", lambda values, device: (moved.append(len(reads)), real(values, device))[1])
-    codec.decode(header, payload, torch.arange(3))
-    assert reads and moved == [len(reads)]  # every read came before the bytes were handed to the device
+
+    def spy(values, device):
+        moved.append(len(reads))
+        return real(values, device)
+
+    for module in (codecs, topk):
+        monkeypatch.setattr(module, "to_device", spy, raising=False)
+    assert torch.equal(codec.decode(header, payload, torch.arange(3)), expected)
+    assert reads and moved[0] == len(reads)  # every read came before the bytes were handed to the device

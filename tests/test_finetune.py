@@ -32,11 +32,12 @@ def records(run) -> list[dict]:
 @pytest.fixture(scope="module")
 def minilm_runs(tmp_path_factory):
     """The packaged MiniLM fine-tuned on the built-in acceptability task: fp32 links, and AQ-SGD 2-bit forward
-    with 4-bit gradients (3 epochs of 320 samples; the first is the fp32 warm-up)."""
+    with 4-bit gradients (3 epochs of 320 samples; the first is the paper's fp32 warm-up)."""
     root = tmp_path_factory.mktemp("minilm")
     runs = {}
     for name, fw, bw in (("fp32", "fp32", "fp32"), ("aqsgd", "aqsgd:2", "directq:4")):
-        proc = launch(*MINILM_RUN, "--fw", fw, "--bw", bw, "--out", str(root / name))
+        proc = launch(*MINILM_RUN, "--fw", fw, "--bw", bw, "--warmup-epochs", "1", "--first-sight", "fp32",
+                      "--out", str(root / name))
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = root / name
     return runs
@@ -97,7 +98,7 @@ def test_exported_checkpoint_gives_the_pipelines_logits(minilm_export):
 
 
 def _kill_after_first_checkpoint(out, *extra):
-    """Start a tiny run that checkpoints every 10 of 48 steps (past the fp32 warm-up epoch of 8), SIGKILL rank 1 as
+    """Start a tiny run that checkpoints every 10 of 48 steps (past the first epoch of 8), SIGKILL rank 1 as
     soon as step 10 is saved and the run went past it; returns the launcher's exit code and stderr."""
     proc = warm.start("launch", *TINY_RUN, *extra, "--out", str(out))
     deadline = time.monotonic() + 120
@@ -181,7 +182,7 @@ def test_a_damaged_checkpoint_is_named_and_nothing_starts(finished_run, tmp_path
     assert (run / "metrics.jsonl").read_text() == before
 
 
-@pytest.mark.parametrize("field,value", [("seq_len", 32), ("fw", "fp32")])
+@pytest.mark.parametrize("field,value", [("seq_len", 32), ("fw", "fp32"), ("pp", "two")])
 def test_a_run_whose_config_was_edited_is_refused_naming_the_field(finished_run, tmp_path, field, value):
     import shutil
 

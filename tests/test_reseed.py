@@ -88,14 +88,18 @@ def test_nothing_is_reported_while_both_copies_are_sound(tmp_path):
     receiver_store.close()
 
 
-@pytest.mark.parametrize("schedule,extra", [("gpipe", ()), ("1f1b", ()),
+LOSSLESS_FIRST_SIGHTS = ("--warmup-epochs", "1", "--first-sight", "fp32")  # the paper's: an fp32 first epoch
+
+
+@pytest.mark.parametrize("schedule,extra", [("gpipe", LOSSLESS_FIRST_SIGHTS), ("1f1b", LOSSLESS_FIRST_SIGHTS),
                                             ("gpipe", ("--warmup-epochs", "0", "--first-sight", "rtq:4"))],
                          ids=["gpipe", "1f1b", "gpipe-coded-first-sight"])
 def test_a_live_run_survives_damage_to_a_receivers_store_and_ends_with_identical_copies(tmp_path, schedule, extra):
     """Damage every m(ξ) the receiver of link 0 holds while the run trains (from another process, as a failing
     disk would): the run re-seeds them and finishes, and `aqpipe store verify` finds both copies identical. Under
     1F1B the re-seed request must come after the step's last activation (a late micro-batch of the step may hold
-    a sample the next step needs). With a coded first sight (rtq:4 from step 1) the re-seeds are coded too."""
+    a sample the next step needs). Re-seeds go losslessly after an fp32 first epoch, and coded with a coded first
+    sight (the defaults: rtq:4 from step 1)."""
     import json
     import time
 
@@ -106,7 +110,7 @@ def test_a_live_run_survives_damage_to_a_receivers_store_and_ends_with_identical
                       "aqsgd:3", "--store", "lmdb", "--no-progress", "--schedule", schedule, *extra, "--out", str(out))
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 12):  # past the fp32 warm-up epoch (8 steps)
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 12):  # past the first epoch (8 steps)
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.02)

@@ -391,8 +391,9 @@ def format_plan(capacity: CapacityPlan) -> str:
             lines.append(format_tied(capacity.tied, cfg))
         step = capacity.link_bound_step_seconds()
         if step is not None:
-            lines.append(f"at --bandwidth {cfg.bandwidth}: the links alone need at least {step:.2f} s per step "
-                         f"({capacity.link_bound_step_seconds(warmup=True):.2f} s during fp32 warm-up)")
+            warmup = (f" ({capacity.link_bound_step_seconds(warmup=True):.2f} s during the fp32 warm-up)"
+                      if cfg.warmup_epochs else "")
+            lines.append(f"at --bandwidth {cfg.bandwidth}: the links alone need at least {step:.2f} s per step{warmup}")
     total = sum(s.memory_bytes for s in capacity.stages) * cfg.dp
     ram_stores = sum(s.store_bytes for s in capacity.stages if s.store_where == "RAM") * cfg.dp
     lines += ["", f"in memory: {_gb(total)} on the {'host' if cfg.device == 'cpu' else 'GPUs'} over {cfg.world_size} "

@@ -148,14 +148,24 @@ def verify(out: str | Path, step: int, world_size: int, settings: dict) -> None:
         raise CheckpointError(f"checkpoint {directory} was written by {marker.read_text().strip()} ranks, "
                               f"this run has {world_size}")
     record = _read_record(directory)
-    saved = record["config"]
-    for key in sorted(set(saved) | set(settings)):
-        if saved.get(key) != settings.get(key):
-            raise CheckpointError(f"checkpoint {directory} was written with {key} = {saved.get(key)!r}, but the run's "
-                                  f"configuration now says {settings.get(key)!r} (was {Path(out) / 'config.json'} "
-                                  "edited?); a resume continues the run as it was configured")
+    changed = changed_setting(out, step, settings, record)
+    if changed:
+        raise CheckpointError(changed)
     for rank in range(world_size):
         _read_checked(rank_file(directory, rank), rank, step, record["config_digest"])
+
+
+def changed_setting(out: str | Path, step: int, settings: dict, record: dict | None = None) -> str | None:
+    """What says that `settings` differ from those the checkpoint of `step` was written with (the first that does,
+    by name), or None; a CheckpointError if its record cannot be read."""
+    directory = step_dir(out, step)
+    saved = (record or _read_record(directory))["config"]
+    for key in sorted(set(saved) | set(settings)):
+        if saved.get(key) != settings.get(key):
+            return (f"checkpoint {directory} was written with {key} = {saved.get(key)!r}, but the run's configuration "
+                    f"now says {settings.get(key)!r} (was {Path(out) / 'config.json'} edited?); a resume continues "
+                    "the run as it was configured")
+    return None
 
 
 def _read_record(directory: Path) -> dict:

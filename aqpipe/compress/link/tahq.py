@@ -204,6 +204,10 @@ class TAHQuantCodec(LinkCodec):
         on_device = to_device(payload, self.device)
         return torch.stack([_decode_sample(on_device, row, t, c) for row in rows]).view(header.shape)
 
+    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """What `decode` does (it reads each sample's layout before the bytes go to the device)."""
+        return self.decode(header, payload, ids)
+
 
 def tahq_bits_per_value(shape: tuple[int, ...], rotated_share: float = 0.0) -> float:
     """Wire bits per value of one sample of `shape` with the given share of its tiles rotated."""

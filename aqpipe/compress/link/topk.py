@@ -25,6 +25,7 @@ from aqpipe.compress.link.codecs import (
     bytes_as,
     generator_on,
     numel,
+    to_device,
 )
 from aqpipe.compress.link.specs import CodecSpec
 from aqpipe.compress.quantize import Quantized, dequantize, quantize
@@ -85,43 +86,39 @@ class TopKCodec(LinkCodec):
         return Encoded.of(rows.reshape(-1), tuple(tensor.shape), torch.uint8, flags=self.flags())
 
     def decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """As every codec's, with the positions checked on the bytes as they arrived (the host), before they go to
-        the stage's device: a check there would make the host wait for the GPU on every message."""
-        if not header.flags & FLAG_RAW:
-            problem = self._positions_problem(header, payload)
-            if problem:
-                raise CodecError(problem)
-        return super().decode(header, payload, ids)
+        """As every codec's, with the positions read and checked on the bytes as they arrived (the host), before
+        they go to the stage's device: read there (a bitmap's marks are found with `nonzero`), they would make the
+        host wait for the GPU on every message."""
+        if header.flags & FLAG_RAW:
+            return super().decode(header, payload, ids)
+        shape = header.shape
+        b = shape[0]
+        n, k, _, pos_bytes, _ = self._layout(shape)
+        idx = self._checked_positions(header, payload)
+        rows = to_device(payload, self.device).view(b, -1)
+        scales = bytes_as(rows[:, :2], torch.float16)
+        codes = unpack(rows[:, 2 + pos_bytes :], self.bits, k)
+        values = dequantize(Quantized(codes, scales, self.bits, "channel", self.options.grid), (b, k))
+        out = torch.zeros(b, n, dtype=torch.float32, device=rows.device)
+        out.scatter_(1, to_device(idx, rows.device), values)
+        return out.view(shape)
 
-    def _positions(self, header, payload: torch.Tensor) -> torch.Tensor:
-        """The [b, k] positions of the kept entries of each sample (a bitmap's marks, in order)."""
+    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """What `decode` does (it reads the positions before the bytes go to the device)."""
+        return self.decode(header, payload, ids)
+
+    def _checked_positions(self, header, payload: torch.Tensor) -> torch.Tensor:
+        """The [b, k] positions of each sample's kept entries (a bitmap's marks, in order), where `payload` is; a
+        CodecError if they cannot be a top-k of the header's shape."""
         b = header.shape[0]
         n, k, fmt, pos_bytes, _ = self._layout(header.shape)
         positions = payload.view(b, -1)[:, 2 : 2 + pos_bytes]
         if fmt == "bitmap":
-            return unpack(positions.contiguous(), 1, n).bool().nonzero()[:, 1].view(b, k)
-        return bytes_as(positions, torch.int16 if fmt == "int16" else torch.int32).long()
-
-    def _positions_problem(self, header, payload: torch.Tensor) -> str | None:
-        """Why a payload's positions cannot be a top-k of its shape (None if they can)."""
-        b = header.shape[0]
-        n, k, fmt, pos_bytes, _ = self._layout(header.shape)
-        if fmt == "bitmap":
-            marked = unpack(payload.view(b, -1)[:, 2 : 2 + pos_bytes].contiguous(), 1, n).sum(dim=1)
-            return None if bool((marked == k).all()) else f"topk bitmap does not mark exactly {k} positions per sample"
-        idx = self._positions(header, payload)
-        return None if bool(((idx >= 0) & (idx < n)).all()) else "topk positions fall outside the tensor"
-
-    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """A payload whose positions `decode` has checked."""
-        shape = header.shape
-        b = shape[0]
-        n, k, fmt, pos_bytes, _ = self._layout(shape)
-        rows = payload.view(b, -1)
-        scales = bytes_as(rows[:, :2], torch.float16)
-        codes = unpack(rows[:, 2 + pos_bytes :], self.bits, k)
-        idx = self._positions(header, payload)
-        values = dequantize(Quantized(codes, scales, self.bits, "channel", self.options.grid), (b, k))
-        out = torch.zeros(b, n, dtype=torch.float32, device=rows.device)
-        out.scatter_(1, idx, values)
-        return out.view(shape)
+            marks = unpack(positions.contiguous(), 1, n).bool()
+            if not bool((marks.sum(dim=1) == k).all()):
+                raise CodecError(f"topk bitmap does not mark exactly {k} positions per sample")
+            return marks.nonzero()[:, 1].view(b, k)
+        idx = bytes_as(positions, torch.int16 if fmt == "int16" else torch.int32).long()
+        if not bool(((idx >= 0) & (idx < n)).all()):
+            raise CodecError("topk positions fall outside the tensor")
+        return idx
