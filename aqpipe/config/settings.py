@@ -139,7 +139,9 @@ class RunConfig:
                                   metavar="nearest|stochastic")
     quant_grid: str = setting(
         "links", "the levels a quantized code stands for: all but `uniform` (the first release's) hold an exact 0; "
-        "1-bit codes are sign · mean|x| (contractive) under nearest rounding", DEFAULT_GRID, metavar="{grid_names}")
+        "1-bit codes are sign · mean|x| (contractive) under nearest rounding; rotated tiles (rtq, aqsgd-rtq) always "
+        "use `fit`: a rotated tile is symmetric about 0, where `signed` would clip its short side", DEFAULT_GRID,
+        metavar="{grid_names}")
     grad_sync: str = setting(
         "links", "how the replicas of a stage combine gradients (--dp > 1): {grad_methods}. The sign methods make "
         "the update lr·sign (Marsit: its global step) and need --optimizer sgd; their gradients are clipped before "

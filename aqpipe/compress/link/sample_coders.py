@@ -33,6 +33,7 @@ from aqpipe.compress.link.specs import CodecSpec, check_first_sight
 from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize, scale_count
 from aqpipe.compress.rotated import (
     DEFAULT_TILE,
+    ROTATED_GRID,
     RotatedQuantized,
     rotated_dequantize,
     rotated_quantize,
@@ -107,7 +108,8 @@ class QuantCoder:
 
 @dataclass
 class RotatedCoder:
-    """B-bit rotated tile quantization (`aqpipe.compress.rotated`): fp16 tile scales, then packed codes."""
+    """B-bit rotated tile quantization (`aqpipe.compress.rotated`) on its own grid (`ROTATED_GRID`): fp16 tile
+    scales, then packed codes."""
 
     bits: int
     options: QuantOptions
@@ -127,12 +129,12 @@ class RotatedCoder:
         return 2 * scales_per_sample(shape, self.tile) + packed_bytes(numel(shape[1:]), self.bits)
 
     def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q = rotated_quantize(x, self.bits, self.tile, self.options.stochastic, self.generator, self.options.grid)
+        q = rotated_quantize(x, self.bits, self.tile, self.options.stochastic, self.generator, ROTATED_GRID)
         return join_rows(q.scales, q.codes, q.bits), rotated_dequantize(q, tuple(x.shape)) if values else None
 
     def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         scales, codes = split_rows(rows, scales_per_sample(shape, self.tile), numel(shape[1:]), self.bits)
-        return rotated_dequantize(RotatedQuantized(codes, scales, self.bits, self.tile, self.options.grid), shape)
+        return rotated_dequantize(RotatedQuantized(codes, scales, self.bits, self.tile, ROTATED_GRID), shape)
 
 
 def scales_in_range(rows: torch.Tensor, scales: int) -> torch.Tensor:
