@@ -45,7 +45,7 @@ VARIANTS = {"fp32": ("fp32", "fp32"), "fp16": ("fp16", "fp16"), "directq fw3 bw6
 # before), and rotated 4-bit first sights from step 1 (the defaults since; launch_args asks for fp32 first sights,
 # so this variant names its own)
 EXTRA = {"aqsgd fw3 bw4": ("aqsgd:3", "directq:4"),
-         "aqsgd fw4 bw8, fp32 warm-up": ("aqsgd:4", "directq:8", ("--warmup-epochs", "1")),
+         "defaults before": ("aqsgd:4", "directq:8", ("--warmup-epochs", "1")),
          "defaults": ("aqsgd:4", "directq:8", ("--first-sight", "rtq:4", "--warmup-epochs", "0"))}
 DEEPSPEED = "DeepSpeed fp32"
 MODELS = {2: ("benchmarks.models:gpt2_2x128", "parameters"), 4: ("benchmarks.models:gpt2_4x128", "2,1,1,2")}
