@@ -102,6 +102,22 @@ def test_an_initialised_cuda_driver_forbids_a_fork(monkeypatch):
     assert "initialised the CUDA driver" in forkserver._unsafe_to_fork()
 
 
+def test_a_plain_run_imports_none_of_what_only_some_runs_need(tmp_path):
+    """matplotlib (the loss plot, drawn at the end), peft (LoRA), datasets (hub data) and gguf (a GGUF model) each
+    take seconds to import: the launcher's plan and the ranks' preload of a gpt2-tiny run on the built-in corpus
+    load none of them."""
+    modules = rank_imports(model="gpt2-tiny")
+    probe = ("import sys\n"
+             "from aqpipe.launch.forkserver import _preload\n"
+             "from aqpipe.config import RunConfig, resolve\n"
+             "from aqpipe.runtime.plan import make_plan\n"
+             f"_preload({modules!r})\n"
+             f"make_plan(resolve(RunConfig(model='gpt2-tiny', device='cpu', out={str(tmp_path / 'run')!r})))\n"
+             "print(sorted(m for m in ('matplotlib', 'peft', 'datasets', 'gguf') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-3000:])
+
+
 def test_a_driver_that_cannot_be_asked_counts_as_initialised(monkeypatch):
     """The library named in the map cannot be opened (here: no such file): the server assumes the worst."""
     _maps_with_the_cuda_driver(monkeypatch)
