@@ -472,6 +472,23 @@ def _reads(monkeypatch) -> list[tuple[str, int]]:
     return seen
 
 
+def _device_moves(monkeypatch, reads: list, module) -> list[int]:
+    """Each time a codec hands values to the device (`to_device`, from the codecs module or `module`'s own import),
+    how many reads `_reads` had seen by then."""
+    from aqpipe.compress.link import codecs
+
+    moved: list[int] = []
+    real = codecs.to_device
+
+    def spy(values, device):
+        moved.append(len(reads))
+        return real(values, device)
+
+    for where in (codecs, module):
+        monkeypatch.setattr(where, "to_device", spy, raising=False)
+    return moved
+
+
 @pytest.mark.parametrize("first_sight", ["fp32", "rtq:4"])
 def test_an_aqsgd_message_reads_its_numbers_from_the_device_once(monkeypatch, first_sight):
     """On a GPU each read of tensor values into Python waits for the GPU. An AQ-SGD encode reads once — which
@@ -529,19 +546,11 @@ def test_topk_checks_positions_on_the_bytes_as_they_arrived(monkeypatch, fractio
     """A message's bytes arrive on the host; read there, the positions (a bitmap's marks found with `nonzero`) and
     their check cost no wait, while on the stage's GPU (where they were read before) they made the host wait for
     the GPU on every gradient message."""
-    from aqpipe.compress.link import codecs, topk
+    from aqpipe.compress.link import topk
 
     codec, payload, header, _ = _topk_message(fraction)
     expected = codec.decode(header, payload, torch.arange(3))
     reads = _reads(monkeypatch)
-    moved: list[int] = []
-    real = codecs.to_device
-
-    def spy(values, device):
-        moved.append(len(reads))
-        return real(values, device)
-
-    for module in (codecs, topk):
-        monkeypatch.setattr(module, "to_device", spy, raising=False)
+    moved = _device_moves(monkeypatch, reads, topk)
     assert torch.equal(codec.decode(header, payload, torch.arange(3)), expected)
     assert reads and moved[0] == len(reads)  # every read came before the bytes were handed to the device
