@@ -22,6 +22,13 @@ data=${AQPIPE_BENCH_DATA:-/work/shared/data/wikitext-2/valid.txt}
 results="$out/results.md"
 parts=${AQPIPE_GPU_CHECK_PARTS:-gpu-tests sync-audit throughput codec-speed throughput-mps}  # a subset, for a short lease
 export PYTHONUNBUFFERED=1
+# The lent H200's image could not keep bytecode (its site-packages read-only, or PYTHONDONTWRITEBYTECODE set), so
+# every process compiled transformers and torch._dynamo from source at import: 15-30 s per launcher, fork server and
+# fresh rank, which ran a 3-launch GPU test past its time limit. Bytecode goes under /tmp here instead.
+bytecode_before=$(python -c "import os, sys, sysconfig; purelib = sysconfig.get_paths()['purelib']; \
+print('writes bytecode:', not sys.flags.dont_write_bytecode, '; site-packages writable:', os.access(purelib, os.W_OK))" 2>&1)
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/aqpipe-pycache}
 
 part() {  # part NAME SECONDS COMMAND...: run COMMAND with its output in NAME.log, record status and time
   local name=$1 limit=$2 start rc
@@ -55,6 +62,7 @@ sync_audit() {  # two short runs with every rank audited; their rank logs hold t
   python -c 'import sys, torch, transformers; print(f"- python {sys.version.split()[0]}, torch {torch.__version__}, '\
 'CUDA {torch.version.cuda}, transformers {transformers.__version__}, {torch.cuda.device_count()} GPU(s)")'
   echo "- CPU cores: $(nproc)"
+  echo "- before this script: $bytecode_before; bytecode kept under $PYTHONPYCACHEPREFIX"
   echo
   echo "| part | exit | time |"
   echo "|---|---|---|"

@@ -224,3 +224,33 @@ def test_the_refusal_names_the_threads_that_make_a_fork_unsafe():
     finally:
         stop.set()
         worker.join()
+
+
+def test_a_jemalloc_background_thread_does_not_stop_a_fork(monkeypatch):
+    """On the H200 image jemalloc's background purging thread was the one thread in the fork server, so every rank
+    started afresh. jemalloc quiesces and resets it around fork() itself (its pthread_atfork handlers), so it does
+    not make a fork unsound; any other thread beside it still does, and only that one is named."""
+    monkeypatch.setattr(forkserver, "native_threads", lambda: 2)
+    monkeypatch.setattr(forkserver, "other_thread_names", lambda: ["jemalloc_bg_thd"])
+    assert forkserver._unsafe_to_fork() is None
+    monkeypatch.setattr(forkserver, "native_threads", lambda: 3)
+    monkeypatch.setattr(forkserver, "other_thread_names", lambda: ["jemalloc_bg_thd", "OMP worker"])
+    why = forkserver._unsafe_to_fork()
+    assert why is not None and "1 thread(s)" in why and "OMP worker" in why and "jemalloc" not in why
+
+
+JEMALLOC = next((path for path in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib64/libjemalloc.so.2",
+                                   "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2") if os.path.exists(path)), None)
+
+
+@pytest.mark.skipif(JEMALLOC is None, reason="libjemalloc.so.2 is not installed (apt install libjemalloc2)")
+def test_a_launch_under_jemalloc_with_background_threads_forks_its_ranks(tmp_path):
+    """The H200 image's allocator, for real: jemalloc preloaded with background threads on. The ranks are forked
+    from the server (not started afresh) and train."""
+    env = {**os.environ, "LD_PRELOAD": JEMALLOC, "MALLOC_CONF": "background_thread:true"}
+    out = subprocess.run([sys.executable, "-m", "aqpipe", "launch", "--model", "gpt2-tiny", "--pp", "2", "--steps",
+                          "2", "--seq-len", "16", "--max-samples", "16", "--micro-batches", "2", "--no-progress",
+                          "--eval-every", "0", "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fresh processes" not in out.stderr, out.stderr
