@@ -91,6 +91,25 @@ def test_aqsgd_copies_stay_identical_across_devices_and_the_checksum_is_device_f
     assert store_checksum([v if v is None else v.to(DEVICE) for v in sample]) == store_checksum(sample)
 
 
+def test_aqsgd_on_the_gpu_with_m_in_host_ram_keeps_both_copies_identical():
+    """Both ends compute on the GPU and keep m(ξ) in host RAM (the default store): each message's new m(ξ) crosses to
+    the host as a queued copy that the next message lands; the copies agree, and every checksum passed."""
+    options = QuantOptions()
+    stores = [MemoryStore(torch.float16), MemoryStore(torch.float16)]
+    sender = build_codec("aqsgd:3", "fw", StoreView(stores[0], 0, "send"), options, device=DEVICE)
+    receiver = build_codec("aqsgd:3", "fw", StoreView(stores[1], 0, "recv"), options, device=DEVICE)
+    x = torch.randn(8, 16, 32, device=DEVICE)
+    for visit in range(5):
+        ids = torch.tensor([3, 1, 4, 5] if visit % 2 == 0 else [0, 2, 6, 7])
+        rows = slice(0, 4) if visit % 2 == 0 else slice(4, 8)
+        x[rows] += 0.1 * torch.randn_like(x[rows])
+        encoded = sender.encode(x[rows], ids, compress=True)
+        receiver.decode(_header(encoded, sender), encoded.payload, ids)  # raises if its copy fails the checksum
+    for i in range(8):
+        sent, received = (s.get(0, side, [i])[0] for s, side in zip(stores, ("send", "recv")))
+        assert sent.device.type == "cpu" and torch.equal(sent, received)
+
+
 def test_the_pipeline_on_one_gpu_computes_what_one_process_computes(tmp_path):
     one = launch(tmp_path / "one", "--model", "gpt2-tiny", "--pp", "1", "--steps", "4", "--fw", "fp32", "--bw", "fp32")
     four = launch(tmp_path / "four", "--model", "gpt2-tiny", "--pp", "4", "--steps", "4", "--fw", "fp32",

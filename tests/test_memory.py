@@ -62,3 +62,54 @@ def test_values_from_another_device_cross_in_one_copy(monkeypatch):
     copies.clear()
     same = on_device(values, "cpu")
     assert all(a is b for a, b in zip(same, values))  # already there: the values themselves, no copy
+
+
+class _Copy:
+    """A stand-in for a GPU's queued copy to the host: counts the waits for it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+def test_a_gpus_values_reach_host_ram_without_the_host_waiting(monkeypatch):
+    """The H200's sync audit found the host waiting for the GPU once per AQ-SGD message to copy the new m(ξ) into
+    host RAM. `put` now queues that copy (here: host values standing for a GPU's) and returns; the next call that
+    needs the values waits for it, and then every value owns pageable storage of its own."""
+    from aqpipe.storage import memory
+
+    queued = []
+
+    def queue_copy(payload):
+        queued.append(_Copy())
+        return payload.clone(), queued[-1]
+
+    monkeypatch.setattr(memory, "crosses_to_the_host", lambda values, device: True)
+    monkeypatch.setattr(memory, "to_host", queue_copy)
+    store = MemoryStore(torch.float16)
+    first = torch.randn(4, 16, 8).half()
+    store.put(0, "send", [0, 1, 2, 3], list(first))
+    assert len(queued) == 1 and queued[0].waits == 0  # one copy for the message, and no wait yet
+    assert store.contains(0, "send", [3, 4]) == [True, False] and queued[0].waits == 0
+    store.delete(0, "send", [2])
+    second = torch.randn(2, 16, 8).half()
+    store.put(0, "send", [1, 5], list(second))  # the next message: the first copy lands, the second is queued
+    assert queued[0].waits == 1 and queued[1].waits == 0
+    got = store.get(0, "send", [0, 1, 3, 5])
+    assert queued[1].waits == 1
+    for value, want in zip(got, (first[0], second[0], first[3], second[1])):
+        assert torch.equal(value, want)
+    assert store.present(0, "send", [2]) == [False]
+    assert _held_bytes(store) == 4 * 16 * 8 * 2  # each value its own storage, not a view of its message's block
+
+
+def test_values_cross_without_waiting_only_from_a_gpu_to_host_ram():
+    from aqpipe.storage.memory import crosses_to_the_host
+
+    host = [torch.zeros(2, 3), torch.zeros(2, 3)]
+    assert not crosses_to_the_host(host, torch.device("cpu"))
+    assert not crosses_to_the_host([], torch.device("cpu"))
+    meta = [torch.zeros(2, 3, device="meta")]
+    assert not crosses_to_the_host(meta, torch.device("cpu"))

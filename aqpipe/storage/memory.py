@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from aqpipe.compress.link.codecs import Landing, to_host
 from aqpipe.disk import save_atomic
 from aqpipe.storage.base import StoreStats, on_device
 from aqpipe.storage.encoding import storable_rows
@@ -25,7 +26,12 @@ class MemoryStore:
 
     Host values are not page-locked: the pinned allocator rounds every block up to a power of two (1.8x for a
     576 KB value) and pins each new one with a slow, globally locked driver call, while a message's m(ξ) moves to
-    the GPU in one batched copy per message anyway."""
+    the GPU in one batched copy per message anyway.
+
+    A message's new m(ξ) computed on a GPU reaches host RAM without making the host wait: `put` queues one copy
+    into a pinned block (reused from torch's cache) and keeps views of it, and the next call that needs the values
+    (the next put, a get, a dump) waits for that copy — by then long done — and gives each value pageable storage
+    of its own."""
 
     def __init__(self, dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu") -> None:
         self.dtype = dtype
@@ -33,6 +39,7 @@ class MemoryStore:
         self.stats = StoreStats()
         self.step = 0  # the training step, set by the worker (the LMDB store stamps it into values)
         self._values: dict[tuple[int, str, int], torch.Tensor] = {}
+        self._crossing: tuple[list[tuple[int, str, int]], list[torch.Tensor], Landing | None] | None = None
 
     def contains(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
         found = [(link, side, int(i)) in self._values for i in ids]
@@ -42,6 +49,7 @@ class MemoryStore:
         return found
 
     def get(self, link: int, side: str, ids: Sequence[int]) -> list[torch.Tensor]:
+        self._land()
         try:
             return [self._values[(link, side, int(i))] for i in ids]
         except KeyError as e:
@@ -52,8 +60,27 @@ class MemoryStore:
         for v in values:
             if v.dtype != self.dtype:
                 raise TypeError(f"the store keeps {self.dtype}, got {v.dtype}")
+        self._land()
+        if crosses_to_the_host(values, self.device):
+            host, ready = to_host(torch.stack(list(values)))
+            keys, rows = [(link, side, int(i)) for i in ids], list(host.unbind(0))
+            self._values.update(zip(keys, rows))
+            self._crossing = (keys, rows, ready)
+            return
         for i, v in zip(ids, on_device(values, self.device)):
             self._values[(link, side, int(i))] = compact(v)
+
+    def _land(self) -> None:
+        """Finish the last put's copy from the GPU: wait for it, then give each of its values (those not replaced or
+        deleted since) pageable storage of its own; the pinned block goes back to torch's cache."""
+        if self._crossing is None:
+            return
+        (keys, rows, ready), self._crossing = self._crossing, None
+        if ready is not None:
+            ready.synchronize()
+        for key, row in zip(keys, rows):
+            if self._values.get(key) is row:
+                self._values[key] = row.clone()
 
     def storable_rows(self, values: torch.Tensor) -> torch.Tensor:
         """Whether each row of a batch (in the store dtype) is finite, as a bool tensor on its device: an inf or NaN
@@ -73,6 +100,7 @@ class MemoryStore:
 
     def value_bytes(self) -> int:
         """Bytes of storage the kept values hold."""
+        self._land()
         return sum(v.untyped_storage().nbytes() for v in self._values.values())
 
     def present(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
@@ -86,6 +114,7 @@ class MemoryStore:
 
     def load(self, entries: dict[str, torch.Tensor]) -> None:
         """Replace the contents with `dump`-style entries ('link/side/id' → value), e.g. from a checkpoint."""
+        self._land()
         self._values = {}
         for key, value in entries.items():
             link, side, sample = key.split("/")
@@ -93,14 +122,17 @@ class MemoryStore:
 
     def entries(self) -> dict[str, torch.Tensor]:
         """Every entry keyed 'link/side/id' (what `dump` writes and `load` reads)."""
+        self._land()
         return {f"{link}/{s}/{i}": v.cpu() for (link, s, i), v in self._values.items()}
 
     def items(self):
         """Every ((link, side, id), value) pair."""
+        self._land()
         return self._values.items()
 
     def close(self) -> None:
-        """Nothing to release: the values live as long as the process."""
+        """Nothing to release but a copy still on its way: the values live as long as the process."""
+        self._land()
 
     def __len__(self) -> int:
         return len(self._values)
@@ -108,3 +140,11 @@ class MemoryStore:
     def dump(self, path: Path) -> None:
         """Save every entry (keys as 'link/side/id') for offline comparison of the two sides of a link."""
         save_atomic(path, lambda f: torch.save(self.entries(), f))
+
+
+def crosses_to_the_host(values: Sequence[torch.Tensor], device: torch.device) -> bool:
+    """Whether `values` are a message's m(ξ) on a GPU, of one shape, bound for a store in host RAM: what `put` copies
+    without waiting."""
+    return (device.type == "cpu" and len(values) > 0 and all(v.device.type == "cuda" for v in values)
+            and len({(v.device, tuple(v.shape)) for v in values}) == 1)
+
