@@ -37,9 +37,12 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes.contiguous()
     g, nbytes = _group(bits)
     groups = -(-n // g)
-    padded = torch.zeros(rows, groups * g, dtype=torch.uint8, device=codes.device)
-    padded[:, :n] = codes
-    columns = padded.view(rows, groups, g)
+    if n == groups * g:  # whole groups: no padded copy (each kernel counts on a GPU)
+        columns = codes.contiguous().view(rows, groups, g)
+    else:
+        columns = torch.zeros(rows, groups * g, dtype=torch.uint8, device=codes.device)
+        columns[:, :n] = codes
+        columns = columns.view(rows, groups, g)
     wide = _word_dtype(g * bits)
     word = _words_at_once(columns, bits, wide) if _at_once(codes.device) else _words_by_column(columns, bits, wide)
     # little-endian words: their first `nbytes` bytes are the group's packed bytes
@@ -59,10 +62,13 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     g, nbytes = _group(bits)
     groups = -(-n // g)
     wide = _word_dtype(g * bits)
-    flat = torch.zeros(rows, groups * nbytes, dtype=torch.uint8, device=packed.device)
-    flat[:, : packed.shape[1]] = packed
+    if packed.shape[1] == groups * nbytes:  # whole groups: no padded copy
+        flat = packed
+    else:
+        flat = torch.zeros(rows, groups * nbytes, dtype=torch.uint8, device=packed.device)
+        flat[:, : packed.shape[1]] = packed
     buffer = torch.zeros(rows, groups, wide.itemsize, dtype=torch.uint8, device=packed.device)
-    buffer[:, :, :nbytes] = flat.view(rows, groups, nbytes)
+    buffer[:, :, :nbytes] = flat.reshape(rows, groups, nbytes)
     word = buffer.view(wide).view(rows, groups)
     mask = (1 << bits) - 1
     if _at_once(packed.device):

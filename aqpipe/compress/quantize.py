@@ -100,10 +100,12 @@ def _levels(bits: int, grid: str, device: torch.device) -> torch.Tensor:
 
 def fp16_scales(scale: torch.Tensor) -> torch.Tensor:
     """fp16 scales whose magnitude is ≥ the given one (rounded up; capped at the fp16 maximum), sign kept."""
-    magnitude = scale.float().abs().clamp(max=FP16_MAX)
+    magnitude = scale.float().abs().clamp_(max=FP16_MAX)
     half = magnitude.to(torch.float16)
-    low = half.float() < magnitude  # (applied everywhere, not only when some are low: asking would make a GPU wait)
-    half = torch.where(low, torch.nextafter(half, torch.full_like(half, float("inf"))), half)
+    # Rounded up where the cast rounded down, for every group (asking whether any did would make a GPU wait): the
+    # next fp16 magnitude is the next bit pattern, and never past the largest finite one (65504 is exact). Few
+    # kernels, since each is a launch on a GPU and these tensors are tiny.
+    half = half.view(torch.int16).add_(torch.lt(half, magnitude)).view(torch.float16)
     return torch.where(scale < 0, -half, half)
 
 
@@ -113,8 +115,9 @@ def _scales(rows: torch.Tensor, dim: int, bits: int, grid: str, stochastic: bool
         return rows.abs().mean(dim=dim, keepdim=True)
     if grid in ("uniform", "symmetric") or bits == 1:
         return rows.abs().amax(dim=dim, keepdim=True)
-    positive = rows.amax(dim=dim, keepdim=True).clamp(min=0)
-    negative = rows.amin(dim=dim, keepdim=True).neg_().clamp_(min=0)  # no negated copy of the rows
+    low, high = torch.aminmax(rows, dim=dim, keepdim=True)  # one pass over the rows for both
+    positive = high.clamp_(min=0)
+    negative = low.neg_().clamp_(min=0)  # no negated copy of the rows
     h = float(1 << (bits - 1))
     if grid == "signed":  # the long side (−1 … ) goes where the largest magnitude is: scale = −(that value)
         return torch.where(positive > negative, -positive, negative)
@@ -137,8 +140,7 @@ def quantize(x: torch.Tensor, bits: int, per: str = "channel", stochastic: bool 
     rows = as_rows(x.detach().float())
     reduce_dim = 1 if (per == "channel" or x.dim() == 2) else 2
     scales = fp16_scales(_scales(rows, reduce_dim, bits, grid, stochastic))
-    s = scales.float()
-    s = torch.where(s == 0, torch.ones_like(s), s)
+    s = scales.float().masked_fill_(scales == 0, 1.0)
     offset, steps, top = _offset_steps(bits, grid)
     if bits == 1 and not stochastic:  # the sign; an exact 0 (no room for it in one bit) goes to +scale
         codes = (rows > 0).to(torch.uint8)

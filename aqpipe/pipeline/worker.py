@@ -171,8 +171,7 @@ class StageWorker:
         stats.bwd_recv_bytes, stats.bwd_recv_seconds = counters["bwd_received"].body_bytes, counters["bwd_received"].wire_seconds
         fidelity = counters["fwd_sent"].fidelity
         if fidelity is not None:  # one read per step (a GPU waits once, not per message)
-            stats.aqsgd_signal, stats.aqsgd_change, stats.aqsgd_error = (
-                float(v) for v in torch.stack([fidelity.signal, fidelity.change, fidelity.error]).tolist())
+            stats.aqsgd_signal, stats.aqsgd_change, stats.aqsgd_error = (float(v) for v in fidelity.squares.tolist())
 
     def _recv_activation(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         mb.inputs, mb.ids, mb.mask = self.links.receive_activation()

@@ -109,6 +109,8 @@ def row_sums(values: torch.Tensor) -> torch.Tensor:
     weights = _weights(words.shape[1], words.device)
     # |word| < 2^15 and weight < 2^16: each row's sum stays below 2^63 for up to 2^31 words (8 GB per sample); the
     # int64 products are formed a slice of columns at a time, so the transient stays small beside a large batch
+    if words.shape[1] <= _CHECKSUM_COLUMNS:  # one slice: three kernels
+        return (words.to(torch.int64) * weights).sum(dim=1)
     sums = torch.zeros(words.shape[0], dtype=torch.int64, device=words.device)
     for start in range(0, words.shape[1], _CHECKSUM_COLUMNS):
         part = slice(start, start + _CHECKSUM_COLUMNS)
@@ -170,19 +172,20 @@ def keep(view: SampleMemory, ids: list[int], values: list[torch.Tensor | None]) 
     return dropped
 
 
-def _row_sq(t: torch.Tensor) -> torch.Tensor:
-    """Each sample's squared norm, in float64 (the norm itself in float32: no full-size float64 copy)."""
-    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).double().square()
+def _row_norms(t: torch.Tensor) -> torch.Tensor:
+    """Each sample's norm, in float32 (no full-size float64 copy)."""
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1)
 
 
 def _fidelity(x: torch.Tensor, delta: list[int], m_old: torch.Tensor, change: torch.Tensor, m_new: torch.Tensor,
               as_delta: list[int]) -> DeltaFidelity:
     """The squared norms, over the samples sent as deltas (`as_delta` among the `delta` rows of `x`), of the
     activation, of its change since m(ξ), and of what m(ξ) still misses after the update in the store's dtype —
-    what the receiver computes on. One full-size temporary: m_new − m_old − change = m_new − x."""
+    what the receiver computes on. One full-size temporary: m_new − m_old − change = m_new − x; the three per-sample
+    norms are squared and summed together, in float64."""
     error = m_new.to(torch.float32, copy=True).sub_(m_old).sub_(change)
-    signal = rows_of(_row_sq(x), [delta[j] for j in as_delta])
-    return DeltaFidelity(signal.sum(), rows_of(_row_sq(change), as_delta).sum(), rows_of(_row_sq(error), as_delta).sum())
+    norms = torch.stack([rows_of(_row_norms(x), delta), _row_norms(change), _row_norms(error)], dim=1)
+    return DeltaFidelity(rows_of(norms, as_delta).double().square_().sum(dim=0))
 
 
 class AQSGDCodec(LinkCodec):

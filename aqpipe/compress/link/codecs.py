@@ -83,15 +83,28 @@ def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
 @dataclass
 class DeltaFidelity:
     """How far AQ-SGD's quantized deltas of one message were from the truth, as squared norms over the samples
-    sent as deltas (0-d float64 tensors on the activation's device: summed over a step before anything is read,
-    so a GPU is not made to wait per message)."""
+    sent as deltas: `squares` [3] float64 on the activation's device — ‖a‖², ‖a − m_old‖², ‖a − m_new‖² — summed over
+    a step before anything is read, so a GPU is not made to wait per message (and one add per message)."""
 
-    signal: torch.Tensor  # ‖a‖²: the activations themselves
-    change: torch.Tensor  # ‖a − m_old‖²: what was quantized (small when activations change slowly)
-    error: torch.Tensor  # ‖a − m_new‖²: what the receiver computes on, against the true activation
+    squares: torch.Tensor
+
+    @property
+    def signal(self) -> torch.Tensor:
+        """‖a‖²: the activations themselves."""
+        return self.squares[0]
+
+    @property
+    def change(self) -> torch.Tensor:
+        """‖a − m_old‖²: what was quantized (small when activations change slowly)."""
+        return self.squares[1]
+
+    @property
+    def error(self) -> torch.Tensor:
+        """‖a − m_new‖²: what the receiver computes on, against the true activation."""
+        return self.squares[2]
 
     def __add__(self, other: DeltaFidelity) -> DeltaFidelity:
-        return DeltaFidelity(self.signal + other.signal, self.change + other.change, self.error + other.error)
+        return DeltaFidelity(self.squares + other.squares)
 
 
 @dataclass

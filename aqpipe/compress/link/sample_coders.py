@@ -140,7 +140,7 @@ class RotatedCoder:
 def scales_in_range(rows: torch.Tensor, scales: int) -> torch.Tensor:
     """Per row of `join_rows` bytes with `scales` fp16 scales first: whether every scale lies below the fp16 maximum
     (a group whose scale reached it was clamped there, and its values clip; an inf or NaN fails too)."""
-    return (bytes_as(rows[:, : 2 * scales], torch.float16).float().abs() < FP16_MAX).all(dim=1)
+    return (bytes_as(rows[:, : 2 * scales], torch.float16).abs() < FP16_MAX).all(dim=1)  # (65504 is exact in fp16)
 
 
 def batch_problem(header) -> str | None:
