@@ -31,7 +31,8 @@ from aqpipe.pipeline.tied import row_tables, tied_groups
 from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
 from aqpipe.pipeline.tied_rows import step_rows
 from aqpipe.pipeline.transport import HEADER_SIZE
-from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan, available_memory
+from aqpipe.runtime import plan as run_plan
+from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan
 from aqpipe.storage.dtypes import STORE_DTYPES
 
 # optimizer -> fp32 copies of each trained parameter it keeps (AdamW: both moments; SGD: its momentum buffer, when
@@ -302,7 +303,7 @@ def check_fits(capacity: CapacityPlan) -> None:
     replicas = cfg.dp
     if cfg.device == "cpu":
         needed = replicas * sum(s.memory_bytes + (s.store_bytes if s.store_where == "RAM" else 0) for s in capacity.stages)
-        free = available_memory()
+        free = run_plan.available_memory()  # (looked up at the call: one definition of the RAM on offer)
         capacity.available["RAM"] = free
         if needed > free:
             capacity.problems.append(f"the {cfg.world_size} ranks need about {_gb(needed)} of RAM (weights, gradients, "
