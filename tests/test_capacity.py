@@ -90,7 +90,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
 
 
 def test_a_run_that_does_not_fit_is_refused_with_its_numbers(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cap, "available_memory", lambda: 5_000_000)  # 5 MB of RAM: the tiny model needs ~70 MB
+    monkeypatch.setattr("aqpipe.runtime.plan.available_memory", lambda: 5_000_000)  # 5 MB of RAM: the tiny model needs ~70 MB
     out = tmp_path / "run"
     code = main(["launch", *SMALL, "--model", "gpt2-tiny", "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
