@@ -75,7 +75,7 @@ part sync-audit 90 bash -c sync_audit
 throughput_mps() {  # the same pipeline with NVIDIA MPS: the four ranks' kernels share the GPU instead of time-slicing
   command -v nvidia-cuda-mps-control >/dev/null || { echo "no nvidia-cuda-mps-control on this machine"; return 3; }
   nvidia-cuda-mps-control -d || return
-  python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 --epochs 2 \
+  python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 --epochs 4 \
     --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda_mps"
   local rc=$?
   echo quit | nvidia-cuda-mps-control
@@ -83,7 +83,7 @@ throughput_mps() {  # the same pipeline with NVIDIA MPS: the four ranks' kernels
 }
 
 part throughput 120 python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 \
-  --epochs 2 \
+  --epochs 4 \
   --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda"
 
 part codec-speed 60 bash -c "python benchmarks/codec_speed.py --device cuda --out '$out/codec_speed_cuda' && \
