@@ -12,7 +12,9 @@
 #   codec-speed  benchmarks/codec_speed.py on the GPU, at GPT2-XL's activation shape and at SmolLM2-135M's
 #   throughput   benchmarks/throughput.py: 4 ranks on the one GPU behind 100 Mbit/s tc links, fp32 vs aqsgd fw3 bw6
 #   throughput-mps  the same under NVIDIA MPS (started and stopped here), where nvidia-cuda-mps-control exists
-# About 7-8 minutes on an H200 (each part stops at its own limit, 10 minutes in all at most). AQPIPE_BENCH_DATA names the WikiText-2 file the throughput part trains on.
+# About 5 minutes on an H200 (codec speed, then the GPU tests beside the sync audit, then the two throughput runs;
+# each part stops at its own limit: 8 minutes in all at most). AQPIPE_BENCH_DATA names the WikiText-2 file the
+# throughput parts train on; AQPIPE_GPU_CHECK_PARTS picks a subset.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu_check}
@@ -68,10 +70,6 @@ sync_audit() {  # two short runs with every rank audited; their rank logs hold t
   echo "|---|---|---|"
 } >"$results"
 
-part gpu-tests 240 python -m pytest -m gpu tests/test_gpu.py -n 12 -p no:cacheprovider -v --timeout 150 -rfE
-export -f sync_audit
-export out
-part sync-audit 90 bash -c sync_audit
 throughput_mps() {  # the same pipeline with NVIDIA MPS: the four ranks' kernels share the GPU instead of time-slicing
   command -v nvidia-cuda-mps-control >/dev/null || { echo "no nvidia-cuda-mps-control on this machine"; return 3; }
   nvidia-cuda-mps-control -d || return
@@ -82,14 +80,18 @@ throughput_mps() {  # the same pipeline with NVIDIA MPS: the four ranks' kernels
   return $rc
 }
 
-part throughput 120 python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 \
-  --epochs 4 \
-  --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda"
-
+export -f sync_audit throughput_mps
+export out data
+# Codec speed first, alone on the GPU (its numbers are times); then the GPU tests beside the sync audit (neither
+# times anything, and the audit's launches fit in the tests' shadow); then each throughput run alone.
 part codec-speed 60 bash -c "python benchmarks/codec_speed.py --device cuda --out '$out/codec_speed_cuda' && \
   python benchmarks/codec_speed.py --device cuda --shape 4,128,576 --out '$out/codec_speed_cuda_smollm2'"
-export -f throughput_mps
-export data
+part gpu-tests 240 python -m pytest -m gpu tests/test_gpu.py -n 12 -p no:cacheprovider -v --timeout 150 -rfE &
+tests=$!
+part sync-audit 90 bash -c sync_audit
+wait "$tests"
+part throughput 120 python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 \
+  --epochs 4 --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda"
 part throughput-mps 90 bash -c throughput_mps
 
 {
@@ -102,20 +104,23 @@ part throughput-mps 90 bash -c throughput_mps
     echo "### $run: places, summed over ranks and steps"
     grep -h "cuda sync audit:  " "$out/$run"/logs/rank-*.log | awk '{n[$5" "$6]+=$4} END {for (p in n) print n[p], p}' | sort -rn
   done
+  ran() { [ -f "$out/$1.log" ] || { echo "(not run)"; return 1; }; }  # ran PART: its log exists, else says so
   echo
   echo "## GPU tests"
-  for outcome in PASSED FAILED ERROR SKIPPED; do
-    echo "- $outcome: $(grep -c " $outcome " "$out/gpu-tests.log")"
-  done
-  grep -E " (FAILED|ERROR) tests/" "$out/gpu-tests.log" | sed 's/^.* \(FAILED\|ERROR\) /- \1 /'
-  tail -n 3 "$out/gpu-tests.log"
+  if ran gpu-tests; then
+    for outcome in PASSED FAILED ERROR SKIPPED; do
+      echo "- $outcome: $(grep -c " $outcome " "$out/gpu-tests.log")"
+    done
+    grep -E " (FAILED|ERROR) tests/" "$out/gpu-tests.log" | sed 's/^.* \(FAILED\|ERROR\) /- \1 /'
+    tail -n 3 "$out/gpu-tests.log"
+  fi
   echo
   echo "## codec speed"
-  grep -h -E "MB/s" "$out/codec-speed.log" | head -60
+  ran codec-speed && grep -h -E "MB/s" "$out/codec-speed.log" | head -60
   echo
   echo "## throughput (samples/s)"
-  grep -h -E "samples/s|≥|target" "$out/throughput.log" | head -20
+  ran throughput && grep -h -E "samples/s|≥|target" "$out/throughput.log" | head -20
   echo "### with NVIDIA MPS"
-  grep -h -E "samples/s|≥|target|MPS|mps" "$out/throughput-mps.log" | head -20
+  ran throughput-mps && grep -h -E "samples/s|≥|target|MPS|mps" "$out/throughput-mps.log" | head -20
 } >>"$results" 2>&1
 cat "$results"
