@@ -345,13 +345,11 @@ class AQSGDCodec(LinkCodec):
             return f"payload length {header.payload_len} is outside {low}..{high} for shape {header.shape}"
         return None
 
-    def decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Rebuild the activation and update this side's m(ξ) exactly as the sender did."""
-        shape = header.shape
-        b = shape[0]
-        modes = payload[:b].tolist()  # read where the bytes arrived (the host), before they go to the device
-        payload = to_device(payload, self.device)
-        sizes = self._segment_bytes(shape)
+    def _read_layout(self, header, payload: torch.Tensor) -> list[int]:
+        """Each sample's mode byte, read on the host bytes and checked against the payload's length."""
+        b = header.shape[0]
+        modes = payload[:b].tolist()
+        sizes = self._segment_bytes(header.shape)
         if any(m not in sizes for m in modes):
             unknown = sorted(set(modes) - set(sizes))
             if MODE_FIRST in unknown:
@@ -360,6 +358,15 @@ class AQSGDCodec(LinkCodec):
             raise CodecError(f"aqsgd payload has unknown sample modes {unknown}")
         if b + sum(sizes[m] for m in modes) != payload.numel():
             raise CodecError(f"aqsgd payload of {payload.numel()} bytes does not match its sample modes")
+        return modes
+
+    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor, layout: Any = None) -> torch.Tensor:
+        """Rebuild the activation and update this side's m(ξ) exactly as the sender did (`layout`: the samples'
+        modes)."""
+        shape = header.shape
+        b = shape[0]
+        modes: list[int] = layout
+        sizes = self._segment_bytes(shape)
         id_list = ids.tolist()
         out = torch.empty(shape, dtype=torch.float32, device=self.device)
         segments: dict[int, tuple[list[torch.Tensor], list[int]]] = {}

@@ -197,11 +197,18 @@ class LinkCodec:
         return self._encode(tensor.detach(), ids)
 
     def decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The tensor a received message stands for: float32, or a raw message's own dtype."""
-        payload = to_device(payload, self.device)
+        """The tensor a received message stands for: float32, or a raw message's own dtype. A compressed message's
+        layout is read on its bytes where they arrived (`_read_layout`), before they go to the stage's device."""
         if header.flags & FLAG_RAW:
-            return bytes_as(payload.view(1, -1), header.dtype).view(header.shape)
-        return self._decode(header, payload, ids)
+            return bytes_as(to_device(payload, self.device).view(1, -1), header.dtype).view(header.shape)
+        layout = self._read_layout(header, payload)
+        return self._decode(header, to_device(payload, self.device), ids, layout)
+
+    def _read_layout(self, header, payload: torch.Tensor) -> Any:
+        """What decoding must know of a compressed message's bytes before they go to the device — where each part
+        lies, which samples are which — read, and checked, on the bytes as they arrived (the host): read on a GPU,
+        each such number would make the host wait for it. None where the header says it all."""
+        return None
 
     def check_header(self, header) -> str | None:
         """Why a header cannot belong to this codec (None if it can); called before the payload is allocated."""
@@ -229,7 +236,8 @@ class LinkCodec:
         """The exact payload length of a compressed message with this header."""
         return numel(header.shape) * 4
 
-    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor, layout: Any = None) -> torch.Tensor:
+        """The tensor of a compressed message whose bytes are on the codec's device, with `_read_layout`'s answer."""
         return bytes_as(payload.view(1, -1), torch.float32).view(header.shape)
 
     def state_dict(self) -> dict:
@@ -289,7 +297,7 @@ class FloatCodec(LinkCodec):
         wire = _owned(tensor.to(self._wire(tensor.dtype)).contiguous(), tensor)
         return Encoded.of(wire.view(torch.uint8).reshape(-1), tuple(wire.shape), wire.dtype, flags=self.flags())
 
-    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor, layout: Any = None) -> torch.Tensor:
         if header.dtype != self._wire(header.dtype):
             raise CodecError(f"{self.name} payload arrived as {header.dtype}")
         value = payload.view(header.dtype).reshape(header.shape)

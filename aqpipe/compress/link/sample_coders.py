@@ -10,7 +10,7 @@ RTQ). AQ-SGD takes two coders as parts: one for the change of a sample it has se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -177,7 +177,7 @@ class CoderCodec(LinkCodec):
         rows, _ = self.coder.encode(x)
         return Encoded.of(rows.reshape(-1), tuple(x.shape), torch.uint8, flags=self.flags())
 
-    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor, layout: Any = None) -> torch.Tensor:
         return self.coder.decode(payload.view(header.shape[0], -1), header.shape)
 
 

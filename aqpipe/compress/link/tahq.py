@@ -19,13 +19,13 @@ About 4.4 bits per value; the row's length varies with the number of rotated til
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
 from aqpipe.compress.link.codecs import (
     CODE_TAHQ,
-    FLAG_RAW,
     HOST,
     CodecError,
     CodecParts,
@@ -193,20 +193,15 @@ class TAHQuantCodec(LinkCodec):
             return f"payload length {header.payload_len} is outside {low}..{high} for shape {header.shape}"
         return None
 
-    def decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """As every codec's, with each sample's layout (where its row starts, its 3-bit tokens and rotated tiles)
-        read on the bytes as they arrived (the host), before they go to the stage's device: read there, a row's
-        varying length would make the host wait for the GPU once per sample."""
-        if header.flags & FLAG_RAW:
-            return super().decode(header, payload, ids)
+    def _read_layout(self, header, payload: torch.Tensor) -> list[_Row]:
+        """Each sample's layout — where its row starts, its 3-bit tokens and rotated tiles — from the host bytes: a
+        row's varying length, read on a GPU, would make the host wait once per sample."""
         _, t, c = token_rows(torch.empty(header.shape, device="meta")).shape
-        rows = _rows(payload, header.shape[0], t, c)
-        on_device = to_device(payload, self.device)
-        return torch.stack([_decode_sample(on_device, row, t, c) for row in rows]).view(header.shape)
+        return _rows(payload, header.shape[0], t, c)
 
-    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """What `decode` does (it reads each sample's layout before the bytes go to the device)."""
-        return self.decode(header, payload, ids)
+    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor, layout: Any = None) -> torch.Tensor:
+        _, t, c = token_rows(torch.empty(header.shape, device="meta")).shape
+        return torch.stack([_decode_sample(payload, row, t, c) for row in layout]).view(header.shape)
 
 
 def tahq_bits_per_value(shape: tuple[int, ...], rotated_share: float = 0.0) -> float:

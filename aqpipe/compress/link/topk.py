@@ -9,13 +9,13 @@ Payload per sample: fp16 scale, positions, packed codes.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
 from aqpipe.compress.link.codecs import (
     CODE_TOPK,
-    FLAG_RAW,
     HOST,
     CodecError,
     CodecParts,
@@ -85,27 +85,22 @@ class TopKCodec(LinkCodec):
         rows = torch.cat([q.scales.contiguous().view(torch.uint8), positions, pack(q.codes, self.bits)], dim=1)
         return Encoded.of(rows.reshape(-1), tuple(tensor.shape), torch.uint8, flags=self.flags())
 
-    def decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """As every codec's, with the positions read and checked on the bytes as they arrived (the host), before
-        they go to the stage's device: read there (a bitmap's marks are found with `nonzero`), they would make the
-        host wait for the GPU on every message."""
-        if header.flags & FLAG_RAW:
-            return super().decode(header, payload, ids)
+    def _read_layout(self, header, payload: torch.Tensor) -> torch.Tensor:
+        """The positions, read and checked on the host bytes: on a GPU, a bitmap's marks are found with `nonzero`,
+        which would make the host wait for it on every message."""
+        return self._checked_positions(header, payload)
+
+    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor, layout: Any = None) -> torch.Tensor:
         shape = header.shape
         b = shape[0]
         n, k, _, pos_bytes, _ = self._layout(shape)
-        idx = self._checked_positions(header, payload)
-        rows = to_device(payload, self.device).view(b, -1)
+        rows = payload.view(b, -1)
         scales = bytes_as(rows[:, :2], torch.float16)
         codes = unpack(rows[:, 2 + pos_bytes :], self.bits, k)
         values = dequantize(Quantized(codes, scales, self.bits, "channel", self.options.grid), (b, k))
         out = torch.zeros(b, n, dtype=torch.float32, device=rows.device)
-        out.scatter_(1, to_device(idx, rows.device), values)
+        out.scatter_(1, to_device(layout, rows.device), values)
         return out.view(shape)
-
-    def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """What `decode` does (it reads the positions before the bytes go to the device)."""
-        return self.decode(header, payload, ids)
 
     def _checked_positions(self, header, payload: torch.Tensor) -> torch.Tensor:
         """The [b, k] positions of each sample's kept entries (a bitmap's marks, in order), where `payload` is; a
