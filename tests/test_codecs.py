@@ -280,6 +280,18 @@ def test_header_checks_reject_a_mismatched_codec_or_length():
     assert "outside" in aq.check_header(header)
 
 
+def test_aqsgd_refuses_a_message_flagged_raw():
+    """AQ-SGD never sends a raw message (its lossless samples travel as modes of its own payload): one flagged raw
+    comes from a peer running another codec, and is refused before its payload is read, m(ξ) untouched."""
+    aq, _, _, _ = aqsgd_pair(2)
+    payload = torch.zeros(2 * 3 * 4 * 4, dtype=torch.uint8)
+    header = Header(KIND_ACTIVATION, 0, 0, (2, 3, 4), torch.float32, 2, payload.numel(), codec=aq.code,
+                    flags=aq.flags(raw=True))
+    assert "raw" in aq.check_header(header)
+    with pytest.raises(CodecError, match="raw"):
+        aq.decode(header, payload, torch.arange(2))
+
+
 @pytest.mark.parametrize("fraction,n", [(0.2, 8 * 16), (0.01, 100_000), (1.0, 64)])
 def test_topk_keeps_the_largest_entries_of_each_sample(fraction, n):
     codec = build_codec(f"topk:{fraction}:8", "bw")

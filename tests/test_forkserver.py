@@ -229,14 +229,45 @@ def test_the_refusal_names_the_threads_that_make_a_fork_unsafe():
 def test_a_jemalloc_background_thread_does_not_stop_a_fork(monkeypatch):
     """On the H200 image jemalloc's background purging thread was the one thread in the fork server, so every rank
     started afresh. jemalloc quiesces and resets it around fork() itself (its pthread_atfork handlers), so it does
-    not make a fork unsound; any other thread beside it still does, and only that one is named."""
+    not make a fork unsound; any other thread beside it still does, and only that one is named. The name must be
+    the kernel's: a Python thread that calls itself that is not jemalloc's."""
     monkeypatch.setattr(forkserver, "native_threads", lambda: 2)
-    monkeypatch.setattr(forkserver, "other_thread_names", lambda: ["jemalloc_bg_thd"])
+    monkeypatch.setattr(forkserver, "other_threads", lambda: [("jemalloc_bg_thd", False)])
     assert forkserver._unsafe_to_fork() is None
     monkeypatch.setattr(forkserver, "native_threads", lambda: 3)
-    monkeypatch.setattr(forkserver, "other_thread_names", lambda: ["jemalloc_bg_thd", "OMP worker"])
+    monkeypatch.setattr(forkserver, "other_threads", lambda: [("jemalloc_bg_thd", False), ("OMP worker", False)])
     why = forkserver._unsafe_to_fork()
     assert why is not None and "1 thread(s)" in why and "OMP worker" in why and "jemalloc" not in why
+    monkeypatch.setattr(forkserver, "native_threads", lambda: 2)
+    monkeypatch.setattr(forkserver, "other_threads", lambda: [("jemalloc_bg_thd", True)])
+    assert "1 thread(s)" in forkserver._unsafe_to_fork()
+
+
+def test_a_thread_that_ends_between_the_two_listings_still_refuses_the_fork(monkeypatch):
+    """Two threads counted, one listed (the other ended meanwhile): the count says two, not zero."""
+    monkeypatch.setattr(forkserver, "native_threads", lambda: 3)
+    monkeypatch.setattr(forkserver, "other_threads", lambda: [("jemalloc_bg_thd", False)])
+    assert "started 1 thread(s)" in forkserver._unsafe_to_fork()
+    monkeypatch.setattr(forkserver, "other_threads", lambda: [])
+    assert "started 2 thread(s) in the fork server (unnamed)" in forkserver._unsafe_to_fork()
+
+
+def test_a_fork_beside_a_safe_thread_does_not_warn(monkeypatch):
+    """Python 3.12 warns on every fork of a multi-threaded process; beside jemalloc's thread that is each rank's
+    launch printing a false alarm."""
+    import warnings
+
+    def warning_fork():
+        warnings.warn("This process (pid=1) is multi-threaded, use of fork() may lead to deadlocks in the child.",
+                      DeprecationWarning, stacklevel=2)
+        return 4242
+
+    monkeypatch.setattr(forkserver.os, "fork", warning_fork)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert forkserver.fork() == 4242
+        warnings.warn("another deprecation", DeprecationWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["another deprecation"]
 
 
 JEMALLOC = next((path for path in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib64/libjemalloc.so.2",

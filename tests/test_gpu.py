@@ -108,6 +108,7 @@ def test_aqsgd_on_the_gpu_with_m_in_host_ram_keeps_both_copies_identical():
     for i in range(8):
         sent, received = (s.get(0, side, [i])[0] for s, side in zip(stores, ("send", "recv")))
         assert sent.device.type == "cpu" and torch.equal(sent, received)
+        assert not sent.is_pinned() and not received.is_pinned()  # landed: pageable storage of their own
 
 
 def test_the_pipeline_on_one_gpu_computes_what_one_process_computes(tmp_path):

@@ -1,5 +1,6 @@
 """The in-memory m(ξ) store: compact values, the non-finite guard, and the up-front RAM check."""
 
+import pytest
 import torch
 
 from aqpipe.cli import main
@@ -113,3 +114,47 @@ def test_values_cross_without_waiting_only_from_a_gpu_to_host_ram():
     assert not crosses_to_the_host([], torch.device("cpu"))
     meta = [torch.zeros(2, 3, device="meta")]
     assert not crosses_to_the_host(meta, torch.device("cpu"))
+
+
+
+@pytest.mark.parametrize("call", ["get", "entries", "items", "value_bytes", "load", "close", "put"])
+def test_every_call_that_hands_out_or_replaces_values_lands_the_copy_first(monkeypatch, tmp_path, call):
+    """Values still crossing from the GPU are views of a block the copy is still filling: whatever returns them,
+    counts their storage, replaces them or ends the store waits for the copy first."""
+    from aqpipe.storage import memory
+
+    queued = []
+
+    def queue_copy(payload):
+        queued.append(_Copy())
+        return payload.clone(), queued[-1]
+
+    monkeypatch.setattr(memory, "crosses_to_the_host", lambda values, device: True)
+    monkeypatch.setattr(memory, "to_host", queue_copy)
+    store = MemoryStore(torch.float16)
+    store.put(0, "send", [0, 1], list(torch.randn(2, 3).half()))
+    assert queued[0].waits == 0
+    calls = {"get": lambda: store.get(0, "send", [1]), "entries": store.entries, "items": store.items,
+             "value_bytes": store.value_bytes, "load": lambda: store.load({}), "close": store.close,
+             "put": lambda: store.put(0, "send", [2], [torch.zeros(3).half()])}
+    calls[call]()
+    assert queued[0].waits == 1
+
+
+def test_a_copy_whose_wait_fails_is_waited_for_again():
+    """A failed wait (a CUDA error, an interrupt) must not leave the views behind as if they had landed."""
+    store = MemoryStore(torch.float16)
+    value = torch.ones(3).half()
+
+    class Failing(_Copy):
+        def synchronize(self) -> None:
+            super().synchronize()
+            if self.waits == 1:
+                raise RuntimeError("the copy failed")
+
+    copy = Failing()
+    store._values[(0, "send", 0)] = value
+    store._crossing = ([(0, "send", 0)], [value], copy)
+    with pytest.raises(RuntimeError):
+        store.get(0, "send", [0])
+    assert torch.equal(store.get(0, "send", [0])[0], value) and copy.waits == 2

@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
@@ -195,7 +196,7 @@ class ForkServer:
         launcher = os.getpid()
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        pid = fork()
         if pid == 0:
             try:
                 ours.close()
@@ -307,20 +308,42 @@ def native_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def other_thread_names() -> list[str]:
-    """The names of this process's threads other than the calling one, for saying which import made a fork unsafe:
-    a Python thread's own name, else the kernel's (a native library's thread is often named for it: OpenMP's, a
-    CUDA library's)."""
+def other_threads() -> list[tuple[str, bool]]:
+    """This process's threads other than the calling one, as (name, is a Python thread): a Python thread's own name,
+    else the kernel's (a native library's thread is often named for it: OpenMP's, a CUDA library's, jemalloc's)."""
     python = {t.native_id: t.name for t in threading.enumerate()}
-    names = []
+    threads = []
     for task in sorted(os.listdir("/proc/self/task"), key=int):
         if int(task) == threading.get_native_id():
             continue
+        if int(task) in python:
+            threads.append((python[int(task)], True))
+            continue
         try:
-            names.append(python.get(int(task)) or Path(f"/proc/self/task/{task}/comm").read_text().strip())
+            threads.append((Path(f"/proc/self/task/{task}/comm").read_text().strip(), False))
         except OSError:  # it ended meanwhile
             pass
-    return names
+    return threads
+
+
+def other_thread_names() -> list[str]:
+    """The names of this process's threads other than the calling one, for saying which import made a fork unsafe."""
+    return [name for name, _ in other_threads()]
+
+
+def fork_safe(name: str, is_python: bool) -> bool:
+    """Whether a thread is one its own library makes sound to fork beside: a native thread named in
+    FORK_SAFE_THREADS (a Python thread of that name is not jemalloc's)."""
+    return not is_python and name in FORK_SAFE_THREADS
+
+
+def fork() -> int:
+    """os.fork, without Python 3.12's warning that a multi-threaded process forks: the only threads a fork is let
+    beside are FORK_SAFE_THREADS, which their library quiesces around fork() itself."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is multi-threaded, use of fork\(\) may lead to deadlocks",
+                                category=DeprecationWarning)
+        return os.fork()
 
 
 def cuda_initialised() -> bool:
@@ -399,7 +422,7 @@ def serve(sock: socket.socket, preload: list[str], run: dict | None = None) -> N
             continue
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        pid = fork()
         if pid == 0:
             for fd in (wake_read, wake_write):
                 os.close(fd)
@@ -420,11 +443,12 @@ def _unsafe_to_fork() -> str | None:
         return "an import initialised the CUDA driver in the fork server"
     threads = native_threads()
     if threads > 1:
-        names = other_thread_names()
-        unsafe = [name for name in names if name not in FORK_SAFE_THREADS]
-        if names and not unsafe and len(names) == threads - 1:
+        listed = other_threads()
+        unsafe = [name for name, is_python in listed if not fork_safe(name, is_python)]
+        if not unsafe and len(listed) == threads - 1:
             return None
-        count = len(unsafe) if names else threads - 1
+        # a thread that ended or began between the two listings is counted as unsafe: the check is run again
+        count = max(len(unsafe), threads - 1 - (len(listed) - len(unsafe)))
         return (f"an import started {count} thread(s) in the fork server ({', '.join(unsafe) or 'unnamed'}), and a "
                 f"fork would copy their locks")
     return None

@@ -75,12 +75,13 @@ class MemoryStore:
         deleted since) pageable storage of its own; the pinned block goes back to torch's cache."""
         if self._crossing is None:
             return
-        (keys, rows, ready), self._crossing = self._crossing, None
+        keys, rows, ready = self._crossing
         if ready is not None:
             ready.synchronize()
         for key, row in zip(keys, rows):
             if self._values.get(key) is row:
                 self._values[key] = row.clone()
+        self._crossing = None  # (only now: should the wait raise, the next call waits again)
 
     def storable_rows(self, values: torch.Tensor) -> torch.Tensor:
         """Whether each row of a batch (in the store dtype) is finite, as a bool tensor on its device: an inf or NaN

@@ -195,6 +195,7 @@ class AQSGDCodec(LinkCodec):
 
     code = CODE_AQSGD
     keeps_messages = True
+    raw_messages = False
 
     @classmethod
     def from_spec(cls, spec: CodecSpec, parts: CodecParts) -> AQSGDCodec:

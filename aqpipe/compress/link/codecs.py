@@ -166,6 +166,7 @@ class LinkCodec:
     bits = 0
     device = HOST  # where received messages are decoded (build_codec sets the stage's device)
     keeps_messages = False  # a per-sample m(ξ) on both sides (AQ-SGD): see forget and missing
+    raw_messages = True  # sends its lossless messages flagged raw (AQ-SGD's travel as modes of its own payload)
 
     @classmethod
     def from_spec(cls, spec: CodecSpec, parts: CodecParts) -> LinkCodec:
@@ -200,6 +201,8 @@ class LinkCodec:
         """The tensor a received message stands for: float32, or a raw message's own dtype. A compressed message's
         layout is read on its bytes where they arrived (`_read_layout`), before they go to the stage's device."""
         if header.flags & FLAG_RAW:
+            if not self.raw_messages:
+                raise CodecError(self._raw_refusal())
             return bytes_as(to_device(payload, self.device).view(1, -1), header.dtype).view(header.shape)
         layout = self._read_layout(header, payload)
         return self._decode(header, to_device(payload, self.device), ids, layout)
@@ -215,10 +218,16 @@ class LinkCodec:
         if header.codec != self.code or (header.flags >> 8) != self.bits:
             return f"the peer sends codec {header.codec}/{header.flags >> 8} bits but this side decodes {self.name}"
         if header.flags & FLAG_RAW:
+            if not self.raw_messages:
+                return self._raw_refusal()
             if header.dtype not in LOSSLESS_DTYPES:
                 return f"a raw message must be one of {LOSSLESS_DTYPES}, not {header.dtype}"
             return _length_problem(header, numel(header.shape) * header.dtype.itemsize)
         return self._payload_problem(header)
+
+    def _raw_refusal(self) -> str:
+        return (f"the peer sends a raw message, which {self.name} never does (the two sides of a link must be given "
+                f"the same codec)")
 
     def _payload_problem(self, header) -> str | None:
         """Why a compressed payload's length cannot fit the header's shape (codecs of variable length override)."""
