@@ -89,6 +89,17 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
         assert needle in printed, printed
 
 
+@pytest.mark.parametrize("warmup", ["0", "1"])
+def test_the_plan_shows_warm_up_traffic_only_for_a_run_with_a_warm_up(tmp_path, capsys, warmup):
+    """With the defaults (no warm-up) a column of fp32 warm-up bytes described traffic the run never sends."""
+    out = tmp_path / "run"
+    assert main(["launch", *SMALL, "--model", "gpt2-tiny", "--warmup-epochs", warmup, "--dry-run", "--out",
+                 str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert ("warm-up fwd/bwd" in printed) == (warmup == "1"), printed
+    assert "m(xi) per side" in printed
+
+
 def test_a_run_that_does_not_fit_is_refused_with_its_numbers(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("aqpipe.runtime.plan.available_memory", lambda: 5_000_000)  # 5 MB of RAM: the tiny model needs ~70 MB
     out = tmp_path / "run"

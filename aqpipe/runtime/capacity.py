@@ -374,12 +374,14 @@ def format_plan(capacity: CapacityPlan) -> str:
                      f"{_gb(s.weight_bytes):>9} {_gb(s.grad_bytes):>9} {_gb(s.optimizer_bytes):>9}  {held:<22} "
                      f"{_gb(s.store_bytes) + ' ' + s.store_where if s.store_bytes else '-'}")
     if capacity.links:
-        lines += ["", "link   micro-batch         fwd per step   bwd per step   warm-up fwd/bwd     m(xi) per side"]
+        warm = cfg.warmup_epochs > 0  # (a warm-up column only for a run that has one)
+        lines += ["", "link   micro-batch         fwd per step   bwd per step   "
+                  + ("warm-up fwd/bwd     " if warm else "") + "m(xi) per side"]
         for link in capacity.links:
+            warmup = f"{_gb(link.warmup_fwd_bytes):>8}/{_gb(link.warmup_bwd_bytes):<9} " if warm else ""
             lines.append(f"{link.link}->{link.link + 1}   {'x'.join(map(str, link.activation_shape)):<12} "
                          f"{link.activation_dtype:<6} {_gb(link.fwd_bytes):>12} {_gb(link.bwd_bytes):>14}   "
-                         f"{_gb(link.warmup_fwd_bytes):>8}/{_gb(link.warmup_bwd_bytes):<9} "
-                         f"{_gb(link.store_side_bytes) if link.store_side_bytes else '-':>14}")
+                         f"{warmup}{_gb(link.store_side_bytes) if link.store_side_bytes else '-':>14}")
         if cfg.warmup_epochs == 0 and keeps_messages(cfg.fw):
             lines.append(f"first epoch (every sample a first sight, --first-sight {cfg.first_sight}): "
                          + ", ".join(f"{link.link}->{link.link + 1} {_gb(link.first_fwd_bytes)} fwd per step"
