@@ -5,6 +5,7 @@ Llama-family model, and the runs people really do (one to three epochs, every by
 
     python benchmarks/llm_finetune.py --out benchmarks/results/llm-finetune [--samples 480] [--epochs 3]
     python benchmarks/llm_finetune.py --epochs 1 --variants "bf16,tahq,first rtq4 fw3 bw6" --out .../llm-1ep
+    python benchmarks/llm_finetune.py --epochs 1 --merge A.json B.json --out .../llm-1ep-all   # one table and plot
 
 Every variant trains with the same seed and data order. The pretrained model's own held-out loss (one step at lr 0)
 is the curves' step 0. Writes <out>.json, <out>.md (table: held-out loss and perplexity over response tokens, total
@@ -91,9 +92,15 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma list from: {', '.join(VARIANTS)} (fp32 always runs, or comes from --fp32-from: it "
                              "is the baseline)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="train nothing: one table and one bytes plot of "
+                        "every variant in these results files of the same settings (the first holding fp32 is the "
+                        "baseline; a later file's variant of the same name wins)")
     args = parser.parse_args()
-    chosen = {"fp32": VARIANTS["fp32"], **{n: VARIANTS[n] for n in args.variants.split(",") if n}}
     out = Path(args.out)
+    if args.merge:
+        merge(args.merge, out, args.epochs)
+        return
+    chosen = {"fp32": VARIANTS["fp32"], **{n: VARIANTS[n] for n in args.variants.split(",") if n}}
     work = out.parent / (out.name + "-runs")
     work.mkdir(parents=True, exist_ok=True)
     # lr 0 for one step leaves the weights as loaded: its held-out loss is the pretrained model's
@@ -112,6 +119,23 @@ def main() -> None:
     out.with_suffix(".md").write_text(table + "\n")
     plot(results, start, out.with_suffix(".png"))
     plot_bytes(results, out.parent / (out.name + "-bytes.png"), args.epochs)
+    print(table)
+
+
+def merge(files: list[str], out: Path, epochs: int) -> None:
+    """The table and the bytes plot of the variants of several results files (runs of the same settings)."""
+    summaries: dict[str, dict] = {}
+    for file in files:
+        summaries.update(json.loads(Path(file).read_text()))
+    if "fp32" not in summaries or "pretrained" not in summaries:
+        raise SystemExit("--merge needs fp32's and the pretrained model's summaries among the files")
+    start = summaries.pop("pretrained")["eval_loss"]
+    results = {"fp32": {"summary": summaries.pop("fp32"), "records": []}}
+    results.update({name: {"summary": s, "records": []} for name, s in summaries.items()})
+    table = summarize(results, start)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(table + "\n")
+    plot_bytes(results, out.parent / (out.name + "-bytes.png"), epochs)
     print(table)
 
 
