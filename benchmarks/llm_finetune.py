@@ -193,13 +193,12 @@ def plot_bytes(results: dict[str, dict], path: Path, epochs: int) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, result in results.items():
         s = result["summary"]
-        ax.scatter(total_bytes(s) / 1e6, s["eval_loss"], label=name)
-        ax.annotate(name, (total_bytes(s) / 1e6, s["eval_loss"]), fontsize=7, xytext=(4, 2),
-                    textcoords="offset points")
+        ax.scatter(total_bytes(s) / 1e6, s["eval_loss"], label=name)  # (a legend: neighbours' labels overlapped)
     ax.set_xscale("log")
     ax.set_xlabel("link bytes of the whole run, both directions (MB, log)")
     ax.set_ylabel("held-out loss at the end")
     ax.set_title(f"SmolLM2-135M-Instruct, 4 stages, {epochs} epoch{'s' if epochs > 1 else ''}")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
