@@ -23,7 +23,7 @@ out=$(cd "$out" && pwd)
 data=${AQPIPE_BENCH_DATA:-/work/shared/data/wikitext-2/valid.txt}
 results="$out/results.md"
 # (an earlier run's logs in a reused OUT would be reported as this run's)
-rm -f "$out"/{gpu-tests,sync-audit,codec-speed,throughput,throughput-mps}.log
+rm -rf "$out"/{gpu-tests,sync-audit,codec-speed,throughput,throughput-mps}.log "$out"/audit-fp32 "$out"/audit-bf16
 parts=${AQPIPE_GPU_CHECK_PARTS:-gpu-tests sync-audit throughput codec-speed throughput-mps}  # a subset, for a short lease
 export PYTHONUNBUFFERED=1
 # The lent H200's image could not keep bytecode (its site-packages read-only, or PYTHONDONTWRITEBYTECODE set), so
