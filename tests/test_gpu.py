@@ -284,12 +284,12 @@ def test_the_fork_servers_imports_start_no_thread_on_a_gpu_machine():
     from aqpipe.launch.worker_entry import rank_imports
 
     modules = sorted(set(rank_imports(model="gpt2-tiny")) | set(rank_imports(model="llama-tiny", lora=True)))
-    probe = ("from aqpipe.launch.forkserver import FORK_SAFE_THREADS, SERVER_ENV, _preload, other_thread_names\n"
+    probe = ("from aqpipe.launch.forkserver import SERVER_ENV, _preload, fork_safe, other_threads\n"
              "import os\n"
              "os.environ.update(SERVER_ENV)\n"
              f"for module in {modules!r}:\n"
              "    _preload([module])\n"
-             "    unsafe = [name for name in other_thread_names() if name not in FORK_SAFE_THREADS]\n"
+             "    unsafe = [name for name, is_python in other_threads() if not fork_safe(name, is_python)]\n"
              "    if unsafe:\n"
              "        print(module, unsafe)\n"
              "        break\n")

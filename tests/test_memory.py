@@ -75,13 +75,12 @@ class _Copy:
         self.waits += 1
 
 
-def test_a_gpus_values_reach_host_ram_without_the_host_waiting(monkeypatch):
-    """The H200's sync audit found the host waiting for the GPU once per AQ-SGD message to copy the new m(ξ) into
-    host RAM. `put` now queues that copy (here: host values standing for a GPU's) and returns; the next call that
-    needs the values waits for it, and then every value owns pageable storage of its own."""
+def _queued_copies(monkeypatch) -> list[_Copy]:
+    """Make every put take the path of a GPU's values bound for host RAM (here: host values), its copy a `_Copy`;
+    returns the copies, in order."""
     from aqpipe.storage import memory
 
-    queued = []
+    queued: list[_Copy] = []
 
     def queue_copy(payload):
         queued.append(_Copy())
@@ -89,6 +88,14 @@ def test_a_gpus_values_reach_host_ram_without_the_host_waiting(monkeypatch):
 
     monkeypatch.setattr(memory, "crosses_to_the_host", lambda values, device: True)
     monkeypatch.setattr(memory, "to_host", queue_copy)
+    return queued
+
+
+def test_a_gpus_values_reach_host_ram_without_the_host_waiting(monkeypatch):
+    """The H200's sync audit found the host waiting for the GPU once per AQ-SGD message to copy the new m(ξ) into
+    host RAM. `put` now queues that copy (here: host values standing for a GPU's) and returns; the next call that
+    needs the values waits for it, and then every value owns pageable storage of its own."""
+    queued = _queued_copies(monkeypatch)
     store = MemoryStore(torch.float16)
     first = torch.randn(4, 16, 8).half()
     store.put(0, "send", [0, 1, 2, 3], list(first))
@@ -116,21 +123,11 @@ def test_values_cross_without_waiting_only_from_a_gpu_to_host_ram():
     assert not crosses_to_the_host(meta, torch.device("cpu"))
 
 
-
 @pytest.mark.parametrize("call", ["get", "entries", "items", "value_bytes", "load", "close", "put"])
-def test_every_call_that_hands_out_or_replaces_values_lands_the_copy_first(monkeypatch, tmp_path, call):
+def test_every_call_that_hands_out_or_replaces_values_lands_the_copy_first(monkeypatch, call):
     """Values still crossing from the GPU are views of a block the copy is still filling: whatever returns them,
     counts their storage, replaces them or ends the store waits for the copy first."""
-    from aqpipe.storage import memory
-
-    queued = []
-
-    def queue_copy(payload):
-        queued.append(_Copy())
-        return payload.clone(), queued[-1]
-
-    monkeypatch.setattr(memory, "crosses_to_the_host", lambda values, device: True)
-    monkeypatch.setattr(memory, "to_host", queue_copy)
+    queued = _queued_copies(monkeypatch)
     store = MemoryStore(torch.float16)
     store.put(0, "send", [0, 1], list(torch.randn(2, 3).half()))
     assert queued[0].waits == 0

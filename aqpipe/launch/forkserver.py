@@ -326,11 +326,6 @@ def other_threads() -> list[tuple[str, bool]]:
     return threads
 
 
-def other_thread_names() -> list[str]:
-    """The names of this process's threads other than the calling one, for saying which import made a fork unsafe."""
-    return [name for name, _ in other_threads()]
-
-
 def fork_safe(name: str, is_python: bool) -> bool:
     """Whether a thread is one its own library makes sound to fork beside: a native thread named in
     FORK_SAFE_THREADS (a Python thread of that name is not jemalloc's)."""
