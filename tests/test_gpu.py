@@ -296,3 +296,87 @@ def test_the_fork_servers_imports_start_no_thread_on_a_gpu_machine():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout == "", f"an import started a thread: {out.stdout.strip()}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec,direction,per,grid", [("directq:4", "fw", "channel", "signed"),
+                                                     ("directq:3", "bw", "token", "fit"),
+                                                     ("directq:1", "fw", "channel", "signed"),
+                                                     ("directq:8", "bw", "channel", "symmetric"),
+                                                     ("rtq:4", "fw", "channel", "signed"),
+                                                     ("rtq:3", "bw", "channel", "signed")])
+def test_a_codecs_cuda_graph_replays_the_bits_of_its_ops(monkeypatch, spec, direction, per, grid):
+    """A stateless codec's encode and decode replayed from CUDA graphs (from the third call of a shape) give the
+    bytes and values the same calls give op by op (AQPIPE_CUDA_GRAPHS=0), call after call."""
+    from aqpipe.compress import cuda_graphs
+
+    options = QuantOptions(per=per, grid=grid)
+    codec = build_codec(spec, direction, options=options, device=DEVICE)
+    ids = torch.arange(4)
+    before = cuda_graphs.captured()
+    for call in range(5):
+        x = torch.randn(4, 24, 40, device=DEVICE) * (call + 1)
+        monkeypatch.setenv(cuda_graphs.SWITCH, "1")
+        replayed = codec.encode(x, ids)
+        decoded = codec.decode(_header(replayed, codec), replayed.payload, ids)
+        monkeypatch.setenv(cuda_graphs.SWITCH, "0")
+        op_by_op = codec.encode(x, ids)
+        assert torch.equal(replayed.payload, op_by_op.payload), call
+        assert torch.equal(decoded, codec.decode(_header(op_by_op, codec), op_by_op.payload, ids)), call
+    assert cuda_graphs.captured() >= before + 2  # its encode and its decode
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec,first_sight,dtype", [("aqsgd:3", "fp32", torch.float32),
+                                                    ("aqsgd:4", "rtq:4", torch.float32),
+                                                    ("aqsgd-rtq:3", "directq:6", torch.bfloat16)])
+def test_aqsgd_replayed_from_cuda_graphs_sends_and_keeps_the_bits_of_its_ops(monkeypatch, spec, first_sight, dtype):
+    """Two AQ-SGD links fed the same activations, one replaying its kernels from CUDA graphs and one op by op: every
+    message's bytes, every decoded activation and every m(ξ) agree bit for bit, first sights and deltas alike."""
+    from aqpipe.compress import cuda_graphs
+
+    options = QuantOptions()
+    links = []
+    for _ in range(2):
+        send, recv = MemoryStore(torch.float16, DEVICE), MemoryStore(torch.float16, DEVICE)
+        links.append((build_codec(spec, "fw", StoreView(send, 0, "send"), options, device=DEVICE,
+                                  first_sight=first_sight),
+                      build_codec(spec, "fw", StoreView(recv, 0, "recv"), options, device=DEVICE,
+                                  first_sight=first_sight), send, recv))
+    x = torch.randn(8, 16, 32, device=DEVICE)
+    before = cuda_graphs.captured()
+    for visit in range(6):
+        ids = torch.tensor([3, 1, 4, 5] if visit % 2 == 0 else [0, 2, 6, 7])
+        rows = slice(0, 4) if visit % 2 == 0 else slice(4, 8)
+        x[rows] += 0.1 * torch.randn_like(x[rows])
+        results = []
+        for switch, (sender, receiver, _, _) in zip(("1", "0"), links):
+            monkeypatch.setenv(cuda_graphs.SWITCH, switch)
+            encoded = sender.encode(x[rows].to(dtype), ids, compress=visit > 0)
+            results.append((encoded, receiver.decode(_header(encoded, sender), encoded.payload, ids)))
+        (graphed, graphed_out), (op_by_op, op_by_op_out) = results
+        assert torch.equal(graphed.payload, op_by_op.payload), visit
+        assert torch.equal(graphed_out, op_by_op_out), visit
+    for i in range(8):
+        values = [store.get(0, side, [i])[0] for _, _, send, recv in links for store, side in ((send, "send"),
+                                                                                           (recv, "recv"))]
+        assert all(torch.equal(values[0], v) for v in values[1:])
+    assert cuda_graphs.captured() > before
+
+
+@needs_cuda
+def test_a_codec_graphs_capture_failure_falls_back_to_its_ops(caplog):
+    """A function that makes the host wait cannot be captured: it runs op by op from then on, with a warning, and
+    the GPU goes on working."""
+    from aqpipe.compress.cuda_graphs import captured, graphed
+
+    def waits(x):
+        return (x * float(x.sum()),)  # float() reads the GPU: not allowed inside a capture
+
+    x = torch.randn(64, device=DEVICE)
+    before = captured()
+    with caplog.at_level("WARNING", logger="aqpipe.compress.cuda_graphs"):
+        results = [graphed("test-waits", waits, x)[0] for _ in range(4)]
+    assert captured() == before and any("capture failed" in r.message for r in caplog.records)
+    assert all(torch.equal(r, x * float(x.sum())) for r in results)
+    assert torch.equal((x + 1).cpu(), x.cpu() + 1)  # no error left behind on the device

@@ -101,7 +101,8 @@ def _words_at_once(columns: torch.Tensor, bits: int, wide: torch.dtype) -> torch
     return shifted.sum(dim=2, dtype=wide)  # the bit ranges are disjoint: their sum is their OR
 
 
-@functools.lru_cache(maxsize=64)
+@functools.cache
 def _shifts(bits: int, g: int, wide: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Each code's bit offset in its group's word (b·i for i < g), made once per device (shared: never written)."""
+    """Each code's bit offset in its group's word (b·i for i < g), made once per device (shared: never written, never
+    dropped, since a codec's CUDA graph reads it)."""
     return (torch.arange(g, dtype=wide) * bits).to(device, non_blocking=True)

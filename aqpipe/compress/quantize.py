@@ -89,10 +89,10 @@ def levels(bits: int, device: torch.device | None = None, grid: str = DEFAULT_GR
     return _levels(bits, grid, torch.device("cpu") if device is None else torch.device(device))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache
 def _levels(bits: int, grid: str, device: torch.device) -> torch.Tensor:
     """`levels`, built once per device (a GPU is not sent the table, and made to wait for it, on every call). The
-    table is shared: callers read it, never write it."""
+    table is shared: callers read it, never write it; it is never dropped (a codec's CUDA graph reads it)."""
     offset, steps, top = _offset_steps(bits, grid)
     k = torch.arange(1 << bits, dtype=torch.float64).clamp(max=top)
     return ((k - offset) / steps).to(torch.float32).to(device, non_blocking=True)  # (a fresh host tensor: staged)

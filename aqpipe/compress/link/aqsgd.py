@@ -14,11 +14,13 @@ the store keeps it, and moved to the device for the update.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
+from aqpipe.compress.cuda_graphs import graphed
 from aqpipe.compress.link.codecs import (
     CODE_AQSGD,
     CODE_AQSGD_RTQ,
@@ -74,17 +76,17 @@ class SampleMemory(Protocol):
     def delete(self, ids: Sequence[int]) -> None: ...
 
 
+_serials = itertools.count()
 _MERSENNE_61 = (1 << 61) - 1
 _CHECKSUM_COLUMNS = 1 << 20
 _position_weights: dict[tuple[int, str], torch.Tensor] = {}
 
 
 def _weights(n: int, device: torch.device) -> torch.Tensor:
-    """Pseudo-random weights 1 … 65521 for the n 16-bit words of a value (cached per length and device)."""
+    """Pseudo-random weights 1 … 65521 for the n 16-bit words of a value (cached per length and device, for the
+    process's life: a codec's CUDA graph reads the table it was captured with; a run has a few lengths)."""
     key = (n, str(device))
     if key not in _position_weights:
-        if len(_position_weights) > 32:
-            _position_weights.clear()
         _position_weights[key] = 1 + (torch.arange(n, dtype=torch.int64, device=device) * 40503) % 65521
     return _position_weights[key]
 
@@ -139,10 +141,10 @@ class _Candidates:
     (None: lossless), what m(ξ) would become, and whether each can go that way — asked, with the checksum's row sums,
     together with every other kind's in one read (`read_all` fills `fits` and `sums`)."""
 
-    def __init__(self, at: list[int], values: torch.Tensor, ok: torch.Tensor, segments: torch.Tensor | None = None
-                 ) -> None:
+    def __init__(self, at: list[int], values: torch.Tensor, ok: torch.Tensor, segments: torch.Tensor | None = None,
+                 sums: torch.Tensor | None = None) -> None:
         self.at, self.values, self.ok, self.segments = at, values, ok, segments
-        self._row_sums = row_sums(values)
+        self._row_sums = row_sums(values) if sums is None else sums  # (given: formed in a codec's graph)
         self.fits: list[bool] = []
         self.sums: list[int] = []
 
@@ -177,14 +179,18 @@ def _row_norms(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1)
 
 
-def _fidelity(x: torch.Tensor, delta: list[int], m_old: torch.Tensor, change: torch.Tensor, m_new: torch.Tensor,
-              as_delta: list[int]) -> DeltaFidelity:
-    """The squared norms, over the samples sent as deltas (`as_delta` among the `delta` rows of `x`), of the
-    activation, of its change since m(ξ), and of what m(ξ) still misses after the update in the store's dtype —
-    what the receiver computes on. One full-size temporary: m_new − m_old − change = m_new − x; the three per-sample
-    norms are squared and summed together, in float64."""
+def _fidelity_norms(x: torch.Tensor, m_old: torch.Tensor, change: torch.Tensor, m_new: torch.Tensor
+                    ) -> torch.Tensor:
+    """Per sample [B, 3]: the norm of the activation `x`, of its change since m(ξ), and of what m(ξ) still misses
+    after the update in the store's dtype — what the receiver computes on. One full-size temporary: m_new − m_old −
+    change = m_new − x."""
     error = m_new.to(torch.float32, copy=True).sub_(m_old).sub_(change)
-    norms = torch.stack([rows_of(_row_norms(x), delta), _row_norms(change), _row_norms(error)], dim=1)
+    return torch.stack([_row_norms(x), _row_norms(change), _row_norms(error)], dim=1)
+
+
+def _fidelity(norms: torch.Tensor, as_delta: list[int]) -> DeltaFidelity:
+    """The three norms of `_fidelity_norms`, squared and summed in float64 over the samples sent as deltas (rows
+    `as_delta`)."""
     return DeltaFidelity(rows_of(norms, as_delta).double().square_().sum(dim=0))
 
 
@@ -228,6 +234,7 @@ class AQSGDCodec(LinkCodec):
         for part in (self.delta, self.first_sight):  # stochastic rounding draws from this codec's generator
             if part is not None and hasattr(part, "generator"):
                 part.generator = self._generator
+        self._serial = next(_serials)  # names this codec's graphs: its coders and store rule are fixed for its life
 
     # -- sender ------------------------------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, ids: torch.Tensor, compress: bool = True) -> Encoded:
@@ -255,19 +262,12 @@ class AQSGDCodec(LinkCodec):
         groups: dict[int, _Candidates] = {}
         if delta:
             m_old = self._recall([id_list[i] for i in delta], x.device)
-            change = rows_of(x, delta) - m_old
-            coded, deq = self.delta.encode(change, values=True)
-            # the sender updates its copy from exactly the codes and fp16 scales the receiver will unpack
-            m_new = (m_old + present(deq)).to(self.view.dtype)
-            groups[MODE_DELTA] = _Candidates(delta, m_new, self._sendable(self.delta.carried(change, coded), m_new),
-                                             coded)
+            coded, m_new, ok, row_sum, norms = self._graphed("delta-encode", self._delta_rows, rows_of(x, delta), m_old)
+            groups[MODE_DELTA] = _Candidates(delta, m_new, ok, coded, row_sum)
         first = [i for i, m in enumerate(modes) if m == MODE_FIRST]
         if first:
-            coder = present(self.first_sight)
-            values = rows_of(x, first)
-            coded, deq = coder.encode(values, values=True)
-            seeds = present(deq).to(self.view.dtype, copy=True)
-            groups[MODE_FIRST] = _Candidates(first, seeds, self._sendable(coder.carried(values, coded), seeds), coded)
+            coded, seeds, ok, row_sum = self._graphed("first-encode", self._first_rows, rows_of(x, first))
+            groups[MODE_FIRST] = _Candidates(first, seeds, ok, coded, row_sum)
         if full := [i for i, m in enumerate(modes) if m == MODE_FULL]:
             groups[MODE_FULL] = self._lossless(full, x)
         _Candidates.read_all(list(groups.values()))
@@ -281,7 +281,7 @@ class AQSGDCodec(LinkCodec):
                 else:
                     late.append(i)
         if delta and (as_delta := [j for j, ok in enumerate(groups[MODE_DELTA].fits) if ok]):
-            fidelity = _fidelity(x, delta, m_old, change, groups[MODE_DELTA].values, as_delta)
+            fidelity = _fidelity(norms, as_delta)
         lossless = [g for g in groups.values() if g.segments is None]
         if late:
             lossless.append(self._lossless(sorted(late), x))
@@ -299,6 +299,35 @@ class AQSGDCodec(LinkCodec):
         check = fold_checksum(kept, [sums[i] for i in kept]) if self.check else 0
         return Encoded.of(torch.cat([mode_bytes, *(s.reshape(-1) for s in _every(segments))]), tuple(x.shape),
                           torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
+
+    def _graphed(self, kind: str, fn, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`fn(*tensors)`, replayed from this codec's CUDA graph of `kind` on a GPU (not with stochastic rounding,
+        whose random draws a replay would repeat)."""
+        if self.options.stochastic:
+            return fn(*tensors)
+        return graphed((f"aqsgd-{kind}", self._serial), fn, *tensors)
+
+    def _delta_rows(self, x: torch.Tensor, m_old: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Known samples `x` against their m(ξ): the coded change, the new m(ξ) — updated from exactly the codes and
+        fp16 scales the receiver will unpack — whether each row can go as a delta, its checksum sums, and the
+        fidelity norms."""
+        change = x - m_old
+        coded, deq = self.delta.encode(change, values=True)
+        m_new = (m_old + present(deq)).to(self.view.dtype)
+        ok = self._sendable(self.delta.carried(change, coded), m_new)
+        return coded, m_new, ok, row_sums(m_new), _fidelity_norms(x, m_old, change, m_new)
+
+    def _first_rows(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """First sights `values`: their coded rows, the m(ξ) they seed, whether each can go so, its checksum sums."""
+        coder = present(self.first_sight)
+        coded, deq = coder.encode(values, values=True)
+        seeds = present(deq).to(self.view.dtype, copy=True)
+        return coded, seeds, self._sendable(coder.carried(values, coded), seeds), row_sums(seeds)
+
+    def _delta_values(self, rows: torch.Tensor, m_old: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The receiver's side of `_delta_rows`: the new m(ξ) from the coded rows, it in float32, its checksum sums."""
+        seeds = (m_old + self.delta.decode(rows, tuple(m_old.shape))).to(self.view.dtype)
+        return seeds, seeds.float(), row_sums(seeds)
 
     def _recall(self, ids: list[int], device: torch.device) -> torch.Tensor:
         """m(ξ) of `ids`, stacked in float32 on `device` (from host RAM in one copy the host does not wait for)."""
@@ -386,21 +415,20 @@ class AQSGDCodec(LinkCodec):
                           if mode in MODE_DTYPES
                           else present(self.first_sight).decode(torch.stack(rows), (len(at), *shape[1:])))
                 seeds = values.to(self.view.dtype, copy=True)
-                ok = self.view.storable_rows(seeds)
+                ok, row_sum = self.view.storable_rows(seeds), None
             else:  # the sender sent a delta only where the new m(ξ) could be kept
                 try:
                     m_old = self._recall([id_list[i] for i in at], self.device)
                 except KeyError as e:
                     raise CodecError(f"m(xi) diverged: the sender sent a delta but this side has never seen the "
                                      f"sample ({e.args[0]})") from None
-                seeds = (m_old + self.delta.decode(torch.stack(rows), tuple(m_old.shape))).to(self.view.dtype)
-                values = seeds.float()
+                seeds, values, row_sum = self._graphed("delta-decode", self._delta_values, torch.stack(rows), m_old)
                 ok = torch.ones(len(at), dtype=torch.bool, device=seeds.device)
             if len(at) == b:
                 out.copy_(values)
             else:
                 out.index_copy_(0, to_device(torch.tensor(at, dtype=torch.int64), out.device), values)
-            groups.append(_Candidates(at, seeds, ok))
+            groups.append(_Candidates(at, seeds, ok, sums=row_sum))
         _Candidates.read_all(groups)
         new_m: list[torch.Tensor | None] = [None] * b
         sums: list[int] = [0] * b

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from aqpipe.compress.bitpack import packed_bytes
+from aqpipe.compress.cuda_graphs import graphed
 from aqpipe.compress.link.codecs import (
     CODE_DIRECTQ,
     CODE_RTQ,
@@ -99,11 +100,19 @@ class QuantCoder:
         return sample_bytes(shape, self.bits, self.options.per)
 
     def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.options.stochastic:  # random draws: never replayed from a graph
+            return self._encode(x, values)
+        key = ("directq-encode", self.bits, self.options.per, self.options.grid, values)
+        return _rows_and_values(graphed(key, lambda t: _parts(*self._encode(t, values)), x))
+
+    def _encode(self, x: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = quantize(x, self.bits, self.options.per, self.options.stochastic, self.generator, self.options.grid)
         return encode_samples(q), dequantize(q, tuple(x.shape)) if values else None
 
     def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        return decode_samples(rows, shape, self.bits, self.options.per, self.options.grid)
+        bits, per, grid = self.bits, self.options.per, self.options.grid
+        return graphed(("directq-decode", bits, per, grid, shape),
+                       lambda r: (decode_samples(r, shape, bits, per, grid),), rows)[0]
 
 
 @dataclass
@@ -129,12 +138,31 @@ class RotatedCoder:
         return 2 * scales_per_sample(shape, self.tile) + packed_bytes(numel(shape[1:]), self.bits)
 
     def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.options.stochastic:  # random draws: never replayed from a graph
+            return self._encode(x, values)
+        key = ("rtq-encode", self.bits, self.tile, values)
+        return _rows_and_values(graphed(key, lambda t: _parts(*self._encode(t, values)), x))
+
+    def _encode(self, x: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = rotated_quantize(x, self.bits, self.tile, self.options.stochastic, self.generator, ROTATED_GRID)
         return join_rows(q.scales, q.codes, q.bits), rotated_dequantize(q, tuple(x.shape)) if values else None
 
     def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return graphed(("rtq-decode", self.bits, self.tile, shape), lambda r: (self._decode(r, shape),), rows)[0]
+
+    def _decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         scales, codes = split_rows(rows, scales_per_sample(shape, self.tile), numel(shape[1:]), self.bits)
         return rotated_dequantize(RotatedQuantized(codes, scales, self.bits, self.tile, ROTATED_GRID), shape)
+
+
+def _parts(rows: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """A coder's (rows, values or None) as the tensors a graph returns."""
+    return (rows,) if values is None else (rows, values)
+
+
+def _rows_and_values(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inverse of `_parts`."""
+    return parts[0], parts[1] if len(parts) > 1 else None
 
 
 def scales_in_range(rows: torch.Tensor, scales: int) -> torch.Tensor:

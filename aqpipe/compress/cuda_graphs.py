@@ -1,0 +1,154 @@
+"""CUDA graphs for the codecs' kernels: a message's quantize, pack, unpack and m(ξ) arithmetic replayed as one
+launch on a GPU.
+
+At the size of one micro-batch's activation a codec's time on a GPU is its kernels' launches, not their arithmetic
+(AQ-SGD's encode is ~70 small kernels, each ~5 µs to launch, for a few µs of work), and AQ-SGD's host must read
+each message's verdicts before it sends, so none of that launch time hides behind the model's compute. A pure
+tensor function of fixed shapes — which every coder's core is — is captured once per input signature and replayed:
+the same kernels on the same inputs, so the same bits as running it op by op (the GPU tests compare them).
+
+`graphed(key, fn, *tensors)` runs `fn(*tensors)` (a tuple of tensors out): directly on the host, on the first call
+of a signature, where graphs are switched off (`AQPIPE_CUDA_GRAPHS=0`) or where a capture failed; replayed from a
+graph otherwise. Inputs are copied into the graph's own buffers and outputs copied out of them, so a caller keeps
+what it was given across later calls. `fn` must be a pure function of its tensors and the `key` (nothing it reads
+may change between calls: no random numbers, no host values), and must not wait for the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SWITCH = "AQPIPE_CUDA_GRAPHS"  # "0" turns every graph off: each call runs op by op
+MAX_GRAPHS = 256  # signatures kept per process; past it, new signatures run op by op (a graph holds its buffers)
+
+Signature = tuple[Hashable, ...]
+
+
+@dataclass
+class _Graph:
+    """One captured call: its graph, the buffers it reads and the outputs it writes."""
+
+    graph: Any  # a torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class _Cache:
+    """The process's graphs by signature; signatures seen once (the next call captures); those that failed."""
+
+    graphs: dict[Signature, _Graph] = field(default_factory=dict)
+    seen: set[Signature] = field(default_factory=set)
+    failed: set[Signature] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_cache = _Cache()
+_capturing = threading.local()  # set while this thread captures: a graphed call inside runs inline
+
+
+def enabled() -> bool:
+    """Whether codecs replay CUDA graphs (on by default; `AQPIPE_CUDA_GRAPHS=0` turns them off)."""
+    return os.environ.get(SWITCH, "1") != "0"
+
+
+def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.Tensor
+            ) -> tuple[torch.Tensor, ...]:
+    """`fn(*tensors)`, replayed from a CUDA graph where the tensors are on a GPU and this signature (key, each
+    tensor's shape, dtype and device, the current stream) has run before; `key` names `fn` and every non-tensor
+    value it depends on. Every tensor `fn` reads besides its arguments (a level table) must live as long as the
+    process: a graph reads it where it was at capture."""
+    device = tensors[0].device
+    if not _replays_on(device) or not enabled() or getattr(_capturing, "now", False):
+        return fn(*tensors)  # (inside another graph's capture: its kernels become part of that graph)
+    signature = (key, _stream_id(device), *((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors))
+    entry = _cache.graphs.get(signature)
+    if entry is None:
+        entry = _first_calls(signature, fn, tensors)
+        if entry is None:
+            return fn(*tensors)
+    with entry.lock:  # one thread at a time fills the buffers, replays and copies out
+        for buffer, t in zip(entry.inputs, tensors):
+            buffer.copy_(t)
+        entry.graph.replay()
+        return tuple(out.clone() for out in entry.outputs)
+
+
+def _replays_on(device: torch.device) -> bool:
+    """Whether work on `device` can be captured (a CUDA GPU)."""
+    return device.type == "cuda"
+
+
+def _stream_id(device: torch.device) -> int:
+    """The stream the caller's work goes to (a graph is replayed on the stream it was made for)."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...]],
+                 tensors: tuple[torch.Tensor, ...]) -> _Graph | None:
+    """None for a signature's first call (run op by op: it fills the caches `fn` reads, such as level tables, which a
+    capture could not), a failed one, or one past `MAX_GRAPHS`; the captured graph on the second."""
+    with _cache.lock:
+        if signature in _cache.graphs:
+            return _cache.graphs[signature]
+        if signature in _cache.failed or len(_cache.graphs) >= MAX_GRAPHS:
+            return None
+        if signature not in _cache.seen:
+            _cache.seen.add(signature)
+            return None
+        _capturing.now = True
+        try:
+            entry = _capture(fn, tensors)
+        except Exception as e:  # an op that cannot be captured: this signature runs op by op from now on
+            _cache.failed.add(signature)
+            log.warning("codec kernels for %s run op by op: their CUDA graph capture failed (%s: %s)",
+                        signature[0], type(e).__name__, e)
+            return None
+        finally:
+            _capturing.now = False
+        _cache.graphs[signature] = entry
+        return entry
+
+
+def _capture(fn: Callable[..., tuple[torch.Tensor, ...]], tensors: tuple[torch.Tensor, ...]) -> _Graph:
+    """Capture `fn` on copies of `tensors`, on a side stream ordered after the caller's stream's work so far. No
+    device-wide synchronize (torch.cuda.graph's own), which would stall every stream of a training step."""
+    stream = torch.cuda.current_stream(tensors[0].device)
+    side = torch.cuda.Stream(stream.device)
+    side.wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        inputs = tuple(t.clone() for t in tensors)
+        fn(*inputs)  # a warm-up on the capturing stream: library workspaces are made here, not inside the capture
+        # thread_local: other threads' CUDA calls (the outbox's copies, the prefetchers) go on meanwhile
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            outputs = tuple(fn(*inputs))
+        finally:
+            graph.capture_end()
+    stream.wait_stream(side)
+    for t in tensors:  # the inputs' memory must not be reused before the side stream's copies of them are done
+        t.record_stream(side)
+    return _Graph(graph, inputs, outputs)
+
+
+def captured() -> int:
+    """How many graphs this process holds (for tests and logs)."""
+    return len(_cache.graphs)
+
+
+def clear() -> None:
+    """Drop every graph (tests; a process that changes device)."""
+    global _cache
+    _cache = _Cache()
+_capturing = threading.local()  # set while this thread captures: a graphed call inside runs inline
