@@ -28,7 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SWITCH = "AQPIPE_CUDA_GRAPHS"  # "0" turns every graph off: each call runs op by op
-MAX_GRAPHS = 256  # signatures kept per process; past it, new signatures run op by op (a graph holds its buffers)
+MAX_GRAPHS = 64  # signatures kept per process; past it, new ones run op by op (each graph holds its own buffers)
 
 Signature = tuple[Hashable, ...]
 
