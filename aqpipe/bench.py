@@ -56,9 +56,12 @@ class BenchResult:
 
 
 def _time(fn, device: torch.device, repeats: int = REPEATS) -> float:
-    """Median seconds of `fn()` after one warm-up call (the GPU synchronized around each call)."""
+    """Median seconds of `fn()` after a warm-up — on a GPU two calls, the second capturing a codec's CUDA graph —
+    (the GPU synchronized around each call)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
+    if device.type == "cuda":
+        fn()
     times = []
     for _ in range(repeats):
         sync()

@@ -1,7 +1,9 @@
 """When a codec's kernels run op by op and when they replay a graph: the cache's rules, checked on the host with a
 stand-in capture (the GPU tests replay real CUDA graphs and compare their bits with op by op)."""
 
+import inspect
 import logging
+import weakref
 
 import pytest
 import torch
@@ -14,13 +16,15 @@ class StandInGraph:
     """Replays `fn` on the captured buffers into the captured outputs, as a CUDA graph does on a GPU."""
 
     def __init__(self, fn, inputs, outputs):
-        self.fn, self.inputs, self.outputs, self.replays = fn, inputs, outputs, 0
+        # (a CUDA graph keeps no reference to the Python function it was captured from: nor does this)
+        self.fn = weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
+        self.inputs, self.outputs, self.replays = inputs, outputs, 0
 
     def replay(self):
         self.replays += 1
         cuda_graphs._capturing.now = True  # (a real replay runs no Python: nothing inside may capture)
         try:
-            for out, value in zip(self.outputs, self.fn(*self.inputs)):
+            for out, value in zip(self.outputs, self.fn()(*self.inputs)):
                 out.copy_(value)
         finally:
             cuda_graphs._capturing.now = False
@@ -96,17 +100,21 @@ def test_each_key_shape_and_dtype_gets_its_own_graph(stand_in):
     assert len(stand_in) == len(calls) == cuda_graphs.captured()
 
 
-def test_a_capture_that_fails_leaves_that_signature_op_by_op_with_a_warning(stand_in, monkeypatch, caplog):
+def test_a_capture_that_fails_turns_graphs_off_for_the_process_with_one_warning(stand_in, monkeypatch, caplog):
+    fn = Counted()
+    x = torch.randn(2, 3)
+    for _ in range(3):
+        graphed("kept", fn, x, x)  # a graph made before the failure
+    replays = stand_in[0].replays
+
     def failing(fn, tensors):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(cuda_graphs, "_capture", failing)
-    fn = Counted()
-    x = torch.randn(2, 3)
     with caplog.at_level(logging.WARNING, logger="aqpipe.compress.cuda_graphs"):
-        results = [graphed("k", fn, x, x) for _ in range(4)]
-    assert fn.calls == 4 and cuda_graphs.captured() == 0
-    assert [r.message for r in caplog.records if "capture failed" in r.message] and len(caplog.records) == 1
+        results = [graphed(key, fn, x, x) for key in ("k", "k", "k", "other", "other", "kept")]
+    assert len(stand_in) == 1 and stand_in[0].replays == replays  # the earlier graph is not replayed again either
+    assert [r.message for r in caplog.records if "capture of k failed" in r.message] and len(caplog.records) == 1
     assert all(torch.equal(r[0], x * 3) for r in results)
 
 
@@ -132,13 +140,80 @@ def test_a_graphed_call_inside_a_capture_becomes_part_of_it(stand_in):
     assert cuda_graphs.captured() == 1
 
 
-def test_past_the_limit_new_signatures_run_op_by_op(stand_in, monkeypatch):
+def test_past_the_limit_new_signatures_run_op_by_op_with_one_warning(stand_in, monkeypatch, caplog):
     monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 2)
     fn = Counted()
-    for n in range(1, 5):
-        for _ in range(3):
-            graphed("k", fn, torch.ones(n, 2), torch.ones(n, 2))
+    with caplog.at_level(logging.WARNING, logger="aqpipe.compress.cuda_graphs"):
+        for n in range(1, 5):
+            for _ in range(3):
+                graphed("k", fn, torch.ones(n, 2), torch.ones(n, 2))
     assert cuda_graphs.captured() == 2 and len(stand_in) == 2
+    assert len([r for r in caplog.records if "graphs held" in r.message]) == 1
+
+
+def test_forget_drops_the_graphs_of_one_owner(stand_in):
+    fn = Counted()
+    for key in (("a", "encode"), ("a", "decode"), ("b", "encode")):
+        for _ in range(2):
+            graphed(key, fn, torch.ones(2, 2), torch.ones(2, 2))
+    cuda_graphs.forget("a")
+    assert cuda_graphs.captured() == 1
+    graphed(("a", "encode"), fn, torch.ones(2, 2), torch.ones(2, 2))  # seen again from the start: op by op first
+    assert len(stand_in) == 3
+
+
+def _aqsgd_link(options):
+    from aqpipe.compress.link.codecs import build_codec
+    from aqpipe.storage import MemoryStore, StoreView
+
+    return (build_codec("aqsgd:3", "fw", StoreView(MemoryStore(torch.float16), 0, "send"), options,
+                        first_sight="rtq:4"),
+            build_codec("aqsgd:3", "fw", StoreView(MemoryStore(torch.float16), 0, "recv"), options,
+                        first_sight="rtq:4"))
+
+
+def _visit(sender, receiver, x, ids):
+    from aqpipe.pipeline.transport import Header
+
+    encoded = sender.encode(x, ids, compress=True)
+    return encoded, receiver.decode(Header.for_encoded(encoded, sender.code), encoded.payload, ids)
+
+
+def test_aqsgd_captures_its_cores_but_never_with_stochastic_rounding(stand_in):
+    """AQ-SGD graphs its first-sight and delta arithmetic on both ends; with stochastic rounding no encode is ever
+    graphed (a replay would repeat the random draws); a codec that is dropped takes its graphs with it."""
+    import gc
+
+    from aqpipe.compress.link.codecs import QuantOptions
+
+    x = torch.randn(4, 8, 16)
+    ids = torch.arange(4)
+    link = _aqsgd_link(QuantOptions(stochastic=True))
+    for visit in range(4):
+        _visit(*link, x + visit, ids)
+    assert not [s for s in cuda_graphs._cache.graphs if "encode" in str(s[0])]  # (decoding draws nothing)
+    link = _aqsgd_link(QuantOptions())
+    for visit in range(4):
+        for start in (0, 4, 8):  # three first sights of one shape, then deltas
+            _visit(*link, x + visit, ids + start)
+    kinds = {signature[0][1] for signature in cuda_graphs._cache.graphs}
+    assert {"first-encode", "delta-encode", "delta-decode"} <= kinds
+    del link
+    gc.collect()
+    assert not [s for s in cuda_graphs._cache.graphs if isinstance(s[0][0], str) and s[0][0].startswith("aqsgd")]
+
+
+def test_tensors_on_two_devices_run_op_by_op(stand_in, monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "_replays_on", lambda device: device.type == "cpu")
+    calls = []
+
+    def fn(x, y):
+        calls.append(1)
+        return (x * 2,)
+
+    for _ in range(3):
+        graphed("k", fn, torch.ones(2, 2), torch.ones(2, 2, device="meta"))
+    assert len(calls) == 3 and not stand_in
 
 
 def test_on_the_host_the_function_just_runs():

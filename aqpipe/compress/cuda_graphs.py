@@ -11,7 +11,9 @@ the same kernels on the same inputs, so the same bits as running it op by op (th
 of a signature, where graphs are switched off (`AQPIPE_CUDA_GRAPHS=0`) or where a capture failed; replayed from a
 graph otherwise. Inputs are copied into the graph's own buffers and outputs copied out of them, so a caller keeps
 what it was given across later calls. `fn` must be a pure function of its tensors and the `key` (nothing it reads
-may change between calls: no random numbers, no host values), and must not wait for the device.
+may change between calls: no random numbers, no host values), and must not wait for the device. A capture that
+fails anyway turns graphs off for the rest of the process, with a warning: a failed capture can leave the CUDA
+allocator's bookkeeping behind, and the codecs are only faster with graphs, never different.
 """
 
 from __future__ import annotations
@@ -45,11 +47,14 @@ class _Graph:
 
 @dataclass
 class _Cache:
-    """The process's graphs by signature; signatures seen once (the next call captures); those that failed."""
+    """The process's graphs by signature; signatures seen once (the next call captures); whether a capture failed
+    (every call runs op by op from then on) or the limit was reached (new signatures do)."""
 
     graphs: dict[Signature, _Graph] = field(default_factory=dict)
     seen: set[Signature] = field(default_factory=set)
-    failed: set[Signature] = field(default_factory=set)
+    failed: bool = False
+    full: bool = False
+    streams: dict[torch.device, Any] = field(default_factory=dict)  # each device's one capturing stream
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -64,12 +69,13 @@ def enabled() -> bool:
 
 def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.Tensor
             ) -> tuple[torch.Tensor, ...]:
-    """`fn(*tensors)`, replayed from a CUDA graph where the tensors are on a GPU and this signature (key, each
-    tensor's shape, dtype and device, the current stream) has run before; `key` names `fn` and every non-tensor
-    value it depends on. Every tensor `fn` reads besides its arguments (a level table) must live as long as the
-    process: a graph reads it where it was at capture."""
+    """`fn(*tensors)`, replayed from a CUDA graph where the tensors are on one GPU and this signature (key, each
+    tensor's shape, strides, dtype and device, the current stream) has run before; `key` names `fn` and every
+    non-tensor value it depends on. Every tensor `fn` reads besides its arguments (a level table) must live as long
+    as the process, or as long as the graphs of its key (`forget`): a graph reads it where it was at capture."""
     device = tensors[0].device
-    if not _replays_on(device) or not enabled() or getattr(_capturing, "now", False):
+    if (not _replays_on(device) or any(t.device != device for t in tensors) or not enabled() or _cache.failed
+            or getattr(_capturing, "now", False)):
         return fn(*tensors)  # (inside another graph's capture: its kernels become part of that graph)
     signature = (key, _stream_id(device), *((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors))
     entry = _cache.graphs.get(signature)
@@ -101,7 +107,13 @@ def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...
     with _cache.lock:
         if signature in _cache.graphs:
             return _cache.graphs[signature]
-        if signature in _cache.failed or len(_cache.graphs) >= MAX_GRAPHS:
+        if _cache.failed:
+            return None
+        if len(_cache.graphs) >= MAX_GRAPHS:
+            if not _cache.full:
+                _cache.full = True
+                log.warning("%d codec CUDA graphs held: further message shapes run their codec op by op",
+                            MAX_GRAPHS)
             return None
         if signature not in _cache.seen:
             _cache.seen.add(signature)
@@ -109,9 +121,9 @@ def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...
         _capturing.now = True
         try:
             entry = _capture(fn, tensors)
-        except Exception as e:  # an op that cannot be captured: this signature runs op by op from now on
-            _cache.failed.add(signature)
-            log.warning("codec kernels for %s run op by op: their CUDA graph capture failed (%s: %s)",
+        except Exception as e:
+            _cache.failed = True
+            log.warning("codec kernels run op by op from now on: the CUDA graph capture of %s failed (%s: %s)",
                         signature[0], type(e).__name__, e)
             return None
         finally:
@@ -124,7 +136,7 @@ def _capture(fn: Callable[..., tuple[torch.Tensor, ...]], tensors: tuple[torch.T
     """Capture `fn` on copies of `tensors`, on a side stream ordered after the caller's stream's work so far. No
     device-wide synchronize (torch.cuda.graph's own), which would stall every stream of a training step."""
     stream = torch.cuda.current_stream(tensors[0].device)
-    side = torch.cuda.Stream(stream.device)
+    side = _capturing_stream(stream.device)
     side.wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
@@ -134,12 +146,54 @@ def _capture(fn: Callable[..., tuple[torch.Tensor, ...]], tensors: tuple[torch.T
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             outputs = tuple(fn(*inputs))
-        finally:
+        except BaseException:
+            _end_failed(graph, stream.device)
+            raise
+        try:
             graph.capture_end()
+        except BaseException:
+            _stop_allocating_to(graph, stream.device)
+            raise
     stream.wait_stream(side)
     for t in tensors:  # the inputs' memory must not be reused before the side stream's copies of them are done
         t.record_stream(side)
     return _Graph(graph, inputs, outputs)
+
+
+def _capturing_stream(device: torch.device) -> Any:
+    """The device's one stream for captures, made at the first (as torch.cuda.graph keeps one): a new stream per
+    capture would cycle through torch's shared pool, and sooner or later capture on a stream a collective uses."""
+    if device not in _cache.streams:
+        _cache.streams[device] = torch.cuda.Stream(device)
+    return _cache.streams[device]
+
+
+def _end_failed(graph: Any, device: torch.device) -> None:
+    """End a capture that `fn` broke off, so the stream leaves capture mode (ending an invalidated capture raises,
+    and then the allocator still routes this thread's allocations to the graph's pool: stopped here)."""
+    try:
+        graph.capture_end()
+    except Exception:
+        _stop_allocating_to(graph, device)
+
+
+def _stop_allocating_to(graph: Any, device: torch.device) -> None:
+    """What torch's capture_end does after a successful end, done after a failed one: the caching allocator stops
+    counting this capture as underway (else it would defer every stream-recorded free for the process's life).
+    Best effort: a private torch call, absent or refusing in some versions."""
+    try:
+        torch._C._cuda_endAllocateToPool(device.index if device.index is not None else torch.cuda.current_device(),
+                                         graph.pool())
+    except Exception as e:
+        log.debug("after a failed capture the allocator's pool could not be closed: %s", e)
+
+
+def forget(owner: Hashable) -> None:
+    """Drop the graphs of every key `(owner, …)`: a codec that ends takes its graphs' memory with it."""
+    with _cache.lock:
+        for signature in [s for s in _cache.graphs if isinstance(s[0], tuple) and s[0][:1] == (owner,)]:
+            del _cache.graphs[signature]
+        _cache.seen = {s for s in _cache.seen if not (isinstance(s[0], tuple) and s[0][:1] == (owner,))}
 
 
 def captured() -> int:
@@ -148,7 +202,6 @@ def captured() -> int:
 
 
 def clear() -> None:
-    """Drop every graph (tests; a process that changes device)."""
+    """Drop every graph and forget a failed capture (tests; a process that changes device)."""
     global _cache
     _cache = _Cache()
-_capturing = threading.local()  # set while this thread captures: a graphed call inside runs inline

@@ -15,12 +15,13 @@ the store keeps it, and moved to the device for the update.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from aqpipe.compress.cuda_graphs import graphed
+from aqpipe.compress.cuda_graphs import forget, graphed
 from aqpipe.compress.link.codecs import (
     CODE_AQSGD,
     CODE_AQSGD_RTQ,
@@ -234,7 +235,12 @@ class AQSGDCodec(LinkCodec):
         for part in (self.delta, self.first_sight):  # stochastic rounding draws from this codec's generator
             if part is not None and hasattr(part, "generator"):
                 part.generator = self._generator
-        self._serial = next(_serials)  # names this codec's graphs: its coders and store rule are fixed for its life
+        # this codec's CUDA graphs: named by a serial (its coders and store rule are fixed for its life), dropped
+        # with it, and never made where a part rounds stochastically (a replay would repeat its random draws)
+        self._graphs = f"aqsgd-{next(_serials)}"
+        weakref.finalize(self, forget, self._graphs)
+        self._replayable = not any(getattr(getattr(part, "options", None), "stochastic", False)
+                                   for part in (self.delta, self.first_sight)) and not options.stochastic
 
     # -- sender ------------------------------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, ids: torch.Tensor, compress: bool = True) -> Encoded:
@@ -300,12 +306,12 @@ class AQSGDCodec(LinkCodec):
         return Encoded.of(torch.cat([mode_bytes, *(s.reshape(-1) for s in _every(segments))]), tuple(x.shape),
                           torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
 
-    def _graphed(self, kind: str, fn, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`fn(*tensors)`, replayed from this codec's CUDA graph of `kind` on a GPU (not with stochastic rounding,
-        whose random draws a replay would repeat)."""
-        if self.options.stochastic:
+    def _graphed(self, kind: str, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.Tensor
+                 ) -> tuple[torch.Tensor, ...]:
+        """`fn(*tensors)`, replayed from this codec's CUDA graph of `kind` on a GPU where it may be."""
+        if not self._replayable:
             return fn(*tensors)
-        return graphed((f"aqsgd-{kind}", self._serial), fn, *tensors)
+        return graphed((self._graphs, kind), fn, *tensors)
 
     def _delta_rows(self, x: torch.Tensor, m_old: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Known samples `x` against their m(ξ): the coded change, the new m(ξ) — updated from exactly the codes and
