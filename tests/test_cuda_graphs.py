@@ -221,3 +221,22 @@ def test_on_the_host_the_function_just_runs():
     for _ in range(3):
         graphed("k", fn, torch.ones(2, 2), torch.ones(2, 2))
     assert fn.calls == 3 and cuda_graphs.captured() == 0
+
+
+def test_a_codec_finalized_during_a_capture_does_not_deadlock(stand_in, monkeypatch):
+    """A garbage collection inside a capture (which holds the cache's lock) may run a dropped codec's `forget`."""
+    import threading
+
+    capture = cuda_graphs._capture
+
+    def collecting(fn, tensors):
+        cuda_graphs.forget("a-dropped-codec")  # what a finalizer run by the collector here would do
+        return capture(fn, tensors)
+
+    monkeypatch.setattr(cuda_graphs, "_capture", collecting)
+    fn = Counted()
+    worker = threading.Thread(target=lambda: [graphed("k", fn, torch.ones(2, 2), torch.ones(2, 2)) for _ in range(3)],
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive() and len(stand_in) == 1

@@ -55,7 +55,8 @@ class _Cache:
     failed: bool = False
     full: bool = False
     streams: dict[torch.device, Any] = field(default_factory=dict)  # each device's one capturing stream
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # reentrant: a codec's finalizer (`forget`) may run in a garbage collection inside a capture, which holds it
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 _cache = _Cache()
