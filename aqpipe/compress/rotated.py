@@ -147,3 +147,22 @@ def rotated_dequantize(q: RotatedQuantized, shape: tuple[int, ...]) -> torch.Ten
         parts.append(integers.mul_(factor.unsqueeze(-1)).view(b, t, width))
         start, first_tile = start + width, first_tile + count
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).view(shape)
+
+
+def set_apart_largest(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token's largest-magnitude value of `x` [B, ..., C], set apart: (x with it zeroed, as [B, T, C]; its
+    channel [B, T] int64 — the first such channel on a tie; its value [B, T] in fp16). A massive activation (the
+    attention sink's, thousands of times its token's other values) then travels exact to fp16, and the rest of its
+    tile is rotated and quantized at a scale of its own size instead of the massive value's."""
+    rows = token_rows(x.detach().float())
+    channels = rows.abs().argmax(dim=2, keepdim=True)
+    values = torch.gather(rows, 2, channels).to(torch.float16)
+    return rows.scatter(2, channels, 0.0), channels.squeeze(2), values.squeeze(2)
+
+
+def put_back_largest(values: torch.Tensor, channels: torch.Tensor, largest: torch.Tensor, shape: tuple[int, ...]
+                     ) -> torch.Tensor:
+    """Inverse of `set_apart_largest` on reconstructed `values` of `shape`: each token's set-apart value, as fp32,
+    written back at its channel (the same bits on every device: a copy)."""
+    rows = token_rows(values.reshape(shape))
+    return rows.scatter(2, channels.unsqueeze(2), largest.float().unsqueeze(2)).view(shape)

@@ -26,7 +26,7 @@ from aqpipe.compress.quantize import DEFAULT_GRID
 FLAG_RAW = 1  # the payload is the tensor, lossless (LOSSLESS_DTYPES): warm-up, or a codec asked not to compress
 FLAG_NO_CHECK = 2  # AQ-SGD: the sender did not checksum m(ξ)
 (CODE_FP32, CODE_FP16, CODE_BF16, CODE_DIRECTQ, CODE_AQSGD, CODE_TOPK, CODE_RTQ, CODE_TAHQ,
- CODE_AQSGD_RTQ) = range(1, 10)
+ CODE_AQSGD_RTQ, CODE_RTQO) = range(1, 11)
 # The float codecs by name: the dtype they send and their header code.
 FLOAT_CODECS = {"fp32": (torch.float32, CODE_FP32), "fp16": (torch.float16, CODE_FP16),
                 "bf16": (torch.bfloat16, CODE_BF16)}

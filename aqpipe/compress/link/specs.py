@@ -34,6 +34,9 @@ CODEC_KINDS: dict[str, CodecKind] = {
                          f"{_CODECS}.sample_coders:CoderCodec", first_sight=True),
     "rtq": CodecKind(("B",), ("fw", "bw"), "B-bit rotated tile quantization: a 64-channel Hadamard rotation, "
                      "one fp16 scale per tile of a token", f"{_CODECS}.sample_coders:CoderCodec", first_sight=True),
+    "rtqo": CodecKind(("B",), ("fw", "bw"), "rtq:B with each token's largest value set apart, sent in fp16 with its "
+                      "channel (4 bytes a token): a massive activation exact, the rest of its tile finely quantized",
+                      f"{_CODECS}.sample_coders:CoderCodec", first_sight=True),
     "tahq": CodecKind((), ("fw",), "TAH-Quant (arXiv 2506.01352) as published, a baseline: 4 bits, 3 for "
                       "the 20% lowest-entropy tokens, Hadamard-rotated outlier tiles, fp16 zero and step per 64-tile",
                       f"{_CODECS}.tahq:TAHQuantCodec"),
