@@ -128,7 +128,7 @@ def test_aqsgd_first_sight_is_full_precision_then_deltas():
     assert (y2 - x2).abs().max() < (x2 - x).abs().max()  # a 2-bit delta is finer than the change itself
 
 
-@pytest.mark.parametrize("first_sight", ["rtq:4", "directq:3", "bf16"])
+@pytest.mark.parametrize("first_sight", ["rtq:4", "rtqo:4", "directq:3", "bf16"])
 def test_a_coded_first_sight_seeds_both_copies_from_the_bytes_sent(first_sight):
     options = QuantOptions()
     stores = MemoryStore(torch.float16), MemoryStore(torch.float16)
@@ -188,7 +188,7 @@ def test_a_first_sight_must_be_a_per_sample_coder(spec):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("options", [{}, {"stochastic": True}, {"per": "token"},
                                      {"kind": "aqsgd-rtq", "stochastic": True, "first_sight": "rtq:4"},
-                                     {"first_sight": "directq:4", "grid": "fit"}])
+                                     {"first_sight": "directq:4", "grid": "fit"}, {"first_sight": "rtqo:3"}])
 def test_aqsgd_both_copies_stay_bit_identical(dtype, options):
     sender, receiver, s_store, r_store = aqsgd_pair(3, dtype, **options)
     coded_first = options.get("first_sight", "fp32") != "fp32"  # then compress from the first epoch: first sights
@@ -566,3 +566,52 @@ def test_topk_checks_positions_on_the_bytes_as_they_arrived(monkeypatch, fractio
     moved = _device_moves(monkeypatch, reads, topk)
     assert torch.equal(codec.decode(header, payload, torch.arange(3)), expected)
     assert reads and moved[0] == len(reads)  # every read came before the bytes were handed to the device
+
+
+def sink_activations() -> torch.Tensor:
+    """SmolLM2-like hidden states: each sample's first token holds one massive activation (an attention sink's)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 576)
+    x[:, :, 3] *= 8.0  # a mildly larger channel on every token
+    x[:, 0, 507] = 24992.0  # (an fp16 value)
+    return x
+
+
+def test_rtqo_sends_each_tokens_largest_value_apart_and_the_rest_of_its_tile_finely():
+    x = sink_activations()
+    ids = torch.arange(4)
+    plain, with_largest = (send(build_codec(spec), build_codec(spec), x, ids) for spec in ("rtq:4", "rtqo:4"))
+    t = 16
+    assert with_largest[0].payload.numel() == plain[0].payload.numel() + 4 * 4 * t  # fp16 value + 16-bit channel
+    y = with_largest[1]
+    assert torch.equal(y[:, 0, 507], torch.full((4,), 24992.0))  # the massive value exact
+    others = [c for c in range(448, 512) if c != 507]  # the sink's 64-channel tile, without the sink itself
+    err_plain = (plain[1][:, 0, others] - x[:, 0, others]).pow(2).sum()
+    err_apart = (y[:, 0, others] - x[:, 0, others]).pow(2).sum()
+    assert err_apart < err_plain / 50  # rotated without it, the rest of the tile gets a scale of its own size
+    assert (y - x).pow(2).sum() < 0.2 * (plain[1] - x).pow(2).sum()
+
+
+def test_rtqo_keeps_a_samples_bytes_its_own_zeros_zero_and_any_width():
+    x = sink_activations()
+    codec = build_codec("rtqo:3")
+    whole = codec.encode(x, torch.arange(4)).payload.view(4, -1)
+    alone = codec.encode(x[2:3], torch.arange(1)).payload.view(1, -1)
+    assert torch.equal(whole[2:3], alone)
+    zeros = torch.zeros(2, 5, 100)  # 100 = 64 + 32 + 4 channels
+    zeros[0, :, :50] = torch.randn(5, 50)
+    encoded, y = send(codec, build_codec("rtqo:3"), zeros, torch.arange(2))
+    assert torch.equal(y[1], torch.zeros(5, 100)) and torch.equal(y[0, :, 64:], torch.zeros(5, 36))
+    flat = torch.randn(3, 40)  # a 2-D batch: one token per sample
+    _, y = send(codec, build_codec("rtqo:3"), flat, torch.arange(3))
+    largest = flat.abs().argmax(dim=1, keepdim=True)
+    assert torch.equal(y.gather(1, largest), flat.gather(1, largest).half().float())
+
+
+def test_rtqo_names_channels_past_32767_and_refuses_past_65536():
+    x = torch.randn(1, 2, 40000)
+    x[0, 1, 39999] = 500.0
+    _, y = send(build_codec("rtqo:4"), build_codec("rtqo:4"), x, torch.arange(1))
+    assert y[0, 1, 39999] == 500.0
+    with pytest.raises(CodecError, match="at most 65536 channels"):
+        build_codec("rtqo:4").encode(torch.randn(1, 1, 65537), torch.arange(1))

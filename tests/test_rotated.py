@@ -8,9 +8,11 @@ import torch
 from aqpipe.compress.quantize import dequantize, quantize
 from aqpipe.compress.rotated import (
     hadamard,
+    put_back_largest,
     rotated_dequantize,
     rotated_quantize,
     scales_per_sample,
+    set_apart_largest,
     tile_pieces,
 )
 
@@ -106,3 +108,22 @@ def test_stochastic_rounding_is_unbiased():
     bias = (draws.mean(0) - x).abs().mean() / x.abs().mean()
     single = (draws[0] - x).abs().mean() / x.abs().mean()
     assert bias < single / 8, (float(bias), float(single))
+
+
+def test_each_tokens_largest_value_is_set_apart_and_put_back():
+    x = outlier_activations(b=3, t=5, c=100)
+    x[1, 2, 70] = -30000.0  # a massive activation, like an attention sink's
+    x[2, 0, :] = 0.0
+    x[2, 0, 7] = x[2, 0, 9] = 2.0  # a tie: the first channel is the one set apart
+    rest, channels, largest = set_apart_largest(x)
+    assert channels.shape == largest.shape == (3, 5) and largest.dtype == torch.float16
+    assert channels[1, 2] == 70 and largest[1, 2] == -30000.0 and channels[2, 0] == 7
+    assert torch.equal(rest.abs().amax(dim=2) <= x.abs().amax(dim=2), torch.ones(3, 5, dtype=torch.bool))
+    assert torch.equal(torch.gather(rest, 2, channels.unsqueeze(2)), torch.zeros(3, 5, 1))
+    back = put_back_largest(rest, channels, largest, tuple(x.shape))
+    assert torch.equal(back, x.half().float().where(torch.arange(100) == channels.unsqueeze(2), x))
+    flat = torch.randn(3, 100)  # a 2-D [B, C] batch: one token per sample
+    rest, channels, largest = set_apart_largest(flat)
+    assert channels.shape == (3, 1) and torch.equal(channels[:, 0], flat.abs().argmax(dim=1))
+    back = put_back_largest(rest, channels, largest, (3, 100))
+    assert torch.equal(back, flat.half().float().where(torch.arange(100) == channels, flat))
