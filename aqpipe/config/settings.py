@@ -130,7 +130,7 @@ class RunConfig:
     first_sight: str | None = setting(
         "links", "how an AQ-SGD link sends a sample without m(ξ) (a first visit, a re-seed) outside the warm-up "
         "epochs: `fp32` losslessly, in the activation's own dtype (bf16/fp16 under mixed precision), or compressed "
-        "with bf16, fp16, directq:B or rtq:B, both sides seeding m(ξ) from exactly the values sent",
+        "with bf16, fp16, directq:B, rtq:B or rtqo:B, both sides seeding m(ξ) from exactly the values sent",
         shown=f"{DEFAULT_FIRST_SIGHT} on an AQ-SGD link (measured: benchmarks/README.md)",
         metavar="SPEC")
     quant_scales: str = setting("links", "quantization scales per sample and channel, or per sample and token",
