@@ -608,10 +608,58 @@ def test_rtqo_keeps_a_samples_bytes_its_own_zeros_zero_and_any_width():
     assert torch.equal(y.gather(1, largest), flat.gather(1, largest).half().float())
 
 
-def test_rtqo_names_channels_past_32767_and_refuses_past_65536():
-    x = torch.randn(1, 2, 40000)
-    x[0, 1, 39999] = 500.0
+def test_rtqo_names_channels_past_32767_and_refuses_65535_on_either_end():
+    x = torch.randn(1, 2, 65534)
+    x[0, 0, 39999] = 500.0
+    x[0, 1, 65533] = -700.0  # the highest channel it can name
     _, y = send(build_codec("rtqo:4"), build_codec("rtqo:4"), x, torch.arange(1))
-    assert y[0, 1, 39999] == 500.0
-    with pytest.raises(CodecError, match="at most 65536 channels"):
-        build_codec("rtqo:4").encode(torch.randn(1, 1, 65537), torch.arange(1))
+    assert y[0, 0, 39999] == 500.0 and y[0, 1, 65533] == -700.0
+    with pytest.raises(CodecError, match="fewer than 65535 channels"):
+        build_codec("rtqo:4").encode(torch.randn(1, 1, 65535), torch.arange(1))
+    receiver = build_codec("rtqo:4")
+    header = Header(KIND_ACTIVATION, 0, 0, (1, 1, 65535), torch.uint8, 1, 40000, codec=receiver.code,
+                    flags=receiver.flags())
+    assert "fewer than 65535 channels" in receiver.check_header(header)  # asked before the payload is read
+
+
+def test_rtqo_leaves_a_value_fp16_cannot_hold_in_its_tile_as_rtq_carries_it():
+    x = torch.randn(2, 3, 128)
+    x[0, 1, 70] = 200000.0  # beyond fp16: rotated, 1/8 of it per position, as rtq carries it
+    x[1, 2, 5] = float("nan")
+    codec = build_codec("rtqo:4")
+    rows, values = codec.coder.encode(x, values=True)
+    carried = codec.coder.carried(x, rows)
+    assert carried.tolist() == [True, False]  # the NaN's sample is not (AQ-SGD then sends it losslessly)
+    _, y = send(codec, build_codec("rtqo:4"), x[:1], torch.arange(1))
+    _, plain = send(build_codec("rtq:4"), build_codec("rtq:4"), x[:1], torch.arange(1))
+    assert torch.isfinite(y).all() and torch.equal(y[0, 1], plain[0, 1])  # that token coded exactly as rtq codes it
+    assert torch.equal(values[:1], y)  # and the sender's values are the receiver's
+
+
+def test_rtq_and_rtqo_never_share_a_cuda_graph(monkeypatch):
+    """The two coders' graphs are told apart by class: a replay of one coder's graph for the other would send rtq's
+    bytes as rtqo's."""
+    from aqpipe.compress import cuda_graphs
+
+    captured = []
+
+    def capture(fn, tensors):
+        inputs = tuple(t.clone() for t in tensors)
+        outputs = tuple(fn(*inputs))
+        captured.append(fn)
+        return cuda_graphs._Graph(type("Replay", (), {"replay": lambda self: None})(), inputs, outputs)
+
+    cuda_graphs.clear()
+    monkeypatch.setattr(cuda_graphs, "_replays_on", lambda device: True)
+    monkeypatch.setattr(cuda_graphs, "_stream_id", lambda device: 0)
+    monkeypatch.setattr(cuda_graphs, "_capture", capture)
+    try:
+        x = torch.randn(2, 4, 64)
+        for spec in ("rtq:4", "rtqo:4"):
+            coder = build_codec(spec).coder
+            for _ in range(3):
+                rows, _ = coder.encode(x)
+            assert rows.shape[1] == coder.sample_bytes(tuple(x.shape))
+        assert len(captured) == 2
+    finally:
+        cuda_graphs.clear()

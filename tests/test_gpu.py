@@ -48,7 +48,8 @@ EXPECTED_SYNCS = {("aqpipe/compress/link/aqsgd.py", "read_all"), ("aqpipe/storag
 @pytest.mark.parametrize("spec,direction,per", [("fp32", "fw", "channel"), ("fp16", "fw", "channel"),
                                                 ("bf16", "bw", "channel"), ("directq:4", "fw", "channel"),
                                                 ("directq:2", "bw", "token"), ("topk:0.1:8", "bw", "channel"),
-                                                ("rtq:4", "fw", "channel"), ("rtq:6", "bw", "channel")])
+                                                ("rtq:4", "fw", "channel"), ("rtq:6", "bw", "channel"),
+                                                ("rtqo:4", "fw", "channel"), ("rtqo:6", "bw", "channel")])
 def test_a_codec_encodes_on_the_device_and_only_bytes_reach_the_host(spec, direction, per):
     options = QuantOptions(per=per)
     x = torch.randn(4, 24, 40, device=DEVICE)
@@ -304,7 +305,8 @@ def test_the_fork_servers_imports_start_no_thread_on_a_gpu_machine():
                                                      ("directq:1", "fw", "channel", "signed"),
                                                      ("directq:8", "bw", "channel", "symmetric"),
                                                      ("rtq:4", "fw", "channel", "signed"),
-                                                     ("rtq:3", "bw", "channel", "signed")])
+                                                     ("rtq:3", "bw", "channel", "signed"),
+                                                     ("rtqo:4", "fw", "channel", "signed")])
 def test_a_codecs_cuda_graph_replays_the_bits_of_its_ops(monkeypatch, spec, direction, per, grid):
     """A stateless codec's encode and decode replayed from CUDA graphs (from the third call of a shape) give the
     bytes and values the same calls give op by op (AQPIPE_CUDA_GRAPHS=0), call after call."""
@@ -330,7 +332,8 @@ def test_a_codecs_cuda_graph_replays_the_bits_of_its_ops(monkeypatch, spec, dire
 @needs_cuda
 @pytest.mark.parametrize("spec,first_sight,dtype", [("aqsgd:3", "fp32", torch.float32),
                                                     ("aqsgd:4", "rtq:4", torch.float32),
-                                                    ("aqsgd-rtq:3", "directq:6", torch.bfloat16)])
+                                                    ("aqsgd-rtq:3", "directq:6", torch.bfloat16),
+                                                    ("aqsgd:3", "rtqo:4", torch.float32)])
 def test_aqsgd_replayed_from_cuda_graphs_sends_and_keeps_the_bits_of_its_ops(monkeypatch, spec, first_sight, dtype):
     """Two AQ-SGD links fed the same activations, one replaying its kernels from CUDA graphs and one op by op: every
     message's bytes, every decoded activation and every m(ξ) agree bit for bit, first sights (three batches of new

@@ -7,6 +7,7 @@ import torch
 
 from aqpipe.compress.quantize import dequantize, quantize
 from aqpipe.compress.rotated import (
+    NOT_SET_APART,
     hadamard,
     put_back_largest,
     rotated_dequantize,
@@ -122,6 +123,18 @@ def test_each_tokens_largest_value_is_set_apart_and_put_back():
     assert torch.equal(torch.gather(rest, 2, channels.unsqueeze(2)), torch.zeros(3, 5, 1))
     back = put_back_largest(rest, channels, largest, tuple(x.shape))
     assert torch.equal(back, x.half().float().where(torch.arange(100) == channels.unsqueeze(2), x))
+    wide = torch.randn(2, 2, 64)
+    wide[0, 0, 9], wide[1, 1, 3] = 70000.0, float("-inf")  # values fp16 cannot hold stay in place
+    rest, channels, largest = set_apart_largest(wide)
+    assert channels[0, 0] == channels[1, 1] == NOT_SET_APART and largest[0, 0] == largest[1, 1] == 0
+    expected_rest, expected_back = wide.clone(), wide.clone()
+    for b, t in ((0, 1), (1, 0)):  # the tokens whose largest value was set apart
+        c = int(wide[b, t].abs().argmax())
+        assert channels[b, t] == c
+        expected_rest[b, t, c] = 0.0
+        expected_back[b, t, c] = wide[b, t, c].half().float()
+    assert torch.equal(rest, expected_rest)
+    assert torch.equal(put_back_largest(rest, channels, largest, tuple(wide.shape)), expected_back)
     flat = torch.randn(3, 100)  # a 2-D [B, C] batch: one token per sample
     rest, channels, largest = set_apart_largest(flat)
     assert channels.shape == (3, 1) and torch.equal(channels[:, 0], flat.abs().argmax(dim=1))

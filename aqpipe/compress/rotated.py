@@ -149,20 +149,31 @@ def rotated_dequantize(q: RotatedQuantized, shape: tuple[int, ...]) -> torch.Ten
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).view(shape)
 
 
+NOT_SET_APART = 0xFFFF  # the channel `set_apart_largest` names for a token whose largest value it left in place
+
+
 def set_apart_largest(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each token's largest-magnitude value of `x` [B, ..., C], set apart: (x with it zeroed, as [B, T, C]; its
-    channel [B, T] int64 — the first such channel on a tie; its value [B, T] in fp16). A massive activation (the
-    attention sink's, thousands of times its token's other values) then travels exact to fp16, and the rest of its
-    tile is rotated and quantized at a scale of its own size instead of the massive value's."""
+    """Each token's largest-magnitude value of `x` [B, ..., C] (C < 65535), set apart: (x with it zeroed, as
+    [B, T, C]; its channel [B, T] int64 — the first such channel on a tie; its value [B, T] in fp16). A massive
+    activation (the attention sink's, thousands of times its token's other values) then travels exact to fp16, and
+    the rest of its tile is rotated and quantized at a scale of its own size instead of the massive value's. A value
+    fp16 cannot hold (beyond 65504, an inf or a NaN) stays in place, as rtq would carry it: its channel reads
+    `NOT_SET_APART` and its value 0."""
     rows = token_rows(x.detach().float())
     channels = rows.abs().argmax(dim=2, keepdim=True)
-    values = torch.gather(rows, 2, channels).to(torch.float16)
-    return rows.scatter(2, channels, 0.0), channels.squeeze(2), values.squeeze(2)
+    value = torch.gather(rows, 2, channels)
+    half = value.to(torch.float16)
+    apart = half.isfinite()
+    rest = rows.scatter(2, channels, torch.where(apart, 0.0, value))
+    return (rest, torch.where(apart, channels, NOT_SET_APART).squeeze(2),
+            torch.where(apart, half, 0.0).squeeze(2))
 
 
 def put_back_largest(values: torch.Tensor, channels: torch.Tensor, largest: torch.Tensor, shape: tuple[int, ...]
                      ) -> torch.Tensor:
     """Inverse of `set_apart_largest` on reconstructed `values` of `shape`: each token's set-apart value, as fp32,
-    written back at its channel (the same bits on every device: a copy)."""
+    written over its channel (copies only: the same bits on every device)."""
     rows = token_rows(values.reshape(shape))
-    return rows.scatter(2, channels.unsqueeze(2), largest.float().unsqueeze(2)).view(shape)
+    apart = (channels != NOT_SET_APART).unsqueeze(2)
+    at = torch.where(apart, channels.unsqueeze(2), 0)
+    return rows.scatter(2, at, torch.where(apart, largest.float().unsqueeze(2), torch.gather(rows, 2, at))).view(shape)

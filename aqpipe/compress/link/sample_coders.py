@@ -36,6 +36,7 @@ from aqpipe.compress.link.specs import CodecSpec, check_first_sight
 from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize, scale_count
 from aqpipe.compress.rotated import (
     DEFAULT_TILE,
+    NOT_SET_APART,
     ROTATED_GRID,
     RotatedQuantized,
     put_back_largest,
@@ -104,6 +105,10 @@ class QuantCoder:
     def sample_bytes(self, shape: tuple[int, ...]) -> int:
         return sample_bytes(shape, self.bits, self.options.per)
 
+    def shape_problem(self, shape: tuple[int, ...]) -> str | None:
+        """Why this coder cannot code a batch of `shape` (None: it can)."""
+        return None
+
     def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.options.stochastic:  # random draws: never replayed from a graph
             return self._encode(x, values)
@@ -142,6 +147,10 @@ class RotatedCoder:
     def sample_bytes(self, shape: tuple[int, ...]) -> int:
         return 2 * scales_per_sample(shape, self.tile) + packed_bytes(numel(shape[1:]), self.bits)
 
+    def shape_problem(self, shape: tuple[int, ...]) -> str | None:
+        """Why this coder cannot code a batch of `shape` (None: it can)."""
+        return None
+
     def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.options.stochastic:  # random draws: never replayed from a graph
             return self._encode(x, values)
@@ -164,32 +173,37 @@ class RotatedCoder:
 @dataclass
 class OutlierRotatedCoder(RotatedCoder):
     """`RotatedCoder` with each token's largest-magnitude value set apart (`set_apart_largest`): fp16 tile scales,
-    then each token's set-apart value (fp16) and channel (16 bits), then the packed codes of the rest. 4 bytes a token
-    (0.056 bits a value at SmolLM2's 576 channels) keep a massive activation exact to fp16 and let the rest of its
-    tile, rotated without it, be quantized at its own scale: on SmolLM2-135M's hidden states after 20 layers, a 13×
+    then each token's set-apart value (fp16) and channel (16 bits; `NOT_SET_APART` for a value beyond fp16, which
+    stays in its tile as rtq carries it), then the packed codes of the rest. 4 bytes a token (0.056 bits a value at
+    SmolLM2's 576 channels) keep a massive activation exact to fp16 and let the rest of its tile, rotated without it,
+    be quantized at its own scale: on SmolLM2-135M's hidden states after 20 layers, a 13×
     lower squared error than rtq:4 alone (benchmarks/first_sight_mse.py)."""
 
     @property
     def name(self) -> str:
         return f"rtqo:{self.bits}"
 
-    def carried(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        t = token_rows(torch.empty(x.shape, device="meta")).shape[1]
-        scales = scales_per_sample(tuple(x.shape), self.tile)
-        largest = bytes_as(rows[:, 2 * scales : 2 * (scales + t)], torch.float16)
-        return scales_in_range(rows, scales) & (largest.abs() <= FP16_MAX).all(dim=1)  # (an inf or NaN fails)
+    # (`carried` is rtq's: the scales come first, and a value fp16 cannot hold is never set apart)
+
+    def shape_problem(self, shape: tuple[int, ...]) -> str | None:
+        if shape[-1] >= NOT_SET_APART:
+            return f"{self.name} names a channel in 16 bits: fewer than {NOT_SET_APART} channels, got {shape[-1]}"
+        return None
+
+    def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if problem := self.shape_problem(tuple(x.shape)):  # (asked before any graph, which would fail to capture)
+            raise CodecError(problem)
+        return super().encode(x, values)
 
     def sample_bytes(self, shape: tuple[int, ...]) -> int:
         return super().sample_bytes(shape) + 4 * token_rows(torch.empty(shape, device="meta")).shape[1]
 
     def _encode(self, x: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if x.shape[-1] > 1 << 16:
-            raise CodecError(f"{self.name} names a channel in 16 bits: at most 65536 channels, got {x.shape[-1]}")
         rest, channels, largest = set_apart_largest(x)
         q = rotated_quantize(rest, self.bits, self.tile, self.options.stochastic, self.generator, ROTATED_GRID)
         b = x.shape[0]
         rows = torch.cat([q.scales.contiguous().view(torch.uint8), largest.contiguous().view(torch.uint8),
-                          channels.to(torch.int32).to(torch.int16).view(torch.uint8),  # (wraps past 32767)
+                          channels.to(torch.int32).to(torch.int16).view(torch.uint8),  # (wraps past 32767: & 0xFFFF)
                           pack(q.codes, q.bits)], dim=1).reshape(b, -1)
         if not values:
             return rows, None
@@ -251,7 +265,7 @@ class CoderCodec(LinkCodec):
         return header.shape[0] * self.coder.sample_bytes(header.shape)
 
     def _payload_problem(self, header) -> str | None:
-        return batch_problem(header) or super()._payload_problem(header)
+        return batch_problem(header) or self.coder.shape_problem(header.shape) or super()._payload_problem(header)
 
     def _encode(self, tensor: torch.Tensor, ids: torch.Tensor) -> Encoded:
         x = tensor.float()
