@@ -191,10 +191,13 @@ def _stop_allocating_to(graph: Any, device: torch.device) -> None:
 
 def forget(owner: Hashable) -> None:
     """Drop the graphs of every key `(owner, …)`: a codec that ends takes its graphs' memory with it."""
+    def owned(signature: Signature) -> bool:
+        return isinstance(signature[0], tuple) and signature[0][:1] == (owner,)
+
     with _cache.lock:
-        for signature in [s for s in _cache.graphs if isinstance(s[0], tuple) and s[0][:1] == (owner,)]:
+        for signature in [s for s in _cache.graphs if owned(s)]:
             del _cache.graphs[signature]
-        _cache.seen = {s for s in _cache.seen if not (isinstance(s[0], tuple) and s[0][:1] == (owner,))}
+        _cache.seen = {s for s in _cache.seen if not owned(s)}
 
 
 def captured() -> int:

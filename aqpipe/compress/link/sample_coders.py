@@ -110,19 +110,17 @@ class QuantCoder:
         return None
 
     def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.options.stochastic:  # random draws: never replayed from a graph
-            return self._encode(x, values)
-        key = ("directq-encode", self.bits, self.options.per, self.options.grid, values)
-        return _rows_and_values(graphed(key, lambda t: _parts(*self._encode(t, values)), x))
+        return _replayed_encode(self, x, values, self.options.per, self.options.grid)
 
     def _encode(self, x: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = quantize(x, self.bits, self.options.per, self.options.stochastic, self.generator, self.options.grid)
         return encode_samples(q), dequantize(q, tuple(x.shape)) if values else None
 
     def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        bits, per, grid = self.bits, self.options.per, self.options.grid
-        return graphed(("directq-decode", bits, per, grid, shape),
-                       lambda r: (decode_samples(r, shape, bits, per, grid),), rows)[0]
+        return _replayed_decode(self, rows, shape, self.options.per, self.options.grid)
+
+    def _decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return decode_samples(rows, shape, self.bits, self.options.per, self.options.grid)
 
 
 @dataclass
@@ -152,18 +150,14 @@ class RotatedCoder:
         return None
 
     def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.options.stochastic:  # random draws: never replayed from a graph
-            return self._encode(x, values)
-        key = (type(self).__name__, "encode", self.bits, self.tile, values)
-        return _rows_and_values(graphed(key, lambda t: _parts(*self._encode(t, values)), x))
+        return _replayed_encode(self, x, values, self.tile)
 
     def _encode(self, x: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = rotated_quantize(x, self.bits, self.tile, self.options.stochastic, self.generator, ROTATED_GRID)
         return join_rows(q.scales, q.codes, q.bits), rotated_dequantize(q, tuple(x.shape)) if values else None
 
     def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        return graphed((type(self).__name__, "decode", self.bits, self.tile, shape), lambda r: (self._decode(r, shape),),
-                       rows)[0]
+        return _replayed_decode(self, rows, shape, self.tile)
 
     def _decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         scales, codes = split_rows(rows, scales_per_sample(shape, self.tile), numel(shape[1:]), self.bits)
@@ -196,7 +190,7 @@ class OutlierRotatedCoder(RotatedCoder):
         return super().encode(x, values)
 
     def sample_bytes(self, shape: tuple[int, ...]) -> int:
-        return super().sample_bytes(shape) + 4 * token_rows(torch.empty(shape, device="meta")).shape[1]
+        return super().sample_bytes(shape) + 4 * _tokens(shape)
 
     def _encode(self, x: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         rest, channels, largest = set_apart_largest(x)
@@ -210,7 +204,7 @@ class OutlierRotatedCoder(RotatedCoder):
         return rows, put_back_largest(rotated_dequantize(q, tuple(x.shape)), channels, largest, tuple(x.shape))
 
     def _decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        t = token_rows(torch.empty(shape, device="meta")).shape[1]
+        t = _tokens(shape)
         scales = scales_per_sample(shape, self.tile)
         largest = bytes_as(rows[:, 2 * scales : 2 * (scales + t)], torch.float16)
         channels = bytes_as(rows[:, 2 * (scales + t) : 2 * (scales + 2 * t)], torch.int16).to(torch.int64) & 0xFFFF
@@ -220,14 +214,30 @@ class OutlierRotatedCoder(RotatedCoder):
         return put_back_largest(rotated_dequantize(q, shape), channels, largest, shape)
 
 
-def _parts(rows: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """A coder's (rows, values or None) as the tensors a graph returns."""
-    return (rows,) if values is None else (rows, values)
+def _tokens(shape: tuple[int, ...]) -> int:
+    """Tokens per sample of a batch of `shape` (a 2-D [B, C] batch: one)."""
+    return token_rows(torch.empty(shape, device="meta")).shape[1]
 
 
-def _rows_and_values(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Inverse of `_parts`."""
-    return parts[0], parts[1] if len(parts) > 1 else None
+def _replayed_encode(coder: Any, x: torch.Tensor, values: bool, *key: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`coder._encode(x, values)`, replayed from a CUDA graph on a GPU (`aqpipe.compress.cuda_graphs`) unless it
+    rounds stochastically, whose random draws a replay would repeat. The graph is named by the coder's class, its
+    bits and `key`, every other value its encode reads."""
+    if coder.options.stochastic:
+        return coder._encode(x, values)
+
+    def parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows, coded_values = coder._encode(t, values)
+        return (rows,) if coded_values is None else (rows, coded_values)
+
+    out = graphed((type(coder).__name__, "encode", coder.bits, *key, values), parts, x)
+    return out[0], out[1] if values else None
+
+
+def _replayed_decode(coder: Any, rows: torch.Tensor, shape: tuple[int, ...], *key: Any) -> torch.Tensor:
+    """`coder._decode(rows, shape)`, replayed from a CUDA graph on a GPU (decoding draws nothing)."""
+    return graphed((type(coder).__name__, "decode", coder.bits, *key, shape), lambda r: (coder._decode(r, shape),),
+                   rows)[0]
 
 
 def scales_in_range(rows: torch.Tensor, scales: int) -> torch.Tensor:
