@@ -39,6 +39,20 @@ def measure(fn, repeats: int, device: torch.device | None = None) -> float:
     return statistics.median(times)
 
 
+def measure_stream(fn, calls: int, device: torch.device) -> float:
+    """Seconds per call of `calls` calls of fn() queued back to back with one synchronize at the end — the rate a
+    pipeline sees, whose host queues a message's kernels (and its bytes' copy) without waiting for the GPU — after
+    two warm-up calls."""
+    fn()
+    fn()
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / calls
+
+
 def measure_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, repeats: int,
                   device: torch.device) -> tuple[float, float]:
     """Median seconds of AQ-SGD's encode and of its decode, timed message by message: every message the sender
@@ -104,14 +118,25 @@ def link_codec_rows(x: torch.Tensor, specs: list[str], repeats: int, device: tor
                "round_trip_MBps": mb / (enc + dec)}
         print(f"{spec:10s} {bits:5.2f} bits/value  encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s  "
               f"both {mb / (enc + dec):7.0f} MB/s", flush=True)
+        if device.type == "cuda":  # queued back to back: encode, then decode of what it sent (host copies included)
+            def round_trip():
+                e = codec.encode(x, ids)
+                codec.decode(Header.for_encoded(e, codec.code), e.payload, ids)
+
+            both = measure_stream(round_trip, 20 * repeats, device)
+            row.update(streamed_round_trip_MBps=mb / both)
+            print(f"{spec:10s} streamed (no wait between messages)     both {mb / both:7.0f} MB/s", flush=True)
         if device.type == "cuda" and hasattr(codec, "coder"):  # the coder alone: its kernels, no bytes to the host
             coded = codec.coder.encode(x)[0]
             enc_k = measure(lambda: codec.coder.encode(x), repeats, device)
             dec_k = measure(lambda: codec.coder.decode(coded, tuple(x.shape)), repeats, device)
+            both = measure_stream(lambda: codec.coder.decode(codec.coder.encode(x)[0], tuple(x.shape)),
+                                  20 * repeats, device)
             row.update(kernels_encode_MBps=mb / enc_k, kernels_decode_MBps=mb / dec_k,
-                       kernels_round_trip_MBps=mb / (enc_k + dec_k))
+                       kernels_round_trip_MBps=mb / (enc_k + dec_k), kernels_streamed_round_trip_MBps=mb / both)
             print(f"{spec:10s} kernels only (on the GPU, no host copy)  encode {mb / enc_k:7.0f} MB/s  "
-                  f"decode {mb / dec_k:7.0f} MB/s  both {mb / (enc_k + dec_k):7.0f} MB/s", flush=True)
+                  f"decode {mb / dec_k:7.0f} MB/s  both {mb / (enc_k + dec_k):7.0f} MB/s  "
+                  f"streamed {mb / both:7.0f} MB/s", flush=True)
         rows.append(row)
     return rows
 
@@ -124,6 +149,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/codec_speed")
     parser.add_argument("--device", default="cpu", help="cpu (one core) or cuda")
     parser.add_argument("--codecs", default="directq:4,rtq:3,rtq:4,rtqo:4,tahq", help="link codecs timed whole")
+    parser.add_argument("--only-codecs", action="store_true", help="skip the per-width quantizer rows")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
@@ -131,7 +157,7 @@ def main() -> None:
     x = torch.randn(shape, device=device)
     mb = x.numel() * 4 / 1e6
     rows = []
-    for bits in range(1, 9):
+    for bits in range(1, 9) if not args.only_codecs else ():
         for stochastic in (False, True):
             opts = QuantOptions(per=args.per, stochastic=stochastic)
             g = torch.Generator(device=device).manual_seed(0)

@@ -10,11 +10,11 @@
 #                (AQPIPE_CUDA_SYNC_AUDIT=1): synchronizing calls per step and where
 #   gpu-tests    python -m pytest -m gpu tests/test_gpu.py
 #   codec-speed  benchmarks/codec_speed.py on the GPU, at GPT2-XL's activation shape and at SmolLM2-135M's (there
-#                also with the codecs' CUDA graphs off)
+#                also at a GPU run's 8 × 1024 tokens, and with the fused kernels, then the CUDA graphs too, off)
 #   throughput   benchmarks/throughput.py: 4 ranks on the one GPU behind 100 Mbit/s tc links, fp32 vs aqsgd fw3 bw6
 #   throughput-mps  the same under NVIDIA MPS (started and stopped here), where nvidia-cuda-mps-control exists
 # About 5 minutes on an H200 (codec speed, then the GPU tests beside the sync audit, then the two throughput runs;
-# each part stops at its own limit: 8.5 minutes in all at most). AQPIPE_BENCH_DATA names the WikiText-2 file the
+# each part stops at its own limit: 8.7 minutes in all at most). AQPIPE_BENCH_DATA names the WikiText-2 file the
 # throughput parts train on; AQPIPE_GPU_CHECK_PARTS picks a subset.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -87,21 +87,28 @@ export -f sync_audit throughput_mps
 export out data
 # Codec speed first, alone on the GPU (its numbers are times); then the GPU tests beside the sync audit (neither
 # times anything, and the audit's launches fit in the tests' shadow); then each throughput run alone.
-# (the last run turns the codecs' CUDA graphs off: the same kernels op by op, for the gain at a small message)
-part codec-speed 90 bash -c "echo '### at GPT2-XL shape 4,512,1600 MB/s'; \
+# (at SmolLM2's shape: also the shape of a GPU run's micro-batch, 8 × 1024 tokens, and the same coders without the
+# fused kernels — AQPIPE_FUSED_KERNELS=0 — and without the CUDA graphs as well: the torch ops one by one)
+part codec-speed 120 bash -c "echo '### at GPT2-XL shape 4,512,1600 MB/s'; \
   python benchmarks/codec_speed.py --device cuda --out '$out/codec_speed_cuda' && \
   echo '### at SmolLM2-135M shape 4,128,576 MB/s' && \
   python benchmarks/codec_speed.py --device cuda --shape 4,128,576 --out '$out/codec_speed_cuda_smollm2' && \
-  echo '### at SmolLM2-135M shape 4,128,576, CUDA graphs off (AQPIPE_CUDA_GRAPHS=0) MB/s' && \
-  AQPIPE_CUDA_GRAPHS=0 python benchmarks/codec_speed.py --device cuda --shape 4,128,576 --codecs directq:4,rtq:4 \
-    --out '$out/codec_speed_cuda_smollm2_no_graphs'"
+  echo '### at SmolLM2-135M shape 8,1024,576 (a GPU run micro-batch) MB/s' && \
+  python benchmarks/codec_speed.py --device cuda --shape 8,1024,576 --only-codecs --codecs directq:3,directq:4,rtq:4 \
+    --out '$out/codec_speed_cuda_smollm2_8x1024' && \
+  echo '### at SmolLM2-135M shape 4,128,576, fused kernels off (AQPIPE_FUSED_KERNELS=0) MB/s' && \
+  AQPIPE_FUSED_KERNELS=0 python benchmarks/codec_speed.py --device cuda --shape 4,128,576 --only-codecs \
+    --codecs directq:4 --out '$out/codec_speed_cuda_smollm2_no_fused' && \
+  echo '### at SmolLM2-135M shape 4,128,576, fused kernels and CUDA graphs off (AQPIPE_CUDA_GRAPHS=0) MB/s' && \
+  AQPIPE_FUSED_KERNELS=0 AQPIPE_CUDA_GRAPHS=0 python benchmarks/codec_speed.py --device cuda --shape 4,128,576 \
+    --codecs directq:4,rtq:4 --out '$out/codec_speed_cuda_smollm2_no_graphs'"
 part gpu-tests 210 python -m pytest -m gpu tests/test_gpu.py -n 12 -p no:cacheprovider -v --timeout 150 -rfE &
 tests=$!
 part sync-audit 90 bash -c sync_audit
 wait "$tests"
 part throughput 120 python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 \
   --epochs 4 --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda"
-part throughput-mps 90 bash -c throughput_mps
+part throughput-mps 70 bash -c throughput_mps
 
 {
   echo

@@ -401,3 +401,73 @@ def test_a_codec_graphs_capture_failure_falls_back_to_its_ops(caplog):
         assert torch.empty(size, dtype=torch.uint8, device=DEVICE).data_ptr() == pointer
     finally:
         clear()
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_the_fused_kernels_write_the_bits_of_the_torch_ops_on_the_gpu(bits):
+    """DirectQ's fused kernels (aqpipe.compress.fused) against the torch ops on the same GPU — rows, the values AQ-SGD
+    keeps as m(ξ) and decoded values bit for bit — and the host's decode of the GPU's rows against the GPU's: real-run
+    shapes and ragged tiles, every grid they take, an all-zero channel, −0, values past fp16, fp16-subnormal scales."""
+    from aqpipe.compress import fused
+    from aqpipe.compress.link.directq import decode_samples, encode_samples
+    from aqpipe.compress.quantize import dequantize, quantize
+
+    torch.manual_seed(bits)
+    for shape in [(4, 128, 576), (8, 1024, 576), (4, 512, 1600), (3, 17, 40), (2, 3, 5, 16), (1, 1, 8)]:
+        for grid in ("signed", "symmetric", "uniform"):
+            x = torch.randn(shape, device=DEVICE) * 3
+            v = x.view(shape[0], -1, shape[-1])
+            v[-1, :, 1] = 0.0
+            v[0, :, 2] = -0.0
+            v[0, 0, 3] = 1e6
+            v[-1, :, 4] *= 1e-9
+            assert fused.encodable(x, bits, "channel", False, grid)
+            q = quantize(x, bits, "channel", False, None, grid)
+            rows, values = fused.encode(x, bits, grid, values=True)
+            assert torch.equal(rows, encode_samples(q)), (shape, grid)
+            assert torch.equal(values.view(torch.int32), dequantize(q, shape).view(torch.int32)), (shape, grid)
+            decoded = fused.decode(rows, shape, bits, grid)
+            assert torch.equal(decoded.view(torch.int32), values.view(torch.int32)), (shape, grid)
+            on_host = decode_samples(rows.cpu(), shape, bits, "channel", grid)
+            assert torch.equal(on_host.view(torch.int32), decoded.cpu().view(torch.int32)), (shape, grid)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec,first_sight,dtype", [("aqsgd:3", "fp32", torch.float32),
+                                                    ("aqsgd:4", "directq:6", torch.bfloat16)])
+def test_aqsgd_through_the_fused_kernels_in_graphs_keeps_the_bits_of_the_torch_ops(monkeypatch, spec, first_sight,
+                                                                                   dtype):
+    """Two AQ-SGD links and two DirectQ codecs fed the same activations, one through the fused kernels replayed from
+    CUDA graphs, one through the torch ops op by op: every message's bytes, decoded activation and m(ξ) agree."""
+    from aqpipe.compress import cuda_graphs, fused
+
+    cuda_graphs.clear()
+    options = QuantOptions()
+    links = []
+    for _ in range(2):
+        send, recv = MemoryStore(torch.float16, DEVICE), MemoryStore(torch.float16, DEVICE)
+        links.append((build_codec(spec, "fw", StoreView(send, 0, "send"), options, device=DEVICE,
+                                  first_sight=first_sight),
+                      build_codec(spec, "fw", StoreView(recv, 0, "recv"), options, device=DEVICE,
+                                  first_sight=first_sight), send, recv, build_codec("directq:6", "bw", device=DEVICE)))
+    x = torch.randn(8, 64, 576, device=DEVICE)
+    monkeypatch.setenv("AQPIPE_FUSED_KERNELS", "1")
+    assert fused.encodable(x, 3, "channel", False, "signed")
+    for visit in range(6):
+        ids = torch.arange(4) + 4 * (visit % 2)
+        x[ids] += 0.1 * torch.randn_like(x[ids])
+        results = []
+        for switch, (sender, receiver, _, _, directq) in zip(("1", "0"), links):
+            monkeypatch.setenv(cuda_graphs.SWITCH, switch)
+            monkeypatch.setenv("AQPIPE_FUSED_KERNELS", switch)
+            encoded = sender.encode(x[ids].to(dtype), ids, compress=True)
+            grads = directq.encode(x[ids] * 1e-3, ids)
+            results.append((encoded.payload, receiver.decode(_header(encoded, sender), encoded.payload, ids),
+                            grads.payload, directq.decode(_header(grads, directq), grads.payload, ids)))
+        for a, b in zip(*results):
+            assert torch.equal(a, b), visit
+    for i in range(8):
+        values = [store.get(0, side, [i])[0] for _, _, send, recv, _ in links for store, side in ((send, "send"),
+                                                                                              (recv, "recv"))]
+        assert all(torch.equal(values[0], v) for v in values[1:])

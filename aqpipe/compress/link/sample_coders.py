@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from aqpipe.compress import fused
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
 from aqpipe.compress.cuda_graphs import graphed
 from aqpipe.compress.link.codecs import (
@@ -113,13 +114,20 @@ class QuantCoder:
         return _replayed_encode(self, x, values, self.options.per, self.options.grid)
 
     def _encode(self, x: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q = quantize(x, self.bits, self.options.per, self.options.stochastic, self.generator, self.options.grid)
+        opts = self.options
+        if fused.encodable(x, self.bits, opts.per, opts.stochastic, opts.grid):  # the same bytes, in two kernels
+            if (coded := fused.encode(x, self.bits, opts.grid, values)) is not None:
+                return coded
+        q = quantize(x, self.bits, opts.per, opts.stochastic, self.generator, opts.grid)
         return encode_samples(q), dequantize(q, tuple(x.shape)) if values else None
 
     def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return _replayed_decode(self, rows, shape, self.options.per, self.options.grid)
 
     def _decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        if fused.fusable(rows.device, shape, self.bits, self.options.per, self.options.grid):
+            if (values := fused.decode(rows, shape, self.bits, self.options.grid)) is not None:
+                return values
         return decode_samples(rows, shape, self.bits, self.options.per, self.options.grid)
 
 

@@ -1,0 +1,104 @@
+"""The Triton source of `aqpipe.compress.fused`'s kernels (imported only where Triton is): see that module for what
+each computes and why its float operations are torch's own."""
+
+import triton
+import triton.language as tl
+
+from aqpipe.compress.fused import interpreted
+
+
+@triton.jit
+def scales_kernel(x_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.constexpr, FP16_MAX: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr):
+    sample = tl.program_id(0)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    in_c = cols < C
+    high = tl.full([BT, BC], float("-inf"), tl.float32)
+    low = tl.full([BT, BC], float("inf"), tl.float32)
+    base = x_ptr + sample.to(tl.int64) * T * C
+    for t0 in range(0, T, BT):
+        tokens = t0 + tl.arange(0, BT)
+        inside = (tokens[:, None] < T) & in_c[None, :]
+        v = tl.load(base + tokens[:, None].to(tl.int64) * C + cols[None, :], mask=inside, other=0.0)
+        v = v.to(tl.float32)
+        high = tl.maximum(high, tl.where(inside, v, float("-inf")))
+        low = tl.minimum(low, tl.where(inside, v, float("inf")))
+    hi = tl.max(high, axis=0)
+    lo = tl.min(low, axis=0)
+    positive = tl.maximum(hi, 0.0)
+    negative = tl.maximum(-lo, 0.0)
+    if KIND == 0:  # signed: the long side (−1 …) where the largest magnitude lies, so it is exact
+        scale = tl.where(positive > negative, -positive, negative)
+    else:
+        scale = tl.maximum(positive, negative)
+    magnitude = tl.minimum(tl.abs(scale), FP16_MAX)
+    half = magnitude.to(tl.float16)
+    bits16 = half.to(tl.int16, bitcast=True) + (half.to(tl.float32) < magnitude).to(tl.int16)  # round up
+    half = bits16.to(tl.float16, bitcast=True)
+    half = tl.where(scale < 0, -half, half)
+    tl.store(s_ptr + sample * C + cols, half.to(tl.float32), mask=in_c)
+    pattern = half.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    row = rows_ptr + sample.to(tl.int64) * W + 2 * cols
+    tl.store(row, (pattern & 0xFF).to(tl.uint8), mask=in_c)  # little-endian fp16
+    tl.store(row + 1, (pattern >> 8).to(tl.uint8), mask=in_c)
+
+
+@triton.jit
+def codes_kernel(x_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, T, C, W, offset, steps, top,
+                 BITS: tl.constexpr, VALUES: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    tiles_t = tl.cdiv(T, BT)
+    sample = tl.program_id(0) // tiles_t
+    tokens = (tl.program_id(0) % tiles_t) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    inside = (tokens[:, None] < T) & (cols[None, :] < C)
+    at = sample.to(tl.int64) * T * C + tokens[:, None].to(tl.int64) * C + cols[None, :]
+    v = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
+    scale = tl.load(s_ptr + sample * C + cols, mask=cols < C, other=1.0)
+    s = tl.where(scale == 0.0, 1.0, scale)[None, :]
+    u = tl.div_rn(v, s) * steps + offset
+    u = tl.minimum(tl.maximum(u, 0.0), top)
+    # round half to even, exact for 0 ≤ u < 2^22: adding 1.5·2^23 leaves no fraction bits
+    u = (u + 12582912.0) - 12582912.0
+    code = u.to(tl.int32)
+    if VALUES:
+        level = tl.load(table_ptr + code)
+        tl.store(values_ptr + at, level * scale[None, :], mask=inside)
+    shift = (tl.arange(0, 8) * BITS).to(tl.int64)
+    word = tl.sum(tl.reshape(code.to(tl.int64), (BT, BC // 8, 8)) << shift[None, None, :], axis=2)
+    groups = tl.program_id(1) * (BC // 8) + tl.arange(0, BC // 8)
+    stored = (tokens[:, None] < T) & (groups[None, :] < C // 8)
+    out = (rows_ptr + sample.to(tl.int64) * W + 2 * C + tokens[:, None].to(tl.int64) * (C // 8 * BITS)
+           + groups[None, :] * BITS)
+    for k in tl.static_range(BITS):
+        tl.store(out + k, ((word >> (8 * k)) & 0xFF).to(tl.uint8), mask=stored)
+
+
+@triton.jit
+def decode_kernel(rows_ptr, table_ptr, out_ptr, T, C, W, BITS: tl.constexpr, BT: tl.constexpr,
+                  BC: tl.constexpr):
+    tiles_t = tl.cdiv(T, BT)
+    sample = tl.program_id(0) // tiles_t
+    tokens = (tl.program_id(0) % tiles_t) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    in_c = cols < C
+    inside = (tokens[:, None] < T) & in_c[None, :]
+    row = rows_ptr + sample.to(tl.int64) * W
+    pattern = (tl.load(row + 2 * cols, mask=in_c, other=0).to(tl.int32)
+               | (tl.load(row + 2 * cols + 1, mask=in_c, other=0).to(tl.int32) << 8))
+    scale = pattern.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    bit = (cols % 8) * BITS
+    first = (row + 2 * C + tokens[:, None].to(tl.int64) * (C // 8 * BITS) + (cols // 8 * BITS)[None, :]
+             + (bit // 8)[None, :])
+    spans = inside & ((bit % 8) + BITS > 8)[None, :]  # a code that reaches into the next byte
+    pair = (tl.load(first, mask=inside, other=0).to(tl.int32)
+            | (tl.load(first + 1, mask=spans, other=0).to(tl.int32) << 8))
+    code = (pair >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
+    level = tl.load(table_ptr + code)
+    at = sample.to(tl.int64) * T * C + tokens[:, None].to(tl.int64) * C + cols[None, :]
+    tl.store(out_ptr + at, level * scale[None, :], mask=inside)
+
+
+SCALE_T, SCALE_C = 32, 32  # the scales kernel's tile: tokens × channels (it walks every token of its channels)
+TILE_T, TILE_C = 16, 64  # the codes and decode kernels' tile
+# no fused multiply-add: torch rounds x/s·steps and then +offset (and level·scale) separately
+OPTIONS: dict = {} if interpreted() else {"enable_fp_fusion": False}

@@ -1,0 +1,183 @@
+"""The fused quantization kernels (aqpipe.compress.fused): where they apply, and — under Triton's interpreter, on
+CPU tensors with numpy's IEEE float32 — that they write the bytes and values of the torch ops they replace.
+tests/test_gpu.py checks the same bits on a GPU."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from aqpipe.compress import fused
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="Triton is not installed (pip install -e '.[test]' brings it on Linux x86-64)")
+
+# Triton 3.6's interpreter turns a scalar into an index with int() of a one-element array, which numpy ≥ 2.4 refuses;
+# the patch takes the element instead (the kernels are unchanged).
+_INTERPRETER_PATCH = """
+import triton.runtime.interpreter as interpreter
+if hasattr(interpreter, "_patch_lang_tensor"):
+    _patch = interpreter._patch_lang_tensor
+    def _patch_lang_tensor(tensor, scope):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+"""
+
+
+def interpret(script: str) -> None:
+    """Run `script` in a fresh Python with Triton's interpreter on (it is read when kernels are defined)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "AQPIPE_FUSED_KERNELS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_PATCH + textwrap.dedent(script)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().endswith("checked"), proc.stdout[-2000:]
+
+
+@needs_triton
+def test_the_kernels_write_the_bytes_and_values_of_the_torch_ops():
+    """Every width 2–8, every grid they take, shapes with ragged tiles, an all-zero channel, −0, values past fp16
+    and values whose scale is an fp16 subnormal: rows, dequantized values and decoded values all bit-identical."""
+    interpret("""
+        import torch
+        from aqpipe.compress import fused
+        from aqpipe.compress.link.directq import decode_samples, encode_samples
+        from aqpipe.compress.quantize import dequantize, quantize
+
+        torch.manual_seed(0)
+        for shape in [(2, 5, 16), (3, 37, 24), (2, 4, 3, 8), (1, 17, 72)]:
+            for bits in range(2, 9):
+                for grid in ("signed", "symmetric", "uniform"):
+                    x = torch.randn(shape) * 3
+                    v = x.view(shape[0], -1, shape[-1])
+                    v[-1, :, 1] = 0.0
+                    v[0, :, 2] = -0.0
+                    v[0, 1, 3] = 1e6
+                    v[-1, :, 4] *= 1e-9
+                    assert fused.encodable(x, bits, "channel", False, grid)
+                    q = quantize(x, bits, "channel", False, None, grid)
+                    rows, values = fused.encode(x, bits, grid, values=True)
+                    assert torch.equal(rows, encode_samples(q)), (shape, bits, grid)
+                    assert torch.equal(values.view(torch.int32), dequantize(q, shape).view(torch.int32))
+                    expected = decode_samples(rows, shape, bits, "channel", grid)
+                    assert torch.equal(fused.decode(rows, shape, bits, grid).view(torch.int32),
+                                       expected.view(torch.int32)), (shape, bits, grid)
+        print("checked")
+    """)
+
+
+@needs_triton
+def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
+    """The link codecs through the kernels (the interpreter stands in for the GPU) against the same codecs with
+    AQPIPE_FUSED_KERNELS=0: DirectQ's payloads, AQ-SGD's messages and both copies of m(ξ) agree bit for bit."""
+    interpret("""
+        import os
+        import torch
+        from aqpipe.compress.link.codecs import QuantOptions, build_codec
+        from aqpipe.pipeline.transport import Header
+        from aqpipe.storage import MemoryStore, StoreView
+
+        def run(switch):
+            os.environ["AQPIPE_FUSED_KERNELS"] = switch
+            torch.manual_seed(1)
+            directq = build_codec("directq:4", "bw", options=QuantOptions())
+            send, recv = MemoryStore(torch.float16), MemoryStore(torch.float16)
+            sender = build_codec("aqsgd:3", "fw", StoreView(send, 0, "send"), QuantOptions())
+            receiver = build_codec("aqsgd:3", "fw", StoreView(recv, 0, "recv"), QuantOptions())
+            out = []
+            x = torch.randn(6, 9, 16)
+            for visit in range(4):
+                ids = torch.arange(3) + 3 * (visit % 2)
+                x[ids] += 0.1 * torch.randn(3, 9, 16)
+                e = directq.encode(x[ids], ids)
+                out += [e.payload, directq.decode(Header.for_encoded(e, directq.code), e.payload, ids)]
+                e = sender.encode(x[ids], ids, compress=True)
+                out += [e.payload, receiver.decode(Header.for_encoded(e, sender.code), e.payload, ids)]
+            out += [torch.stack(s.get(0, side, list(range(6)))) for s, side in ((send, "send"), (recv, "recv"))]
+            return out
+
+        from aqpipe.compress import fused as kernels
+        calls = []
+        encode = kernels.encode
+        kernels.encode = lambda *args, **kw: calls.append(1) or encode(*args, **kw)
+        fused = run("1")
+        assert len(calls) == 6, calls  # 4 DirectQ messages, 2 AQ-SGD deltas (the first two visits: fp32 first sights)
+        torch_ops = run("0")
+        assert len(calls) == 6
+        assert len(fused) == len(torch_ops)
+        for a, b in zip(fused, torch_ops):
+            assert torch.equal(a, b)
+        print("checked")
+    """)
+
+
+@pytest.mark.parametrize("device,shape,bits,per,stochastic,grid", [
+    ("cpu", (2, 8, 16), 4, "channel", False, "signed"),  # a CPU tensor: the torch ops (no interpreter here)
+    ("meta", (2, 8, 16), 4, "channel", False, "signed"),
+    ("cuda", (2, 16), 4, "channel", False, "signed"),  # 2-D: one scale per sample
+    ("cuda", (2, 8, 12), 4, "channel", False, "signed"),  # channels not a multiple of 8
+    ("cuda", (2, 8, 16), 4, "token", False, "signed"),
+    ("cuda", (2, 8, 16), 4, "channel", True, "signed"),  # stochastic rounding draws
+    ("cuda", (2, 8, 16), 1, "channel", False, "signed"),  # one bit: the mean |x| scale
+    ("cuda", (2, 8, 16), 4, "channel", False, "fit"),  # its scale divides by a scalar: left to torch
+    ("cuda", (2, 0, 16), 4, "channel", False, "signed"),
+])
+def test_the_kernels_apply_only_where_they_code_the_same_bits(monkeypatch, device, shape, bits, per, stochastic,
+                                                             grid):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(fused, "_kernels", lambda: object())  # as if Triton were there
+    batch = SimpleNamespace(device=torch.device(device), shape=shape, dtype=torch.float32)  # (what encodable reads)
+    assert not fused.encodable(batch, bits, per, stochastic, grid)  # type: ignore[arg-type]
+    assert fused.fusable(torch.device(device), shape, bits, per, grid) == (stochastic and device == "cuda")
+
+
+def test_the_kernels_apply_on_a_gpu_unless_switched_off_or_without_triton(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(fused, "_kernels", lambda: object())
+    assert fused.fusable(cuda, (4, 128, 576), 3, "channel", "signed")
+    assert fused.fusable(cuda, (4, 2, 64, 8), 8, "channel", "uniform")
+    monkeypatch.setenv("AQPIPE_FUSED_KERNELS", "0")
+    assert not fused.fusable(cuda, (4, 128, 576), 3, "channel", "signed")
+    monkeypatch.delenv("AQPIPE_FUSED_KERNELS")
+    monkeypatch.setattr(fused, "_kernels", lambda: None)
+    assert not fused.fusable(cuda, (4, 128, 576), 3, "channel", "signed")
+
+
+def test_decode_refuses_rows_of_the_wrong_width():
+    if fused._kernels() is None:
+        pytest.skip("Triton is not installed")
+    with pytest.raises(ValueError, match="cannot hold"):
+        fused.decode(torch.zeros(2, 10, dtype=torch.uint8), (2, 4, 8), 4, "signed")
+
+
+def test_kernels_that_fail_to_launch_turn_off_with_one_warning_and_the_torch_ops_code(monkeypatch, caplog):
+    from aqpipe.compress.link.codecs import QuantOptions
+    from aqpipe.compress.link.sample_coders import QuantCoder
+
+    class Unlaunchable:
+        def __getitem__(self, grid):
+            raise RuntimeError("no compiler for this GPU")
+
+    kernels = SimpleNamespace(scales_kernel=Unlaunchable(), codes_kernel=Unlaunchable(), decode_kernel=Unlaunchable(),
+                              SCALE_T=32, SCALE_C=32, TILE_T=16, TILE_C=64, OPTIONS={})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (a CPU tensor counts as the kernels' then)
+    monkeypatch.setattr(fused, "_kernels", lambda: kernels)
+    monkeypatch.setattr(fused, "_failed", [])
+    coder = QuantCoder(4, QuantOptions())
+    x = torch.randn(2, 8, 16)
+    with caplog.at_level("WARNING", logger="aqpipe.compress.fused"):
+        rows, values = coder._encode(x, values=True)
+        decoded = coder._decode(rows, tuple(x.shape))
+        coder._encode(x, values=False)
+    assert [r.message for r in caplog.records] == [
+        "fused codec kernels off, the torch ops code from now on: RuntimeError: no compiler for this GPU"]
+    assert not fused.fusable(x.device, tuple(x.shape), 4, "channel", "signed")
+    monkeypatch.setenv("AQPIPE_FUSED_KERNELS", "0")
+    assert torch.equal(rows, coder._encode(x, values=False)[0])
+    assert torch.equal(decoded, values)
