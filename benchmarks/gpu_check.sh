@@ -34,6 +34,7 @@ bytecode_before=$(python -c "import os, sys, sysconfig; purelib = sysconfig.get_
 print('writes bytecode:', not sys.flags.dont_write_bytecode, '; site-packages writable:', os.access(purelib, os.W_OK))" 2>&1)
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/aqpipe-pycache}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/aqpipe-triton-cache}  # (compiled kernels; a home may be read-only)
 
 part() {  # part NAME SECONDS COMMAND...: run COMMAND with its output in NAME.log, record status and time
   local name=$1 limit=$2 start rc
@@ -66,6 +67,7 @@ sync_audit() {  # two short runs with every rank audited; their rank logs hold t
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/- GPU: /'
   python -c 'import sys, torch, transformers; print(f"- python {sys.version.split()[0]}, torch {torch.__version__}, '\
 'CUDA {torch.version.cuda}, transformers {transformers.__version__}, {torch.cuda.device_count()} GPU(s)")'
+  python -c 'import triton; print(f"- triton {triton.__version__} (the fused codec kernels)")' 2>&1 | tail -n 1
   echo "- CPU cores: $(nproc)"
   echo "- before this script: $bytecode_before; bytecode kept under $PYTHONPYCACHEPREFIX"
   echo
