@@ -240,3 +240,32 @@ def test_a_codec_finalized_during_a_capture_does_not_deadlock(stand_in, monkeypa
     worker.start()
     worker.join(timeout=30)
     assert not worker.is_alive() and len(stand_in) == 1
+
+
+def test_a_failed_capture_is_ended_and_its_pool_and_random_generator_released(monkeypatch):
+    """After a capture that `fn` broke off, what torch's capture_end does after a good one is done anyway: the
+    allocator stops routing to the graph's pool, and the device's default generator leaves capture mode (a copy of
+    its own state: same seed and offset). On an H100 the generator, left capturing, failed every later draw."""
+    calls = []
+
+    class BrokenGraph:
+        def capture_end(self):
+            calls.append("capture_end")
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+        def pool(self):
+            return (0, 7)
+
+    class Generator:
+        def clone_state(self):
+            calls.append("clone_state")
+            return "copy"
+
+        def graphsafe_set_state(self, state):
+            calls.append(("graphsafe_set_state", state))
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: calls.append(("pool", device, pool)),
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "default_generators", (Generator(), Generator()))
+    cuda_graphs._end_failed(BrokenGraph(), torch.device("cuda", 1))
+    assert calls == ["capture_end", ("pool", 1, (0, 7)), "clone_state", ("graphsafe_set_state", "copy")]

@@ -390,6 +390,11 @@ def test_a_codec_graphs_capture_failure_falls_back_to_its_ops(caplog):
         assert all(torch.equal(r, x * float(x.sum())) for r in results)
         assert all(torch.equal(d, x * 2) for d in doubled)
         assert torch.equal((x + 1).cpu(), x.cpu() + 1)  # no error left behind on the device
+        torch.cuda.manual_seed(5)  # the default generator, which the capture registered, is out of capture mode
+        draws = torch.randn(8, device=DEVICE)
+        torch.cuda.manual_seed(5)
+        assert torch.equal(draws, torch.randn(8, device=DEVICE))
+        torch.cuda.empty_cache()  # (earlier tests' cached blocks of this size would be as good a fit)
         side = torch.cuda.Stream()
         size = 7_341_056  # (an odd size: the freed block is the allocator's best fit for the next one)
         block = torch.empty(size, dtype=torch.uint8, device=DEVICE)

@@ -154,6 +154,7 @@ def _capture(fn: Callable[..., tuple[torch.Tensor, ...]], tensors: tuple[torch.T
             graph.capture_end()
         except BaseException:
             _stop_allocating_to(graph, stream.device)
+            _release_generators(stream.device)
             raise
     stream.wait_stream(side)
     for t in tensors:  # the inputs' memory must not be reused before the side stream's copies of them are done
@@ -176,6 +177,7 @@ def _end_failed(graph: Any, device: torch.device) -> None:
         graph.capture_end()
     except Exception:
         _stop_allocating_to(graph, device)
+        _release_generators(device)
 
 
 def _stop_allocating_to(graph: Any, device: torch.device) -> None:
@@ -187,6 +189,19 @@ def _stop_allocating_to(graph: Any, device: torch.device) -> None:
                                          graph.pool())
     except Exception as e:
         log.debug("after a failed capture the allocator's pool could not be closed: %s", e)
+
+
+def _release_generators(device: torch.device) -> None:
+    """What torch's capture_end does after a successful end, done after a failed one: the device's default random
+    generator, which every capture registers, leaves capture mode (else the next random draw outside a graph raises
+    "Offset increment outside graph capture encountered unexpectedly" — seen on an H100 after a failed capture). Its
+    state is replaced by a copy of itself: the same seed and offset, out of capture mode. Best effort, as above."""
+    try:
+        generator = torch.cuda.default_generators[device.index if device.index is not None
+                                                  else torch.cuda.current_device()]
+        generator.graphsafe_set_state(generator.clone_state())
+    except Exception as e:
+        log.debug("after a failed capture the random generator could not be reset: %s", e)
 
 
 def forget(owner: Hashable) -> None:
