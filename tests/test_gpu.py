@@ -439,19 +439,23 @@ def test_the_fused_kernels_write_the_bits_of_the_torch_ops_on_the_gpu(bits):
 
 
 @needs_cuda
-@pytest.mark.parametrize("spec,first_sight,dtype", [("aqsgd:3", "fp32", torch.float32),
-                                                    ("aqsgd:4", "directq:6", torch.bfloat16)])
+@pytest.mark.parametrize("spec,first_sight,dtype,store", [("aqsgd:3", "fp32", torch.float32, torch.float16),
+                                                          ("aqsgd:4", "directq:6", torch.bfloat16, torch.float16),
+                                                          ("aqsgd:2", "fp32", torch.float32, torch.bfloat16),
+                                                          ("aqsgd:8", "rtq:4", torch.float32, torch.float32)])
 def test_aqsgd_through_the_fused_kernels_in_graphs_keeps_the_bits_of_the_torch_ops(monkeypatch, spec, first_sight,
-                                                                                   dtype):
+                                                                                   dtype, store):
     """Two AQ-SGD links and two DirectQ codecs fed the same activations, one through the fused kernels replayed from
-    CUDA graphs, one through the torch ops op by op: every message's bytes, decoded activation and m(ξ) agree."""
+    CUDA graphs, one through the torch ops op by op: every message's bytes and checksum, decoded activation and m(ξ)
+    agree (the fidelity norms, summed in another order, to float tolerance). m(ξ) in fp16, bf16 (both fused) and
+    fp32 (the torch ops update it)."""
     from aqpipe.compress import cuda_graphs, fused
 
     cuda_graphs.clear()
     options = QuantOptions()
     links = []
     for _ in range(2):
-        send, recv = MemoryStore(torch.float16, DEVICE), MemoryStore(torch.float16, DEVICE)
+        send, recv = MemoryStore(store, DEVICE), MemoryStore(store, DEVICE)
         links.append((build_codec(spec, "fw", StoreView(send, 0, "send"), options, device=DEVICE,
                                   first_sight=first_sight),
                       build_codec(spec, "fw", StoreView(recv, 0, "recv"), options, device=DEVICE,
@@ -459,6 +463,7 @@ def test_aqsgd_through_the_fused_kernels_in_graphs_keeps_the_bits_of_the_torch_o
     x = torch.randn(8, 64, 576, device=DEVICE)
     monkeypatch.setenv("AQPIPE_FUSED_KERNELS", "1")
     assert fused.encodable(x, 3, "channel", False, "signed")
+    fidelity = []
     for visit in range(6):
         ids = torch.arange(4) + 4 * (visit % 2)
         x[ids] += 0.1 * torch.randn_like(x[ids])
@@ -469,9 +474,15 @@ def test_aqsgd_through_the_fused_kernels_in_graphs_keeps_the_bits_of_the_torch_o
             encoded = sender.encode(x[ids].to(dtype), ids, compress=True)
             grads = directq.encode(x[ids] * 1e-3, ids)
             results.append((encoded.payload, receiver.decode(_header(encoded, sender), encoded.payload, ids),
-                            grads.payload, directq.decode(_header(grads, directq), grads.payload, ids)))
+                            torch.tensor(encoded.codec_check), grads.payload,
+                            directq.decode(_header(grads, directq), grads.payload, ids)))
+            fidelity.append(encoded.fidelity)
         for a, b in zip(*results):
             assert torch.equal(a, b), visit
+        fused_fidelity, torch_fidelity = fidelity[-2:]
+        assert (fused_fidelity is None) == (torch_fidelity is None) == (visit < 2)
+        if fused_fidelity is not None:
+            assert torch.allclose(fused_fidelity.squares, torch_fidelity.squares, rtol=1e-5)
     for i in range(8):
         values = [store.get(0, side, [i])[0] for _, _, send, recv, _ in links for store, side in ((send, "send"),
                                                                                               (recv, "recv"))]

@@ -65,30 +65,84 @@ def row_bytes(t: int, c: int, bits: int) -> int:
 def encode(x: torch.Tensor, bits: int, grid: str, values: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Rows [B, row_bytes] of `x` [B, ..., C] (and its dequantized values, float32, x's shape, when asked); None if
     the kernels failed to compile or launch (then they are off for the process, with a warning)."""
-    k = _kernels()
-    x3 = x.detach().reshape(x.shape[0], -1, x.shape[-1]).contiguous()
-    b, t, c = x3.shape
-    rows = torch.empty(b, row_bytes(t, c, bits), dtype=torch.uint8, device=x.device)
-    scales = torch.empty(b, c, dtype=torch.float32, device=x.device)
-    coded = torch.empty(x3.shape, dtype=torch.float32, device=x.device) if values else scales  # (unused when not)
-    offset, steps, top = _offset_steps(bits, grid)
-    table = _levels(bits, grid, x.device)
-    try:
-        k.scales_kernel[(b, -(-c // k.SCALE_C))](
-            x3, rows, scales, t, c, rows.shape[1], KIND=_SCALE_KINDS[grid], FP16_MAX=FP16_MAX, BT=k.SCALE_T,
-            BC=k.SCALE_C, **k.OPTIONS)
-        k.codes_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
-            x3, rows, scales, table, coded, t, c, rows.shape[1], float(offset), float(steps), float(top),
-            BITS=bits, VALUES=values, BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
-    except Exception as error:  # (a Triton that cannot compile for this GPU, say): the torch ops code it
-        _give_up(error)
+    x3 = _as_rows(x)
+    coded = torch.empty(x3.shape, dtype=torch.float32, device=x.device) if values else None
+    rows = _encode(x3, None, bits, grid, coded, None)
+    if rows is None:
         return None
-    return rows, coded.view(x.shape) if values else None
+    return rows, None if coded is None else coded.view(x.shape)
+
+
+def delta_encode(x: torch.Tensor, m_old: torch.Tensor, bits: int, grid: str, checksum: tuple[int, int]
+                 ) -> tuple[torch.Tensor, ...] | None:
+    """AQ-SGD's sender in two kernels: the rows of the change x − m(ξ) (`m_old`: the store's 16-bit dtype, x's
+    shape), the new m(ξ) = m_old + its dequantized change in that dtype, each sample's checksum sum (int64 [B]: its
+    16-bit words weighted 1 + (position · a) mod n, `checksum` = (a, n)), and the fidelity norms [B, 3] of x, of the
+    change and of m_new − m_old − change. Bits as torch's ops give them (the norms' summation order aside); None if
+    the kernels failed."""
+    x3, m3 = _as_rows(x), _as_rows(m_old)
+    m_new = torch.empty(m3.shape, dtype=m_old.dtype, device=x.device)
+    parts = _parts(x3.shape)
+    sums = torch.empty(x3.shape[0], parts, dtype=torch.int64, device=x.device)
+    norms = torch.empty(x3.shape[0], 3, parts, dtype=torch.float32, device=x.device)
+    rows = _encode(x3, m3, bits, grid, None, (m_new, sums, norms, *checksum))
+    if rows is None:
+        return None
+    return rows, m_new.view(m_old.shape), sums.sum(dim=1), norms.sum(dim=2).sqrt()
 
 
 def decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str) -> torch.Tensor | None:
     """Float32 values of `shape` from rows [B, row_bytes] that `encode` (or `directq.encode_samples`) wrote; None if
     the kernels failed (as `encode`)."""
+    out = _decode(rows, shape, bits, grid, None)
+    return None if out is None else out[0]
+
+
+def delta_decode(rows: torch.Tensor, m_old: torch.Tensor, bits: int, grid: str, checksum: tuple[int, int]
+                 ) -> tuple[torch.Tensor, ...] | None:
+    """AQ-SGD's receiver in one kernel: the new m(ξ) (m_old + the decoded change, in m_old's 16-bit dtype), it in
+    float32 (the activation), and each sample's checksum sum (as `delta_encode`); None if the kernels failed."""
+    return _decode(rows, tuple(m_old.shape), bits, grid, (m_old, checksum))
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().reshape(x.shape[0], -1, x.shape[-1]).contiguous()
+
+
+def _parts(shape: tuple[int, ...]) -> int:
+    """Tiles per sample of the codes and decode kernels (each writes its share of the per-sample sums)."""
+    k = _kernels()
+    return -(-shape[1] // k.TILE_T) * -(-shape[2] // k.TILE_C)
+
+
+def _encode(x3: torch.Tensor, m3: torch.Tensor | None, bits: int, grid: str, coded: torch.Tensor | None,
+            delta: tuple | None) -> torch.Tensor | None:
+    """Launch the scales and codes kernels on rows [B, T, C] (`m3`, `delta`: AQ-SGD's m(ξ) and outputs)."""
+    k = _kernels()
+    b, t, c = x3.shape
+    rows = torch.empty(b, row_bytes(t, c, bits), dtype=torch.uint8, device=x3.device)
+    scales = torch.empty(b, c, dtype=torch.float32, device=x3.device)
+    offset, steps, top = _offset_steps(bits, grid)
+    m_new, sums, norms, multiplier, modulus = delta if delta is not None else (x3, x3, x3, 0, 1)  # (unread)
+    try:
+        k.scales_kernel[(b, -(-c // k.SCALE_C))](
+            x3, x3 if m3 is None else m3, rows, scales, t, c, rows.shape[1], KIND=_SCALE_KINDS[grid],
+            FP16_MAX=FP16_MAX, HAS_M=m3 is not None, BT=k.SCALE_T, BC=k.SCALE_C, **k.OPTIONS)
+        k.codes_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
+            x3, x3 if m3 is None else m3, rows, scales, _levels(bits, grid, x3.device),
+            x3 if coded is None else coded, m_new, sums, norms, t, c, rows.shape[1], float(offset), float(steps),
+            float(top), multiplier, modulus, BITS=bits, VALUES=coded is not None, HAS_M=m3 is not None,
+            BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
+    except Exception as error:  # (a Triton that cannot compile for this GPU, say): the torch ops code it
+        _give_up(error)
+        return None
+    return rows
+
+
+def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
+            delta: tuple[torch.Tensor, tuple[int, int]] | None) -> tuple[torch.Tensor, ...] | None:
+    """Launch the decode kernel (`delta`: AQ-SGD's m(ξ) and checksum constants): (values,) or, for AQ-SGD,
+    (m_new, values, sums)."""
     k = _kernels()
     b, c = shape[0], shape[-1]
     t = 1
@@ -98,14 +152,23 @@ def decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str) -> 
     if rows.shape != (b, row_bytes(t, c, bits)):
         raise ValueError(f"rows of shape {tuple(rows.shape)} cannot hold a {bits}-bit batch of shape {shape}")
     out = torch.empty(b, t, c, dtype=torch.float32, device=rows.device)
+    if delta is None:
+        m3, m_new, sums, (multiplier, modulus) = out, out, out, (0, 1)  # (unread)
+    else:
+        m3 = _as_rows(delta[0])
+        m_new = torch.empty(m3.shape, dtype=m3.dtype, device=rows.device)
+        sums = torch.empty(b, _parts(m3.shape), dtype=torch.int64, device=rows.device)
+        multiplier, modulus = delta[1]
     try:
         k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
-            rows, _levels(bits, grid, rows.device), out, t, c, rows.shape[1], BITS=bits, BT=k.TILE_T, BC=k.TILE_C,
-            **k.OPTIONS)
+            rows, _levels(bits, grid, rows.device), out, m3, m_new, sums, t, c, rows.shape[1], multiplier, modulus,
+            BITS=bits, HAS_M=delta is not None, BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
     except Exception as error:
         _give_up(error)
         return None
-    return out.view(shape)
+    if delta is None:
+        return (out.view(shape),)
+    return m_new.view(shape), out.view(shape), sums.sum(dim=1)
 
 
 def _give_up(error: Exception) -> None:

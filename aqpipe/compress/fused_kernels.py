@@ -8,19 +8,21 @@ from aqpipe.compress.fused import interpreted
 
 
 @triton.jit
-def scales_kernel(x_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.constexpr, FP16_MAX: tl.constexpr,
-                  BT: tl.constexpr, BC: tl.constexpr):
+def scales_kernel(x_ptr, m_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.constexpr, FP16_MAX: tl.constexpr,
+                  HAS_M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     sample = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     in_c = cols < C
     high = tl.full([BT, BC], float("-inf"), tl.float32)
     low = tl.full([BT, BC], float("inf"), tl.float32)
-    base = x_ptr + sample.to(tl.int64) * T * C
+    base = sample.to(tl.int64) * T * C
     for t0 in range(0, T, BT):
         tokens = t0 + tl.arange(0, BT)
         inside = (tokens[:, None] < T) & in_c[None, :]
-        v = tl.load(base + tokens[:, None].to(tl.int64) * C + cols[None, :], mask=inside, other=0.0)
-        v = v.to(tl.float32)
+        at = base + tokens[:, None].to(tl.int64) * C + cols[None, :]
+        v = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
+        if HAS_M:  # AQ-SGD: the change since m(ξ)
+            v = v - tl.load(m_ptr + at, mask=inside, other=0.0).to(tl.float32)
         high = tl.maximum(high, tl.where(inside, v, float("-inf")))
         low = tl.minimum(low, tl.where(inside, v, float("inf")))
     hi = tl.max(high, axis=0)
@@ -44,15 +46,20 @@ def scales_kernel(x_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.constexpr, FP16_MAX:
 
 
 @triton.jit
-def codes_kernel(x_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, T, C, W, offset, steps, top,
-                 BITS: tl.constexpr, VALUES: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def codes_kernel(x_ptr, m_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, m_new_ptr, sums_ptr, norms_ptr, T, C, W,
+                 offset, steps, top, multiplier, modulus, BITS: tl.constexpr, VALUES: tl.constexpr,
+                 HAS_M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     tiles_t = tl.cdiv(T, BT)
     sample = tl.program_id(0) // tiles_t
     tokens = (tl.program_id(0) % tiles_t) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     inside = (tokens[:, None] < T) & (cols[None, :] < C)
     at = sample.to(tl.int64) * T * C + tokens[:, None].to(tl.int64) * C + cols[None, :]
-    v = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
+    v = x
+    if HAS_M:
+        m = tl.load(m_ptr + at, mask=inside, other=0.0).to(tl.float32)
+        v = x - m
     scale = tl.load(s_ptr + sample * C + cols, mask=cols < C, other=1.0)
     s = tl.where(scale == 0.0, 1.0, scale)[None, :]
     u = tl.div_rn(v, s) * steps + offset
@@ -60,9 +67,22 @@ def codes_kernel(x_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, T, C, W, offset,
     # round half to even, exact for 0 ≤ u < 2^22: adding 1.5·2^23 leaves no fraction bits
     u = (u + 12582912.0) - 12582912.0
     code = u.to(tl.int32)
-    if VALUES:
-        level = tl.load(table_ptr + code)
-        tl.store(values_ptr + at, level * scale[None, :], mask=inside)
+    if VALUES or HAS_M:
+        values = tl.load(table_ptr + code) * scale[None, :]
+        if VALUES:
+            tl.store(values_ptr + at, values, mask=inside)
+        if HAS_M:  # the new m(ξ) in the store's dtype, its checksum part and the fidelity norms' parts
+            new = (m + values).to(m_new_ptr.dtype.element_ty)
+            tl.store(m_new_ptr + at, new, mask=inside)
+            part = tl.program_id(0) % tiles_t * tl.num_programs(1) + tl.program_id(1)
+            parts = tiles_t * tl.num_programs(1)
+            tl.store(sums_ptr + sample * parts + part,
+                     checksum_part(new, tokens, cols, C, inside, multiplier, modulus))
+            error = tl.where(inside, new.to(tl.float32) - m - v, 0.0)  # (what torch computes: m_new − m_old − change)
+            norms = norms_ptr + sample * 3 * parts + part
+            tl.store(norms, tl.sum(tl.sum(x * x, axis=1), axis=0))
+            tl.store(norms + parts, tl.sum(tl.sum(v * v, axis=1), axis=0))
+            tl.store(norms + 2 * parts, tl.sum(tl.sum(error * error, axis=1), axis=0))
     shift = (tl.arange(0, 8) * BITS).to(tl.int64)
     word = tl.sum(tl.reshape(code.to(tl.int64), (BT, BC // 8, 8)) << shift[None, None, :], axis=2)
     groups = tl.program_id(1) * (BC // 8) + tl.arange(0, BC // 8)
@@ -74,8 +94,18 @@ def codes_kernel(x_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, T, C, W, offset,
 
 
 @triton.jit
-def decode_kernel(rows_ptr, table_ptr, out_ptr, T, C, W, BITS: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr):
+def checksum_part(new, tokens, cols, C, inside, multiplier, modulus):
+    """The tile's share of its sample's checksum sum: each 16-bit word (sign-extended) times its position's weight
+    1 + (position · multiplier) mod modulus, in int64 (exact: any order of the parts gives the same sum)."""
+    position = tokens[:, None].to(tl.int64) * C + cols[None, :]
+    weight = 1 + (position * multiplier) % modulus
+    word = new.to(tl.int16, bitcast=True).to(tl.int64)
+    return tl.sum(tl.sum(tl.where(inside, word * weight, 0), axis=1), axis=0)
+
+
+@triton.jit
+def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, m_new_ptr, sums_ptr, T, C, W, multiplier, modulus,
+                  BITS: tl.constexpr, HAS_M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     tiles_t = tl.cdiv(T, BT)
     sample = tl.program_id(0) // tiles_t
     tokens = (tl.program_id(0) % tiles_t) * BT + tl.arange(0, BT)
@@ -93,9 +123,17 @@ def decode_kernel(rows_ptr, table_ptr, out_ptr, T, C, W, BITS: tl.constexpr, BT:
     pair = (tl.load(first, mask=inside, other=0).to(tl.int32)
             | (tl.load(first + 1, mask=spans, other=0).to(tl.int32) << 8))
     code = (pair >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
-    level = tl.load(table_ptr + code)
+    values = tl.load(table_ptr + code) * scale[None, :]
     at = sample.to(tl.int64) * T * C + tokens[:, None].to(tl.int64) * C + cols[None, :]
-    tl.store(out_ptr + at, level * scale[None, :], mask=inside)
+    if HAS_M:  # AQ-SGD's receiver: the new m(ξ), the activation it stands for, the checksum's part
+        m = tl.load(m_ptr + at, mask=inside, other=0.0).to(tl.float32)
+        new = (m + values).to(m_new_ptr.dtype.element_ty)
+        tl.store(m_new_ptr + at, new, mask=inside)
+        values = new.to(tl.float32)
+        part = tl.program_id(0) % tiles_t * tl.num_programs(1) + tl.program_id(1)
+        tl.store(sums_ptr + sample * tiles_t * tl.num_programs(1) + part,
+                 checksum_part(new, tokens, cols, C, inside, multiplier, modulus))
+    tl.store(out_ptr + at, values, mask=inside)
 
 
 SCALE_T, SCALE_C = 32, 32  # the scales kernel's tile: tokens × channels (it walks every token of its channels)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from aqpipe.compress import fused
 from aqpipe.compress.cuda_graphs import forget, graphed
 from aqpipe.compress.link.codecs import (
     CODE_AQSGD,
@@ -80,7 +81,11 @@ class SampleMemory(Protocol):
 _serials = itertools.count()
 _MERSENNE_61 = (1 << 61) - 1
 _CHECKSUM_COLUMNS = 1 << 20
+_WORDS_16 = (torch.float16, torch.bfloat16)  # store dtypes whose values are one checksum word each
 _position_weights: dict[tuple[int, str], torch.Tensor] = {}
+
+
+CHECKSUM_WEIGHTS = (40503, 65521)  # word i of a value weighs 1 + (i · 40503) mod 65521 (the fused kernels too)
 
 
 def _weights(n: int, device: torch.device) -> torch.Tensor:
@@ -88,7 +93,8 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
     process's life: a codec's CUDA graph reads the table it was captured with; a run has a few lengths)."""
     key = (n, str(device))
     if key not in _position_weights:
-        _position_weights[key] = 1 + (torch.arange(n, dtype=torch.int64, device=device) * 40503) % 65521
+        multiplier, modulus = CHECKSUM_WEIGHTS
+        _position_weights[key] = 1 + (torch.arange(n, dtype=torch.int64, device=device) * multiplier) % modulus
     return _position_weights[key]
 
 
@@ -314,14 +320,20 @@ class AQSGDCodec(LinkCodec):
         return graphed((self._graphs, kind), fn, *tensors)
 
     def _delta_rows(self, x: torch.Tensor, m_old: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Known samples `x` against their m(ξ): the coded change, the new m(ξ) — updated from exactly the codes and
-        fp16 scales the receiver will unpack — whether each row can go as a delta, its checksum sums, and the
-        fidelity norms."""
-        change = x - m_old
-        coded, deq = self.delta.encode(change, values=True)
-        m_new = (m_old + present(deq)).to(self.view.dtype)
-        ok = self._sendable(self.delta.carried(change, coded), m_new)
-        return coded, m_new, ok, row_sums(m_new), _fidelity_norms(x, m_old, change, m_new)
+        """Known samples `x` against their m(ξ) (`m_old`, in the store's dtype): the coded change, the new m(ξ) —
+        updated from exactly the codes and fp16 scales the receiver will unpack — whether each row can go as a
+        delta, its checksum sums, and the fidelity norms."""
+        quant = self._fused_delta(m_old)
+        fast = quant and fused.delta_encode(x, m_old, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS)
+        if fast:  # the same bits in two kernels on a GPU
+            coded, m_new, sums, norms = fast
+        else:
+            m_old = m_old.float()
+            change = x - m_old
+            coded, deq = self.delta.encode(change, values=True)
+            m_new = (m_old + present(deq)).to(self.view.dtype)
+            sums, norms = row_sums(m_new), _fidelity_norms(x, m_old, change, m_new)
+        return coded, m_new, self._sendable(self.delta.carried(x, coded), m_new), sums, norms
 
     def _first_rows(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """First sights `values`: their coded rows, the m(ξ) they seed, whether each can go so, its checksum sums."""
@@ -332,12 +344,26 @@ class AQSGDCodec(LinkCodec):
 
     def _delta_values(self, rows: torch.Tensor, m_old: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The receiver's side of `_delta_rows`: the new m(ξ) from the coded rows, it in float32, its checksum sums."""
-        seeds = (m_old + self.delta.decode(rows, tuple(m_old.shape))).to(self.view.dtype)
+        quant = self._fused_delta(m_old)
+        fast = quant and fused.delta_decode(rows, m_old, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS)
+        if fast:
+            return fast
+        seeds = (m_old.float() + self.delta.decode(rows, tuple(m_old.shape))).to(self.view.dtype)
         return seeds, seeds.float(), row_sums(seeds)
 
+    def _fused_delta(self, m_old: torch.Tensor) -> QuantCoder | None:
+        """The delta coder, where its coding and m(ξ)'s update run as fused kernels (`aqpipe.compress.fused`): a
+        nearest-rounding `QuantCoder` on a batch they take, m(ξ) in a 16-bit dtype; else None."""
+        delta = self.delta
+        if type(delta) is not QuantCoder or delta.options.stochastic or m_old.dtype not in _WORDS_16:
+            return None
+        options = delta.options
+        return delta if fused.fusable(m_old.device, tuple(m_old.shape), delta.bits, options.per, options.grid) else None
+
     def _recall(self, ids: list[int], device: torch.device) -> torch.Tensor:
-        """m(ξ) of `ids`, stacked in float32 on `device` (from host RAM in one copy the host does not wait for)."""
-        return to_device(torch.stack(self.view.get(ids)), device).float()
+        """m(ξ) of `ids`, stacked on `device` in the store's dtype (from host RAM in one copy the host does not wait
+        for)."""
+        return to_device(torch.stack(self.view.get(ids)), device)
 
     def _sendable(self, carried: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
         """Per row, on the device: the coder carried the row without clipping (its fp16 scales below 65504, a cast
