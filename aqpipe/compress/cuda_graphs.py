@@ -183,7 +183,10 @@ def _end_failed(graph: Any, device: torch.device) -> None:
 def _stop_allocating_to(graph: Any, device: torch.device) -> None:
     """What torch's capture_end does after a successful end, done after a failed one: the caching allocator stops
     counting this capture as underway (else it would defer every stream-recorded free for the process's life).
-    Best effort: a private torch call, absent or refusing in some versions."""
+    Best effort: a private torch call, absent or refusing in some versions. Not enough on torch 2.11 (an H200 and an
+    H100 showed it): a capture broken off before its end also stays counted as active in the allocator, which no
+    Python call undoes (pytorch/pytorch#190308), so after one failed capture stream-recorded frees are held back —
+    one more reason graphs go off for the process at the first failure."""
     try:
         torch._C._cuda_endAllocateToPool(device.index if device.index is not None else torch.cuda.current_device(),
                                          graph.pool())
