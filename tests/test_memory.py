@@ -155,3 +155,15 @@ def test_a_copy_whose_wait_fails_is_waited_for_again():
     with pytest.raises(RuntimeError):
         store.get(0, "send", [0])
     assert torch.equal(store.get(0, "send", [0])[0], value) and copy.waits == 2
+
+
+def test_compact_all_copies_borrowed_rows_together_and_keeps_owned_values():
+    from aqpipe.storage.memory import compact_all
+
+    batch = torch.randn(3, 4, 8).half()
+    owned = torch.randn(4, 8).half()
+    kept = compact_all([*batch.unbind(0), owned])
+    assert kept[3] is owned
+    for row, value in zip(batch, kept[:3]):
+        assert torch.equal(row, value) and value.untyped_storage().nbytes() == value.numel() * 2
+        assert value.untyped_storage().data_ptr() != batch.untyped_storage().data_ptr()

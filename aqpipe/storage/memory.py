@@ -15,10 +15,25 @@ from aqpipe.storage.encoding import storable_rows
 
 def compact(value: torch.Tensor) -> torch.Tensor:
     """`value` if it owns exactly its own storage, else a contiguous copy that does."""
+    return value if _owns_its_storage(value) else value.clone(memory_format=torch.contiguous_format)
+
+
+def compact_all(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`compact` of each value, the copies made together (one kernel launch for a message's rows on a GPU, not one
+    copy call per row)."""
+    kept = list(values)
+    borrowed = [i for i, v in enumerate(kept) if not _owns_its_storage(v)]
+    if borrowed:
+        copies = [torch.empty_like(kept[i], memory_format=torch.contiguous_format) for i in borrowed]
+        torch._foreach_copy_(copies, [kept[i] for i in borrowed])
+        for i, copy in zip(borrowed, copies):
+            kept[i] = copy
+    return kept
+
+
+def _owns_its_storage(value: torch.Tensor) -> bool:
     whole = value.is_contiguous() and value.storage_offset() == 0
-    if whole and value.untyped_storage().nbytes() == value.numel() * value.element_size():
-        return value
-    return value.clone(memory_format=torch.contiguous_format)
+    return whole and value.untyped_storage().nbytes() == value.numel() * value.element_size()
 
 
 class MemoryStore:
@@ -67,8 +82,8 @@ class MemoryStore:
             self._values.update(zip(keys, rows))
             self._crossing = (keys, rows, ready)
             return
-        for i, v in zip(ids, on_device(values, self.device)):
-            self._values[(link, side, int(i))] = compact(v)
+        for i, v in zip(ids, compact_all(on_device(values, self.device))):
+            self._values[(link, side, int(i))] = v
 
     def _land(self) -> None:
         """Finish the last put's copy from the GPU: wait for it, then give each of its values (those not replaced or
