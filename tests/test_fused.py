@@ -32,7 +32,7 @@ if hasattr(interpreter, "_patch_lang_tensor"):
 
 def interpret(script: str) -> None:
     """Run `script` in a fresh Python with Triton's interpreter on (it is read when kernels are defined)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "AQPIPE_FUSED_KERNELS": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "AQPIPE_FUSED_KERNELS": "1", fused.DELTA_SWITCH: "1"}
     proc = subprocess.run([sys.executable, "-c", _INTERPRETER_PATCH + textwrap.dedent(script)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -121,6 +121,11 @@ def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
             assert {name: calls.count(name) for name in expected} == expected, calls
             torch_ops = run("0", dtype)
             assert len(calls) == 12
+            os.environ[kernels.DELTA_SWITCH] = "0"  # (the default: AQ-SGD's delta step through the torch ops)
+            calls.clear()
+            run("1", dtype)
+            assert sorted(set(calls)) == ["decode", "encode"], calls
+            os.environ[kernels.DELTA_SWITCH] = "1"
             assert len(fused) == len(torch_ops)
             for a, b in zip(fused, torch_ops):
                 assert torch.equal(a, b), dtype

@@ -483,6 +483,7 @@ def test_aqsgd_through_the_fused_kernels_in_graphs_keeps_the_bits_of_the_torch_o
     x = torch.randn(8, 64, 576, device=DEVICE)
     monkeypatch.setenv("AQPIPE_FUSED_KERNELS", "1")
     assert fused.encodable(x, 3, "channel", False, "signed")
+    monkeypatch.setenv(fused.DELTA_SWITCH, "1")
     fidelity = []
     for visit in range(6):
         ids = torch.arange(4) + 4 * (visit % 2)
@@ -491,6 +492,7 @@ def test_aqsgd_through_the_fused_kernels_in_graphs_keeps_the_bits_of_the_torch_o
         for switch, (sender, receiver, _, _, directq) in zip(("1", "0"), links):
             monkeypatch.setenv(cuda_graphs.SWITCH, switch)
             monkeypatch.setenv("AQPIPE_FUSED_KERNELS", switch)
+            monkeypatch.setenv(fused.DELTA_SWITCH, switch)
             encoded = sender.encode(x[ids].to(dtype), ids, compress=True)
             grads = directq.encode(x[ids] * 1e-3, ids)
             results.append((encoded.payload, receiver.decode(_header(encoded, sender), encoded.payload, ids),

@@ -1,22 +1,25 @@
 """Fused GPU kernels (Triton) for DirectQ's rows: per-channel b-bit quantization with the scales and the packed
 codes written straight into the row bytes (`directq.join_rows`' layout), and back — bit for bit what
-`quantize` + `encode_samples` and `decode_samples` give, in three kernel launches instead of about thirty.
+`quantize` + `encode_samples` and `decode_samples` give, in two kernel launches each way instead of about thirty.
 
-Why: on a GPU each torch op is a kernel launch, and at a message's size (SmolLM2's 4 × 128 × 576 activations,
-1.2 MB) the launches, not the arithmetic, set the codec's time; CUDA graphs (`cuda_graphs`) cut the launch cost but
-not the thirty passes over memory. Three kernels:
+Why: on a GPU each torch op is a kernel launch and a pass over memory; CUDA graphs (`cuda_graphs`) cut the launch
+cost but not the passes. The kernels (`fused_kernels`):
 
-- `_scales_kernel`: each (sample, channel)'s extremes over the tokens, its scale on the grid, rounded up to fp16
+- `scales_kernel`: each (sample, channel)'s extremes over the tokens, its scale on the grid, rounded up to fp16
   exactly as `quantize.fp16_scales` does, written as the row's first 2·C bytes (and as fp32 for the next kernel);
-- `_codes_kernel`: each value's code — ``rint(clamp(x / s · steps + offset, 0, top))`` with an IEEE division and no
+- `codes_kernel`: each value's code — ``rint(clamp(x / s · steps + offset, 0, top))`` with an IEEE division and no
   fused multiply-add, so the same float operations as torch's — packed 8 codes into b bytes (bit b·i of the row's
-  little-endian stream holds code i's low bit), and, asked, the dequantized values (level · scale, AQ-SGD's m(ξ));
-- `_decode_kernel`: unpack and dequantize: level(code) · scale, one table lookup and one multiply, as everywhere.
+  little-endian stream holds code i's low bit), and, asked, the dequantized values (level · scale);
+- `decode_kernel`: unpack and dequantize: level(code) · scale, one table lookup and one multiply, as everywhere.
 
-They apply where `encodable` and `fusable` say (a CUDA tensor of ≥ 3 dims whose channel count is a multiple of 8, per-channel
-scales, nearest rounding, 2–8 bits, a grid whose scale needs no division: signed, symmetric, uniform) and Triton
-imports; elsewhere the torch ops run. `AQPIPE_FUSED_KERNELS=0` turns them off. Under ``TRITON_INTERPRET=1`` the
-kernels run on CPU tensors (numpy's IEEE float32), which is how CPU-only CI checks their bits against torch's.
+With an m(ξ) (`delta_encode`, `delta_decode`) the same kernels do AQ-SGD's delta step: they code x − m(ξ), write the
+new m(ξ) in its 16-bit dtype, each tile's share of the checksum sums (exact int64) and of the fidelity norms.
+
+DirectQ's kernels apply where `encodable` and `fusable` say (a CUDA tensor of ≥ 3 dims whose channel count is a
+multiple of 8, per-channel scales, nearest rounding, 2–8 bits, a grid whose scale needs no division: signed,
+symmetric, uniform) and Triton imports; AQ-SGD's only when asked (`delta_fusable`); elsewhere the torch ops run.
+`AQPIPE_FUSED_KERNELS=0` turns them all off. Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (numpy's
+IEEE float32), which is how CPU-only CI checks their bits against torch's.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from aqpipe.compress.quantize import FP16_MAX, _levels, _offset_steps
 
 GROUP = 8  # codes per packed group: 8 codes of b bits fill exactly b bytes
 _SCALE_KINDS = {"signed": 0, "symmetric": 1, "uniform": 1}  # 0: the long side where |x| is largest; 1: max |x|
+DELTA_SWITCH = "AQPIPE_FUSED_AQSGD"  # "1": AQ-SGD's delta step fused too (`delta_fusable`)
 log = logging.getLogger(__name__)
 _failed: list[str] = []  # why the kernels failed to compile or launch in this process (then the torch ops run)
 
@@ -48,6 +52,14 @@ def fusable(device: torch.device, shape: tuple[int, ...], bits: int, per: str, g
     if not (device.type == "cuda" or interpreted()) or len(shape) < 3 or shape[-1] % GROUP or 0 in shape:
         return False
     return per == "channel" and 2 <= bits <= 8 and grid in _SCALE_KINDS and _kernels() is not None
+
+
+def delta_fusable(device: torch.device, shape: tuple[int, ...], bits: int, per: str, grid: str) -> bool:
+    """Whether AQ-SGD's delta step runs as fused kernels (`delta_encode`, `delta_decode`): where `fusable` says, and
+    only when asked (AQPIPE_FUSED_AQSGD=1). Off by default, by measurement: on one H100 it doubled AQ-SGD's codec
+    speed at GPT2-XL's 4 × 512 × 1600 but was 20% slower per message at SmolLM2's 4 × 128 × 576, and the
+    4-rank throughput run with it (3.6× fp32) did not show it no worse than without (4.3×, another H100)."""
+    return os.environ.get(DELTA_SWITCH, "0") == "1" and fusable(device, shape, bits, per, grid)
 
 
 def encodable(x: torch.Tensor, bits: int, per: str, stochastic: bool, grid: str) -> bool:

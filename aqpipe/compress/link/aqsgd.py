@@ -352,13 +352,15 @@ class AQSGDCodec(LinkCodec):
         return seeds, seeds.float(), row_sums(seeds)
 
     def _fused_delta(self, m_old: torch.Tensor) -> QuantCoder | None:
-        """The delta coder, where its coding and m(ξ)'s update run as fused kernels (`aqpipe.compress.fused`): a
-        nearest-rounding `QuantCoder` on a batch they take, m(ξ) in a 16-bit dtype; else None."""
+        """The delta coder, where its coding and m(ξ)'s update run as fused kernels (`aqpipe.compress.fused`, when
+        asked: `fused.delta_fusable`): a nearest-rounding `QuantCoder` on a batch they take, m(ξ) in a 16-bit dtype;
+        else None."""
         delta = self.delta
         if type(delta) is not QuantCoder or delta.options.stochastic or m_old.dtype not in _WORDS_16:
             return None
         options = delta.options
-        return delta if fused.fusable(m_old.device, tuple(m_old.shape), delta.bits, options.per, options.grid) else None
+        fusable = fused.delta_fusable(m_old.device, tuple(m_old.shape), delta.bits, options.per, options.grid)
+        return delta if fusable else None
 
     def _recall(self, ids: list[int], device: torch.device) -> torch.Tensor:
         """m(ξ) of `ids`, stacked on `device` in the store's dtype (from host RAM in one copy the host does not wait
