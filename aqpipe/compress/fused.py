@@ -54,12 +54,18 @@ def fusable(device: torch.device, shape: tuple[int, ...], bits: int, per: str, g
     return per == "channel" and 2 <= bits <= 8 and grid in _SCALE_KINDS and _kernels() is not None
 
 
-def delta_fusable(device: torch.device, shape: tuple[int, ...], bits: int, per: str, grid: str) -> bool:
+def delta_fusable(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype, bits: int, per: str,
+                  grid: str) -> bool:
     """Whether AQ-SGD's delta step runs as fused kernels (`delta_encode`, `delta_decode`): where `fusable` says, and
     only when asked (AQPIPE_FUSED_AQSGD=1). Off by default, by measurement: on one H100 it doubled AQ-SGD's codec
     speed at GPT2-XL's 4 × 512 × 1600 but was 20% slower per message at SmolLM2's 4 × 128 × 576, and the
-    4-rank throughput run with it (3.6× fp32) did not show it no worse than without (4.3×, another H100)."""
-    return os.environ.get(DELTA_SWITCH, "0") == "1" and fusable(device, shape, bits, per, grid)
+    4-rank throughput run with it (3.6× fp32) did not show it no worse than without (4.3×, another H100). m(ξ) must
+    be fp16 or bf16 (one checksum word a value)."""
+    if os.environ.get(DELTA_SWITCH, "0") != "1" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if interpreted() and dtype == torch.bfloat16:  # (the interpreter truncates to bfloat16 where a GPU rounds)
+        return False
+    return fusable(device, shape, bits, per, grid)
 
 
 def encodable(x: torch.Tensor, bits: int, per: str, stochastic: bool, grid: str) -> bool:

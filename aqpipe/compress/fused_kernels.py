@@ -15,6 +15,7 @@ def scales_kernel(x_ptr, m_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.constexpr, FP
     in_c = cols < C
     high = tl.full([BT, BC], float("-inf"), tl.float32)
     low = tl.full([BT, BC], float("inf"), tl.float32)
+    nan = tl.zeros([BT, BC], tl.int32)  # (a GPU's max and min skip a NaN; torch's propagate it: counted apart)
     base = sample.to(tl.int64) * T * C
     for t0 in range(0, T, BT):
         tokens = t0 + tl.arange(0, BT)
@@ -23,17 +24,21 @@ def scales_kernel(x_ptr, m_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.constexpr, FP
         v = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
         if HAS_M:  # AQ-SGD: the change since m(ξ)
             v = v - tl.load(m_ptr + at, mask=inside, other=0.0).to(tl.float32)
+        nan = tl.maximum(nan, (v != v).to(tl.int32))
+        v = tl.where(v != v, 0.0, v)
         high = tl.maximum(high, tl.where(inside, v, float("-inf")))
         low = tl.minimum(low, tl.where(inside, v, float("inf")))
     hi = tl.max(high, axis=0)
     lo = tl.min(low, axis=0)
-    positive = tl.maximum(hi, 0.0)
-    negative = tl.maximum(-lo, 0.0)
+    hi = tl.where(tl.max(nan, axis=0) > 0, float("nan"), hi)  # a NaN makes the scale NaN, as torch's aminmax does
+    lo = tl.where(tl.max(nan, axis=0) > 0, float("nan"), lo)
+    positive = tl.where(hi < 0.0, 0.0, hi)  # clamp(min=0) that keeps a NaN, as torch's clamp does
+    negative = tl.where(-lo < 0.0, 0.0, -lo)
     if KIND == 0:  # signed: the long side (−1 …) where the largest magnitude lies, so it is exact
         scale = tl.where(positive > negative, -positive, negative)
     else:
-        scale = tl.maximum(positive, negative)
-    magnitude = tl.minimum(tl.abs(scale), FP16_MAX)
+        scale = tl.where(positive > negative, positive, negative)  # (NaN stays NaN, as in torch's amax)
+    magnitude = tl.where(tl.abs(scale) > FP16_MAX, FP16_MAX, tl.abs(scale))  # (keeps a NaN)
     half = magnitude.to(tl.float16)
     bits16 = half.to(tl.int16, bitcast=True) + (half.to(tl.float32) < magnitude).to(tl.int16)  # round up
     half = bits16.to(tl.float16, bitcast=True)
@@ -63,7 +68,9 @@ def codes_kernel(x_ptr, m_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, m_new_ptr
     scale = tl.load(s_ptr + sample * C + cols, mask=cols < C, other=1.0)
     s = tl.where(scale == 0.0, 1.0, scale)[None, :]
     u = tl.div_rn(v, s) * steps + offset
-    u = tl.minimum(tl.maximum(u, 0.0), top)
+    # clamped to the codes (a NaN — of a NaN value or a NaN scale — to code 0: torch leaves that code undefined, and
+    # the scale the receiver multiplies by is NaN anyway)
+    u = tl.where(u != u, 0.0, tl.minimum(tl.maximum(u, 0.0), top))
     # round half to even, exact for 0 ≤ u < 2^22: adding 1.5·2^23 leaves no fraction bits
     u = (u + 12582912.0) - 12582912.0
     code = u.to(tl.int32)

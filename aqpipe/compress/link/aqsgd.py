@@ -81,7 +81,6 @@ class SampleMemory(Protocol):
 _serials = itertools.count()
 _MERSENNE_61 = (1 << 61) - 1
 _CHECKSUM_COLUMNS = 1 << 20
-_WORDS_16 = (torch.float16, torch.bfloat16)  # store dtypes whose values are one checksum word each
 _position_weights: dict[tuple[int, str], torch.Tensor] = {}
 
 
@@ -356,10 +355,11 @@ class AQSGDCodec(LinkCodec):
         asked: `fused.delta_fusable`): a nearest-rounding `QuantCoder` on a batch they take, m(ξ) in a 16-bit dtype;
         else None."""
         delta = self.delta
-        if type(delta) is not QuantCoder or delta.options.stochastic or m_old.dtype not in _WORDS_16:
+        if type(delta) is not QuantCoder or delta.options.stochastic:
             return None
         options = delta.options
-        fusable = fused.delta_fusable(m_old.device, tuple(m_old.shape), delta.bits, options.per, options.grid)
+        fusable = fused.delta_fusable(m_old.device, tuple(m_old.shape), m_old.dtype, delta.bits, options.per,
+                                      options.grid)
         return delta if fusable else None
 
     def _recall(self, ids: list[int], device: torch.device) -> torch.Tensor:
