@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-from aqpipe.launch.forkserver import native_threads
+from aqpipe.launch.fork_safety import native_threads
 
 
 def describe() -> int:

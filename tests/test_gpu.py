@@ -197,7 +197,7 @@ def test_the_fork_servers_driver_probe_sees_cuinit_and_nothing_before():
     """`import torch` (a CUDA build) maps libcuda.so; the probe must call that uninitialised, and initialised once
     torch has initialised CUDA."""
     code = ("import torch\n"
-            "from aqpipe.launch.forkserver import cuda_driver_initialised\n"
+            "from aqpipe.launch.fork_safety import cuda_driver_initialised\n"
             "before = cuda_driver_initialised()\n"
             "torch.cuda.init()\n"
             "print(before, cuda_driver_initialised())\n")
@@ -296,7 +296,8 @@ def test_the_fork_servers_imports_start_no_thread_on_a_gpu_machine():
     from aqpipe.launch.worker_entry import rank_imports
 
     modules = sorted(set(rank_imports(model="gpt2-tiny")) | set(rank_imports(model="llama-tiny", lora=True)))
-    probe = ("from aqpipe.launch.forkserver import SERVER_ENV, _preload, fork_safe, other_threads\n"
+    probe = ("from aqpipe.launch.fork_safety import fork_safe, other_threads\n"
+             "from aqpipe.launch.forkserver import SERVER_ENV, _preload\n"
              "import os\n"
              "os.environ.update(SERVER_ENV)\n"
              f"for module in {modules!r}:\n"

@@ -49,7 +49,8 @@ def _zygote(sock: socket.socket, parent: int) -> None:
 
     die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the terminal is pytest's
-    from aqpipe.launch.forkserver import _preload, _report_exits, native_threads
+    from aqpipe.launch.fork_safety import native_threads
+    from aqpipe.launch.forkserver import _preload, _report_exits
     from aqpipe.launch.worker_entry import rank_imports
 
     modules = list(PRELOAD)
