@@ -10,12 +10,14 @@
 #                (AQPIPE_CUDA_SYNC_AUDIT=1): synchronizing calls per step and where
 #   gpu-tests    python -m pytest -m gpu tests/test_gpu.py
 #   codec-speed  benchmarks/codec_speed.py on the GPU, at GPT2-XL's activation shape and at SmolLM2-135M's (there
-#                also at a GPU run's 8 × 1024 tokens, and with the fused kernels, then the CUDA graphs too, off)
+#                also at a GPU run's 8 × 1024 tokens, AQ-SGD's step fused, and the fused kernels, then the CUDA
+#                graphs too, off)
 #   throughput   benchmarks/throughput.py: 4 ranks on the one GPU behind 100 Mbit/s tc links, fp32 vs aqsgd fw3 bw6
 #   throughput-mps  the same under NVIDIA MPS (started and stopped here), where nvidia-cuda-mps-control exists
 # About 5 minutes on an H200 (codec speed, then the GPU tests beside the sync audit, then the two throughput runs;
 # each part stops at its own limit: 8.7 minutes in all at most). AQPIPE_BENCH_DATA names the WikiText-2 file the
-# throughput parts train on; AQPIPE_GPU_CHECK_PARTS picks a subset.
+# throughput parts train on; AQPIPE_GPU_CHECK_PARTS picks a subset. The switches of the codecs' GPU paths pass through
+# to every part: AQPIPE_FUSED_AQSGD=1 bash benchmarks/gpu_check.sh measures AQ-SGD's fused delta step throughout.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu_check}
@@ -98,6 +100,9 @@ part codec-speed 120 bash -c "echo '### at GPT2-XL shape 4,512,1600 MB/s'; \
   echo '### at SmolLM2-135M shape 8,1024,576 (a GPU run micro-batch) MB/s' && \
   python benchmarks/codec_speed.py --device cuda --shape 8,1024,576 --only-codecs --codecs directq:3,directq:4,rtq:4 \
     --out '$out/codec_speed_cuda_smollm2_8x1024' && \
+  echo '### at SmolLM2-135M shape 4,128,576, AQ-SGD step fused too (AQPIPE_FUSED_AQSGD=1) MB/s' && \
+  AQPIPE_FUSED_AQSGD=1 python benchmarks/codec_speed.py --device cuda --shape 4,128,576 --only-codecs --codecs '' \
+    --out '$out/codec_speed_cuda_smollm2_fused_aqsgd' && \
   echo '### at SmolLM2-135M shape 4,128,576, fused kernels off (AQPIPE_FUSED_KERNELS=0) MB/s' && \
   AQPIPE_FUSED_KERNELS=0 python benchmarks/codec_speed.py --device cuda --shape 4,128,576 --only-codecs \
     --codecs directq:4 --out '$out/codec_speed_cuda_smollm2_no_fused' && \
