@@ -16,7 +16,9 @@
 #   throughput-mps  the same under NVIDIA MPS (started and stopped here), where nvidia-cuda-mps-control exists
 # About 5 minutes on an H200 (codec speed, then the GPU tests beside the sync audit, then the two throughput runs;
 # each part stops at its own limit: 8.7 minutes in all at most). AQPIPE_BENCH_DATA names the WikiText-2 file the
-# throughput parts train on; AQPIPE_GPU_CHECK_PARTS picks a subset. The switches of the codecs' GPU paths pass through
+# throughput parts train on; AQPIPE_GPU_CHECK_PARTS picks a subset; AQPIPE_COMMIT names the commit the results
+# files record, where the tree is a copy whose git is not the checkout's (on the lent GPU machines git reported
+# the session's first commit whatever tree it ran). The switches of the codecs' GPU paths pass through
 # to every part: AQPIPE_FUSED_AQSGD=1 bash benchmarks/gpu_check.sh measures AQ-SGD's fused delta step throughout.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -64,7 +66,7 @@ sync_audit() {  # two short runs with every rank audited; their rank logs hold t
 }
 
 {
-  echo "# GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "# GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit ${AQPIPE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   echo
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/- GPU: /'
   python -c 'import sys, torch, transformers; print(f"- python {sys.version.split()[0]}, torch {torch.__version__}, '\
