@@ -10,6 +10,9 @@ from aqpipe.compress.fused import interpreted
 @triton.jit
 def scales_kernel(x_ptr, m_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.constexpr, FP16_MAX: tl.constexpr,
                   HAS_M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """One program per (sample, BC channels): the channels' extremes over all T tokens (of x − m with HAS_M), their
+    scale on the grid (KIND 0: signed, 1: max |x|) rounded up to fp16, written into the row's first 2·C bytes and, as
+    fp32, into `s_ptr` [B, C] for `codes_kernel`."""
     sample = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     in_c = cols < C
@@ -54,6 +57,8 @@ def scales_kernel(x_ptr, m_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.constexpr, FP
 def codes_kernel(x_ptr, m_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, m_new_ptr, sums_ptr, norms_ptr, T, C, W,
                  offset, steps, top, multiplier, modulus, BITS: tl.constexpr, VALUES: tl.constexpr,
                  HAS_M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """One program per (sample, BT tokens, BC channels): each value's code, packed into the row after its scales;
+    with VALUES the dequantized values; with HAS_M AQ-SGD's new m(ξ) and the tile's checksum and norm parts."""
     tiles_t = tl.cdiv(T, BT)
     sample = tl.program_id(0) // tiles_t
     tokens = (tl.program_id(0) % tiles_t) * BT + tl.arange(0, BT)
@@ -113,6 +118,8 @@ def checksum_part(new, tokens, cols, C, inside, multiplier, modulus):
 @triton.jit
 def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, m_new_ptr, sums_ptr, T, C, W, multiplier, modulus,
                   BITS: tl.constexpr, HAS_M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """One program per (sample, BT tokens, BC channels): unpack the codes, level(code) · scale; with HAS_M the new
+    m(ξ) = m + that, in m's dtype, its float32 value as the output and the tile's checksum part."""
     tiles_t = tl.cdiv(T, BT)
     sample = tl.program_id(0) // tiles_t
     tokens = (tl.program_id(0) % tiles_t) * BT + tl.arange(0, BT)
