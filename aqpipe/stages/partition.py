@@ -58,7 +58,8 @@ def explicit_bounds(layers_per_stage: Sequence[int], total_layers: int) -> list[
 def profile_layer_times(
     spec: PipelineSpec, example_input: torch.Tensor, example_target: torch.Tensor, repeats: int = 3, seed: int = 0
 ) -> list[float]:
-    """Median forward+backward seconds of each layer on a real micro-batch, building one layer at a time."""
+    """Forward+backward seconds of each layer on a real micro-batch, building one layer at a time: the fastest of
+    `repeats` runs after a warm-up (a run the process was descheduled in only ever takes longer)."""
     times = []
     x = example_input
     for i in range(len(spec)):
@@ -74,7 +75,7 @@ def profile_layer_times(
             elif out.is_floating_point():
                 out.backward(torch.ones_like(out))
             samples.append(time.perf_counter() - start)
-        times.append(sorted(samples[1:])[len(samples[1:]) // 2])
+        times.append(min(samples[1:]))
         with torch.no_grad():
             x = layer(x.detach())
         del layer
