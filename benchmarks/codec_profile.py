@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -20,8 +21,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from aqpipe.compress.link.codecs import QuantOptions, build_codec
-from aqpipe.pipeline.transport import Header
 from aqpipe.storage import MemoryStore, StoreView
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.codec_speed import time_pair  # noqa: E402
 
 HOST_CALLS = ("cudaMemcpyAsync", "cudaLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx", "cuLaunchKernel",
               "cudaStreamSynchronize", "cudaEventSynchronize")
@@ -43,17 +47,9 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
     sender, receiver = link(spec, device, store_device)
     x = torch.randn(shape, device=device)
     ids = torch.arange(shape[0])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def pair() -> tuple[float, float]:
-        sync()
-        start = time.perf_counter()
-        encoded = sender.encode(x, ids, compress=True)
-        sync()
-        middle = time.perf_counter()
-        receiver.decode(Header.for_encoded(encoded, sender.code), encoded.payload, ids)
-        sync()
-        return middle - start, time.perf_counter() - middle
+        return time_pair(sender, receiver, x, ids, device)
 
     for _ in range(5):  # the first seeds m(ξ); then the delta path warms up and (on a GPU) captures its graphs
         pair()

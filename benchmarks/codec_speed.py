@@ -53,24 +53,27 @@ def measure_stream(fn, calls: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def time_pair(sender, receiver, x: torch.Tensor, ids: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """Seconds of one AQ-SGD encode and of the decode of what it sent (the GPU synchronized around each)."""
+    from aqpipe.pipeline.transport import Header
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    encoded = sender.encode(x, ids, compress=True)
+    sync()
+    middle = time.perf_counter()
+    receiver.decode(Header.for_encoded(encoded, sender.code), encoded.payload, ids)
+    sync()
+    return middle - start, time.perf_counter() - middle
+
+
 def measure_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, repeats: int,
                   device: torch.device) -> tuple[float, float]:
     """Median seconds of AQ-SGD's encode and of its decode, timed message by message: every message the sender
     encodes is decoded once, in order, so the two copies of m(ξ) move together (decoding one message twice would
     apply its delta twice, and the checksum would say so). The first three pairs are not timed."""
-    from aqpipe.pipeline.transport import Header
-
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: list[tuple[float, float]] = []
-    for _ in range(repeats + 3):
-        sync()
-        start = time.perf_counter()
-        encoded = sender.encode(x, ids, compress=True)
-        sync()
-        middle = time.perf_counter()
-        receiver.decode(Header.for_encoded(encoded, sender.code), encoded.payload, ids)
-        sync()
-        times.append((middle - start, time.perf_counter() - middle))
+    times = [time_pair(sender, receiver, x, ids, device) for _ in range(repeats + 3)]
     timed = times[3:]  # the first seeds m(ξ), the second warms the delta path, the third captures its CUDA graphs
     return statistics.median(t for t, _ in timed), statistics.median(t for _, t in timed)
 

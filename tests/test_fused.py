@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from aqpipe.compress import fused
 
+ROOT = Path(__file__).resolve().parent.parent  # (the scripts import tests.fused_cases)
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Triton is not installed (.ci/run installs triton==3.6.0 for these tests)")
 
@@ -33,7 +35,7 @@ if hasattr(interpreter, "_patch_lang_tensor"):
 def interpret(script: str) -> None:
     """Run `script` in a fresh Python with Triton's interpreter on (it is read when kernels are defined)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "AQPIPE_FUSED_KERNELS": "1", fused.DELTA_SWITCH: "1"}
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_PATCH + textwrap.dedent(script)], env=env,
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_PATCH + textwrap.dedent(script)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().endswith("checked"), proc.stdout[-2000:]
@@ -48,17 +50,13 @@ def test_the_kernels_write_the_bytes_and_values_of_the_torch_ops():
         from aqpipe.compress import fused
         from aqpipe.compress.link.directq import decode_samples, encode_samples
         from aqpipe.compress.quantize import dequantize, quantize
+        from tests.fused_cases import edge_case_batch
 
         torch.manual_seed(0)
         for shape in [(2, 5, 16), (3, 37, 24), (2, 4, 3, 8), (1, 17, 72)]:
             for bits in range(2, 9):
                 for grid in ("signed", "symmetric", "uniform"):
-                    x = torch.randn(shape) * 3
-                    v = x.view(shape[0], -1, shape[-1])
-                    v[-1, :, 1] = 0.0
-                    v[0, :, 2] = -0.0
-                    v[0, 1, 3] = 1e6
-                    v[-1, :, 4] *= 1e-9
+                    x = edge_case_batch(shape)
                     assert fused.encodable(x, bits, "channel", False, grid)
                     q = quantize(x, bits, "channel", False, None, grid)
                     rows, values = fused.encode(x, bits, grid, values=True)

@@ -452,16 +452,12 @@ def test_the_fused_kernels_write_the_bits_of_the_torch_ops_on_the_gpu(bits):
     from aqpipe.compress import fused
     from aqpipe.compress.link.directq import decode_samples, encode_samples
     from aqpipe.compress.quantize import dequantize, quantize
+    from tests.fused_cases import edge_case_batch
 
     torch.manual_seed(bits)
     for shape in [(4, 128, 576), (8, 1024, 576), (4, 512, 1600), (3, 17, 40), (2, 3, 5, 16), (1, 1, 8)]:
         for grid in ("signed", "symmetric", "uniform"):
-            x = torch.randn(shape, device=DEVICE) * 3
-            v = x.view(shape[0], -1, shape[-1])
-            v[-1, :, 1] = 0.0
-            v[0, :, 2] = -0.0
-            v[0, 0, 3] = 1e6
-            v[-1, :, 4] *= 1e-9
+            x = edge_case_batch(shape, DEVICE)
             assert fused.encodable(x, bits, "channel", False, grid)
             q = quantize(x, bits, "channel", False, None, grid)
             rows, values = fused.encode(x, bits, grid, values=True)
