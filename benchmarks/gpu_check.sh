@@ -8,7 +8,7 @@
 #   sync-audit   gpt2-tiny fp32 (m(ξ) in host RAM) and llama-tiny bf16 (m(ξ) on the GPU), 4 ranks on the GPU,
 #                aqsgd:3 / directq:6, every step from the third under torch.cuda.set_sync_debug_mode
 #                (AQPIPE_CUDA_SYNC_AUDIT=1): synchronizing calls per step and where
-#   gpu-tests    python -m pytest -m gpu tests/test_gpu.py
+#   gpu-tests    python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py
 #   codec-speed  benchmarks/codec_speed.py on the GPU, at GPT2-XL's activation shape and at SmolLM2-135M's (there
 #                also at a GPU run's 8 × 1024 tokens, AQ-SGD's step fused, and the fused kernels, then the CUDA
 #                graphs too, off), then benchmarks/codec_profile.py: an AQ-SGD message's host calls and device time
@@ -113,7 +113,7 @@ part codec-speed 120 bash -c "echo '### at GPT2-XL shape 4,512,1600 MB/s'; \
     --codecs directq:4,rtq:4 --out '$out/codec_speed_cuda_smollm2_no_graphs' && \
   echo '### where an aqsgd:3 message goes, m(xi) in GPU memory (benchmarks/codec_profile.py)' && \
   python benchmarks/codec_profile.py --device cuda --pairs 11 --out '$out/codec_profile_cuda'"
-part gpu-tests 210 python -m pytest -m gpu tests/test_gpu.py -n 12 -p no:cacheprovider -v --timeout 150 -rfE &
+part gpu-tests 210 python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py -n 12 -p no:cacheprovider -v --timeout 150 -rfE &
 tests=$!
 part sync-audit 90 bash -c sync_audit
 wait "$tests"

@@ -1,5 +1,5 @@
-"""The batches the fused-kernel tests code (tests/test_fused.py under Triton's interpreter, tests/test_gpu.py on a
-GPU): random values with the edge cases a scale meets."""
+"""The batches the fused-kernel tests code (tests/test_fused.py under Triton's interpreter, tests/test_gpu_codecs.py
+on a GPU): random values with the edge cases a scale meets."""
 
 import torch
 

@@ -1,6 +1,6 @@
 """The fused quantization kernels (aqpipe.compress.fused): where they apply, and — under Triton's interpreter, on
 CPU tensors with numpy's IEEE float32 — that they write the bytes and values of the torch ops they replace.
-tests/test_gpu.py checks the same bits on a GPU."""
+tests/test_gpu_codecs.py checks the same bits on a GPU."""
 
 import importlib.util
 import os
@@ -133,7 +133,7 @@ def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
                 return _f(*args, **kw)
             setattr(kernels, name, counted)
         # (m(ξ) in fp16: the interpreter casts float32 to bfloat16 by truncating, where a GPU rounds to nearest
-        # even as torch does; tests/test_gpu.py checks a bfloat16 store on the GPU)
+        # even as torch does; tests/test_gpu_codecs.py checks a bfloat16 store on the GPU)
         for dtype in (torch.float16,):
             calls.clear()
             fused = run("1", dtype)

@@ -1,0 +1,249 @@
+"""The codecs' GPU paths (`pytest -m gpu`): their kernels replayed from CUDA graphs and the fused Triton kernels,
+each against the torch ops op by op, bit for bit, and a capture that fails. They skip where CUDA is absent, as
+tests/test_gpu.py's checks do (whose device switch, marks and header helper they share)."""
+
+import functools
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from aqpipe.compress.link.codecs import QuantOptions, build_codec
+from aqpipe.storage import MemoryStore, StoreView
+from tests.test_gpu import DEVICE, _header, needs_cuda, pytestmark  # noqa: F401 - pytestmark marks these tests too
+
+
+def _has_triton() -> bool:
+    from aqpipe.compress import fused
+
+    return fused._kernels() is not None
+
+
+needs_triton = pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.is_available() and not _has_triton(),
+                                  reason="the fused codec kernels need Triton (a CUDA build of torch brings it)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec,direction,per,grid", [("directq:4", "fw", "channel", "signed"),
+                                                     ("directq:3", "bw", "token", "fit"),
+                                                     ("directq:1", "fw", "channel", "signed"),
+                                                     ("directq:8", "bw", "channel", "symmetric"),
+                                                     ("rtq:4", "fw", "channel", "signed"),
+                                                     ("rtq:3", "bw", "channel", "signed"),
+                                                     ("rtqo:4", "fw", "channel", "signed")])
+def test_a_codecs_cuda_graph_replays_the_bits_of_its_ops(monkeypatch, spec, direction, per, grid):
+    """A stateless codec's encode and decode replayed from CUDA graphs (from the third call of a shape) give the
+    bytes and values the same calls give op by op (AQPIPE_CUDA_GRAPHS=0), call after call."""
+    from aqpipe.compress import cuda_graphs
+
+    options = QuantOptions(per=per, grid=grid)
+    codec = build_codec(spec, direction, options=options, device=DEVICE)
+    ids = torch.arange(4)
+    cuda_graphs.clear()
+    before = cuda_graphs.captured()
+    for call in range(5):
+        x = torch.randn(4, 24, 40, device=DEVICE) * (call + 1)
+        monkeypatch.setenv(cuda_graphs.SWITCH, "1")
+        replayed = codec.encode(x, ids)
+        decoded = codec.decode(_header(replayed, codec), replayed.payload, ids)
+        monkeypatch.setenv(cuda_graphs.SWITCH, "0")
+        op_by_op = codec.encode(x, ids)
+        assert torch.equal(replayed.payload, op_by_op.payload), call
+        assert torch.equal(decoded, codec.decode(_header(op_by_op, codec), op_by_op.payload, ids)), call
+    assert cuda_graphs.captured() >= before + 2  # its encode and its decode
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec,first_sight,dtype", [("aqsgd:3", "fp32", torch.float32),
+                                                    ("aqsgd:4", "rtq:4", torch.float32),
+                                                    ("aqsgd-rtq:3", "directq:6", torch.bfloat16),
+                                                    ("aqsgd:3", "rtqo:4", torch.float32)])
+def test_aqsgd_replayed_from_cuda_graphs_sends_and_keeps_the_bits_of_its_ops(monkeypatch, spec, first_sight, dtype):
+    """Two AQ-SGD links fed the same activations, one replaying its kernels from CUDA graphs and one op by op: every
+    message's bytes, every decoded activation and every m(ξ) agree bit for bit, first sights (three batches of new
+    samples: the third replays) and deltas alike."""
+    from aqpipe.compress import cuda_graphs
+
+    cuda_graphs.clear()
+    options = QuantOptions()
+    links = []
+    for _ in range(2):
+        send, recv = MemoryStore(torch.float16, DEVICE), MemoryStore(torch.float16, DEVICE)
+        links.append((build_codec(spec, "fw", StoreView(send, 0, "send"), options, device=DEVICE,
+                                  first_sight=first_sight),
+                      build_codec(spec, "fw", StoreView(recv, 0, "recv"), options, device=DEVICE,
+                                  first_sight=first_sight), send, recv))
+    x = torch.randn(12, 16, 32, device=DEVICE)
+    for visit in range(7):
+        ids = torch.tensor([[3, 1, 4, 5], [0, 2, 6, 7], [8, 9, 10, 11]][visit % 3])
+        rows = slice(4 * (visit % 3), 4 * (visit % 3) + 4)
+        x[rows] += 0.1 * torch.randn_like(x[rows])
+        results = []
+        for switch, (sender, receiver, _, _) in zip(("1", "0"), links):
+            monkeypatch.setenv(cuda_graphs.SWITCH, switch)
+            encoded = sender.encode(x[rows].to(dtype), ids, compress=True)
+            results.append((encoded, receiver.decode(_header(encoded, sender), encoded.payload, ids)))
+        (graphed, graphed_out), (op_by_op, op_by_op_out) = results
+        assert torch.equal(graphed.payload, op_by_op.payload), visit
+        assert torch.equal(graphed_out, op_by_op_out), visit
+    for i in range(12):
+        values = [store.get(0, side, [i])[0] for _, _, send, recv in links for store, side in ((send, "send"),
+                                                                                           (recv, "recv"))]
+        assert all(torch.equal(values[0], v) for v in values[1:])
+    kinds = {signature[0][1] for signature in cuda_graphs._cache.graphs if isinstance(signature[0][0], str)
+             and signature[0][0].startswith("aqsgd")}
+    assert {"delta-encode", "delta-decode"} <= kinds and (first_sight == "fp32" or "first-encode" in kinds)
+
+
+_FAILED_CAPTURE = """
+import logging, torch
+from aqpipe.compress.cuda_graphs import captured, graphed
+
+def waits(x):
+    return (x * float(x.sum()),)  # float() reads the GPU: not allowed inside a capture
+
+warnings = []
+handler = logging.Handler()
+handler.emit = lambda record: warnings.append(record.getMessage())
+logging.getLogger("aqpipe.compress.cuda_graphs").addHandler(handler)
+x = torch.randn(64, device="cuda")
+results = [graphed("test-waits", waits, x)[0] for _ in range(4)]
+doubled = [graphed("test-pure", lambda t: (t * 2,), x)[0] for _ in range(3)]
+assert captured() == 0 and any("capture of test-waits failed" in w for w in warnings), warnings
+assert all(torch.equal(r, x * float(x.sum())) for r in results)
+assert all(torch.equal(d, x * 2) for d in doubled)
+assert torch.equal((x + 1).cpu(), x.cpu() + 1)  # no error left behind on the device
+torch.cuda.manual_seed(5)  # the default generator, which the capture registered, is out of capture mode
+draws = torch.randn(8, device="cuda")
+torch.cuda.manual_seed(5)
+assert torch.equal(draws, torch.randn(8, device="cuda"))
+print("recovered")
+torch.cuda.empty_cache()
+side = torch.cuda.Stream()
+size = 7_341_056  # (an odd size: the freed block is the allocator's best fit for the next one)
+block = torch.empty(size, dtype=torch.uint8, device="cuda")
+pointer = block.data_ptr()
+block.record_stream(side)
+del block
+torch.cuda.synchronize()
+# with a capture still counted as underway the allocator defers that free for good, and hands out new memory
+print("reused" if torch.empty(size, dtype=torch.uint8, device="cuda").data_ptr() == pointer else "not reused")
+"""
+
+
+@functools.cache
+def _after_a_failed_capture() -> str:
+    """Run a capture that fails in a process of its own (what torch leaves behind cannot spill into other tests)."""
+    proc = subprocess.run([sys.executable, "-c", _FAILED_CAPTURE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@needs_cuda
+def test_a_codec_graphs_capture_failure_falls_back_to_its_ops():
+    """A function that makes the host wait cannot be captured: graphs are off from then on, with a warning, the
+    results are right, and the GPU and its default random generator (which every capture registers) go on working."""
+    assert "recovered" in _after_a_failed_capture()
+
+
+@needs_cuda
+@pytest.mark.xfail(strict=True, reason="torch 2.11-2.13 leave the allocator counting an abandoned capture as active, "
+                   "which no Python call undoes (pytorch/pytorch#190308): stream-recorded frees wait for good (strict: "
+                   "a torch that fixes it passes, and this mark is then to go)")
+def test_after_a_failed_capture_a_freed_stream_recorded_block_is_reused():
+    assert "not reused" not in _after_a_failed_capture()
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_the_fused_kernels_write_the_bits_of_the_torch_ops_on_the_gpu(bits):
+    """DirectQ's fused kernels (aqpipe.compress.fused) against the torch ops on the same GPU — rows, the values AQ-SGD
+    keeps as m(ξ) and decoded values bit for bit — and the host's decode of the GPU's rows against the GPU's: real-run
+    shapes and ragged tiles, every grid they take, an all-zero channel, −0, values past fp16, fp16-subnormal scales."""
+    from aqpipe.compress import fused
+    from aqpipe.compress.link.directq import decode_samples, encode_samples
+    from aqpipe.compress.quantize import dequantize, quantize
+    from tests.fused_cases import edge_case_batch
+
+    torch.manual_seed(bits)
+    for shape in [(4, 128, 576), (8, 1024, 576), (4, 512, 1600), (3, 17, 40), (2, 3, 5, 16), (1, 1, 8)]:
+        for grid in ("signed", "symmetric", "uniform"):
+            x = edge_case_batch(shape, DEVICE)
+            assert fused.encodable(x, bits, "channel", False, grid)
+            q = quantize(x, bits, "channel", False, None, grid)
+            rows, values = fused.encode(x, bits, grid, values=True)
+            assert torch.equal(rows, encode_samples(q)), (shape, grid)
+            assert torch.equal(values.view(torch.int32), dequantize(q, shape).view(torch.int32)), (shape, grid)
+            decoded = fused.decode(rows, shape, bits, grid)
+            assert torch.equal(decoded.view(torch.int32), values.view(torch.int32)), (shape, grid)
+            on_host = decode_samples(rows.cpu(), shape, bits, "channel", grid)
+            assert torch.equal(on_host.view(torch.int32), decoded.cpu().view(torch.int32)), (shape, grid)
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("spec,first_sight,dtype,store", [("aqsgd:3", "fp32", torch.float32, torch.float16),
+                                                          ("aqsgd:4", "directq:6", torch.bfloat16, torch.float16),
+                                                          ("aqsgd:2", "fp32", torch.float32, torch.bfloat16),
+                                                          ("aqsgd:8", "rtq:4", torch.float32, torch.float32)])
+def test_aqsgd_through_the_fused_kernels_in_graphs_keeps_the_bits_of_the_torch_ops(monkeypatch, spec, first_sight,
+                                                                                   dtype, store):
+    """Two AQ-SGD links and two DirectQ codecs fed the same activations, one through the fused kernels replayed from
+    CUDA graphs, one through the torch ops op by op: every message's bytes and checksum, decoded activation and m(ξ)
+    agree (the fidelity norms, summed in another order, to float tolerance). m(ξ) in fp16, bf16 (both fused) and
+    fp32 (the torch ops update it)."""
+    from aqpipe.compress import cuda_graphs, fused
+
+    cuda_graphs.clear()
+    options = QuantOptions()
+    links = []
+    for _ in range(2):
+        send, recv = MemoryStore(store, DEVICE), MemoryStore(store, DEVICE)
+        links.append((build_codec(spec, "fw", StoreView(send, 0, "send"), options, device=DEVICE,
+                                  first_sight=first_sight),
+                      build_codec(spec, "fw", StoreView(recv, 0, "recv"), options, device=DEVICE,
+                                  first_sight=first_sight), send, recv, build_codec("directq:6", "bw", device=DEVICE)))
+    x = torch.randn(8, 64, 576, device=DEVICE)
+    monkeypatch.setenv("AQPIPE_FUSED_KERNELS", "1")
+    assert fused.encodable(x, 3, "channel", False, "signed")
+    monkeypatch.setenv(fused.DELTA_SWITCH, "1")
+    calls: list[str] = []
+
+    def counting(name, kernel):
+        def counted(*args, **kwargs):
+            calls.append(name)
+            return kernel(*args, **kwargs)
+        return counted
+
+    for name in ("encode", "decode", "delta_encode", "delta_decode"):
+        monkeypatch.setattr(fused, name, counting(name, getattr(fused, name)))
+    fidelity = []
+    for visit in range(6):
+        ids = torch.arange(4) + 4 * (visit % 2)
+        x[ids] += 0.1 * torch.randn_like(x[ids])
+        results = []
+        for switch, (sender, receiver, _, _, directq) in zip(("1", "0"), links):
+            monkeypatch.setenv(cuda_graphs.SWITCH, switch)
+            monkeypatch.setenv("AQPIPE_FUSED_KERNELS", switch)
+            monkeypatch.setenv(fused.DELTA_SWITCH, switch)
+            encoded = sender.encode(x[ids].to(dtype), ids, compress=True)
+            grads = directq.encode(x[ids] * 1e-3, ids)
+            results.append((encoded.payload, receiver.decode(_header(encoded, sender), encoded.payload, ids),
+                            torch.tensor(encoded.codec_check), grads.payload,
+                            directq.decode(_header(grads, directq), grads.payload, ids)))
+            fidelity.append(encoded.fidelity)
+        for a, b in zip(*results):
+            assert torch.equal(a, b), visit
+        fused_fidelity, torch_fidelity = fidelity[-2:]
+        assert (fused_fidelity is None) == (torch_fidelity is None) == (visit < 2)
+        if fused_fidelity is not None:
+            assert torch.allclose(fused_fidelity.squares, torch_fidelity.squares, rtol=1e-5)
+    # the fused link ran its kernels (outside a graph only on a shape's first two calls: the rest replay them)
+    fused_parts = {"encode", "decode"} | ({"delta_encode", "delta_decode"} if store != torch.float32 else set())
+    assert set(calls) == fused_parts and not fused._failed, (calls, fused._failed)
+    for i in range(8):
+        values = [store.get(0, side, [i])[0] for _, _, send, recv, _ in links for store, side in ((send, "send"),
+                                                                                              (recv, "recv"))]
+        assert all(torch.equal(values[0], v) for v in values[1:])
