@@ -31,7 +31,7 @@ from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.transport import Header
 from aqpipe.runtime.capacity import LinkNeeds, TiedNeeds, format_tied, plan_capacity, steady_payload_bytes
 from aqpipe.runtime.plan import RunPlan
-from aqpipe.storage import MemoryStore, StoreView
+from aqpipe.storage import StoreView, memory_store
 
 FW_BITS = (8, 6, 4, 3, 2)  # the AQ-SGD widths the recommendation chooses among, most faithful first
 REPEATS = 5
@@ -113,7 +113,7 @@ def codec_speeds(cfg: ResolvedConfig, shape: tuple[int, ...], device: torch.devi
         if spec in speeds:
             continue
         if keeps_messages(spec):
-            send, recv = MemoryStore(torch.float16, device), MemoryStore(torch.float16, device)
+            send, recv = memory_store(torch.float16, device), memory_store(torch.float16, device)
             sender = build_codec(spec, "fw", StoreView(send, 0, "send"), options, device=device)
             receiver = build_codec(spec, "fw", StoreView(recv, 0, "recv"), options, device=device)
             first = sender.encode(x, ids, compress=True)  # seeds m(ξ) on both sides: every later visit is a delta

@@ -2,10 +2,13 @@
 message (its m(ξ) kept in memory on the device, or in host RAM), timed pair by pair, then profiled with
 torch.profiler — the device's busy time per pair beside the wall time, the kernels and copies that took it, and the
 host's calls per pair (copies, kernel launches, graph launches): what the host does per message, apart from what
-the device does.
+the device does. It also counts the torch ops a pair runs outside the codec's graphed calls, and those calls: on a
+GPU each such op is a call of the host's own and each graphed call one graph launch, so the count, taken on the
+host, says what a GPU's host will do per message.
 
     python benchmarks/codec_profile.py --device cuda --out benchmarks/results/codec_profile_cuda
     python benchmarks/codec_profile.py --shapes 4,16,64 --pairs 5      # on the host: the per-message Python alone
+    python benchmarks/codec_profile.py --shapes 8,4,64 --store slab    # ... with m(ξ) kept as a GPU run keeps it
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from aqpipe.compress.link import aqsgd, sample_coders
 from aqpipe.compress.link.codecs import QuantOptions, build_codec
-from aqpipe.storage import MemoryStore, StoreView
+from aqpipe.storage import MemoryStore, SlabStore, StoreView, memory_store
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -31,20 +36,68 @@ HOST_CALLS = ("cudaMemcpyAsync", "cudaLaunchKernel", "cudaGraphLaunch", "cuLaunc
               "cudaStreamSynchronize", "cudaEventSynchronize")
 
 
-def link(spec: str, device: torch.device, store_device: torch.device) -> tuple:
-    """A sender and a receiver of `spec` whose m(ξ) (fp16) lives on `store_device`."""
+STORES = {"auto": memory_store,  # what a run keeps: slabs on a GPU, a tensor per sample in host RAM
+          "slab": SlabStore, "samples": MemoryStore}
+
+
+def link(spec: str, device: torch.device, store_device: torch.device, store: str = "auto") -> tuple:
+    """A sender and a receiver of `spec` whose m(ξ) (fp16) lives on `store_device`, kept by `STORES[store]`."""
     ends = []
     for side in ("send", "recv"):
-        view = StoreView(MemoryStore(torch.float16, store_device), 0, side)
+        view = StoreView(STORES[store](torch.float16, store_device), 0, side)
         ends.append(build_codec(spec, "fw", view, QuantOptions(), device=device))
     return tuple(ends)
 
 
+class HostOps(TorchDispatchMode):
+    """Counts the torch ops of what runs under it, apart: those outside the codecs' graphed calls (a GPU makes each
+    one a call of its own) and the graphed calls (each, on a GPU, one graph launch with its input copies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outside = self.inside = self.graphed = self._depth = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._depth:
+            self.inside += 1
+        else:
+            self.outside += 1
+        return func(*args, **(kwargs or {}))
+
+    def wrap(self, graphed):
+        """`graphed`, counting its calls and the ops inside them apart."""
+        def counted(*args, **kwargs):
+            self.graphed += self._depth == 0
+            self._depth += 1
+            try:
+                return graphed(*args, **kwargs)
+            finally:
+                self._depth -= 1
+        return counted
+
+
+def host_ops(pair, pairs: int = 5) -> dict:
+    """Torch ops per pair outside the graphed calls and inside them, and graphed calls per pair."""
+    counter = HostOps()
+    real = {module: module.graphed for module in (aqsgd, sample_coders)}
+    try:
+        for module, graphed in real.items():
+            module.graphed = counter.wrap(graphed)
+        with counter:
+            for _ in range(pairs):
+                pair()
+    finally:
+        for module, graphed in real.items():
+            module.graphed = graphed
+    return {"ops_outside_graphs": counter.outside / pairs, "ops_inside_graphs": counter.inside / pairs,
+            "graphed_calls": counter.graphed / pairs}
+
+
 def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store_device: torch.device,
-                  pairs: int) -> dict:
+                  pairs: int, store: str = "auto") -> dict:
     """Wall time of encode and decode (medians of `pairs` pairs after five), the device's busy time per pair, the
     top kernels and copies by device time, and the host's calls per pair."""
-    sender, receiver = link(spec, device, store_device)
+    sender, receiver = link(spec, device, store_device, store)
     x = torch.randn(shape, device=device)
     ids = torch.arange(shape[0])
 
@@ -54,6 +107,7 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
     for _ in range(5):  # the first seeds m(ξ); then the delta path warms up and (on a GPU) captures its graphs
         pair()
     times = [pair() for _ in range(pairs)]
+    counted = host_ops(pair)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(5):
@@ -69,7 +123,7 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
     mb = x.numel() * 4 / 1e6
     return {"shape": list(shape), "encode_us": encode_s * 1e6, "decode_us": decode_s * 1e6,
             "round_trip_MBps": mb / (encode_s + decode_s), "device_busy_us_per_pair": device_us,
-            "aten_ops_per_pair": ops, "host_calls_per_pair": calls,
+            "aten_ops_per_pair": ops, "host_calls_per_pair": calls, **{f"{k}_per_pair": v for k, v in counted.items()},
             "most_called_ops_per_pair": {e.key: e.count / 5 for e in frequent},
             "top_device_time_us_per_pair": {e.key[:60]: e.self_device_time_total / 5 for e in top}}
 
@@ -80,6 +134,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["8,1024,576", "4,128,576"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--store-device", default=None, help="where m(ξ) lives (default: the device)")
+    parser.add_argument("--store", choices=sorted(STORES), default="auto",
+                        help="how m(ξ) is kept: as a run keeps it (auto), as slabs, or a tensor per sample")
     parser.add_argument("--pairs", type=int, default=21)
     parser.add_argument("--out", default="benchmarks/results/codec_profile")
     args = parser.parse_args()
@@ -88,12 +144,15 @@ def main() -> None:
     rows = []
     for text in args.shapes:
         shape = tuple(int(d) for d in text.split(","))
-        row = profile_shape(args.codec, shape, device, store_device, args.pairs)
+        row = profile_shape(args.codec, shape, device, store_device, args.pairs, args.store)
         rows.append(row)
         busy = row["device_busy_us_per_pair"]
         print(f"{args.codec} {shape} m(ξ) on {store_device}: encode {row['encode_us']:.0f} µs, decode "
               f"{row['decode_us']:.0f} µs ({row['round_trip_MBps']:.0f} MB/s both)"
               + ("" if busy is None else f"; device busy {busy:.0f} µs a pair"), flush=True)
+        print(f"  per pair: {row['ops_outside_graphs_per_pair']:.0f} torch ops outside graphed calls (each a call of "
+              f"its own on a GPU), {row['graphed_calls_per_pair']:.0f} graphed calls (each one launch on a GPU) of "
+              f"{row['ops_inside_graphs_per_pair']:.0f} ops", flush=True)
         print(f"  per pair: {row['aten_ops_per_pair']:.0f} torch ops; host calls "
               + ", ".join(f"{k} {v:.0f}" for k, v in sorted(row["host_calls_per_pair"].items())), flush=True)
         print("  most called: " + ", ".join(f"{k[6:]} {v:.0f}" for k, v in row["most_called_ops_per_pair"].items()),
@@ -102,7 +161,7 @@ def main() -> None:
             print(f"  {us:8.1f} µs  {name}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"codec": args.codec, "device": str(device),
+    out.with_suffix(".json").write_text(json.dumps({"codec": args.codec, "device": str(device), "store": args.store,
                                                     "store_device": str(store_device), "torch": torch.__version__,
                                                     "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
 

@@ -269,3 +269,64 @@ def test_a_failed_capture_is_ended_and_its_pool_and_random_generator_released(mo
     monkeypatch.setattr(torch.cuda, "default_generators", (Generator(), Generator()))
     cuda_graphs._end_failed(BrokenGraph(), torch.device("cuda", 1))
     assert calls == ["capture_end", ("pool", 1, (0, 7)), "clone_state", ("graphsafe_set_state", "copy")]
+
+
+def test_a_graphed_call_may_lend_its_output_buffers_which_the_next_replay_writes(stand_in):
+    fn = Counted()
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    for _ in range(2):
+        graphed("k", fn, x, y)
+    lent = graphed("k", fn, x, y, borrow=True)
+    assert lent[0] is stand_in[0].outputs[0]
+    graphed("k", fn, x * 3, y, borrow=True)
+    assert torch.equal(lent[0], x * 6 + y)  # what was lent now holds the later call's result
+
+
+@pytest.mark.parametrize("first_sight", ["fp32", "rtq:4"])
+@pytest.mark.parametrize("store,dtype", [("memory", torch.float16), ("slab", torch.float16),
+                                         ("memory", torch.bfloat16)])
+def test_aqsgd_uses_lent_graph_outputs_before_its_next_replay_or_keeps_copies(stand_in, monkeypatch, store, dtype,
+                                                                               first_sight):
+    """AQ-SGD takes its graphs' outputs without copies (a copy call saved per output on a GPU): every use must be
+    queued before the next replay writes them, and anything kept must be a copy. One known sample with one new,
+    message after message (each new m(ξ) one row, which a per-sample store would keep as it is), then steady deltas,
+    then new samples alone, then new samples of which one must go losslessly (and is kept, in bf16): payloads,
+    activations, fidelity sums and both copies of m(ξ) as op by op (where nothing is lent)."""
+    from aqpipe.compress.link import codecs
+    from aqpipe.compress.link.codecs import QuantOptions, build_codec
+    from aqpipe.storage import MemoryStore, SlabStore, StoreView
+
+    # a GPU's payload crosses to the host in a copy: the stand-in's host "device" must copy too
+    monkeypatch.setattr(codecs, "to_host", lambda payload: (payload.clone(), None))
+    generator = torch.Generator().manual_seed(0)
+    visits = ([[0, 1]] + [[k, k + 2] for k in range(1, 6)] + [[k] for k in (2, 3, 4, 5)] + [[9], [10], [11]]
+              + [[12, 13], [14, 15], [16, 17]])  # (the second sample of the last three: too large for fp16)
+    x = torch.randn(len(visits), 2, 6, 16, generator=generator)
+    x[-3:, 1, 0, 0] = 1e6
+
+    def run() -> tuple[list, list, list]:
+        ends = []
+        for side in ("send", "recv"):
+            kept = MemoryStore(dtype) if store == "memory" else SlabStore(dtype, "cpu")
+            ends.append(build_codec("aqsgd:3", "fw", StoreView(kept, 0, side), QuantOptions(), first_sight=first_sight))
+        sender, receiver = ends
+        sent = []
+        for visit, ids in enumerate(visits):
+            encoded, out = _visit(sender, receiver, x[visit, : len(ids)], torch.tensor(ids))
+            fidelity = None if encoded.fidelity is None else encoded.fidelity.squares  # (read after the run)
+            sent.append((encoded.payload, encoded.codec_check, out, fidelity))
+        held = [[end.view.get([i])[0] if end.view.present([i])[0] else None for i in range(18)] for end in ends]
+        return sent, held[0], held[1]
+
+    monkeypatch.setenv(cuda_graphs.SWITCH, "0")
+    expected = run()
+    monkeypatch.delenv(cuda_graphs.SWITCH)
+    got = run()
+    assert any(graph.replays > 2 for graph in stand_in)  # (the outputs were lent, message after message)
+    for (payload, check, out, fidelity), (want_payload, want_check, want_out, want_fidelity) in zip(got[0],
+                                                                                                  expected[0]):
+        assert torch.equal(payload, want_payload) and check == want_check and torch.equal(out, want_out)
+        assert (fidelity is None and want_fidelity is None) or torch.equal(fidelity, want_fidelity)
+    for side in (1, 2):
+        for value, want in zip(got[side], expected[side]):
+            assert (value is None and want is None) or torch.equal(value, want)

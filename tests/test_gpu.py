@@ -17,7 +17,7 @@ import torch
 from aqpipe.compress.link.aqsgd import store_checksum
 from aqpipe.compress.link.codecs import QuantOptions, build_codec
 from aqpipe.pipeline.transport import Header
-from aqpipe.storage import MemoryStore, StoreView
+from aqpipe.storage import MemoryStore, StoreView, memory_store
 
 DEVICE = os.environ.get("AQPIPE_TEST_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu,
@@ -76,7 +76,7 @@ def test_aqsgd_copies_stay_identical_across_devices_and_the_checksum_is_device_f
     """A sender on the GPU (m(ξ) in GPU memory), one receiver on the GPU and one on the host: after several visits
     all three copies of m(ξ) are bit-identical, and every message's checksum passed on both receivers."""
     options = QuantOptions()
-    stores = [MemoryStore(torch.float16, DEVICE), MemoryStore(torch.float16, DEVICE), MemoryStore(torch.float16)]
+    stores = [memory_store(torch.float16, DEVICE), memory_store(torch.float16, DEVICE), MemoryStore(torch.float16)]
     sender = build_codec("aqsgd:3", "fw", StoreView(stores[0], 0, "send"), options, device=DEVICE)
     receivers = [build_codec("aqsgd:3", "fw", StoreView(stores[1], 0, "recv"), options, device=DEVICE),
                  build_codec("aqsgd:3", "fw", StoreView(stores[2], 0, "recv"), options)]

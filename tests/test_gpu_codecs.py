@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aqpipe.compress.link.codecs import QuantOptions, build_codec
-from aqpipe.storage import MemoryStore, StoreView
+from aqpipe.storage import StoreView, memory_store
 from tests.test_gpu import DEVICE, _header, needs_cuda, pytestmark  # noqa: F401 - pytestmark marks these tests too
 
 
@@ -69,7 +69,7 @@ def test_aqsgd_replayed_from_cuda_graphs_sends_and_keeps_the_bits_of_its_ops(mon
     options = QuantOptions()
     links = []
     for _ in range(2):
-        send, recv = MemoryStore(torch.float16, DEVICE), MemoryStore(torch.float16, DEVICE)
+        send, recv = memory_store(torch.float16, DEVICE), memory_store(torch.float16, DEVICE)  # slabs
         links.append((build_codec(spec, "fw", StoreView(send, 0, "send"), options, device=DEVICE,
                                   first_sight=first_sight),
                       build_codec(spec, "fw", StoreView(recv, 0, "recv"), options, device=DEVICE,
@@ -200,7 +200,7 @@ def test_aqsgd_through_the_fused_kernels_in_graphs_keeps_the_bits_of_the_torch_o
     options = QuantOptions()
     links = []
     for _ in range(2):
-        send, recv = MemoryStore(store, DEVICE), MemoryStore(store, DEVICE)
+        send, recv = memory_store(store, DEVICE), memory_store(store, DEVICE)
         links.append((build_codec(spec, "fw", StoreView(send, 0, "send"), options, device=DEVICE,
                                   first_sight=first_sight),
                       build_codec(spec, "fw", StoreView(recv, 0, "recv"), options, device=DEVICE,

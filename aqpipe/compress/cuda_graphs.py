@@ -68,12 +68,16 @@ def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
-def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.Tensor
+def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.Tensor, borrow: bool = False
             ) -> tuple[torch.Tensor, ...]:
     """`fn(*tensors)`, replayed from a CUDA graph where the tensors are on one GPU and this signature (key, each
     tensor's shape, strides, dtype and device, the current stream) has run before; `key` names `fn` and every
     non-tensor value it depends on. Every tensor `fn` reads besides its arguments (a level table) must live as long
-    as the process, or as long as the graphs of its key (`forget`): a graph reads it where it was at capture."""
+    as the process, or as long as the graphs of its key (`forget`): a graph reads it where it was at capture.
+
+    With `borrow`, a replay returns the graph's own output buffers, not copies: the caller must have queued every use
+    of them on the current stream (a copy, a scatter, a read) before it calls this signature again, whose replay
+    writes them anew — a copy call saved per output."""
     device = tensors[0].device
     if (not _replays_on(device) or any(t.device != device for t in tensors) or not enabled() or _cache.failed
             or getattr(_capturing, "now", False)):
@@ -88,7 +92,12 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
         for buffer, t in zip(entry.inputs, tensors):
             buffer.copy_(t)
         entry.graph.replay()
-        return tuple(out.clone() for out in entry.outputs)
+        return entry.outputs if borrow else tuple(out.clone() for out in entry.outputs)
+
+
+def may_replay(device: torch.device) -> bool:
+    """Whether a graphed call on `device` may return a graph's buffers (see `graphed`'s `borrow`)."""
+    return _replays_on(device) and enabled() and not _cache.failed
 
 
 def _replays_on(device: torch.device) -> bool:

@@ -23,7 +23,7 @@ from aqpipe.pipeline.tied_rows import LOOKUP, OWNER, RowExchange, table_paramete
 from aqpipe.pipeline.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
 from aqpipe.pipeline.worker import StageWorker
 from aqpipe.runtime.plan import RunPlan, store_bytes_per_rank
-from aqpipe.storage import MemoryStore, StoreView
+from aqpipe.storage import MemoryStore, SlabStore, StoreView, memory_store
 from aqpipe.storage.encoding import value_dtype
 from aqpipe.storage.lmdb_store import LMDBStore, store_path
 from aqpipe.storage.prefetch import PrefetchingStore
@@ -37,22 +37,22 @@ class RankStage:
     grid: Grid
     groups: ProcessGroups
     device: torch.device
-    store: MemoryStore | PrefetchingStore
+    store: MemoryStore | SlabStore | PrefetchingStore
     worker: StageWorker
 
 
-def open_store(cfg: ResolvedConfig, rank: int, estimate: int | None = None, device: torch.device | None = None
-               ) -> MemoryStore | PrefetchingStore:
-    """This rank's m(ξ) store: in memory (on the host, or on the stage's GPU with --store-device cuda), or an LMDB
-    environment under the run directory, its map sized from the estimate when
-    there is one (it grows on demand either way)."""
+def open_store(cfg: ResolvedConfig, rank: int, estimate: int | None = None, device: torch.device | None = None,
+               samples: int | None = None) -> MemoryStore | SlabStore | PrefetchingStore:
+    """This rank's m(ξ) store: in memory (on the host, or on the stage's GPU with --store-device cuda, as slabs
+    sized for the `samples` its replica sees), or an LMDB environment under the run directory, its map sized from
+    the estimate when there is one (it grows on demand either way)."""
     if cfg.store == "lmdb":
         cap = int(cfg.store_max_gb * 1e9) if cfg.store_max_gb is not None else None
         initial = min(estimate or (64 << 20), cap or (1 << 62))
         return PrefetchingStore(LMDBStore(store_path(cfg.out, rank), cfg.store_dtype, max_bytes=cap,
                                           initial_map_bytes=max(initial, 1 << 20)))
     on_gpu = device is not None and device.type == "cuda" and cfg.store_device == "cuda"
-    return MemoryStore(value_dtype(cfg.store_dtype), device if on_gpu else "cpu")
+    return memory_store(value_dtype(cfg.store_dtype), device if on_gpu and device is not None else "cpu", samples)
 
 
 def stream_name(replica: int, link: int, direction: str) -> str:
@@ -119,7 +119,8 @@ def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str
     """Build this rank's stage from the run plan (every rank of the world calls it: it creates process groups)."""
     cfg = plan.cfg
     groups = create_groups(grid, backend)
-    store = open_store(cfg, grid.rank, store_bytes_per_rank(cfg, plan.spec, len(plan.dataset.train)), device)
+    samples = len(plan.dataset.train)
+    store = open_store(cfg, grid.rank, store_bytes_per_rank(cfg, plan.spec, samples), device, samples // cfg.dp)
     module = plan.build_stage(grid.stage).to(device)
     dp_group = DPGroup(groups.data_parallel, tuple(grid.dp_ranks(grid.stage)), grid.replica, collective_device(device))
     optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)

@@ -19,7 +19,7 @@ from aqpipe.runtime.checkpoint import CheckpointError, check_model_state, load_r
 from aqpipe.runtime.events import emit
 from aqpipe.runtime.reconcile import reconcile
 from aqpipe.stages.lora import checkpointed_names, training_state
-from aqpipe.storage import MemoryStore
+from aqpipe.storage.memory import in_memory
 
 
 def collect_state(worker: StageWorker, store) -> dict:
@@ -35,7 +35,7 @@ def collect_state(worker: StageWorker, store) -> dict:
     }
     if torch.cuda.is_available() and worker.device.type == "cuda":
         state["rng"]["cuda"] = torch.cuda.get_rng_state(worker.device)
-    if isinstance(store, MemoryStore):
+    if in_memory(store):
         state["store"] = store.entries()
     if worker.scaler is not None:
         state["loss_scaler"] = worker.scaler.state_dict()
@@ -59,7 +59,7 @@ def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
         if key not in state:
             raise CheckpointError(f"checkpoint {where} lacks its {key!r} part")
     check_model_state(where, worker.module, state["model"], checkpointed_names(worker.module))
-    if isinstance(store, MemoryStore) and "store" not in state:
+    if in_memory(store) and "store" not in state:
         raise CheckpointError(f"checkpoint {where} has no m(xi) store, but this run keeps it in memory")
     worker.module.load_state_dict(state["model"], strict=checkpointed_names(worker.module) is None)
     try:
@@ -80,7 +80,7 @@ def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and worker.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], worker.device)
-    if isinstance(store, MemoryStore):
+    if in_memory(store):
         store.load(state["store"])
     for name, value in state["store_stats"].items():
         setattr(store.stats, name, int(value))

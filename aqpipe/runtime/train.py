@@ -37,9 +37,9 @@ from aqpipe.runtime.outputs import (
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds
 from aqpipe.runtime.replicas import check_replicas
 from aqpipe.runtime.resume import resume_rank
-from aqpipe.storage import MemoryStore
 from aqpipe.storage.health import drop_if_damaged
 from aqpipe.storage.lmdb_store import store_path
+from aqpipe.storage.memory import in_memory
 
 
 def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=None, stores_checked: bool = True
@@ -134,7 +134,7 @@ def _finish_rank(stage: RankStage, first_step: int) -> FinalWeights | None:
         save_stage_weights(stage.worker.module, Path(cfg.out), grid.stage, adapters=cfg.export_adapter)
     if cfg.store == "lmdb":
         stage.store.close()
-    elif cfg.store_dump == "on" and isinstance(stage.store, MemoryStore):
+    elif cfg.store_dump == "on" and in_memory(stage.store):
         (Path(cfg.out) / "store").mkdir(parents=True, exist_ok=True)
         stage.store.dump(Path(cfg.out) / "store" / f"rank-{grid.rank}.pt")
     return final

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"MessageStore": "base", "StoreStats": "base", "StoreView": "base", "MemoryStore": "memory",
+_EXPORTS = {"MessageStore": "base", "StoreStats": "base", "StoreView": "base", "MemoryStore": "memory", "SlabStore": "slab",
+            "memory_store": "memory", "in_memory": "memory",
             "STORE_DTYPES": "dtypes"}
 __all__ = sorted(_EXPORTS)
 

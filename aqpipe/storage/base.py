@@ -85,6 +85,23 @@ class StoreView:
         """Replace m(ξ) of each id (values already in the store dtype)."""
         self.store.put(self.link, self.side, ids, values)
 
+    def gather(self, ids: Sequence[int]) -> torch.Tensor:
+        """m(ξ) of `ids` as one batch [B, ...] where the store keeps it (all must exist): one gather from a slab
+        store, else the values stacked."""
+        gather = getattr(self.store, "gather", None)
+        if gather is not None:
+            return gather(self.link, self.side, ids)
+        return torch.stack(self.store.get(self.link, self.side, ids))
+
+    def scatter(self, ids: Sequence[int], values: torch.Tensor) -> None:
+        """Replace m(ξ) of `ids` with the rows of `values` [B, ...] (in the store dtype). The store copies them: the
+        caller may reuse `values` once its stream has passed this call (a codec's CUDA graph writes them again)."""
+        scatter = getattr(self.store, "scatter", None)
+        if scatter is not None:
+            scatter(self.link, self.side, ids, values)
+        else:
+            self.store.put(self.link, self.side, ids, values.unbind(0))
+
     def present(self, ids: Sequence[int]) -> list[bool]:
         """Whether a sound m(ξ) exists for each id, without counting lookups (a damaged one is dropped and counted)."""
         return self.store.present(self.link, self.side, ids)

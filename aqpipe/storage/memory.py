@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 
@@ -11,6 +12,7 @@ from aqpipe.compress.link.codecs import Landing, to_host
 from aqpipe.disk import save_atomic
 from aqpipe.storage.base import StoreStats, on_device
 from aqpipe.storage.encoding import storable_rows
+from aqpipe.storage.slab import SlabStore
 
 
 def compact(value: torch.Tensor) -> torch.Tensor:
@@ -18,11 +20,11 @@ def compact(value: torch.Tensor) -> torch.Tensor:
     return value if _owns_its_storage(value) else value.clone(memory_format=torch.contiguous_format)
 
 
-def compact_all(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """`compact` of each value, the copies made together (one kernel launch for a message's rows on a GPU, not one
-    copy call per row)."""
+def compact_all(values: Sequence[torch.Tensor], always: bool = False) -> list[torch.Tensor]:
+    """`compact` of each value (with `always`: a copy of each, even of a value owning its storage), the copies made
+    together (one kernel launch for a message's rows on a GPU, not one copy call per row)."""
     kept = list(values)
-    borrowed = [i for i, v in enumerate(kept) if not _owns_its_storage(v)]
+    borrowed = [i for i, v in enumerate(kept) if always or not _owns_its_storage(v)]
     if borrowed:
         copies = [torch.empty_like(kept[i], memory_format=torch.contiguous_format) for i in borrowed]
         torch._foreach_copy_(copies, [kept[i] for i in borrowed])
@@ -73,17 +75,36 @@ class MemoryStore:
     def put(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
         """Keep each value as a compact tensor of its own: a row of a stacked micro-batch would pin the whole batch."""
         for v in values:
-            if v.dtype != self.dtype:
-                raise TypeError(f"the store keeps {self.dtype}, got {v.dtype}")
+            self._check_dtype(v)
         self._land()
         if crosses_to_the_host(values, self.device):
-            host, ready = to_host(torch.stack(list(values)))
-            keys, rows = [(link, side, int(i)) for i in ids], list(host.unbind(0))
-            self._values.update(zip(keys, rows))
-            self._crossing = (keys, rows, ready)
+            self._cross(link, side, ids, torch.stack(list(values)))
             return
         for i, v in zip(ids, compact_all(on_device(values, self.device))):
             self._values[(link, side, int(i))] = v
+
+    def scatter(self, link: int, side: str, ids: Sequence[int], values: torch.Tensor) -> None:
+        """Keep the rows of `values` [B, ...] as m(ξ) of `ids`, each copied into storage of its own (a GPU's batch
+        bound for host RAM in one queued copy), so the caller may reuse `values` at once."""
+        self._check_dtype(values)
+        self._land()
+        if self.device.type == "cpu" and values.device.type == "cuda" and len(values):
+            self._cross(link, side, ids, values)
+            return
+        for i, v in zip(ids, compact_all(values.to(self.device).unbind(0), always=True)):
+            self._values[(link, side, int(i))] = v
+
+    def _check_dtype(self, value: torch.Tensor) -> None:
+        if value.dtype != self.dtype:
+            raise TypeError(f"the store keeps {self.dtype}, got {value.dtype}")
+
+    def _cross(self, link: int, side: str, ids: Sequence[int], batch: torch.Tensor) -> None:
+        """Keep a GPU's batch `batch` as host values: its copy is queued into a pinned block, whose rows serve until
+        the copy is waited for (`_land`)."""
+        host, ready = to_host(batch)
+        keys, rows = [(link, side, int(i)) for i in ids], list(host.unbind(0))
+        self._values.update(zip(keys, rows))
+        self._crossing = (keys, rows, ready)
 
     def _land(self) -> None:
         """Finish the last put's copy from the GPU: wait for it, then give each of its values (those not replaced or
@@ -156,6 +177,20 @@ class MemoryStore:
     def dump(self, path: Path) -> None:
         """Save every entry (keys as 'link/side/id') for offline comparison of the two sides of a link."""
         save_atomic(path, lambda f: torch.save(self.entries(), f))
+
+
+def in_memory(store: object) -> TypeGuard[MemoryStore | SlabStore]:
+    """Whether `store` keeps m(ξ) in memory (host RAM or a GPU's), where only a checkpoint or a dump can keep it."""
+    return isinstance(store, (MemoryStore, SlabStore))
+
+
+def memory_store(dtype: torch.dtype, device: torch.device | str, rows_hint: int | None = None
+                 ) -> MemoryStore | SlabStore:
+    """m(ξ) kept in memory on `device`: in a GPU's memory as slabs (one gather and one scatter a message; each link
+    side's first slab sized for `rows_hint` samples), in host RAM a tensor per sample."""
+    if torch.device(device).type == "cuda":
+        return SlabStore(dtype, device, rows_hint)
+    return MemoryStore(dtype, device)
 
 
 def crosses_to_the_host(values: Sequence[torch.Tensor], device: torch.device) -> bool:

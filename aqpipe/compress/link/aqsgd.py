@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from aqpipe.compress import fused
-from aqpipe.compress.cuda_graphs import forget, graphed
+from aqpipe.compress.cuda_graphs import forget, graphed, may_replay
 from aqpipe.compress.link.codecs import (
     CODE_AQSGD,
     CODE_AQSGD_RTQ,
@@ -70,6 +70,10 @@ class SampleMemory(Protocol):
     def get(self, ids: Sequence[int]) -> list[torch.Tensor]: ...
 
     def put(self, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None: ...
+
+    def gather(self, ids: Sequence[int]) -> torch.Tensor: ...
+
+    def scatter(self, ids: Sequence[int], values: torch.Tensor) -> None: ...
 
     def present(self, ids: Sequence[int]) -> list[bool]: ...
 
@@ -142,24 +146,39 @@ def rows_of(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), t.device))
 
 
-class _Candidates:
-    """Rows `at` of a message that may go one way (as deltas, first sights or losslessly): their coded segments
-    (None: lossless), what m(ξ) would become, and whether each can go that way — asked, with the checksum's row sums,
-    together with every other kind's in one read (`read_all` fills `fits` and `sums`)."""
+def verdicts_of(ok: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """What the host reads of a group of rows, as one int64 tensor [2n] on their device: whether each row can go
+    its way (`ok`), then its checksum's row sum."""
+    return torch.cat([ok.to(torch.int64), sums])
 
-    def __init__(self, at: list[int], values: torch.Tensor, ok: torch.Tensor, segments: torch.Tensor | None = None,
-                 sums: torch.Tensor | None = None) -> None:
-        self.at, self.values, self.ok, self.segments = at, values, ok, segments
-        self._row_sums = row_sums(values) if sums is None else sums  # (given: formed in a codec's graph)
+
+class _Candidates:
+    """Rows `at` of a message that may go one way (as deltas, first sights or losslessly): the payload a message of
+    them alone would be (their mode bytes, then their coded segments; None: lossless, sent as they are), what m(ξ)
+    would become, and `verdicts_of` them — read together with every other kind's in one wait for the device
+    (`read_all` fills `fits` and `sums`). `lent`: the tensors are a CUDA graph's own buffers (see `graphed`)."""
+
+    def __init__(self, at: list[int], values: torch.Tensor, verdicts: torch.Tensor,
+                 payload: torch.Tensor | None = None, lent: bool = False) -> None:
+        self.at, self.values, self.verdicts, self.payload, self.lent = at, values, verdicts, payload, lent
+        n = len(at)
+        self.segments = None if payload is None else payload[n:].view(n, -1)
         self.fits: list[bool] = []
         self.sums: list[int] = []
 
+    def owned(self) -> _Candidates:
+        """These rows with values of their own (copies of a graph's buffers, which its next replay writes), for a
+        store that may keep what it is given as it is."""
+        if self.lent:
+            self.values, self.lent = self.values.clone(), False
+        return self
+
     @staticmethod
     def read_all(groups: list[_Candidates]) -> None:
-        """Read every group's verdicts and row sums from the device at once."""
+        """Read every group's verdicts from the device at once, and fill each group's `fits` and `sums`."""
         if not groups:
             return
-        numbers = torch.cat([torch.cat([g.ok.to(torch.int64), g._row_sums]) for g in groups]).tolist()
+        numbers = (groups[0].verdicts if len(groups) == 1 else torch.cat([g.verdicts for g in groups])).tolist()
         start = 0
         for g in groups:
             n = len(g.at)
@@ -255,7 +274,6 @@ class AQSGDCodec(LinkCodec):
         A sample whose new m(ξ) would not be finite in the store's dtype (an activation beyond fp16's range, an inf
         or NaN) goes losslessly instead, and if even that value cannot be stored, m(ξ) is dropped on both sides
         (counted as `overflow`) rather than kept poisoned for every later epoch."""
-        lossless_dtype = tensor.dtype if tensor.dtype in LOSSLESS_MODES else torch.float32
         x = tensor.detach().float().contiguous()
         id_list = ids.tolist()
         b = len(id_list)
@@ -263,27 +281,46 @@ class AQSGDCodec(LinkCodec):
             else [MODE_FULL] * b
         if self.first_sight is None:
             modes = [MODE_FULL if m == MODE_FIRST else m for m in modes]
-        segments: list[torch.Tensor | None] = [None] * b
-        new_m: list[torch.Tensor | None] = [None] * b
-        sums: list[int] = [0] * b
-        fidelity = None
+        flags = (self.bits << 8) | (0 if self.check else FLAG_NO_CHECK)
         # Every kind of row is coded first; whether each can go that way (in the coder's range, its new m(ξ)
-        # storable) and the checksum sums are then read in one wait for the device, not one per question.
+        # storable) and the checksum sums are then read in one wait for the device, not one per question. A graph's
+        # outputs are lent (on a GPU: its own buffers, used before its next replay, or copied).
+        lend = self._borrows(x.device)
         delta = [i for i, m in enumerate(modes) if m == MODE_DELTA]
         groups: dict[int, _Candidates] = {}
         if delta:
             m_old = self._recall([id_list[i] for i in delta], x.device)
-            coded, m_new, ok, row_sum, norms = self._graphed("delta-encode", self._delta_rows, rows_of(x, delta), m_old)
-            groups[MODE_DELTA] = _Candidates(delta, m_new, ok, coded, row_sum)
-        first = [i for i, m in enumerate(modes) if m == MODE_FIRST]
-        if first:
-            coded, seeds, ok, row_sum = self._graphed("first-encode", self._first_rows, rows_of(x, first))
-            groups[MODE_FIRST] = _Candidates(first, seeds, ok, coded, row_sum)
+            payload, m_new, verdicts, norms, squares = self._graphed(
+                "delta-encode", self._delta_rows, rows_of(x, delta), m_old, borrow=lend)
+            groups[MODE_DELTA] = _Candidates(delta, m_new, verdicts, payload, lend)
+        if first := [i for i, m in enumerate(modes) if m == MODE_FIRST]:
+            payload, seeds, verdicts = self._graphed("first-encode", self._first_rows, rows_of(x, first), borrow=lend)
+            groups[MODE_FIRST] = _Candidates(first, seeds, verdicts, payload, lend)
         if full := [i for i, m in enumerate(modes) if m == MODE_FULL]:
             groups[MODE_FULL] = self._lossless(full, x)
         _Candidates.read_all(list(groups.values()))
+        if len(groups) == 1 and all((only := next(iter(groups.values()))).fits):
+            # one kind of sample, each going its way (the steady state: all deltas): the payload in one piece
+            self.view.scatter(id_list, only.values)
+            check = fold_checksum(list(range(b)), only.sums) if self.check else 0
+            fidelity = DeltaFidelity(squares.clone() if lend else squares) if delta else None
+            wire = only.payload if only.payload is not None else _lossless_payload(tensor)
+            return Encoded.of(wire, tuple(x.shape), torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
+        as_delta = [j for j, ok in enumerate(groups[MODE_DELTA].fits) if ok] if delta else []
+        return self._encode_mixed(tensor, x, id_list, modes, [g.owned() for g in groups.values()], flags,
+                                  _fidelity(norms, as_delta) if as_delta else None)
+
+    def _encode_mixed(self, tensor: torch.Tensor, x: torch.Tensor, id_list: list[int], modes: list[int],
+                      groups: list[_Candidates], flags: int, fidelity: DeltaFidelity | None) -> Encoded:
+        """A message of several kinds of sample, or with rows that cannot go their way (sent losslessly instead),
+        its verdicts read: each row's segment in order, and m(ξ) kept row by row."""
+        b = len(id_list)
+        lossless_dtype = lossless_dtype_of(tensor)
+        segments: list[torch.Tensor | None] = [None] * b
+        new_m: list[torch.Tensor | None] = [None] * b
+        sums: list[int] = [0] * b
         late = []  # rows a coder could not carry, or whose coded m(ξ) could not be stored: sent losslessly
-        for group in groups.values():
+        for group in groups:
             if group.segments is None:
                 continue
             for j, i in enumerate(group.at):
@@ -291,11 +328,9 @@ class AQSGDCodec(LinkCodec):
                     segments[i], new_m[i], sums[i] = group.segments[j], group.values[j], group.sums[j]
                 else:
                     late.append(i)
-        if delta and (as_delta := [j for j, ok in enumerate(groups[MODE_DELTA].fits) if ok]):
-            fidelity = _fidelity(norms, as_delta)
-        lossless = [g for g in groups.values() if g.segments is None]
+        lossless = [g for g in groups if g.segments is None]
         if late:
-            lossless.append(self._lossless(sorted(late), x))
+            lossless.append(self._lossless(sorted(late), x).owned())
             _Candidates.read_all(lossless[-1:])
         raw = tensor.detach().to(lossless_dtype)
         for group in lossless:
@@ -305,23 +340,28 @@ class AQSGDCodec(LinkCodec):
                 new_m[i], sums[i] = (group.values[j], group.sums[j]) if group.fits[j] else (None, 0)
         self.view.store.stats.overflow += len(keep(self.view, id_list, new_m))
         mode_bytes = to_device(torch.tensor(modes, dtype=torch.uint8), x.device)
-        flags = (self.bits << 8) | (0 if self.check else FLAG_NO_CHECK)
         kept = [i for i in range(b) if new_m[i] is not None]
         check = fold_checksum(kept, [sums[i] for i in kept]) if self.check else 0
         return Encoded.of(torch.cat([mode_bytes, *(s.reshape(-1) for s in _every(segments))]), tuple(x.shape),
                           torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
 
-    def _graphed(self, kind: str, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.Tensor
-                 ) -> tuple[torch.Tensor, ...]:
-        """`fn(*tensors)`, replayed from this codec's CUDA graph of `kind` on a GPU where it may be."""
+    def _borrows(self, device: torch.device) -> bool:
+        """Whether this codec's graphed calls on `device` may hand back a graph's own buffers."""
+        return self._replayable and may_replay(device)
+
+    def _graphed(self, kind: str, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.Tensor,
+                 borrow: bool = False) -> tuple[torch.Tensor, ...]:
+        """`fn(*tensors)`, replayed from this codec's CUDA graph of `kind` on a GPU where it may be (`borrow`: see
+        `graphed`)."""
         if not self._replayable:
             return fn(*tensors)
-        return graphed((self._graphs, kind), fn, *tensors)
+        return graphed((self._graphs, kind), fn, *tensors, borrow=borrow)
 
     def _delta_rows(self, x: torch.Tensor, m_old: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Known samples `x` against their m(ξ) (`m_old`, in the store's dtype): the coded change, the new m(ξ) —
-        updated from exactly the codes and fp16 scales the receiver will unpack — whether each row can go as a
-        delta, its checksum sums, and the fidelity norms."""
+        """Known samples `x` against their m(ξ) (`m_old`, in the store's dtype): the payload of a message of them all
+        as deltas (their mode bytes, then the coded changes), the new m(ξ) — updated from exactly the codes and fp16
+        scales the receiver will unpack — the verdicts (whether each row can go as a delta, its checksum sums), the
+        fidelity norms per row, and their squares summed over the rows."""
         quant = self._fused_delta(m_old)
         fast = quant and fused.delta_encode(x, m_old, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS)
         if fast:  # the same bits in two kernels on a GPU
@@ -332,23 +372,29 @@ class AQSGDCodec(LinkCodec):
             coded, deq = self.delta.encode(change, values=True)
             m_new = (m_old + present(deq)).to(self.view.dtype)
             sums, norms = row_sums(m_new), _fidelity_norms(x, m_old, change, m_new)
-        return coded, m_new, self._sendable(self.delta.carried(x, coded), m_new), sums, norms
+        ok = self._sendable(self.delta.carried(x, coded), m_new)
+        return _payload(MODE_DELTA, coded), m_new, verdicts_of(ok, sums), norms, norms.double().square_().sum(dim=0)
 
     def _first_rows(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """First sights `values`: their coded rows, the m(ξ) they seed, whether each can go so, its checksum sums."""
+        """First sights `values`: the payload of a message of them alone (mode bytes, then their coded rows), the
+        m(ξ) they seed, and the verdicts (whether each can go so, its checksum sums)."""
         coder = present(self.first_sight)
         coded, deq = coder.encode(values, values=True)
         seeds = present(deq).to(self.view.dtype, copy=True)
-        return coded, seeds, self._sendable(coder.carried(values, coded), seeds), row_sums(seeds)
+        return (_payload(MODE_FIRST, coded), seeds,
+                verdicts_of(self._sendable(coder.carried(values, coded), seeds), row_sums(seeds)))
 
     def _delta_values(self, rows: torch.Tensor, m_old: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The receiver's side of `_delta_rows`: the new m(ξ) from the coded rows, it in float32, its checksum sums."""
+        """The receiver's side of `_delta_rows`: the new m(ξ) from the coded rows, it in float32, and the verdicts
+        (each row kept — the sender sent a delta only where it could be — and its checksum sums)."""
         quant = self._fused_delta(m_old)
         fast = quant and fused.delta_decode(rows, m_old, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS)
         if fast:
-            return fast
-        seeds = (m_old.float() + self.delta.decode(rows, tuple(m_old.shape))).to(self.view.dtype)
-        return seeds, seeds.float(), row_sums(seeds)
+            seeds, values, sums = fast
+        else:
+            seeds = (m_old.float() + self.delta.decode(rows, tuple(m_old.shape))).to(self.view.dtype)
+            values, sums = seeds.float(), row_sums(seeds)
+        return seeds, values, verdicts_of(torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device), sums)
 
     def _fused_delta(self, m_old: torch.Tensor) -> QuantCoder | None:
         """The delta coder, where its coding and m(ξ)'s update run as fused kernels (`aqpipe.compress.fused`, when
@@ -363,9 +409,9 @@ class AQSGDCodec(LinkCodec):
         return delta if fusable else None
 
     def _recall(self, ids: list[int], device: torch.device) -> torch.Tensor:
-        """m(ξ) of `ids`, stacked on `device` in the store's dtype (from host RAM in one copy the host does not wait
-        for)."""
-        return to_device(torch.stack(self.view.get(ids)), device)
+        """m(ξ) of `ids`, as one batch on `device` in the store's dtype (a slab store's one gather; from host RAM
+        in one copy the host does not wait for)."""
+        return to_device(self.view.gather(ids), device)
 
     def _sendable(self, carried: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
         """Per row, on the device: the coder carried the row without clipping (its fp16 scales below 65504, a cast
@@ -375,8 +421,19 @@ class AQSGDCodec(LinkCodec):
     def _lossless(self, at: list[int], x: torch.Tensor) -> _Candidates:
         """Rows `at` sent losslessly: m(ξ) becomes the value itself (a copy, never a view of the live activation),
         or, where the store cannot keep it, is dropped on both sides."""
-        values = rows_of(x, at).to(self.view.dtype, copy=True)
-        return _Candidates(at, values, self.view.storable_rows(values))
+        return self._seeded(at, rows_of(x, at), self._borrows(x.device))
+
+    def _seeded(self, at: list[int], values: torch.Tensor, lend: bool) -> _Candidates:
+        """Rows `at` whose m(ξ) the values `values` (float32) seed: in the store's dtype, with their verdicts
+        (`lend`: see `graphed`'s borrow)."""
+        seeds, verdicts = self._graphed("seed", self._seeds, values, borrow=lend)
+        return _Candidates(at, seeds, verdicts, lent=lend)
+
+    def _seeds(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The m(ξ) that `values` seed (a copy in the store's dtype) and their verdicts (whether the store can keep
+        each, its checksum sums)."""
+        seeds = values.to(self.view.dtype, copy=True)
+        return seeds, verdicts_of(self.view.storable_rows(seeds), row_sums(seeds))
 
     def forget(self, ids: list[int]) -> None:
         """Drop m(ξ) of samples the receiver lacks, so that their next message seeds it again."""
@@ -430,52 +487,97 @@ class AQSGDCodec(LinkCodec):
         shape = header.shape
         b = shape[0]
         modes: list[int] = layout
-        sizes = self._segment_bytes(shape)
         id_list = ids.tolist()
-        out = torch.empty(shape, dtype=torch.float32, device=self.device)
-        segments: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
-        offset = b
-        for i, mode in enumerate(modes):
-            rows, at = segments.setdefault(mode, ([], []))
-            rows.append(payload[offset : offset + sizes[mode]])
-            at.append(i)
-            offset += sizes[mode]
-        # m(ξ)'s new values, kind by kind; whether each may be kept (the sender's rule, on the same values) and the
-        # checksum sums are read in one wait for the device
-        groups = []
-        for mode, (rows, at) in segments.items():
+        kinds = self._kinds(modes, payload, shape)
+        # a graph's outputs are lent only to a message of one kind: two kinds may replay one graph (two seeds of
+        # one shape), whose second replay would write the first's outputs before they are read
+        lend = self._borrows(self.device) and len(kinds) == 1
+        groups, outs = [], []
+        for mode, (rows, at) in kinds.items():
             if mode != MODE_DELTA:  # a lossless value or a first sight: kept where the store can (the sender's rule)
-                values = (bytes_as(torch.stack(rows), MODE_DTYPES[mode]).view(len(at), *shape[1:]).float()
-                          if mode in MODE_DTYPES
-                          else present(self.first_sight).decode(torch.stack(rows), (len(at), *shape[1:])))
-                seeds = values.to(self.view.dtype, copy=True)
-                ok, row_sum = self.view.storable_rows(seeds), None
+                values = (bytes_as(rows, MODE_DTYPES[mode]).view(len(at), *shape[1:]).float() if mode in MODE_DTYPES
+                          else present(self.first_sight).decode(rows, (len(at), *shape[1:])))
+                group = self._seeded(at, values, lend)
             else:  # the sender sent a delta only where the new m(ξ) could be kept
-                try:
-                    m_old = self._recall([id_list[i] for i in at], self.device)
-                except KeyError as e:
-                    raise CodecError(f"m(xi) diverged: the sender sent a delta but this side has never seen the "
-                                     f"sample ({e.args[0]})") from None
-                seeds, values, row_sum = self._graphed("delta-decode", self._delta_values, torch.stack(rows), m_old)
-                ok = torch.ones(len(at), dtype=torch.bool, device=seeds.device)
-            if len(at) == b:
-                out.copy_(values)
-            else:
-                out.index_copy_(0, to_device(torch.tensor(at, dtype=torch.int64), out.device), values)
-            groups.append(_Candidates(at, seeds, ok, sums=row_sum))
+                seeds, values, verdicts = self._graphed("delta-decode", self._delta_values, rows,
+                                                        self._recall_sent([id_list[i] for i in at]), borrow=lend)
+                group = _Candidates(at, seeds, verdicts, lent=lend)
+                if lend:
+                    values = values.clone()  # the activation is the caller's own
+            groups.append(group)
+            outs.append(values)
+        if len(groups) == 1:  # one kind of sample (the steady state: all deltas)
+            out = outs[0]
+        else:
+            out = torch.empty(shape, dtype=torch.float32, device=self.device)
+            for group, values in zip(groups, outs):
+                out.index_copy_(0, to_device(torch.tensor(group.at, dtype=torch.int64), out.device), values)
+        # whether each new m(ξ) may be kept (the sender's rule, on the same values) and the checksum sums, read in
+        # one wait for the device
         _Candidates.read_all(groups)
+        if len(groups) == 1 and all(groups[0].fits):
+            self._verify(header, fold_checksum(list(range(b)), groups[0].sums))
+            self.view.scatter(id_list, groups[0].values)
+            return out
         new_m: list[torch.Tensor | None] = [None] * b
         sums: list[int] = [0] * b
         for group in groups:
+            group.owned()
             for j, i in enumerate(group.at):
                 if group.fits[j]:
                     new_m[i], sums[i] = group.values[j], group.sums[j]
         kept = [i for i in range(b) if new_m[i] is not None]
-        if not header.flags & FLAG_NO_CHECK and fold_checksum(kept, [sums[i] for i in kept]) != header.codec_check:
-            raise CodecError(f"m(xi) diverged on link {self.view.link}: this side's copy fails the sender's checksum "
-                             f"at step {header.step} micro-batch {header.micro_batch}")
+        self._verify(header, fold_checksum(kept, [sums[i] for i in kept]))
         keep(self.view, id_list, new_m)
         return out
+
+    def _kinds(self, modes: list[int], payload: torch.Tensor, shape: tuple[int, ...]
+               ) -> dict[int, tuple[torch.Tensor, list[int]]]:
+        """The payload's segments by mode: each mode's rows [n, segment bytes] and the samples they belong to. A
+        message of one kind of sample is its payload's rows as they are."""
+        b = shape[0]
+        if b and len(set(modes)) == 1:
+            return {modes[0]: (payload[b:].view(b, -1), list(range(b)))}
+        sizes = self._segment_bytes(shape)
+        parts: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+        offset = b
+        for i, mode in enumerate(modes):
+            rows, at = parts.setdefault(mode, ([], []))
+            rows.append(payload[offset : offset + sizes[mode]])
+            at.append(i)
+            offset += sizes[mode]
+        return {mode: (torch.stack(rows), at) for mode, (rows, at) in parts.items()}
+
+    def _recall_sent(self, ids: list[int]) -> torch.Tensor:
+        """m(ξ) of samples the sender sent as deltas, on this side's device."""
+        try:
+            return self._recall(ids, self.device)
+        except KeyError as e:
+            raise CodecError(f"m(xi) diverged: the sender sent a delta but this side has never seen the "
+                             f"sample ({e.args[0]})") from None
+
+    def _verify(self, header, check: int) -> None:
+        """Refuse a message after which this side's m(ξ) would differ from the sender's (unless it sent no check)."""
+        if not header.flags & FLAG_NO_CHECK and check != header.codec_check:
+            raise CodecError(f"m(xi) diverged on link {self.view.link}: this side's copy fails the sender's checksum "
+                             f"at step {header.step} micro-batch {header.micro_batch}")
+
+
+def lossless_dtype_of(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a sample of `tensor` goes losslessly in: its own (fp32, bf16, fp16), else fp32."""
+    return tensor.dtype if tensor.dtype in LOSSLESS_MODES else torch.float32
+
+
+def _payload(mode: int, coded: torch.Tensor) -> torch.Tensor:
+    """The payload of a message whose every sample goes in `mode`, with the coded rows `coded` [B, segment bytes]."""
+    modes = torch.full((coded.shape[0],), mode, dtype=torch.uint8, device=coded.device)
+    return torch.cat([modes, coded.reshape(-1)])
+
+
+def _lossless_payload(tensor: torch.Tensor) -> torch.Tensor:
+    """The payload of a message whose every sample goes losslessly, in the activation's own dtype."""
+    raw = tensor.detach().to(lossless_dtype_of(tensor)).contiguous()
+    return _payload(LOSSLESS_MODES[raw.dtype], raw.view(torch.uint8).reshape(raw.shape[0], -1))
 
 
 def _delta_coder(spec: CodecSpec, options: QuantOptions) -> SampleCoder:
