@@ -170,3 +170,31 @@ def test_aqsgd_on_slabs_sends_the_same_bytes_and_keeps_the_same_m_xi(first_sight
         assert memory.present(list(range(6))) == slab.present(list(range(6)))
         held = [i for i, ok in zip(range(6), memory.present(list(range(6)))) if ok]
         assert held and torch.equal(memory.gather(held), slab.gather(held))
+
+
+def test_a_freed_row_survives_a_scatter_of_known_samples_and_takes_the_next_new_one():
+    """A scatter of samples all already kept (every message after the first epoch) emptied the free list: the rows
+    of samples dropped since (an overflow, a re-seed) were lost, and the next new sample grew the slab by half."""
+    store = SlabStore(torch.float16, "cpu", rows_hint=4)
+    store.scatter(0, "send", [0, 1, 2, 3], _batch(4, 0))
+    store.delete(0, "send", [2])  # its m(ξ) dropped (overflow) on both sides
+    store.scatter(0, "send", [0, 1, 3], _batch(3, 1))  # the steady state: known samples only
+    store.scatter(0, "send", [4], _batch(1, 2))
+    assert store._slabs[(0, "send", (6, 8))].rows.shape[0] == 4
+    assert torch.equal(store.gather(0, "send", [0, 1, 3, 4]), torch.cat([_batch(3, 1), _batch(1, 2)]))
+
+
+def test_a_scatter_whose_rows_do_not_match_its_samples_is_refused_and_changes_nothing():
+    store = SlabStore(torch.float16, "cpu")
+    store.scatter(0, "send", [0, 1], _batch(2, 0))
+    with pytest.raises(ValueError, match="3 samples but 2 rows"):
+        store.scatter(0, "send", [0, 1, 2], _batch(2, 1))
+    with pytest.raises(ValueError, match="3 samples but 2 rows"):
+        store.scatter(0, "send", [5, 1, 2], _batch(2, 1, shape=(3, 8)))
+    assert store.present(0, "send", [0, 1, 2, 5]) == [True, True, False, False]
+    assert torch.equal(store.gather(0, "send", [0, 1]), _batch(2, 0))
+
+
+def test_a_gather_of_no_samples_is_refused_by_name():
+    with pytest.raises(ValueError, match="no samples"):
+        SlabStore(torch.float16, "cpu").gather(0, "send", [])

@@ -77,7 +77,8 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
 
     With `borrow`, a replay returns the graph's own output buffers, not copies: the caller must have queued every use
     of them on the current stream (a copy, a scatter, a read) before it calls this signature again, whose replay
-    writes them anew — a copy call saved per output."""
+    writes them anew — a copy call saved per output. The graph's lock covers its replay, not those uses: only a
+    signature that one thread calls (a codec's own, on its compute thread) may be borrowed."""
     device = tensors[0].device
     if (not _replays_on(device) or any(t.device != device for t in tensors) or not enabled() or _cache.failed
             or getattr(_capturing, "now", False)):

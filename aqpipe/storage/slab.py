@@ -34,6 +34,8 @@ class _Slab:
     def take(self, count: int, hint: int) -> list[int]:
         """`count` free slots, growing the slab when too few are free: at first to `hint` rows (`FIRST_ROWS` without
         one), then by half again."""
+        if count == 0:
+            return []
         if len(self.free) < count:
             old = self.rows.shape[0]
             new = max(old + count - len(self.free), old + old // 2, hint or FIRST_ROWS)
@@ -65,6 +67,8 @@ class SlabStore:
         """m(ξ) of `ids` as one batch [B, *shape] on the store's device, read in one gather (all must exist, with one
         shape)."""
         keys = tuple((link, side, int(i)) for i in ids)
+        if not keys:
+            raise ValueError(f"a gather of no samples on link {link} side {side}: its shape is unknown")
         places = [self._place(key) for key in keys]
         slab_keys = {slab_key for slab_key, _ in places}
         if len(slab_keys) != 1:
@@ -79,30 +83,30 @@ class SlabStore:
         if values.dtype != self.dtype:
             raise TypeError(f"the store keeps {self.dtype}, got {values.dtype}")
         keys = [(link, side, int(i)) for i in ids]
+        if len(keys) != len(values):
+            raise ValueError(f"a scatter of {len(keys)} samples but {len(values)} rows on link {link} side {side}")
         if len(set(keys)) != len(keys):  # a sample twice in one batch: its last row wins, as one put after another
             last = {key: j for j, key in enumerate(keys)}
-            keys, values = list(last), values[list(last.values())]
+            rows = torch.tensor(list(last.values()), dtype=torch.int64).to(values.device, non_blocking=True)
+            keys, values = list(last), values.index_select(0, rows)  # (a list as an index would wait for a GPU)
         if not keys:
             return
         slab_key = (link, side, tuple(values.shape[1:]))
         slab = self._slabs.get(slab_key)
         if slab is None:
             slab = self._slabs[slab_key] = _Slab(values.new_empty((0, *values.shape[1:]), device=self.device))
-        slots: list[int] = []
-        new = []
-        for j, key in enumerate(keys):
-            place = self._index.get(key)
+        places = [self._index.get(key) for key in keys]
+        new = sum(1 for place in places if place is None or place[0] != slab_key)
+        taken = iter(slab.take(new, self.rows_hint))  # (first: growing may fail, and nothing has changed yet)
+        slots = []
+        for key, place in zip(keys, places):
             if place is not None and place[0] == slab_key:
                 slots.append(place[1])
                 continue
             if place is not None:  # kept before with another shape: its old row is free
                 self._slabs[place[0]].free.append(place[1])
-            slots.append(-1)
-            new.append(j)
-        for j, slot in zip(new, slab.take(len(new), self.rows_hint)):
-            slots[j] = slot
-        for key, slot in zip(keys, slots):
-            self._index[key] = (slab_key, slot)
+            slots.append(next(taken))
+            self._index[key] = (slab_key, slots[-1])
         index = self._slots_on_device(tuple(keys), slots)
         slab.rows.index_copy_(0, index, values.to(self.device, non_blocking=True))
 
