@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aqpipe.compress.link.aqsgd import store_checksum
+from aqpipe.compress.link.checksum import store_checksum
 from aqpipe.compress.link.codecs import QuantOptions, build_codec
 from aqpipe.pipeline.transport import Header
 from aqpipe.storage import MemoryStore, StoreView, memory_store
@@ -43,7 +43,7 @@ needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="a check of CUDA itself
 # AQ-SGD message's verdicts and checksum sums, the copy of its new m(ξ) into host RAM (none with --store-device
 # cuda), and the step's gradient norm, which crosses to the host for the collectives staged through it and for
 # the clipping decision.
-EXPECTED_SYNCS = {("aqpipe/compress/link/aqsgd.py", "read_all"), ("aqpipe/storage/base.py", "on_device"),
+EXPECTED_SYNCS = {("aqpipe/compress/link/aqsgd_rows.py", "read_all"), ("aqpipe/storage/base.py", "on_device"),
                   ("aqpipe/pipeline/optimizer_phase.py", "_clip")}
 
 

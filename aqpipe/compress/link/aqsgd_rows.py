@@ -1,0 +1,156 @@
+"""The parts of an AQ-SGD message: the sample modes, the rows of each kind with their verdicts (whether each can go
+its way, its checksum sum), payloads, m(ξ) kept per sample, and the deltas' fidelity norms."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from aqpipe.compress.link.codecs import DeltaFidelity, to_device
+
+# A sample's mode byte: what its segment holds.
+MODE_FULL, MODE_DELTA, MODE_FIRST, MODE_FULL_BF16, MODE_FULL_FP16 = 0, 1, 2, 3, 4
+LOSSLESS_MODES = {torch.float32: MODE_FULL, torch.bfloat16: MODE_FULL_BF16, torch.float16: MODE_FULL_FP16}
+MODE_DTYPES = {mode: dtype for dtype, mode in LOSSLESS_MODES.items()}
+
+
+class SampleMemory(Protocol):
+    """What AQ-SGD needs of one side of one link's m(ξ) store (`aqpipe.storage.StoreView` is one): the codec holds
+    its memory through this, never a store type, so compression does not depend on storage."""
+
+    link: int
+    store: Any  # its `stats.overflow` counts the values no store encoding can hold
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def contains(self, ids: Sequence[int]) -> list[bool]: ...
+
+    def get(self, ids: Sequence[int]) -> list[torch.Tensor]: ...
+
+    def put(self, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None: ...
+
+    def gather(self, ids: Sequence[int]) -> torch.Tensor: ...
+
+    def scatter(self, ids: Sequence[int], values: torch.Tensor) -> None: ...
+
+    def present(self, ids: Sequence[int]) -> list[bool]: ...
+
+    def storable_rows(self, values: torch.Tensor) -> torch.Tensor: ...
+
+    def delete(self, ids: Sequence[int]) -> None: ...
+
+
+def rows_of(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Rows `rows` of a batch: the batch itself when they are all of it in order, else a gather whose index reaches
+    the device without the host waiting (a Python list as an index is a synchronous copy)."""
+    if rows == list(range(t.shape[0])):
+        return t
+    return t.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), t.device))
+
+
+def verdicts_of(ok: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """What the host reads of a group of rows, as one int64 tensor [2n] on their device: whether each row can go
+    its way (`ok`), then its checksum's row sum."""
+    return torch.cat([ok.to(torch.int64), sums])
+
+
+class Candidates:
+    """Rows `at` of a message that may go one way (as deltas, first sights or losslessly): the payload a message of
+    them alone would be (their mode bytes, then their coded segments; None: lossless, sent as they are), what m(ξ)
+    would become, and `verdicts_of` them — read together with every other kind's in one wait for the device
+    (`read_all` fills `fits` and `sums`). `lent`: the tensors are a CUDA graph's own buffers (see `graphed`)."""
+
+    def __init__(self, at: list[int], values: torch.Tensor, verdicts: torch.Tensor,
+                 payload: torch.Tensor | None = None, lent: bool = False) -> None:
+        self.at, self.values, self.verdicts, self.payload, self.lent = at, values, verdicts, payload, lent
+        n = len(at)
+        self.segments = None if payload is None else payload[n:].view(n, -1)
+        self.fits: list[bool] = []
+        self.sums: list[int] = []
+
+    def owned(self) -> Candidates:
+        """These rows with values of their own (copies of a graph's buffers, which its next replay writes), for a
+        store that may keep what it is given as it is."""
+        if self.lent:
+            self.values, self.lent = self.values.clone(), False
+        return self
+
+    @staticmethod
+    def read_all(groups: list[Candidates]) -> None:
+        """Read every group's verdicts from the device at once, and fill each group's `fits` and `sums`."""
+        if not groups:
+            return
+        numbers = (groups[0].verdicts if len(groups) == 1 else torch.cat([g.verdicts for g in groups])).tolist()
+        start = 0
+        for g in groups:
+            n = len(g.at)
+            g.fits = [bool(v) for v in numbers[start:start + n]]
+            g.sums = numbers[start + n:start + 2 * n]
+            start += 2 * n
+
+
+def keep(view: SampleMemory, ids: list[int], values: list[torch.Tensor | None]) -> list[int]:
+    """Store the new m(ξ) of each sample; a sample whose value is None (not storable) loses any m(ξ) it had, so its
+    next sight goes at full precision on both sides. Returns those samples."""
+    kept = [(i, v) for i, v in zip(ids, values) if v is not None]
+    dropped = [i for i, v in zip(ids, values) if v is None]
+    if kept:
+        view.put([i for i, _ in kept], [v for _, v in kept])
+    if dropped:
+        view.delete(dropped)
+    return dropped
+
+
+def row_norms(t: torch.Tensor) -> torch.Tensor:
+    """Each sample's norm, in float32 (no full-size float64 copy)."""
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1)
+
+
+def fidelity_norms(x: torch.Tensor, m_old: torch.Tensor, change: torch.Tensor, m_new: torch.Tensor
+                    ) -> torch.Tensor:
+    """Per sample [B, 3]: the norm of the activation `x`, of its change since m(ξ), and of what m(ξ) still misses
+    after the update in the store's dtype — what the receiver computes on. One full-size temporary: m_new − m_old −
+    change = m_new − x."""
+    error = m_new.to(torch.float32, copy=True).sub_(m_old).sub_(change)
+    return torch.stack([row_norms(x), row_norms(change), row_norms(error)], dim=1)
+
+
+def delta_fidelity(norms: torch.Tensor, as_delta: list[int]) -> DeltaFidelity:
+    """The three norms of `fidelity_norms`, squared and summed in float64 over the samples sent as deltas (rows
+    `as_delta`)."""
+    return DeltaFidelity(rows_of(norms, as_delta).double().square_().sum(dim=0))
+
+
+def lossless_dtype_of(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a sample of `tensor` goes losslessly in: its own (fp32, bf16, fp16), else fp32."""
+    return tensor.dtype if tensor.dtype in LOSSLESS_MODES else torch.float32
+
+
+def payload_of(mode: int, coded: torch.Tensor) -> torch.Tensor:
+    """The payload of a message whose every sample goes in `mode`, with the coded rows `coded` [B, segment bytes]."""
+    modes = torch.full((coded.shape[0],), mode, dtype=torch.uint8, device=coded.device)
+    return torch.cat([modes, coded.reshape(-1)])
+
+
+def lossless_payload(tensor: torch.Tensor) -> torch.Tensor:
+    """The payload of a message whose every sample goes losslessly, in the activation's own dtype."""
+    raw = tensor.detach().to(lossless_dtype_of(tensor)).contiguous()
+    return payload_of(LOSSLESS_MODES[raw.dtype], raw.view(torch.uint8).reshape(raw.shape[0], -1))
+
+
+def present(value):
+    """`value`, which the code before has set (not None)."""
+    if value is None:
+        raise RuntimeError("an AQ-SGD part used where none was set")
+    return value
+
+
+def every(items: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """`items`, each of which the code before has set."""
+    filled = [item for item in items if item is not None]
+    if len(filled) != len(items):
+        raise RuntimeError("an AQ-SGD message left a sample without its segment")
+    return filled

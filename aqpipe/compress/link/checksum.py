@@ -1,0 +1,61 @@
+"""The m(ξ) checksum an AQ-SGD message carries: each kept value's 16-bit words weighted by position and summed in
+exact int64 arithmetic where the values are (the same number on every device and in every summation order), then
+the per-sample sums folded to 32 bits on the host."""
+
+from __future__ import annotations
+
+import torch
+
+_MERSENNE_61 = (1 << 61) - 1
+_CHECKSUM_COLUMNS = 1 << 20
+_position_weights: dict[tuple[int, str], torch.Tensor] = {}
+
+
+CHECKSUM_WEIGHTS = (40503, 65521)  # word i of a value weighs 1 + (i · 40503) mod 65521 (the fused kernels too)
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """Pseudo-random weights 1 … 65521 for the n 16-bit words of a value (cached per length and device, for the
+    process's life: a codec's CUDA graph reads the table it was captured with; a run has a few lengths)."""
+    key = (n, str(device))
+    if key not in _position_weights:
+        multiplier, modulus = CHECKSUM_WEIGHTS
+        _position_weights[key] = 1 + (torch.arange(n, dtype=torch.int64, device=device) * multiplier) % modulus
+    return _position_weights[key]
+
+
+def store_checksum(values: list[torch.Tensor | None]) -> int:
+    """A 32-bit checksum of the m(ξ) values kept, in sample order (their raw bits in the store dtype; None: not
+    kept), computed where the values are: each value's 16-bit words weighted by position and summed in int64 — exact
+    integer arithmetic, so every device and every summation order gives the same number — and only one number per
+    sample crosses to the host. Any single changed word changes each sample's sum (folded to 32 bits, two copies
+    that differ still collide once in 2^32)."""
+    kept = [(position, v) for position, v in enumerate(values) if v is not None]
+    if not kept:
+        return 0
+    sums = row_sums(torch.stack([v.contiguous() for _, v in kept])).tolist()
+    return fold_checksum([position for position, _ in kept], sums)
+
+
+def row_sums(values: torch.Tensor) -> torch.Tensor:
+    """Each row's position-weighted sum of its 16-bit words (int64 [B], on the values' device): what
+    `store_checksum` folds, formed before anything is read so that it can cross to the host with other numbers."""
+    words = values.contiguous().view(torch.int16).reshape(values.shape[0], -1)
+    weights = _weights(words.shape[1], words.device)
+    # |word| < 2^15 and weight < 2^16: each row's sum stays below 2^63 for up to 2^31 words (8 GB per sample); the
+    # int64 products are formed a slice of columns at a time, so the transient stays small beside a large batch
+    if words.shape[1] <= _CHECKSUM_COLUMNS:  # one slice: three kernels
+        return (words.to(torch.int64) * weights).sum(dim=1)
+    sums = torch.zeros(words.shape[0], dtype=torch.int64, device=words.device)
+    for start in range(0, words.shape[1], _CHECKSUM_COLUMNS):
+        part = slice(start, start + _CHECKSUM_COLUMNS)
+        sums += (words[:, part].to(torch.int64) * weights[part]).sum(dim=1)
+    return sums
+
+
+def fold_checksum(positions: list[int], sums: list[int]) -> int:
+    """The 32-bit checksum of kept values at `positions` (in order) with row sums `sums`."""
+    h = 0
+    for position, s in zip(positions, sums):
+        h = (h * 1_000_003 + position * 7919 + s) % _MERSENNE_61
+    return (h ^ (h >> 32)) & 0xFFFFFFFF

@@ -1,0 +1,40 @@
+"""The m(ξ) checksum: exact integer sums that see any changed 16-bit word, the same in slices as in one piece, and
+folded in sample order (a value not kept counts as absent)."""
+
+import pytest
+import torch
+
+from aqpipe.compress.link import checksum
+from aqpipe.compress.link.checksum import fold_checksum, row_sums, store_checksum
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_any_one_changed_word_changes_its_rows_sum_and_no_other(dtype):
+    values = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0)).to(dtype)
+    before = row_sums(values)
+    words = values.view(torch.int16).reshape(3, -1)
+    for position in (0, 17, words.shape[1] - 1):
+        changed = words.clone()
+        changed[1, position] ^= 1  # the lowest bit of one word
+        after = row_sums(changed.view(dtype).view(values.shape))
+        assert after[1] != before[1] and after[0] == before[0] and after[2] == before[2]
+
+
+def test_minus_zero_is_not_zero():
+    assert row_sums(torch.tensor([[0.0]]).half()) != row_sums(torch.tensor([[-0.0]]).half())
+
+
+def test_a_value_summed_in_slices_gives_the_sums_of_one_piece(monkeypatch):
+    values = torch.randn(2, 1000, generator=torch.Generator().manual_seed(1)).half()
+    whole = row_sums(values)
+    monkeypatch.setattr(checksum, "_CHECKSUM_COLUMNS", 64)  # 16 slices, the last ragged
+    assert torch.equal(row_sums(values), whole)
+
+
+def test_the_checksum_folds_the_kept_values_in_sample_order():
+    a, b = torch.randn(4, 3).half(), torch.randn(4, 3).half()
+    assert store_checksum([a, None, b]) == fold_checksum([0, 2], row_sums(torch.stack([a, b])).tolist())
+    assert store_checksum([a, None, b]) != store_checksum([b, None, a])  # the same values, other samples
+    assert store_checksum([a, None, b]) != store_checksum([a, b, None])  # kept by other samples
+    assert store_checksum([None, None]) == 0
+    assert 0 <= store_checksum([a, b]) < 2**32
