@@ -6,7 +6,7 @@ import torch
 
 from aqpipe.compress.link.codecs import CodecError, build_codec
 from aqpipe.pipeline.transport import KIND_ACTIVATION, Header
-from tests.test_codecs import send
+from tests.codec_cases import send
 
 
 def sink_activations() -> torch.Tensor:

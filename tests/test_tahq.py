@@ -120,15 +120,15 @@ def test_the_layout_of_each_sample_is_read_on_the_bytes_as_they_arrived(monkeypa
     """A row's length varies with its rotated tiles. Read on the stage's GPU, the maps made the host wait for the
     GPU once per sample; read where the bytes arrived (the host), before they go to the device, they cost no wait."""
     from aqpipe.compress.link import tahq
-    from tests.test_codecs import _device_moves, _reads
+    from tests.codec_cases import device_moves, device_reads
 
     torch.manual_seed(5)
     x = torch.randn(3, 10, 128)
     x[1, :, 70] *= 50.0
     codec, payload, header = _message(x)
     expected = codec.decode(header, payload, torch.arange(3))
-    reads = _reads(monkeypatch)
-    moved = _device_moves(monkeypatch, reads, tahq)
+    reads = device_reads(monkeypatch)
+    moved = device_moves(monkeypatch, reads, tahq)
     y = codec.decode(header, payload, torch.arange(3))
     assert torch.equal(y, expected)
     assert reads and moved[0] == len(reads)  # no read of the payload's values after it was handed to the device
