@@ -96,6 +96,53 @@ def test_aqsgd_replayed_from_cuda_graphs_sends_and_keeps_the_bits_of_its_ops(mon
     assert {"delta-encode", "delta-decode"} <= kinds and (first_sight == "fp32" or "first-encode" in kinds)
 
 
+@needs_cuda
+@pytest.mark.parametrize("first_sight", ["fp32", "rtq:4"])
+def test_a_steady_aqsgd_message_on_slabs_waits_for_the_gpu_once_a_side(monkeypatch, first_sight):
+    """m(ξ) on the GPU as slabs and the graphs' outputs lent: a message of deltas alone (and one of first sights
+    alone) makes the host wait once on each side — the read of its verdicts and checksum sums — and sends and keeps
+    what the same link sends and keeps op by op (no graphs, nothing lent)."""
+    import warnings
+
+    from aqpipe.compress import cuda_graphs
+
+    cuda_graphs.clear()
+    links = []
+    for _ in range(2):
+        send, recv = memory_store(torch.float16, DEVICE, 16), memory_store(torch.float16, DEVICE, 16)
+        links.append([build_codec("aqsgd:3", "fw", StoreView(send, 0, "send"), QuantOptions(), device=DEVICE,
+                                  first_sight=first_sight),
+                      build_codec("aqsgd:3", "fw", StoreView(recv, 0, "recv"), QuantOptions(), device=DEVICE,
+                                  first_sight=first_sight)])
+    x = torch.randn(8, 64, 576, device=DEVICE)
+    waits = {}
+    for visit in range(6):  # first sights (new samples, three times: the third replays), then deltas
+        ids = torch.arange(4) + (4 * visit if visit < 3 else 0)
+        x[:4] += 0.1 * torch.randn_like(x[:4])
+        results = []
+        for switch, (sender, receiver) in zip(("1", "0"), links):
+            monkeypatch.setenv(cuda_graphs.SWITCH, switch)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    encoded = sender.encode(x[:4], ids, compress=True)
+                    encode_waits = sum("synchronizing" in str(w.message) for w in caught)
+                    out = receiver.decode(_header(encoded, sender), encoded.payload, ids)
+                    decode_waits = sum("synchronizing" in str(w.message) for w in caught) - encode_waits
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            results.append((encoded.payload, torch.tensor(encoded.codec_check), out))
+            if switch == "1":
+                waits[visit] = (encode_waits, decode_waits)
+        for a, b in zip(*results):
+            assert torch.equal(a.cpu(), b.cpu()), visit
+    assert waits[2] == waits[5] == (1, 1), waits  # a replayed message of first sights, then of deltas
+    for end, side in ((0, "send"), (1, "recv")):  # each side's m(ξ) of all twelve samples, graphed and op by op
+        graphed, op_by_op = (link[end].view.store.gather(0, side, list(range(12))) for link in links)
+        assert torch.equal(graphed, op_by_op)
+
+
 _FAILED_CAPTURE = """
 import logging, torch
 from aqpipe.compress.cuda_graphs import captured, graphed
