@@ -82,6 +82,17 @@ def test_a_sample_kept_again_with_another_shape_moves_and_mixed_shapes_are_named
         store.gather(0, "send", [0, 1])
 
 
+def test_the_hint_sizes_a_link_sides_first_slab_only():
+    """The hint is the samples a link side will see: a value shape seen later (were there one) must not take as
+    many rows again."""
+    store = SlabStore(torch.float16, "cpu", rows_hint=100)
+    store.scatter(0, "send", [0], _batch(1, 0))
+    store.scatter(0, "send", [1], _batch(1, 1, shape=(3, 8)))
+    store.scatter(0, "recv", [0], _batch(1, 2))
+    rows = {key: slab.rows.shape[0] for key, slab in store._slabs.items()}
+    assert rows == {(0, "send", (6, 8)): 100, (0, "send", (3, 8)): 16, (0, "recv", (6, 8)): 100}
+
+
 def test_a_value_of_another_dtype_is_refused():
     store = SlabStore(torch.float16, "cpu")
     with pytest.raises(TypeError, match="keeps torch.float16"):

@@ -26,19 +26,20 @@ FIRST_ROWS = 16  # a slab's rows when no hint was given
 
 @dataclass
 class _Slab:
-    """The values of one link side and shape: `rows[slot]` is a sample's m(ξ); `free` lists the slots not in use."""
+    """The values of one link side and shape: `rows[slot]` is a sample's m(ξ); `free` lists the slots not in use;
+    `hint`: the rows it is first given (0: `FIRST_ROWS`)."""
 
     rows: torch.Tensor
+    hint: int = 0
     free: list[int] = field(default_factory=list)
 
-    def take(self, count: int, hint: int) -> list[int]:
-        """`count` free slots, growing the slab when too few are free: at first to `hint` rows (`FIRST_ROWS` without
-        one), then by half again."""
+    def take(self, count: int) -> list[int]:
+        """`count` free slots, growing the slab when too few are free: at first to its hint, then by half again."""
         if count == 0:
             return []
         if len(self.free) < count:
             old = self.rows.shape[0]
-            new = max(old + count - len(self.free), old + old // 2, hint or FIRST_ROWS)
+            new = max(old + count - len(self.free), old + old // 2, self.hint or FIRST_ROWS)
             grown = self.rows.new_empty((new, *self.rows.shape[1:]))
             grown[:old].copy_(self.rows)
             self.rows = grown
@@ -93,11 +94,13 @@ class SlabStore:
             return
         slab_key = (link, side, tuple(values.shape[1:]))
         slab = self._slabs.get(slab_key)
-        if slab is None:
-            slab = self._slabs[slab_key] = _Slab(values.new_empty((0, *values.shape[1:]), device=self.device))
+        if slab is None:  # the hint sizes a link side's first slab (a value shape seen later starts small)
+            first = not any(key[:2] == (link, side) for key in self._slabs)
+            slab = self._slabs[slab_key] = _Slab(values.new_empty((0, *values.shape[1:]), device=self.device),
+                                                 self.rows_hint if first else 0)
         places = [self._index.get(key) for key in keys]
         new = sum(1 for place in places if place is None or place[0] != slab_key)
-        taken = iter(slab.take(new, self.rows_hint))  # (first: growing may fail, and nothing has changed yet)
+        taken = iter(slab.take(new))  # (first: growing may fail, and nothing has changed yet)
         slots = []
         for key, place in zip(keys, places):
             if place is not None and place[0] == slab_key:
