@@ -80,8 +80,7 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
     writes them anew — a copy call saved per output. The graph's lock covers its replay, not those uses: only a
     signature that one thread calls (a codec's own, on its compute thread) may be borrowed."""
     device = tensors[0].device
-    if (not _replays_on(device) or any(t.device != device for t in tensors) or not enabled() or _cache.failed
-            or getattr(_capturing, "now", False)):
+    if not may_replay(device) or any(t.device != device for t in tensors) or getattr(_capturing, "now", False):
         return fn(*tensors)  # (inside another graph's capture: its kernels become part of that graph)
     signature = (key, _stream_id(device), *((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors))
     entry = _cache.graphs.get(signature)

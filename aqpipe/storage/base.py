@@ -33,6 +33,13 @@ class StoreStats:
     def as_dict(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "reseeded": self.reseeded, "overflow": self.overflow}
 
+    def looked_up(self, found: list[bool]) -> list[bool]:
+        """Count a lookup's answers (whether each sample had m(ξ)) as hits and misses; returns them."""
+        hits = sum(found)
+        self.hits += hits
+        self.misses += len(found) - hits
+        return found
+
 
 class MessageStore(Protocol):
     """m(ξ) for every (link, side, sample id) this rank holds; values are kept in the store's dtype."""

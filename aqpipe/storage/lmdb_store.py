@@ -120,10 +120,7 @@ class LMDBStore:
                 if value is not None:
                     self._read_ahead[key] = value
                 found.append(value is not None)
-        hits = sum(found)
-        self.stats.hits += hits
-        self.stats.misses += len(found) - hits
-        return found
+        return self.stats.looked_up(found)
 
     def get(self, link: int, side: str, ids: Sequence[int]) -> list[torch.Tensor]:
         out = []

@@ -59,11 +59,7 @@ class MemoryStore:
         self._crossing: tuple[list[tuple[int, str, int]], list[torch.Tensor], Landing | None] | None = None
 
     def contains(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
-        found = [(link, side, int(i)) in self._values for i in ids]
-        hits = sum(found)
-        self.stats.hits += hits
-        self.stats.misses += len(found) - hits
-        return found
+        return self.stats.looked_up([(link, side, int(i)) in self._values for i in ids])
 
     def get(self, link: int, side: str, ids: Sequence[int]) -> list[torch.Tensor]:
         self._land()

@@ -132,11 +132,7 @@ class SlabStore:
 
     # -- the message store's calls ---------------------------------------------------------------------------------
     def contains(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
-        found = [(link, side, int(i)) in self._index for i in ids]
-        hits = sum(found)
-        self.stats.hits += hits
-        self.stats.misses += len(found) - hits
-        return found
+        return self.stats.looked_up([(link, side, int(i)) in self._index for i in ids])
 
     def get(self, link: int, side: str, ids: Sequence[int]) -> list[torch.Tensor]:
         """m(ξ) of each id, a copy of its own (a later put leaves it as it was)."""
