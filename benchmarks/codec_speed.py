@@ -53,8 +53,11 @@ def measure_stream(fn, calls: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def time_pair(sender, receiver, x: torch.Tensor, ids: torch.Tensor, device: torch.device) -> tuple[float, float]:
-    """Seconds of one AQ-SGD encode and of the decode of what it sent (the GPU synchronized around each)."""
+def time_pair(sender, receiver, x: torch.Tensor, ids: torch.Tensor, device: torch.device, pageable: bool = False
+              ) -> tuple[float, float]:
+    """Seconds of one AQ-SGD encode and of the decode of what it sent (the GPU synchronized around each). The
+    decoder gets the bytes as a GPU's inbox receives them, page-locked (the encoder's own pinned copy), or with
+    `pageable` as it received them before (ordinary host memory)."""
     from aqpipe.pipeline.transport import Header
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -62,38 +65,44 @@ def time_pair(sender, receiver, x: torch.Tensor, ids: torch.Tensor, device: torc
     start = time.perf_counter()
     encoded = sender.encode(x, ids, compress=True)
     sync()
+    payload = encoded.payload.clone() if pageable else encoded.payload
     middle = time.perf_counter()
-    receiver.decode(Header.for_encoded(encoded, sender.code), encoded.payload, ids)
+    receiver.decode(Header.for_encoded(encoded, sender.code), payload, ids)
     sync()
     return middle - start, time.perf_counter() - middle
 
 
 def measure_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, repeats: int,
-                  device: torch.device) -> tuple[float, float]:
+                  device: torch.device, pageable: bool = False) -> tuple[float, float]:
     """Median seconds of AQ-SGD's encode and of its decode, timed message by message: every message the sender
     encodes is decoded once, in order, so the two copies of m(ξ) move together (decoding one message twice would
     apply its delta twice, and the checksum would say so). The first three pairs are not timed."""
-    times = [time_pair(sender, receiver, x, ids, device) for _ in range(repeats + 3)]
+    times = [time_pair(sender, receiver, x, ids, device, pageable) for _ in range(repeats + 3)]
     timed = times[3:]  # the first seeds m(ξ), the second warms the delta path, the third captures its CUDA graphs
     return statistics.median(t for t, _ in timed), statistics.median(t for _, t in timed)
 
 
 def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) -> list[dict]:
     """AQ-SGD's whole encode (delta, quantize, pack, m(ξ) update, checksum, bytes to the host) and decode, m(ξ) kept
-    as a run keeps it on the device (on a GPU: slabs); at 3 bits also kept a tensor per sample (the store before
-    slabs), for a paired comparison."""
+    as `--store-device cuda` keeps it (on a GPU: slabs); at 3 bits, for paired comparisons, also kept a tensor per
+    sample (the store before slabs), and on a GPU decoded from pageable bytes (as received before inboxes pinned)
+    and kept in host RAM (the default `--store-device cpu`)."""
     from aqpipe.compress.link.codecs import build_codec
     from aqpipe.storage import MemoryStore, StoreView, memory_store
 
     mb = x.numel() * 4 / 1e6
     ids = torch.arange(x.shape[0])
     rows = []
-    for bits, kept, label in [(2, memory_store, ""), (3, memory_store, ""), (4, memory_store, ""),
-                              (8, memory_store, ""), (3, MemoryStore, ", a tensor per sample")]:
+    variants = [(2, memory_store, ""), (3, memory_store, ""), (4, memory_store, ""), (8, memory_store, ""),
+                (3, MemoryStore, ", a tensor per sample")]
+    if device.type == "cuda":
+        variants += [(3, memory_store, ", bytes received pageable"),
+                     (3, lambda dtype, _: MemoryStore(dtype, "cpu"), ", m(xi) in host RAM")]
+    for bits, kept, label in variants:
         send, recv = kept(torch.float16, device), kept(torch.float16, device)
         sender = build_codec(f"aqsgd:{bits}", "fw", StoreView(send, 0, "send"), QuantOptions(per=per), device=device)
         receiver = build_codec(f"aqsgd:{bits}", "fw", StoreView(recv, 0, "recv"), QuantOptions(per=per), device=device)
-        enc, dec = measure_pairs(sender, receiver, x, ids, repeats, device)
+        enc, dec = measure_pairs(sender, receiver, x, ids, repeats, device, pageable="pageable" in label)
         rows.append({"bits": bits, "rounding": f"aqsgd codec{label}", "encode_MBps": mb / enc, "decode_MBps": mb / dec})
         print(f"aqsgd:{bits} whole codec{label}   encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s",
               flush=True)

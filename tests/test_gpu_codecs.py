@@ -294,3 +294,32 @@ def test_aqsgd_through_the_fused_kernels_in_graphs_keeps_the_bits_of_the_torch_o
         values = [store.get(0, side, [i])[0] for _, _, send, recv, _ in links for store, side in ((send, "send"),
                                                                                               (recv, "recv"))]
         assert all(torch.equal(values[0], v) for v in values[1:])
+
+
+@needs_cuda
+def test_a_gpu_receivers_message_lands_in_page_locked_memory_and_decodes_as_from_any_memory():
+    import socket
+
+    from aqpipe.pipeline import transport as t
+
+    sender, receiver = socket.socketpair()
+    box = t.Outbox(sender, "rank 1", timeout=30)
+    inbox = t.Inbox(receiver, "rank 0", 30, torch.device(DEVICE))
+    ends = [build_codec("aqsgd:3", "fw", StoreView(memory_store(torch.float16, DEVICE, 8), 0, side), QuantOptions(),
+                        device=DEVICE) for side in ("send", "recv", "recv")]
+    x, ids = torch.randn(4, 16, 32, device=DEVICE), torch.arange(4)
+    for visit in range(3):  # a first sight, then deltas
+        encoded = ends[0].encode(x + 0.01 * visit, ids, compress=True)
+        header = _header(encoded, ends[0])
+        inbox.expect(t.Expect(t.KIND_ACTIVATION, visit, 0, 4, check=ends[1].check_header))
+        box.send(t.Header(t.KIND_ACTIVATION, visit, 0, header.shape, header.dtype, 4, encoded.payload_len,
+                          codec=header.codec, codec_check=header.codec_check, flags=header.flags), ids,
+                 encoded.payload, ready=encoded.ready)
+        message = inbox.get()
+        assert message.payload.is_pinned() and torch.equal(message.payload, encoded.payload)
+        pageable = message.payload.clone()
+        assert not pageable.is_pinned()
+        assert torch.equal(ends[1].decode(message.header, message.payload, message.ids),
+                           ends[2].decode(message.header, pageable, message.ids))
+    box.close()
+    inbox.close()

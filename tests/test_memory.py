@@ -167,3 +167,39 @@ def test_compact_all_copies_borrowed_rows_together_and_keeps_owned_values():
     for row, value in zip(batch, kept[:3]):
         assert torch.equal(row, value) and value.untyped_storage().nbytes() == value.numel() * 2
         assert value.untyped_storage().data_ptr() != batch.untyped_storage().data_ptr()
+
+
+def test_host_values_bound_for_a_gpu_are_stacked_into_page_locked_memory_and_copied_without_a_wait(monkeypatch):
+    """m(ξ) kept in host RAM for a GPU's codec (the default store on a CUDA run) goes to the GPU as one batch; from
+    pageable memory that copy holds the host while the driver stages it, so the batch is stacked into a pinned block
+    and copied from there, queued. (On the host: the pinned allocation and the GPU copy are recorded stand-ins.)"""
+    from aqpipe.storage.base import StoreView, stacked_on
+
+    pinned, copies = [], []
+    real_empty, real_to = torch.empty, torch.Tensor.to
+
+    def empty(*args, pin_memory=False, **kwargs):
+        out = real_empty(*args, **kwargs)
+        if pin_memory:
+            pinned.append(out)
+        return out
+
+    def to(self, *args, **kwargs):
+        if args and isinstance(args[0], torch.device) and args[0].type == "cuda":
+            copies.append((self, kwargs.get("non_blocking", False)))
+            return self
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    values = [torch.randn(5, 3).half() for _ in range(4)]
+    batch = stacked_on(values, torch.device("cuda"))
+    assert len(pinned) == 1 and copies == [(pinned[0], True)] and batch is pinned[0]
+    assert torch.equal(batch, torch.stack(values))
+    store = MemoryStore(torch.float16)
+    store.put(0, "send", [3, 1], values[:2])
+    assert torch.equal(StoreView(store, 0, "send").gather([1, 3], torch.device("cuda")), torch.stack(values[1::-1]))
+    assert len(pinned) == 2 and len(copies) == 2
+    for device in (None, torch.device("cpu")):  # for the host itself: a plain stack, nothing pinned or copied
+        assert torch.equal(stacked_on(values, device), torch.stack(values))
+    assert len(pinned) == 2 and len(copies) == 2

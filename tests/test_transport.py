@@ -272,3 +272,28 @@ def test_an_encoded_messages_payload_is_read_only_after_its_copy_lands():
     encoded = Encoded(host, (8,), torch.uint8, ready=_LandsWhenWaited(host, 3))
     assert encoded.payload_len == 8 and not encoded.ready.waited  # the length is known before the bytes
     assert encoded.payload.tolist() == [3] * 8
+
+
+def test_a_host_receivers_message_lands_in_ordinary_memory_and_arrives_intact():
+    import socket
+
+    sender, receiver = socket.socketpair()
+    # a receiver that decodes on the host never pins (its device is not a GPU's)
+    box, inbox = t.Outbox(sender, "rank 1", timeout=10), t.Inbox(receiver, "rank 0", 10, torch.device("cpu"))
+    assert inbox.device is None
+    payload = torch.arange(4099, dtype=torch.int64).to(torch.uint8)  # an odd length: the side starts unaligned
+    inbox.expect(t.Expect(t.KIND_GRADIENT, 0, 0, 2, side_kinds=(t.SIDE_RESEED,)))
+    side = torch.tensor([11, 13], dtype=torch.int64).view(torch.uint8)
+    box.send(t.Header(t.KIND_GRADIENT, 0, 0, (payload.numel(),), torch.uint8, 2, payload.numel(),
+                      side_len=side.numel(), side_kind=t.SIDE_RESEED), torch.tensor([5, 9]), payload, side)
+    box.flush()
+    msg = inbox.get()
+    assert torch.equal(msg.payload, payload) and msg.ids.tolist() == [5, 9]
+    assert msg.side is not None and msg.side.view(torch.int64).tolist() == [11, 13]
+    assert not msg.payload.is_pinned()
+    box.close()
+    inbox.close()
+
+
+def test_an_empty_body_needs_no_buffer_read():
+    assert t.receive_buffer(0).numel() == 0 and t.receive_buffer(3).dtype == torch.uint8

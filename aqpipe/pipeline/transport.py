@@ -293,10 +293,13 @@ def _shutdown(stream: socket.socket) -> None:
 
 
 class Inbox:
-    """Receives messages from one peer over a stream in a background thread, in the order they are expected."""
+    """Receives messages from one peer over a stream in a background thread, in the order they are expected.
+    `device`: where the receiver decodes; a GPU's messages are received into page-locked memory (`receive_buffer`)."""
 
-    def __init__(self, stream: socket.socket, peer_name: str, timeout: float) -> None:
+    def __init__(self, stream: socket.socket, peer_name: str, timeout: float, device: torch.device | None = None
+                 ) -> None:
         self.stream, self.peer_name, self.timeout = stream, peer_name, timeout
+        self.device = device if device is not None and device.type == "cuda" else None
         self._expected: queue.Queue = queue.Queue()
         self._received: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"inbox-{peer_name}", daemon=True)
@@ -348,11 +351,11 @@ class Inbox:
         head = bytearray(HEADER_SIZE)
         self._read_into(memoryview(head))
         header = parse_header(bytes(head), self.peer_name, expect)
-        raw = bytearray(8 * header.n_ids + header.side_len + header.payload_len)
+        body = receive_buffer(8 * header.n_ids + header.side_len + header.payload_len, self.device)
         start = time.perf_counter()
-        self._read_into(memoryview(raw))
+        if body.numel():
+            self._read_into(body.numpy().data)
         transfer_seconds = time.perf_counter() - start
-        body = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         ids = body[: 8 * header.n_ids].view(torch.int64)
         payload = body[8 * header.n_ids : 8 * header.n_ids + header.payload_len]
         side = body[8 * header.n_ids + header.payload_len :]
@@ -364,6 +367,17 @@ class Inbox:
         # read as any type (a re-seed request is a list of int64 sample ids)
         return Message(header, ids, payload, HEADER_SIZE + body.numel(), side.clone() if header.side_len else None,
                        transfer_seconds)
+
+
+def receive_buffer(nbytes: int, device: torch.device | None = None) -> torch.Tensor:
+    """A flat uint8 host tensor to receive a message body into. For a GPU (`device`) it is page-locked, from torch's
+    cache of pinned blocks: the payload's copy to the GPU is then a DMA the host neither waits for nor stages through
+    a driver buffer (from pageable memory the copy holds the host until the driver has copied every byte), and the
+    block is not reused before that copy is done (torch records it)."""
+    if device is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    with torch.cuda.device(device):  # the inbox thread's allocation: in the decoding GPU's context, not GPU 0's
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def _first_line(e: BaseException) -> str:

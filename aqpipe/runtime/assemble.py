@@ -94,13 +94,13 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
             # a step's messages all queue at once (one per micro-batch), so neither end waits on the link to go on
             outbox=Outbox(streams[tied_names["grads" if first else "rows"]], peer, cfg.stall_timeout,
                           queue_size=cfg.micro_batches + 1),
-            inbox=Inbox(streams[tied_names["rows" if first else "grads"]], peer, cfg.stall_timeout),
+            inbox=Inbox(streams[tied_names["rows" if first else "grads"]], peer, cfg.stall_timeout, device),
             wire_dtype=getattr(torch, ROW_EXCHANGES[cfg.tied_exchange]))
     if before is not None:  # link stage - 1: activations in, gradients out
         peer = grid.describe(grid.prev_rank)
         links.act_in = ActivationIn(before, KIND_ACTIVATION,
                                     build_codec(cfg.fw, "fw", views["recv"], options, check, device, cfg.first_sight),
-                                    Inbox(streams[names[(before, "activation")]], peer, cfg.stall_timeout), device,
+                                    Inbox(streams[names[(before, "activation")]], peer, cfg.stall_timeout, device), device,
                                     cfg.micro_batch_size, (SIDE_MASK,))
         links.grad_out = GradientOut(before, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options, device=device),
                                      Outbox(streams[names[(before, "gradient")]], peer, cfg.stall_timeout))
@@ -110,7 +110,7 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
                                       build_codec(cfg.fw, "fw", views["send"], options, check, device, cfg.first_sight),
                                       Outbox(streams[names[(after, "activation")]], peer, cfg.stall_timeout))
         links.grad_in = GradientIn(after, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options, device=device),
-                                   Inbox(streams[names[(after, "gradient")]], peer, cfg.stall_timeout), device,
+                                   Inbox(streams[names[(after, "gradient")]], peer, cfg.stall_timeout, device), device,
                                    cfg.micro_batch_size, (SIDE_RESEED,))
     return links
 

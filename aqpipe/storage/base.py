@@ -92,13 +92,14 @@ class StoreView:
         """Replace m(ξ) of each id (values already in the store dtype)."""
         self.store.put(self.link, self.side, ids, values)
 
-    def gather(self, ids: Sequence[int]) -> torch.Tensor:
-        """m(ξ) of `ids` as one batch [B, ...] where the store keeps it (all must exist): one gather from a slab
-        store, else the values stacked."""
+    def gather(self, ids: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
+        """m(ξ) of `ids` as one batch [B, ...] on `device` (None: where the store keeps it; all must exist): one
+        gather from a slab store, else the values stacked (`stacked_on`)."""
         gather = getattr(self.store, "gather", None)
-        if gather is not None:
-            return gather(self.link, self.side, ids)
-        return torch.stack(self.store.get(self.link, self.side, ids))
+        if gather is None:
+            return stacked_on(self.store.get(self.link, self.side, ids), device)
+        batch = gather(self.link, self.side, ids)
+        return batch if device is None or batch.device == device else batch.to(device, non_blocking=True)
 
     def scatter(self, ids: Sequence[int], values: torch.Tensor) -> None:
         """Replace m(ξ) of `ids` with the rows of `values` [B, ...] (in the store dtype). The store copies them: the
@@ -121,6 +122,19 @@ class StoreView:
     def delete(self, ids: Sequence[int]) -> None:
         """Forget m(ξ) of each id."""
         self.store.delete(self.link, self.side, ids)
+
+
+def stacked_on(values: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """`values` stacked into one batch on `device` (None: where they are). Host values bound for a GPU are stacked
+    into page-locked memory (a block of torch's cache), so their one copy is a DMA the host does not wait for: from
+    pageable memory the driver holds the host until it has staged every byte (a micro-batch's m(ξ) is megabytes)."""
+    if device is None or device.type != "cuda" or any(v.device.type != "cpu" for v in values) or not values:
+        batch = torch.stack(list(values))
+        return batch if device is None else batch.to(device, non_blocking=True)
+    first = values[0]
+    host = torch.empty((len(values), *first.shape), dtype=first.dtype, pin_memory=True)
+    torch.stack(list(values), out=host)
+    return host.to(device, non_blocking=True)  # torch keeps the block from reuse until this copy is done
 
 
 def on_device(values: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:

@@ -270,7 +270,7 @@ class AQSGDCodec(LinkCodec):
     def _recall(self, ids: list[int], device: torch.device) -> torch.Tensor:
         """m(ξ) of `ids`, as one batch on `device` in the store's dtype (a slab store's one gather; from host RAM
         in one copy the host does not wait for)."""
-        return to_device(self.view.gather(ids), device)
+        return self.view.gather(ids, device)
 
     def _sendable(self, carried: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
         """Per row, on the device: the coder carried the row without clipping (its fp16 scales below 65504, a cast
