@@ -193,3 +193,29 @@ def test_a_gpu_fits_by_its_free_memory_with_a_context_and_allocator_headroom_per
     unknown = _gpu_plan(20 << 30, 4)
     cap.check_fits(unknown)
     assert "in all (free memory unknown: no pynvml)" in unknown.problems[0]
+
+
+def test_a_gpu_runs_plan_counts_what_its_codecs_cuda_graphs_hold_and_a_cpu_runs_nothing(tmp_path, monkeypatch):
+    """Each codec's CUDA graphs keep their inputs and memory pools for the run, in the GPU's memory: the plan of a
+    CUDA run counts them per stage (a middle stage runs four link ends, the first and the last two), a CPU run or
+    one with graphs off holds none."""
+    import dataclasses
+
+    cfg = flags_to_config(SMALL, tmp_path)
+    cpu = cap.plan_capacity(make_plan(cfg))
+    assert all(s.codec_bytes == 0 for s in cpu.stages)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # (the GPU check then says there is none)
+    gpu = cap.plan_capacity(make_plan(dataclasses.replace(cfg, device="cuda")))
+    graphs = [s.codec_bytes for s in gpu.stages]
+    assert graphs[1] == graphs[2] > max(graphs[0], graphs[3]) and min(graphs) > 0, graphs
+    values = 1
+    for size in gpu.links[0].activation_shape:
+        values *= size
+    assert graphs[0] >= values * (4 + 2)  # at least the copies of AQ-SGD's inputs: the activations, and m(ξ) in fp16
+    for before, after in zip(cpu.stages, gpu.stages):
+        assert after.memory_bytes - before.memory_bytes == after.codec_bytes
+    assert "codec CUDA graphs (held for the run" in cap.format_plan(gpu)
+    monkeypatch.setenv("AQPIPE_CUDA_GRAPHS", "0")
+    off = cap.plan_capacity(make_plan(dataclasses.replace(cfg, device="cuda")))
+    assert all(s.codec_bytes == 0 for s in off.stages)
+    assert "codec CUDA graphs" not in cap.format_plan(off)

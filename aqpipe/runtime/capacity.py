@@ -19,6 +19,7 @@ from functools import partial
 
 import torch
 
+from aqpipe.compress import cuda_graphs
 from aqpipe.compress.grad.base import ring_all_reduce_bytes
 from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_bytes, numel
 from aqpipe.compress.link.specs import keeps_messages
@@ -32,6 +33,7 @@ from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
 from aqpipe.pipeline.tied_rows import step_rows
 from aqpipe.pipeline.transport import HEADER_SIZE
 from aqpipe.runtime import plan as run_plan
+from aqpipe.runtime.codec_graphs import stage_graph_bytes
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan
 from aqpipe.storage.dtypes import STORE_DTYPES
 
@@ -69,6 +71,7 @@ class StageNeeds:
     micro_batches_held: int
     store_bytes: int = 0  # the m(ξ) sides this rank keeps (bytes of values; on disk under lmdb, with its headroom)
     store_where: str = "RAM"  # RAM (--store memory), GPU (--store-device cuda) or disk (--store lmdb)
+    codec_bytes: int = 0  # what its codecs' CUDA graphs hold on its GPU for the run (`aqpipe.runtime.codec_graphs`)
 
     @property
     def activation_bytes(self) -> int:
@@ -79,7 +82,7 @@ class StageNeeds:
     def memory_bytes(self) -> int:
         """What lives in the memory of the device the stage computes on (a store in host RAM counts there only on
         the CPU)."""
-        model = self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        model = self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + self.codec_bytes
         return model + (self.store_bytes if self.store_where == "GPU" else 0)
 
 
@@ -253,12 +256,13 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
     copies = state_copies(cfg)
     headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
     stages = []
+    link_shapes = [link.activation_shape for link in links]
     for s, ((params, trainable), act, _, _) in enumerate(traced):
         sides = [links[k].store_side_bytes for k in (s - 1, s) if 0 <= k < cfg.pp - 1]
         stages.append(StageNeeds(
             s, (plan.bounds[s], plan.bounds[s + 1]), params, trainable, 4 * params, 4 * trainable,
             4 * copies * trainable, act, micro_batches_held(cfg.schedule, s, cfg.pp, m),
-            int(sum(sides) * headroom), store_where(cfg)))
+            int(sum(sides) * headroom), store_where(cfg), stage_graph_bytes(cfg, s, link_shapes)))
     capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None,
                             tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch)
     check_fits(capacity)
@@ -324,7 +328,9 @@ def check_fits(capacity: CapacityPlan) -> None:
         if needed > free:
             capacity.problems.append(
                 f"cuda:{gpu} would hold about {_gb(needed)} (weights, gradients, optimizer state, activations"
-                f"{', m(xi) stores' if cfg.store_device == 'cuda' else ''} of its {len(ranks)} rank(s), with "
+                f"{', m(xi) stores' if cfg.store_device == 'cuda' else ''}"
+                f"{', codec CUDA graphs' if cuda_graphs.enabled() else ''} of its "
+                f"{len(ranks)} rank(s), with "
                 f"{_gb(CUDA_CONTEXT_BYTES)} of CUDA context each and {ALLOCATOR_HEADROOM - 1:.0%} for the caching "
                 f"allocator) but has {_gb(free)} {'free' if known else 'in all (free memory unknown: no pynvml)'}")
 
@@ -397,6 +403,9 @@ def format_plan(capacity: CapacityPlan) -> str:
             warmup = (f" ({capacity.link_bound_step_seconds(warmup=True):.2f} s during the fp32 warm-up)"
                       if cfg.warmup_epochs else "")
             lines.append(f"at --bandwidth {cfg.bandwidth}: the links alone need at least {step:.2f} s per step{warmup}")
+    if any(s.codec_bytes for s in capacity.stages):
+        lines.append("codec CUDA graphs (held for the run, in each rank's GPU memory): "
+                     + ", ".join(f"stage {s.stage} {_gb(s.codec_bytes)}" for s in capacity.stages))
     total = sum(s.memory_bytes for s in capacity.stages) * cfg.dp
     ram_stores = sum(s.store_bytes for s in capacity.stages if s.store_where == "RAM") * cfg.dp
     lines += ["", f"in memory: {_gb(total)} on the {'host' if cfg.device == 'cpu' else 'GPUs'} over {cfg.world_size} "

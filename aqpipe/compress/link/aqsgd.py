@@ -25,6 +25,7 @@ import torch
 
 from aqpipe.compress import fused
 from aqpipe.compress.cuda_graphs import forget, graphed, may_replay
+from aqpipe.compress.graph_memory import GraphCall, stand_in
 from aqpipe.compress.link.aqsgd_rows import (
     LOSSLESS_MODES,
     MODE_DELTA,
@@ -69,6 +70,7 @@ from aqpipe.compress.link.sample_coders import (
     RotatedCoder,
     SampleCoder,
     batch_problem,
+    coder_call,
     sample_coder,
 )
 from aqpipe.compress.link.specs import CodecSpec
@@ -215,6 +217,24 @@ class AQSGDCodec(LinkCodec):
         if not self._replayable:
             return fn(*tensors)
         return graphed((self._graphs, kind), fn, *tensors, borrow=borrow)
+
+    def graph_calls(self, shape: tuple[int, ...], sending: bool) -> list[GraphCall]:
+        """Every graph a message of `shape` may replay at this end: deltas, lossless seeds and, with a first-sight
+        coder, first sights — encoded (sending) or decoded (none where a part rounds stochastically)."""
+        if not self._replayable:
+            return []
+        x, m_old = stand_in(shape, torch.float32), stand_in(shape, self.view.dtype)
+        calls = [GraphCall("seed", self._seeds, (x,))]
+        if sending:
+            calls.append(GraphCall("delta-encode", self._delta_rows, (x, m_old)))
+            if self.first_sight is not None:
+                calls.append(GraphCall("first-encode", self._first_rows, (x,)))
+            return calls
+        rows = stand_in((shape[0], self.delta.sample_bytes(shape)), torch.uint8)
+        calls.append(GraphCall("delta-decode", self._delta_values, (rows, m_old)))
+        if hasattr(self.first_sight, "_decode"):  # a quantizing first-sight coder's decode is a graph of its own
+            calls.append(coder_call("decode", self.first_sight, shape))
+        return calls
 
     def _delta_rows(self, x: torch.Tensor, m_old: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Known samples `x` against their m(ξ) (`m_old`, in the store's dtype): the payload of a message of them all

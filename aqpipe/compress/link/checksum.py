@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 _MERSENNE_61 = (1 << 61) - 1
-_CHECKSUM_COLUMNS = 1 << 20
+_CHECKSUM_ELEMENTS = 1 << 20  # words summed per slice: its int64 temporaries take 16 MB, whatever the batch
 _position_weights: dict[tuple[int, str], torch.Tensor] = {}
 
 
@@ -42,13 +42,16 @@ def row_sums(values: torch.Tensor) -> torch.Tensor:
     `store_checksum` folds, formed before anything is read so that it can cross to the host with other numbers."""
     words = values.contiguous().view(torch.int16).reshape(values.shape[0], -1)
     weights = _weights(words.shape[1], words.device)
-    # |word| < 2^15 and weight < 2^16: each row's sum stays below 2^63 for up to 2^31 words (8 GB per sample); the
-    # int64 products are formed a slice of columns at a time, so the transient stays small beside a large batch
-    if words.shape[1] <= _CHECKSUM_COLUMNS:  # one slice: three kernels
+    # |word| < 2^15 and weight < 2^16: each row's sum stays below 2^63 for up to 2^31 words (8 GB per sample). The
+    # int64 words and products are formed a slice of columns at a time, sized so that a slice of the whole batch has
+    # `_CHECKSUM_ELEMENTS` words: a codec's CUDA graph keeps its call's peak for the run, and a micro-batch of
+    # activations at once would be four times the batch's own bytes
+    columns = max(1, _CHECKSUM_ELEMENTS // max(1, words.shape[0]))
+    if words.shape[1] <= columns:  # one slice: three kernels
         return (words.to(torch.int64) * weights).sum(dim=1)
     sums = torch.zeros(words.shape[0], dtype=torch.int64, device=words.device)
-    for start in range(0, words.shape[1], _CHECKSUM_COLUMNS):
-        part = slice(start, start + _CHECKSUM_COLUMNS)
+    for start in range(0, words.shape[1], columns):
+        part = slice(start, start + columns)
         sums += (words[:, part].to(torch.int64) * weights[part]).sum(dim=1)
     return sums
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from aqpipe.compress.graph_memory import GraphCall
 from aqpipe.compress.link.specs import CODEC_KINDS, CodecError, CodecSpec, parse_spec
 from aqpipe.compress.quantize import DEFAULT_GRID
 
@@ -181,6 +182,12 @@ class LinkCodec:
         codec = cls.from_spec(spec, CodecParts("fw" if "fw" in CODEC_KINDS[spec.kind].directions else "bw",
                                                None, options, True, HOST, first_sight))
         return codec.payload_bytes(SimpleNamespace(shape=shape, dtype=lossless_dtype(dtype)))
+
+    def graph_calls(self, shape: tuple[int, ...], sending: bool) -> list[GraphCall]:
+        """The calls a message of `shape` may replay as CUDA graphs on a GPU at this codec's sending (or receiving)
+        end, with stand-in inputs (`aqpipe.compress.graph_memory`, which the capacity plan measures them with): none
+        unless the codec replays graphs."""
+        return []
 
     def forget(self, ids: list[int]) -> None:
         """Sender side of a re-seed: drop the m(ξ) of samples the receiver lacks (nothing to drop unless the codec

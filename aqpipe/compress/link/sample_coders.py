@@ -17,6 +17,7 @@ import torch
 from aqpipe.compress import fused
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
 from aqpipe.compress.cuda_graphs import graphed
+from aqpipe.compress.graph_memory import GraphCall, stand_in
 from aqpipe.compress.link.codecs import (
     CODE_DIRECTQ,
     CODE_RTQ,
@@ -292,6 +293,23 @@ class CoderCodec(LinkCodec):
 
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor, layout: Any = None) -> torch.Tensor:
         return self.coder.decode(payload.view(header.shape[0], -1), header.shape)
+
+    def graph_calls(self, shape: tuple[int, ...], sending: bool) -> list[GraphCall]:
+        """The coder's encode of a float32 batch (sending), or its decode of the batch's rows (none where it rounds
+        stochastically: then nothing is replayed)."""
+        if self.coder.options.stochastic:
+            return []
+        if sending:
+            return [coder_call("encode", self.coder, shape)]
+        return [coder_call("decode", self.coder, shape)]
+
+
+def coder_call(what: str, coder: Any, shape: tuple[int, ...]) -> GraphCall:
+    """The graph a sample coder's encode (of a float32 batch of `shape`) or decode (of its rows) replays."""
+    if what == "encode":
+        return GraphCall("encode", lambda x: coder._encode(x, False)[:1], (stand_in(shape, torch.float32),))
+    rows = stand_in((shape[0], coder.sample_bytes(shape)), torch.uint8)
+    return GraphCall("decode", lambda r: (coder._decode(r, shape),), (rows,))
 
 
 def sample_coder(spec: str, options: QuantOptions | None = None, generator: torch.Generator | None = None

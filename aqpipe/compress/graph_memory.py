@@ -1,0 +1,99 @@
+"""What the codecs' CUDA graphs hold on a GPU, worked out on the meta device, for the capacity plan.
+
+A captured call (`aqpipe.compress.cuda_graphs`) keeps, for its codec's life, copies of its inputs and a memory pool
+of its own, which holds every block the call had allocated at the moment it held the most — its outputs included —
+since a pool lends its blocks to no other graph and no other tensor. A codec names the calls a message of a given
+shape may replay (`LinkCodec.graph_calls`); each runs here once on meta tensors while every storage its ops create is
+counted from its first op to the death of its last tensor, block sizes rounded as CUDA's caching allocator rounds
+them. Where a fused kernel would run on the GPU the count is of the op-by-op path, which holds more: the plan errs
+towards saying a run needs more memory, not less.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+BLOCK = 512  # CUDA's caching allocator rounds every block up to a multiple of this
+
+
+@dataclass(frozen=True)
+class GraphCall:
+    """One call a codec may replay as a CUDA graph: its name, its function (a pure function of its tensors, as
+    `graphed` requires) and stand-in inputs of the shapes and dtypes a message gives it (meta tensors)."""
+
+    name: str
+    fn: Callable[..., tuple[torch.Tensor, ...]]
+    inputs: tuple[torch.Tensor, ...]
+
+
+def stand_in(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` with no memory behind it, to run a graph's call on."""
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def held_bytes(call: GraphCall) -> int:
+    """Device bytes the graph of `call` holds once captured: its inputs' copies and the most its ops held at once."""
+    inputs = sum(_rounded(t.untyped_storage().nbytes()) for t in call.inputs)
+    meter = _LiveBytes(call.inputs)
+    with meter:
+        outputs = call.fn(*call.inputs)
+    del outputs
+    return inputs + meter.peak
+
+
+def graphs_bytes(calls: list[GraphCall]) -> int:
+    """Device bytes the graphs of `calls` hold together (each pool is its own)."""
+    return sum(held_bytes(call) for call in calls)
+
+
+def _rounded(nbytes: int) -> int:
+    return max(BLOCK, -(-nbytes // BLOCK) * BLOCK)
+
+
+def _key(t: torch.Tensor) -> int:
+    """A storage's identity (views share it)."""
+    return t.untyped_storage()._cdata
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The most bytes of storage the ops run under it held at once: a storage counts from the op that made it until
+    the last tensor on it dies; views of tensors from outside (the inputs, cached tables) count nothing."""
+
+    def __init__(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        self._live: dict[int, list[int]] = {}  # storage -> [bytes, tensors on it not yet dead]
+        self._outside = {_key(t) for t in inputs}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = self._outside | {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t, given)
+        return out
+
+    def _track(self, t: torch.Tensor, given: set[int]) -> None:
+        key = _key(t)
+        entry = self._live.get(key)
+        if entry is None:
+            if key in given:  # a view of, or an in-place op on, a tensor this call did not make
+                return
+            entry = self._live[key] = [_rounded(t.untyped_storage().nbytes()), 0]
+            self.now += entry[0]
+            self.peak = max(self.peak, self.now)
+        entry[1] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self._live[key]

@@ -1,0 +1,40 @@
+"""What the codecs' CUDA graphs hold on a stage's GPU, for the capacity plan.
+
+A rank of stage s runs four link ends at most: it sends activations down link s and receives their gradients back,
+and receives activations from link s − 1 and sends their gradients up. On a GPU each end's codec replays CUDA
+graphs (`aqpipe.compress.cuda_graphs`), and each graph keeps its inputs' copies and its memory pool for the run —
+for AQ-SGD at a micro-batch of 8 × 1024 × 576 a few hundred MB a rank, the same order as a stage's weights. Each
+end's graphs are measured on the meta device (`aqpipe.compress.graph_memory`) at its link's micro-batch shape.
+"""
+
+from __future__ import annotations
+
+from aqpipe.compress import cuda_graphs
+from aqpipe.compress.graph_memory import graphs_bytes
+from aqpipe.compress.link.codecs import QuantOptions, build_codec
+from aqpipe.compress.link.specs import keeps_messages
+from aqpipe.config import ResolvedConfig
+from aqpipe.storage import MemoryStore, StoreView
+from aqpipe.storage.encoding import value_dtype
+
+
+def stage_graph_bytes(cfg: ResolvedConfig, stage: int, link_shapes: list[tuple[int, ...]]) -> int:
+    """Device bytes one rank of `stage` holds in its codecs' CUDA graphs (`link_shapes[k]`: link k's micro-batch
+    activation shape): 0 where codecs replay no graphs (a CPU run, `AQPIPE_CUDA_GRAPHS=0`)."""
+    if cfg.device != "cuda" or not cuda_graphs.enabled():
+        return 0
+    ends = []  # (link, spec, direction, sending)
+    if stage < len(link_shapes):
+        ends += [(stage, cfg.fw, "fw", True), (stage, cfg.bw, "bw", False)]
+    if stage > 0:
+        ends += [(stage - 1, cfg.fw, "fw", False), (stage - 1, cfg.bw, "bw", True)]
+    options = QuantOptions.of(cfg)
+    total = 0
+    for link, spec, direction, sending in ends:
+        view = None
+        if keeps_messages(spec, direction):
+            view = StoreView(MemoryStore(value_dtype(cfg.store_dtype)), link, "send" if sending else "recv")
+        codec = build_codec(spec, direction, view, options, first_sight=cfg.first_sight)
+        total += graphs_bytes(codec.graph_calls(link_shapes[link], sending))
+    return total
+

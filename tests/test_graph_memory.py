@@ -1,0 +1,113 @@
+"""What the codecs' CUDA graphs hold, measured on the meta device: the most a call holds at once plus its inputs'
+copies; views and in-place ops on what the call was given count nothing; and every graph a codec really replays is
+one its `graph_calls` names, of the same input shapes."""
+
+import pytest
+import torch
+
+from aqpipe.compress import graph_memory as gm
+from aqpipe.compress.link import aqsgd, sample_coders
+from aqpipe.compress.link.codecs import QuantOptions, build_codec
+from aqpipe.pipeline.transport import Header
+from aqpipe.storage import MemoryStore, StoreView
+
+MB = 1 << 20
+
+
+def test_a_call_holds_its_inputs_copies_and_the_most_it_had_alive_at_once():
+    def twice_plus_one(x):
+        doubled = x * 2  # 4 MB
+        result = doubled + 1  # 4 MB more: 8 MB held at this point
+        del doubled
+        return (result.sum(0),)  # 4 kB beside result's 4 MB: less than the 8 MB before
+
+    x = gm.stand_in((1024, 1024), torch.float32)
+    assert gm.held_bytes(gm.GraphCall("f", twice_plus_one, (x,))) == 4 * MB + 8 * MB
+
+
+def test_views_and_in_place_ops_on_what_the_call_was_given_count_nothing():
+    def views(x):
+        x.add_(1)
+        return (x[0], x.view(-1), x.float())  # (float() of a float32 tensor is the tensor itself)
+
+    x = gm.stand_in((256, 1024), torch.float32)
+    assert gm.held_bytes(gm.GraphCall("views", views, (x,))) == MB  # the input's copy alone
+
+
+def test_blocks_are_rounded_as_cudas_caching_allocator_rounds_them():
+    x = gm.stand_in((3,), torch.uint8)
+    assert gm.held_bytes(gm.GraphCall("tiny", lambda t: (t + 1,), (x,))) == 2 * gm.BLOCK
+
+
+def _recording(monkeypatch) -> set:
+    """Record (graph name, input shapes and dtypes) of every call the codecs hand to `graphed` outside another such
+    call (on a GPU a call inside another's capture becomes part of that graph)."""
+    seen = set()
+    depth = [0]
+
+    def graphed(key, fn, *tensors, borrow=False):
+        if not depth[0]:
+            seen.add((key[1], tuple((tuple(t.shape), t.dtype) for t in tensors)))
+        depth[0] += 1
+        try:
+            return fn(*tensors)
+        finally:
+            depth[0] -= 1
+
+    monkeypatch.setattr(aqsgd, "graphed", graphed)
+    monkeypatch.setattr(sample_coders, "graphed", graphed)
+    return seen
+
+
+def _named(calls) -> set:
+    return {(c.name, tuple((tuple(t.shape), t.dtype) for t in c.inputs)) for c in calls}
+
+
+@pytest.mark.parametrize("spec,first_sight", [("aqsgd:3", "fp32"), ("aqsgd:3", "rtq:4"), ("aqsgd:4", "directq:6"),
+                                              ("aqsgd-rtq:3", "fp32")])
+def test_every_graph_an_aqsgd_link_replays_is_one_its_graph_calls_name(monkeypatch, spec, first_sight):
+    seen = _recording(monkeypatch)
+    shape = (4, 8, 64)
+    ends = [build_codec(spec, "fw", StoreView(MemoryStore(torch.float16), 0, side), QuantOptions(),
+                        first_sight=first_sight) for side in ("send", "recv")]
+    x, ids = torch.randn(shape), torch.arange(4)
+    sent, received = set(), set()
+    for visit, compress in enumerate((False, True, True, True)):  # a lossless warm-up, then deltas
+        ids = torch.arange(4) + (4 if visit == 1 else 0)  # (the second message: first sights)
+        encoded = ends[0].encode(x + 0.01 * visit, ids, compress=compress)
+        sent |= seen
+        seen.clear()
+        ends[1].decode(Header.for_encoded(encoded, ends[0].code), encoded.payload, ids)
+        received |= seen
+        seen.clear()
+    assert sent and sent <= _named(ends[0].graph_calls(shape, sending=True))
+    assert received and received <= _named(ends[1].graph_calls(shape, sending=False))
+
+
+@pytest.mark.parametrize("spec", ["directq:6", "rtq:4", "rtqo:4"])
+def test_every_graph_a_coder_codec_replays_is_one_its_graph_calls_name(monkeypatch, spec):
+    seen = _recording(monkeypatch)
+    shape = (4, 8, 64)
+    codec = build_codec(spec, "bw")
+    encoded = codec.encode(torch.randn(shape), torch.arange(4))
+    assert seen and seen <= _named(codec.graph_calls(shape, sending=True))
+    seen.clear()
+    codec.decode(Header.for_encoded(encoded, codec.code), encoded.payload, torch.arange(4))
+    assert seen and seen <= _named(codec.graph_calls(shape, sending=False))
+
+
+def test_codecs_that_replay_nothing_name_no_graphs():
+    assert build_codec("fp32", "fw").graph_calls((4, 8, 64), sending=True) == []
+    assert build_codec("directq:6", "bw", options=QuantOptions(stochastic=True)).graph_calls((4, 8), True) == []
+    stochastic = build_codec("aqsgd:3", "fw", StoreView(MemoryStore(torch.float16), 0, "send"),
+                             QuantOptions(stochastic=True))
+    assert stochastic.graph_calls((4, 8, 64), sending=True) == []
+
+
+def test_an_aqsgd_senders_delta_graph_holds_at_least_its_inputs_and_what_it_keeps():
+    shape = (8, 128, 576)
+    sender = build_codec("aqsgd:3", "fw", StoreView(MemoryStore(torch.float16), 0, "send"), QuantOptions())
+    delta = next(c for c in sender.graph_calls(shape, sending=True) if c.name == "delta-encode")
+    values = 8 * 128 * 576
+    inputs, new_m = values * (4 + 2), values * 2
+    assert gm.held_bytes(delta) >= inputs + new_m + values * 3 // 8  # (and the 3-bit payload)
