@@ -24,6 +24,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from aqpipe.compress import cuda_graphs
+from aqpipe.compress.graph_memory import held_bytes as graph_bytes
 from aqpipe.compress.link import aqsgd, sample_coders
 from aqpipe.compress.link.codecs import QuantOptions, build_codec
 from aqpipe.storage import MemoryStore, SlabStore, StoreView, memory_store
@@ -97,6 +99,7 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
                   pairs: int, store: str = "auto") -> dict:
     """Wall time of encode and decode (medians of `pairs` pairs after five), the device's busy time per pair, the
     top kernels and copies by device time, and the host's calls per pair."""
+    cuda_graphs.clear()  # (the graphs counted below are this shape's alone)
     sender, receiver = link(spec, device, store_device, store)
     x = torch.randn(shape, device=device)
     ids = torch.arange(shape[0])
@@ -125,7 +128,17 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
             "round_trip_MBps": mb / (encode_s + decode_s), "device_busy_us_per_pair": device_us,
             "aten_ops_per_pair": ops, "host_calls_per_pair": calls, **{f"{k}_per_pair": v for k, v in counted.items()},
             "most_called_ops_per_pair": {e.key: e.count / 5 for e in frequent},
-            "top_device_time_us_per_pair": {e.key[:60]: e.self_device_time_total / 5 for e in top}}
+            "top_device_time_us_per_pair": {e.key[:60]: e.self_device_time_total / 5 for e in top},
+            "graph_memory_MB": graph_memory(sender, receiver, shape) if device.type == "cuda" else {}}
+
+
+def graph_memory(sender, receiver, shape: tuple[int, ...]) -> dict:
+    """Per kind of graph captured: the MB its graphs hold on the GPU (pools and input copies, as the allocator
+    reports them) beside what the capacity plan counts for it (`graph_calls`, measured on the meta device)."""
+    planned = {call.name: graph_bytes(call) for end, sending in ((sender, True), (receiver, False))
+               for call in end.graph_calls(shape, sending)}
+    return {str(key[1]): {"held": held / 1e6, "planned": planned.get(key[1], 0) / 1e6}
+            for key, held in cuda_graphs.held_bytes().items()}
 
 
 def main() -> None:
@@ -159,6 +172,9 @@ def main() -> None:
               flush=True)
         for name, us in row["top_device_time_us_per_pair"].items():
             print(f"  {us:8.1f} µs  {name}", flush=True)
+        for kind, mb in row["graph_memory_MB"].items():
+            print(f"  graph {kind}: holds {mb['held']:.1f} MB on the GPU, the capacity plan counts "
+                  f"{mb['planned']:.1f} MB", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"codec": args.codec, "device": str(device), "store": args.store,

@@ -161,7 +161,6 @@ def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
 
 @pytest.mark.parametrize("device,shape,bits,per,stochastic,grid", [
     ("cpu", (2, 8, 16), 4, "channel", False, "signed"),  # a CPU tensor: the torch ops (no interpreter here)
-    ("meta", (2, 8, 16), 4, "channel", False, "signed"),
     ("cuda", (2, 16), 4, "channel", False, "signed"),  # 2-D: one scale per sample
     ("cuda", (2, 8, 12), 4, "channel", False, "signed"),  # channels not a multiple of 8
     ("cuda", (2, 8, 16), 4, "token", False, "signed"),
@@ -177,6 +176,24 @@ def test_the_kernels_apply_only_where_they_code_the_same_bits(monkeypatch, devic
     batch = SimpleNamespace(device=torch.device(device), shape=shape, dtype=torch.float32)  # (what encodable reads)
     assert not fused.encodable(batch, bits, per, stochastic, grid)  # type: ignore[arg-type]
     assert fused.fusable(torch.device(device), shape, bits, per, grid) == (stochastic and device == "cuda")
+
+
+def test_on_the_meta_device_the_kernels_outputs_are_made_as_on_a_gpu_and_nothing_runs(monkeypatch):
+    """What a GPU's codec graphs hold is measured on the meta device (`aqpipe.compress.graph_memory`): there the
+    kernels apply where they would on a GPU, and make their outputs without launching."""
+    if fused._kernels() is None:
+        pytest.skip("Triton is not installed")
+    monkeypatch.setenv(fused.DELTA_SWITCH, "1")
+    x, m_old = torch.empty(2, 8, 16, device="meta"), torch.empty(2, 8, 16, device="meta", dtype=torch.float16)
+    assert fused.encodable(x, 4, "channel", False, "signed")
+    assert fused.delta_fusable(x.device, tuple(x.shape), torch.float16, 4, "channel", "signed")
+    rows, values = fused.encode(x, 4, "signed", values=True)
+    assert rows.device.type == "meta" and rows.shape == (2, fused.row_bytes(8, 16, 4)) and values.shape == x.shape
+    assert fused.decode(rows, (2, 8, 16), 4, "signed").shape == (2, 8, 16)
+    coded, m_new, sums, norms = fused.delta_encode(x, m_old, 4, "signed", (40503, 65521))
+    assert (coded.shape, m_new.dtype, sums.shape, norms.shape) == (rows.shape, torch.float16, (2,), (2, 3))
+    m_new, values, sums = fused.delta_decode(rows, m_old, 4, "signed", (40503, 65521))
+    assert m_new.shape == values.shape == (2, 8, 16) and sums.shape == (2,) and not fused._failed
 
 
 def test_the_kernels_apply_on_a_gpu_unless_switched_off_or_without_triton(monkeypatch):

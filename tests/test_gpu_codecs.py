@@ -323,3 +323,28 @@ def test_a_gpu_receivers_message_lands_in_page_locked_memory_and_decodes_as_from
                            ends[2].decode(message.header, pageable, message.ids))
     box.close()
     inbox.close()
+
+
+@needs_cuda
+def test_the_capacity_plans_count_of_a_links_graphs_covers_what_they_hold_on_the_gpu():
+    """`graph_calls` measured on the meta device against the graphs' pools and input copies as
+    the caching allocator reports them, the allocator's headroom and a 2 MiB segment each allowed."""
+    from aqpipe.compress import cuda_graphs
+    from aqpipe.compress.graph_memory import held_bytes
+    from aqpipe.runtime.capacity import ALLOCATOR_HEADROOM
+
+    cuda_graphs.clear()
+    shape = (8, 256, 576)
+    ends = [build_codec("aqsgd:3", "fw", StoreView(memory_store(torch.float16, DEVICE, 16), 0, side), QuantOptions(),
+                        device=DEVICE) for side in ("send", "recv")]
+    x, ids = torch.randn(shape, device=DEVICE), torch.arange(8)
+    for visit in range(6):  # first sights, then deltas: the delta graphs are captured at their second call
+        encoded = ends[0].encode(x + 0.01 * visit, ids, compress=True)
+        ends[1].decode(_header(encoded, ends[0]), encoded.payload, ids)
+    torch.cuda.synchronize()
+    held = cuda_graphs.held_bytes()
+    planned = {call.name: held_bytes(call) for sending, end in ((True, ends[0]), (False, ends[1]))
+               for call in end.graph_calls(shape, sending)}
+    assert {key[1] for key in held} >= {"delta-encode", "delta-decode"}, held
+    for key, actual in held.items():
+        assert actual <= planned[key[1]] * ALLOCATOR_HEADROOM + (2 << 20), (key, actual, planned)

@@ -22,7 +22,8 @@ def test_a_call_holds_its_inputs_copies_and_the_most_it_had_alive_at_once():
         return (result.sum(0),)  # 4 kB beside result's 4 MB: less than the 8 MB before
 
     x = gm.stand_in((1024, 1024), torch.float32)
-    assert gm.held_bytes(gm.GraphCall("f", twice_plus_one, (x,))) == 4 * MB + 8 * MB
+    # and a part-used segment of each size its blocks came from: 20 MiB (blocks of 1-10 MiB), 2 MiB (the sum's)
+    assert gm.held_bytes(gm.GraphCall("f", twice_plus_one, (x,))) == 4 * MB + 8 * MB + 20 * MB + 2 * MB
 
 
 def test_views_and_in_place_ops_on_what_the_call_was_given_count_nothing():
@@ -31,12 +32,14 @@ def test_views_and_in_place_ops_on_what_the_call_was_given_count_nothing():
         return (x[0], x.view(-1), x.float())  # (float() of a float32 tensor is the tensor itself)
 
     x = gm.stand_in((256, 1024), torch.float32)
-    assert gm.held_bytes(gm.GraphCall("views", views, (x,))) == MB  # the input's copy alone
+    assert gm.held_bytes(gm.GraphCall("views", views, (x,))) == MB  # the input's copy alone, no segment of its own
 
 
-def test_blocks_are_rounded_as_cudas_caching_allocator_rounds_them():
-    x = gm.stand_in((3,), torch.uint8)
-    assert gm.held_bytes(gm.GraphCall("tiny", lambda t: (t + 1,), (x,))) == 2 * gm.BLOCK
+def test_blocks_and_segments_are_sized_as_cudas_caching_allocator_sizes_them():
+    tiny = gm.stand_in((3,), torch.uint8)
+    assert gm.held_bytes(gm.GraphCall("tiny", lambda t: (t + 1,), (tiny,))) == 2 * gm.BLOCK + 2 * MB
+    large = gm.stand_in((11 * MB + 1,), torch.uint8)  # from 10 MiB on, blocks are whole 2 MiB units, cut to measure
+    assert gm.held_bytes(gm.GraphCall("large", lambda t: (t + 1,), (large,))) == 2 * 12 * MB
 
 
 def _recording(monkeypatch) -> set:

@@ -227,6 +227,21 @@ def forget(owner: Hashable) -> None:
         _cache.seen = {s for s in _cache.seen if not owned(s)}
 
 
+def held_bytes() -> dict[Hashable, int]:
+    """Device bytes the graphs of each key hold (their memory pools' segments and their inputs' copies), as the CUDA
+    caching allocator reports them: what `aqpipe.compress.graph_memory` predicts, measured."""
+    pools: dict[tuple[int, ...], int] = {}
+    for segment in torch.cuda.memory_snapshot():
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        pools[pool] = pools.get(pool, 0) + segment["total_size"]
+    held: dict[Hashable, int] = {}
+    with _cache.lock:
+        for signature, entry in _cache.graphs.items():
+            inputs = sum(t.untyped_storage().nbytes() for t in entry.inputs)
+            held[signature[0]] = held.get(signature[0], 0) + pools.get(tuple(entry.graph.pool()), 0) + inputs
+    return held
+
+
 def captured() -> int:
     """How many graphs this process holds (for tests and logs)."""
     return len(_cache.graphs)

@@ -49,7 +49,9 @@ def fusable(device: torch.device, shape: tuple[int, ...], bits: int, per: str, g
     an encode asks `encodable` as well."""
     if os.environ.get("AQPIPE_FUSED_KERNELS", "1") == "0" or _failed:
         return False
-    if not (device.type == "cuda" or interpreted()) or len(shape) < 3 or shape[-1] % GROUP or 0 in shape:
+    # (on the meta device the kernels' outputs are made and nothing runs: what a GPU's graphs hold, measured for the
+    # capacity plan by `aqpipe.compress.graph_memory`)
+    if not (device.type in ("cuda", "meta") or interpreted()) or len(shape) < 3 or shape[-1] % GROUP or 0 in shape:
         return False
     return per == "channel" and 2 <= bits <= 8 and grid in _SCALE_KINDS and _kernels() is not None
 
@@ -142,6 +144,8 @@ def _encode(x3: torch.Tensor, m3: torch.Tensor | None, bits: int, grid: str, cod
     scales = torch.empty(b, c, dtype=torch.float32, device=x3.device)
     offset, steps, top = _offset_steps(bits, grid)
     m_new, sums, norms, multiplier, modulus = delta if delta is not None else (x3, x3, x3, 0, 1)  # (unread)
+    if x3.device.type == "meta":  # (the outputs alone)
+        return rows
     try:
         k.scales_kernel[(b, -(-c // k.SCALE_C))](
             x3, x3 if m3 is None else m3, rows, scales, t, c, rows.shape[1], KIND=_SCALE_KINDS[grid],
@@ -178,9 +182,10 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
         sums = torch.empty(b, _parts(m3.shape), dtype=torch.int64, device=rows.device)
         multiplier, modulus = delta[1]
     try:
-        k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
-            rows, _levels(bits, grid, rows.device), out, m3, m_new, sums, t, c, rows.shape[1], multiplier, modulus,
-            BITS=bits, HAS_M=delta is not None, BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
+        if rows.device.type != "meta":  # (on the meta device: the outputs alone)
+            k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
+                rows, _levels(bits, grid, rows.device), out, m3, m_new, sums, t, c, rows.shape[1], multiplier,
+                modulus, BITS=bits, HAS_M=delta is not None, BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
     except Exception as error:
         _give_up(error)
         return None

@@ -5,8 +5,8 @@ of its own, which holds every block the call had allocated at the moment it held
 since a pool lends its blocks to no other graph and no other tensor. A codec names the calls a message of a given
 shape may replay (`LinkCodec.graph_calls`); each runs here once on meta tensors while every storage its ops create is
 counted from its first op to the death of its last tensor, block sizes rounded as CUDA's caching allocator rounds
-them. Where a fused kernel would run on the GPU the count is of the op-by-op path, which holds more: the plan errs
-towards saying a run needs more memory, not less.
+them. The fused Triton kernels take the meta device as a GPU and make their outputs there without running
+(`aqpipe.compress.fused`), so the count follows the path a GPU takes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-BLOCK = 512  # CUDA's caching allocator rounds every block up to a multiple of this
+# How CUDA's caching allocator sizes what it holds: blocks rounded up to 512 bytes, those of 10 MiB or more to 2 MiB;
+# blocks up to 1 MiB cut from 2 MiB segments, those up to 10 MiB from 20 MiB segments. A graph's pool is its own,
+# so each graph holds, beyond its blocks at their peak, up to one part-used segment of each size it cut blocks from.
+BLOCK, LARGE_BLOCK, LARGE = 512, 2 << 20, 10 << 20
+SMALL, SMALL_SEGMENT, MID_SEGMENT = 1 << 20, 2 << 20, 20 << 20
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,9 @@ def held_bytes(call: GraphCall) -> int:
     with meter:
         outputs = call.fn(*call.inputs)
     del outputs
-    return inputs + meter.peak
+    segments = SMALL_SEGMENT * any(n <= SMALL for n in meter.sizes)
+    segments += MID_SEGMENT * any(SMALL < n < LARGE for n in meter.sizes)
+    return inputs + meter.peak + segments
 
 
 def graphs_bytes(calls: list[GraphCall]) -> int:
@@ -53,7 +59,9 @@ def graphs_bytes(calls: list[GraphCall]) -> int:
 
 
 def _rounded(nbytes: int) -> int:
-    return max(BLOCK, -(-nbytes // BLOCK) * BLOCK)
+    """A block's size as the allocator holds it."""
+    unit = LARGE_BLOCK if nbytes >= LARGE else BLOCK
+    return max(BLOCK, -(-nbytes // unit) * unit)
 
 
 def _key(t: torch.Tensor) -> int:
@@ -70,6 +78,7 @@ class _LiveBytes(TorchDispatchMode):
         self._live: dict[int, list[int]] = {}  # storage -> [bytes, tensors on it not yet dead]
         self._outside = {_key(t) for t in inputs}
         self.now = self.peak = 0
+        self.sizes: set[int] = set()  # the sizes of the blocks made
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -86,6 +95,7 @@ class _LiveBytes(TorchDispatchMode):
             if key in given:  # a view of, or an in-place op on, a tensor this call did not make
                 return
             entry = self._live[key] = [_rounded(t.untyped_storage().nbytes()), 0]
+            self.sizes.add(entry[0])
             self.now += entry[0]
             self.peak = max(self.peak, self.now)
         entry[1] += 1
