@@ -138,7 +138,7 @@ def graph_memory(sender, receiver, shape: tuple[int, ...]) -> dict:
     planned = {call.name: graph_bytes(call) for end, sending in ((sender, True), (receiver, False))
                for call in end.graph_calls(shape, sending)}
     return {str(key[1]): {"held": held / 1e6, "planned": planned.get(key[1], 0) / 1e6}
-            for key, held in cuda_graphs.held_bytes().items()}
+            for key, held in cuda_graphs.device_bytes().items()}
 
 
 def main() -> None:

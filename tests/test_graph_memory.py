@@ -67,15 +67,17 @@ def _named(calls) -> set:
 
 
 @pytest.mark.parametrize("spec,first_sight", [("aqsgd:3", "fp32"), ("aqsgd:3", "rtq:4"), ("aqsgd:4", "directq:6"),
-                                              ("aqsgd-rtq:3", "fp32")])
-def test_every_graph_an_aqsgd_link_replays_is_one_its_graph_calls_name(monkeypatch, spec, first_sight):
+                                              ("aqsgd-rtq:3", "fp32"), ("aqsgd:3", "bf16")])
+def test_the_graphs_an_aqsgd_link_replays_are_those_its_graph_calls_name(monkeypatch, spec, first_sight):
+    """A run with a lossless warm-up, then first sights, then deltas: each end replays the graphs it names, no more
+    and no fewer, of the same input shapes and dtypes."""
     seen = _recording(monkeypatch)
     shape = (4, 8, 64)
     ends = [build_codec(spec, "fw", StoreView(MemoryStore(torch.float16), 0, side), QuantOptions(),
                         first_sight=first_sight) for side in ("send", "recv")]
-    x, ids = torch.randn(shape), torch.arange(4)
+    x = torch.randn(shape)
     sent, received = set(), set()
-    for visit, compress in enumerate((False, True, True, True)):  # a lossless warm-up, then deltas
+    for visit, compress in enumerate((False, True, True, True)):
         ids = torch.arange(4) + (4 if visit == 1 else 0)  # (the second message: first sights)
         encoded = ends[0].encode(x + 0.01 * visit, ids, compress=compress)
         sent |= seen
@@ -83,28 +85,76 @@ def test_every_graph_an_aqsgd_link_replays_is_one_its_graph_calls_name(monkeypat
         ends[1].decode(Header.for_encoded(encoded, ends[0].code), encoded.payload, ids)
         received |= seen
         seen.clear()
-    assert sent and sent <= _named(ends[0].graph_calls(shape, sending=True))
-    assert received and received <= _named(ends[1].graph_calls(shape, sending=False))
+    assert sent == _named(ends[0].graph_calls(shape, sending=True, warmup=True))
+    assert received == _named(ends[1].graph_calls(shape, sending=False, warmup=True))
+
+
+def test_a_sender_with_a_first_sight_coder_and_no_warm_up_names_no_lossless_seeds():
+    sender = build_codec("aqsgd:3", "fw", StoreView(MemoryStore(torch.float16), 0, "send"), QuantOptions(),
+                         first_sight="rtq:4")
+    assert "seed" not in {c.name for c in sender.graph_calls((4, 8, 64), sending=True)}
+    assert "seed" in {c.name for c in sender.graph_calls((4, 8, 64), sending=True, warmup=True)}
 
 
 @pytest.mark.parametrize("spec", ["directq:6", "rtq:4", "rtqo:4"])
-def test_every_graph_a_coder_codec_replays_is_one_its_graph_calls_name(monkeypatch, spec):
+def test_the_graphs_a_coder_codec_replays_are_those_its_graph_calls_name(monkeypatch, spec):
     seen = _recording(monkeypatch)
     shape = (4, 8, 64)
     codec = build_codec(spec, "bw")
     encoded = codec.encode(torch.randn(shape), torch.arange(4))
-    assert seen and seen <= _named(codec.graph_calls(shape, sending=True))
+    assert seen == _named(codec.graph_calls(shape, sending=True))
     seen.clear()
     codec.decode(Header.for_encoded(encoded, codec.code), encoded.payload, torch.arange(4))
-    assert seen and seen <= _named(codec.graph_calls(shape, sending=False))
+    assert seen == _named(codec.graph_calls(shape, sending=False))
+
+
+@pytest.mark.parametrize("spec,direction", [("directq:6", "bw"), ("aqsgd:3", "fw")])
+def test_stochastic_rounding_replays_no_encode_but_a_receivers_decodes_still_replay(monkeypatch, spec, direction):
+    """A replay would repeat an encode's random draws, so a stochastic sender replays nothing; decoding draws
+    nothing, so a receiver's coders still replay their decodes."""
+    seen = _recording(monkeypatch)
+    shape = (4, 8, 64)
+    options = QuantOptions(stochastic=True)
+    ends = [build_codec(spec, direction, StoreView(MemoryStore(torch.float16), 0, side), options,
+                        first_sight="directq:6") if direction == "fw" else build_codec(spec, direction, options=options)
+            for side in ("send", "recv")]
+    x, received = torch.randn(shape), set()
+    for visit in range(3):
+        ids = torch.arange(4)
+        encoded = ends[0].encode(x + 0.01 * visit, ids)
+        assert not seen and ends[0].graph_calls(shape, sending=True, warmup=True) == []
+        ends[1].decode(Header.for_encoded(encoded, ends[0].code), encoded.payload, ids)
+        received |= seen
+        seen.clear()
+    assert received and received == _named(ends[1].graph_calls(shape, sending=False, warmup=True))
 
 
 def test_codecs_that_replay_nothing_name_no_graphs():
-    assert build_codec("fp32", "fw").graph_calls((4, 8, 64), sending=True) == []
-    assert build_codec("directq:6", "bw", options=QuantOptions(stochastic=True)).graph_calls((4, 8), True) == []
-    stochastic = build_codec("aqsgd:3", "fw", StoreView(MemoryStore(torch.float16), 0, "send"),
-                             QuantOptions(stochastic=True))
-    assert stochastic.graph_calls((4, 8, 64), sending=True) == []
+    for sending in (True, False):
+        assert build_codec("fp32", "fw").graph_calls((4, 8, 64), sending) == []
+        assert build_codec("topk:0.1:8", "bw").graph_calls((4, 8, 64), sending) == []
+
+
+def test_a_graph_two_link_ends_share_is_counted_once():
+    """A coder's graphs are named by the coder, not the codec: a rank's forward and backward ends with one coder
+    and one shape replay one graph."""
+    shape = (4, 64, 64)
+    forward, backward = build_codec("rtq:4", "fw"), build_codec("rtq:4", "bw")
+    one = gm.graphs_bytes(forward.graph_calls(shape, sending=True))
+    assert gm.graphs_bytes(forward.graph_calls(shape, True) + backward.graph_calls(shape, True)) == one
+    both = forward.graph_calls(shape, True) + backward.graph_calls(shape, False)  # an encode and a decode: two
+    assert gm.graphs_bytes(both) > one
+
+
+def test_a_calls_count_does_not_depend_on_what_was_counted_before():
+    """The caches a call reads (the checksum's position weights, level tables) are made by its first call, which
+    no graph captures: not counted, whichever graph is counted first."""
+    from aqpipe.compress.link import checksum
+
+    checksum._position_weights.clear()
+    sender = build_codec("aqsgd:3", "fw", StoreView(MemoryStore(torch.float16), 0, "send"), QuantOptions())
+    seed = next(c for c in sender.graph_calls((8, 128, 576), sending=True) if c.name == "seed")
+    assert gm.held_bytes(seed) == gm.held_bytes(seed)
 
 
 def test_an_aqsgd_senders_delta_graph_holds_at_least_its_inputs_and_what_it_keeps():

@@ -274,13 +274,17 @@ def test_an_encoded_messages_payload_is_read_only_after_its_copy_lands():
     assert encoded.payload.tolist() == [3] * 8
 
 
-def test_a_host_receivers_message_lands_in_ordinary_memory_and_arrives_intact():
+def _socket_pair(pin_for: torch.device | None = None):
     import socket
 
     sender, receiver = socket.socketpair()
+    return t.Outbox(sender, "rank 1", timeout=10), t.Inbox(receiver, "rank 0", 10, pin_for)
+
+
+def test_a_host_receivers_message_lands_in_ordinary_memory_and_arrives_intact():
     # a receiver that decodes on the host never pins (its device is not a GPU's)
-    box, inbox = t.Outbox(sender, "rank 1", timeout=10), t.Inbox(receiver, "rank 0", 10, torch.device("cpu"))
-    assert inbox.device is None
+    box, inbox = _socket_pair(torch.device("cpu"))
+    assert inbox.pin_for is None
     payload = torch.arange(4099, dtype=torch.int64).to(torch.uint8)  # an odd length: the side starts unaligned
     inbox.expect(t.Expect(t.KIND_GRADIENT, 0, 0, 2, side_kinds=(t.SIDE_RESEED,)))
     side = torch.tensor([11, 13], dtype=torch.int64).view(torch.uint8)
@@ -295,5 +299,50 @@ def test_a_host_receivers_message_lands_in_ordinary_memory_and_arrives_intact():
     inbox.close()
 
 
-def test_an_empty_body_needs_no_buffer_read():
-    assert t.receive_buffer(0).numel() == 0 and t.receive_buffer(3).dtype == torch.uint8
+def test_a_gpu_receivers_body_is_page_locked_in_its_gpus_context_and_its_ids_do_not_hold_it(monkeypatch):
+    """A GPU rank's inbox receives each body into a pinned block (allocated in the decoding GPU's context, not the
+    thread's default GPU 0), and the sample ids it hands on are a copy: a stage keeps them to the step's end, and a
+    view would keep the whole pinned body alive with them. (On the host: pinning and the GPU's context are recorded
+    stand-ins.)"""
+    import contextlib
+
+    pinned, contexts = [], []
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        out = real_empty(*args, **kwargs)
+        if pin_memory:
+            pinned.append(out)
+        return out
+
+    @contextlib.contextmanager
+    def in_context(device):
+        contexts.append(device)
+        yield
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "device", in_context)
+    box, inbox = _socket_pair(torch.device("cuda", 3))
+    payload = torch.arange(64, dtype=torch.uint8)
+    inbox.expect(t.Expect(t.KIND_ACTIVATION, 0, 0, 2))
+    box.send(t.Header(t.KIND_ACTIVATION, 0, 0, (64,), torch.uint8, 2, 64), torch.tensor([5, 9]), payload)
+    box.flush()
+    msg = inbox.get()
+    assert len(pinned) == 1 and contexts == [torch.device("cuda", 3)]
+    body = pinned[0].untyped_storage().data_ptr()
+    assert msg.payload.untyped_storage().data_ptr() == body and torch.equal(msg.payload, payload)
+    assert msg.ids.untyped_storage().data_ptr() != body and msg.ids.tolist() == [5, 9]
+    box.close()
+    inbox.close()
+
+
+def test_a_message_with_an_empty_body_arrives_without_a_read():
+    box, inbox = _socket_pair()
+    inbox.expect(t.Expect(t.KIND_GRADIENT, 0, 0, 0))
+    box.send(t.Header(t.KIND_GRADIENT, 0, 0, (0,), torch.uint8, 0, 0), torch.zeros(0, dtype=torch.int64),
+             torch.zeros(0, dtype=torch.uint8))
+    box.flush()
+    msg = inbox.get()
+    assert msg.payload.numel() == 0 and msg.ids.numel() == 0 and msg.side is None
+    box.close()
+    inbox.close()

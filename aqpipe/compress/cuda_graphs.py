@@ -227,7 +227,7 @@ def forget(owner: Hashable) -> None:
         _cache.seen = {s for s in _cache.seen if not owned(s)}
 
 
-def held_bytes() -> dict[Hashable, int]:
+def device_bytes() -> dict[Hashable, int]:
     """Device bytes the graphs of each key hold (their memory pools' segments and their inputs' copies), as the CUDA
     caching allocator reports them: what `aqpipe.compress.graph_memory` predicts, measured."""
     pools: dict[tuple[int, ...], int] = {}

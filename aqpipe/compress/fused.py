@@ -181,14 +181,14 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
         m_new = torch.empty(m3.shape, dtype=m3.dtype, device=rows.device)
         sums = torch.empty(b, _parts(m3.shape), dtype=torch.int64, device=rows.device)
         multiplier, modulus = delta[1]
-    try:
-        if rows.device.type != "meta":  # (on the meta device: the outputs alone)
+    if rows.device.type != "meta":  # (on the meta device: the outputs alone)
+        try:
             k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
                 rows, _levels(bits, grid, rows.device), out, m3, m_new, sums, t, c, rows.shape[1], multiplier,
                 modulus, BITS=bits, HAS_M=delta is not None, BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
-    except Exception as error:
-        _give_up(error)
-        return None
+        except Exception as error:
+            _give_up(error)
+            return None
     if delta is None:
         return (out.view(shape),)
     return m_new.view(shape), out.view(shape), sums.sum(dim=1)

@@ -3,17 +3,20 @@
 A captured call (`aqpipe.compress.cuda_graphs`) keeps, for its codec's life, copies of its inputs and a memory pool
 of its own, which holds every block the call had allocated at the moment it held the most — its outputs included —
 since a pool lends its blocks to no other graph and no other tensor. A codec names the calls a message of a given
-shape may replay (`LinkCodec.graph_calls`); each runs here once on meta tensors while every storage its ops create is
-counted from its first op to the death of its last tensor, block sizes rounded as CUDA's caching allocator rounds
-them. The fused Triton kernels take the meta device as a GPU and make their outputs there without running
-(`aqpipe.compress.fused`), so the count follows the path a GPU takes.
+shape may replay (`LinkCodec.graph_calls`); each runs here on meta tensors, once to make the caches it reads (as the
+first, uncaptured call does on a GPU), then once more while every storage its ops create is counted from its first
+op to the death of its last tensor, block and segment sizes as CUDA's caching allocator makes them. The fused
+Triton kernels take the meta device as a GPU and make their outputs there without running (`aqpipe.compress.fused`),
+so the count follows the path a GPU takes. It is an estimate: a kernel's own workspace and the allocator's
+fragmentation are not seen.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,11 +32,18 @@ SMALL, SMALL_SEGMENT, MID_SEGMENT = 1 << 20, 2 << 20, 20 << 20
 @dataclass(frozen=True)
 class GraphCall:
     """One call a codec may replay as a CUDA graph: its name, its function (a pure function of its tensors, as
-    `graphed` requires) and stand-in inputs of the shapes and dtypes a message gives it (meta tensors)."""
+    `graphed` requires), stand-in inputs of the shapes and dtypes a message gives it (meta tensors), and the key
+    `graphed` files it under (calls of one key and input shapes share one graph; None: a graph of its own)."""
 
     name: str
     fn: Callable[..., tuple[torch.Tensor, ...]]
     inputs: tuple[torch.Tensor, ...]
+    key: Hashable = None
+
+    def signature(self) -> Hashable:
+        """What names this call's graph: its key and its inputs' shapes and dtypes (None key: the call itself)."""
+        shapes = tuple((tuple(t.shape), t.dtype) for t in self.inputs)
+        return (id(self), shapes) if self.key is None else (self.key, shapes)
 
 
 def stand_in(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -43,19 +53,22 @@ def stand_in(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def held_bytes(call: GraphCall) -> int:
     """Device bytes the graph of `call` holds once captured: its inputs' copies and the most its ops held at once."""
-    inputs = sum(_rounded(t.untyped_storage().nbytes()) for t in call.inputs)
+    call.fn(*call.inputs)  # (the caches it reads: made by the first call, which no graph captures)
     meter = _LiveBytes(call.inputs)
     with meter:
         outputs = call.fn(*call.inputs)
     del outputs
+    inputs = sum(_rounded(t.untyped_storage().nbytes()) for t in call.inputs)
     segments = SMALL_SEGMENT * any(n <= SMALL for n in meter.sizes)
     segments += MID_SEGMENT * any(SMALL < n < LARGE for n in meter.sizes)
     return inputs + meter.peak + segments
 
 
 def graphs_bytes(calls: list[GraphCall]) -> int:
-    """Device bytes the graphs of `calls` hold together (each pool is its own)."""
-    return sum(held_bytes(call) for call in calls)
+    """Device bytes the graphs of `calls` hold together: each pool is its own, and calls of one signature share a
+    graph (a coder's, used by two link ends of a rank)."""
+    unique = {call.signature(): call for call in calls}
+    return sum(held_bytes(call) for call in unique.values())
 
 
 def _rounded(nbytes: int) -> int:
@@ -69,18 +82,27 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+@dataclass
+class _Storage:
+    """A storage the metered call made: its block's size, and how many of its tensors are alive."""
+
+    nbytes: int
+    tensors: int = 0
+
+
 class _LiveBytes(TorchDispatchMode):
-    """The most bytes of storage the ops run under it held at once: a storage counts from the op that made it until
-    the last tensor on it dies; views of tensors from outside (the inputs, cached tables) count nothing."""
+    """The most bytes of storage the ops run under it held at once, and the block sizes they made: a storage counts
+    from the op that made it until the last tensor on it dies; views of tensors from outside (the inputs, cached
+    tables) count nothing."""
 
     def __init__(self, inputs: tuple[torch.Tensor, ...]) -> None:
         super().__init__()
-        self._live: dict[int, list[int]] = {}  # storage -> [bytes, tensors on it not yet dead]
+        self._live: dict[int, _Storage] = {}
         self._outside = {_key(t) for t in inputs}
         self.now = self.peak = 0
-        self.sizes: set[int] = set()  # the sizes of the blocks made
+        self.sizes: set[int] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         given = self._outside | {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
@@ -90,20 +112,20 @@ class _LiveBytes(TorchDispatchMode):
 
     def _track(self, t: torch.Tensor, given: set[int]) -> None:
         key = _key(t)
-        entry = self._live.get(key)
-        if entry is None:
+        storage = self._live.get(key)
+        if storage is None:
             if key in given:  # a view of, or an in-place op on, a tensor this call did not make
                 return
-            entry = self._live[key] = [_rounded(t.untyped_storage().nbytes()), 0]
-            self.sizes.add(entry[0])
-            self.now += entry[0]
+            storage = self._live[key] = _Storage(_rounded(t.untyped_storage().nbytes()))
+            self.sizes.add(storage.nbytes)
+            self.now += storage.nbytes
             self.peak = max(self.peak, self.now)
-        entry[1] += 1
+        storage.tensors += 1
         weakref.finalize(t, self._release, key)
 
     def _release(self, key: int) -> None:
-        entry = self._live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.now -= entry[0]
+        storage = self._live[key]
+        storage.tensors -= 1
+        if storage.tensors == 0:
+            self.now -= storage.nbytes
             del self._live[key]

@@ -299,7 +299,7 @@ class Inbox:
     def __init__(self, stream: socket.socket, peer_name: str, timeout: float, device: torch.device | None = None
                  ) -> None:
         self.stream, self.peer_name, self.timeout = stream, peer_name, timeout
-        self.device = device if device is not None and device.type == "cuda" else None
+        self.pin_for = device if device is not None and device.type == "cuda" else None  # the GPU bodies go to
         self._expected: queue.Queue = queue.Queue()
         self._received: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"inbox-{peer_name}", daemon=True)
@@ -351,7 +351,7 @@ class Inbox:
         head = bytearray(HEADER_SIZE)
         self._read_into(memoryview(head))
         header = parse_header(bytes(head), self.peer_name, expect)
-        body = receive_buffer(8 * header.n_ids + header.side_len + header.payload_len, self.device)
+        body = receive_buffer(8 * header.n_ids + header.side_len + header.payload_len, self.pin_for)
         start = time.perf_counter()
         if body.numel():
             self._read_into(body.numpy().data)
@@ -364,9 +364,10 @@ class Inbox:
                 f"damaged message from {self.peer_name}: step {header.step} micro-batch {header.micro_batch} fails its checksum"
             )
         # the side information starts wherever the payload ends, often at an odd offset: a copy of its own lets it be
-        # read as any type (a re-seed request is a list of int64 sample ids)
-        return Message(header, ids, payload, HEADER_SIZE + body.numel(), side.clone() if header.side_len else None,
-                       transfer_seconds)
+        # read as any type (a re-seed request is a list of int64 sample ids). The ids get one too: a stage keeps them
+        # to the step's end, and a view would keep the whole body (pinned, for a GPU) alive with them
+        return Message(header, ids.clone(), payload, HEADER_SIZE + body.numel(),
+                       side.clone() if header.side_len else None, transfer_seconds)
 
 
 def receive_buffer(nbytes: int, device: torch.device | None = None) -> torch.Tensor:

@@ -29,12 +29,11 @@ def stage_graph_bytes(cfg: ResolvedConfig, stage: int, link_shapes: list[tuple[i
     if stage > 0:
         ends += [(stage - 1, cfg.fw, "fw", False), (stage - 1, cfg.bw, "bw", True)]
     options = QuantOptions.of(cfg)
-    total = 0
+    calls = []
     for link, spec, direction, sending in ends:
         view = None
         if keeps_messages(spec, direction):
             view = StoreView(MemoryStore(value_dtype(cfg.store_dtype)), link, "send" if sending else "recv")
         codec = build_codec(spec, direction, view, options, first_sight=cfg.first_sight)
-        total += graphs_bytes(codec.graph_calls(link_shapes[link], sending))
-    return total
-
+        calls += codec.graph_calls(link_shapes[link], sending, warmup=cfg.warmup_epochs > 0)
+    return graphs_bytes(calls)  # (a graph two ends share counted once)

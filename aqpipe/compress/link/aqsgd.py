@@ -70,7 +70,7 @@ from aqpipe.compress.link.sample_coders import (
     RotatedCoder,
     SampleCoder,
     batch_problem,
-    coder_call,
+    coder_calls,
     sample_coder,
 )
 from aqpipe.compress.link.specs import CodecSpec
@@ -218,23 +218,34 @@ class AQSGDCodec(LinkCodec):
             return fn(*tensors)
         return graphed((self._graphs, kind), fn, *tensors, borrow=borrow)
 
-    def graph_calls(self, shape: tuple[int, ...], sending: bool) -> list[GraphCall]:
-        """Every graph a message of `shape` may replay at this end: deltas, lossless seeds and, with a first-sight
-        coder, first sights — encoded (sending) or decoded (none where a part rounds stochastically)."""
+    def graph_calls(self, shape: tuple[int, ...], sending: bool, warmup: bool = False) -> list[GraphCall]:
+        """The graphs a message of `shape` in the steady state replays at this end (a message mixing kinds of sample
+        replays smaller ones besides): deltas, first sights (with a first-sight coder) and lossless seeds — a
+        sender's only where whole messages go losslessly (`warmup` epochs, or no first-sight coder); a receiver's
+        seeds its first sights too. Where a part rounds stochastically nothing of this codec's is replayed, but a
+        receiver's coders still replay their decodes."""
         if not self._replayable:
-            return []
+            return [] if sending else [call for coder in (self.delta, self.first_sight) if coder is not None
+                                       for call in coder_calls(coder, shape, sending=False)]
         x, m_old = stand_in(shape, torch.float32), stand_in(shape, self.view.dtype)
-        calls = [GraphCall("seed", self._seeds, (x,))]
         if sending:
-            calls.append(GraphCall("delta-encode", self._delta_rows, (x, m_old)))
+            calls = [self._graph_call("delta-encode", self._delta_rows, x, m_old)]
             if self.first_sight is not None:
-                calls.append(GraphCall("first-encode", self._first_rows, (x,)))
+                calls.append(self._graph_call("first-encode", self._first_rows, x))
+            if self.first_sight is None or warmup:
+                calls.append(self._graph_call("seed", self._seeds, x))
             return calls
         rows = stand_in((shape[0], self.delta.sample_bytes(shape)), torch.uint8)
-        calls.append(GraphCall("delta-decode", self._delta_values, (rows, m_old)))
-        if hasattr(self.first_sight, "_decode"):  # a quantizing first-sight coder's decode is a graph of its own
-            calls.append(coder_call("decode", self.first_sight, shape))
+        calls = [self._graph_call("delta-decode", self._delta_values, rows, m_old),
+                 self._graph_call("seed", self._seeds, x)]
+        if self.first_sight is not None:  # a quantizing first-sight coder's decode is a graph of its own
+            calls += coder_calls(self.first_sight, shape, sending=False)
         return calls
+
+    def _graph_call(self, kind: str, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor
+                    ) -> GraphCall:
+        """This codec's graph of `kind` (see `_graphed`), on stand-in inputs."""
+        return GraphCall(kind, fn, inputs, (self._graphs, kind))
 
     def _delta_rows(self, x: torch.Tensor, m_old: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Known samples `x` against their m(ξ) (`m_old`, in the store's dtype): the payload of a message of them all

@@ -74,8 +74,10 @@ def _owned(wire: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host values on `device` without making the host wait: a pageable tensor is staged by the driver before the
-    call returns, so the source may change afterwards; on the host, the values themselves."""
+    """Host values on `device` without making the host wait; on the host, the values themselves. A pageable source
+    is staged by the driver before the call returns, so it may change afterwards; a pinned one (a GPU's received
+    message, a stacked m(ξ)) is read by the copy later — torch keeps its block from reuse until then, and nothing may
+    write it meanwhile."""
     if device.type == "cpu" or values.device == device:
         return values
     return values.to(device, non_blocking=True)
@@ -183,10 +185,10 @@ class LinkCodec:
                                                None, options, True, HOST, first_sight))
         return codec.payload_bytes(SimpleNamespace(shape=shape, dtype=lossless_dtype(dtype)))
 
-    def graph_calls(self, shape: tuple[int, ...], sending: bool) -> list[GraphCall]:
+    def graph_calls(self, shape: tuple[int, ...], sending: bool, warmup: bool = False) -> list[GraphCall]:
         """The calls a message of `shape` may replay as CUDA graphs on a GPU at this codec's sending (or receiving)
-        end, with stand-in inputs (`aqpipe.compress.graph_memory`, which the capacity plan measures them with): none
-        unless the codec replays graphs."""
+        end in a run with (or without) `warmup` epochs, with stand-in inputs (`aqpipe.compress.graph_memory`, which
+        the capacity plan measures them with): none unless the codec replays graphs."""
         return []
 
     def forget(self, ids: list[int]) -> None:

@@ -9,6 +9,7 @@ RTQ). AQ-SGD takes two coders as parts: one for the change of a sample it has se
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -111,8 +112,13 @@ class QuantCoder:
         """Why this coder cannot code a batch of `shape` (None: it can)."""
         return None
 
+    @property
+    def graph_key(self) -> tuple[Any, ...]:
+        """What its coding reads besides its bits (its CUDA graphs are named by it)."""
+        return (self.options.per, self.options.grid)
+
     def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return _replayed_encode(self, x, values, self.options.per, self.options.grid)
+        return _replayed_encode(self, x, values)
 
     def _encode(self, x: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         opts = self.options
@@ -123,7 +129,7 @@ class QuantCoder:
         return encode_samples(q), dequantize(q, tuple(x.shape)) if values else None
 
     def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        return _replayed_decode(self, rows, shape, self.options.per, self.options.grid)
+        return _replayed_decode(self, rows, shape)
 
     def _decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         if fused.fusable(rows.device, shape, self.bits, self.options.per, self.options.grid):
@@ -158,15 +164,20 @@ class RotatedCoder:
         """Why this coder cannot code a batch of `shape` (None: it can)."""
         return None
 
+    @property
+    def graph_key(self) -> tuple[Any, ...]:
+        """What its coding reads besides its bits (its CUDA graphs are named by it)."""
+        return (self.tile,)
+
     def encode(self, x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return _replayed_encode(self, x, values, self.tile)
+        return _replayed_encode(self, x, values)
 
     def _encode(self, x: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = rotated_quantize(x, self.bits, self.tile, self.options.stochastic, self.generator, ROTATED_GRID)
         return join_rows(q.scales, q.codes, q.bits), rotated_dequantize(q, tuple(x.shape)) if values else None
 
     def decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        return _replayed_decode(self, rows, shape, self.tile)
+        return _replayed_decode(self, rows, shape)
 
     def _decode(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         scales, codes = split_rows(rows, scales_per_sample(shape, self.tile), numel(shape[1:]), self.bits)
@@ -228,25 +239,53 @@ def _tokens(shape: tuple[int, ...]) -> int:
     return token_rows(torch.empty(shape, device="meta")).shape[1]
 
 
-def _replayed_encode(coder: Any, x: torch.Tensor, values: bool, *key: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`coder._encode(x, values)`, replayed from a CUDA graph on a GPU (`aqpipe.compress.cuda_graphs`) unless it
-    rounds stochastically, whose random draws a replay would repeat. The graph is named by the coder's class, its
-    bits and `key`, every other value its encode reads."""
-    if coder.options.stochastic:
-        return coder._encode(x, values)
+ReplayedCoder = QuantCoder | RotatedCoder  # the coders whose encode and decode replay CUDA graphs
 
+
+def _encode_graph(coder: ReplayedCoder, values: bool) -> tuple[Hashable, Callable[..., tuple[torch.Tensor, ...]]]:
+    """The key and function of the graph `coder.encode` replays: its rows (and, with `values`, its dequantized
+    values), named by the coder's class, bits and `graph_key`."""
     def parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         rows, coded_values = coder._encode(t, values)
         return (rows,) if coded_values is None else (rows, coded_values)
 
-    out = graphed((type(coder).__name__, "encode", coder.bits, *key, values), parts, x)
+    return (type(coder).__name__, "encode", coder.bits, *coder.graph_key, values), parts
+
+
+def _decode_graph(coder: ReplayedCoder, shape: tuple[int, ...]
+                  ) -> tuple[Hashable, Callable[..., tuple[torch.Tensor, ...]]]:
+    """The key and function of the graph `coder.decode` replays for a batch of `shape`."""
+    return (type(coder).__name__, "decode", coder.bits, *coder.graph_key, shape), lambda r: (coder._decode(r, shape),)
+
+
+def _replayed_encode(coder: ReplayedCoder, x: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`coder._encode(x, values)`, replayed from a CUDA graph on a GPU (`aqpipe.compress.cuda_graphs`) unless it
+    rounds stochastically, whose random draws a replay would repeat."""
+    if coder.options.stochastic:
+        return coder._encode(x, values)
+    key, parts = _encode_graph(coder, values)
+    out = graphed(key, parts, x)
     return out[0], out[1] if values else None
 
 
-def _replayed_decode(coder: Any, rows: torch.Tensor, shape: tuple[int, ...], *key: Any) -> torch.Tensor:
+def _replayed_decode(coder: ReplayedCoder, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """`coder._decode(rows, shape)`, replayed from a CUDA graph on a GPU (decoding draws nothing)."""
-    return graphed((type(coder).__name__, "decode", coder.bits, *key, shape), lambda r: (coder._decode(r, shape),),
-                   rows)[0]
+    key, fn = _decode_graph(coder, shape)
+    return graphed(key, fn, rows)[0]
+
+
+def coder_calls(coder: SampleCoder, shape: tuple[int, ...], sending: bool) -> list[GraphCall]:
+    """The graph a sample coder replays for a batch of `shape`: its encode of the float32 batch (sending; none where
+    it rounds stochastically), or its decode of the batch's rows; none for a cast."""
+    if not isinstance(coder, QuantCoder | RotatedCoder):
+        return []
+    if sending:
+        if coder.options.stochastic:
+            return []
+        key, fn = _encode_graph(coder, False)
+        return [GraphCall("encode", fn, (stand_in(shape, torch.float32),), key)]
+    key, fn = _decode_graph(coder, shape)
+    return [GraphCall("decode", fn, (stand_in((shape[0], coder.sample_bytes(shape)), torch.uint8),), key)]
 
 
 def scales_in_range(rows: torch.Tensor, scales: int) -> torch.Tensor:
@@ -294,22 +333,9 @@ class CoderCodec(LinkCodec):
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor, layout: Any = None) -> torch.Tensor:
         return self.coder.decode(payload.view(header.shape[0], -1), header.shape)
 
-    def graph_calls(self, shape: tuple[int, ...], sending: bool) -> list[GraphCall]:
-        """The coder's encode of a float32 batch (sending), or its decode of the batch's rows (none where it rounds
-        stochastically: then nothing is replayed)."""
-        if self.coder.options.stochastic:
-            return []
-        if sending:
-            return [coder_call("encode", self.coder, shape)]
-        return [coder_call("decode", self.coder, shape)]
-
-
-def coder_call(what: str, coder: Any, shape: tuple[int, ...]) -> GraphCall:
-    """The graph a sample coder's encode (of a float32 batch of `shape`) or decode (of its rows) replays."""
-    if what == "encode":
-        return GraphCall("encode", lambda x: coder._encode(x, False)[:1], (stand_in(shape, torch.float32),))
-    rows = stand_in((shape[0], coder.sample_bytes(shape)), torch.uint8)
-    return GraphCall("decode", lambda r: (coder._decode(r, shape),), (rows,))
+    def graph_calls(self, shape: tuple[int, ...], sending: bool, warmup: bool = False) -> list[GraphCall]:
+        """The coder's encode of a float32 batch (sending), or its decode of the batch's rows (`coder_calls`)."""
+        return coder_calls(self.coder, shape, sending)
 
 
 def sample_coder(spec: str, options: QuantOptions | None = None, generator: torch.Generator | None = None
