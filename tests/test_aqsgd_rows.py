@@ -1,15 +1,22 @@
 """An AQ-SGD message's parts: payloads of one kind of sample, one read of every kind's verdicts, m(ξ) kept or
 dropped per sample, and rows that stop being a graph's own before anything keeps them."""
 
+import re
+
+import pytest
 import torch
 
 from aqpipe.compress.link.aqsgd_rows import (
     MODE_DELTA,
+    MODE_FIRST,
+    MODE_FULL,
     MODE_FULL_BF16,
     Candidates,
     keep,
     lossless_payload,
     payload_of,
+    read_modes,
+    segments_by_mode,
     verdicts_of,
 )
 from aqpipe.storage import MemoryStore, StoreView
@@ -55,3 +62,24 @@ def test_keep_stores_what_can_be_kept_and_drops_the_rest_on_this_side():
     view.put([7], [torch.ones(3).half()])
     dropped = keep(view, [5, 7], [torch.zeros(3).half(), None])
     assert dropped == [7] and view.present([5, 7]) == [True, False]
+
+
+def test_a_payloads_segments_are_grouped_by_mode_in_sample_order():
+    sizes = {MODE_DELTA: 2, MODE_FULL: 4}
+    modes = [MODE_FULL, MODE_DELTA, MODE_FULL]
+    payload = torch.tensor([*modes, 1, 1, 1, 1, 7, 8, 2, 2, 2, 2], dtype=torch.uint8)
+    kinds = segments_by_mode(modes, payload, sizes)
+    assert kinds[MODE_DELTA][1] == [1] and kinds[MODE_DELTA][0].tolist() == [[7, 8]]
+    assert kinds[MODE_FULL][1] == [0, 2] and kinds[MODE_FULL][0].tolist() == [[1] * 4, [2] * 4]
+    one = segments_by_mode([MODE_DELTA] * 2, torch.tensor([1, 1, 5, 6, 7, 8], dtype=torch.uint8), sizes)
+    assert one[MODE_DELTA][0].tolist() == [[5, 6], [7, 8]]  # one kind: the payload's rows as they are
+
+
+@pytest.mark.parametrize("payload,needle", [([MODE_DELTA, 9, 0, 0], "unknown sample modes [9]"),
+                                            ([MODE_DELTA, MODE_FIRST, 0, 0], "no --first-sight coder"),
+                                            ([MODE_DELTA, MODE_DELTA, 0, 0, 0], "does not match its sample modes")])
+def test_mode_bytes_that_do_not_fit_the_payload_are_refused_by_name(payload, needle):
+    from aqpipe.compress.link.codecs import CodecError
+
+    with pytest.raises(CodecError, match=re.escape(needle)):
+        read_modes(torch.tensor(payload, dtype=torch.uint8), 2, {MODE_DELTA: 1})

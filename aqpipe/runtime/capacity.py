@@ -6,16 +6,13 @@ m(ξ) store it keeps; per link: the payload bytes per step each way with the cho
 `--bandwidth` needs for them. `aqpipe launch --dry-run` prints it; a launch whose plan does not fit the device is
 refused with those numbers.
 
-Activations are not guessed from formulas: each stage's real forward (and the last stage's loss) runs once on one
-micro-batch of the real data with *fake* tensors (torch's FakeTensorMode: shapes, dtypes and autocast behave as on
-the device, nothing is allocated), counted by the same ActivationMeter the worker uses during training. A stage's
-peak is that micro-batch's bytes times the most micro-batches its schedule holds at once.
+What a stage holds is traced, not guessed (`aqpipe.runtime.stage_trace`); what its codecs' CUDA graphs hold is
+measured on the meta device (`aqpipe.runtime.codec_graphs`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -24,10 +21,7 @@ from aqpipe.compress.grad.base import ring_all_reduce_bytes
 from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_bytes, numel
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ConfigError, ResolvedConfig
-from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.grid import Grid
-from aqpipe.pipeline.held import ActivationMeter
-from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.tied import row_tables, tied_groups
 from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
 from aqpipe.pipeline.tied_rows import step_rows
@@ -35,25 +29,8 @@ from aqpipe.pipeline.transport import HEADER_SIZE
 from aqpipe.runtime import plan as run_plan
 from aqpipe.runtime.codec_graphs import stage_graph_bytes
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan
+from aqpipe.runtime.stage_trace import TraceError, micro_batches_held, state_copies, trace_stages
 from aqpipe.storage.dtypes import STORE_DTYPES
-
-# optimizer -> fp32 copies of each trained parameter it keeps (AdamW: both moments; SGD: its momentum buffer, when
-# it has momentum)
-OPTIMIZER_STATE_COPIES = {"adamw": 2, "sgd": 1}
-
-
-class TraceError(RuntimeError):
-    """A stage the fake-tensor tracer cannot run (a custom model doing something fake tensors cannot)."""
-
-
-def state_copies(cfg: ResolvedConfig) -> int:
-    """fp32 copies per trained parameter the optimizer keeps, plus a sign-based grad sync's vote momentum."""
-    from aqpipe.compress.grad.methods import parse_grad_spec
-    from aqpipe.pipeline.optim import momenta
-
-    optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)
-    copies = OPTIMIZER_STATE_COPIES[cfg.optimizer] if cfg.optimizer == "adamw" or optimizer_momentum > 0 else 0
-    return copies + (1 if vote_momentum > 0 else 0)
 
 
 @dataclass
@@ -160,53 +137,6 @@ class CapacityPlan:
             return None
         both = self.cfg.schedule != "gpipe"
         return max((max(t) if both else sum(t)) for t in times if t is not None)
-
-
-def micro_batches_held(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
-    """The most micro-batches whose activations `stage` holds at once under `schedule` (from its stream: from a
-    forward until the backward that frees it)."""
-    held = peak = 0
-    for ins in sch.SCHEDULES[schedule].stream(stage, stages, micro_batches):
-        if isinstance(ins, sch.Forward):
-            held += 1
-            peak = max(peak, held)
-        elif isinstance(ins, sch.Backward):
-            held -= 1
-    return peak
-
-
-def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, ...], torch.dtype]]:
-    """Run every stage's forward on one fake micro-batch: per stage ((parameters, trained parameters), activation
-    bytes held for one micro-batch, output shape, output dtype)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    cfg = plan.cfg
-    batch = plan.first_micro_batch()
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    device = torch.device("cpu")  # autocast and every kernel's output dtype as on the host
-    traced = []
-    x: torch.Tensor | None = None
-    for s in range(cfg.pp):
-        with torch.device("meta"):
-            module = plan.build_stage(s)
-        with mode:
-            module = module.to_empty(device=device)
-            params = list(module.parameters())
-            counts = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
-            meter = ActivationMeter(module)
-            meter.begin_step()
-            if cfg.recompute:
-                module.on_held = partial(meter.keep, 0)
-            inputs = mode.from_tensor(_given(batch["inputs"])) if s == 0 else x
-            mask = batch["mask"]
-            with meter.forward(0), autocast(device, cfg.precision):
-                out = module(inputs, None if mask is None else mode.from_tensor(mask))
-                if s == cfg.pp - 1:
-                    plan.spec.loss(out, mode.from_tensor(_given(batch["targets"])))
-            meter.keep(0, out if s < cfg.pp - 1 else None)
-        traced.append((counts, meter.peak_bytes, tuple(out.shape), out.dtype))
-        x = out.detach().requires_grad_(True)  # as a received activation is (aqpipe.pipeline.link_ends)
-    return traced
 
 
 def steady_payload_bytes(spec: str, direction: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -437,10 +367,3 @@ def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:
                           + f" (per stage in memory: {', '.join(_gb(s.memory_bytes) for s in capacity.stages)}; "
                           "see aqpipe launch ... --dry-run)")
     return capacity
-
-
-def _given(tensor: torch.Tensor | None) -> torch.Tensor:
-    """A tensor the traced batch holds for this stage (inputs on the first, targets on the last)."""
-    if tensor is None:
-        raise TraceError("the traced batch lacks the inputs or targets this stage needs")
-    return tensor

@@ -44,7 +44,9 @@ from aqpipe.compress.link.aqsgd_rows import (
     lossless_payload,
     payload_of,
     present,
+    read_modes,
     rows_of,
+    segments_by_mode,
     verdicts_of,
 )
 from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS, fold_checksum, row_sums, store_checksum
@@ -358,18 +360,7 @@ class AQSGDCodec(LinkCodec):
 
     def _read_layout(self, header, payload: torch.Tensor) -> list[int]:
         """Each sample's mode byte, read on the host bytes and checked against the payload's length."""
-        b = header.shape[0]
-        modes = payload[:b].tolist()
-        sizes = self._segment_bytes(header.shape)
-        if any(m not in sizes for m in modes):
-            unknown = sorted(set(modes) - set(sizes))
-            if MODE_FIRST in unknown:
-                raise CodecError("the peer sends quantized first sights but this side has no --first-sight coder "
-                                 "(the two sides of a link must be given the same --first-sight)")
-            raise CodecError(f"aqsgd payload has unknown sample modes {unknown}")
-        if b + sum(sizes[m] for m in modes) != payload.numel():
-            raise CodecError(f"aqsgd payload of {payload.numel()} bytes does not match its sample modes")
-        return modes
+        return read_modes(payload, header.shape[0], self._segment_bytes(header.shape))
 
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor, layout: Any = None) -> torch.Tensor:
         """Rebuild the activation and update this side's m(ξ) exactly as the sender did (`layout`: the samples'
@@ -378,7 +369,7 @@ class AQSGDCodec(LinkCodec):
         b = shape[0]
         modes: list[int] = layout
         id_list = ids.tolist()
-        kinds = self._kinds(modes, payload, shape)
+        kinds = segments_by_mode(modes, payload, self._segment_bytes(shape))
         # a graph's outputs are lent only to a message of one kind: two kinds may replay one graph (two seeds of
         # one shape), whose second replay would write the first's outputs before they are read
         lend = self._borrows(self.device) and len(kinds) == 1
@@ -420,23 +411,6 @@ class AQSGDCodec(LinkCodec):
         self._verify(header, fold_checksum(kept, [sums[i] for i in kept]))
         keep(self.view, id_list, new_m)
         return out
-
-    def _kinds(self, modes: list[int], payload: torch.Tensor, shape: tuple[int, ...]
-               ) -> dict[int, tuple[torch.Tensor, list[int]]]:
-        """The payload's segments by mode: each mode's rows [n, segment bytes] and the samples they belong to. A
-        message of one kind of sample is its payload's rows as they are."""
-        b = shape[0]
-        if b and len(set(modes)) == 1:
-            return {modes[0]: (payload[b:].view(b, -1), list(range(b)))}
-        sizes = self._segment_bytes(shape)
-        parts: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
-        offset = b
-        for i, mode in enumerate(modes):
-            rows, at = parts.setdefault(mode, ([], []))
-            rows.append(payload[offset : offset + sizes[mode]])
-            at.append(i)
-            offset += sizes[mode]
-        return {mode: (torch.stack(rows), at) for mode, (rows, at) in parts.items()}
 
     def _recall_sent(self, ids: list[int]) -> torch.Tensor:
         """m(ξ) of samples the sender sent as deltas, on this side's device."""

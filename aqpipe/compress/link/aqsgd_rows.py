@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from aqpipe.compress.link.codecs import DeltaFidelity, to_device
+from aqpipe.compress.link.codecs import CodecError, DeltaFidelity, to_device
 
 # A sample's mode byte: what its segment holds.
 MODE_FULL, MODE_DELTA, MODE_FIRST, MODE_FULL_BF16, MODE_FULL_FP16 = 0, 1, 2, 3, 4
@@ -41,6 +41,38 @@ class SampleMemory(Protocol):
     def storable_rows(self, values: torch.Tensor) -> torch.Tensor: ...
 
     def delete(self, ids: Sequence[int]) -> None: ...
+
+
+def read_modes(payload: torch.Tensor, b: int, sizes: dict[int, int]) -> list[int]:
+    """The mode bytes of a received payload of `b` samples (on the host), each a mode of `sizes` (its segment's
+    length) and together the payload's length; a CodecError naming what is wrong otherwise."""
+    modes = payload[:b].tolist()
+    if any(m not in sizes for m in modes):
+        unknown = sorted(set(modes) - set(sizes))
+        if MODE_FIRST in unknown:
+            raise CodecError("the peer sends quantized first sights but this side has no --first-sight coder "
+                             "(the two sides of a link must be given the same --first-sight)")
+        raise CodecError(f"aqsgd payload has unknown sample modes {unknown}")
+    if b + sum(sizes[m] for m in modes) != payload.numel():
+        raise CodecError(f"aqsgd payload of {payload.numel()} bytes does not match its sample modes")
+    return modes
+
+
+def segments_by_mode(modes: list[int], payload: torch.Tensor, sizes: dict[int, int]
+                     ) -> dict[int, tuple[torch.Tensor, list[int]]]:
+    """A payload's segments by mode (`sizes`: each mode's segment length): each mode's rows [n, segment bytes] and
+    the samples they belong to. A message of one kind of sample is its payload's rows as they are."""
+    b = len(modes)
+    if b and len(set(modes)) == 1:
+        return {modes[0]: (payload[b:].view(b, -1), list(range(b)))}
+    parts: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+    offset = b
+    for i, mode in enumerate(modes):
+        rows, at = parts.setdefault(mode, ([], []))
+        rows.append(payload[offset : offset + sizes[mode]])
+        at.append(i)
+        offset += sizes[mode]
+    return {mode: (torch.stack(rows), at) for mode, (rows, at) in parts.items()}
 
 
 def rows_of(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
