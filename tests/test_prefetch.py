@@ -145,3 +145,53 @@ def test_bookkeeping_does_not_grow_with_the_samples_seen():
     held = sum(len(v) for v in vars(store).values() if isinstance(v, (dict, set)))
     assert held == 0, {k: len(v) for k, v in vars(store).items() if isinstance(v, (dict, set))}
     store.close()
+
+
+class _Copy:
+    """A stand-in for a GPU's queued copy to the host: counts the waits for it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+@pytest.mark.parametrize("encoding", ["fp16", "q4"])
+def test_a_gpus_values_reach_the_disk_store_without_the_host_waiting(tmp_path, monkeypatch, encoding):
+    """Reading found `put` copying a GPU's m(ξ) to the host with a blocking copy — a wait for the GPU on every AQ-SGD
+    message of both sides under `--store lmdb`. `put` now queues the copy (here: host values standing for a GPU's)
+    and returns; the next call that needs the values waits for it — by then long done — and then encodes and queues
+    them for the disk as before. A prefetch, which the worker makes right after a put, does not wait."""
+    from aqpipe.storage import prefetch
+
+    queued: list[_Copy] = []
+
+    def queue_copy(batch):
+        queued.append(_Copy())
+        return batch.clone(), queued[-1]
+
+    monkeypatch.setattr(prefetch, "crosses_to_the_host", lambda values, device: True)
+    monkeypatch.setattr(prefetch, "to_host", queue_copy)
+    store = PrefetchingStore(LMDBStore(tmp_path / "s", encoding))
+    first = torch.randn(3, 4, 16).to(store.dtype)
+    store.put(0, "send", [0, 1, 2], list(first))
+    assert len(queued) == 1 and queued[0].waits == 0  # one copy for the message, and no wait yet
+    store.prefetch(0, "send", [1, 2, 5])
+    assert queued[0].waits == 0
+    assert store.contains(0, "send", [2, 5]) == [True, False] and queued[0].waits == 1
+    kept = store.get(0, "send", [0, 1, 2])
+    second = torch.randn(1, 4, 16).to(store.dtype)
+    store.put(0, "send", [1], list(second))
+    assert queued[0].waits == 1 and queued[1].waits == 0
+    store.flush()
+    assert queued[1].waits == 1
+    reference = PrefetchingStore(LMDBStore(tmp_path / "r", encoding))  # the same values put from the host
+    reference.put(0, "send", [0, 1, 2], list(first))
+    assert all(torch.equal(a, b) for a, b in zip(kept, reference.get(0, "send", [0, 1, 2])))
+    reference.put(0, "send", [1], list(second))
+    reference.flush()
+    for i in range(3):  # on disk: what a host put writes
+        assert torch.equal(store.backend.get(0, "send", [i])[0], reference.backend.get(0, "send", [i])[0])
+    store.close()
+    reference.close()

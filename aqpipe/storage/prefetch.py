@@ -6,7 +6,9 @@ and exactly the value the disk will hold: `put` encodes a value the way the back
 quantizes it) on the calling thread, keeps what those bytes decode to in the pending table, and the writer stores
 those very bytes — so a read before and after the write lands returns the same bits, whenever each side of a link
 flushes. A read still in flight when its key is written or deleted is marked stale and never installed. The writer
-queue is bounded: a producer that runs ahead of the disk waits (backpressure) instead of growing memory.
+queue is bounded: a producer that runs ahead of the disk waits (backpressure) instead of growing memory. A GPU's
+values reach the host as a queued copy into pinned memory, which the next call that needs them waits for (by then
+long done) before it encodes them: `put` never makes the host wait for the GPU.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from aqpipe.compress.link.codecs import Landing, to_host
 from aqpipe.storage.base import on_device
+from aqpipe.storage.memory import crosses_to_the_host
 
 Key = tuple[int, str, int]
 MAX_QUEUED_WRITES = 16  # put batches (one micro-batch of one link each) waiting for the disk
@@ -43,6 +47,8 @@ class PrefetchingStore:
         self._write_error: BaseException | None = None
         self._writer = threading.Thread(target=self._write_loop, name="mstore-write", daemon=True)
         self._writer.start()
+        # the last put of a GPU's values, still crossing to the host: (link, side, ids, host batch, its copy)
+        self._crossing: tuple[int, str, list[int], torch.Tensor, Landing | None] | None = None
 
     @property
     def step(self) -> int:
@@ -57,7 +63,9 @@ class PrefetchingStore:
         """Start loading the m(ξ) of `ids` in the background."""
         with self._lock:
             keys = [(link, side, int(i)) for i in ids]
-            todo = [k for k in keys if k not in self._pending and k not in self._cache and k not in self._inflight]
+            crossing = self._crossing_keys()
+            todo = [k for k in keys if k not in self._pending and k not in self._cache and k not in self._inflight
+                    and k not in crossing]
             for key in todo:
                 self._inflight[key] = self._reader.submit(self._load, key)
 
@@ -87,6 +95,7 @@ class PrefetchingStore:
         return False, None
 
     def contains(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
+        self._land()
         found = []
         for i in ids:
             known, value = self._lookup((link, side, int(i)))
@@ -101,6 +110,7 @@ class PrefetchingStore:
         return found
 
     def get(self, link: int, side: str, ids: Sequence[int]) -> list[torch.Tensor]:
+        self._land()
         out = []
         for i in ids:
             key = (link, side, int(i))
@@ -120,11 +130,36 @@ class PrefetchingStore:
         return self.backend.storable_rows(values)
 
     def put(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
-        """Make the values visible to reads at once — as the store will hold them — and queue them for the disk;
-        waits while the writer is MAX_QUEUED_WRITES batches behind."""
+        """Make the values visible to reads — as the store will hold them — and queue them for the disk; waits while
+        the writer is MAX_QUEUED_WRITES batches behind. A GPU's values cross to the host in one queued copy, and
+        become visible when the next call lands it (`_land`)."""
         if self._write_error is not None:
             raise self._write_error
-        values = on_device(values, "cpu")  # the backend encodes on the host: one copy from a GPU, not one per value
+        self._land()
+        if crosses_to_the_host(values, torch.device("cpu")):
+            host, ready = to_host(torch.stack(list(values)))
+            self._crossing = (link, side, [int(i) for i in ids], host, ready)
+            return
+        self._keep(link, side, ids, on_device(values, "cpu"))
+
+    def _land(self) -> None:
+        """Finish the last put of a GPU's values: wait for its copy to the host, then keep them (`_keep`)."""
+        if self._crossing is None:
+            return
+        link, side, ids, host, ready = self._crossing
+        if ready is not None:
+            ready.synchronize()
+        self._crossing = None  # (only now: should the wait raise, the next call waits again)
+        self._keep(link, side, ids, list(host.unbind(0)))
+
+    def _crossing_keys(self) -> set[Key]:
+        if self._crossing is None:
+            return set()
+        link, side, ids, _, _ = self._crossing
+        return {(link, side, i) for i in ids}
+
+    def _keep(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
+        """Encode host values as the backend stores them, make what they decode to visible, and queue the bytes."""
         raws = [self.backend.encode_raw(v) for v in values]
         stored = [self.backend.decode_raw(raw, tuple(v.shape)) for raw, v in zip(raws, values)]
         batch = []
@@ -165,6 +200,7 @@ class PrefetchingStore:
 
     def flush(self) -> None:
         """Wait until every put is on disk; raise the writer's error if one happened."""
+        self._land()
         self._writes.join()
         if self._write_error is not None:
             raise self._write_error
@@ -175,6 +211,7 @@ class PrefetchingStore:
 
     def present(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
         """Whether a sound m(ξ) exists for each id (pending writes and read-ahead first; not counted as lookups)."""
+        self._land()
         found = []
         for i in ids:
             known, value = self._lookup((link, side, int(i)))
@@ -195,6 +232,7 @@ class PrefetchingStore:
     def bookkeeping_entries(self) -> int:
         """Entries held for coordination (pending writes, read-ahead, stale marks): bounded by what is in flight, not
         by the number of samples ever seen."""
+        self._land()
         with self._lock:
             return len(self._pending) + len(self._cache) + len(self._stale) + len(self._inflight)
 
