@@ -5,7 +5,8 @@
 #
 # Parts, each under its own time limit, each writing <part>.log in OUT; OUT/results.md gathers the device, every
 # part's exit status and time, and the numbers each part ends with:
-#   sync-audit   gpt2-tiny fp32 (m(ξ) in host RAM) and llama-tiny bf16 (m(ξ) on the GPU), 4 ranks on the GPU,
+#   sync-audit   gpt2-tiny fp32 (m(ξ) in host RAM, then on disk: --store lmdb) and llama-tiny bf16 (m(ξ) on the
+#                GPU), 4 ranks on the GPU,
 #                aqsgd:3 / directq:6, every step from the third under torch.cuda.set_sync_debug_mode
 #                (AQPIPE_CUDA_SYNC_AUDIT=1): synchronizing calls per step and where
 #   gpu-tests    python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py
@@ -28,7 +29,7 @@ out=$(cd "$out" && pwd)
 data=${AQPIPE_BENCH_DATA:-/work/shared/data/wikitext-2/valid.txt}
 results="$out/results.md"
 # (an earlier run's logs in a reused OUT would be reported as this run's)
-rm -rf "$out"/{gpu-tests,sync-audit,codec-speed,throughput,throughput-mps}.log "$out"/audit-fp32 "$out"/audit-bf16
+rm -rf "$out"/{gpu-tests,sync-audit,codec-speed,throughput,throughput-mps}.log "$out"/audit-fp32 "$out"/audit-bf16 "$out"/audit-lmdb
 parts=${AQPIPE_GPU_CHECK_PARTS:-gpu-tests sync-audit throughput codec-speed throughput-mps}  # a subset, for a short lease
 export PYTHONUNBUFFERED=1
 # The lent H200's image could not keep bytecode (its site-packages read-only, or PYTHONDONTWRITEBYTECODE set), so
@@ -52,14 +53,16 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND with its output in NAME.lo
   return 0
 }
 
-sync_audit() {  # two short runs with every rank audited; their rank logs hold the per-step counts
+sync_audit() {  # three short runs with every rank audited; their rank logs hold the per-step counts
   local flags=(--pp 4 --seq-len 32 --max-samples 64 --micro-batch-size 4 --micro-batches 4 --epochs 3
                --device cuda --no-progress --eval-every 0 --overwrite)
   AQPIPE_CUDA_SYNC_AUDIT=1 python -m aqpipe launch --model gpt2-tiny "${flags[@]}" --fw aqsgd:3 --bw directq:6 \
     --out "$out/audit-fp32" || return
   AQPIPE_CUDA_SYNC_AUDIT=1 python -m aqpipe launch --model llama-tiny "${flags[@]}" --precision bf16 \
     --fw aqsgd:3 --bw directq:6 --store-device cuda --out "$out/audit-bf16" || return
-  for run in audit-fp32 audit-bf16; do
+  AQPIPE_CUDA_SYNC_AUDIT=1 python -m aqpipe launch --model gpt2-tiny "${flags[@]}" --fw aqsgd:3 --bw directq:6 \
+    --store lmdb --out "$out/audit-lmdb" || return
+  for run in audit-fp32 audit-bf16 audit-lmdb; do
     echo "## $run"
     grep -h "cuda sync audit" "$out/$run"/logs/rank-*.log
   done
@@ -115,7 +118,7 @@ part codec-speed 120 bash -c "echo '### at GPT2-XL shape 4,512,1600 MB/s'; \
   python benchmarks/codec_profile.py --device cuda --pairs 11 --out '$out/codec_profile_cuda'"
 part gpu-tests 210 python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py -n 12 -p no:cacheprovider -v --timeout 150 -rfE &
 tests=$!
-part sync-audit 90 bash -c sync_audit
+part sync-audit 130 bash -c sync_audit
 wait "$tests"
 part throughput 120 python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 \
   --epochs 4 --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda"
@@ -124,7 +127,7 @@ part throughput-mps 70 bash -c throughput_mps
 {
   echo
   echo "## synchronizing calls per audited step and rank, and where (rank logs)"
-  for run in audit-fp32 audit-bf16; do
+  for run in audit-fp32 audit-bf16 audit-lmdb; do
     [ -d "$out/$run/logs" ] || continue
     echo "### $run: calls per step (how many rank-steps saw each count)"
     grep -h "synchronizing calls" "$out/$run"/logs/rank-*.log | awk '{print $(NF-2)}' | sort -n | uniq -c
