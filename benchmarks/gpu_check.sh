@@ -55,17 +55,17 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND with its output in NAME.lo
 
 sync_audit() {  # three short runs with every rank audited; their rank logs hold the per-step counts
   local flags=(--pp 4 --seq-len 32 --max-samples 64 --micro-batch-size 4 --micro-batches 4 --epochs 3
-               --device cuda --no-progress --eval-every 0 --overwrite)
-  AQPIPE_CUDA_SYNC_AUDIT=1 python -m aqpipe launch --model gpt2-tiny "${flags[@]}" --fw aqsgd:3 --bw directq:6 \
-    --out "$out/audit-fp32" || return
+               --device cuda --no-progress --eval-every 0 --overwrite --fw aqsgd:3 --bw directq:6) status=0
+  AQPIPE_CUDA_SYNC_AUDIT=1 python -m aqpipe launch --model gpt2-tiny "${flags[@]}" --out "$out/audit-fp32" || status=1
   AQPIPE_CUDA_SYNC_AUDIT=1 python -m aqpipe launch --model llama-tiny "${flags[@]}" --precision bf16 \
-    --fw aqsgd:3 --bw directq:6 --store-device cuda --out "$out/audit-bf16" || return
-  AQPIPE_CUDA_SYNC_AUDIT=1 python -m aqpipe launch --model gpt2-tiny "${flags[@]}" --fw aqsgd:3 --bw directq:6 \
-    --store lmdb --out "$out/audit-lmdb" || return
-  for run in audit-fp32 audit-bf16 audit-lmdb; do
+    --store-device cuda --out "$out/audit-bf16" || status=1
+  AQPIPE_CUDA_SYNC_AUDIT=1 python -m aqpipe launch --model gpt2-tiny "${flags[@]}" --store lmdb \
+    --out "$out/audit-lmdb" || status=1
+  for run in audit-fp32 audit-bf16 audit-lmdb; do  # (each run's lines, whichever failed)
     echo "## $run"
     grep -h "cuda sync audit" "$out/$run"/logs/rank-*.log
   done
+  return $status
 }
 
 {

@@ -157,12 +157,9 @@ class _Copy:
         self.waits += 1
 
 
-@pytest.mark.parametrize("encoding", ["fp16", "q4"])
-def test_a_gpus_values_reach_the_disk_store_without_the_host_waiting(tmp_path, monkeypatch, encoding):
-    """Reading found `put` copying a GPU's m(ξ) to the host with a blocking copy — a wait for the GPU on every AQ-SGD
-    message of both sides under `--store lmdb`. `put` now queues the copy (here: host values standing for a GPU's)
-    and returns; the next call that needs the values waits for it — by then long done — and then encodes and queues
-    them for the disk as before. A prefetch, which the worker makes right after a put, does not wait."""
+def _gpu_values(monkeypatch) -> list[_Copy]:
+    """Make every put and scatter take the path of a GPU's values (here: host values), each copy to the host a
+    `_Copy`; returns the copies, in order."""
     from aqpipe.storage import prefetch
 
     queued: list[_Copy] = []
@@ -172,26 +169,57 @@ def test_a_gpus_values_reach_the_disk_store_without_the_host_waiting(tmp_path, m
         return batch.clone(), queued[-1]
 
     monkeypatch.setattr(prefetch, "crosses_to_the_host", lambda values, device: True)
+    monkeypatch.setattr(prefetch, "from_a_gpu", lambda batch: True)
     monkeypatch.setattr(prefetch, "to_host", queue_copy)
+    return queued
+
+
+@pytest.mark.parametrize("encoding", ["fp16", "q4"])
+def test_a_gpus_values_reach_the_disk_store_without_the_host_waiting(tmp_path, monkeypatch, encoding):
+    """Reading found `put` copying a GPU's m(ξ) to the host with a blocking copy — a wait for the GPU on every AQ-SGD
+    message of both sides under `--store lmdb`. `put` now queues the copy (here: host values standing for a GPU's)
+    and returns; the next call that reads or writes waits for it — by then long done — and then encodes and queues
+    the values for the disk as before. A prefetch, which follows a put, does not wait. What the store serves and
+    writes equals what the same puts from the host give."""
+    torch.manual_seed(0)
+    first, second, third = (torch.randn(n, 4, 16).half() for n in (3, 1, 2))
+    reference = PrefetchingStore(LMDBStore(tmp_path / "r", encoding))  # (before the GPU stand-ins: the host's path)
+    reference.put(0, "send", [0, 1, 2], list(first.to(reference.dtype)))
+    served = reference.get(0, "send", [0, 1, 2])
+    reference.put(0, "send", [1], list(second.to(reference.dtype)))
+    reference.put(0, "recv", [4, 1], list(third.to(reference.dtype)))
+    reference.flush()
+    queued = _gpu_values(monkeypatch)
     store = PrefetchingStore(LMDBStore(tmp_path / "s", encoding))
-    first = torch.randn(3, 4, 16).to(store.dtype)
-    store.put(0, "send", [0, 1, 2], list(first))
+    store.put(0, "send", [0, 1, 2], list(first.to(store.dtype)))
     assert len(queued) == 1 and queued[0].waits == 0  # one copy for the message, and no wait yet
     store.prefetch(0, "send", [1, 2, 5])
     assert queued[0].waits == 0
-    assert store.contains(0, "send", [2, 5]) == [True, False] and queued[0].waits == 1
-    kept = store.get(0, "send", [0, 1, 2])
-    second = torch.randn(1, 4, 16).to(store.dtype)
-    store.put(0, "send", [1], list(second))
-    assert queued[0].waits == 1 and queued[1].waits == 0
+    assert store.present(0, "send", [2, 5]) == [True, False] and queued[0].waits == 1
+    assert all(torch.equal(a, b) for a, b in zip(store.get(0, "send", [0, 1, 2]), served))
+    store.put(0, "send", [1], list(second.to(store.dtype)))
+    store.scatter(0, "recv", [4, 1], third.to(store.dtype))  # a second crossing right after: the first lands
+    assert queued[1].waits == 1 and queued[2].waits == 0 and len(queued) == 3
+    assert store.contains(0, "recv", [1]) == [True] and queued[2].waits == 1
     store.flush()
-    assert queued[1].waits == 1
-    reference = PrefetchingStore(LMDBStore(tmp_path / "r", encoding))  # the same values put from the host
-    reference.put(0, "send", [0, 1, 2], list(first))
-    assert all(torch.equal(a, b) for a, b in zip(kept, reference.get(0, "send", [0, 1, 2])))
-    reference.put(0, "send", [1], list(second))
-    reference.flush()
-    for i in range(3):  # on disk: what a host put writes
-        assert torch.equal(store.backend.get(0, "send", [i])[0], reference.backend.get(0, "send", [i])[0])
+    for link, side, i in [(0, "send", 0), (0, "send", 1), (0, "send", 2), (0, "recv", 4), (0, "recv", 1)]:
+        want = reference.backend.get(link, side, [i])[0]  # on disk: what the host's puts wrote
+        assert torch.equal(store.backend.get(link, side, [i])[0], want), (side, i)
+        assert torch.equal(store.get(link, side, [i])[0], want)
     store.close()
     reference.close()
+
+
+def test_a_read_in_flight_when_a_gpus_values_cross_never_installs_the_older_value(monkeypatch):
+    backend = GatedStore()
+    backend.put(0, "recv", [3], [value(1)])
+    queued = _gpu_values(monkeypatch)
+    store = PrefetchingStore(backend)
+    backend.read_gate.clear()  # the read of the old value is slow
+    store.prefetch(0, "recv", [3])
+    store.put(0, "recv", [3], [value(2)])  # crossing, not yet landed
+    threading.Timer(0.2, backend.read_gate.set).start()  # the old value arrives while (or after) the put lands
+    assert torch.equal(store.get(0, "recv", [3])[0], value(2)) and queued[0].waits == 1
+    store.flush()
+    assert torch.equal(store.get(0, "recv", [3])[0], value(2)) and torch.equal(backend.get(0, "recv", [3])[0], value(2))
+    store.close()

@@ -1,5 +1,5 @@
-"""What each stage of a run holds, traced before anything trains: its parameters, those that train, the optimizer
-state they need, and the activations it holds for backward under the schedule.
+"""What each stage of a run holds, before anything trains: its parameters and those that train and the activations
+it holds for backward under the schedule (traced), and the optimizer state they need (from the configuration).
 
 Activations are not guessed from formulas: each stage's real forward (and the last stage's loss) runs once on one
 micro-batch of the real data with *fake* tensors (torch's FakeTensorMode: shapes, dtypes and autocast behave as on

@@ -6,9 +6,11 @@ and exactly the value the disk will hold: `put` encodes a value the way the back
 quantizes it) on the calling thread, keeps what those bytes decode to in the pending table, and the writer stores
 those very bytes — so a read before and after the write lands returns the same bits, whenever each side of a link
 flushes. A read still in flight when its key is written or deleted is marked stale and never installed. The writer
-queue is bounded: a producer that runs ahead of the disk waits (backpressure) instead of growing memory. A GPU's
-values reach the host as a queued copy into pinned memory, which the next call that needs them waits for (by then
-long done) before it encodes them: `put` never makes the host wait for the GPU.
+queue is bounded: a producer that runs ahead of the disk waits (backpressure) instead of growing memory.
+
+A GPU's values (`put`, `scatter`) reach the host as one queued copy into pinned memory, and the store's next call
+that reads or writes (`_land`) waits for it — by then long done — and encodes and queues them as above (the
+encoding, and any wait for the writer, happen there): the host never waits for the GPU to store m(ξ).
 """
 
 from __future__ import annotations
@@ -130,27 +132,40 @@ class PrefetchingStore:
         return self.backend.storable_rows(values)
 
     def put(self, link: int, side: str, ids: Sequence[int], values: Sequence[torch.Tensor]) -> None:
-        """Make the values visible to reads — as the store will hold them — and queue them for the disk; waits while
-        the writer is MAX_QUEUED_WRITES batches behind. A GPU's values cross to the host in one queued copy, and
-        become visible when the next call lands it (`_land`)."""
-        if self._write_error is not None:
-            raise self._write_error
-        self._land()
+        """Make the values visible to reads — as the store will hold them — and queue them for the disk, waiting
+        while the writer is MAX_QUEUED_WRITES batches behind; a GPU's values cross to the host first (see above)."""
         if crosses_to_the_host(values, torch.device("cpu")):
-            host, ready = to_host(torch.stack(list(values)))
-            self._crossing = (link, side, [int(i) for i in ids], host, ready)
+            self.scatter(link, side, ids, torch.stack(list(values)))
             return
+        self._raise_write_error()
+        self._land()
         self._keep(link, side, ids, on_device(values, "cpu"))
 
+    def scatter(self, link: int, side: str, ids: Sequence[int], values: torch.Tensor) -> None:
+        """`put` of the rows of `values` [B, ...], copied (the caller may reuse `values` once its stream has passed
+        this call): a GPU's batch crosses to the host in one queued copy, landed by the next call."""
+        self._raise_write_error()
+        self._land()
+        if not from_a_gpu(values):
+            self._keep(link, side, ids, [v.clone() for v in values.unbind(0)])
+            return
+        host, ready = to_host(values)
+        self._crossing = (link, side, [int(i) for i in ids], host, ready)
+
+    def _raise_write_error(self) -> None:
+        if self._write_error is not None:
+            raise self._write_error
+
     def _land(self) -> None:
-        """Finish the last put of a GPU's values: wait for its copy to the host, then keep them (`_keep`)."""
+        """Finish the last crossing of a GPU's values: wait for its copy, then keep pageable copies of them (a queued
+        write holds its values until the disk has them: not pinned blocks)."""
         if self._crossing is None:
             return
         link, side, ids, host, ready = self._crossing
         if ready is not None:
             ready.synchronize()
         self._crossing = None  # (only now: should the wait raise, the next call waits again)
-        self._keep(link, side, ids, list(host.unbind(0)))
+        self._keep(link, side, ids, list(host.clone().unbind(0)))
 
     def _crossing_keys(self) -> set[Key]:
         if self._crossing is None:
@@ -245,3 +260,8 @@ class PrefetchingStore:
             self._writer.join(timeout=30)
             self._reader.shutdown(wait=True)
             self.backend.close()
+
+
+def from_a_gpu(batch: torch.Tensor) -> bool:
+    """Whether a batch of m(ξ) is a GPU's, whose copy to the host a store queues rather than waits for."""
+    return batch.device.type == "cuda" and len(batch) > 0
