@@ -164,3 +164,19 @@ def test_an_aqsgd_senders_delta_graph_holds_at_least_its_inputs_and_what_it_keep
     values = 8 * 128 * 576
     inputs, new_m = values * (4 + 2), values * 2
     assert gm.held_bytes(delta) >= inputs + new_m + values * 3 // 8  # (and the 3-bit payload)
+
+
+def test_aqsgds_delta_graphs_hold_no_float32_copy_of_m_and_no_sum_of_their_own():
+    """At SmolLM2's 8 × 1024 × 576 micro-batch (m(ξ) fp16) the delta step in torch ops once held 4.6 (sender) and
+    3.1 (receiver) float32 copies of the batch at its peak, in graphs kept for the run: m(ξ) made float32, and its
+    sum with the dequantized change beside that change. m(ξ) is now read in its own dtype and the change takes it in
+    place, with the same bits (tests/test_aqsgd.py and the GPU tests compare them)."""
+    shape = (8, 1024, 576)
+    batch = 8 * 1024 * 576 * 4  # one float32 copy
+    peaks = {}
+    for side, sending, name in (("send", True, "delta-encode"), ("recv", False, "delta-decode")):
+        codec = build_codec("aqsgd:3", "fw", StoreView(MemoryStore(torch.float16), 0, side), QuantOptions())
+        call = next(c for c in codec.graph_calls(shape, sending) if c.name == name)
+        inputs = sum(gm._rounded(t.untyped_storage().nbytes()) for t in call.inputs)
+        peaks[name] = (gm.held_bytes(call) - inputs - gm.SMALL_SEGMENT - gm.MID_SEGMENT) / batch
+    assert peaks["delta-encode"] <= 3.0 and peaks["delta-decode"] <= 2.6, peaks

@@ -25,6 +25,7 @@ IEEE float32), which is how CPU-only CI checks their bits against torch's.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 
@@ -53,7 +54,9 @@ def fusable(device: torch.device, shape: tuple[int, ...], bits: int, per: str, g
     # capacity plan by `aqpipe.compress.graph_memory`)
     if not (device.type in ("cuda", "meta") or interpreted()) or len(shape) < 3 or shape[-1] % GROUP or 0 in shape:
         return False
-    return per == "channel" and 2 <= bits <= 8 and grid in _SCALE_KINDS and _kernels() is not None
+    if not (per == "channel" and 2 <= bits <= 8 and grid in _SCALE_KINDS):
+        return False
+    return _triton_present() if device.type == "meta" else _kernels() is not None
 
 
 def delta_fusable(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype, bits: int, per: str,
@@ -138,7 +141,6 @@ def _parts(shape: tuple[int, ...]) -> int:
 def _encode(x3: torch.Tensor, m3: torch.Tensor | None, bits: int, grid: str, coded: torch.Tensor | None,
             delta: tuple | None) -> torch.Tensor | None:
     """Launch the scales and codes kernels on rows [B, T, C] (`m3`, `delta`: AQ-SGD's m(ξ) and outputs)."""
-    k = _kernels()
     b, t, c = x3.shape
     rows = torch.empty(b, row_bytes(t, c, bits), dtype=torch.uint8, device=x3.device)
     scales = torch.empty(b, c, dtype=torch.float32, device=x3.device)
@@ -146,6 +148,7 @@ def _encode(x3: torch.Tensor, m3: torch.Tensor | None, bits: int, grid: str, cod
     m_new, sums, norms, multiplier, modulus = delta if delta is not None else (x3, x3, x3, 0, 1)  # (unread)
     if x3.device.type == "meta":  # (the outputs alone)
         return rows
+    k = _kernels()
     try:
         k.scales_kernel[(b, -(-c // k.SCALE_C))](
             x3, x3 if m3 is None else m3, rows, scales, t, c, rows.shape[1], KIND=_SCALE_KINDS[grid],
@@ -165,7 +168,6 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
             delta: tuple[torch.Tensor, tuple[int, int]] | None) -> tuple[torch.Tensor, ...] | None:
     """Launch the decode kernel (`delta`: AQ-SGD's m(ξ) and checksum constants): (values,) or, for AQ-SGD,
     (m_new, values, sums)."""
-    k = _kernels()
     b, c = shape[0], shape[-1]
     t = 1
     for d in shape[1:-1]:
@@ -182,6 +184,7 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
         sums = torch.empty(b, _parts(m3.shape), dtype=torch.int64, device=rows.device)
         multiplier, modulus = delta[1]
     if rows.device.type != "meta":  # (on the meta device: the outputs alone)
+        k = _kernels()
         try:
             k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
                 rows, _levels(bits, grid, rows.device), out, m3, m_new, sums, t, c, rows.shape[1], multiplier,
@@ -199,6 +202,12 @@ def _give_up(error: Exception) -> None:
     if not _failed:
         log.warning("fused codec kernels off, the torch ops code from now on: %s: %s", type(error).__name__, error)
     _failed.append(f"{type(error).__name__}: {error}")
+
+
+@functools.cache
+def _triton_present() -> bool:
+    """Whether Triton is installed, without importing it (what the capacity plan's meta runs ask: seconds saved)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache

@@ -259,10 +259,13 @@ class AQSGDCodec(LinkCodec):
         if fast:  # the same bits in two kernels on a GPU
             coded, m_new, sums, norms = fast
         else:
-            m_old = m_old.float()
+            # m(ξ) is read in its own dtype (promoted exactly, value by value) and the dequantized change, a tensor
+            # of this call's own, takes m(ξ) in place (addition commutes bit for bit): no full-size float32 copy of
+            # m(ξ) and no sum of its own, which a CUDA graph of this call would keep for the run
             change = x - m_old
             coded, deq = self.delta.encode(change, values=True)
-            m_new = (m_old + present(deq)).to(self.view.dtype)
+            m_new = present(deq).add_(m_old).to(self.view.dtype)
+            del deq  # (in a 16-bit store m_new is a copy: the float32 sum goes now, not at the call's end)
             sums, norms = row_sums(m_new), fidelity_norms(x, m_old, change, m_new)
         ok = self._sendable(self.delta.carried(x, coded), m_new)
         return payload_of(MODE_DELTA, coded), m_new, verdicts_of(ok, sums), norms, norms.double().square_().sum(dim=0)
@@ -284,7 +287,7 @@ class AQSGDCodec(LinkCodec):
         if fast:
             seeds, values, sums = fast
         else:
-            seeds = (m_old.float() + self.delta.decode(rows, tuple(m_old.shape))).to(self.view.dtype)
+            seeds = self.delta.decode(rows, tuple(m_old.shape)).add_(m_old).to(self.view.dtype)  # (as the sender's)
             values, sums = seeds.float(), row_sums(seeds)
         return seeds, values, verdicts_of(torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device), sums)
 
