@@ -55,6 +55,8 @@ def test_the_plan_matches_what_a_real_run_measures(tmp_path, extra):
         params = list(module.parameters())
         assert stage.parameters == sum(p.numel() for p in params)
         assert stage.trainable == sum(p.numel() for p in params if p.requires_grad)
+    # a CPU run replays no codec graphs, and the plan counts none
+    assert records[-1]["stage_codec_graph_bytes"] == [s.codec_bytes for s in capacity.stages] == [0] * plan.cfg.pp
     measured = records[-1]["stage_peak_activation_bytes"]
     planned = [s.activation_bytes for s in capacity.stages]
     for got, want in zip(measured, planned):

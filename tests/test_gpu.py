@@ -143,6 +143,27 @@ def test_replicas_on_one_gpu_stay_identical(tmp_path, method, optimizer):
     assert records[-1]["grad_sync_bytes"] > 0
 
 
+@needs_cuda
+def test_what_a_runs_codec_graphs_hold_is_reported_and_within_the_capacity_plans_count(tmp_path):
+    """Each step's record says what each stage's codec graphs hold on the GPU (`stage_codec_graph_bytes`); after a
+    first epoch of first sights and two of deltas it is positive, and at most what the capacity plan counted for the
+    stage, with the allocator's headroom and 2 MiB a graph."""
+    import dataclasses
+
+    from aqpipe.runtime.capacity import ALLOCATOR_HEADROOM, plan_capacity
+    from aqpipe.runtime.plan import make_plan
+    from tests.test_capacity import flags_to_config
+
+    flags = [*TINY, "--model", "gpt2-tiny", "--pp", "2", "--epochs", "3", "--fw", "aqsgd:3", "--bw", "directq:6"]
+    records = launch(tmp_path / "run", *flags[len(TINY):])
+    held = records[-1]["stage_codec_graph_bytes"]
+    cfg = dataclasses.replace(flags_to_config(flags, tmp_path / "plan"), device="cuda")
+    planned = [s.codec_bytes for s in plan_capacity(make_plan(cfg)).stages]
+    assert all(h > 0 for h in held), held
+    for got, counted in zip(held, planned):
+        assert got <= counted * ALLOCATOR_HEADROOM + 8 * (2 << 20), (held, planned)
+
+
 def test_bf16_recompute_and_lora_train_on_the_gpu(tmp_path):
     records = launch(tmp_path / "run", "--model", "llama-tiny", "--pp", "2", "--epochs", "4", "--precision", "bf16",
                      "--recompute", "--lora", "8", "--lr", "3e-3", "--fw", "aqsgd:3", "--bw", "directq:6")

@@ -55,6 +55,8 @@ class _Cache:
     failed: bool = False
     full: bool = False
     streams: dict[torch.device, Any] = field(default_factory=dict)  # each device's one capturing stream
+    version: int = 0  # counts the graphs added and dropped (what `held_on` last measured is good until it moves)
+    measured: tuple[int, torch.device, int] | None = None  # (version, device, bytes): `held_on`'s last answer
     # reentrant: a codec's finalizer (`forget`) may run in a garbage collection inside a capture, which holds it
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -139,6 +141,7 @@ def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...
         finally:
             _capturing.now = False
         _cache.graphs[signature] = entry
+        _cache.version += 1
         return entry
 
 
@@ -224,6 +227,7 @@ def forget(owner: Hashable) -> None:
     with _cache.lock:
         for signature in [s for s in _cache.graphs if owned(s)]:
             del _cache.graphs[signature]
+            _cache.version += 1
         _cache.seen = {s for s in _cache.seen if not owned(s)}
 
 
@@ -240,6 +244,18 @@ def device_bytes() -> dict[Hashable, int]:
             inputs = sum(t.untyped_storage().nbytes() for t in entry.inputs)
             held[signature[0]] = held.get(signature[0], 0) + pools.get(tuple(entry.graph.pool()), 0) + inputs
     return held
+
+
+def held_on(device: torch.device) -> int:
+    """Device bytes this process's graphs hold on `device` (`device_bytes`, summed); 0 off a GPU. Measured again
+    only after a graph was added or dropped: a memory snapshot walks every segment of the allocator."""
+    if device.type != "cuda" or not _cache.graphs:
+        return 0
+    measured = _cache.measured
+    if measured is None or measured[:2] != (_cache.version, device):
+        with torch.cuda.device(device):
+            _cache.measured = measured = (_cache.version, device, sum(device_bytes().values()))
+    return measured[2]
 
 
 def captured() -> int:

@@ -52,6 +52,7 @@ class StepStats:
     grad_norm: float = stat(0.0, "first")
     peak_activation_bytes: int = stat(0, "per_stage")  # the most bytes of activations held for backward at once
     peak_memory_bytes: int = stat(0, "per_stage")  # CUDA: the most bytes allocated this step; CPU: peak RSS so far
+    codec_graph_bytes: int = stat(0, "per_stage")  # CUDA: what the codecs' graphs hold on the GPU (0 without graphs)
     overflow: int = stat(0)  # 1: an fp16 gradient overflowed somewhere, and every rank skipped this step's update
     loss_scale: float = stat(0.0, "first")  # fp16's loss scale during this step (0 without loss scaling)
     store_hits: int = stat(0, "sum")  # the m(ξ) store's counters so far (the loop fills them in)

@@ -11,6 +11,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from aqpipe.compress import cuda_graphs
 from aqpipe.compress.grad import GradSync
 from aqpipe.data import ClassifySamples, InstructSamples, TokenSamples
 from aqpipe.pipeline import comm, present, sync_audit
@@ -128,6 +129,7 @@ class StageWorker:
         stats.tied_bytes = self._tied_bytes() - self._tied_bytes_before  # a skipped (fp16 overflow) step's rows too
         stats.peak_activation_bytes = self._meter.peak_bytes
         stats.peak_memory_bytes = peak_memory_bytes(self.device)
+        stats.codec_graph_bytes = cuda_graphs.held_on(self.device)
         self._count_links(stats)
         return stats
 
