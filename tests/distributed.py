@@ -38,23 +38,21 @@ def _entry(rank: int, world: int, port: int, fn, args, results: str) -> None:
         result = ("ok", fn(rank, world, *args))
     except BaseException as e:  # noqa: BLE001 - reported to the test
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-    finally:
-        if result[0] == "ok":
-            _settle()
-        dist.destroy_process_group()
+    if result[0] == "ok":
+        _settle()
     (Path(results) / f"rank-{rank}.pkl").write_bytes(pickle.dumps(result))
+    # No teardown: the last collectives' callbacks (torch's PowerSGD hook chains them) end on gloo's own threads,
+    # and a group whose last reference dies there is destroyed there — a thread joining itself, which aborted a rank
+    # once in a full run ("Resource deadlock avoided", SIGABRT). The process ends here, its sockets with it.
+    os._exit(0)
 
 
 def _settle() -> None:
-    """Meet the other ranks before the group goes: the last collectives' callbacks (torch's PowerSGD hook chains
-    them) end on gloo's own threads, and a group whose last reference dies there is destroyed there — a thread
-    joining itself, which aborts the rank ("Resource deadlock avoided", SIGABRT: once in a full run)."""
+    """Meet the other ranks, so that none ends while another still talks to it."""
     import datetime
-    import gc
 
     import torch.distributed as dist
 
-    gc.collect()
     try:
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
     except RuntimeError:  # another rank failed: the test reports it

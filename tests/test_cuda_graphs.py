@@ -336,20 +336,22 @@ def test_what_the_graphs_hold_is_measured_again_only_after_a_graph_is_added_or_d
     """Each step reports what the process's graphs hold (`held_on`, the `stage_codec_graph_bytes` metric): a memory
     snapshot walks every segment of the allocator, so it is taken again only when the graphs change; off a GPU, or
     with no graph, nothing is asked of CUDA. (On the host: the graphs and the allocator's report are stand-ins.)"""
-    import contextlib
-
     cuda_graphs.clear()
     cuda = torch.device("cuda", 0)
     assert cuda_graphs.held_on(torch.device("cpu")) == 0 and cuda_graphs.held_on(cuda) == 0
     asked = []
     monkeypatch.setattr(cuda_graphs, "device_bytes", lambda: asked.append(1) or {("a", "delta"): 7, ("b", "x"): 5})
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    cuda_graphs._cache.graphs[(("a", "delta"), 0)] = object()  # a graph of owner "a", as a capture files it
-    cuda_graphs._cache.version += 1
-    assert cuda_graphs.held_on(cuda) == 12 and cuda_graphs.held_on(cuda) == 12 and len(asked) == 1
-    cuda_graphs.forget("a")  # a codec that ends takes its graphs with it
-    assert cuda_graphs.held_on(cuda) == 0 and len(asked) == 1  # (no graph left: nothing to ask)
-    cuda_graphs._cache.graphs[(("b", "x"), 0)] = object()
-    cuda_graphs._cache.version += 1
-    assert cuda_graphs.held_on(cuda) == 12 and len(asked) == 2
-    cuda_graphs.clear()
+    try:
+        cuda_graphs._cache.graphs[(("a", "delta"), 0)] = object()  # a graph of owner "a", as a capture files it
+        cuda_graphs._cache.version += 1
+        assert cuda_graphs.held_on(cuda) == 12 and cuda_graphs.held_on(cuda) == 12 and len(asked) == 1
+        cuda_graphs.forget("a")  # a codec that ends takes its graphs with it
+        assert cuda_graphs.held_on(cuda) == 0 and len(asked) == 1  # (no graph left: nothing to ask)
+        cuda_graphs._cache.graphs[(("b", "x"), 0)] = object()
+        cuda_graphs._cache.version += 1
+        assert cuda_graphs.held_on(cuda) == 12 and len(asked) == 2
+        cuda_graphs.clear()  # a new cache: measured anew
+        cuda_graphs._cache.graphs[(("b", "x"), 0)] = object()
+        assert cuda_graphs.held_on(cuda) == 12 and len(asked) == 3
+    finally:
+        cuda_graphs.clear()

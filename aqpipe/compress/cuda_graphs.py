@@ -247,15 +247,14 @@ def device_bytes() -> dict[Hashable, int]:
 
 
 def held_on(device: torch.device) -> int:
-    """Device bytes this process's graphs hold on `device` (`device_bytes`, summed); 0 off a GPU. Measured again
-    only after a graph was added or dropped: a memory snapshot walks every segment of the allocator."""
-    if device.type != "cuda" or not _cache.graphs:
+    """Device bytes this process's graphs hold (`device_bytes`, summed: a rank's graphs are all on its one GPU); 0
+    off a GPU. Measured again only after a graph was added or dropped: a memory snapshot walks the allocator."""
+    cache = _cache  # (one cache throughout: `clear` may replace it meanwhile)
+    if device.type != "cuda" or not cache.graphs:
         return 0
-    measured = _cache.measured
-    if measured is None or measured[:2] != (_cache.version, device):
-        with torch.cuda.device(device):
-            _cache.measured = measured = (_cache.version, device, sum(device_bytes().values()))
-    return measured[2]
+    if cache.measured is None or cache.measured[:2] != (cache.version, device):
+        cache.measured = (cache.version, device, sum(device_bytes().values()))
+    return cache.measured[2]
 
 
 def captured() -> int:

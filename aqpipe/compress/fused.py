@@ -70,7 +70,8 @@ def delta_fusable(device: torch.device, shape: tuple[int, ...], dtype: torch.dty
         return False
     if interpreted() and dtype == torch.bfloat16:  # (the interpreter truncates to bfloat16 where a GPU rounds)
         return False
-    return fusable(device, shape, bits, per, grid)
+    # (its outputs' shapes read the kernels' tiles: on the meta device too, the kernels must import)
+    return fusable(device, shape, bits, per, grid) and (device.type != "meta" or _kernels() is not None)
 
 
 def encodable(x: torch.Tensor, bits: int, per: str, stochastic: bool, grid: str) -> bool:
