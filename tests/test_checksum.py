@@ -36,10 +36,9 @@ def test_a_large_batchs_sums_hold_a_bounded_transient_whatever_its_rows():
     alone: a micro-batch of 8 SmolLM2 activations (8 x 1024 x 576, fp16) once held 75 MB of them at the peak, and a
     codec's CUDA graph keeps its peak for the run."""
     from aqpipe.compress import graph_memory as gm
-    from aqpipe.compress.graph_memory import GraphCall, held_bytes, stand_in
 
-    values = stand_in((8, 1024, 576), torch.float16)
-    transient = held_bytes(GraphCall("sums", lambda v: (row_sums(v),), (values,))) - values.numel() * 2
+    values = gm.stand_in((8, 1024, 576), torch.float16)
+    transient = gm.held_bytes(gm.GraphCall("sums", lambda v: (row_sums(v),), (values,))) - values.numel() * 2
     segments = gm.SMALL_SEGMENT + gm.MID_SEGMENT  # (a graph's part-used segments, whatever its blocks)
     assert transient <= 2 * 8 * checksum._CHECKSUM_ELEMENTS + segments + 4096, transient  # (and the sums)
 

@@ -5,6 +5,7 @@ import torch
 
 from aqpipe.cli import main
 from aqpipe.storage import MemoryStore
+from tests.store_cases import QueuedCopy, queued_copies
 
 
 def _held_bytes(store: MemoryStore) -> int:
@@ -65,30 +66,11 @@ def test_values_from_another_device_cross_in_one_copy(monkeypatch):
     assert all(a is b for a, b in zip(same, values))  # already there: the values themselves, no copy
 
 
-class _Copy:
-    """A stand-in for a GPU's queued copy to the host: counts the waits for it."""
-
-    def __init__(self) -> None:
-        self.waits = 0
-
-    def synchronize(self) -> None:
-        self.waits += 1
-
-
-def _queued_copies(monkeypatch) -> list[_Copy]:
-    """Make every put take the path of a GPU's values bound for host RAM (here: host values), its copy a `_Copy`;
-    returns the copies, in order."""
+def _queued_copies(monkeypatch) -> list[QueuedCopy]:
+    """Make every put take the path of a GPU's values bound for host RAM (`store_cases.queued_copies`)."""
     from aqpipe.storage import memory
 
-    queued: list[_Copy] = []
-
-    def queue_copy(payload):
-        queued.append(_Copy())
-        return payload.clone(), queued[-1]
-
-    monkeypatch.setattr(memory, "crosses_to_the_host", lambda values, device: True)
-    monkeypatch.setattr(memory, "to_host", queue_copy)
-    return queued
+    return queued_copies(monkeypatch, memory, "crosses_to_the_host")
 
 
 def test_a_gpus_values_reach_host_ram_without_the_host_waiting(monkeypatch):
@@ -143,7 +125,7 @@ def test_a_copy_whose_wait_fails_is_waited_for_again():
     store = MemoryStore(torch.float16)
     value = torch.ones(3).half()
 
-    class Failing(_Copy):
+    class Failing(QueuedCopy):
         def synchronize(self) -> None:
             super().synchronize()
             if self.waits == 1:

@@ -8,6 +8,7 @@ import torch
 from aqpipe.storage import MemoryStore
 from aqpipe.storage.lmdb_store import LMDBStore
 from aqpipe.storage.prefetch import PrefetchingStore
+from tests.store_cases import QueuedCopy, queued_copies
 
 
 class GatedStore(MemoryStore):
@@ -147,31 +148,11 @@ def test_bookkeeping_does_not_grow_with_the_samples_seen():
     store.close()
 
 
-class _Copy:
-    """A stand-in for a GPU's queued copy to the host: counts the waits for it."""
-
-    def __init__(self) -> None:
-        self.waits = 0
-
-    def synchronize(self) -> None:
-        self.waits += 1
-
-
-def _gpu_values(monkeypatch) -> list[_Copy]:
-    """Make every put and scatter take the path of a GPU's values (here: host values), each copy to the host a
-    `_Copy`; returns the copies, in order."""
+def _gpu_values(monkeypatch) -> list[QueuedCopy]:
+    """Make every put and scatter take the path of a GPU's values (`store_cases.queued_copies`)."""
     from aqpipe.storage import prefetch
 
-    queued: list[_Copy] = []
-
-    def queue_copy(batch):
-        queued.append(_Copy())
-        return batch.clone(), queued[-1]
-
-    monkeypatch.setattr(prefetch, "crosses_to_the_host", lambda values, device: True)
-    monkeypatch.setattr(prefetch, "from_a_gpu", lambda batch: True)
-    monkeypatch.setattr(prefetch, "to_host", queue_copy)
-    return queued
+    return queued_copies(monkeypatch, prefetch, "crosses_to_the_host", "from_a_gpu")
 
 
 @pytest.mark.parametrize("encoding", ["fp16", "q4"])

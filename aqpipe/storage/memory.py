@@ -84,7 +84,7 @@ class MemoryStore:
         bound for host RAM in one queued copy), so the caller may reuse `values` at once."""
         self._check_dtype(values)
         self._land()
-        if self.device.type == "cpu" and values.device.type == "cuda" and len(values):
+        if self.device.type == "cpu" and from_a_gpu(values):
             self._cross(link, side, ids, values)
             return
         for i, v in zip(ids, compact_all(values.to(self.device).unbind(0), always=True)):
@@ -195,3 +195,7 @@ def crosses_to_the_host(values: Sequence[torch.Tensor], device: torch.device) ->
     return (device.type == "cpu" and len(values) > 0 and all(v.device.type == "cuda" for v in values)
             and len({(v.device, tuple(v.shape)) for v in values}) == 1)
 
+
+def from_a_gpu(batch: torch.Tensor) -> bool:
+    """Whether a batch of m(ξ) is a GPU's, whose copy to the host a store queues rather than waits for."""
+    return batch.device.type == "cuda" and len(batch) > 0

@@ -25,7 +25,7 @@ import torch
 
 from aqpipe.compress.link.codecs import Landing, to_host
 from aqpipe.storage.base import on_device
-from aqpipe.storage.memory import crosses_to_the_host
+from aqpipe.storage.memory import crosses_to_the_host, from_a_gpu
 
 Key = tuple[int, str, int]
 MAX_QUEUED_WRITES = 16  # put batches (one micro-batch of one link each) waiting for the disk
@@ -260,8 +260,3 @@ class PrefetchingStore:
             self._writer.join(timeout=30)
             self._reader.shutdown(wait=True)
             self.backend.close()
-
-
-def from_a_gpu(batch: torch.Tensor) -> bool:
-    """Whether a batch of m(ξ) is a GPU's, whose copy to the host a store queues rather than waits for."""
-    return batch.device.type == "cuda" and len(batch) > 0

@@ -218,7 +218,11 @@ class AQSGDCodec(LinkCodec):
         `graphed`)."""
         if not self._replayable:
             return fn(*tensors)
-        return graphed((self._graphs, kind), fn, *tensors, borrow=borrow)
+        return graphed(self._graph_key(kind), fn, *tensors, borrow=borrow)
+
+    def _graph_key(self, kind: str) -> tuple[str, str]:
+        """The key this codec's graph of `kind` is filed under (`forget` drops every key of its serial)."""
+        return (self._graphs, kind)
 
     def graph_calls(self, shape: tuple[int, ...], sending: bool, warmup: bool = False) -> list[GraphCall]:
         """The graphs a message of `shape` in the steady state replays at this end (a message mixing kinds of sample
@@ -247,7 +251,7 @@ class AQSGDCodec(LinkCodec):
     def _graph_call(self, kind: str, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor
                     ) -> GraphCall:
         """This codec's graph of `kind` (see `_graphed`), on stand-in inputs."""
-        return GraphCall(kind, fn, inputs, (self._graphs, kind))
+        return GraphCall(kind, fn, inputs, self._graph_key(kind))
 
     def _delta_rows(self, x: torch.Tensor, m_old: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Known samples `x` against their m(ξ) (`m_old`, in the store's dtype): the payload of a message of them all
@@ -361,18 +365,20 @@ class AQSGDCodec(LinkCodec):
             return f"payload length {header.payload_len} is outside {low}..{high} for shape {header.shape}"
         return None
 
-    def _read_layout(self, header, payload: torch.Tensor) -> list[int]:
-        """Each sample's mode byte, read on the host bytes and checked against the payload's length."""
-        return read_modes(payload, header.shape[0], self._segment_bytes(header.shape))
+    def _read_layout(self, header, payload: torch.Tensor) -> tuple[list[int], dict[int, int]]:
+        """Each sample's mode byte, read on the host bytes and checked against the payload's length, and each mode's
+        segment length."""
+        sizes = self._segment_bytes(header.shape)
+        return read_modes(payload, header.shape[0], sizes), sizes
 
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor, layout: Any = None) -> torch.Tensor:
         """Rebuild the activation and update this side's m(ξ) exactly as the sender did (`layout`: the samples'
-        modes)."""
+        modes and each mode's segment length)."""
         shape = header.shape
         b = shape[0]
-        modes: list[int] = layout
+        modes, sizes = layout
         id_list = ids.tolist()
-        kinds = segments_by_mode(modes, payload, self._segment_bytes(shape))
+        kinds = segments_by_mode(modes, payload, sizes)
         # a graph's outputs are lent only to a message of one kind: two kinds may replay one graph (two seeds of
         # one shape), whose second replay would write the first's outputs before they are read
         lend = self._borrows(self.device) and len(kinds) == 1
