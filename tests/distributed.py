@@ -21,7 +21,8 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free right now (torch binds it later; `run_ranks` starts again should another take it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -65,7 +66,7 @@ def run_ranks(fn, world: int, *args):
     for attempt in range(3):
         with tempfile.TemporaryDirectory(prefix="aqpipe-ranks-") as results:
             try:
-                mp.start_processes(_entry, args=(world, _free_port(), fn, args, results), nprocs=world,
+                mp.start_processes(_entry, args=(world, free_port(), fn, args, results), nprocs=world,
                                    start_method="forkserver")
             except mp.ProcessRaisedException as e:
                 # the port picked free was taken before the ranks bound it (another test process, between our

@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from aqpipe.launch.local import free_port
 from aqpipe.pipeline.rendezvous import HostDisagreement, agree, interface_of, pin_gloo_interface
+from tests.distributed import free_port
 
 FACTS = {"device": "cuda", "backend": "nccl", "world": [2, 1, 2], "config": {"lr": 0.001, "pp": 2}}
 

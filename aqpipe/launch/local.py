@@ -17,7 +17,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TextIO
@@ -38,11 +39,22 @@ _SIGNAL_HINTS = {"SIGBUS": " (a memory-mapped file could not be read or grown: i
                  "SIGKILL": " (by a user, or by the kernel's out-of-memory killer: see dmesg)"}
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextmanager
+def reserved_port() -> Iterator[int]:
+    """A loopback TCP port held for as long as the context lasts: no other socket on this machine is given it (the
+    kernel skips a bound port when it picks one for bind(0) or connect), while rank 0's rendezvous, which binds it
+    with SO_REUSEADDR, may still listen on it because the holder never listens.
+
+    A port probed free and released (torchrun's way) was taken by another process's socket before rank 0 bound it
+    when a dozen launches started at once on one machine: the run failed with `Address already in use`.
+    """
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        yield holder.getsockname()[1]
+    finally:
+        holder.close()
 
 
 @dataclass
@@ -127,7 +139,10 @@ def launch_local(
     With a `topology`, each rank runs inside its own network namespace and talks over the throttled bridge.
     With a `log_dir`, each rank's output is appended to `rank-K.log` there.
     """
-    port = port or free_port()
+    if not port:  # hold a port for the rendezvous until the run ends
+        with reserved_port() as held:
+            return launch_local(starter, world_size, describe, env_extra, total_steps, stall_timeout, held, progress,
+                                topology, log_dir)
     events: queue.Queue = queue.Queue()
     workers: list[_Worker] = []
     if log_dir is not None:
