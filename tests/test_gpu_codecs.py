@@ -332,17 +332,22 @@ def test_a_gpu_receivers_messages_land_in_page_locked_memory_and_decode_as_from_
 
 
 @needs_cuda
-@pytest.mark.parametrize("spec,direction", [("aqsgd:3", "fw"), ("directq:8", "bw")])
-def test_the_capacity_plans_count_of_a_links_graphs_matches_what_they_hold_on_the_gpu(spec, direction):
-    """`graph_calls` measured on the meta device (AQ-SGD's delta step in torch ops, DirectQ's fused kernels) against
-    each graph's pool segments and input copies as the caching allocator reports them: not above the count with the
-    allocator's headroom and 2 MiB, not below half of it."""
-    from aqpipe.compress import cuda_graphs
+@pytest.mark.parametrize("spec,direction,fused_delta", [("aqsgd:3", "fw", ""), ("aqsgd:3", "fw", "0"),
+                                                        ("directq:8", "bw", "")])
+def test_the_capacity_plans_count_of_a_links_graphs_matches_what_they_hold_on_the_gpu(monkeypatch, spec, direction,
+                                                                                     fused_delta):
+    """`graph_calls` measured on the meta device (AQ-SGD's delta step fused, as by default at this size, and in torch
+    ops; DirectQ's fused kernels) against each graph's pool segments and input copies as the caching allocator
+    reports them: not above the count with the allocator's headroom and 2 MiB, not below half of it."""
+    from aqpipe.compress import cuda_graphs, fused
     from aqpipe.compress.graph_memory import held_bytes
     from aqpipe.runtime.capacity import ALLOCATOR_HEADROOM
 
+    monkeypatch.setenv(fused.DELTA_SWITCH, fused_delta)
     cuda_graphs.clear()
     shape = (8, 256, 576)
+    fusing = fused.delta_fusable(torch.device(DEVICE), shape, torch.float16, 3, "channel", "signed")
+    assert fusing == (fused_delta == "" and DEVICE == "cuda" and _has_triton())
     ends = [build_codec(spec, direction, StoreView(memory_store(torch.float16, DEVICE, 16), 0, side), QuantOptions(),
                         device=DEVICE) for side in ("send", "recv")]
     x, ids = torch.randn(shape, device=DEVICE), torch.arange(8)

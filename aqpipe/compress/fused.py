@@ -17,7 +17,8 @@ new m(ξ) in its 16-bit dtype, each tile's share of the checksum sums (exact int
 
 DirectQ's kernels apply where `encodable` and `fusable` say (a CUDA tensor of ≥ 3 dims whose channel count is a
 multiple of 8, per-channel scales, nearest rounding, 2–8 bits, a grid whose scale needs no division: signed,
-symmetric, uniform) and Triton imports; AQ-SGD's only when asked (`delta_fusable`); elsewhere the torch ops run.
+symmetric, uniform) and Triton imports; AQ-SGD's on batches of half a million values and more (`delta_fusable`:
+below that the fused step is no faster); elsewhere the torch ops run.
 `AQPIPE_FUSED_KERNELS=0` turns them all off. Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (numpy's
 IEEE float32), which is how CPU-only CI checks their bits against torch's.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import math
 import os
 
 import torch
@@ -35,7 +37,12 @@ from aqpipe.compress.quantize import FP16_MAX, _levels, _offset_steps
 
 GROUP = 8  # codes per packed group: 8 codes of b bits fill exactly b bytes
 _SCALE_KINDS = {"signed": 0, "symmetric": 1, "uniform": 1}  # 0: the long side where |x| is largest; 1: max |x|
-DELTA_SWITCH = "AQPIPE_FUSED_AQSGD"  # "1": AQ-SGD's delta step fused too (`delta_fusable`)
+DELTA_SWITCH = "AQPIPE_FUSED_AQSGD"  # "1": AQ-SGD's delta step fused at every size, "0": at none (`delta_fusable`)
+# The batch size (values) from which AQ-SGD's delta step is fused by default. Measured pair by pair (aqsgd:3, fp16
+# m(ξ) on the GPU; benchmarks/README.md): on an H200 fused was as fast at 4 × 128 × 576 (0.29 M values), 17% faster
+# at 0.59 M, 21-28% at 1.2-2.4 M and 49% (up to 2×) at SmolLM2's 8 × 1024 × 576; on an H100 it was 10-20% slower at
+# 4 × 128 × 576, where a message's time is its launches and waits, not its arithmetic.
+DELTA_MIN_ELEMENTS = 1 << 19
 log = logging.getLogger(__name__)
 _failed: list[str] = []  # why the kernels failed to compile or launch in this process (then the torch ops run)
 
@@ -61,12 +68,13 @@ def fusable(device: torch.device, shape: tuple[int, ...], bits: int, per: str, g
 
 def delta_fusable(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype, bits: int, per: str,
                   grid: str) -> bool:
-    """Whether AQ-SGD's delta step runs as fused kernels (`delta_encode`, `delta_decode`): where `fusable` says, and
-    only when asked (AQPIPE_FUSED_AQSGD=1). Off by default, by measurement: on one H100 it doubled AQ-SGD's codec
-    speed at GPT2-XL's 4 × 512 × 1600 but was 20% slower per message at SmolLM2's 4 × 128 × 576, and the
-    4-rank throughput run with it (3.6× fp32) did not show it no worse than without (4.3×, another H100). m(ξ) must
-    be fp16 or bf16 (one checksum word a value)."""
-    if os.environ.get(DELTA_SWITCH, "0") != "1" or dtype not in (torch.float16, torch.bfloat16):
+    """Whether AQ-SGD's delta step runs as fused kernels (`delta_encode`, `delta_decode`): where `fusable` says, on a
+    batch of at least `DELTA_MIN_ELEMENTS` values — or at every size with AQPIPE_FUSED_AQSGD=1, at none with 0. m(ξ)
+    must be fp16 or bf16 (one checksum word a value). The bits are the torch ops' either way."""
+    switch = os.environ.get(DELTA_SWITCH, "")
+    if switch == "0" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if switch != "1" and math.prod(shape) < DELTA_MIN_ELEMENTS:
         return False
     if interpreted() and dtype == torch.bfloat16:  # (the interpreter truncates to bfloat16 where a GPU rounds)
         return False
