@@ -11,8 +11,9 @@
 #                (AQPIPE_CUDA_SYNC_AUDIT=1): synchronizing calls per step and where
 #   gpu-tests    python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py
 #   codec-speed  benchmarks/codec_speed.py on the GPU, at GPT2-XL's activation shape and at SmolLM2-135M's (there
-#                also at a GPU run's 8 × 1024 tokens, AQ-SGD's step fused, and the fused kernels, then the CUDA
-#                graphs too, off), then benchmarks/codec_profile.py: an AQ-SGD message's host calls and device time
+#                also at a GPU run's 8 × 1024 tokens, AQ-SGD's step unfused, and the fused kernels, then the CUDA
+#                graphs too, off), then benchmarks/codec_profile.py: an AQ-SGD message's host calls and device time,
+#                and benchmarks/fused_delta_sizes.py: AQ-SGD's delta step unfused and fused, by micro-batch size
 #   throughput   benchmarks/throughput.py: 4 ranks on the one GPU behind 100 Mbit/s tc links, fp32 vs aqsgd fw3 bw6
 #   throughput-mps  the same under NVIDIA MPS (started and stopped here), where nvidia-cuda-mps-control exists
 # About 5 minutes on an H200 (codec speed, then the GPU tests beside the sync audit, then the two throughput runs;
@@ -116,7 +117,9 @@ part codec-speed 120 bash -c "echo '### at GPT2-XL shape 4,512,1600 MB/s'; \
   AQPIPE_FUSED_KERNELS=0 AQPIPE_CUDA_GRAPHS=0 python benchmarks/codec_speed.py --device cuda --shape 4,128,576 \
     --codecs directq:4,rtq:4 --out '$out/codec_speed_cuda_smollm2_no_graphs' && \
   echo '### where an aqsgd:3 message goes, m(xi) in GPU memory (benchmarks/codec_profile.py)' && \
-  python benchmarks/codec_profile.py --device cuda --pairs 11 --out '$out/codec_profile_cuda'"
+  python benchmarks/codec_profile.py --device cuda --pairs 11 --out '$out/codec_profile_cuda' && \
+  echo '### AQ-SGD delta step in torch ops against fused, by micro-batch size (benchmarks/fused_delta_sizes.py)' && \
+  python benchmarks/fused_delta_sizes.py --repeats 15 --out '$out/fused_delta_sizes'"
 part gpu-tests 210 python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py -n 12 -p no:cacheprovider -v --timeout 150 -rfE &
 tests=$!
 part sync-audit 130 bash -c sync_audit
@@ -147,7 +150,7 @@ part throughput-mps 70 bash -c throughput_mps
   fi
   echo
   echo "## codec speed"
-  ran codec-speed && grep -h -E "MB/s|per pair|most called|µs  " "$out/codec-speed.log" | head -130
+  ran codec-speed && grep -h -E "MB/s|per pair|most called|µs  |M values" "$out/codec-speed.log" | head -140
   echo
   echo "## throughput (samples/s)"
   ran throughput && grep -h -E "samples/s|≥|target" "$out/throughput.log" | head -20

@@ -68,9 +68,10 @@ def fusable(device: torch.device, shape: tuple[int, ...], bits: int, per: str, g
 
 def delta_fusable(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype, bits: int, per: str,
                   grid: str) -> bool:
-    """Whether AQ-SGD's delta step runs as fused kernels (`delta_encode`, `delta_decode`): where `fusable` says, on a
-    batch of at least `DELTA_MIN_ELEMENTS` values — or at every size with AQPIPE_FUSED_AQSGD=1, at none with 0. m(ξ)
-    must be fp16 or bf16 (one checksum word a value). The bits are the torch ops' either way."""
+    """Whether AQ-SGD's delta step runs as fused kernels (`delta_encode`, `delta_decode`): where `fusable` says, on
+    delta rows of at least `DELTA_MIN_ELEMENTS` values — or at every size with AQPIPE_FUSED_AQSGD=1, at none with 0
+    (any other value: by size). m(ξ) must be fp16 or bf16 (one checksum word a value). The bits are the torch ops'
+    either way (the fidelity norms' summation order aside)."""
     switch = os.environ.get(DELTA_SWITCH, "")
     if switch == "0" or dtype not in (torch.float16, torch.bfloat16):
         return False

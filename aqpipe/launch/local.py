@@ -41,9 +41,10 @@ _SIGNAL_HINTS = {"SIGBUS": " (a memory-mapped file could not be read or grown: i
 
 @contextmanager
 def reserved_port() -> Iterator[int]:
-    """A loopback TCP port held for as long as the context lasts: no other socket on this machine is given it (the
-    kernel skips a bound port when it picks one for bind(0) or connect), while rank 0's rendezvous, which binds it
-    with SO_REUSEADDR, may still listen on it because the holder never listens.
+    """A loopback TCP port held for as long as the context lasts: Linux gives it to no other socket of this network
+    namespace that binds port 0 or connects (it skips a bound port when it picks one; unless
+    net.ipv4.ip_autobind_reuse is set and every other port is taken), while rank 0's rendezvous, which binds it with
+    SO_REUSEADDR, may still listen on it because the holder never listens.
 
     A port probed free and released (torchrun's way) was taken by another process's socket before rank 0 bound it
     when a dozen launches started at once on one machine: the run failed with `Address already in use`.

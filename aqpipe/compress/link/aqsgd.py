@@ -296,9 +296,10 @@ class AQSGDCodec(LinkCodec):
         return seeds, values, verdicts_of(torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device), sums)
 
     def _fused_delta(self, m_old: torch.Tensor) -> QuantCoder | None:
-        """The delta coder, where its coding and m(ξ)'s update run as fused kernels (`aqpipe.compress.fused`, when
-        asked: `fused.delta_fusable`): a nearest-rounding `QuantCoder` on a batch they take, m(ξ) in a 16-bit dtype;
-        else None."""
+        """The delta coder, where its coding and m(ξ)'s update run as fused kernels (`aqpipe.compress.fused`, where
+        `fused.delta_fusable` says for these delta rows): a nearest-rounding `QuantCoder` on a batch they take, m(ξ)
+        in a 16-bit dtype; else None. Each end decides on its own delta rows, so on a message mixing kinds of rows
+        the two ends of a link may decide differently: the bits are the same either way."""
         delta = self.delta
         if type(delta) is not QuantCoder or delta.options.stochastic:
             return None
