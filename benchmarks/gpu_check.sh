@@ -11,8 +11,8 @@
 #                (AQPIPE_CUDA_SYNC_AUDIT=1): synchronizing calls per step and where
 #   gpu-tests    python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py
 #   codec-speed  benchmarks/codec_speed.py on the GPU, at GPT2-XL's activation shape and at SmolLM2-135M's (there
-#                also at a GPU run's 8 × 1024 tokens, AQ-SGD's step unfused, and the fused kernels, then the CUDA
-#                graphs too, off), then benchmarks/codec_profile.py: an AQ-SGD message's host calls and device time,
+#                also at a GPU run's 8 × 1024 tokens, and with the fused kernels off, then the CUDA graphs too),
+#                then benchmarks/codec_profile.py: an AQ-SGD message's host calls and device time,
 #                and benchmarks/fused_delta_sizes.py: AQ-SGD's delta step unfused and fused, by micro-batch size
 #   throughput   benchmarks/throughput.py: 4 ranks on the one GPU behind 100 Mbit/s tc links, fp32 vs aqsgd fw3 bw6
 #   throughput-mps  the same under NVIDIA MPS (started and stopped here), where nvidia-cuda-mps-control exists
@@ -97,9 +97,9 @@ export -f sync_audit throughput_mps
 export out data
 # Codec speed first, alone on the GPU (its numbers are times); then the GPU tests beside the sync audit (neither
 # times anything, and the audit's launches fit in the tests' shadow); then each throughput run alone.
-# (at SmolLM2's shape: also the shape of a GPU run's micro-batch, 8 × 1024 tokens — there also AQ-SGD's delta step
-# unfused — and the same coders without the fused kernels — AQPIPE_FUSED_KERNELS=0 — and without the CUDA graphs as
-# well: the torch ops one by one)
+# (at SmolLM2's shape: also the shape of a GPU run's micro-batch, 8 × 1024 tokens, and the same coders without the
+# fused kernels — AQPIPE_FUSED_KERNELS=0 — and without the CUDA graphs as well: the torch ops one by one; AQ-SGD's
+# delta step unfused against fused, at 8 × 1024 among other sizes, is fused_delta_sizes.py's)
 part codec-speed 120 bash -c "echo '### at GPT2-XL shape 4,512,1600 MB/s'; \
   python benchmarks/codec_speed.py --device cuda --out '$out/codec_speed_cuda' && \
   echo '### at SmolLM2-135M shape 4,128,576 MB/s' && \
@@ -107,9 +107,6 @@ part codec-speed 120 bash -c "echo '### at GPT2-XL shape 4,512,1600 MB/s'; \
   echo '### at SmolLM2-135M shape 8,1024,576 (a GPU run micro-batch) MB/s' && \
   python benchmarks/codec_speed.py --device cuda --shape 8,1024,576 --only-codecs --codecs directq:3,directq:4,rtq:4 \
     --out '$out/codec_speed_cuda_smollm2_8x1024' && \
-  echo '### at SmolLM2-135M shape 8,1024,576, AQ-SGD step not fused (AQPIPE_FUSED_AQSGD=0; fused there by default) MB/s' && \
-  AQPIPE_FUSED_AQSGD=0 python benchmarks/codec_speed.py --device cuda --shape 8,1024,576 --only-codecs --codecs '' \
-    --out '$out/codec_speed_cuda_smollm2_8x1024_unfused_aqsgd' && \
   echo '### at SmolLM2-135M shape 4,128,576, fused kernels off (AQPIPE_FUSED_KERNELS=0) MB/s' && \
   AQPIPE_FUSED_KERNELS=0 python benchmarks/codec_speed.py --device cuda --shape 4,128,576 --only-codecs \
     --codecs directq:4 --out '$out/codec_speed_cuda_smollm2_no_fused' && \
