@@ -70,27 +70,34 @@ def test_partition_by_time_profiles_real_layers():
 
 def test_a_layer_timed_while_the_process_was_descheduled_does_not_move_the_boundary(monkeypatch):
     """On a busy CI machine the tiny last layer was once timed heavier than the 512-wide one (the suite's two workers
-    and their subprocesses share 2 cores), and the partition lumped the heavy layer with all the others. Two of
-    its three timed runs stalled here by a second each: the profile keeps each layer's fastest run, as a stall only
-    ever adds time."""
+    and their subprocesses share 2 cores), and the partition lumped the heavy layer with all the others. Here the
+    partition module's clock is a script, so nothing the machine does can move the result: each layer's run takes
+    its cost in milliseconds, and two of the last layer's three timed runs stall by a second each. The profile keeps
+    each layer's fastest run, as a stall only ever adds time; a median or a mean would lump the heavy layer."""
     import importlib
-    import time
 
     partition_module = importlib.import_module("aqpipe.stages.partition")
-    real = time.perf_counter
-    calls = {"n": 0, "stall": 0.0}
-    layers, repeats = 4, 3
-    stalled = {2 * (layers - 1) * (repeats + 1) + 2 * k + 1 for k in (2, 3)}  # the end of two of the last layer's runs
+    costs_ms, repeats = [1.0, 50.0, 1.0, 1.0], 3
+    stalled_runs = {(3, 2), (3, 3)}  # (layer, run): the warm-up is run 0
+    clock = {"calls": 0, "now": 0.0}
 
-    def clock():
-        calls["n"] += 1
-        if calls["n"] - 1 in stalled:
-            calls["stall"] += 1.0
-        return real() + calls["stall"]
+    def scripted_perf_counter():
+        call = clock["calls"]
+        clock["calls"] += 1
+        layer, run = divmod(call // 2, repeats + 1)
+        if call % 2 == 1:  # the end of a run: its scripted duration has passed
+            clock["now"] += costs_ms[layer] / 1000 + (1.0 if (layer, run) in stalled_runs else 0.0)
+        return clock["now"]
 
-    # (the partition module's clock alone: other threads of a test worker read time.perf_counter too)
-    monkeypatch.setattr(partition_module, "time", SimpleNamespace(perf_counter=clock))
-    test_partition_by_time_profiles_real_layers()
+    monkeypatch.setattr(partition_module, "time", SimpleNamespace(perf_counter=scripted_perf_counter))
+    spec = mlp_spec([8, 8, 8, 8])
+    example = (torch.randn(4, 8), torch.zeros(4, 8))
+    times = partition_module.profile_layer_times(spec, *example, repeats=repeats)
+    assert clock["calls"] == 2 * len(costs_ms) * (repeats + 1)  # the script covered every timed run, no more
+    assert times == pytest.approx([c / 1000 for c in costs_ms])
+
+    clock["calls"] = 0  # partition by time profiles again, from the script's start
+    assert partition(spec, 2, "time", example=example) == [0, 2, 4]  # 51 ms | 2 ms: the heavy layer not lumped
 
 
 def test_spec_errors():
