@@ -91,39 +91,47 @@ def test_the_kernels_write_the_bytes_and_values_of_the_torch_ops():
 @needs_triton
 def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
     """The link codecs through the kernels (the interpreter stands in for the GPU) against the same codecs with
-    AQPIPE_FUSED_KERNELS=0: DirectQ's payloads, AQ-SGD's messages and both copies of m(ξ) agree bit for bit."""
+    AQPIPE_FUSED_KERNELS=0: DirectQ's payloads, AQ-SGD's messages and both copies of m(ξ) agree bit for bit — m(ξ)
+    kept a tensor per sample (the kernels read it gathered) and as a slab's rows (read in place, through slots that
+    the shuffled visits put out of order), with rows that cannot go as deltas: a NaN, a change whose scale passes
+    fp16's largest, and a change whose scale fits but whose new m(ξ) would not."""
     interpret("""
         import os
         import torch
         from aqpipe.compress.link.codecs import QuantOptions, build_codec
         from aqpipe.pipeline.transport import Header
         from aqpipe.storage import MemoryStore, StoreView
+        from aqpipe.storage.slab import SlabStore
 
-        def run(switch, dtype):
+        def run(switch, store):
             os.environ["AQPIPE_FUSED_KERNELS"] = switch
             torch.manual_seed(1)
             directq = build_codec("directq:4", "bw", options=QuantOptions())
-            send, recv = MemoryStore(dtype), MemoryStore(dtype)
+            send, recv = store(), store()
             sender = build_codec("aqsgd:3", "fw", StoreView(send, 0, "send"), QuantOptions())
             receiver = build_codec("aqsgd:3", "fw", StoreView(recv, 0, "recv"), QuantOptions())
             out, fidelity[:] = [], []
             x = torch.randn(6, 9, 16)
-            for visit in range(4):
-                ids = torch.arange(3) + 3 * (visit % 2)
+            x[2, 4, 5] = 65000.0  # near fp16's largest (kept as 64992)
+            for visit, order in enumerate([[0, 1, 2], [3, 4, 5], [2, 0, 1], [5, 3, 4], [1, 2, 0]]):
+                ids = torch.tensor(order)
                 x[ids] += 0.1 * torch.randn(3, 9, 16)
                 e = directq.encode(x[ids], ids)
                 out += [e.payload, directq.decode(Header.for_encoded(e, directq.code), e.payload, ids)]
                 batch = x[ids].clone()
-                if visit == 3:  # a NaN in a known sample: it goes losslessly and loses m(ξ), either way
-                    batch[1, 2, 3] = float("nan")
+                if visit == 3:
+                    batch[1, 2, 3] = float("nan")  # sample 3: goes losslessly and loses m(ξ), either way
+                if visit == 4:
+                    batch[1, 4, 5] = 66000.0  # sample 2: its scale fits, but its new m(ξ) is past fp16's largest
+                    batch[2, 1, 1] = 1e6  # sample 0: its scale does not fit
                 e = sender.encode(batch, ids, compress=True)
                 out += [e.payload, receiver.decode(Header.for_encoded(e, sender.code), e.payload, ids),
                         torch.tensor([e.codec_check])]
                 fidelity.append(None if e.fidelity is None else e.fidelity.squares)
-            for store, side in ((send, "send"), (recv, "recv")):
-                held = [i for i, kept in zip(range(6), store.present(0, side, list(range(6)))) if kept]
-                assert held == [0, 1, 2, 3, 5], held  # sample 4's NaN dropped its m(ξ)
-                out.append(torch.stack(store.get(0, side, held)))
+            for kept, side in ((send, "send"), (recv, "recv")):
+                held = [i for i, here in zip(range(6), kept.present(0, side, list(range(6)))) if here]
+                assert held == [1, 4, 5], held  # the others' values cannot be kept in fp16: dropped
+                out.append(torch.stack(kept.get(0, side, held)))
             return out
 
         from aqpipe.compress import fused as kernels
@@ -135,25 +143,25 @@ def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
             setattr(kernels, name, counted)
         # (m(ξ) in fp16: the interpreter casts float32 to bfloat16 by truncating, where a GPU rounds to nearest
         # even as torch does; tests/test_gpu_codecs.py checks a bfloat16 store on the GPU)
-        for dtype in (torch.float16,):
+        for store in (lambda: MemoryStore(torch.float16), lambda: SlabStore(torch.float16, "cpu")):
             calls.clear()
-            fused = run("1", dtype)
+            fused = run("1", store)
             fused_fidelity = list(fidelity)
-            # 4 DirectQ messages each way, 2 AQ-SGD deltas each way (the first two visits: fp32 first sights)
-            expected = {"encode": 4, "decode": 4, "delta_encode": 2, "delta_decode": 2}
+            # 5 DirectQ messages each way; AQ-SGD's deltas from the third visit on (the first two: fp32 first sights)
+            expected = {"encode": 5, "decode": 5, "delta_encode": 3, "delta_decode": 3}
             assert {name: calls.count(name) for name in expected} == expected, calls
-            torch_ops = run("0", dtype)
-            assert len(calls) == 12
+            torch_ops = run("0", store)
+            assert len(calls) == 16
             os.environ[kernels.DELTA_SWITCH] = "0"  # (off: AQ-SGD's delta step through the torch ops)
             calls.clear()
-            run("1", dtype)
+            run("1", store)
             assert sorted(set(calls)) == ["decode", "encode"], calls
             os.environ[kernels.DELTA_SWITCH] = "1"
             assert len(fused) == len(torch_ops)
             for a, b in zip(fused, torch_ops):
                 torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
             # the fidelity norms: the same sums in another order
-            assert [f is None for f in fused_fidelity] == [False if i >= 2 else True for i in range(4)]
+            assert [f is None for f in fused_fidelity] == [True, True, False, False, False]
             for a, b in zip(fused_fidelity[2:], fidelity[2:]):
                 assert torch.allclose(a, b, rtol=1e-5), (a, b)
         print("checked")
@@ -191,10 +199,29 @@ def test_on_the_meta_device_the_kernels_outputs_are_made_as_on_a_gpu_and_nothing
     rows, values = fused.encode(x, 4, "signed", values=True)
     assert rows.device.type == "meta" and rows.shape == (2, fused.row_bytes(8, 16, 4)) and values.shape == x.shape
     assert fused.decode(rows, (2, 8, 16), 4, "signed").shape == (2, 8, 16)
-    coded, m_new, sums, norms = fused.delta_encode(x, m_old, 4, "signed", (40503, 65521))
-    assert (coded.shape, m_new.dtype, sums.shape, norms.shape) == (rows.shape, torch.float16, (2,), (2, 3))
-    m_new, values, sums = fused.delta_decode(rows, m_old, 4, "signed", (40503, 65521))
-    assert m_new.shape == values.shape == (2, 8, 16) and sums.shape == (2,) and not fused._failed
+    slab, slots = torch.empty(5, 8, 16, device="meta", dtype=torch.float16), torch.empty(2, dtype=torch.int64,
+                                                                                      device="meta")
+    for m, at in ((m_old, None), (slab, slots)):
+        done = fused.delta_encode(x, m, at, 4, "signed", (40503, 65521), 1)
+        assert done.payload.shape == (2 + rows.numel(),) and done.m_new.shape == x.shape
+        assert (done.m_new.dtype, done.verdicts.shape, done.norms.shape, done.squares.shape) == (
+            torch.float16, (4,), (2, 3), (3,))
+        m_new, values, verdicts = fused.delta_decode(rows, m, at, (2, 8, 16), 4, "signed", (40503, 65521))
+        assert m_new.shape == values.shape == (2, 8, 16) and verdicts.shape == (4,) and not fused._failed
+
+
+def test_the_delta_kernels_refuse_m_rows_that_do_not_hold_the_batch():
+    if fused._kernels() is None:
+        pytest.skip("Triton is not installed")
+    x, rows = torch.empty(2, 8, 16, device="meta"), torch.empty(2, fused.row_bytes(8, 16, 4), dtype=torch.uint8,
+                                                                 device="meta")
+    slab = torch.empty(5, 8, 16, device="meta", dtype=torch.float16)
+    with pytest.raises(ValueError, match="m\\(xi\\) of 5 samples for a batch of 2"):
+        fused.delta_encode(x, slab, None, 4, "signed", (40503, 65521), 1)
+    for slots in (torch.empty(3, dtype=torch.int64, device="meta"), torch.empty(2, dtype=torch.int32, device="meta"),
+                  torch.zeros(2, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="slots must be int64 \\[2\\] on meta"):
+            fused.delta_decode(rows, slab, slots, (2, 8, 16), 4, "signed", (40503, 65521))
 
 
 def test_the_kernels_apply_on_a_gpu_unless_switched_off_or_without_triton(monkeypatch):
@@ -247,7 +274,8 @@ def test_kernels_that_fail_to_launch_turn_off_with_one_warning_and_the_torch_ops
             raise RuntimeError("no compiler for this GPU")
 
     kernels = SimpleNamespace(scales_kernel=Unlaunchable(), codes_kernel=Unlaunchable(), decode_kernel=Unlaunchable(),
-                              SCALE_T=32, SCALE_C=32, TILE_T=16, TILE_C=64, OPTIONS={})
+                              verdicts_kernel=Unlaunchable(), SCALE_T=32, SCALE_C=32, TILE_T=16, TILE_C=64,
+                              VERDICT_P=256, VERDICT_C=256, OPTIONS={})
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # (a CPU tensor counts as the kernels' then)
     monkeypatch.setattr(fused, "_kernels", lambda: kernels)
     monkeypatch.setattr(fused, "_failed", [])
@@ -263,3 +291,43 @@ def test_kernels_that_fail_to_launch_turn_off_with_one_warning_and_the_torch_ops
     monkeypatch.setenv("AQPIPE_FUSED_KERNELS", "0")
     assert torch.equal(rows, coder._encode(x, values=False)[0])
     assert torch.equal(decoded, values)
+
+
+def test_aqsgds_delta_step_falls_back_to_the_torch_ops_when_its_kernels_fail_to_launch(monkeypatch, caplog):
+    """The first delta message finds the kernels unlaunchable: it goes through the torch ops, with the same bytes
+    and the same m(ξ) on both sides as a link that never tried them, and so does every message after it."""
+    from aqpipe.compress.link.codecs import QuantOptions, build_codec
+    from aqpipe.pipeline.transport import Header
+    from aqpipe.storage import StoreView
+    from aqpipe.storage.slab import SlabStore
+
+    class Unlaunchable:
+        def __getitem__(self, grid):
+            raise RuntimeError("no compiler for this GPU")
+
+    kernels = SimpleNamespace(scales_kernel=Unlaunchable(), codes_kernel=Unlaunchable(), decode_kernel=Unlaunchable(),
+                              verdicts_kernel=Unlaunchable(), SCALE_T=32, SCALE_C=32, TILE_T=16, TILE_C=64,
+                              VERDICT_P=256, VERDICT_C=256, OPTIONS={})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (a CPU tensor counts as the kernels' then)
+    monkeypatch.setenv(fused.DELTA_SWITCH, "1")
+    monkeypatch.setattr(fused, "_kernels", lambda: kernels)
+    monkeypatch.setattr(fused, "_failed", [])
+    links = []
+    for _ in range(2):
+        stores = SlabStore(torch.float16, "cpu"), SlabStore(torch.float16, "cpu")
+        links.append([build_codec("aqsgd:3", "fw", StoreView(store, 0, side), QuantOptions())
+                      for store, side in zip(stores, ("send", "recv"))] + list(stores))
+    x, ids = torch.randn(3, 4, 16), torch.tensor([2, 0, 1])
+    with caplog.at_level("WARNING", logger="aqpipe.compress.fused"):
+        for visit in range(3):
+            sent = []
+            for switch, (sender, receiver, _, _) in zip(("1", "0"), links):
+                monkeypatch.setenv("AQPIPE_FUSED_KERNELS", switch)
+                e = sender.encode(x + 0.1 * visit, ids, compress=True)
+                sent.append((e.payload, receiver.decode(Header.for_encoded(e, sender.code), e.payload, ids)))
+            assert all(torch.equal(a, b) for a, b in zip(*sent)), visit
+    assert [r.message for r in caplog.records] == [
+        "fused codec kernels off, the torch ops code from now on: RuntimeError: no compiler for this GPU"]
+    for store, side in ((2, "send"), (3, "recv")):
+        assert torch.equal(torch.stack(links[0][store].get(0, side, [0, 1, 2])),
+                           torch.stack(links[1][store].get(0, side, [0, 1, 2])))

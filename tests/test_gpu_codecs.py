@@ -235,12 +235,13 @@ def test_the_fused_kernels_write_the_bits_of_the_torch_ops_on_the_gpu(bits):
                                                           ("aqsgd:4", "directq:6", torch.bfloat16, torch.float16),
                                                           ("aqsgd:2", "fp32", torch.float32, torch.bfloat16),
                                                           ("aqsgd:8", "rtq:4", torch.float32, torch.float32)])
-def test_aqsgd_through_the_fused_kernels_in_graphs_keeps_the_bits_of_the_torch_ops(monkeypatch, spec, first_sight,
-                                                                                   dtype, store):
-    """Two AQ-SGD links and two DirectQ codecs fed the same activations, one through the fused kernels replayed from
-    CUDA graphs, one through the torch ops op by op: every message's bytes and checksum, decoded activation and m(ξ)
-    agree (the fidelity norms, summed in another order, to float tolerance). m(ξ) in fp16, bf16 (both fused) and
-    fp32 (the torch ops update it)."""
+def test_aqsgd_through_the_fused_kernels_keeps_the_bits_of_the_torch_ops(monkeypatch, spec, first_sight, dtype,
+                                                                         store):
+    """Two AQ-SGD links and two DirectQ codecs fed the same activations, one through the fused kernels (DirectQ's
+    replayed from CUDA graphs; AQ-SGD's delta step reading m(ξ) in place from its slab, through slots the shuffled
+    visits put out of order, and a bf16 activation as it is), one through the torch ops op by op: every message's
+    bytes and checksum, decoded activation and m(ξ) agree (the fidelity norms, summed in another order, to float
+    tolerance). m(ξ) in fp16, bf16 (both fused) and fp32 (the torch ops update it)."""
     from aqpipe.compress import cuda_graphs, fused
 
     cuda_graphs.clear()
@@ -268,7 +269,7 @@ def test_aqsgd_through_the_fused_kernels_in_graphs_keeps_the_bits_of_the_torch_o
         monkeypatch.setattr(fused, name, counting(name, getattr(fused, name)))
     fidelity = []
     for visit in range(6):
-        ids = torch.arange(4) + 4 * (visit % 2)
+        ids = torch.tensor([[0, 1, 2, 3], [2, 0, 3, 1], [3, 2, 1, 0]][visit // 2]) + 4 * (visit % 2)
         x[ids] += 0.1 * torch.randn_like(x[ids])
         results = []
         for switch, (sender, receiver, _, _, directq) in zip(("1", "0"), links):
@@ -287,9 +288,12 @@ def test_aqsgd_through_the_fused_kernels_in_graphs_keeps_the_bits_of_the_torch_o
         assert (fused_fidelity is None) == (torch_fidelity is None) == (visit < 2)
         if fused_fidelity is not None:
             assert torch.allclose(fused_fidelity.squares, torch_fidelity.squares, rtol=1e-5)
-    # the fused link ran its kernels (outside a graph only on a shape's first two calls: the rest replay them)
+    # the fused link ran its kernels (DirectQ's outside a graph only on a shape's first two calls: the rest replay
+    # them; AQ-SGD's delta step on every delta message, with no graph)
     fused_parts = {"encode", "decode"} | ({"delta_encode", "delta_decode"} if store != torch.float32 else set())
     assert set(calls) == fused_parts and not fused._failed, (calls, fused._failed)
+    if store != torch.float32:  # the four delta visits, each through the kernels
+        assert calls.count("delta_encode") == calls.count("delta_decode") == 4, calls
     for i in range(8):
         values = [store.get(0, side, [i])[0] for _, _, send, recv, _ in links for store, side in ((send, "send"),
                                                                                               (recv, "recv"))]

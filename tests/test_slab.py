@@ -30,6 +30,21 @@ def test_a_message_is_read_in_one_gather_and_written_in_one_scatter():
     assert len(store) == 5
 
 
+def test_a_messages_rows_are_named_in_place_for_a_kernel_to_read():
+    """`rows`: the slab itself and the slots of the samples in it — what the fused AQ-SGD kernels read m(ξ) through,
+    with no gathered copy — the same values a gather gives; a store without slabs names none."""
+    store = SlabStore(torch.float16, "cpu", rows_hint=8)
+    first = _batch(4, 0)
+    store.scatter(0, "send", [7, 3, 9, 1], first)
+    slab, slots = store.rows(0, "send", [1, 9, 7])
+    assert slab is store._slabs[(0, "send", (6, 8))].rows and slots.dtype == torch.int64
+    assert slots.tolist() == [3, 2, 0] and torch.equal(slab[slots], store.gather(0, "send", [1, 9, 7]))
+    view = StoreView(store, 0, "send")
+    assert view.rows([3])[1].tolist() == [1] and StoreView(MemoryStore(torch.float16), 0, "send").rows([3]) is None
+    with pytest.raises(KeyError, match="no m\\(xi\\) for link 0 side send sample 4"):
+        store.rows(0, "send", [1, 4])
+
+
 def test_what_get_returns_and_what_scatter_was_given_stay_the_callers_own():
     store = SlabStore(torch.float16, "cpu")
     given = _batch(3, 0)

@@ -13,7 +13,12 @@ cost but not the passes. The kernels (`fused_kernels`):
 - `decode_kernel`: unpack and dequantize: level(code) · scale, one table lookup and one multiply, as everywhere.
 
 With an m(ξ) (`delta_encode`, `delta_decode`) the same kernels do AQ-SGD's delta step: they code x − m(ξ), write the
-new m(ξ) in its 16-bit dtype, each tile's share of the checksum sums (exact int64) and of the fidelity norms.
+new m(ξ) in its 16-bit dtype, each tile's share of the checksum sums (exact int64), of the fidelity norms and of the
+values m(ξ) cannot keep; `verdicts_kernel` sums each sample's shares into what the host reads. They read m(ξ) where
+it lies — a slab's rows through their slots (`storage.slab`), so a message's m(ξ) is never gathered into a copy —
+and read the activation in its own dtype, write the codes straight into the message's payload after its mode bytes,
+and run ungraphed: a CUDA graph would need its inputs copied into its own buffers (the activation and m(ξ), a full
+pass each) and its outputs copied out, which cost more than the four launches it saves.
 
 DirectQ's kernels apply where `encodable` and `fusable` say (a CUDA tensor of ≥ 3 dims whose channel count is a
 multiple of 8, per-channel scales, nearest rounding, 2–8 bits, a grid whose scale needs no division: signed,
@@ -30,6 +35,7 @@ import importlib.util
 import logging
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -100,28 +106,63 @@ def encode(x: torch.Tensor, bits: int, grid: str, values: bool) -> tuple[torch.T
     the kernels failed to compile or launch (then they are off for the process, with a warning)."""
     x3 = _as_rows(x)
     coded = torch.empty(x3.shape, dtype=torch.float32, device=x.device) if values else None
-    rows = _encode(x3, None, bits, grid, coded, None)
+    rows = _encode(x3, bits, grid, coded)
     if rows is None:
         return None
     return rows, None if coded is None else coded.view(x.shape)
 
 
-def delta_encode(x: torch.Tensor, m_old: torch.Tensor, bits: int, grid: str, checksum: tuple[int, int]
-                 ) -> tuple[torch.Tensor, ...] | None:
-    """AQ-SGD's sender in two kernels: the rows of the change x − m(ξ) (`m_old`: the store's 16-bit dtype, x's
-    shape), the new m(ξ) = m_old + its dequantized change in that dtype, each sample's checksum sum (int64 [B]: its
-    16-bit words weighted 1 + (position · a) mod n, `checksum` = (a, n)), and the fidelity norms [B, 3] of x, of the
-    change and of m_new − m_old − change. Bits as torch's ops give them (the norms' summation order aside); None if
-    the kernels failed."""
-    x3, m3 = _as_rows(x), _as_rows(m_old)
-    m_new = torch.empty(m3.shape, dtype=m_old.dtype, device=x.device)
+def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, bits: int, grid: str,
+                 checksum: tuple[int, int], mode: int) -> DeltaEncoded | None:
+    """AQ-SGD's sender in four kernels, straight from m(ξ)'s storage: the change x − m(ξ) of each sample of `x`
+    [B, ..., C] (any float dtype, read as float32) coded into a message's payload (a `mode` byte per sample, then
+    the rows), the new m(ξ) = m(ξ) + its dequantized change in m's 16-bit dtype, and the verdicts, norms and squares
+    of `DeltaEncoded`. m(ξ) of sample i is `m[slots[i]]` — rows of a slab, read in place — or, with `slots` None,
+    `m[i]`. Bits as torch's ops give them (the norms' summation order aside); None if the kernels failed."""
+    x3 = _as_rows(x)
+    b, t, c = x3.shape
+    m3 = m.detach().reshape(m.shape[0], t, c)
+    _check_rows(m3, slots, b)
+    payload = torch.empty(b + b * row_bytes(t, c, bits), dtype=torch.uint8, device=x.device)
+    payload[:b].fill_(mode)
+    m_new = torch.empty(x3.shape, dtype=m.dtype, device=x.device)
     parts = _parts(x3.shape)
-    sums = torch.empty(x3.shape[0], parts, dtype=torch.int64, device=x.device)
-    norms = torch.empty(x3.shape[0], 3, parts, dtype=torch.float32, device=x.device)
-    rows = _encode(x3, m3, bits, grid, None, (m_new, sums, norms, *checksum))
-    if rows is None:
+    sums = torch.empty(b, parts, dtype=torch.int64, device=x.device)
+    norms = torch.empty(b, 3, parts, dtype=torch.float32, device=x.device)
+    unstorable = torch.empty(b, parts, dtype=torch.int32, device=x.device)
+    scales = torch.empty(b, c, dtype=torch.float32, device=x.device)
+    rows = payload[b:].view(b, -1)
+    verdicts = torch.empty(2 * b, dtype=torch.int64, device=x.device)
+    norms_out = torch.empty(b, 3, dtype=torch.float32, device=x.device)
+    squares = torch.empty(3, dtype=torch.float64, device=x.device)
+    done = DeltaEncoded(payload, m_new.view(x.shape), verdicts, norms_out, squares)
+    if x.device.type == "meta":  # (the outputs alone)
+        return done
+    k = _kernels()
+    try:
+        _launch_codes(k, x3, m3, slots, rows, scales, bits, grid, None,
+                      (m_new, sums, norms, unstorable, *checksum, torch.finfo(m.dtype).max))
+        k.verdicts_kernel[(1,)](scales, sums, norms, unstorable, verdicts, norms_out, squares, b, c, parts,
+                                FP16_MAX=FP16_MAX, ENCODE=True, BP=k.VERDICT_P, BC=k.VERDICT_C, **k.OPTIONS)
+    except Exception as error:  # (a Triton that cannot compile for this GPU, say): the torch ops code it
+        _give_up(error)
         return None
-    return rows, m_new.view(m_old.shape), sums.sum(dim=1), norms.sum(dim=2).sqrt()
+    return done
+
+
+@dataclass(frozen=True)
+class DeltaEncoded:
+    """What `delta_encode` makes, all on the device: the `payload` of a message of these samples all as deltas, the
+    new m(ξ) `m_new`, the `verdicts` [2B] (int64: whether each sample can go as a delta — no scale clamped at the
+    fp16 maximum or NaN, every new m(ξ) value finite in its dtype — then its checksum sum: `aqsgd_rows.verdicts_of`'s
+    layout), the fidelity `norms` [B, 3] (of x, of the change, of m_new − m_old − change) and their `squares` summed
+    over the samples in float64 [3]."""
+
+    payload: torch.Tensor
+    m_new: torch.Tensor
+    verdicts: torch.Tensor
+    norms: torch.Tensor
+    squares: torch.Tensor
 
 
 def decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str) -> torch.Tensor | None:
@@ -131,11 +172,38 @@ def decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str) -> 
     return None if out is None else out[0]
 
 
-def delta_decode(rows: torch.Tensor, m_old: torch.Tensor, bits: int, grid: str, checksum: tuple[int, int]
-                 ) -> tuple[torch.Tensor, ...] | None:
-    """AQ-SGD's receiver in one kernel: the new m(ξ) (m_old + the decoded change, in m_old's 16-bit dtype), it in
-    float32 (the activation), and each sample's checksum sum (as `delta_encode`); None if the kernels failed."""
-    return _decode(rows, tuple(m_old.shape), bits, grid, (m_old, checksum))
+def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, shape: tuple[int, ...], bits: int,
+                 grid: str, checksum: tuple[int, int]) -> tuple[torch.Tensor, ...] | None:
+    """AQ-SGD's receiver in two kernels, straight from m(ξ)'s storage (`m`, `slots`: as `delta_encode`): the new
+    m(ξ) (m(ξ) + the decoded change, in m's 16-bit dtype) of the batch of `shape`, it in float32 (the activation, a
+    tensor of its own), and the verdicts [2B] (each sample kept, its checksum sum); None if the kernels failed."""
+    b = shape[0]
+    m3 = m.detach().reshape(m.shape[0], -1, shape[-1])
+    _check_rows(m3, slots, b)
+    out = _decode(rows, shape, bits, grid, (m3, slots, checksum))
+    if out is None:
+        return None
+    m_new, values, sums = out
+    verdicts = torch.empty(2 * b, dtype=torch.int64, device=rows.device)
+    if rows.device.type != "meta":
+        k = _kernels()
+        try:
+            k.verdicts_kernel[(1,)](sums, sums, sums, sums, verdicts, sums, sums, b, shape[-1], sums.shape[1],
+                                    FP16_MAX=FP16_MAX, ENCODE=False, BP=k.VERDICT_P, BC=k.VERDICT_C, **k.OPTIONS)
+        except Exception as error:
+            _give_up(error)
+            return None
+    return m_new, values, verdicts
+
+
+def _check_rows(m3: torch.Tensor, slots: torch.Tensor | None, b: int) -> None:
+    """m(ξ)'s rows must hold the batch: its own B rows, or slots [B] (int64, on m's device) into a slab."""
+    if slots is None:
+        if m3.shape[0] != b:
+            raise ValueError(f"m(xi) of {m3.shape[0]} samples for a batch of {b}")
+    elif slots.shape != (b,) or slots.dtype != torch.int64 or slots.device != m3.device:
+        raise ValueError(f"slots must be int64 [{b}] on {m3.device}, not {slots.dtype} {tuple(slots.shape)} on "
+                         f"{slots.device}")
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -148,36 +216,46 @@ def _parts(shape: tuple[int, ...]) -> int:
     return -(-shape[1] // k.TILE_T) * -(-shape[2] // k.TILE_C)
 
 
-def _encode(x3: torch.Tensor, m3: torch.Tensor | None, bits: int, grid: str, coded: torch.Tensor | None,
-            delta: tuple | None) -> torch.Tensor | None:
-    """Launch the scales and codes kernels on rows [B, T, C] (`m3`, `delta`: AQ-SGD's m(ξ) and outputs)."""
+def _encode(x3: torch.Tensor, bits: int, grid: str, coded: torch.Tensor | None) -> torch.Tensor | None:
+    """DirectQ's rows [B, row_bytes] of rows [B, T, C] (and the dequantized values into `coded`)."""
     b, t, c = x3.shape
     rows = torch.empty(b, row_bytes(t, c, bits), dtype=torch.uint8, device=x3.device)
-    scales = torch.empty(b, c, dtype=torch.float32, device=x3.device)
-    offset, steps, top = _offset_steps(bits, grid)
-    m_new, sums, norms, multiplier, modulus = delta if delta is not None else (x3, x3, x3, 0, 1)  # (unread)
     if x3.device.type == "meta":  # (the outputs alone)
         return rows
-    k = _kernels()
+    scales = torch.empty(b, c, dtype=torch.float32, device=x3.device)
     try:
-        k.scales_kernel[(b, -(-c // k.SCALE_C))](
-            x3, x3 if m3 is None else m3, rows, scales, t, c, rows.shape[1], KIND=_SCALE_KINDS[grid],
-            FP16_MAX=FP16_MAX, HAS_M=m3 is not None, BT=k.SCALE_T, BC=k.SCALE_C, **k.OPTIONS)
-        k.codes_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
-            x3, x3 if m3 is None else m3, rows, scales, _levels(bits, grid, x3.device),
-            x3 if coded is None else coded, m_new, sums, norms, t, c, rows.shape[1], float(offset), float(steps),
-            float(top), multiplier, modulus, BITS=bits, VALUES=coded is not None, HAS_M=m3 is not None,
-            BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
+        _launch_codes(_kernels(), x3, None, None, rows, scales, bits, grid, coded, None)
     except Exception as error:  # (a Triton that cannot compile for this GPU, say): the torch ops code it
         _give_up(error)
         return None
     return rows
 
 
+def _launch_codes(k, x3: torch.Tensor, m3: torch.Tensor | None, slots: torch.Tensor | None, rows: torch.Tensor,
+                  scales: torch.Tensor, bits: int, grid: str, coded: torch.Tensor | None, delta: tuple | None) -> None:
+    """Launch the scales and codes kernels on rows [B, T, C] into `rows` (`m3`, `slots`, `delta`: AQ-SGD's m(ξ),
+    where its rows are, and the outputs (m_new, sums, norms, unstorable) with the checksum constants and the largest
+    value m(ξ)'s dtype holds)."""
+    b, t, c = x3.shape
+    offset, steps, top = _offset_steps(bits, grid)
+    m_new, sums, norms, unstorable, multiplier, modulus, m_max = (
+        delta if delta is not None else (x3, x3, x3, x3, 0, 1, 0.0))  # (unread)
+    m_in = x3 if m3 is None else m3
+    slot_of = m_in if slots is None else slots  # (unread without slots)
+    k.scales_kernel[(b, -(-c // k.SCALE_C))](
+        x3, m_in, slot_of, rows, scales, t, c, rows.stride(0), KIND=_SCALE_KINDS[grid], FP16_MAX=FP16_MAX,
+        HAS_M=m3 is not None, SLOTS=slots is not None, BT=k.SCALE_T, BC=k.SCALE_C, **k.OPTIONS)
+    k.codes_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
+        x3, m_in, slot_of, rows, scales, _levels(bits, grid, x3.device), x3 if coded is None else coded, m_new,
+        sums, norms, unstorable, t, c, rows.stride(0), float(offset), float(steps), float(top), multiplier,
+        modulus, float(m_max), BITS=bits, VALUES=coded is not None, HAS_M=m3 is not None, SLOTS=slots is not None,
+        BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
+
+
 def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
-            delta: tuple[torch.Tensor, tuple[int, int]] | None) -> tuple[torch.Tensor, ...] | None:
-    """Launch the decode kernel (`delta`: AQ-SGD's m(ξ) and checksum constants): (values,) or, for AQ-SGD,
-    (m_new, values, sums)."""
+            delta: tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]] | None) -> tuple[torch.Tensor, ...] | None:
+    """Launch the decode kernel (`delta`: AQ-SGD's m(ξ) rows [N, T, C], the slots of the batch's rows among them or
+    None, and the checksum constants): (values,) or, for AQ-SGD, (m_new, values, the tiles' checksum parts)."""
     b, c = shape[0], shape[-1]
     t = 1
     for d in shape[1:-1]:
@@ -187,24 +265,24 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
         raise ValueError(f"rows of shape {tuple(rows.shape)} cannot hold a {bits}-bit batch of shape {shape}")
     out = torch.empty(b, t, c, dtype=torch.float32, device=rows.device)
     if delta is None:
-        m3, m_new, sums, (multiplier, modulus) = out, out, out, (0, 1)  # (unread)
+        m3, slots, m_new, sums, (multiplier, modulus) = out, None, out, out, (0, 1)  # (unread)
     else:
-        m3 = _as_rows(delta[0])
-        m_new = torch.empty(m3.shape, dtype=m3.dtype, device=rows.device)
-        sums = torch.empty(b, _parts(m3.shape), dtype=torch.int64, device=rows.device)
-        multiplier, modulus = delta[1]
+        m3, slots, (multiplier, modulus) = delta
+        m_new = torch.empty(b, t, c, dtype=m3.dtype, device=rows.device)
+        sums = torch.empty(b, _parts((b, t, c)), dtype=torch.int64, device=rows.device)
     if rows.device.type != "meta":  # (on the meta device: the outputs alone)
         k = _kernels()
         try:
             k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
-                rows, _levels(bits, grid, rows.device), out, m3, m_new, sums, t, c, rows.shape[1], multiplier,
-                modulus, BITS=bits, HAS_M=delta is not None, BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
+                rows, _levels(bits, grid, rows.device), out, m3, m3 if slots is None else slots, m_new, sums, t, c,
+                rows.shape[1], multiplier, modulus, BITS=bits, HAS_M=delta is not None, SLOTS=slots is not None,
+                BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
         except Exception as error:
             _give_up(error)
             return None
     if delta is None:
         return (out.view(shape),)
-    return m_new.view(shape), out.view(shape), sums.sum(dim=1)
+    return m_new.view(shape), out.view(shape), sums
 
 
 def _give_up(error: Exception) -> None:

@@ -8,11 +8,21 @@ from aqpipe.compress.fused import interpreted
 
 
 @triton.jit
-def scales_kernel(x_ptr, m_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.constexpr, FP16_MAX: tl.constexpr,
-                  HAS_M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """One program per (sample, BC channels): the channels' extremes over all T tokens (of x − m with HAS_M), their
-    scale on the grid (KIND 0: signed, 1: max |x|) rounded up to fp16, written into the row's first 2·C bytes and, as
-    fp32, into `s_ptr` [B, C] for `codes_kernel`."""
+def m_row(sample, slots_ptr, SLOTS: tl.constexpr):
+    """The row of m(ξ) that `sample` of the batch reads: its slot of a slab (SLOTS), else its own place."""
+    if SLOTS:
+        row = tl.load(slots_ptr + sample).to(tl.int64)
+    else:
+        row = sample.to(tl.int64)
+    return row
+
+
+@triton.jit
+def scales_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.constexpr, FP16_MAX: tl.constexpr,
+                  HAS_M: tl.constexpr, SLOTS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """One program per (sample, BC channels): the channels' extremes over all T tokens (of x − m with HAS_M; m's row
+    `slots_ptr[sample]` of a slab with SLOTS), their scale on the grid (KIND 0: signed, 1: max |x|) rounded up to
+    fp16, written into the row's first 2·C bytes and, as fp32, into `s_ptr` [B, C] for `codes_kernel`."""
     sample = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     in_c = cols < C
@@ -20,13 +30,14 @@ def scales_kernel(x_ptr, m_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.constexpr, FP
     low = tl.full([BT, BC], float("inf"), tl.float32)
     nan = tl.zeros([BT, BC], tl.int32)  # (a GPU's max and min skip a NaN; torch's propagate it: counted apart)
     base = sample.to(tl.int64) * T * C
+    m_base = m_row(sample, slots_ptr, SLOTS) * T * C
     for t0 in range(0, T, BT):
         tokens = t0 + tl.arange(0, BT)
         inside = (tokens[:, None] < T) & in_c[None, :]
-        at = base + tokens[:, None].to(tl.int64) * C + cols[None, :]
-        v = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
+        within = tokens[:, None].to(tl.int64) * C + cols[None, :]
+        v = tl.load(x_ptr + base + within, mask=inside, other=0.0).to(tl.float32)
         if HAS_M:  # AQ-SGD: the change since m(ξ)
-            v = v - tl.load(m_ptr + at, mask=inside, other=0.0).to(tl.float32)
+            v = v - tl.load(m_ptr + m_base + within, mask=inside, other=0.0).to(tl.float32)
         nan = tl.maximum(nan, (v != v).to(tl.int32))
         v = tl.where(v != v, 0.0, v)
         high = tl.maximum(high, tl.where(inside, v, float("-inf")))
@@ -54,21 +65,23 @@ def scales_kernel(x_ptr, m_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.constexpr, FP
 
 
 @triton.jit
-def codes_kernel(x_ptr, m_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, m_new_ptr, sums_ptr, norms_ptr, T, C, W,
-                 offset, steps, top, multiplier, modulus, BITS: tl.constexpr, VALUES: tl.constexpr,
-                 HAS_M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, m_new_ptr, sums_ptr, norms_ptr,
+                 bad_ptr, T, C, W, offset, steps, top, multiplier, modulus, m_max, BITS: tl.constexpr,
+                 VALUES: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """One program per (sample, BT tokens, BC channels): each value's code, packed into the row after its scales;
-    with VALUES the dequantized values; with HAS_M AQ-SGD's new m(ξ) and the tile's checksum and norm parts."""
+    with VALUES the dequantized values; with HAS_M AQ-SGD's new m(ξ) and the tile's checksum and norm parts, and how
+    many of its new m(ξ) values the store cannot keep (beyond `m_max`, the store dtype's largest, or NaN)."""
     tiles_t = tl.cdiv(T, BT)
     sample = tl.program_id(0) // tiles_t
     tokens = (tl.program_id(0) % tiles_t) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     inside = (tokens[:, None] < T) & (cols[None, :] < C)
-    at = sample.to(tl.int64) * T * C + tokens[:, None].to(tl.int64) * C + cols[None, :]
+    within = tokens[:, None].to(tl.int64) * C + cols[None, :]
+    at = sample.to(tl.int64) * T * C + within
     x = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
     v = x
     if HAS_M:
-        m = tl.load(m_ptr + at, mask=inside, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + m_row(sample, slots_ptr, SLOTS) * T * C + within, mask=inside, other=0.0).to(tl.float32)
         v = x - m
     scale = tl.load(s_ptr + sample * C + cols, mask=cols < C, other=1.0)
     s = tl.where(scale == 0.0, 1.0, scale)[None, :]
@@ -95,6 +108,8 @@ def codes_kernel(x_ptr, m_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, m_new_ptr
             tl.store(norms, tl.sum(tl.sum(x * x, axis=1), axis=0))
             tl.store(norms + parts, tl.sum(tl.sum(v * v, axis=1), axis=0))
             tl.store(norms + 2 * parts, tl.sum(tl.sum(error * error, axis=1), axis=0))
+            unstorable = inside & ~(tl.abs(new.to(tl.float32)) <= m_max)  # (a NaN fails the comparison)
+            tl.store(bad_ptr + sample * parts + part, tl.sum(tl.sum(unstorable.to(tl.int32), axis=1), axis=0))
     shift = (tl.arange(0, 8) * BITS).to(tl.int64)
     word = tl.sum(tl.reshape(code.to(tl.int64), (BT, BC // 8, 8)) << shift[None, None, :], axis=2)
     groups = tl.program_id(1) * (BC // 8) + tl.arange(0, BC // 8)
@@ -116,10 +131,12 @@ def checksum_part(new, tokens, cols, C, inside, multiplier, modulus):
 
 
 @triton.jit
-def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, m_new_ptr, sums_ptr, T, C, W, multiplier, modulus,
-                  BITS: tl.constexpr, HAS_M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sums_ptr, T, C, W, multiplier,
+                  modulus, BITS: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, BT: tl.constexpr,
+                  BC: tl.constexpr):
     """One program per (sample, BT tokens, BC channels): unpack the codes, level(code) · scale; with HAS_M the new
-    m(ξ) = m + that, in m's dtype, its float32 value as the output and the tile's checksum part."""
+    m(ξ) = m + that (m's row `slots_ptr[sample]` of a slab with SLOTS), in m's dtype, its float32 value as the
+    output and the tile's checksum part."""
     tiles_t = tl.cdiv(T, BT)
     sample = tl.program_id(0) // tiles_t
     tokens = (tl.program_id(0) % tiles_t) * BT + tl.arange(0, BT)
@@ -138,9 +155,10 @@ def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, m_new_ptr, sums_ptr, T, C
             | (tl.load(first + 1, mask=spans, other=0).to(tl.int32) << 8))
     code = (pair >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
     values = tl.load(table_ptr + code) * scale[None, :]
-    at = sample.to(tl.int64) * T * C + tokens[:, None].to(tl.int64) * C + cols[None, :]
+    within = tokens[:, None].to(tl.int64) * C + cols[None, :]
+    at = sample.to(tl.int64) * T * C + within
     if HAS_M:  # AQ-SGD's receiver: the new m(ξ), the activation it stands for, the checksum's part
-        m = tl.load(m_ptr + at, mask=inside, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + m_row(sample, slots_ptr, SLOTS) * T * C + within, mask=inside, other=0.0).to(tl.float32)
         new = (m + values).to(m_new_ptr.dtype.element_ty)
         tl.store(m_new_ptr + at, new, mask=inside)
         values = new.to(tl.float32)
@@ -150,7 +168,62 @@ def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, m_new_ptr, sums_ptr, T, C
     tl.store(out_ptr + at, values, mask=inside)
 
 
+@triton.jit
+def verdicts_kernel(s_ptr, sums_ptr, norms_ptr, bad_ptr, verdicts_ptr, norms_out_ptr, squares_ptr, B, C, P,
+                    FP16_MAX: tl.constexpr, ENCODE: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr):
+    """One program for the whole batch, after the codes (ENCODE) or decode kernel: each sample's verdicts — whether
+    it can go as a delta (ENCODE: no scale clamped at the fp16 maximum or NaN, every new m(ξ) value storable; a
+    decode's are all kept) and its checksum sum, the sum of its tiles' parts — as `verdicts_ptr` [2B] (int64, the
+    layout `aqsgd_rows.verdicts_of` gives); with ENCODE also its fidelity norms [B, 3] (square roots of the parts'
+    sums) and their squares summed over the batch in float64 [3]."""
+    signal = tl.zeros([1], tl.float64)
+    change = tl.zeros([1], tl.float64)
+    error = tl.zeros([1], tl.float64)
+    for sample in range(0, B):
+        total = tl.zeros([BP], tl.int64)
+        for p0 in range(0, P, BP):
+            parts = p0 + tl.arange(0, BP)
+            total += tl.load(sums_ptr + sample * P + parts, mask=parts < P, other=0)
+        ok = 1
+        if ENCODE:
+            bad = tl.zeros([BP], tl.int32)
+            n0 = tl.zeros([BP], tl.float32)
+            n1 = tl.zeros([BP], tl.float32)
+            n2 = tl.zeros([BP], tl.float32)
+            for p0 in range(0, P, BP):
+                parts = p0 + tl.arange(0, BP)
+                inside = parts < P
+                bad += tl.load(bad_ptr + sample * P + parts, mask=inside, other=0)
+                norms = norms_ptr + sample * 3 * P + parts
+                n0 += tl.load(norms, mask=inside, other=0.0)
+                n1 += tl.load(norms + P, mask=inside, other=0.0)
+                n2 += tl.load(norms + 2 * P, mask=inside, other=0.0)
+            clipped = tl.zeros([BC], tl.int32)
+            for c0 in range(0, C, BC):
+                cols = c0 + tl.arange(0, BC)
+                scale = tl.load(s_ptr + sample * C + cols, mask=cols < C, other=0.0)
+                clipped += ((cols < C) & ~(tl.abs(scale) < FP16_MAX)).to(tl.int32)  # (a NaN fails too)
+            ok = ((tl.sum(bad, axis=0) == 0) & (tl.sum(clipped, axis=0) == 0)).to(tl.int32)
+            r0 = tl.sqrt_rn(tl.sum(n0, axis=0))
+            r1 = tl.sqrt_rn(tl.sum(n1, axis=0))
+            r2 = tl.sqrt_rn(tl.sum(n2, axis=0))
+            tl.store(norms_out_ptr + sample * 3, r0)
+            tl.store(norms_out_ptr + sample * 3 + 1, r1)
+            tl.store(norms_out_ptr + sample * 3 + 2, r2)
+            signal += r0.to(tl.float64) * r0.to(tl.float64)
+            change += r1.to(tl.float64) * r1.to(tl.float64)
+            error += r2.to(tl.float64) * r2.to(tl.float64)
+        tl.store(verdicts_ptr + sample, ok)
+        tl.store(verdicts_ptr + B + sample, tl.sum(total, axis=0))
+    if ENCODE:
+        first = tl.arange(0, 1)
+        tl.store(squares_ptr + first, signal)
+        tl.store(squares_ptr + 1 + first, change)
+        tl.store(squares_ptr + 2 + first, error)
+
+
 SCALE_T, SCALE_C = 32, 32  # the scales kernel's tile: tokens × channels (it walks every token of its channels)
 TILE_T, TILE_C = 16, 64  # the codes and decode kernels' tile
+VERDICT_P, VERDICT_C = 256, 256  # the verdicts kernel's strides over a sample's tile parts and scales
 # no fused multiply-add: torch rounds x/s·steps and then +offset (and level·scale) separately
 OPTIONS: dict = {} if interpreted() else {"enable_fp_fusion": False}

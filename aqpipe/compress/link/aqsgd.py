@@ -11,11 +11,14 @@ the first message.
 The arithmetic runs on the activation's device (a GPU's m(ξ) update never visits the host); m(ξ) is kept wherever
 the store keeps it, and moved to the device for the update. On a GPU each kind of row is coded by one replayed CUDA
 graph whose outputs the codec borrows (`aqpipe.compress.cuda_graphs`), and a message of one kind of sample — the
-steady state — goes as that graph's payload, its m(ξ) read and written in one gather and one scatter.
+steady state — goes as that graph's payload, its m(ξ) read and written in one gather and one scatter. A large
+message's deltas (`fused.delta_fusable`) go through fused kernels instead, ungraphed, which read m(ξ) in place from a
+slab store's rows and write the payload whole: m(ξ) is then written in one scatter and never gathered.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections.abc import Callable
@@ -137,7 +140,9 @@ class AQSGDCodec(LinkCodec):
         A sample whose new m(ξ) would not be finite in the store's dtype (an activation beyond fp16's range, an inf
         or NaN) goes losslessly instead, and if even that value cannot be stored, m(ξ) is dropped on both sides
         (counted as `overflow`) rather than kept poisoned for every later epoch."""
-        x = tensor.detach().float().contiguous()
+        raw = tensor.detach()
+        # in float32, made where a path codes it so (the fused delta step reads a bf16 or fp16 activation as it is)
+        floats = functools.cache(lambda: raw.float().contiguous())
         id_list = ids.tolist()
         b = len(id_list)
         modes = [MODE_DELTA if k else MODE_FIRST for k in self.view.contains(id_list)] if compress \
@@ -148,30 +153,46 @@ class AQSGDCodec(LinkCodec):
         # Every kind of row is coded first; whether each can go that way (in the coder's range, its new m(ξ)
         # storable) and the checksum sums are then read in one wait for the device, not one per question. A graph's
         # outputs are lent (on a GPU: its own buffers, used before its next replay, or copied).
-        lend = self._borrows(x.device)
+        lend = self._borrows(raw.device)
         delta = [i for i, m in enumerate(modes) if m == MODE_DELTA]
         groups: dict[int, Candidates] = {}
         if delta:
-            m_old = self._recall([id_list[i] for i in delta], x.device)
-            payload, m_new, verdicts, norms, squares = self._graphed(
-                "delta-encode", self._delta_rows, rows_of(x, delta), m_old, borrow=lend)
-            groups[MODE_DELTA] = Candidates(delta, m_new, verdicts, payload, lend)
+            payload, m_new, verdicts, norms, squares, lent = self._delta_encode(raw, floats, delta, id_list, lend)
+            groups[MODE_DELTA] = Candidates(delta, m_new, verdicts, payload, lent)
         if first := [i for i, m in enumerate(modes) if m == MODE_FIRST]:
-            payload, seeds, verdicts = self._graphed("first-encode", self._first_rows, rows_of(x, first), borrow=lend)
+            payload, seeds, verdicts = self._graphed("first-encode", self._first_rows, rows_of(floats(), first),
+                                                       borrow=lend)
             groups[MODE_FIRST] = Candidates(first, seeds, verdicts, payload, lend)
         if full := [i for i, m in enumerate(modes) if m == MODE_FULL]:
-            groups[MODE_FULL] = self._lossless(full, x)
+            groups[MODE_FULL] = self._lossless(full, floats())
         Candidates.read_all(list(groups.values()))
         if len(groups) == 1 and all((only := next(iter(groups.values()))).fits):
             # one kind of sample, each going its way (the steady state: all deltas): the payload in one piece
             self.view.scatter(id_list, only.values)
             check = fold_checksum(list(range(b)), only.sums) if self.check else 0
-            fidelity = DeltaFidelity(squares.clone() if lend else squares) if delta else None
+            fidelity = DeltaFidelity(squares.clone() if only.lent else squares) if delta else None
             wire = only.payload if only.payload is not None else lossless_payload(tensor)
-            return Encoded.of(wire, tuple(x.shape), torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
+            return Encoded.of(wire, tuple(raw.shape), torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
         as_delta = [j for j, ok in enumerate(groups[MODE_DELTA].fits) if ok] if delta else []
-        return self._encode_mixed(tensor, x, id_list, modes, [g.owned() for g in groups.values()], flags,
+        return self._encode_mixed(tensor, floats(), id_list, modes, [g.owned() for g in groups.values()], flags,
                                   delta_fidelity(norms, as_delta) if as_delta else None)
+
+    def _delta_encode(self, raw: torch.Tensor, floats: Callable[[], torch.Tensor], at: list[int], id_list: list[int],
+                      lend: bool) -> tuple[Any, ...]:
+        """Rows `at` of the activation as deltas (`raw`: as given, `floats()`: in float32): `_delta_rows`' outputs and
+        whether they are lent (a CUDA graph's buffers). Where the fused kernels take the rows, they read the
+        activation as it is and m(ξ) where the store keeps it (a slab's rows in place) — no graph, no copy of either;
+        else the torch ops run, replayed from a graph on a GPU."""
+        ids = [id_list[i] for i in at]
+        quant = self._fused_delta(raw.device, (len(at), *raw.shape[1:]))
+        if quant is not None:
+            m, slots = self._rows_of(ids, raw.device)
+            done = fused.delta_encode(rows_of(raw, at), m, slots, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS,
+                                      MODE_DELTA)
+            if done is not None:
+                return done.payload, done.m_new, done.verdicts, done.norms, done.squares, False
+        x = rows_of(floats(), at)
+        return (*self._graphed("delta-encode", self._delta_rows, x, self._recall(ids, x.device), borrow=lend), lend)
 
     def _encode_mixed(self, tensor: torch.Tensor, x: torch.Tensor, id_list: list[int], modes: list[int],
                       groups: list[Candidates], flags: int, fidelity: DeltaFidelity | None) -> Encoded:
@@ -234,16 +255,17 @@ class AQSGDCodec(LinkCodec):
             return [] if sending else [call for coder in (self.delta, self.first_sight) if coder is not None
                                        for call in coder_calls(coder, shape, sending=False)]
         x, m_old = stand_in(shape, torch.float32), stand_in(shape, self.view.dtype)
+        fused_delta = self._fused_delta(torch.device("meta"), shape) is not None  # (its kernels run ungraphed)
         if sending:
-            calls = [self._graph_call("delta-encode", self._delta_rows, x, m_old)]
+            calls = [] if fused_delta else [self._graph_call("delta-encode", self._delta_rows, x, m_old)]
             if self.first_sight is not None:
                 calls.append(self._graph_call("first-encode", self._first_rows, x))
             if self.first_sight is None or warmup:
                 calls.append(self._graph_call("seed", self._seeds, x))
             return calls
         rows = stand_in((shape[0], self.delta.sample_bytes(shape)), torch.uint8)
-        calls = [self._graph_call("delta-decode", self._delta_values, rows, m_old),
-                 self._graph_call("seed", self._seeds, x)]
+        calls = [] if fused_delta else [self._graph_call("delta-decode", self._delta_values, rows, m_old)]
+        calls.append(self._graph_call("seed", self._seeds, x))
         if self.first_sight is not None:  # a quantizing first-sight coder's decode is a graph of its own
             calls += coder_calls(self.first_sight, shape, sending=False)
         return calls
@@ -258,19 +280,14 @@ class AQSGDCodec(LinkCodec):
         as deltas (their mode bytes, then the coded changes), the new m(ξ) — updated from exactly the codes and fp16
         scales the receiver will unpack — the verdicts (whether each row can go as a delta, its checksum sums), the
         fidelity norms per row, and their squares summed over the rows."""
-        quant = self._fused_delta(m_old)
-        fast = quant and fused.delta_encode(x, m_old, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS)
-        if fast:  # the same bits in two kernels on a GPU
-            coded, m_new, sums, norms = fast
-        else:
-            # m(ξ) is read in its own dtype (promoted exactly, value by value) and the dequantized change, a tensor
-            # of this call's own, takes m(ξ) in place (addition commutes bit for bit): no full-size float32 copy of
-            # m(ξ) and no sum of its own, which a CUDA graph of this call would keep for the run
-            change = x - m_old
-            coded, deq = self.delta.encode(change, values=True)
-            m_new = present(deq).add_(m_old).to(self.view.dtype)
-            del deq  # (in a 16-bit store m_new is a copy: the float32 sum goes now, not at the call's end)
-            sums, norms = row_sums(m_new), fidelity_norms(x, m_old, change, m_new)
+        # m(ξ) is read in its own dtype (promoted exactly, value by value) and the dequantized change, a tensor of
+        # this call's own, takes m(ξ) in place (addition commutes bit for bit): no full-size float32 copy of m(ξ) and
+        # no sum of its own, which a CUDA graph of this call would keep for the run
+        change = x - m_old
+        coded, deq = self.delta.encode(change, values=True)
+        m_new = present(deq).add_(m_old).to(self.view.dtype)
+        del deq  # (in a 16-bit store m_new is a copy: the float32 sum goes now, not at the call's end)
+        sums, norms = row_sums(m_new), fidelity_norms(x, m_old, change, m_new)
         ok = self._sendable(self.delta.carried(x, coded), m_new)
         return payload_of(MODE_DELTA, coded), m_new, verdicts_of(ok, sums), norms, norms.double().square_().sum(dim=0)
 
@@ -286,27 +303,29 @@ class AQSGDCodec(LinkCodec):
     def _delta_values(self, rows: torch.Tensor, m_old: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The receiver's side of `_delta_rows`: the new m(ξ) from the coded rows, it in float32, and the verdicts
         (each row kept — the sender sent a delta only where it could be — and its checksum sums)."""
-        quant = self._fused_delta(m_old)
-        fast = quant and fused.delta_decode(rows, m_old, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS)
-        if fast:
-            seeds, values, sums = fast
-        else:
-            seeds = self.delta.decode(rows, tuple(m_old.shape)).add_(m_old).to(self.view.dtype)  # (as the sender's)
-            values, sums = seeds.float(), row_sums(seeds)
+        seeds = self.delta.decode(rows, tuple(m_old.shape)).add_(m_old).to(self.view.dtype)  # (as the sender's)
+        values, sums = seeds.float(), row_sums(seeds)
         return seeds, values, verdicts_of(torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device), sums)
 
-    def _fused_delta(self, m_old: torch.Tensor) -> QuantCoder | None:
+    def _fused_delta(self, device: torch.device, shape: tuple[int, ...]) -> QuantCoder | None:
         """The delta coder, where its coding and m(ξ)'s update run as fused kernels (`aqpipe.compress.fused`, where
-        `fused.delta_fusable` says for these delta rows): a nearest-rounding `QuantCoder` on a batch they take, m(ξ)
-        in a 16-bit dtype; else None. Each end decides on its own delta rows, so on a message mixing kinds of rows
-        the two ends of a link may decide differently: the bits are the same either way."""
+        `fused.delta_fusable` says for delta rows of `shape` on `device`): a nearest-rounding `QuantCoder` on a batch
+        they take, m(ξ) in a 16-bit dtype; else None. Each end decides on its own delta rows, so on a message mixing
+        kinds of rows the two ends of a link may decide differently: the bits are the same either way."""
         delta = self.delta
         if type(delta) is not QuantCoder or delta.options.stochastic:
             return None
         options = delta.options
-        fusable = fused.delta_fusable(m_old.device, tuple(m_old.shape), m_old.dtype, delta.bits, options.per,
-                                      options.grid)
+        fusable = fused.delta_fusable(device, shape, self.view.dtype, delta.bits, options.per, options.grid)
         return delta if fusable else None
+
+    def _rows_of(self, ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where m(ξ) of `ids` is, for the fused kernels to read in place: a slab on `device` and their slots in it
+        (int64 [B] on `device`), or, from any other store, the values gathered (`_recall`) and None."""
+        rows = self.view.rows(ids)
+        if rows is not None and rows[0].device == device:
+            return rows
+        return self._recall(ids, device), None
 
     def _recall(self, ids: list[int], device: torch.device) -> torch.Tensor:
         """m(ξ) of `ids`, as one batch on `device` in the store's dtype (a slab store's one gather; from host RAM
@@ -390,10 +409,9 @@ class AQSGDCodec(LinkCodec):
                           else present(self.first_sight).decode(rows, (len(at), *shape[1:])))
                 group = self._seeded(at, values, lend)
             else:  # the sender sent a delta only where the new m(ξ) could be kept
-                seeds, values, verdicts = self._graphed("delta-decode", self._delta_values, rows,
-                                                        self._recall_sent([id_list[i] for i in at]), borrow=lend)
-                group = Candidates(at, seeds, verdicts, lent=lend)
-                if lend:
+                seeds, values, verdicts, lent = self._delta_decode(rows, [id_list[i] for i in at], shape, lend)
+                group = Candidates(at, seeds, verdicts, lent=lent)
+                if lent:
                     values = values.clone()  # the activation is the caller's own
             groups.append(group)
             outs.append(values)
@@ -422,10 +440,26 @@ class AQSGDCodec(LinkCodec):
         keep(self.view, id_list, new_m)
         return out
 
-    def _recall_sent(self, ids: list[int]) -> torch.Tensor:
-        """m(ξ) of samples the sender sent as deltas, on this side's device."""
+    def _delta_decode(self, rows: torch.Tensor, ids: list[int], shape: tuple[int, ...], lend: bool
+                      ) -> tuple[Any, ...]:
+        """The receiver's side of `_delta_encode`: the new m(ξ), the activation and the verdicts of the delta rows
+        `rows` of samples `ids`, and whether they are lent (a CUDA graph's buffers) — fused straight from where the
+        store keeps m(ξ), or in torch ops replayed from a graph."""
+        batch = (len(ids), *shape[1:])
+        quant = self._fused_delta(self.device, batch)
+        if quant is not None:
+            m, slots = self._sent(self._rows_of, ids)
+            done = fused.delta_decode(rows, m, slots, batch, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS)
+            if done is not None:
+                return (*done, False)
+        return (*self._graphed("delta-decode", self._delta_values, rows, self._sent(self._recall, ids),
+                                  borrow=lend), lend)
+
+    def _sent(self, read: Callable[[list[int], torch.device], Any], ids: list[int]) -> Any:
+        """`read(ids, this side's device)` of m(ξ) of samples the sender sent as deltas (`_rows_of`, `_recall`):
+        this side must hold them."""
         try:
-            return self._recall(ids, self.device)
+            return read(ids, self.device)
         except KeyError as e:
             raise CodecError(f"m(xi) diverged: the sender sent a delta but this side has never seen the "
                              f"sample ({e.args[0]})") from None
