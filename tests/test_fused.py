@@ -222,6 +222,8 @@ def test_the_delta_kernels_refuse_m_rows_that_do_not_hold_the_batch():
                   torch.zeros(2, dtype=torch.int64)):
         with pytest.raises(ValueError, match="slots must be int64 \\[2\\] on meta"):
             fused.delta_decode(rows, slab, slots, (2, 8, 16), 4, "signed", (40503, 65521))
+    with pytest.raises(ValueError, match="modulus 65537 must lie in 1..65536"):  # (a word's product: int32)
+        fused.delta_encode(x, slab[:2], None, 4, "signed", (40503, 65537), 1)
 
 
 def test_the_kernels_apply_on_a_gpu_unless_switched_off_or_without_triton(monkeypatch):

@@ -122,7 +122,7 @@ def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, b
     x3 = _as_rows(x)
     b, t, c = x3.shape
     m3 = m.detach().reshape(m.shape[0], t, c)
-    _check_rows(m3, slots, b)
+    _check_rows(m3, slots, b, checksum)
     payload = torch.empty(b + b * row_bytes(t, c, bits), dtype=torch.uint8, device=x.device)
     payload[:b].fill_(mode)
     m_new = torch.empty(x3.shape, dtype=m.dtype, device=x.device)
@@ -179,7 +179,7 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
     tensor of its own), and the verdicts [2B] (each sample kept, its checksum sum); None if the kernels failed."""
     b = shape[0]
     m3 = m.detach().reshape(m.shape[0], -1, shape[-1])
-    _check_rows(m3, slots, b)
+    _check_rows(m3, slots, b, checksum)
     out = _decode(rows, shape, bits, grid, (m3, slots, checksum))
     if out is None:
         return None
@@ -196,8 +196,11 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
     return m_new, values, verdicts
 
 
-def _check_rows(m3: torch.Tensor, slots: torch.Tensor | None, b: int) -> None:
-    """m(ξ)'s rows must hold the batch: its own B rows, or slots [B] (int64, on m's device) into a slab."""
+def _check_rows(m3: torch.Tensor, slots: torch.Tensor | None, b: int, checksum: tuple[int, int]) -> None:
+    """m(ξ)'s rows must hold the batch: its own B rows, or slots [B] (int64, on m's device) into a slab; and the
+    checksum's weights must fit 16 bits (the kernels form each word's product in int32)."""
+    if not 0 < checksum[1] <= 1 << 16:
+        raise ValueError(f"the checksum's modulus {checksum[1]} must lie in 1..65536")
     if slots is None:
         if m3.shape[0] != b:
             raise ValueError(f"m(xi) of {m3.shape[0]} samples for a batch of {b}")

@@ -123,11 +123,18 @@ def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, table_ptr, values_ptr
 @triton.jit
 def checksum_part(new, tokens, cols, C, inside, multiplier, modulus):
     """The tile's share of its sample's checksum sum: each 16-bit word (sign-extended) times its position's weight
-    1 + (position · multiplier) mod modulus, in int64 (exact: any order of the parts gives the same sum)."""
-    position = tokens[:, None].to(tl.int64) * C + cols[None, :]
-    weight = 1 + (position * multiplier) % modulus
-    word = new.to(tl.int16, bitcast=True).to(tl.int64)
-    return tl.sum(tl.sum(tl.where(inside, word * weight, 0), axis=1), axis=0)
+    1 + (position · multiplier) mod modulus, in int64 (exact: any order of the parts gives the same sum).
+
+    position = token · C + col, so (position · multiplier) mod n = (r(token) + c(col)) mod n with r = (token · C ·
+    multiplier) mod n and c = (col · multiplier) mod n, both below n: one 64-bit remainder per token and per channel
+    of the tile, not one per value (a GPU has no 64-bit divider: each is a long instruction sequence), and one
+    conditional subtraction per value. Each word times its weight is below 2^15 · 2^16, so it is formed in int32."""
+    row = (tokens.to(tl.int64) * C * multiplier) % modulus
+    col = (cols.to(tl.int64) * multiplier) % modulus
+    both = (row[:, None] + col[None, :]).to(tl.int32)  # (each below 2^16: the sum below 2^17)
+    weight = 1 + tl.where(both >= modulus, both - modulus, both)
+    word = new.to(tl.int16, bitcast=True).to(tl.int32)
+    return tl.sum(tl.sum(tl.where(inside, word * weight, 0).to(tl.int64), axis=1), axis=0)
 
 
 @triton.jit
