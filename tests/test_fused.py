@@ -93,8 +93,9 @@ def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
     """The link codecs through the kernels (the interpreter stands in for the GPU) against the same codecs with
     AQPIPE_FUSED_KERNELS=0: DirectQ's payloads, AQ-SGD's messages and both copies of m(ξ) agree bit for bit — m(ξ)
     kept a tensor per sample (the kernels read it gathered) and as a slab's rows (read in place, through slots that
-    the shuffled visits put out of order), with rows that cannot go as deltas: a NaN, a change whose scale passes
-    fp16's largest, and a change whose scale fits but whose new m(ξ) would not."""
+    the shuffled visits put out of order), activations in float32 and in bfloat16 (which the kernels read as it is),
+    with rows that cannot go as deltas: a NaN, a change whose scale passes fp16's largest, and a change whose scale
+    fits but whose new m(ξ) would not."""
     interpret("""
         import os
         import torch
@@ -103,7 +104,7 @@ def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
         from aqpipe.storage import MemoryStore, StoreView
         from aqpipe.storage.slab import SlabStore
 
-        def run(switch, store):
+        def run(switch, store, dtype):
             os.environ["AQPIPE_FUSED_KERNELS"] = switch
             torch.manual_seed(1)
             directq = build_codec("directq:4", "bw", options=QuantOptions())
@@ -118,7 +119,7 @@ def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
                 x[ids] += 0.1 * torch.randn(3, 9, 16)
                 e = directq.encode(x[ids], ids)
                 out += [e.payload, directq.decode(Header.for_encoded(e, directq.code), e.payload, ids)]
-                batch = x[ids].clone()
+                batch = x[ids].to(dtype)
                 if visit == 3:
                     batch[1, 2, 3] = float("nan")  # sample 3: goes losslessly and loses m(ξ), either way
                 if visit == 4:
@@ -143,18 +144,19 @@ def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
             setattr(kernels, name, counted)
         # (m(ξ) in fp16: the interpreter casts float32 to bfloat16 by truncating, where a GPU rounds to nearest
         # even as torch does; tests/test_gpu_codecs.py checks a bfloat16 store on the GPU)
-        for store in (lambda: MemoryStore(torch.float16), lambda: SlabStore(torch.float16, "cpu")):
+        memory, slab = lambda: MemoryStore(torch.float16), lambda: SlabStore(torch.float16, "cpu")
+        for store, dtype in ((memory, torch.float32), (slab, torch.float32), (slab, torch.bfloat16)):
             calls.clear()
-            fused = run("1", store)
+            fused = run("1", store, dtype)
             fused_fidelity = list(fidelity)
             # 5 DirectQ messages each way; AQ-SGD's deltas from the third visit on (the first two: fp32 first sights)
             expected = {"encode": 5, "decode": 5, "delta_encode": 3, "delta_decode": 3}
             assert {name: calls.count(name) for name in expected} == expected, calls
-            torch_ops = run("0", store)
+            torch_ops = run("0", store, dtype)
             assert len(calls) == 16
             os.environ[kernels.DELTA_SWITCH] = "0"  # (off: AQ-SGD's delta step through the torch ops)
             calls.clear()
-            run("1", store)
+            run("1", store, dtype)
             assert sorted(set(calls)) == ["decode", "encode"], calls
             os.environ[kernels.DELTA_SWITCH] = "1"
             assert len(fused) == len(torch_ops)
