@@ -152,6 +152,37 @@ def test_aqsgd_divergence_is_caught_by_the_checksum():
         receiver.decode(wire(sender, encoded, ids), encoded.payload, ids)
 
 
+def test_a_receiver_checking_late_decodes_deltas_without_reading_the_device_and_refuses_a_divergence_later(
+        monkeypatch):
+    """On a GPU a receiver checks a delta message's checksum once its sums reach the host (`late_checks`): decoding
+    it reads nothing from the device. A divergence planted in its m(ξ) is refused at the next message or when the
+    step settles, naming the message it came with. (On a CPU, where reading costs no wait, it checks at once.)"""
+    from aqpipe.compress.link.late_checks import LateChecks
+
+    sender, receiver, _, r_store = aqsgd_pair(2)
+    assert receiver.late_checks is None  # (a CPU receiver)
+    x, ids = torch.randn(2, 4, 8), torch.tensor([5, 6])
+    send(sender, receiver, x, ids)  # first sights: whether each is kept is read at once
+    reads = device_reads(monkeypatch)
+
+    def decoding_reads(scale):
+        encoded = sender.encode(x * scale, ids)  # (the sender reads its verdicts: whether each goes as a delta)
+        reads.clear()
+        receiver.decode(wire(sender, encoded, ids), encoded.payload, ids)
+        return list(reads)
+
+    assert ("tolist", 4) in decoding_reads(1.1)  # checking at once: the verdicts (kept, sum) of two samples read
+    receiver.late_checks = LateChecks(receiver._verify)
+    assert ("tolist", 4) not in decoding_reads(1.2) and len(receiver.late_checks) == 1
+    r_store.put(0, "recv", [6], [r_store.get(0, "recv", [6])[0] + 1])  # plant a divergence
+    encoded = sender.encode(x * 1.3, ids)
+    receiver.decode(wire(sender, encoded, ids, step=3, mb=1), encoded.payload, ids)  # (the check is still to come)
+    sender.settle()  # (a sender leaves nothing for later)
+    with pytest.raises(CodecError, match="diverged on link 0: .* at step 3 micro-batch 1"):
+        receiver.settle()
+    assert len(receiver.late_checks) == 0
+
+
 def test_aqsgd_checksum_can_be_switched_off():
     store = MemoryStore()
     codec = build_codec("aqsgd:2", "fw", StoreView(store, 0, "send"), check=False)

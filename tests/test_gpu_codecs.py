@@ -99,9 +99,10 @@ def test_aqsgd_replayed_from_cuda_graphs_sends_and_keeps_the_bits_of_its_ops(mon
 @needs_cuda
 @pytest.mark.parametrize("first_sight", ["fp32", "rtq:4"])
 def test_a_steady_aqsgd_message_on_slabs_waits_for_the_gpu_once_a_side(monkeypatch, first_sight):
-    """m(ξ) on the GPU as slabs and the graphs' outputs lent: a message of deltas alone (and one of first sights
-    alone) makes the host wait once on each side — the read of its verdicts and checksum sums — and sends and keeps
-    what the same link sends and keeps op by op (no graphs, nothing lent)."""
+    """m(ξ) on the GPU as slabs and the graphs' outputs lent: a message of first sights alone makes the host wait
+    once on each side — the read of its verdicts and checksum sums — and one of deltas alone once, on the sender's
+    side (the receiver checks its checksum once the sums reach the host: `late_checks`); each sends and keeps what
+    the same link sends and keeps op by op (no graphs, nothing lent)."""
     import warnings
 
     from aqpipe.compress import cuda_graphs
@@ -137,10 +138,42 @@ def test_a_steady_aqsgd_message_on_slabs_waits_for_the_gpu_once_a_side(monkeypat
                 waits[visit] = (encode_waits, decode_waits)
         for a, b in zip(*results):
             assert torch.equal(a.cpu(), b.cpu()), visit
-    assert waits[2] == waits[5] == (1, 1), waits  # a replayed message of first sights, then of deltas
+    assert waits[2] == (1, 1) and waits[5] == (1, 0), waits  # a replayed message of first sights, then of deltas
+    for sender, receiver in links:
+        receiver.settle()  # (every message's checksum passes)
     for end, side in ((0, "send"), (1, "recv")):  # each side's m(ξ) of all twelve samples, graphed and op by op
         graphed, op_by_op = (link[end].view.store.gather(0, side, list(range(12))) for link in links)
         assert torch.equal(graphed, op_by_op)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(4, 64, 576), (8, 128, 576)], ids=["torch-ops", "fused"])
+def test_a_gpu_receiver_refuses_a_divergence_once_the_checksum_sums_reach_the_host(monkeypatch, shape):
+    """A GPU receiver's delta messages leave their checksum checks for later: each is made at the receiver's next
+    message, once its sums have arrived, or when the step settles; a divergence planted in its m(ξ) is refused
+    then, naming the message. The delta step in torch ops and fused (AQPIPE_FUSED_AQSGD=1)."""
+    from aqpipe.compress import fused
+    from aqpipe.compress.link.codecs import CodecError
+    from aqpipe.pipeline.transport import Header
+
+    monkeypatch.setenv(fused.DELTA_SWITCH, "1" if shape[1] == 128 else "0")
+    stores = memory_store(torch.float16, DEVICE, 16), memory_store(torch.float16, DEVICE, 16)
+    sender, receiver = (build_codec("aqsgd:3", "fw", StoreView(store, 0, side), QuantOptions(), device=DEVICE)
+                        for store, side in zip(stores, ("send", "recv")))
+    assert receiver.late_checks is not None
+    x, ids = torch.randn(shape, device=DEVICE), torch.tensor([3, 0, 2, 1])
+    for visit in range(4):
+        encoded = sender.encode(x + 0.1 * visit, ids, compress=True)
+        receiver.decode(Header.for_encoded(encoded, sender.code, step=visit), encoded.payload, ids)
+    assert len(receiver.late_checks) >= 1  # (the last one at least: no message after it yet)
+    receiver.settle()
+    assert len(receiver.late_checks) == 0
+    slab, slots = stores[1].rows(0, "recv", [2])
+    slab[slots] += 1  # plant a divergence in sample 2's m(ξ)
+    encoded = sender.encode(x + 0.5, ids, compress=True)
+    receiver.decode(Header.for_encoded(encoded, sender.code, step=7, micro_batch=1), encoded.payload, ids)
+    with pytest.raises(CodecError, match="diverged on link 0: .* at step 7 micro-batch 1"):
+        receiver.settle()
 
 
 _FAILED_CAPTURE = """

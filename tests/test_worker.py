@@ -184,3 +184,74 @@ def test_a_gpu_timer_times_nothing_on_the_host():
     with timer.span("forward_seconds"):
         torch.ones(3).sum()
     assert not timer.enabled and timer.settle() == {}
+
+
+def test_a_step_settles_what_its_receiving_codecs_left_for_later():
+    """An AQ-SGD receiver on a GPU checks its messages' checksums once their sums reach the host; the step's end
+    makes the checks still left, on each receiving end (a sending end's codec leaves nothing)."""
+    from types import SimpleNamespace
+
+    from aqpipe.pipeline.link_ends import StageLinks
+
+    settled = []
+
+    def end(name):
+        return SimpleNamespace(codec=SimpleNamespace(settle=lambda: settled.append(name)))
+
+    StageLinks(act_in=end("activations in"), act_out=end("activations out"), grad_in=end("gradients in"),
+               grad_out=end("gradients out")).settle()
+    assert settled == ["activations in", "gradients in"]
+    StageLinks().settle()  # (a one-stage pipeline: no ends)
+
+
+def _aqsgd_steps(rank: int, world: int, out: str, late: bool, plant: bool) -> dict:
+    """On one rank of a 2-stage AQ-SGD pipeline: train 4 steps (two epochs of two), the receiver of the activations
+    checking late (`late`, as on a GPU); with `plant`, a divergence planted in its m(ξ) of a sample of the last
+    step's last micro-batch. Returns the step losses, how many checks were left after each step, and the error a
+    step raised."""
+    from aqpipe.compress.link.codecs import CodecError
+    from aqpipe.compress.link.late_checks import LateChecks
+    from aqpipe.pipeline.grid import Grid
+    from aqpipe.runtime.assemble import assemble_stage
+    from aqpipe.runtime.plan import make_plan
+
+    torch.set_num_threads(1)
+    plan = make_plan(resolve(RunConfig(model="gpt2-tiny", seq_len=32, micro_batch_size=2, micro_batches=2, steps=4,
+                                       lr=2e-3, seed=1, max_samples=8, device="cpu", out=out, fw="aqsgd:3",
+                                       bw="directq:6", warmup_epochs=0, pp=2, dp=1)))
+    torch.manual_seed(plan.cfg.seed)
+    stage = assemble_stage(plan, Grid(2, 1, rank), torch.device("cpu"), "gloo")
+    epochs = plan.epoch_plan(0)
+    receiver = stage.worker.links.act_in.codec if rank == 1 else None
+    if receiver is not None and late:
+        receiver.late_checks = LateChecks(receiver._verify)
+    result: dict = {"losses": [], "left": [], "error": None}
+    try:
+        for step in range(4):
+            if plant and receiver is not None and step == 3:
+                sample = int(epochs.micro_batches_of(step)[-1][0])
+                receiver.view.put([sample], [receiver.view.get([sample])[0] + 1])
+            try:
+                result["losses"].append(stage.worker.run_step(step, epochs.micro_batches_of(step)).loss_sum)
+            except CodecError as e:
+                result["error"] = str(e)
+            result["left"].append(len(receiver.late_checks) if receiver is not None and late else 0)
+    finally:
+        stage.worker.links.close()
+    return result
+
+
+def test_a_receiver_checking_late_trains_as_one_checking_at_once_and_refuses_a_divergence_in_its_step(tmp_path):
+    """The activations' receiver checking each message's checksum once its sums reach the host (what a GPU
+    receiver does) trains bit for bit as one checking at once, with no check left after any step; a divergence of
+    its m(ξ) in the last micro-batch of a step is refused when that step ends, naming the message."""
+    runs = {}
+    for late, plant in ((False, False), (True, False), (True, True)):
+        outcome = run_ranks(_aqsgd_steps, 2, str(tmp_path / f"{late}-{plant}"), late, plant)
+        assert all(status == "ok" for status, _ in outcome), outcome
+        runs[late, plant] = [value for _, value in outcome]
+    at_once, late, planted = runs[False, False], runs[True, False], runs[True, True]
+    assert [r["losses"] for r in at_once] == [r["losses"] for r in late] and len(at_once[1]["losses"]) == 4
+    assert late[1]["left"] == [0, 0, 0, 0] and late[1]["error"] is None
+    assert planted[1]["error"] is not None and "diverged on link 0" in planted[1]["error"], planted[1]
+    assert "at step 3 micro-batch 1" in planted[1]["error"] and planted[1]["left"] == [0, 0, 0, 0]

@@ -266,6 +266,13 @@ class StageLinks:
         """Time this rank's receiving ends have spent so far waiting for messages to arrive."""
         return sum(end.blocked_seconds for end in (self.act_in, self.grad_in) if end is not None)
 
+    def settle(self) -> None:
+        """Finish what this rank's receiving codecs left for later (an AQ-SGD receiver's checksum checks): at a step's
+        end, so a divergence is refused in the step it happened in."""
+        for end in (self.act_in, self.grad_in):
+            if end is not None:
+                end.codec.settle()
+
     def flush(self) -> None:
         """Wait until everything this rank sent has left."""
         for end in (self.act_out, self.grad_out, self.tied_rows):

@@ -121,6 +121,7 @@ class StageWorker:
         with sync_audit.audited(step, self.device):
             for ins in stream:
                 self._run_instruction(ins, stats)
+        self.links.settle()  # (the step's last checksum checks: their sums are on the host by now, or nearly)
         self._mbs = {}
         for name, seconds in self._gpu_time.settle().items():  # a GPU's forward and backward time, from its events
             setattr(stats, name, getattr(stats, name) + seconds)

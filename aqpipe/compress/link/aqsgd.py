@@ -69,6 +69,7 @@ from aqpipe.compress.link.codecs import (
     numel,
     to_device,
 )
+from aqpipe.compress.link.late_checks import LateChecks
 from aqpipe.compress.link.sample_coders import (
     CastCoder,
     QuantCoder,
@@ -131,6 +132,8 @@ class AQSGDCodec(LinkCodec):
         weakref.finalize(self, forget, self._graphs)
         self._replayable = not any(getattr(getattr(part, "options", None), "stochastic", False)
                                    for part in (self.delta, self.first_sight)) and not options.stochastic
+        # on a GPU a receiver checks a delta message's checksum once its sums reach the host, not while it waits
+        self.late_checks: LateChecks | None = LateChecks(self._verify) if device.type == "cuda" else None
 
     # -- sender ------------------------------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, ids: torch.Tensor, compress: bool = True) -> Encoded:
@@ -417,6 +420,11 @@ class AQSGDCodec(LinkCodec):
             outs.append(values)
         if len(groups) == 1:  # one kind of sample (the steady state: all deltas)
             out = outs[0]
+            if MODE_DELTA in kinds and self.late_checks is not None:  # every delta kept: the checksum checked later
+                self.view.scatter(id_list, groups[0].values)
+                if not header.flags & FLAG_NO_CHECK:
+                    self.late_checks.add(header, groups[0].verdicts[b:])
+                return out
         else:
             out = torch.empty(shape, dtype=torch.float32, device=self.device)
             for group, values in zip(groups, outs):
@@ -463,6 +471,12 @@ class AQSGDCodec(LinkCodec):
         except KeyError as e:
             raise CodecError(f"m(xi) diverged: the sender sent a delta but this side has never seen the "
                              f"sample ({e.args[0]})") from None
+
+    def settle(self) -> None:
+        """Make the checksum checks left for later (`late_checks`), waiting for their sums: a CodecError names the
+        first message after which this side's m(ξ) differs from the sender's."""
+        if self.late_checks is not None:
+            self.late_checks.settle()
 
     def _verify(self, header, check: int) -> None:
         """Refuse a message after which this side's m(ξ) would differ from the sender's (unless it sent no check)."""

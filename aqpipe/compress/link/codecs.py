@@ -191,6 +191,10 @@ class LinkCodec:
         the capacity plan measures them with): none unless the codec replays graphs."""
         return []
 
+    def settle(self) -> None:
+        """Finish what decoding left for later (an AQ-SGD receiver's checksum checks on a GPU), waiting for the
+        device if it must: nothing for most codecs."""
+
     def forget(self, ids: list[int]) -> None:
         """Sender side of a re-seed: drop the m(ξ) of samples the receiver lacks (nothing to drop unless the codec
         keeps messages)."""

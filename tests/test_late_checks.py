@@ -1,0 +1,81 @@
+"""An AQ-SGD receiver's checksum checks made once their sums reach the host (aqpipe.compress.link.late_checks):
+in order, at the next message or when the step settles, the ones still on their way waited for only when they must
+be. The GPU tests run them on a GPU, where the sums cross as a copy the host does not wait for."""
+
+import pytest
+import torch
+
+from aqpipe.compress.link import late_checks
+from aqpipe.compress.link.checksum import fold_checksum
+from aqpipe.compress.link.late_checks import LateChecks, _Pending
+
+
+class Copy:
+    """A stand-in for a CUDA event: whether the sums' copy has arrived, and whether anyone waited for it."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.done, self.waited = done, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited, self.done = True, True
+
+
+def recorder():
+    made: list[tuple[str, int]] = []
+    return made, LateChecks(lambda header, check: made.append((header, check)))
+
+
+def test_a_messages_check_is_made_at_the_next_message_or_when_the_step_settles():
+    made, checks = recorder()
+    sums = torch.tensor([3, -5, 7], dtype=torch.int64)
+    checks.add("first", sums)
+    assert made == [] and len(checks) == 1
+    checks.add("second", sums * 2)
+    assert made == [("first", fold_checksum([0, 1, 2], [3, -5, 7]))] and len(checks) == 1
+    checks.settle()
+    assert made[1] == ("second", fold_checksum([0, 1, 2], [6, -10, 14])) and len(checks) == 0
+    checks.settle()  # (nothing left: nothing made twice)
+    assert len(made) == 2
+
+
+def test_sums_still_on_their_way_are_not_waited_for_until_the_step_settles():
+    made, checks = recorder()
+    on_the_way, arrived = Copy(), Copy(done=True)
+    checks._pending.extend([_Pending("slow", torch.tensor([1]), on_the_way), _Pending("fast", torch.tensor([2]), arrived)])
+    checks.check()
+    assert made == [] and not on_the_way.waited  # in order: the second waits behind the first
+    on_the_way.done = True
+    checks.check()
+    assert [h for h, _ in made] == ["slow", "fast"] and not on_the_way.waited
+    late = Copy()
+    checks._pending.append(_Pending("last", torch.tensor([3]), late))
+    checks.settle()
+    assert late.waited and [h for h, _ in made] == ["slow", "fast", "last"]
+
+
+def test_a_caller_that_never_settles_keeps_a_bounded_number_waiting(monkeypatch):
+    monkeypatch.setattr(late_checks, "MOST_PENDING", 3)
+    made, checks = recorder()
+    copies = [Copy() for _ in range(3)]
+    checks._pending.extend(_Pending(i, torch.tensor([i]), copy) for i, copy in enumerate(copies))
+    checks.add("next", torch.tensor([9]))
+    assert copies[0].waited and not copies[1].waited and [h for h, _ in made] == [0] and len(checks) == 3
+
+
+def test_a_divergence_found_late_is_refused_at_the_next_message_or_when_the_step_settles():
+    def verify(header, check):
+        if header == "bad":
+            raise ValueError("m(xi) diverged")
+
+    checks = LateChecks(verify)
+    checks.add("bad", torch.tensor([1]))
+    with pytest.raises(ValueError, match="diverged"):
+        checks.add("good", torch.tensor([2]))
+    checks.add("good", torch.tensor([2]))
+    checks.add("bad", torch.tensor([1]))
+    with pytest.raises(ValueError, match="diverged"):
+        checks.settle()
+    assert len(checks) == 0
