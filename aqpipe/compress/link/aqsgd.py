@@ -6,7 +6,8 @@ sides from the same bytes: losslessly, in the activation's own dtype (fp32, or b
 exactly the dequantized values. The change of a known sample goes through the delta coder (B-bit quantization with
 per-sample scales). Payload: one mode byte per sample (`aqsgd_rows`), then each sample's segment in order. The header
 carries a checksum of the m(ξ) values the receiver must end up with, so a divergence of the two copies is caught at
-the first message.
+the first message (a GPU receiver checks a message of deltas once its sums reach the host, by the end of its step at
+the latest: `late_checks`).
 
 The arithmetic runs on the activation's device (a GPU's m(ξ) update never visits the host); m(ξ) is kept wherever
 the store keeps it, and moved to the device for the update. On a GPU each kind of row is coded by one replayed CUDA
