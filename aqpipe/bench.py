@@ -125,6 +125,7 @@ def codec_speeds(cfg: ResolvedConfig, shape: tuple[int, ...], device: torch.devi
         def round_trip(sender=sender, receiver=receiver) -> None:
             encoded = sender.encode(x, ids, compress=True)
             receiver.decode(Header.for_encoded(encoded, sender.code), encoded.payload, ids)
+            receiver.settle()  # (a GPU receiver's checksum check, made when its sums arrive)
 
         speeds[spec] = x.numel() * 4 / _time(round_trip, device) / 1e9
     return speeds

@@ -68,6 +68,7 @@ def time_pair(sender, receiver, x: torch.Tensor, ids: torch.Tensor, device: torc
     payload = encoded.payload.clone() if pageable else encoded.payload
     middle = time.perf_counter()
     receiver.decode(Header.for_encoded(encoded, sender.code), payload, ids)
+    receiver.settle()  # (the checksum checked: a GPU receiver leaves it until the sums reach the host)
     sync()
     return middle - start, time.perf_counter() - middle
 

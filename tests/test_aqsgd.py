@@ -171,9 +171,10 @@ def test_a_receiver_checking_late_decodes_deltas_without_reading_the_device_and_
         receiver.decode(wire(sender, encoded, ids), encoded.payload, ids)
         return list(reads)
 
-    assert ("tolist", 4) in decoding_reads(1.1)  # checking at once: the verdicts (kept, sum) of two samples read
+    # checking at once: the two samples' mode bytes and ids (host bytes), then their verdicts (kept, sum) read
+    assert sorted(decoding_reads(1.1)) == [("tolist", 2), ("tolist", 2), ("tolist", 4)]
     receiver.late_checks = LateChecks(receiver._verify)
-    assert ("tolist", 4) not in decoding_reads(1.2) and len(receiver.late_checks) == 1
+    assert decoding_reads(1.2) == [("tolist", 2), ("tolist", 2)] and len(receiver.late_checks) == 1
     r_store.put(0, "recv", [6], [r_store.get(0, "recv", [6])[0] + 1])  # plant a divergence
     encoded = sender.encode(x * 1.3, ids)
     receiver.decode(wire(sender, encoded, ids, step=3, mb=1), encoded.payload, ids)  # (the check is still to come)
@@ -181,6 +182,23 @@ def test_a_receiver_checking_late_decodes_deltas_without_reading_the_device_and_
     with pytest.raises(CodecError, match="diverged on link 0: .* at step 3 micro-batch 1"):
         receiver.settle()
     assert len(receiver.late_checks) == 0
+
+
+def test_a_divergence_left_for_a_late_check_is_named_by_its_own_message_when_a_later_one_is_read_at_once():
+    """A message of deltas leaves its check for later; the next message mixes a new sample in, so it is read at
+    once — after the check left for later, which names the message the divergence came with."""
+    from aqpipe.compress.link.late_checks import LateChecks
+
+    sender, receiver, _, r_store = aqsgd_pair(2)
+    receiver.late_checks = LateChecks(receiver._verify)
+    x, ids = torch.randn(3, 4, 8), torch.tensor([5, 6, 7])
+    send(sender, receiver, x[:2], ids[:2])
+    r_store.put(0, "recv", [6], [r_store.get(0, "recv", [6])[0] + 1])  # plant a divergence
+    encoded = sender.encode(x[:2] * 1.1, ids[:2])
+    receiver.decode(wire(sender, encoded, ids[:2], step=2, mb=0), encoded.payload, ids[:2])
+    encoded = sender.encode(x * 1.2, ids)  # samples 5 and 6 as deltas, 7 a first sight
+    with pytest.raises(CodecError, match="at step 2 micro-batch 0"):
+        receiver.decode(wire(sender, encoded, ids, step=2, mb=1), encoded.payload, ids)
 
 
 def test_aqsgd_checksum_can_be_switched_off():

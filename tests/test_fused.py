@@ -152,6 +152,7 @@ def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
             # 5 DirectQ messages each way; AQ-SGD's deltas from the third visit on (the first two: fp32 first sights)
             expected = {"encode": 5, "decode": 5, "delta_encode": 3, "delta_decode": 3}
             assert {name: calls.count(name) for name in expected} == expected, calls
+            assert not kernels._failed, kernels._failed  # (a failed launch would fall back to the torch ops)
             torch_ops = run("0", store, dtype)
             assert len(calls) == 16
             os.environ[kernels.DELTA_SWITCH] = "0"  # (off: AQ-SGD's delta step through the torch ops)
@@ -226,6 +227,10 @@ def test_the_delta_kernels_refuse_m_rows_that_do_not_hold_the_batch():
             fused.delta_decode(rows, slab, slots, (2, 8, 16), 4, "signed", (40503, 65521))
     with pytest.raises(ValueError, match="modulus 65537 must lie in 1..65536"):  # (a word's product: int32)
         fused.delta_encode(x, slab[:2], None, 4, "signed", (40503, 65537), 1)
+    other = torch.empty(5, 16, 8, device="meta", dtype=torch.float16)  # (as many values a row, another shape)
+    with pytest.raises(ValueError, match="m\\(xi\\) rows of shape \\(16, 8\\) for samples of shape \\(8, 16\\)"):
+        fused.delta_decode(rows, other, torch.empty(2, dtype=torch.int64, device="meta"), (2, 8, 16), 4, "signed",
+                           (40503, 65521))
 
 
 def test_the_kernels_apply_on_a_gpu_unless_switched_off_or_without_triton(monkeypatch):

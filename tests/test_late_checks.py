@@ -1,6 +1,7 @@
 """An AQ-SGD receiver's checksum checks made once their sums reach the host (aqpipe.compress.link.late_checks):
 in order, at the next message or when the step settles, the ones still on their way waited for only when they must
-be. The GPU tests run them on a GPU, where the sums cross as a copy the host does not wait for."""
+be (a stand-in event here; tests/test_gpu_codecs.py runs a GPU receiver's, whose sums cross as a copy the host does
+not wait for)."""
 
 import pytest
 import torch

@@ -204,6 +204,25 @@ def test_a_step_settles_what_its_receiving_codecs_left_for_later():
     StageLinks().settle()  # (a one-stage pipeline: no ends)
 
 
+def test_a_step_that_failed_names_a_divergence_its_late_checks_find_as_the_failures_cause():
+    from types import SimpleNamespace
+
+    from aqpipe.compress.link.codecs import CodecError
+    from aqpipe.pipeline.link_ends import StageLinks
+
+    def links(trouble):
+        def settle():
+            raise trouble
+
+        return StageLinks(act_in=SimpleNamespace(codec=SimpleNamespace(settle=settle)))
+
+    failure = TimeoutError("the peer stopped sending")
+    with pytest.raises(CodecError, match="diverged") as raised:
+        links(CodecError("m(xi) diverged on link 0")).settle_after(failure)
+    assert raised.value.__cause__ is failure
+    links(RuntimeError("CUDA error: an illegal memory access")).settle_after(failure)  # (the step's own is raised)
+
+
 def _aqsgd_steps(rank: int, world: int, out: str, late: bool, plant: bool) -> dict:
     """On one rank of a 2-stage AQ-SGD pipeline: train 4 steps (two epochs of two), the receiver of the activations
     checking late (`late`, as on a GPU); with `plant`, a divergence planted in its m(ξ) of a sample of the last

@@ -121,8 +121,8 @@ def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, b
     `m[i]`. Bits as torch's ops give them (the norms' summation order aside); None if the kernels failed."""
     x3 = _as_rows(x)
     b, t, c = x3.shape
+    _check_rows(m, x.shape, slots, checksum)
     m3 = m.detach().reshape(m.shape[0], t, c)
-    _check_rows(m3, slots, b, checksum)
     payload = torch.empty(b + b * row_bytes(t, c, bits), dtype=torch.uint8, device=x.device)
     payload[:b].fill_(mode)
     m_new = torch.empty(x3.shape, dtype=m.dtype, device=x.device)
@@ -178,8 +178,8 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
     m(ξ) (m(ξ) + the decoded change, in m's 16-bit dtype) of the batch of `shape`, it in float32 (the activation, a
     tensor of its own), and the verdicts [2B] (each sample kept, its checksum sum); None if the kernels failed."""
     b = shape[0]
+    _check_rows(m, shape, slots, checksum)
     m3 = m.detach().reshape(m.shape[0], -1, shape[-1])
-    _check_rows(m3, slots, b, checksum)
     out = _decode(rows, shape, bits, grid, (m3, slots, checksum))
     if out is None:
         return None
@@ -196,17 +196,22 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
     return m_new, values, verdicts
 
 
-def _check_rows(m3: torch.Tensor, slots: torch.Tensor | None, b: int, checksum: tuple[int, int]) -> None:
-    """m(ξ)'s rows must hold the batch: its own B rows, or slots [B] (int64, on m's device) into a slab; and the
-    checksum's weights must fit 16 bits (the kernels form each word's product in int32)."""
+def _check_rows(m: torch.Tensor, shape: tuple[int, ...], slots: torch.Tensor | None, checksum: tuple[int, int]
+                ) -> None:
+    """m(ξ)'s rows must hold the batch of `shape`: its own B rows, or slots [B] (int64, on m's device) into a slab,
+    each row of the batch's sample shape; and the checksum's weights must fit 16 bits (the kernels form each word's
+    product in int32)."""
+    b = shape[0]
+    if tuple(m.shape[1:]) != tuple(shape[1:]):
+        raise ValueError(f"m(xi) rows of shape {tuple(m.shape[1:])} for samples of shape {tuple(shape[1:])}")
+    if slots is None:
+        if m.shape[0] != b:
+            raise ValueError(f"m(xi) of {m.shape[0]} samples for a batch of {b}")
+    elif slots.shape != (b,) or slots.dtype != torch.int64 or slots.device != m.device:
+        raise ValueError(f"slots must be int64 [{b}] on {m.device}, not {slots.dtype} {tuple(slots.shape)} on "
+                         f"{slots.device}")
     if not 0 < checksum[1] <= 1 << 16:
         raise ValueError(f"the checksum's modulus {checksum[1]} must lie in 1..65536")
-    if slots is None:
-        if m3.shape[0] != b:
-            raise ValueError(f"m(xi) of {m3.shape[0]} samples for a batch of {b}")
-    elif slots.shape != (b,) or slots.dtype != torch.int64 or slots.device != m3.device:
-        raise ValueError(f"slots must be int64 [{b}] on {m3.device}, not {slots.dtype} {tuple(slots.shape)} on "
-                         f"{slots.device}")
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:

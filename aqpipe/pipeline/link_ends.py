@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aqpipe.compress.link.codecs import DeltaFidelity, LinkCodec, build_codec
+from aqpipe.compress.link.codecs import CodecError, DeltaFidelity, LinkCodec, build_codec
 from aqpipe.pipeline import present
 from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.tied_rows import RowExchange
@@ -272,6 +272,17 @@ class StageLinks:
         for end in (self.act_in, self.grad_in):
             if end is not None:
                 end.codec.settle()
+
+    def settle_after(self, error: BaseException) -> None:
+        """After a step failed with `error`: make the checks left for later, so that a divergence they find — perhaps
+        the failure's cause — is what the step raises, with `error` as its cause; any other trouble making them
+        leaves `error` to be raised."""
+        try:
+            self.settle()
+        except CodecError as divergence:
+            raise divergence from error
+        except Exception:
+            return
 
     def flush(self) -> None:
         """Wait until everything this rank sent has left."""

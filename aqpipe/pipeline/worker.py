@@ -118,9 +118,13 @@ class StageWorker:
             self.links.tied_rows.begin(step, [self.samples.inputs(ids) for ids in micro_batch_ids],
                                        backward_order=[i.micro_batch for i in first_stage
                                                        if isinstance(i, sch.Backward) and i.micro_batch is not None])
-        with sync_audit.audited(step, self.device):
-            for ins in stream:
-                self._run_instruction(ins, stats)
+        try:
+            with sync_audit.audited(step, self.device):
+                for ins in stream:
+                    self._run_instruction(ins, stats)
+        except Exception as error:
+            self.links.settle_after(error)
+            raise
         self.links.settle()  # (the step's last checksum checks: their sums are on the host by now, or nearly)
         self._mbs = {}
         for name, seconds in self._gpu_time.settle().items():  # a GPU's forward and backward time, from its events

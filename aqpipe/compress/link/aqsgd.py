@@ -431,7 +431,10 @@ class AQSGDCodec(LinkCodec):
             for group, values in zip(groups, outs):
                 out.index_copy_(0, to_device(torch.tensor(group.at, dtype=torch.int64), out.device), values)
         # whether each new m(ξ) may be kept (the sender's rule, on the same values) and the checksum sums, read in
-        # one wait for the device
+        # one wait for the device — after the checks left for later, which that wait covers, so a divergence is named
+        # by the first message it shows in
+        if self.late_checks is not None:
+            self.late_checks.settle()
         Candidates.read_all(groups)
         if len(groups) == 1 and all(groups[0].fits):
             self._verify(header, fold_checksum(list(range(b)), groups[0].sums))
@@ -455,20 +458,20 @@ class AQSGDCodec(LinkCodec):
         `rows` of samples `ids`, and whether they are lent (a CUDA graph's buffers) — fused straight from where the
         store keeps m(ξ), or in torch ops replayed from a graph."""
         batch = (len(ids), *shape[1:])
-        quant = self._fused_delta(self.device, batch)
+        quant = self._fused_delta(rows.device, batch)
         if quant is not None:
-            m, slots = self._sent(self._rows_of, ids)
+            m, slots = self._sent(self._rows_of, ids, rows.device)
             done = fused.delta_decode(rows, m, slots, batch, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS)
             if done is not None:
                 return (*done, False)
-        return (*self._graphed("delta-decode", self._delta_values, rows, self._sent(self._recall, ids),
-                                  borrow=lend), lend)
+        return (*self._graphed("delta-decode", self._delta_values, rows,
+                               self._sent(self._recall, ids, self.device), borrow=lend), lend)
 
-    def _sent(self, read: Callable[[list[int], torch.device], Any], ids: list[int]) -> Any:
-        """`read(ids, this side's device)` of m(ξ) of samples the sender sent as deltas (`_rows_of`, `_recall`):
-        this side must hold them."""
+    def _sent(self, read: Callable[[list[int], torch.device], Any], ids: list[int], device: torch.device) -> Any:
+        """`read(ids, device)` of m(ξ) of samples the sender sent as deltas (`_rows_of`, `_recall`): this side must
+        hold them."""
         try:
-            return read(ids, self.device)
+            return read(ids, device)
         except KeyError as e:
             raise CodecError(f"m(xi) diverged: the sender sent a delta but this side has never seen the "
                              f"sample ({e.args[0]})") from None

@@ -7,7 +7,8 @@ once makes the host wait for every kernel queued before them (a stage's last bac
 while the host queues the forward that follows. The sums travel instead as a copy the host does not wait for, and
 each is checked once it has arrived: at the receiver's next message, and at the latest when the step ends
 (`settle`), before its losses are read and before any checkpoint. A divergence is still refused within the step
-it happened in, naming the message, and the run stops there as before.
+it happened in, naming the message, and the run stops there as before. (The message's new m(ξ) is kept before its
+check, not after: once the copies differ the run cannot go on, whatever either holds.)
 """
 
 from __future__ import annotations
