@@ -114,11 +114,12 @@ def encode(x: torch.Tensor, bits: int, grid: str, values: bool) -> tuple[torch.T
 
 def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, bits: int, grid: str,
                  checksum: tuple[int, int], mode: int) -> DeltaEncoded | None:
-    """AQ-SGD's sender in four kernels, straight from m(ξ)'s storage: the change x − m(ξ) of each sample of `x`
-    [B, ..., C] (any float dtype, read as float32) coded into a message's payload (a `mode` byte per sample, then
-    the rows), the new m(ξ) = m(ξ) + its dequantized change in m's 16-bit dtype, and the verdicts, norms and squares
-    of `DeltaEncoded`. m(ξ) of sample i is `m[slots[i]]` — rows of a slab, read in place — or, with `slots` None,
-    `m[i]`. Bits as torch's ops give them (the norms' summation order aside); None if the kernels failed."""
+    """AQ-SGD's sender in three kernels and a fill of the mode bytes, straight from m(ξ)'s storage: the change
+    x − m(ξ) of each sample of `x` [B, ..., C] (any float dtype, read as float32) coded into a message's payload (a
+    `mode` byte per sample, then the rows), the new m(ξ) = m(ξ) + its dequantized change in m's 16-bit dtype, and
+    the verdicts, norms and squares of `DeltaEncoded`. m(ξ) of sample i is `m[slots[i]]` — rows of a slab, read in
+    place — or, with `slots` None, `m[i]`. Bits as torch's ops give them (the norms' summation order aside); None
+    if the kernels failed."""
     x3 = _as_rows(x)
     b, t, c = x3.shape
     _check_rows(m, x.shape, slots, checksum)
@@ -127,14 +128,10 @@ def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, b
     payload[:b].fill_(mode)
     m_new = torch.empty(x3.shape, dtype=m.dtype, device=x.device)
     parts = _parts(x3.shape)
-    sums = torch.empty(b, parts, dtype=torch.int64, device=x.device)
-    norms = torch.empty(b, 3, parts, dtype=torch.float32, device=x.device)
-    unstorable = torch.empty(b, parts, dtype=torch.int32, device=x.device)
-    scales = torch.empty(b, c, dtype=torch.float32, device=x.device)
     rows = payload[b:].view(b, -1)
-    verdicts = torch.empty(2 * b, dtype=torch.int64, device=x.device)
-    norms_out = torch.empty(b, 3, dtype=torch.float32, device=x.device)
-    squares = torch.empty(3, dtype=torch.float64, device=x.device)
+    sums, norms, unstorable, scales, verdicts, norms_out, squares = _carved(
+        x.device, ((b, parts), torch.int64), ((b, 3, parts), torch.float32), ((b, parts), torch.int32),
+        ((b, c), torch.float32), ((2 * b,), torch.int64), ((b, 3), torch.float32), ((3,), torch.float64))
     done = DeltaEncoded(payload, m_new.view(x.shape), verdicts, norms_out, squares)
     if x.device.type == "meta":  # (the outputs alone)
         return done
@@ -194,6 +191,18 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
             _give_up(error)
             return None
     return m_new, values, verdicts
+
+
+def _carved(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
+    """Tensors of each (shape, dtype) of `specs`, carved from one block of memory at 8-byte boundaries: a message's
+    small buffers in one call to the allocator, not one each (each call is host time on a GPU's hot path)."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // 8) * 8)
+    block = torch.empty(starts[-1], dtype=torch.uint8, device=device)
+    return [block[start:start + size].view(dtype).view(shape)
+            for (shape, dtype), start, size in zip(specs, starts, sizes)]
 
 
 def _check_rows(m: torch.Tensor, shape: tuple[int, ...], slots: torch.Tensor | None, checksum: tuple[int, int]
