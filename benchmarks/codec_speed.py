@@ -86,24 +86,27 @@ def measure_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, repeats:
 def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) -> list[dict]:
     """AQ-SGD's whole encode (delta, quantize, pack, m(ξ) update, checksum, bytes to the host) and decode, m(ξ) kept
     as `--store-device cuda` keeps it (on a GPU: slabs); at 3 bits, for paired comparisons, also kept a tensor per
-    sample (the store before slabs), and on a GPU decoded from pageable bytes (as received before inboxes pinned)
-    and kept in host RAM (the default `--store-device cpu`)."""
+    sample (the store before slabs), and on a GPU decoded from pageable bytes (as received before inboxes pinned),
+    kept in host RAM (the default `--store-device cpu`), and sent as a bf16 activation (what a `--precision bf16`
+    stage sends; MB/s of its own bytes, half the fp32 rows')."""
     from aqpipe.compress.link.codecs import build_codec
     from aqpipe.storage import MemoryStore, StoreView, memory_store
 
-    mb = x.numel() * 4 / 1e6
     ids = torch.arange(x.shape[0])
     rows = []
     variants = [(2, memory_store, ""), (3, memory_store, ""), (4, memory_store, ""), (8, memory_store, ""),
                 (3, MemoryStore, ", a tensor per sample")]
     if device.type == "cuda":
         variants += [(3, memory_store, ", bytes received pageable"),
-                     (3, lambda dtype, _: MemoryStore(dtype, "cpu"), ", m(xi) in host RAM")]
+                     (3, lambda dtype, _: MemoryStore(dtype, "cpu"), ", m(xi) in host RAM"),
+                     (3, memory_store, ", a bf16 activation (MB/s of its bf16 bytes)")]
     for bits, kept, label in variants:
         send, recv = kept(torch.float16, device), kept(torch.float16, device)
         sender = build_codec(f"aqsgd:{bits}", "fw", StoreView(send, 0, "send"), QuantOptions(per=per), device=device)
         receiver = build_codec(f"aqsgd:{bits}", "fw", StoreView(recv, 0, "recv"), QuantOptions(per=per), device=device)
-        enc, dec = measure_pairs(sender, receiver, x, ids, repeats, device, pageable="pageable" in label)
+        given = x.to(torch.bfloat16) if "bf16" in label else x  # (what a bf16 run's stage sends)
+        mb = given.numel() * given.element_size() / 1e6
+        enc, dec = measure_pairs(sender, receiver, given, ids, repeats, device, pageable="pageable" in label)
         rows.append({"bits": bits, "rounding": f"aqsgd codec{label}", "encode_MBps": mb / enc, "decode_MBps": mb / dec})
         print(f"aqsgd:{bits} whole codec{label}   encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s",
               flush=True)
