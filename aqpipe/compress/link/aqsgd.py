@@ -42,18 +42,16 @@ from aqpipe.compress.link.aqsgd_rows import (
     SampleMemory,
     delta_fidelity,
     every,
-    fidelity_norms,
     keep,
     lossless_dtype_of,
     lossless_payload,
-    payload_of,
     present,
     read_modes,
     rows_of,
     segments_by_mode,
-    verdicts_of,
 )
-from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS, fold_checksum, row_sums, store_checksum
+from aqpipe.compress.link.aqsgd_steps import RowSteps
+from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS, fold_checksum, store_checksum
 from aqpipe.compress.link.codecs import (
     CODE_AQSGD,
     CODE_AQSGD_RTQ,
@@ -127,6 +125,7 @@ class AQSGDCodec(LinkCodec):
         for part in (self.delta, self.first_sight):  # stochastic rounding draws from this codec's generator
             if part is not None and hasattr(part, "generator"):
                 part.generator = self._generator
+        self.steps = RowSteps(self.delta, self.first_sight, view)  # each kind of row's arithmetic, in torch ops
         # this codec's CUDA graphs: named by a serial (its coders and store rule are fixed for its life), dropped
         # with it, and never made where a part rounds stochastically (a replay would repeat its random draws)
         self._graphs = f"aqsgd-{next(_serials)}"
@@ -164,7 +163,7 @@ class AQSGDCodec(LinkCodec):
             payload, m_new, verdicts, norms, squares, lent = self._delta_encode(raw, floats, delta, id_list, lend)
             groups[MODE_DELTA] = Candidates(delta, m_new, verdicts, payload, lent)
         if first := [i for i, m in enumerate(modes) if m == MODE_FIRST]:
-            payload, seeds, verdicts = self._graphed("first-encode", self._first_rows, rows_of(floats(), first),
+            payload, seeds, verdicts = self._graphed("first-encode", self.steps.first_rows, rows_of(floats(), first),
                                                        borrow=lend)
             groups[MODE_FIRST] = Candidates(first, seeds, verdicts, payload, lend)
         if full := [i for i, m in enumerate(modes) if m == MODE_FULL]:
@@ -183,7 +182,7 @@ class AQSGDCodec(LinkCodec):
 
     def _delta_encode(self, raw: torch.Tensor, floats: Callable[[], torch.Tensor], at: list[int], id_list: list[int],
                       lend: bool) -> tuple[Any, ...]:
-        """Rows `at` of the activation as deltas (`raw`: as given, `floats()`: in float32): `_delta_rows`' outputs and
+        """Rows `at` of the activation as deltas (`raw`: as given, `floats()`: in float32): `RowSteps.delta_rows`' outputs and
         whether they are lent (a CUDA graph's buffers). Where the fused kernels take the rows, they read the
         activation as it is and m(ξ) where the store keeps it (a slab's rows in place) — no graph, no copy of either;
         else the torch ops run, replayed from a graph on a GPU."""
@@ -196,7 +195,7 @@ class AQSGDCodec(LinkCodec):
             if done is not None:
                 return done.payload, done.m_new, done.verdicts, done.norms, done.squares, False
         x = rows_of(floats(), at)
-        return (*self._graphed("delta-encode", self._delta_rows, x, self._recall(ids, x.device), borrow=lend), lend)
+        return (*self._graphed("delta-encode", self.steps.delta_rows, x, self._recall(ids, x.device), borrow=lend), lend)
 
     def _encode_mixed(self, tensor: torch.Tensor, x: torch.Tensor, id_list: list[int], modes: list[int],
                       groups: list[Candidates], flags: int, fidelity: DeltaFidelity | None) -> Encoded:
@@ -261,15 +260,15 @@ class AQSGDCodec(LinkCodec):
         x, m_old = stand_in(shape, torch.float32), stand_in(shape, self.view.dtype)
         fused_delta = self._fused_delta(torch.device("meta"), shape) is not None  # (its kernels run ungraphed)
         if sending:
-            calls = [] if fused_delta else [self._graph_call("delta-encode", self._delta_rows, x, m_old)]
+            calls = [] if fused_delta else [self._graph_call("delta-encode", self.steps.delta_rows, x, m_old)]
             if self.first_sight is not None:
-                calls.append(self._graph_call("first-encode", self._first_rows, x))
+                calls.append(self._graph_call("first-encode", self.steps.first_rows, x))
             if self.first_sight is None or warmup:
-                calls.append(self._graph_call("seed", self._seeds, x))
+                calls.append(self._graph_call("seed", self.steps.seeds, x))
             return calls
         rows = stand_in((shape[0], self.delta.sample_bytes(shape)), torch.uint8)
-        calls = [] if fused_delta else [self._graph_call("delta-decode", self._delta_values, rows, m_old)]
-        calls.append(self._graph_call("seed", self._seeds, x))
+        calls = [] if fused_delta else [self._graph_call("delta-decode", self.steps.delta_values, rows, m_old)]
+        calls.append(self._graph_call("seed", self.steps.seeds, x))
         if self.first_sight is not None:  # a quantizing first-sight coder's decode is a graph of its own
             calls += coder_calls(self.first_sight, shape, sending=False)
         return calls
@@ -278,38 +277,6 @@ class AQSGDCodec(LinkCodec):
                     ) -> GraphCall:
         """This codec's graph of `kind` (see `_graphed`), on stand-in inputs."""
         return GraphCall(kind, fn, inputs, self._graph_key(kind))
-
-    def _delta_rows(self, x: torch.Tensor, m_old: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Known samples `x` against their m(ξ) (`m_old`, in the store's dtype): the payload of a message of them all
-        as deltas (their mode bytes, then the coded changes), the new m(ξ) — updated from exactly the codes and fp16
-        scales the receiver will unpack — the verdicts (whether each row can go as a delta, its checksum sums), the
-        fidelity norms per row, and their squares summed over the rows."""
-        # m(ξ) is read in its own dtype (promoted exactly, value by value) and the dequantized change, a tensor of
-        # this call's own, takes m(ξ) in place (addition commutes bit for bit): no full-size float32 copy of m(ξ) and
-        # no sum of its own, which a CUDA graph of this call would keep for the run
-        change = x - m_old
-        coded, deq = self.delta.encode(change, values=True)
-        m_new = present(deq).add_(m_old).to(self.view.dtype)
-        del deq  # (in a 16-bit store m_new is a copy: the float32 sum goes now, not at the call's end)
-        sums, norms = row_sums(m_new), fidelity_norms(x, m_old, change, m_new)
-        ok = self._sendable(self.delta.carried(x, coded), m_new)
-        return payload_of(MODE_DELTA, coded), m_new, verdicts_of(ok, sums), norms, norms.double().square_().sum(dim=0)
-
-    def _first_rows(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """First sights `values`: the payload of a message of them alone (mode bytes, then their coded rows), the
-        m(ξ) they seed, and the verdicts (whether each can go so, its checksum sums)."""
-        coder = present(self.first_sight)
-        coded, deq = coder.encode(values, values=True)
-        seeds = present(deq).to(self.view.dtype, copy=True)
-        return (payload_of(MODE_FIRST, coded), seeds,
-                verdicts_of(self._sendable(coder.carried(values, coded), seeds), row_sums(seeds)))
-
-    def _delta_values(self, rows: torch.Tensor, m_old: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The receiver's side of `_delta_rows`: the new m(ξ) from the coded rows, it in float32, and the verdicts
-        (each row kept — the sender sent a delta only where it could be — and its checksum sums)."""
-        seeds = self.delta.decode(rows, tuple(m_old.shape)).add_(m_old).to(self.view.dtype)  # (as the sender's)
-        values, sums = seeds.float(), row_sums(seeds)
-        return seeds, values, verdicts_of(torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device), sums)
 
     def _fused_delta(self, device: torch.device, shape: tuple[int, ...]) -> QuantCoder | None:
         """The delta coder, where its coding and m(ξ)'s update run as fused kernels (`aqpipe.compress.fused`, where
@@ -336,11 +303,6 @@ class AQSGDCodec(LinkCodec):
         in one copy the host does not wait for)."""
         return self.view.gather(ids, device)
 
-    def _sendable(self, carried: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
-        """Per row, on the device: the coder carried the row without clipping (its fp16 scales below 65504, a cast
-        finite) and the store can keep `stored`."""
-        return carried & self.view.storable_rows(stored)
-
     def _lossless(self, at: list[int], x: torch.Tensor) -> Candidates:
         """Rows `at` sent losslessly: m(ξ) becomes the value itself (a copy, never a view of the live activation),
         or, where the store cannot keep it, is dropped on both sides."""
@@ -349,14 +311,8 @@ class AQSGDCodec(LinkCodec):
     def _seeded(self, at: list[int], values: torch.Tensor, lend: bool) -> Candidates:
         """Rows `at` whose m(ξ) the values `values` (float32) seed: in the store's dtype, with their verdicts
         (`lend`: see `graphed`'s borrow)."""
-        seeds, verdicts = self._graphed("seed", self._seeds, values, borrow=lend)
+        seeds, verdicts = self._graphed("seed", self.steps.seeds, values, borrow=lend)
         return Candidates(at, seeds, verdicts, lent=lend)
-
-    def _seeds(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The m(ξ) that `values` seed (a copy in the store's dtype) and their verdicts (whether the store can keep
-        each, its checksum sums)."""
-        seeds = values.to(self.view.dtype, copy=True)
-        return seeds, verdicts_of(self.view.storable_rows(seeds), row_sums(seeds))
 
     def forget(self, ids: list[int]) -> None:
         """Drop m(ξ) of samples the receiver lacks, so that their next message seeds it again."""
@@ -464,7 +420,7 @@ class AQSGDCodec(LinkCodec):
             done = fused.delta_decode(rows, m, slots, batch, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS)
             if done is not None:
                 return (*done, False)
-        return (*self._graphed("delta-decode", self._delta_values, rows,
+        return (*self._graphed("delta-decode", self.steps.delta_values, rows,
                                self._sent(self._recall, ids, self.device), borrow=lend), lend)
 
     def _sent(self, read: Callable[[list[int], torch.device], Any], ids: list[int], device: torch.device) -> Any:
