@@ -3,6 +3,7 @@ CPU tensors with numpy's IEEE float32 — that they write the bytes and values o
 tests/test_gpu_codecs.py checks the same bits on a GPU."""
 
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -169,6 +170,49 @@ def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
                 assert torch.allclose(a, b, rtol=1e-5), (a, b)
         print("checked")
     """)
+
+
+@needs_triton
+def test_a_pipeline_through_the_fused_kernels_trains_bit_for_bit_as_through_the_torch_ops(tmp_path):
+    """Two stages launched as a user launches them, AQ-SGD fw / DirectQ bw, three epochs of rtq:4 first sights then
+    deltas: with every fused kernel on (the interpreter standing in for the GPU in each rank; AQ-SGD's delta step
+    at every size) and with them all off, every step's loss and link bytes agree."""
+    patch, ran = tmp_path / "patch", tmp_path / "kernels-ran.txt"
+    patch.mkdir()
+    # each process's interpreter patched (as `interpret` does), and each kernel call that coded a message noted
+    (patch / "sitecustomize.py").write_text(_INTERPRETER_PATCH + _NOTE_KERNEL_CALLS.format(log=str(ran)))
+    flags = ["--model", "gpt2-tiny", "--pp", "2", "--seq-len", "32", "--max-samples", "32", "--micro-batch-size",
+             "4", "--micro-batches", "2", "--epochs", "3", "--fw", "aqsgd:3", "--bw", "directq:6", "--device", "cpu",
+             "--no-progress", "--eval-every", "0", "--first-sight", "rtq:4", "--warmup-epochs", "0"]
+    records = {}
+    for switch in ("1", "0"):
+        env = {**os.environ, "AQPIPE_FUSED_KERNELS": switch, fused.DELTA_SWITCH: switch}
+        if switch == "1":
+            env.update(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(patch), str(ROOT)]))
+        out = tmp_path / f"run-{switch}"
+        proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", *flags, "--out", str(out)], env=env,
+                              cwd=ROOT, capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        records[switch] = [(r["loss"], r["fwd_bytes"], r["bwd_bytes"]) for r in map(json.loads, lines)]
+    assert len(records["1"]) == 12 and records["1"][-1][1] < records["1"][0][1]  # (deltas from the second epoch)
+    assert records["1"] == records["0"]
+    calls = ran.read_text().split()
+    assert {name: calls.count(name) > 0 for name in ("encode", "decode", "delta_encode", "delta_decode")} == {
+        "encode": True, "decode": True, "delta_encode": True, "delta_decode": True}, sorted(set(calls))
+
+
+_NOTE_KERNEL_CALLS = """
+from aqpipe.compress import fused as _fused
+for _name in ("encode", "decode", "delta_encode", "delta_decode"):
+    def _noted(*args, _call=getattr(_fused, _name), _name=_name, **kwargs):
+        out = _call(*args, **kwargs)
+        if out is not None:
+            with open({log!r}, "a") as log:
+                log.write(_name + "\\n")
+        return out
+    setattr(_fused, _name, _noted)
+"""
 
 
 @pytest.mark.parametrize("device,shape,bits,per,stochastic,grid", [
