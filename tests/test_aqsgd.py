@@ -184,6 +184,46 @@ def test_a_receiver_checking_late_decodes_deltas_without_reading_the_device_and_
     assert len(receiver.late_checks) == 0
 
 
+def test_a_receiver_checking_late_reads_nothing_for_first_sights_and_deltas_and_reads_a_lossless_row_at_once(
+        monkeypatch):
+    """First sights (rtq:4) and deltas, alone or mixed in one message, are kept whatever their values — the sender
+    sent each so only where it could be — so a receiver checking late reads nothing from the device for them; a
+    message with a lossless row (a NaN) is read at once, whether the store can keep it deciding. Every check passes,
+    and a first-sight message whose checksum was tampered with is refused, naming it."""
+    from aqpipe.compress.link.late_checks import LateChecks
+
+    sender, receiver, s_store, r_store = aqsgd_pair(3, first_sight="rtq:4")
+    receiver.late_checks = LateChecks(receiver._verify)
+    x = torch.randn(4, 8, 16)
+    reads = device_reads(monkeypatch)
+
+    def decoding_reads(batch, ids, step=0, tamper=0):
+        encoded = sender.encode(batch, ids)
+        reads.clear()
+        header = wire(sender, encoded, ids, step=step)
+        header.codec_check ^= tamper
+        receiver.decode(header, encoded.payload, ids)
+        return encoded.payload[:len(ids)].tolist(), [n for _, n in reads if n > len(ids)]
+
+    assert decoding_reads(x[:2], torch.tensor([0, 1])) == ([MODE_FIRST] * 2, [])
+    assert decoding_reads(x[:3] * 1.1, torch.tensor([0, 1, 2])) == ([MODE_DELTA, MODE_DELTA, MODE_FIRST], [])
+    receiver.settle()  # (the two checks left so far made: what follows reads this message's numbers alone)
+    nan = x[:2] * 1.2
+    nan[1, 0, 0] = float("nan")
+    modes, waited = decoding_reads(nan, torch.tensor([0, 3]))
+    assert modes == [MODE_DELTA, MODE_FULL] and waited == [4]  # (read at once: the verdicts of two samples)
+    receiver.settle()
+    assert len(receiver.late_checks) == 0
+    for i in range(4):  # both copies alike (sample 3's NaN kept by neither)
+        here = s_store.present(0, "send", [i])
+        assert here == r_store.present(0, "recv", [i])
+        if here[0]:
+            assert torch.equal(s_store.get(0, "send", [i])[0], r_store.get(0, "recv", [i])[0])
+    decoding_reads(x[:2] * 1.3, torch.tensor([5, 6]), step=9, tamper=1)  # (new samples: first sights)
+    with pytest.raises(CodecError, match="at step 9 micro-batch 0"):
+        receiver.settle()
+
+
 def test_a_divergence_left_for_a_late_check_is_named_by_its_own_message_when_a_later_one_is_read_at_once():
     """A message of deltas leaves its check for later; the next message mixes a new sample in, so it is read at
     once — after the check left for later, which names the message the divergence came with."""

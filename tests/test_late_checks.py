@@ -42,6 +42,13 @@ def test_a_messages_check_is_made_at_the_next_message_or_when_the_step_settles()
     assert len(made) == 2
 
 
+def test_sums_of_a_message_mixing_kinds_of_row_are_folded_in_row_order():
+    made, checks = recorder()
+    checks.add("mixed", torch.tensor([30, 10, 20]), rows=[2, 0, 1])  # (a group's rows, then another's)
+    checks.settle()
+    assert made == [("mixed", fold_checksum([0, 1, 2], [10, 20, 30]))]
+
+
 def test_sums_still_on_their_way_are_not_waited_for_until_the_step_settles():
     made, checks = recorder()
     on_the_way, arrived = Copy(), Copy(done=True)

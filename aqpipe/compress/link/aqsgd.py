@@ -377,15 +377,18 @@ class AQSGDCodec(LinkCodec):
             outs.append(values)
         if len(groups) == 1:  # one kind of sample (the steady state: all deltas)
             out = outs[0]
-            if MODE_DELTA in kinds and self.late_checks is not None:  # every delta kept: the checksum checked later
-                self.view.scatter(id_list, groups[0].values)
-                if not header.flags & FLAG_NO_CHECK:
-                    self.late_checks.add(header, groups[0].verdicts[b:])
-                return out
         else:
             out = torch.empty(shape, dtype=torch.float32, device=self.device)
             for group, values in zip(groups, outs):
                 out.index_copy_(0, to_device(torch.tensor(group.at, dtype=torch.int64), out.device), values)
+        if self.late_checks is not None and set(kinds) <= LATE_CHECKED:
+            # every delta and first sight is kept (the sender sent each so only where it could be: the same values
+            # here): m(ξ) written now, the checksum checked once its sums reach the host
+            for group in groups:
+                self.view.scatter(id_list if len(groups) == 1 else [id_list[i] for i in group.at], group.values)
+            if not header.flags & FLAG_NO_CHECK:
+                self.late_checks.add(header, *_sums_by_row(groups))
+            return out
         # whether each new m(ξ) may be kept (the sender's rule, on the same values) and the checksum sums, read in
         # one wait for the device — after the checks left for later, which that wait covers, so a divergence is named
         # by the first message it shows in
@@ -443,6 +446,19 @@ class AQSGDCodec(LinkCodec):
         if not header.flags & FLAG_NO_CHECK and check != header.codec_check:
             raise CodecError(f"m(xi) diverged on link {self.view.link}: this side's copy fails the sender's checksum "
                              f"at step {header.step} micro-batch {header.micro_batch}")
+
+
+# The kinds of row a receiver keeps whatever its values (its sender sent each so only where the value could be kept):
+# a message of them alone needs no verdict read, and a GPU receiver checks its checksum late (`late_checks`).
+LATE_CHECKED = frozenset({MODE_DELTA, MODE_FIRST})
+
+
+def _sums_by_row(groups: list[Candidates]) -> tuple[torch.Tensor, list[int] | None]:
+    """The checksum sums of a message's rows (each group's, on the device) and the row each belongs to (None: the
+    one group's rows are the message's, in order)."""
+    if len(groups) == 1:
+        return groups[0].verdicts[len(groups[0].at):], None
+    return (torch.cat([g.verdicts[len(g.at):] for g in groups]), [i for g in groups for i in g.at])
 
 
 def _delta_coder(spec: CodecSpec, options: QuantOptions) -> SampleCoder:

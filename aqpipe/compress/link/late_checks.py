@@ -1,10 +1,10 @@
 """An AQ-SGD receiver's checksum checks, made once the sums reach the host rather than while the host waits.
 
-A receiver's delta message needs no number from the GPU to be decoded: the sender sent a delta only where the new
-m(ξ) could be kept, so every one is kept, and the decoded activation is the stage's input as it is. Only the
-checksum — does this side's new m(ξ) match the sender's? — needs the sums the kernels formed, and reading them at
-once makes the host wait for every kernel queued before them (a stage's last backward, say), so the GPU idles
-while the host queues the forward that follows. The sums travel instead as a copy the host does not wait for, and
+A receiver's message of deltas and first sights needs no number from the GPU to be decoded: the sender sent each so
+only where the new m(ξ) could be kept, so every one is kept, and the decoded activation is the stage's input as it
+is. Only the checksum — does this side's new m(ξ) match the sender's? — needs the sums the kernels formed, and
+reading them at once makes the host wait for every kernel queued before them (a stage's last backward, say), so
+the GPU idles while the host queues the forward that follows. The sums travel instead as a copy the host does not wait for, and
 each is checked once it has arrived: at the receiver's next message, and at the latest when the step ends
 (`settle`), before its losses are read and before any checkpoint. A divergence is still refused within the step
 it happened in, naming the message, and the run stops there as before. (The message's new m(ξ) is kept before its
@@ -33,6 +33,7 @@ class _Pending:
     header: Any
     sums: torch.Tensor
     arrived: Any
+    rows: list[int] | None = None  # the message's row of each sum (None: in order)
 
 
 class LateChecks:
@@ -43,19 +44,19 @@ class LateChecks:
         self._verify = verify
         self._pending: deque[_Pending] = deque()
 
-    def add(self, header: Any, sums: torch.Tensor) -> None:
+    def add(self, header: Any, sums: torch.Tensor, rows: list[int] | None = None) -> None:
         """Check the message of `header` once its per-sample checksum sums (int64 [B], on the device the kernels
-        formed them on) reach the host: at the next `add` or `settle` after they have. The earlier messages' checks
-        whose sums have arrived are made now."""
+        formed them on; `rows`: the message's row of each, None: in order) reach the host: at the next `add` or
+        `settle` after they have. The earlier messages' checks whose sums have arrived are made now."""
         self.check(wait=len(self._pending) >= MOST_PENDING)
         if sums.device.type == "cuda":
             host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
             host.copy_(sums, non_blocking=True)  # queued behind the kernels that form them
             arrived = torch.cuda.Event()
             arrived.record(torch.cuda.current_stream(sums.device))
-            self._pending.append(_Pending(header, host, arrived))
+            self._pending.append(_Pending(header, host, arrived, rows))
         else:
-            self._pending.append(_Pending(header, sums, None))
+            self._pending.append(_Pending(header, sums, None, rows))
 
     def check(self, wait: bool = False) -> None:
         """Make, in order, each check whose sums have reached the host (with `wait`: the oldest waited for first)."""
@@ -66,7 +67,10 @@ class LateChecks:
                     return
                 oldest.arrived.synchronize()
             self._pending.popleft()
-            self._verify(oldest.header, fold_checksum(list(range(oldest.sums.numel())), oldest.sums.tolist()))
+            sums = oldest.sums.tolist()
+            rows = list(range(len(sums))) if oldest.rows is None else oldest.rows
+            in_order = sorted(zip(rows, sums))
+            self._verify(oldest.header, fold_checksum([row for row, _ in in_order], [s for _, s in in_order]))
             wait = False  # (only the oldest is waited for: the rest as they arrive)
 
     def settle(self) -> None:
