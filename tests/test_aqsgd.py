@@ -206,7 +206,12 @@ def test_a_receiver_checking_late_reads_nothing_for_first_sights_and_deltas_and_
         return encoded.payload[:len(ids)].tolist(), [n for _, n in reads if n > len(ids)]
 
     assert decoding_reads(x[:2], torch.tensor([0, 1])) == ([MODE_FIRST] * 2, [])
+    scatters = []
+    real_scatter = receiver.view.scatter
+    monkeypatch.setattr(receiver.view, "scatter", lambda ids, values: (scatters.append(ids), real_scatter(ids, values)))
     assert decoding_reads(x[:3] * 1.1, torch.tensor([0, 1, 2])) == ([MODE_DELTA, MODE_DELTA, MODE_FIRST], [])
+    # m(ξ) of the mixed message kept in one call (a host-RAM store's next call waits for the copy the last queued)
+    assert scatters == [[0, 1, 2]]
     receiver.settle()  # (the two checks left so far made: what follows reads this message's numbers alone)
     nan = x[:2] * 1.2
     nan[1, 0, 0] = float("nan")

@@ -384,8 +384,10 @@ class AQSGDCodec(LinkCodec):
         if self.late_checks is not None and set(kinds) <= LATE_CHECKED:
             # every delta and first sight is kept (the sender sent each so only where it could be: the same values
             # here): m(ξ) written now, the checksum checked once its sums reach the host
-            for group in groups:
-                self.view.scatter(id_list if len(groups) == 1 else [id_list[i] for i in group.at], group.values)
+            if len(groups) == 1:
+                self.view.scatter(id_list, groups[0].values)
+            else:  # (in one call: a host-RAM store's next put would wait for the copy the last one queued)
+                self.view.scatter([id_list[i] for g in groups for i in g.at], torch.cat([g.values for g in groups]))
             if not header.flags & FLAG_NO_CHECK:
                 self.late_checks.add(header, *_sums_by_row(groups))
             return out
