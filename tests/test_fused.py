@@ -318,10 +318,9 @@ def test_decode_refuses_rows_of_the_wrong_width():
         fused.decode(torch.zeros(2, 10, dtype=torch.uint8), (2, 4, 8), 4, "signed")
 
 
-def test_kernels_that_fail_to_launch_turn_off_with_one_warning_and_the_torch_ops_code(monkeypatch, caplog):
-    from aqpipe.compress.link.codecs import QuantOptions
-    from aqpipe.compress.link.sample_coders import QuantCoder
-
+def _unlaunchable_kernels(monkeypatch) -> None:
+    """Kernels that Triton cannot launch (as where it cannot compile for the GPU), standing for the real ones; a CPU
+    tensor counts as theirs (the interpreter's switch), and no failure is remembered yet."""
     class Unlaunchable:
         def __getitem__(self, grid):
             raise RuntimeError("no compiler for this GPU")
@@ -329,9 +328,16 @@ def test_kernels_that_fail_to_launch_turn_off_with_one_warning_and_the_torch_ops
     kernels = SimpleNamespace(scales_kernel=Unlaunchable(), codes_kernel=Unlaunchable(), decode_kernel=Unlaunchable(),
                               verdicts_kernel=Unlaunchable(), SCALE_T=32, SCALE_C=32, TILE_T=16, TILE_C=64,
                               VERDICT_P=256, VERDICT_C=256, OPTIONS={})
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (a CPU tensor counts as the kernels' then)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(fused, "_kernels", lambda: kernels)
     monkeypatch.setattr(fused, "_failed", [])
+
+
+def test_kernels_that_fail_to_launch_turn_off_with_one_warning_and_the_torch_ops_code(monkeypatch, caplog):
+    from aqpipe.compress.link.codecs import QuantOptions
+    from aqpipe.compress.link.sample_coders import QuantCoder
+
+    _unlaunchable_kernels(monkeypatch)
     coder = QuantCoder(4, QuantOptions())
     x = torch.randn(2, 8, 16)
     with caplog.at_level("WARNING", logger="aqpipe.compress.fused"):
@@ -354,17 +360,8 @@ def test_aqsgds_delta_step_falls_back_to_the_torch_ops_when_its_kernels_fail_to_
     from aqpipe.storage import StoreView
     from aqpipe.storage.slab import SlabStore
 
-    class Unlaunchable:
-        def __getitem__(self, grid):
-            raise RuntimeError("no compiler for this GPU")
-
-    kernels = SimpleNamespace(scales_kernel=Unlaunchable(), codes_kernel=Unlaunchable(), decode_kernel=Unlaunchable(),
-                              verdicts_kernel=Unlaunchable(), SCALE_T=32, SCALE_C=32, TILE_T=16, TILE_C=64,
-                              VERDICT_P=256, VERDICT_C=256, OPTIONS={})
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (a CPU tensor counts as the kernels' then)
+    _unlaunchable_kernels(monkeypatch)
     monkeypatch.setenv(fused.DELTA_SWITCH, "1")
-    monkeypatch.setattr(fused, "_kernels", lambda: kernels)
-    monkeypatch.setattr(fused, "_failed", [])
     links = []
     for _ in range(2):
         stores = SlabStore(torch.float16, "cpu"), SlabStore(torch.float16, "cpu")

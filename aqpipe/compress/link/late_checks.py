@@ -4,9 +4,9 @@ A receiver's message of deltas and first sights needs no number from the GPU to 
 only where the new m(ξ) could be kept, so every one is kept, and the decoded activation is the stage's input as it
 is. Only the checksum — does this side's new m(ξ) match the sender's? — needs the sums the kernels formed, and
 reading them at once makes the host wait for every kernel queued before them (a stage's last backward, say), so
-the GPU idles while the host queues the forward that follows. The sums travel instead as a copy the host does not wait for, and
-each is checked once it has arrived: at the receiver's next message, and at the latest when the step ends
-(`settle`), before its losses are read and before any checkpoint. A divergence is still refused within the step
+the GPU idles while the host queues the forward that follows. The sums travel instead as a copy the host does not
+wait for, and each is checked once it has arrived: at the receiver's next message, and at the latest when the step
+ends (`settle`), before its losses are read and before any checkpoint. A divergence is still refused within the step
 it happened in, naming the message, and the run stops there as before. (The message's new m(ξ) is kept before its
 check, not after: once the copies differ the run cannot go on, whatever either holds.)
 """
