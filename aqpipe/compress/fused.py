@@ -52,6 +52,9 @@ DELTA_SWITCH = "AQPIPE_FUSED_AQSGD"  # "1": AQ-SGD's delta step fused at every s
 DELTA_MIN_ELEMENTS = 1 << 19
 log = logging.getLogger(__name__)
 _failed: list[str] = []  # why the kernels failed to compile or launch in this process (then the torch ops run)
+# the delta steps ("encode", "decode") whose every kernel has run in this process: only those write m(ξ) in place, so
+# that a kernel which fails to compile fails before m(ξ) has changed, and the torch ops can still take the message
+_proven: set[str] = set()
 
 
 def interpreted() -> bool:
@@ -114,37 +117,45 @@ def encode(x: torch.Tensor, bits: int, grid: str, values: bool) -> tuple[torch.T
 
 
 def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, bits: int, grid: str,
-                 checksum: tuple[int, int], mode: int) -> DeltaEncoded | None:
+                 checksum: tuple[int, int], mode: int, in_place: bool = False) -> DeltaEncoded | None:
     """AQ-SGD's sender in three kernels and a fill of the mode bytes, straight from m(ξ)'s storage: the change
     x − m(ξ) of each sample of `x` [B, ..., C] (any float dtype, read as float32) coded into a message's payload (a
     `mode` byte per sample, then the rows), the new m(ξ) = m(ξ) + its dequantized change in m's 16-bit dtype, and
     the verdicts, norms and squares of `DeltaEncoded`. m(ξ) of sample i is `m[slots[i]]` — rows of a slab, read in
-    place — or, with `slots` None, `m[i]`. Bits as torch's ops give them (the norms' summation order aside); None
-    if the kernels failed."""
+    place — or, with `slots` None, `m[i]`. With `in_place` (slots of distinct rows) the new m(ξ) is written over the
+    old in those rows, once this step's kernels have run in the process (`DeltaEncoded.m_new` None says it was).
+    Bits as torch's ops give them (the norms' summation order aside); None if the kernels failed before writing
+    anything."""
     x3 = _as_rows(x)
     b, t, c = x3.shape
-    _check_rows(m, x.shape, slots, checksum)
+    _check_rows(m, x.shape, slots, checksum, in_place)
     m3 = m.detach().reshape(m.shape[0], t, c)
+    in_place = in_place and "encode" in _proven and x.device.type != "meta"
     payload = torch.empty(b + b * row_bytes(t, c, bits), dtype=torch.uint8, device=x.device)
     payload[:b].fill_(mode)
-    m_new = torch.empty(x3.shape, dtype=m.dtype, device=x.device)
+    m_new = m3 if in_place else torch.empty(x3.shape, dtype=m.dtype, device=x.device)
     parts = _parts(x3.shape)
     rows = payload[b:].view(b, -1)
     sums, norms, unstorable, scales, verdicts, norms_out, squares = _carved(
         x.device, ((b, parts), torch.int64), ((b, 3, parts), torch.float32), ((b, parts), torch.int32),
         ((b, c), torch.float32), ((2 * b,), torch.int64), ((b, 3), torch.float32), ((3,), torch.float64))
-    done = DeltaEncoded(payload, m_new.view(x.shape), verdicts, norms_out, squares)
+    done = DeltaEncoded(payload, None if in_place else m_new.view(x.shape), verdicts, norms_out, squares)
     if x.device.type == "meta":  # (the outputs alone)
         return done
     k = _kernels()
     try:
         _launch_codes(k, x3, m3, slots, rows, scales, bits, grid, None,
-                      (m_new, sums, norms, unstorable, *checksum, torch.finfo(m.dtype).max))
-        k.verdicts_kernel[(1,)](scales, sums, norms, unstorable, verdicts, norms_out, squares, b, c, parts,
-                                FP16_MAX=FP16_MAX, ENCODE=True, BP=k.VERDICT_P, BC=k.VERDICT_C, **k.OPTIONS)
+                      (m_new, sums, norms, unstorable, *checksum, torch.finfo(m.dtype).max), in_place)
     except Exception as error:  # (a Triton that cannot compile for this GPU, say): the torch ops code it
         _give_up(error)
         return None
+    try:
+        k.verdicts_kernel[(1,)](scales, sums, norms, unstorable, verdicts, norms_out, squares, b, c, parts,
+                                FP16_MAX=FP16_MAX, ENCODE=True, BP=k.VERDICT_P, BC=k.VERDICT_C, **k.OPTIONS)
+    except Exception as error:
+        _give_up(error, in_place)
+        return None
+    _proven.add("encode")
     return done
 
 
@@ -154,10 +165,10 @@ class DeltaEncoded:
     new m(ξ) `m_new`, the `verdicts` [2B] (int64: whether each sample can go as a delta — no scale clamped at the
     fp16 maximum or NaN, every new m(ξ) value finite in its dtype — then its checksum sum: `aqsgd_rows.verdicts_of`'s
     layout), the fidelity `norms` [B, 3] (of x, of the change, of m_new − m_old − change) and their `squares` summed
-    over the samples in float64 [3]."""
+    over the samples in float64 [3]. `m_new` is None where the kernels wrote it over the old m(ξ), in its rows."""
 
     payload: torch.Tensor
-    m_new: torch.Tensor
+    m_new: torch.Tensor | None
     verdicts: torch.Tensor
     norms: torch.Tensor
     squares: torch.Tensor
@@ -171,14 +182,17 @@ def decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str) -> 
 
 
 def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, shape: tuple[int, ...], bits: int,
-                 grid: str, checksum: tuple[int, int]) -> tuple[torch.Tensor, ...] | None:
-    """AQ-SGD's receiver in two kernels, straight from m(ξ)'s storage (`m`, `slots`: as `delta_encode`): the new
-    m(ξ) (m(ξ) + the decoded change, in m's 16-bit dtype) of the batch of `shape`, it in float32 (the activation, a
-    tensor of its own), and the verdicts [2B] (each sample kept, its checksum sum); None if the kernels failed."""
+                 grid: str, checksum: tuple[int, int], in_place: bool = False
+                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+    """AQ-SGD's receiver in two kernels, straight from m(ξ)'s storage (`m`, `slots`, `in_place`: as
+    `delta_encode`): the new m(ξ) (m(ξ) + the decoded change, in m's 16-bit dtype; None where written over the old)
+    of the batch of `shape`, it in float32 (the activation, a tensor of its own), and the verdicts [2B] (each sample
+    kept, its checksum sum); None if the kernels failed before writing anything."""
     b = shape[0]
-    _check_rows(m, shape, slots, checksum)
+    _check_rows(m, shape, slots, checksum, in_place)
     m3 = m.detach().reshape(m.shape[0], -1, shape[-1])
-    out = _decode(rows, shape, bits, grid, (m3, slots, checksum))
+    in_place = in_place and "decode" in _proven and rows.device.type != "meta"
+    out = _decode(rows, shape, bits, grid, (m3, slots, checksum), in_place)
     if out is None:
         return None
     m_new, values, sums = out
@@ -189,9 +203,10 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
             k.verdicts_kernel[(1,)](sums, sums, sums, sums, verdicts, sums, sums, b, shape[-1], sums.shape[1],
                                     FP16_MAX=FP16_MAX, ENCODE=False, BP=k.VERDICT_P, BC=k.VERDICT_C, **k.OPTIONS)
         except Exception as error:
-            _give_up(error)
+            _give_up(error, in_place)
             return None
-    return m_new, values, verdicts
+        _proven.add("decode")
+    return None if in_place else m_new, values, verdicts
 
 
 def _carved(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
@@ -206,14 +221,16 @@ def _carved(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -
             for (shape, dtype), start, size in zip(specs, starts, sizes)]
 
 
-def _check_rows(m: torch.Tensor, shape: tuple[int, ...], slots: torch.Tensor | None, checksum: tuple[int, int]
-                ) -> None:
+def _check_rows(m: torch.Tensor, shape: tuple[int, ...], slots: torch.Tensor | None, checksum: tuple[int, int],
+                in_place: bool) -> None:
     """m(ξ)'s rows must hold the batch of `shape`: its own B rows, or slots [B] (int64, on m's device) into a slab,
-    each row of the batch's sample shape; and the checksum's weights must fit 16 bits (the kernels form each word's
-    product in int32)."""
+    each row of the batch's sample shape (written `in_place` only through slots, whose rows the caller keeps
+    distinct); and the checksum's weights must fit 16 bits (the kernels form each word's product in int32)."""
     b = shape[0]
     if tuple(m.shape[1:]) != tuple(shape[1:]):
         raise ValueError(f"m(xi) rows of shape {tuple(m.shape[1:])} for samples of shape {tuple(shape[1:])}")
+    if in_place and slots is None:
+        raise ValueError("m(xi) is written in place only into a slab's rows, through their slots")
     if slots is None:
         if m.shape[0] != b:
             raise ValueError(f"m(xi) of {m.shape[0]} samples for a batch of {b}")
@@ -250,10 +267,11 @@ def _encode(x3: torch.Tensor, bits: int, grid: str, coded: torch.Tensor | None) 
 
 
 def _launch_codes(k, x3: torch.Tensor, m3: torch.Tensor | None, slots: torch.Tensor | None, rows: torch.Tensor,
-                  scales: torch.Tensor, bits: int, grid: str, coded: torch.Tensor | None, delta: tuple | None) -> None:
+                  scales: torch.Tensor, bits: int, grid: str, coded: torch.Tensor | None, delta: tuple | None,
+                  in_place: bool = False) -> None:
     """Launch the scales and codes kernels on rows [B, T, C] into `rows` (`m3`, `slots`, `delta`: AQ-SGD's m(ξ),
     where its rows are, and the outputs (m_new, sums, norms, unstorable) with the checksum constants and the largest
-    value m(ξ)'s dtype holds)."""
+    value m(ξ)'s dtype holds; `in_place`: the new m(ξ) over the old, in m3's rows)."""
     b, t, c = x3.shape
     offset, steps, top = _offset_steps(bits, grid)
     m_new, sums, norms, unstorable, multiplier, modulus, m_max = (
@@ -267,13 +285,15 @@ def _launch_codes(k, x3: torch.Tensor, m3: torch.Tensor | None, slots: torch.Ten
         x3, m_in, slot_of, rows, scales, _levels(bits, grid, x3.device), x3 if coded is None else coded, m_new,
         sums, norms, unstorable, t, c, rows.stride(0), float(offset), float(steps), float(top), multiplier,
         modulus, float(m_max), BITS=bits, VALUES=coded is not None, HAS_M=m3 is not None, SLOTS=slots is not None,
-        BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
+        IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
 
 
 def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
-            delta: tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]] | None) -> tuple[torch.Tensor, ...] | None:
+            delta: tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]] | None, in_place: bool = False
+            ) -> tuple[torch.Tensor, ...] | None:
     """Launch the decode kernel (`delta`: AQ-SGD's m(ξ) rows [N, T, C], the slots of the batch's rows among them or
-    None, and the checksum constants): (values,) or, for AQ-SGD, (m_new, values, the tiles' checksum parts)."""
+    None, and the checksum constants): (values,) or, for AQ-SGD, (m_new, values, the tiles' checksum parts) — m_new
+    being m's rows themselves where written `in_place`."""
     b, c = shape[0], shape[-1]
     t = 1
     for d in shape[1:-1]:
@@ -286,7 +306,7 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
         m3, slots, m_new, sums, (multiplier, modulus) = out, None, out, out, (0, 1)  # (unread)
     else:
         m3, slots, (multiplier, modulus) = delta
-        m_new = torch.empty(b, t, c, dtype=m3.dtype, device=rows.device)
+        m_new = m3 if in_place else torch.empty(b, t, c, dtype=m3.dtype, device=rows.device)
         sums = torch.empty(b, _parts((b, t, c)), dtype=torch.int64, device=rows.device)
     if rows.device.type != "meta":  # (on the meta device: the outputs alone)
         k = _kernels()
@@ -294,20 +314,24 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
             k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
                 rows, _levels(bits, grid, rows.device), out, m3, m3 if slots is None else slots, m_new, sums, t, c,
                 rows.shape[1], multiplier, modulus, BITS=bits, HAS_M=delta is not None, SLOTS=slots is not None,
-                BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
+                IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
         except Exception as error:
             _give_up(error)
             return None
     if delta is None:
         return (out.view(shape),)
-    return m_new.view(shape), out.view(shape), sums
+    return m_new if in_place else m_new.view(shape), out.view(shape), sums
 
 
-def _give_up(error: Exception) -> None:
-    """Turn the kernels off for the rest of the process, saying why once."""
+def _give_up(error: Exception, in_place: bool = False) -> None:
+    """Turn the kernels off for the rest of the process, saying why once. After a kernel that wrote m(ξ) in place
+    has been launched nothing can take the message instead (the old m(ξ) is gone): a RuntimeError says so."""
     if not _failed:
         log.warning("fused codec kernels off, the torch ops code from now on: %s: %s", type(error).__name__, error)
     _failed.append(f"{type(error).__name__}: {error}")
+    if in_place:
+        raise RuntimeError("AQ-SGD's fused delta step failed after writing m(xi) in place, so this side's m(xi) "
+                           f"no longer matches its peer's: {type(error).__name__}: {error}") from error
 
 
 @functools.cache

@@ -67,10 +67,12 @@ def scales_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.co
 @triton.jit
 def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, m_new_ptr, sums_ptr, norms_ptr,
                  bad_ptr, T, C, W, offset, steps, top, multiplier, modulus, m_max, BITS: tl.constexpr,
-                 VALUES: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                 VALUES: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, IN_PLACE: tl.constexpr,
+                 BT: tl.constexpr, BC: tl.constexpr):
     """One program per (sample, BT tokens, BC channels): each value's code, packed into the row after its scales;
-    with VALUES the dequantized values; with HAS_M AQ-SGD's new m(ξ) and the tile's checksum and norm parts, and how
-    many of its new m(ξ) values the store cannot keep (beyond `m_max`, the store dtype's largest, or NaN)."""
+    with VALUES the dequantized values; with HAS_M AQ-SGD's new m(ξ) (IN_PLACE: over the old, in m's own rows) and
+    the tile's checksum and norm parts, and how many of its new m(ξ) values the store cannot keep (beyond `m_max`,
+    the store dtype's largest, or NaN)."""
     tiles_t = tl.cdiv(T, BT)
     sample = tl.program_id(0) // tiles_t
     tokens = (tl.program_id(0) % tiles_t) * BT + tl.arange(0, BT)
@@ -81,7 +83,8 @@ def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, table_ptr, values_ptr
     x = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
     v = x
     if HAS_M:
-        m = tl.load(m_ptr + m_row(sample, slots_ptr, SLOTS) * T * C + within, mask=inside, other=0.0).to(tl.float32)
+        m_at = m_row(sample, slots_ptr, SLOTS) * T * C + within  # (each program reads and writes its own tile alone)
+        m = tl.load(m_ptr + m_at, mask=inside, other=0.0).to(tl.float32)
         v = x - m
     scale = tl.load(s_ptr + sample * C + cols, mask=cols < C, other=1.0)
     s = tl.where(scale == 0.0, 1.0, scale)[None, :]
@@ -98,7 +101,10 @@ def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, table_ptr, values_ptr
             tl.store(values_ptr + at, values, mask=inside)
         if HAS_M:  # the new m(ξ) in the store's dtype, its checksum part and the fidelity norms' parts
             new = (m + values).to(m_new_ptr.dtype.element_ty)
-            tl.store(m_new_ptr + at, new, mask=inside)
+            if IN_PLACE:
+                tl.store(m_ptr + m_at, new, mask=inside)
+            else:
+                tl.store(m_new_ptr + at, new, mask=inside)
             part = tl.program_id(0) % tiles_t * tl.num_programs(1) + tl.program_id(1)
             parts = tiles_t * tl.num_programs(1)
             tl.store(sums_ptr + sample * parts + part,
@@ -139,11 +145,11 @@ def checksum_part(new, tokens, cols, C, inside, multiplier, modulus):
 
 @triton.jit
 def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sums_ptr, T, C, W, multiplier,
-                  modulus, BITS: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr):
+                  modulus, BITS: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, IN_PLACE: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr):
     """One program per (sample, BT tokens, BC channels): unpack the codes, level(code) · scale; with HAS_M the new
-    m(ξ) = m + that (m's row `slots_ptr[sample]` of a slab with SLOTS), in m's dtype, its float32 value as the
-    output and the tile's checksum part."""
+    m(ξ) = m + that (m's row `slots_ptr[sample]` of a slab with SLOTS), in m's dtype (IN_PLACE: over the old), its
+    float32 value as the output and the tile's checksum part."""
     tiles_t = tl.cdiv(T, BT)
     sample = tl.program_id(0) // tiles_t
     tokens = (tl.program_id(0) % tiles_t) * BT + tl.arange(0, BT)
@@ -165,9 +171,13 @@ def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sum
     within = tokens[:, None].to(tl.int64) * C + cols[None, :]
     at = sample.to(tl.int64) * T * C + within
     if HAS_M:  # AQ-SGD's receiver: the new m(ξ), the activation it stands for, the checksum's part
-        m = tl.load(m_ptr + m_row(sample, slots_ptr, SLOTS) * T * C + within, mask=inside, other=0.0).to(tl.float32)
+        m_at = m_row(sample, slots_ptr, SLOTS) * T * C + within
+        m = tl.load(m_ptr + m_at, mask=inside, other=0.0).to(tl.float32)
         new = (m + values).to(m_new_ptr.dtype.element_ty)
-        tl.store(m_new_ptr + at, new, mask=inside)
+        if IN_PLACE:
+            tl.store(m_ptr + m_at, new, mask=inside)
+        else:
+            tl.store(m_new_ptr + at, new, mask=inside)
         values = new.to(tl.float32)
         part = tl.program_id(0) % tiles_t * tl.num_programs(1) + tl.program_id(1)
         tl.store(sums_ptr + sample * tiles_t * tl.num_programs(1) + part,

@@ -171,12 +171,14 @@ class AQSGDCodec(LinkCodec):
         Candidates.read_all(list(groups.values()))
         if len(groups) == 1 and all((only := next(iter(groups.values()))).fits):
             # one kind of sample, each going its way (the steady state: all deltas): the payload in one piece
-            self.view.scatter(id_list, only.values)
+            if only.values is not None:  # (else the kernels wrote m(ξ) in place)
+                self.view.scatter(id_list, only.values)
             check = fold_checksum(list(range(b)), only.sums) if self.check else 0
             fidelity = DeltaFidelity(squares.clone() if only.lent else squares) if delta else None
             wire = only.payload if only.payload is not None else lossless_payload(tensor)
             return Encoded.of(wire, tuple(raw.shape), torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
         as_delta = [j for j, ok in enumerate(groups[MODE_DELTA].fits) if ok] if delta else []
+        self._read_back(list(groups.values()), id_list, raw.device)
         return self._encode_mixed(tensor, floats(), id_list, modes, [g.owned() for g in groups.values()], flags,
                                   delta_fidelity(norms, as_delta) if as_delta else None)
 
@@ -184,14 +186,14 @@ class AQSGDCodec(LinkCodec):
                       lend: bool) -> tuple[Any, ...]:
         """Rows `at` of the activation as deltas (`raw`: as given, `floats()`: in float32): `RowSteps.delta_rows`' outputs and
         whether they are lent (a CUDA graph's buffers). Where the fused kernels take the rows, they read the
-        activation as it is and m(ξ) where the store keeps it (a slab's rows in place) — no graph, no copy of either;
-        else the torch ops run, replayed from a graph on a GPU."""
+        activation as it is and m(ξ) where the store keeps it (a slab's rows, read and written in place: the new m(ξ)
+        is then None) — no graph, no copy of either; else the torch ops run, replayed from a graph on a GPU."""
         ids = [id_list[i] for i in at]
         quant = self._fused_delta(raw.device, (len(at), *raw.shape[1:]))
         if quant is not None:
             m, slots = self._rows_of(ids, raw.device)
             done = fused.delta_encode(rows_of(raw, at), m, slots, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS,
-                                      MODE_DELTA)
+                                      MODE_DELTA, in_place=_writable(slots, ids))
             if done is not None:
                 return done.payload, done.m_new, done.verdicts, done.norms, done.squares, False
         x = rows_of(floats(), at)
@@ -212,7 +214,7 @@ class AQSGDCodec(LinkCodec):
                 continue
             for j, i in enumerate(group.at):
                 if group.fits[j]:
-                    segments[i], new_m[i], sums[i] = group.segments[j], group.values[j], group.sums[j]
+                    segments[i], new_m[i], sums[i] = group.segments[j], present(group.values)[j], group.sums[j]
                 else:
                     late.append(i)
         lossless = [g for g in groups if g.segments is None]
@@ -224,7 +226,7 @@ class AQSGDCodec(LinkCodec):
             for j, i in enumerate(group.at):
                 modes[i] = LOSSLESS_MODES[lossless_dtype]
                 segments[i] = raw[i].contiguous().view(torch.uint8).reshape(-1)
-                new_m[i], sums[i] = (group.values[j], group.sums[j]) if group.fits[j] else (None, 0)
+                new_m[i], sums[i] = (present(group.values)[j], group.sums[j]) if group.fits[j] else (None, 0)
         self.view.store.stats.overflow += len(keep(self.view, id_list, new_m))
         mode_bytes = to_device(torch.tensor(modes, dtype=torch.uint8), x.device)
         kept = [i for i in range(b) if new_m[i] is not None]
@@ -314,6 +316,13 @@ class AQSGDCodec(LinkCodec):
         seeds, verdicts = self._graphed("seed", self.steps.seeds, values, borrow=lend)
         return Candidates(at, seeds, verdicts, lent=lend)
 
+    def _read_back(self, groups: list[Candidates], id_list: list[int], device: torch.device) -> None:
+        """Give each group whose new m(ξ) the kernels wrote in place (its values None) those values, read from the
+        store: a message not all of one kind keeps m(ξ) row by row, from every row's value."""
+        for group in groups:
+            if group.values is None:
+                group.values = self.view.gather([id_list[i] for i in group.at], device)
+
     def forget(self, ids: list[int]) -> None:
         """Drop m(ξ) of samples the receiver lacks, so that their next message seeds it again."""
         if ids:
@@ -384,10 +393,12 @@ class AQSGDCodec(LinkCodec):
         if self.late_checks is not None and set(kinds) <= LATE_CHECKED:
             # every delta and first sight is kept (the sender sent each so only where it could be: the same values
             # here): m(ξ) written now, the checksum checked once its sums reach the host
-            if len(groups) == 1:
-                self.view.scatter(id_list, groups[0].values)
-            else:  # (in one call: a host-RAM store's next put would wait for the copy the last one queued)
-                self.view.scatter([id_list[i] for g in groups for i in g.at], torch.cat([g.values for g in groups]))
+            written = [g for g in groups if g.values is not None]  # (the kernels wrote the others' in place)
+            if len(written) == 1:
+                self.view.scatter([id_list[i] for i in written[0].at], present(written[0].values))
+            elif written:  # (in one call: a host-RAM store's next put would wait for the copy the last one queued)
+                self.view.scatter([id_list[i] for g in written for i in g.at],
+                                  torch.cat([present(g.values) for g in written]))
             if not header.flags & FLAG_NO_CHECK:
                 self.late_checks.add(header, *_sums_by_row(groups))
             return out
@@ -399,15 +410,17 @@ class AQSGDCodec(LinkCodec):
         Candidates.read_all(groups)
         if len(groups) == 1 and all(groups[0].fits):
             self._verify(header, fold_checksum(list(range(b)), groups[0].sums))
-            self.view.scatter(id_list, groups[0].values)
+            if groups[0].values is not None:
+                self.view.scatter(id_list, groups[0].values)
             return out
+        self._read_back(groups, id_list, self.device)
         new_m: list[torch.Tensor | None] = [None] * b
         sums: list[int] = [0] * b
         for group in groups:
             group.owned()
             for j, i in enumerate(group.at):
                 if group.fits[j]:
-                    new_m[i], sums[i] = group.values[j], group.sums[j]
+                    new_m[i], sums[i] = present(group.values)[j], group.sums[j]
         kept = [i for i in range(b) if new_m[i] is not None]
         self._verify(header, fold_checksum(kept, [sums[i] for i in kept]))
         keep(self.view, id_list, new_m)
@@ -417,12 +430,14 @@ class AQSGDCodec(LinkCodec):
                       ) -> tuple[Any, ...]:
         """The receiver's side of `_delta_encode`: the new m(ξ), the activation and the verdicts of the delta rows
         `rows` of samples `ids`, and whether they are lent (a CUDA graph's buffers) — fused straight from where the
-        store keeps m(ξ), or in torch ops replayed from a graph."""
+        store keeps m(ξ) (a slab's rows, written in place: the new m(ξ) is then None), or in torch ops replayed from
+        a graph."""
         batch = (len(ids), *shape[1:])
         quant = self._fused_delta(rows.device, batch)
         if quant is not None:
             m, slots = self._sent(self._rows_of, ids, rows.device)
-            done = fused.delta_decode(rows, m, slots, batch, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS)
+            done = fused.delta_decode(rows, m, slots, batch, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS,
+                                      in_place=_writable(slots, ids))
             if done is not None:
                 return (*done, False)
         return (*self._graphed("delta-decode", self.steps.delta_values, rows,
@@ -453,6 +468,12 @@ class AQSGDCodec(LinkCodec):
 # The kinds of row a receiver keeps whatever its values (its sender sent each so only where the value could be kept):
 # a message of them alone needs no verdict read, and a GPU receiver checks its checksum late (`late_checks`).
 LATE_CHECKED = frozenset({MODE_DELTA, MODE_FIRST})
+
+
+def _writable(slots: torch.Tensor | None, ids: list[int]) -> bool:
+    """Whether the fused kernels may write the new m(ξ) of `ids` over the old: rows of a slab (`slots`), one per
+    sample (a sample twice in a batch would have two programs write one row)."""
+    return slots is not None and len(set(ids)) == len(ids)
 
 
 def _sums_by_row(groups: list[Candidates]) -> tuple[torch.Tensor, list[int] | None]:

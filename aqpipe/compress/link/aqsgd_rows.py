@@ -95,9 +95,10 @@ class Candidates:
     """Rows `at` of a message that may go one way (as deltas, first sights or losslessly): the payload a message of
     them alone would be (their mode bytes, then their coded segments; None: lossless, sent as they are), what m(ξ)
     would become, and `verdicts_of` them — read together with every other kind's in one wait for the device
-    (`read_all` fills `fits` and `sums`). `lent`: the tensors are a CUDA graph's own buffers (see `graphed`)."""
+    (`read_all` fills `fits` and `sums`). `lent`: the tensors are a CUDA graph's own buffers (see `graphed`);
+    `values` None: the fused kernels wrote the new m(ξ) over the old, in the store."""
 
-    def __init__(self, at: list[int], values: torch.Tensor, verdicts: torch.Tensor,
+    def __init__(self, at: list[int], values: torch.Tensor | None, verdicts: torch.Tensor,
                  payload: torch.Tensor | None = None, lent: bool = False) -> None:
         self.at, self.values, self.verdicts, self.payload, self.lent = at, values, verdicts, payload, lent
         n = len(at)
@@ -108,7 +109,7 @@ class Candidates:
     def owned(self) -> Candidates:
         """These rows with values of their own (copies of a graph's buffers, which its next replay writes), for a
         store that may keep what it is given as it is."""
-        if self.lent:
+        if self.lent and self.values is not None:
             self.values, self.lent = self.values.clone(), False
         return self
 
