@@ -14,7 +14,8 @@ the store keeps it, and moved to the device for the update. On a GPU each kind o
 graph whose outputs the codec borrows (`aqpipe.compress.cuda_graphs`), and a message of one kind of sample — the
 steady state — goes as that graph's payload, its m(ξ) read and written in one gather and one scatter. A large
 message's deltas (`fused.delta_fusable`) go through fused kernels instead, ungraphed, which read m(ξ) in place from a
-slab store's rows and write the payload whole: m(ξ) is then written in one scatter and never gathered.
+slab store's rows and write the payload whole: m(ξ) is never gathered, and (once the kernels have run in the
+process, for a batch of distinct samples) the new m(ξ) is written over the old in those rows, with no scatter.
 """
 
 from __future__ import annotations
