@@ -237,6 +237,66 @@ def test_a_slabs_m_is_written_in_place_once_the_kernels_have_run():
 
 
 @needs_triton
+def test_a_receiver_checking_late_keeps_the_bits_with_m_written_in_place():
+    """A receiver that checks its checksums late (as on a GPU) over slabs the kernels write in place, its messages
+    mixing rtq:4 first sights with deltas (a group each: the deltas' m(ξ) written by the kernels, the first sights'
+    kept through the store), then all deltas, then a NaN and a value past fp16 among deltas (read at once): every
+    payload, activation and both copies of m(ξ) as a link through the torch ops, and every late check passes."""
+    interpret("""
+        import os
+        import torch
+        from aqpipe.compress import fused
+        from aqpipe.compress.link.codecs import QuantOptions, build_codec
+        from aqpipe.compress.link.late_checks import LateChecks
+        from aqpipe.pipeline.transport import Header
+        from aqpipe.storage import StoreView
+        from aqpipe.storage.slab import SlabStore
+
+        in_place = []
+        decode = fused.delta_decode
+        def noted(*args, **kw):
+            out = decode(*args, **kw)
+            in_place.append(out[0] is None)
+            return out
+        fused.delta_decode = noted
+
+        def run(switch):
+            os.environ["AQPIPE_FUSED_KERNELS"] = switch
+            torch.manual_seed(5)
+            send, recv = SlabStore(torch.float16, "cpu"), SlabStore(torch.float16, "cpu")
+            sender = build_codec("aqsgd:3", "fw", StoreView(send, 0, "send"), QuantOptions(), first_sight="rtq:4")
+            receiver = build_codec("aqsgd:3", "fw", StoreView(recv, 0, "recv"), QuantOptions(), first_sight="rtq:4")
+            receiver.late_checks = LateChecks(receiver._verify)  # (what a GPU receiver has)
+            x, out = torch.randn(8, 6, 16), []
+            visits = [[0, 1, 2, 3], [2, 4, 0, 5], [6, 1, 3, 7], [5, 2, 7, 4], [0, 6, 1, 3], [4, 5, 6, 7]]
+            for visit, order in enumerate(visits):
+                ids = torch.tensor(order)
+                x += 0.1 * torch.randn_like(x)
+                batch = x[ids].clone()
+                if visit == 5:
+                    batch[0, 1, 2] = float("nan")  # sample 4: sent losslessly, m(ξ) dropped on both sides
+                    batch[2, 3, 4] = 70000.0  # sample 6: its new m(ξ) past fp16's largest: likewise
+                e = sender.encode(batch, ids, compress=True)
+                out += [e.payload, receiver.decode(Header.for_encoded(e, sender.code, step=visit), e.payload, ids)]
+            receiver.settle()
+            assert len(receiver.late_checks) == 0
+            for kept, side in ((send, "send"), (recv, "recv")):
+                held = [i for i, here in zip(range(8), kept.present(0, side, list(range(8)))) if here]
+                assert held == [0, 1, 2, 3, 5, 7], (side, held)
+                out.append(torch.stack(kept.get(0, side, held)))
+            return out
+
+        fused_out = run("1")
+        assert True in in_place, in_place  # (the kernels wrote some messages' m(ξ) in place)
+        torch_out = run("0")
+        assert len(fused_out) == len(torch_out) == 14
+        for a, b in zip(fused_out, torch_out):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        print("checked")
+    """)
+
+
+@needs_triton
 def test_a_pipeline_through_the_fused_kernels_trains_bit_for_bit_as_through_the_torch_ops(tmp_path):
     """Two stages launched as a user launches them, AQ-SGD fw / DirectQ bw, three epochs of rtq:4 first sights then
     deltas: with every fused kernel on (the interpreter standing in for the GPU in each rank; AQ-SGD's delta step

@@ -16,11 +16,11 @@ With an m(ξ) (`delta_encode`, `delta_decode`) the same kernels do AQ-SGD's delt
 new m(ξ) in its 16-bit dtype, each tile's share of the checksum sums (exact int64), of the fidelity norms and of the
 values m(ξ) cannot keep; `verdicts_kernel` sums each sample's shares into what the host reads. They read m(ξ) where
 it lies — a slab's rows through their slots (`storage.slab`), so a message's m(ξ) is never gathered into a copy —
-and write the new m(ξ) over the old there (`in_place`: no scatter after them). They read the activation in its own
-dtype, write the codes straight into the message's payload after its mode bytes, and run ungraphed: a CUDA graph
-would need its inputs copied into its own buffers (the activation and m(ξ), a full pass each) and its outputs copied
-out on every message, to save three kernel launches and a fill (which costs more on a GPU is still to be measured:
-benchmarks/README.md).
+and, asked (`in_place`: a batch of distinct samples, once the step's kernels have run in the process), write the new
+m(ξ) over the old there, with no scatter after them. They read the activation in its own dtype, write the codes
+straight into the message's payload after its mode bytes, and run ungraphed: a CUDA graph would need its inputs
+copied into its own buffers (the activation and m(ξ), a full pass each) and its outputs copied out on every message,
+to save three kernel launches and a fill (which costs more on a GPU is still to be measured: benchmarks/README.md).
 
 DirectQ's kernels apply where `encodable` and `fusable` say (a CUDA tensor of ≥ 3 dims whose channel count is a
 multiple of 8, per-channel scales, nearest rounding, 2–8 bits, a grid whose scale needs no division: signed,
@@ -54,7 +54,8 @@ DELTA_MIN_ELEMENTS = 1 << 19
 log = logging.getLogger(__name__)
 _failed: list[str] = []  # why the kernels failed to compile or launch in this process (then the torch ops run)
 # the delta steps ("encode", "decode") whose every kernel has run in this process: only those write m(ξ) in place, so
-# that a kernel which fails to compile fails before m(ξ) has changed, and the torch ops can still take the message
+# that a kernel which fails to compile on first use fails before m(ξ) has changed, and the torch ops can still take
+# the message (a later recompile for another shape that failed after an in-place write would raise instead)
 _proven: set[str] = set()
 
 
