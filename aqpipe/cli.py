@@ -229,9 +229,10 @@ def _netns(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--bandwidth: {e}") from None
             topo = netns.create(args.ranks, rate, args.name, manual=True)
             print(netns.describe(topo))
+            nccl = " ".join(f"{name}={value}" for name, value in netns.THROTTLED_NCCL.items())
             print(f"run rank K with: ip netns exec {topo.namespace(0)[:-1]}K <command>  "
-                  f"(MASTER_ADDR={topo.address(0)}, GLOO_SOCKET_IFNAME={netns.INTERFACE}); "
-                  f"remove with: aqpipe netns down {topo.name}")
+                  f"(MASTER_ADDR={topo.address(0)}, GLOO_SOCKET_IFNAME={netns.INTERFACE}; with a GPU per rank also "
+                  f"{nccl}); remove with: aqpipe netns down {topo.name}")
             return 0
         if args.action == "down":
             targets = [t for t in netns.topologies() if (t.name == args.name if args.name else t.owner_pid <= 0

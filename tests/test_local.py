@@ -89,3 +89,44 @@ def test_a_launch_holds_its_rendezvous_port_until_rank_0_binds_it(tmp_path):
     log = (tmp_path / "rank-0.log").read_text()
     assert result.code == 0, (result.message, log)
     assert "port held" in log and "rendezvous listens" in log, log
+
+
+def test_under_a_topology_nccl_goes_over_the_throttled_interface(tmp_path, monkeypatch):
+    """Ranks of one machine with a GPU each pick NCCL, which between them copies over NVLink/PCIe and shared memory,
+    never the network: under a topology (each rank a simulated host behind a throttled link) the grad sync, clip
+    norm and tied copies would skip the throttling. Each rank is told to use sockets over the shaped interface, as
+    gloo does; a setting the user made stands."""
+    from types import SimpleNamespace
+
+    from aqpipe.launch.netns import INTERFACE
+
+    seen = {}
+
+    class Recording(CommandStarter):
+        def start(self, rank, env, netns=None):
+            seen[rank] = (env, netns)
+            return super().start(rank, env)  # (run here: the namespaces are the topology's stand-ins)
+
+    topology = SimpleNamespace(address=lambda rank: f"10.99.0.{rank + 1}", namespace=lambda rank: f"aqpipe-test-{rank}")
+    monkeypatch.setenv("NCCL_IB_DISABLE", "0")  # the user's own
+    launch_local(Recording([sys.executable, "-c", "pass"]), 2, lambda rank: f"rank {rank}", {}, 0,
+                 stall_timeout=60, progress=False, topology=topology, log_dir=tmp_path)
+    assert sorted(seen) == [0, 1]
+    for rank, (env, netns) in seen.items():
+        assert netns == f"aqpipe-test-{rank}" and env["GLOO_SOCKET_IFNAME"] == INTERFACE
+        assert env["NCCL_SOCKET_IFNAME"] == INTERFACE
+        assert env["NCCL_P2P_DISABLE"] == env["NCCL_SHM_DISABLE"] == "1" and env["NCCL_NVLS_ENABLE"] == "0"
+        assert env["NCCL_IB_DISABLE"] == "0"
+
+
+def test_on_one_machine_without_a_topology_nccl_stays_on_loopback(tmp_path):
+    seen = {}
+
+    class Recording(CommandStarter):
+        def start(self, rank, env, netns=None):
+            seen[rank] = env
+            return super().start(rank, env, netns)
+
+    launch_local(Recording([sys.executable, "-c", "pass"]), 1, lambda rank: f"rank {rank}", {}, 0,
+                 stall_timeout=60, progress=False, log_dir=tmp_path)
+    assert seen[0]["NCCL_SOCKET_IFNAME"] == "lo" and "NCCL_P2P_DISABLE" not in seen[0]

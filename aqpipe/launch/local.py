@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TextIO
 
-from aqpipe.launch.netns import INTERFACE, Topology, exec_prefix
+from aqpipe.launch.netns import INTERFACE, THROTTLED_NCCL, Topology, exec_prefix
 from aqpipe.launch.signals import deferred_interrupts
 from aqpipe.pipeline.rendezvous import LOOPBACK_ENV
 from aqpipe.runtime.events import EVENT_PREFIX, HEARTBEAT_SECONDS
@@ -163,8 +163,9 @@ def launch_local(
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        AQPIPE_EVENTS="1", AQPIPE_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
             netns = None
-            if topology is not None:  # rendezvous and gloo both go over the shaped interface
+            if topology is not None:  # rendezvous, gloo and NCCL all go over the shaped interface
                 env.update(MASTER_ADDR=topology.address(0), GLOO_SOCKET_IFNAME=INTERFACE)
+                env.update({name: value for name, value in THROTTLED_NCCL.items() if name not in os.environ})
                 netns = topology.namespace(rank)
             else:  # one machine: nothing listens beyond loopback
                 env.update({LOOPBACK_ENV: "1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
