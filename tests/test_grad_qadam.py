@@ -154,3 +154,40 @@ def test_a_parameter_without_a_gradient_on_one_replica_keeps_the_exchange_aligne
     replica0, replica1 = (value for _, value in results)
     assert all(torch.equal(a, b) for a, b in zip(replica0, replica1))  # and the replicas stay identical
     assert float(replica0[1].abs().sum()) > 0  # the parameter replica 0 trained moved on both
+
+
+def test_a_run_resumed_after_the_freeze_steps_as_one_never_stopped(tmp_path):
+    """The frozen second moment's bias correction survives a checkpoint exactly: torch's optimizer load casts every
+    state tensor but `step` to its parameter's dtype, and the correction, kept as a float64 tensor, came back in
+    float32 — every step after a resume past the freeze divided by another number than an unbroken run's."""
+    shapes = [(40,)]
+
+    def make():
+        params = [torch.nn.Parameter(torch.zeros(40))]
+        sync = QAdamSync(DPGroup(None, (0,), 0), bits=4, warmup_steps=3)
+        return params, sync, QuantizedAdam(params, sync, lr=0.01)
+
+    def step(link, k):
+        params, sync, opt = link
+        params[0].grad = grads_for(k, 0, shapes)[0]
+        sync.synchronize(params)
+        opt.step()
+
+    unbroken = make()
+    for k in range(5):  # past the freeze (after step 3)
+        step(unbroken, k)
+    torch.save({"opt": unbroken[2].state_dict(), "sync": unbroken[1].state_dict(),
+                "param": unbroken[0][0].detach().clone()}, tmp_path / "checkpoint.pt")
+    correction = float(unbroken[2].state[unbroken[0][0]]["frozen_correction"])
+    for k in range(5, 9):
+        step(unbroken, k)
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    resumed = make()
+    with torch.no_grad():
+        resumed[0][0].copy_(saved["param"])
+    resumed[2].load_state_dict(saved["opt"])
+    resumed[1].load_state_dict(saved["sync"])
+    assert float(resumed[2].state[resumed[0][0]]["frozen_correction"]) == correction
+    for k in range(5, 9):
+        step(resumed, k)
+    assert torch.equal(resumed[0][0], unbroken[0][0])

@@ -142,8 +142,9 @@ class QuantizedAdam(torch.optim.Optimizer):
                 if not frozen:
                     state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
                     state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                    state["frozen_correction"] = torch.tensor(1 - beta2 ** t, dtype=torch.float64)
-                correction2 = float(state.get("frozen_correction", torch.tensor(1 - beta2 ** t)))
+                    # a Python float: a checkpoint's load casts a state tensor to the parameter's dtype
+                    state["frozen_correction"] = 1 - beta2 ** t
+                correction2 = float(state.get("frozen_correction", 1 - beta2 ** t))
                 denom = (state["exp_avg_sq"] / correction2).sqrt_().add_(group["eps"])
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** t))
