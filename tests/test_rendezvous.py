@@ -68,6 +68,19 @@ def test_powersgd_replicas_on_different_gpu_models_are_refused_before_they_diver
     assert "A100" in text and "use one GPU model for every replica, or another --grad-sync" in text
 
 
+def test_fft_replicas_on_different_gpu_models_are_refused_too(monkeypatch):
+    """`fft` sends each replica's sparse spectrum and every replica inverts the mean with its own cuFFT, whose
+    algorithms differ between GPU models: the replicas' weights would drift apart bit by bit."""
+    import torch
+
+    from aqpipe.pipeline.rendezvous import GPU_MODEL, replica_gpu_facts
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA L4")
+    assert replica_gpu_facts("fft:0.1", 2, cuda)[GPU_MODEL].startswith("NVIDIA L4, CUDA ")
+    assert "fft" in GPU_MODEL and replica_gpu_facts("fft:0.1", 1, cuda) == {}
+
+
 def test_a_flag_given_differently_is_named():
     other = {**FACTS, "config": {"lr": 0.002, "pp": 2}}
     text = agree_all([FACTS, other])[0]

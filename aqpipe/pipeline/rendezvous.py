@@ -111,16 +111,18 @@ def agree(store, rank: int, world_size: int, facts: dict) -> None:
                                    f"with the same flags{hint}")
 
 
-# The fact a run whose replicas must compute bit for bit alike on their GPUs adds (PowerSGD orthogonalizes its
-# factor on every replica: QR and P·Qᵀ agree bit for bit only on the same GPU model, CUDA and torch).
-GPU_MODEL = "GPU model (--grad-sync powersgd orthogonalizes on every replica)"
+# The fact a run whose replicas must compute bit for bit alike on their GPUs adds: PowerSGD orthogonalizes its factor
+# on every replica (QR and P·Qᵀ), and fft inverts the mean spectrum on every replica (cuFFT); each agrees bit for bit
+# only on the same GPU model, CUDA and torch.
+GPU_MODEL = "GPU model (--grad-sync powersgd and fft compute on every replica)"
+REPLICA_COMPUTED = ("powersgd", "fft")  # the --grad-sync methods that do
 
 
 def replica_gpu_facts(grad_sync: str, dp: int, device) -> dict:
-    """What the replicas' GPUs must share for `grad_sync` to keep them bit-identical: with PowerSGD and dp > 1 on
-    CUDA, the GPU model with the CUDA and torch versions (mismatched GPUs would fail the replica digest only at the
-    first checkpoint, as diverged weights); nothing otherwise."""
-    if dp < 2 or device.type != "cuda" or not grad_sync.startswith("powersgd"):
+    """What the replicas' GPUs must share for `grad_sync` to keep them bit-identical: with a method of
+    `REPLICA_COMPUTED` and dp > 1 on CUDA, the GPU model with the CUDA and torch versions (mismatched GPUs would fail
+    the replica digest only at the first checkpoint, as diverged weights); nothing otherwise."""
+    if dp < 2 or device.type != "cuda" or grad_sync.split(":")[0] not in REPLICA_COMPUTED:
         return {}
     import torch
 
