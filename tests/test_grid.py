@@ -39,16 +39,13 @@ def test_invalid_grids_are_rejected(pp, dp, rank):
         Grid(pp, dp, rank)
 
 
-def test_ranks_share_gpus_round_robin_and_nccl_only_with_a_gpu_each(monkeypatch):
-    """A rank computes on GPU (local rank mod GPUs); NCCL, which refuses two ranks of a communicator on one device,
-    only when every local rank has a GPU of its own, else gloo (collectives staged through the host)."""
+def test_ranks_share_gpus_round_robin(monkeypatch):
+    """A rank computes on GPU local rank mod the GPUs its host shows."""
     import torch
 
-    from aqpipe.pipeline.grid import collective_backend, rank_device
+    from aqpipe.pipeline.grid import rank_device
 
     assert rank_device("cpu", 3) == torch.device("cpu")
-    assert collective_backend(torch.device("cpu"), 4) == "gloo"
-    for gpus, local_world, backend in ((1, 4, "gloo"), (2, 4, "gloo"), (4, 4, "nccl"), (8, 4, "nccl")):
+    for gpus, local_world in ((1, 4), (2, 4), (4, 4), (8, 4)):
         monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
         assert [rank_device("cuda", r).index for r in range(local_world)] == [r % gpus for r in range(local_world)]
-        assert collective_backend(torch.device("cuda", 0), local_world) == backend

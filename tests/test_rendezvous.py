@@ -130,3 +130,44 @@ def test_the_ranks_of_a_host_are_counted_under_torchrun_and_deepspeed(monkeypatc
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     assert local_world_size(8) == size
+
+
+def _backends(gpus: list) -> list[str]:
+    """Every rank of one store choosing its collective backend, each on a thread, rank r on GPU `gpus[r]`."""
+    from aqpipe.pipeline.rendezvous import collective_backend
+
+    store = dist.HashStore()
+    chosen = [""] * len(gpus)
+
+    def one(rank: int) -> None:
+        chosen[rank] = collective_backend(store, rank, len(gpus), gpus[rank])
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(gpus))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return chosen
+
+
+def test_nccl_only_where_every_rank_has_a_gpu_no_other_rank_uses():
+    """NCCL refuses two ranks of a communicator on one GPU, so ranks that share one use gloo (collectives staged
+    through the host). Which GPU a rank has is its UUID, not its index on the host: ranks each given their own GPU
+    through CUDA_VISIBLE_DEVICES (SLURM's --gpus-per-task=1, a Kubernetes pod per rank) all see cuda:0 and a host of
+    one GPU, and the old rule (local ranks ≤ GPUs the host shows) put them on gloo. Every rank chooses alike."""
+    assert _backends(["GPU-1a", "GPU-2b", "GPU-3c", "GPU-4d"]) == ["nccl"] * 4
+    assert _backends(["GPU-1a", "GPU-1a", "GPU-3c", "GPU-4d"]) == ["gloo"] * 4  # two ranks on one GPU (MPS, say)
+    assert _backends([None, None]) == ["gloo"] * 2  # on the host
+    assert _backends(["GPU-1a", None]) == ["gloo"] * 2  # (the device fact then names the mismatch)
+
+
+def test_a_gpu_is_known_by_its_uuid(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from aqpipe.pipeline.rendezvous import gpu_identity
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="0a1b-2c3d"))
+    assert gpu_identity(torch.device("cuda", 0)) == "0a1b-2c3d"
+    assert gpu_identity(torch.device("cpu")) is None

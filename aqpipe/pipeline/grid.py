@@ -141,15 +141,6 @@ def rank_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
 
 
-def collective_backend(device: torch.device, local_world: int) -> str:
-    """The torch.distributed backend of a rank on `device`: NCCL when every local rank has a GPU of its own, gloo
-    otherwise — on the host, and when ranks share a GPU (NCCL refuses two ranks of one communicator on one device;
-    collectives then stage through host memory, see `collective_device`)."""
-    if device.type == "cuda" and local_world <= torch.cuda.device_count():
-        return "nccl"
-    return "gloo"
-
-
 def collective_device(device: torch.device) -> torch.device:
     """Where a tensor handed to a collective must live: on `device` under NCCL (it refuses host tensors), on the host
     under gloo."""

@@ -111,6 +111,28 @@ def agree(store, rank: int, world_size: int, facts: dict) -> None:
                                    f"with the same flags{hint}")
 
 
+def gpu_identity(device) -> str | None:
+    """The GPU a rank computes on, as every process that sees it names it (its UUID; the index differs with
+    CUDA_VISIBLE_DEVICES); None on the host."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def collective_backend(store, rank: int, world_size: int, gpu: str | None) -> str:
+    """The torch.distributed backend of every rank: NCCL when each computes on a GPU (`gpu`: `gpu_identity`) that no
+    other rank uses, gloo otherwise — on the host, and where ranks share a GPU (NCCL refuses two ranks of one
+    communicator on one device; collectives then stage through host memory: `grid.collective_device`). Each rank
+    publishes its GPU and reads everyone's, so all choose alike."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"aqpipe/gpu/{attempt}/{{}}"
+    store.set(key.format(rank), json.dumps(gpu))
+    gpus = [json.loads(store.get(key.format(r))) for r in range(world_size)]
+    return "nccl" if all(gpus) and len(set(gpus)) == len(gpus) else "gloo"
+
+
 # The fact a run whose replicas must compute bit for bit alike on their GPUs adds: PowerSGD orthogonalizes its factor
 # on every replica (QR and P·Qᵀ), and fft inverts the mean spectrum on every replica (cuFFT); each agrees bit for bit
 # only on the same GPU model, CUDA and torch.

@@ -12,11 +12,13 @@ import torch.distributed as dist
 
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.pipeline import comm
-from aqpipe.pipeline.grid import Grid, collective_backend, host_leader, local_rank, local_world_size, rank_device
+from aqpipe.pipeline.grid import Grid, host_leader, local_rank, local_world_size, rank_device
 from aqpipe.pipeline.rendezvous import (
     HOST_LOCAL_SETTINGS,
     HostDisagreement,
     agree,
+    collective_backend,
+    gpu_identity,
     pin_gloo_interface,
     rendezvous_store,
     replica_gpu_facts,
@@ -63,11 +65,11 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
                           else max(1, (os.cpu_count() or 1) // local_world))
     torch.manual_seed(cfg.seed)
 
-    backend = collective_backend(device, local_world)
-    if backend == "gloo":
-        pin_gloo_interface()
     timeout = timedelta(seconds=cfg.stall_timeout)
     store = rendezvous_store(rank, world_size, timeout)
+    backend = collective_backend(store, rank, world_size, gpu_identity(device))
+    if backend == "gloo":
+        pin_gloo_interface()
     try:
         agree(store, rank, world_size, {
             "device": device.type, "backend": backend, "world": [cfg.pp, cfg.dp, world_size],
