@@ -132,7 +132,7 @@ def _gpu_plan(stage_bytes: int, ranks: int):
     from types import SimpleNamespace
 
     cfg = SimpleNamespace(device="cuda", world_size=ranks, pp=ranks, dp=1, store_device="cpu")
-    stages = [SimpleNamespace(memory_bytes=stage_bytes) for _ in range(ranks)]
+    stages = [SimpleNamespace(memory_bytes=stage_bytes, sync_bytes=0, sync_where="device") for _ in range(ranks)]
     return cap.CapacityPlan(cfg, stages, [])
 
 
@@ -189,3 +189,31 @@ def test_a_gpu_runs_plan_counts_what_its_codecs_cuda_graphs_hold_and_a_cpu_runs_
     off = cap.plan_capacity(make_plan(dataclasses.replace(cfg, device="cuda")))
     assert all(s.codec_bytes == 0 for s in off.stages)
     assert "codec CUDA graphs" not in cap.format_plan(off)
+
+
+def test_the_plan_counts_the_grad_syncs_copies_where_its_collectives_run(tmp_path, monkeypatch, capsys):
+    """With replicas, the grad sync holds fp32 copies of a stage's trained parameters: what its method keeps from
+    step to step (error feedback's residual: one) and, while it runs, the flat gradient and its combined result. They
+    live where the collectives run: on the host for a CPU run, on each rank's GPU under NCCL (a GPU per rank), in
+    host RAM under gloo (ranks sharing a GPU). The plan left them out, so a run that 'fit' a GPU under NCCL could run
+    out of memory at its first grad sync."""
+    import dataclasses
+
+    monkeypatch.setattr(cap, "check_fits", lambda capacity: None)  # (the numbers alone: no machine to fit)
+    cfg = flags_to_config([*SMALL, "--dp", "2"], tmp_path)
+    plain = cap.plan_capacity(make_plan(cfg))
+    assert [s.sync_bytes for s in plain.stages] == [4 * s.trainable for s in plain.stages]  # none: in place
+    ef = cap.plan_capacity(make_plan(dataclasses.replace(cfg, grad_sync="ef:4")))
+    for before, after in zip(plain.stages, ef.stages):
+        assert after.sync_bytes == 4 * 3 * after.trainable and after.sync_where == "device"
+        assert after.memory_bytes - before.memory_bytes == 4 * 2 * after.trainable
+    assert "grad sync (--grad-sync ef:4, --dp 2) at its peak, in the host:" in cap.format_plan(ef)
+    single = cap.plan_capacity(make_plan(dataclasses.replace(cfg, dp=1, grad_sync="ef:4")))
+    assert all(s.sync_bytes == 0 for s in single.stages) and "grad sync" not in cap.format_plan(single)
+    for gpus, where in ((8, "device"), (1, "RAM")):  # 8 ranks: a GPU each (NCCL), or all on one (gloo)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        gpu = cap.plan_capacity(make_plan(dataclasses.replace(cfg, device="cuda", grad_sync="ef:4")))
+        assert {s.sync_where for s in gpu.stages} == {where}
+        for s in gpu.stages:
+            assert s.memory_bytes - (s.sync_bytes if where == "device" else 0) == (
+                s.weight_bytes + s.grad_bytes + s.optimizer_bytes + s.activation_bytes + s.codec_bytes)

@@ -18,6 +18,7 @@ import torch
 
 from aqpipe.compress import cuda_graphs
 from aqpipe.compress.grad.base import ring_all_reduce_bytes
+from aqpipe.compress.grad.methods import sync_copies
 from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_bytes, numel
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ConfigError, ResolvedConfig
@@ -49,6 +50,8 @@ class StageNeeds:
     store_bytes: int = 0  # the m(ξ) sides this rank keeps (bytes of values; on disk under lmdb, with its headroom)
     store_where: str = "RAM"  # RAM (--store memory), GPU (--store-device cuda) or disk (--store lmdb)
     codec_bytes: int = 0  # what its codecs' CUDA graphs hold on its GPU for the run (`aqpipe.runtime.codec_graphs`)
+    sync_bytes: int = 0  # what the replicas' grad sync holds at its peak (`methods.sync_copies`)
+    sync_where: str = "device"  # where: with the stage's tensors ("device": NCCL, or the CPU), or in host RAM (gloo)
 
     @property
     def activation_bytes(self) -> int:
@@ -58,9 +61,10 @@ class StageNeeds:
     @property
     def memory_bytes(self) -> int:
         """What lives in the memory of the device the stage computes on (a store in host RAM counts there only on
-        the CPU)."""
+        the CPU; a grad sync staged through the host, not on a GPU)."""
         model = self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + self.codec_bytes
-        return model + (self.store_bytes if self.store_where == "GPU" else 0)
+        return (model + (self.store_bytes if self.store_where == "GPU" else 0)
+                + (self.sync_bytes if self.sync_where == "device" else 0))
 
 
 @dataclass
@@ -183,7 +187,8 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
             m * steady_payload_bytes(cfg.bw, "bw", shape, torch.float32, options),
             m * raw_payload_bytes(cfg.fw, "fw", shape, dtype), m * raw_payload_bytes(cfg.bw, "bw", shape, torch.float32),
             side, m * first_sight_payload_bytes(cfg.fw, cfg.first_sight, shape, dtype, options)))
-    copies = state_copies(cfg)
+    copies, sync = state_copies(cfg), sync_copies(cfg.grad_sync, cfg.dp)
+    sync_where = "RAM" if cfg.device == "cuda" and not gpu_each(cfg) else "device"
     headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
     stages = []
     link_shapes = [link.activation_shape for link in links]
@@ -192,7 +197,8 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
         stages.append(StageNeeds(
             s, (plan.bounds[s], plan.bounds[s + 1]), params, trainable, 4 * params, 4 * trainable,
             4 * copies * trainable, act, micro_batches_held(cfg.schedule, s, cfg.pp, m),
-            int(sum(sides) * headroom), store_where(cfg), stage_graph_bytes(cfg, s, link_shapes)))
+            int(sum(sides) * headroom), store_where(cfg), stage_graph_bytes(cfg, s, link_shapes),
+            int(4 * sync * trainable), sync_where))
     capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None,
                             tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch)
     check_fits(capacity)
@@ -223,6 +229,12 @@ def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
     return TiedNeeds("rows", rows + dense, sum(table_bytes.values()), distinct)
 
 
+def gpu_each(cfg: ResolvedConfig) -> bool:
+    """Whether each rank of a CUDA run has a GPU of this machine to itself, as the plan maps them (rank mod GPUs):
+    its collectives then run on NCCL, with the grad sync's tensors on the GPU."""
+    return 0 < cfg.world_size <= torch.cuda.device_count()
+
+
 def store_where(cfg: ResolvedConfig) -> str:
     """Where the m(ξ) stores of a run live: RAM, GPU or disk."""
     if cfg.store == "lmdb":
@@ -241,8 +253,8 @@ def check_fits(capacity: CapacityPlan) -> None:
         capacity.available["RAM"] = free
         if needed > free:
             capacity.problems.append(f"the {cfg.world_size} ranks need about {_gb(needed)} of RAM (weights, gradients, "
-                                     f"optimizer state, activations{', m(xi) stores' if cfg.store == 'memory' else ''}) "
-                                     f"but {_gb(free)} is available")
+                                     f"optimizer state, activations{', m(xi) stores' if cfg.store == 'memory' else ''}"
+                                     f"{_sync_part(capacity)}) but {_gb(free)} is available")
         return
     gpus = torch.cuda.device_count()
     if gpus == 0:
@@ -259,10 +271,15 @@ def check_fits(capacity: CapacityPlan) -> None:
             capacity.problems.append(
                 f"cuda:{gpu} would hold about {_gb(needed)} (weights, gradients, optimizer state, activations"
                 f"{', m(xi) stores' if cfg.store_device == 'cuda' else ''}"
-                f"{', codec CUDA graphs' if cuda_graphs.enabled() else ''} of its "
+                f"{', codec CUDA graphs' if cuda_graphs.enabled() else ''}{_sync_part(capacity)} of its "
                 f"{len(ranks)} rank(s), with "
                 f"{_gb(CUDA_CONTEXT_BYTES)} of CUDA context each and {ALLOCATOR_HEADROOM - 1:.0%} for the caching "
                 f"allocator) but has {_gb(free)} {'free' if known else 'in all (free memory unknown: no pynvml)'}")
+
+
+def _sync_part(capacity: CapacityPlan) -> str:
+    """The grad sync's mention in a does-not-fit message, where the plan counts it with the stage's tensors."""
+    return ", grad sync" if any(s.sync_bytes and s.sync_where == "device" for s in capacity.stages) else ""
 
 
 # What a rank's process takes on its GPU beyond its tensors: the CUDA context with cuBLAS/cuDNN workspaces (about
@@ -333,6 +350,11 @@ def format_plan(capacity: CapacityPlan) -> str:
             warmup = (f" ({capacity.link_bound_step_seconds(warmup=True):.2f} s during the fp32 warm-up)"
                       if cfg.warmup_epochs else "")
             lines.append(f"at --bandwidth {cfg.bandwidth}: the links alone need at least {step:.2f} s per step{warmup}")
+    if any(s.sync_bytes for s in capacity.stages):
+        where = "host RAM (gloo)" if capacity.stages[0].sync_where == "RAM" else (
+            "the host" if cfg.device == "cpu" else "each rank's GPU (NCCL)")
+        lines.append(f"grad sync (--grad-sync {cfg.grad_sync}, --dp {cfg.dp}) at its peak, in {where}: "
+                     + ", ".join(f"stage {s.stage} {_gb(s.sync_bytes)}" for s in capacity.stages))
     if any(s.codec_bytes for s in capacity.stages):
         lines.append("codec CUDA graphs (held for the run, in each rank's GPU memory): "
                      + ", ".join(f"stage {s.stage} {_gb(s.codec_bytes)}" for s in capacity.stages))

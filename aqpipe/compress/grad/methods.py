@@ -25,6 +25,11 @@ METHODS = {
                        "(0: never; use SGD)"),
 }
 SIGN_BASED = ("signsgd", "marsit")
+# fp32 copies of a stage's trained parameters a method keeps from step to step where the replicas' collectives run (a
+# GPU under NCCL, else the host): error feedback's residual, PowerSGD's error, Marsit's compensation, qadam's worker
+# residual (its server residual, a 1/dp chunk, comes on top); the others keep none
+KEPT_COPIES = {"powersgd": 1, "ef": 1, "qadam": 1, "topk": 1, "sidco": 1, "marsit": 1}
+ALL_REDUCED_IN_PLACE = ("none",)  # the flat gradient averaged where it lies; every other method makes a result beside it
 
 
 class GradSpecError(ValueError):
@@ -113,3 +118,15 @@ def check_pairing(spec: GradSpec, optimizer: str) -> None:
     if spec.method == "qadam" and optimizer != "adamw":
         raise GradSpecError(f"--grad-sync qadam is a compressed Adam; --optimizer {optimizer} cannot run it — "
                             f"use --optimizer adamw")
+
+
+def sync_copies(text: str, dp: int) -> float:
+    """fp32 copies of a stage's trained parameters one replica's grad sync holds at its peak, where its collectives
+    run: what the method keeps (`KEPT_COPIES`), the flat gradient, and the combined result beside it (but for an
+    all-reduce in place); none without replicas."""
+    if dp < 2:
+        return 0.0
+    method = parse_grad_spec(text).method
+    kept = KEPT_COPIES.get(method, 0) + (1 / dp if method == "qadam" else 0)
+    return kept + (1 if method in ALL_REDUCED_IN_PLACE else 2)
+
