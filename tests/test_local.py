@@ -95,7 +95,8 @@ def test_under_a_topology_nccl_goes_over_the_throttled_interface(tmp_path, monke
     """Ranks of one machine with a GPU each pick NCCL, which between them copies over NVLink/PCIe and shared memory,
     never the network: under a topology (each rank a simulated host behind a throttled link) the grad sync, clip
     norm and tied copies would skip the throttling. Each rank is told to use sockets over the shaped interface, as
-    gloo does; a setting the user made stands."""
+    gloo does — over a setting the user made, which would defeat the throttle (or name an interface the namespace
+    lacks)."""
     from types import SimpleNamespace
 
     from aqpipe.launch.netns import INTERFACE
@@ -108,15 +109,16 @@ def test_under_a_topology_nccl_goes_over_the_throttled_interface(tmp_path, monke
             return super().start(rank, env)  # (run here: the namespaces are the topology's stand-ins)
 
     topology = SimpleNamespace(address=lambda rank: f"10.99.0.{rank + 1}", namespace=lambda rank: f"aqpipe-test-{rank}")
-    monkeypatch.setenv("NCCL_IB_DISABLE", "0")  # the user's own
+    monkeypatch.setenv("NCCL_IB_DISABLE", "0")  # the user's own, for the cluster's real links
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     launch_local(Recording([sys.executable, "-c", "pass"]), 2, lambda rank: f"rank {rank}", {}, 0,
                  stall_timeout=60, progress=False, topology=topology, log_dir=tmp_path)
     assert sorted(seen) == [0, 1]
     for rank, (env, netns) in seen.items():
         assert netns == f"aqpipe-test-{rank}" and env["GLOO_SOCKET_IFNAME"] == INTERFACE
-        assert env["NCCL_SOCKET_IFNAME"] == INTERFACE
-        assert env["NCCL_P2P_DISABLE"] == env["NCCL_SHM_DISABLE"] == "1" and env["NCCL_NVLS_ENABLE"] == "0"
-        assert env["NCCL_IB_DISABLE"] == "0"
+        assert env["NCCL_SOCKET_IFNAME"] == f"={INTERFACE}" and env["NCCL_NET"] == "Socket"  # (exactly that one)
+        assert env["NCCL_P2P_DISABLE"] == env["NCCL_SHM_DISABLE"] == env["NCCL_IB_DISABLE"] == "1"
+        assert env["NCCL_NVLS_ENABLE"] == "0"
 
 
 def test_on_one_machine_without_a_topology_nccl_stays_on_loopback(tmp_path):

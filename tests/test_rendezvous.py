@@ -152,22 +152,31 @@ def _backends(gpus: list) -> list[str]:
 
 def test_nccl_only_where_every_rank_has_a_gpu_no_other_rank_uses():
     """NCCL refuses two ranks of a communicator on one GPU, so ranks that share one use gloo (collectives staged
-    through the host). Which GPU a rank has is its UUID, not its index on the host: ranks each given their own GPU
-    through CUDA_VISIBLE_DEVICES (SLURM's --gpus-per-task=1, a Kubernetes pod per rank) all see cuda:0 and a host of
-    one GPU, and the old rule (local ranks ≤ GPUs the host shows) put them on gloo. Every rank chooses alike."""
+    through the host). Which GPU a rank has is its identity (`gpu_identity`), not its index on the host: ranks each
+    given their own GPU through CUDA_VISIBLE_DEVICES (SLURM's --gpus-per-task=1, a Kubernetes pod per rank) all see
+    cuda:0 and a host of one GPU, and the old rule (local ranks ≤ GPUs the host shows) put them on gloo. Every rank
+    chooses alike."""
     assert _backends(["GPU-1a", "GPU-2b", "GPU-3c", "GPU-4d"]) == ["nccl"] * 4
     assert _backends(["GPU-1a", "GPU-1a", "GPU-3c", "GPU-4d"]) == ["gloo"] * 4  # two ranks on one GPU (MPS, say)
     assert _backends([None, None]) == ["gloo"] * 2  # on the host
     assert _backends(["GPU-1a", None]) == ["gloo"] * 2  # (the device fact then names the mismatch)
 
 
-def test_a_gpu_is_known_by_its_uuid(monkeypatch):
+def test_a_gpu_is_known_as_nccl_knows_it_by_its_host_and_pci_address(monkeypatch):
+    """Two MIG slices of one GPU have UUIDs of their own but one PCI address, and NCCL refuses two ranks on them
+    ("duplicate GPU"): they count as one GPU, so their ranks use gloo. Without a PCI address from torch, the UUID."""
+    import socket
     from types import SimpleNamespace
 
     import torch
 
     from aqpipe.pipeline.rendezvous import gpu_identity
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="0a1b-2c3d"))
-    assert gpu_identity(torch.device("cuda", 0)) == "0a1b-2c3d"
+    slices = iter([SimpleNamespace(uuid="MIG-1", pci_domain_id=0, pci_bus_id=0x41, pci_device_id=0),
+                   SimpleNamespace(uuid="MIG-2", pci_domain_id=0, pci_bus_id=0x41, pci_device_id=0)])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: next(slices))
+    mig = [gpu_identity(torch.device("cuda", 0)) for _ in range(2)]
+    assert mig[0] == mig[1] == f"{socket.gethostname()} pci 0000:41:00" and _backends(mig) == ["gloo"] * 2
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-0a1b"))
+    assert gpu_identity(torch.device("cuda", 0)) == "uuid GPU-0a1b"
     assert gpu_identity(torch.device("cpu")) is None

@@ -164,8 +164,7 @@ def launch_local(
                        AQPIPE_EVENTS="1", AQPIPE_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
             netns = None
             if topology is not None:  # rendezvous, gloo and NCCL all go over the shaped interface
-                env.update(MASTER_ADDR=topology.address(0), GLOO_SOCKET_IFNAME=INTERFACE)
-                env.update({name: value for name, value in THROTTLED_NCCL.items() if name not in os.environ})
+                env.update(MASTER_ADDR=topology.address(0), GLOO_SOCKET_IFNAME=INTERFACE, **THROTTLED_NCCL)
                 netns = topology.namespace(rank)
             else:  # one machine: nothing listens beyond loopback
                 env.update({LOOPBACK_ENV: "1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})

@@ -30,10 +30,12 @@ INTERFACE = "aq0"
 SUBNET = "10.231.0"  # private; only the namespaces a topology creates hold addresses in it
 MAX_RANKS = 250
 # Each rank is a simulated host behind a throttled link, but NCCL knows the ranks share a machine, and would move
-# their collectives over NVLink/PCIe peer copies, shared memory or NVLink SHARP, past the throttling: it is sent over
-# sockets on the shaped interface instead, as gloo is (the launcher leaves a variable the user set as it is).
-THROTTLED_NCCL = {"NCCL_SOCKET_IFNAME": INTERFACE, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
-                  "NCCL_IB_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+# their collectives over NVLink/PCIe peer copies, shared memory, NVLink SHARP or a network plugin's devices (shared
+# across namespaces), past the throttling: it is sent over its own sockets on the shaped interface alone, as gloo is.
+# The launcher sets these over any the user set: another value would defeat the throttle, or name an interface the
+# namespace lacks.
+THROTTLED_NCCL = {"NCCL_SOCKET_IFNAME": f"={INTERFACE}", "NCCL_NET": "Socket", "NCCL_P2P_DISABLE": "1",
+                  "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
 
 
 class NetnsError(RuntimeError):

@@ -112,13 +112,18 @@ def agree(store, rank: int, world_size: int, facts: dict) -> None:
 
 
 def gpu_identity(device) -> str | None:
-    """The GPU a rank computes on, as every process that sees it names it (its UUID; the index differs with
-    CUDA_VISIBLE_DEVICES); None on the host."""
+    """The GPU a rank computes on, as NCCL tells GPUs apart: its host and PCI address (the index differs with
+    CUDA_VISIBLE_DEVICES; MIG slices of one GPU, which NCCL refuses to pair, share the address but not the UUID);
+    its UUID where torch gives no PCI address. None on the host."""
     if device.type != "cuda":
         return None
     import torch
 
-    return str(torch.cuda.get_device_properties(device).uuid)
+    props = torch.cuda.get_device_properties(device)
+    pci = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
+    if None in pci:
+        return f"uuid {props.uuid}"
+    return f"{socket.gethostname()} pci {pci[0]:04x}:{pci[1]:02x}:{pci[2]:02x}"
 
 
 def collective_backend(store, rank: int, world_size: int, gpu: str | None) -> str:
