@@ -132,7 +132,7 @@ def _gpu_plan(stage_bytes: int, ranks: int):
     from types import SimpleNamespace
 
     cfg = SimpleNamespace(device="cuda", world_size=ranks, pp=ranks, dp=1, store_device="cpu")
-    stages = [SimpleNamespace(memory_bytes=stage_bytes, sync_bytes=0, sync_where="device") for _ in range(ranks)]
+    stages = [SimpleNamespace(memory_bytes=stage_bytes, sync_peak_bytes=0) for _ in range(ranks)]
     return cap.CapacityPlan(cfg, stages, [])
 
 
@@ -191,29 +191,36 @@ def test_a_gpu_runs_plan_counts_what_its_codecs_cuda_graphs_hold_and_a_cpu_runs_
     assert "codec CUDA graphs" not in cap.format_plan(off)
 
 
-def test_the_plan_counts_the_grad_syncs_copies_where_its_collectives_run(tmp_path, monkeypatch, capsys):
-    """With replicas, the grad sync holds fp32 copies of a stage's trained parameters: what its method keeps from
-    step to step (error feedback's residual: one) and, while it runs, the flat gradient and its combined result. They
-    live where the collectives run: on the host for a CPU run, on each rank's GPU under NCCL (a GPU per rank), in
-    host RAM under gloo (ranks sharing a GPU). The plan left them out, so a run that 'fit' a GPU under NCCL could run
-    out of memory at its first grad sync."""
+def test_the_plan_counts_the_grad_syncs_copies_where_its_collectives_run(tmp_path, monkeypatch):
+    """With replicas, the grad sync holds fp32 copies of a stage's trained parameters (`methods.sync_copies`): what
+    its method keeps from step to step (error feedback's residual), beside the activations, and at its peak after
+    the backward passes, when the activations are gone. They live where the collectives run: on the host for a CPU
+    run, on each rank's GPU under NCCL (a GPU per rank); under gloo (ranks sharing a GPU) only the flat gradient and
+    its result are on the GPU. The plan left them out, so a run that 'fit' a GPU under NCCL could run out of memory
+    at its first grad sync."""
     import dataclasses
+
+    from aqpipe.compress.grad.methods import sync_copies
 
     monkeypatch.setattr(cap, "check_fits", lambda capacity: None)  # (the numbers alone: no machine to fit)
     cfg = flags_to_config([*SMALL, "--dp", "2"], tmp_path)
-    plain = cap.plan_capacity(make_plan(cfg))
-    assert [s.sync_bytes for s in plain.stages] == [4 * s.trainable for s in plain.stages]  # none: in place
-    ef = cap.plan_capacity(make_plan(dataclasses.replace(cfg, grad_sync="ef:4")))
-    for before, after in zip(plain.stages, ef.stages):
-        assert after.sync_bytes == 4 * 3 * after.trainable and after.sync_where == "device"
-        assert after.memory_bytes - before.memory_bytes == 4 * 2 * after.trainable
-    assert "grad sync (--grad-sync ef:4, --dp 2) at its peak, in the host:" in cap.format_plan(ef)
     single = cap.plan_capacity(make_plan(dataclasses.replace(cfg, dp=1, grad_sync="ef:4")))
-    assert all(s.sync_bytes == 0 for s in single.stages) and "grad sync" not in cap.format_plan(single)
+    assert all(s.sync_kept_bytes == s.sync_peak_bytes == 0 for s in single.stages)
+    assert "grad sync" not in cap.format_plan(single)
+    ef = cap.plan_capacity(make_plan(dataclasses.replace(cfg, grad_sync="ef:4")))
+    kept, peak = sync_copies("ef:4", 2)
+    assert (kept, peak) == (1, 9.0)
+    for before, after in zip(single.stages, ef.stages):
+        assert (after.sync_kept_bytes, after.sync_peak_bytes) == (int(4 * after.trainable), int(36 * after.trainable))
+        model = after.weight_bytes + after.grad_bytes + after.optimizer_bytes
+        assert after.memory_bytes == model + max(after.activation_bytes + after.sync_kept_bytes, after.sync_peak_bytes)
+        assert before.memory_bytes == model + before.activation_bytes
+    assert "grad sync (--grad-sync ef:4, --dp 2), on the host: kept / at its peak" in cap.format_plan(ef)
     for gpus, where in ((8, "device"), (1, "RAM")):  # 8 ranks: a GPU each (NCCL), or all on one (gloo)
         monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
         gpu = cap.plan_capacity(make_plan(dataclasses.replace(cfg, device="cuda", grad_sync="ef:4")))
         assert {s.sync_where for s in gpu.stages} == {where}
         for s in gpu.stages:
-            assert s.memory_bytes - (s.sync_bytes if where == "device" else 0) == (
-                s.weight_bytes + s.grad_bytes + s.optimizer_bytes + s.activation_bytes + s.codec_bytes)
+            copies = (1, 9.0) if where == "device" else (0, cap.GLOO_DEVICE_COPIES)
+            assert (s.sync_kept_bytes, s.sync_peak_bytes) == (int(4 * copies[0] * s.trainable),
+                                                              int(4 * copies[1] * s.trainable))

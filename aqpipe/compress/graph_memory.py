@@ -54,7 +54,7 @@ def stand_in(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def held_bytes(call: GraphCall) -> int:
     """Device bytes the graph of `call` holds once captured: its inputs' copies and the most its ops held at once."""
     call.fn(*call.inputs)  # (the caches it reads: made by the first call, which no graph captures)
-    meter = _LiveBytes(call.inputs)
+    meter = LiveBytes(call.inputs)
     with meter:
         outputs = call.fn(*call.inputs)
     del outputs
@@ -90,7 +90,7 @@ class _Storage:
     tensors: int = 0
 
 
-class _LiveBytes(TorchDispatchMode):
+class LiveBytes(TorchDispatchMode):
     """The most bytes of storage the ops run under it held at once, and the block sizes they made: a storage counts
     from the op that made it until the last tensor on it dies; views of tensors from outside (the inputs, cached
     tables) count nothing."""

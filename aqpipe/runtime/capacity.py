@@ -50,8 +50,12 @@ class StageNeeds:
     store_bytes: int = 0  # the m(ξ) sides this rank keeps (bytes of values; on disk under lmdb, with its headroom)
     store_where: str = "RAM"  # RAM (--store memory), GPU (--store-device cuda) or disk (--store lmdb)
     codec_bytes: int = 0  # what its codecs' CUDA graphs hold on its GPU for the run (`aqpipe.runtime.codec_graphs`)
-    sync_bytes: int = 0  # what the replicas' grad sync holds at its peak (`methods.sync_copies`)
-    sync_where: str = "device"  # where: with the stage's tensors ("device": NCCL, or the CPU), or in host RAM (gloo)
+    # what the replicas' grad sync holds in the stage's device memory (`methods.sync_copies`): from step to step, and
+    # at its peak while it runs after the step's backward passes (activations freed); under gloo on a GPU only the
+    # flat gradient and its result, the rest staged in host RAM ("RAM")
+    sync_kept_bytes: int = 0
+    sync_peak_bytes: int = 0
+    sync_where: str = "device"
 
     @property
     def activation_bytes(self) -> int:
@@ -60,11 +64,12 @@ class StageNeeds:
 
     @property
     def memory_bytes(self) -> int:
-        """What lives in the memory of the device the stage computes on (a store in host RAM counts there only on
-        the CPU; a grad sync staged through the host, not on a GPU)."""
-        model = self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + self.codec_bytes
-        return (model + (self.store_bytes if self.store_where == "GPU" else 0)
-                + (self.sync_bytes if self.sync_where == "device" else 0))
+        """The most that lives at once in the memory of the device the stage computes on (a store in host RAM counts
+        there only on the CPU): the activations held for backward with the grad sync's kept state, or the grad sync
+        at its peak, whichever is more."""
+        model = self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.codec_bytes
+        held = max(self.activation_bytes + self.sync_kept_bytes, self.sync_peak_bytes)
+        return model + held + (self.store_bytes if self.store_where == "GPU" else 0)
 
 
 @dataclass
@@ -187,8 +192,10 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
             m * steady_payload_bytes(cfg.bw, "bw", shape, torch.float32, options),
             m * raw_payload_bytes(cfg.fw, "fw", shape, dtype), m * raw_payload_bytes(cfg.bw, "bw", shape, torch.float32),
             side, m * first_sight_payload_bytes(cfg.fw, cfg.first_sight, shape, dtype, options)))
-    copies, sync = state_copies(cfg), sync_copies(cfg.grad_sync, cfg.dp)
+    copies, (kept, peak) = state_copies(cfg), sync_copies(cfg.grad_sync, cfg.dp)
     sync_where = "RAM" if cfg.device == "cuda" and not gpu_each(cfg) else "device"
+    if sync_where == "RAM" and peak:  # staged through the host: on the GPU, the flat gradient and its result
+        kept, peak = 0.0, float(GLOO_DEVICE_COPIES)
     headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
     stages = []
     link_shapes = [link.activation_shape for link in links]
@@ -198,7 +205,7 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
             s, (plan.bounds[s], plan.bounds[s + 1]), params, trainable, 4 * params, 4 * trainable,
             4 * copies * trainable, act, micro_batches_held(cfg.schedule, s, cfg.pp, m),
             int(sum(sides) * headroom), store_where(cfg), stage_graph_bytes(cfg, s, link_shapes),
-            int(4 * sync * trainable), sync_where))
+            int(4 * kept * trainable), int(4 * peak * trainable), sync_where))
     capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None,
                             tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch)
     check_fits(capacity)
@@ -227,6 +234,9 @@ def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
     value_bytes = getattr(torch, ROW_EXCHANGES[cfg.tied_exchange]).itemsize
     rows = sum(2 * (round(distinct) * (value_bytes * width + 8) + cfg.micro_batches * HEADER_SIZE) for width in widths)
     return TiedNeeds("rows", rows + dense, sum(table_bytes.values()), distinct)
+
+
+GLOO_DEVICE_COPIES = 2  # what a grad sync staged through the host holds on the GPU: the flat gradient, its result
 
 
 def gpu_each(cfg: ResolvedConfig) -> bool:
@@ -279,7 +289,7 @@ def check_fits(capacity: CapacityPlan) -> None:
 
 def _sync_part(capacity: CapacityPlan) -> str:
     """The grad sync's mention in a does-not-fit message, where the plan counts it with the stage's tensors."""
-    return ", grad sync" if any(s.sync_bytes and s.sync_where == "device" for s in capacity.stages) else ""
+    return ", grad sync" if any(s.sync_peak_bytes for s in capacity.stages) else ""
 
 
 # What a rank's process takes on its GPU beyond its tensors: the CUDA context with cuBLAS/cuDNN workspaces (about
@@ -350,11 +360,13 @@ def format_plan(capacity: CapacityPlan) -> str:
             warmup = (f" ({capacity.link_bound_step_seconds(warmup=True):.2f} s during the fp32 warm-up)"
                       if cfg.warmup_epochs else "")
             lines.append(f"at --bandwidth {cfg.bandwidth}: the links alone need at least {step:.2f} s per step{warmup}")
-    if any(s.sync_bytes for s in capacity.stages):
-        where = "host RAM (gloo)" if capacity.stages[0].sync_where == "RAM" else (
-            "the host" if cfg.device == "cpu" else "each rank's GPU (NCCL)")
-        lines.append(f"grad sync (--grad-sync {cfg.grad_sync}, --dp {cfg.dp}) at its peak, in {where}: "
-                     + ", ".join(f"stage {s.stage} {_gb(s.sync_bytes)}" for s in capacity.stages))
+    if any(s.sync_peak_bytes for s in capacity.stages):
+        where = {"RAM": "on each rank's GPU the flat gradient and its result, the rest in host RAM (gloo)",
+                 "device": "on the host" if cfg.device == "cpu" else "on each rank's GPU (NCCL)"}
+        lines.append(f"grad sync (--grad-sync {cfg.grad_sync}, --dp {cfg.dp}), "
+                     f"{where[capacity.stages[0].sync_where]}: kept / at its peak after the backward passes "
+                     + ", ".join(f"stage {s.stage} {_gb(s.sync_kept_bytes)} / {_gb(s.sync_peak_bytes)}"
+                                 for s in capacity.stages))
     if any(s.codec_bytes for s in capacity.stages):
         lines.append("codec CUDA graphs (held for the run, in each rank's GPU memory): "
                      + ", ".join(f"stage {s.stage} {_gb(s.codec_bytes)}" for s in capacity.stages))

@@ -26,10 +26,16 @@ METHODS = {
 }
 SIGN_BASED = ("signsgd", "marsit")
 # fp32 copies of a stage's trained parameters a method keeps from step to step where the replicas' collectives run (a
-# GPU under NCCL, else the host): error feedback's residual, PowerSGD's error, Marsit's compensation, qadam's worker
-# residual (its server residual, a 1/dp chunk, comes on top); the others keep none
-KEPT_COPIES = {"powersgd": 1, "ef": 1, "qadam": 1, "topk": 1, "sidco": 1, "marsit": 1}
-ALL_REDUCED_IN_PLACE = ("none",)  # the flat gradient averaged where it lies; every other method makes a result beside it
+# GPU under NCCL, else the host): error feedback's residual, PowerSGD's error (and its factors, R·(m + n) values of
+# an m × n matrix: a few hundredths at the ranks it runs at), Marsit's compensation, qadam's worker residual (its
+# server residual, a 1/dp chunk, comes on top); the others keep none
+KEPT_COPIES = {"powersgd": 1.1, "ef": 1.0, "qadam": 1.0, "topk": 1.0, "sidco": 1.0, "marsit": 1.0}
+# fp32 copies of the trained parameters a replica's grad sync holds at its peak, its kept state included (qadam's in
+# the optimizer's momentum exchange): measured on the host with every storage its ops make counted, at 1-4 replicas
+# (tests/test_grad_methods.py holds this table to what the code does). fft's gathered spectra grow with the replicas.
+PEAK_ALONE = {"signsgd": 5.8, "marsit": 11.0, "qadam": 3.1}  # the same at dp 1 (its vote, its momentum step)
+PEAK_COPIES = {"none": 1.0, "fp16": 2.5, "bf16": 2.5, "powersgd": 4.1, "ef": 9.0, "qadam": 9.1, "topk": 5.2,
+               "sidco": 5.1, "fft": 8.2, "signsgd": 5.8, "marsit": 11.0}
 
 
 class GradSpecError(ValueError):
@@ -120,13 +126,18 @@ def check_pairing(spec: GradSpec, optimizer: str) -> None:
                             f"use --optimizer adamw")
 
 
-def sync_copies(text: str, dp: int) -> float:
-    """fp32 copies of a stage's trained parameters one replica's grad sync holds at its peak, where its collectives
-    run: what the method keeps (`KEPT_COPIES`), the flat gradient, and the combined result beside it (but for an
-    all-reduce in place); none without replicas."""
-    if dp < 2:
-        return 0.0
-    method = parse_grad_spec(text).method
-    kept = KEPT_COPIES.get(method, 0) + (1 / dp if method == "qadam" else 0)
-    return kept + (1 if method in ALL_REDUCED_IN_PLACE else 2)
-
+def sync_copies(text: str, dp: int) -> tuple[float, float]:
+    """fp32 copies of a stage's trained parameters one replica's grad sync holds where its collectives run: (what it
+    keeps from step to step, the most it holds at once while it runs, that included). None without replicas, but for
+    the sign-based methods and qadam, which run on one replica too (`PEAK_ALONE`)."""
+    spec = parse_grad_spec(text)
+    if dp < 2:  # nothing to exchange: only a vote (Marsit's with its compensation) and qadam's step run alone
+        if spec.method not in PEAK_ALONE:
+            return 0.0, 0.0
+        return (KEPT_COPIES["marsit"] if spec.method == "marsit" else 0.0), PEAK_ALONE[spec.method]
+    kept = KEPT_COPIES.get(spec.method, 0.0) + (1 / dp if spec.method == "qadam" else 0.0)
+    peak = PEAK_COPIES[spec.method]
+    if spec.method == "fft":  # every replica's spectrum, a fraction 1 − THETA of a copy while sent in fp32
+        theta, bits = spec.args
+        peak = max(peak if bits < 32 else 0.0, 4.2 + dp * (1 - theta))
+    return kept, peak

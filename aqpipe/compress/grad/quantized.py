@@ -52,5 +52,9 @@ class ErrorFeedbackQuantized(FeedbackCompressor):
         self.feedback.update(compensated, transmitted)
         payloads, sent = all_gather_bytes_payloads(self.dp, payload)
         self.bytes_sent += sent
-        return torch.stack([decode(p, flat.numel(), self.bits) for p in payloads]).mean(dim=0)
+        # summed as each replica's message decodes, in replica order (not stacked: 2·dp copies of the gradient)
+        total = decode(payloads[0], flat.numel(), self.bits)
+        for other in payloads[1:]:
+            total.add_(decode(other, flat.numel(), self.bits))
+        return total.div_(len(payloads))
 
