@@ -159,7 +159,8 @@ def test_a_parameter_without_a_gradient_on_one_replica_keeps_the_exchange_aligne
 def test_a_run_resumed_after_the_freeze_steps_as_one_never_stopped(tmp_path):
     """The frozen second moment's bias correction survives a checkpoint exactly: torch's optimizer load casts every
     state tensor but `step` to its parameter's dtype, and the correction, kept as a float64 tensor, came back in
-    float32 — every step after a resume past the freeze divided by another number than an unbroken run's."""
+    float32. (The steps kept their bits even so — a float32 tensor divided by a Python float rounds it to float32 —
+    but what a checkpoint restores is what the run had.)"""
     shapes = [(40,)]
 
     def make():
