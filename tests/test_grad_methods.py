@@ -13,6 +13,7 @@ from tests.distributed import run_ranks
 METHODS = ["none", "fp16", "bf16", "powersgd:4", "ef:4", "qadam:4", "topk:0.01", "sidco:exp:0.01", "fft:0.5:8",
            "fft:0.1:32", "signsgd", "marsit:0"]
 VALUES = 1024 * 256 + 1024  # a weight matrix and its bias
+SEEN_IN_PART = ("powersgd",)  # part of its work runs on another thread (see below)
 
 
 def _held(rank: int, world: int, methods: list[str]) -> dict[str, tuple[float, float]]:
@@ -61,12 +62,15 @@ def _held(rank: int, world: int, methods: list[str]) -> dict[str, tuple[float, f
 def test_the_plan_counts_what_each_grad_sync_holds(dp):
     """The plan's count is at least what the code held, and within about one copy of it (a count far above would
     refuse runs that fit). At dp 1 only the sign-based methods and qadam, which run on one replica too, hold
-    anything. (torch's PowerSGD hook finishes its all-reduce in a future's callback, which runs on gloo's thread
-    when the work has not yet completed, out of the meter's sight: its count is then a copy lower, 3.03 or 4.02.)"""
+    anything. torch's PowerSGD hook finishes its all-reduces in futures' callbacks, which run on gloo's thread when
+    the work has not completed yet, out of the meter's sight: what it sees of PowerSGD depends on timing (4.02
+    copies when it sees every op, 3.03 in most runs here), so PowerSGD is held to the lower bound alone."""
     results = run_ranks(_held, dp, METHODS)
     for status, held in results:
         assert status == "ok", held
         for method, (kept, peak) in held.items():
             planned_kept, planned_peak = sync_copies(method, dp)
             assert planned_kept >= kept - 1e-3, (method, dp, planned_kept, kept)
-            assert peak <= planned_peak <= peak + 1.1, (method, dp, planned_peak, peak)
+            assert peak <= planned_peak, (method, dp, planned_peak, peak)
+            if not method.startswith(SEEN_IN_PART):
+                assert planned_peak <= peak + 1.0, (method, dp, planned_peak, peak)
