@@ -18,7 +18,7 @@ import torch
 
 from aqpipe.compress import cuda_graphs
 from aqpipe.compress.grad.base import ring_all_reduce_bytes
-from aqpipe.compress.grad.methods import sync_copies
+from aqpipe.compress.grad.methods import gloo_gpu_copies, sync_copies
 from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_bytes, numel
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ConfigError, ResolvedConfig
@@ -195,7 +195,7 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
     copies, (kept, peak) = state_copies(cfg), sync_copies(cfg.grad_sync, cfg.dp)
     sync_where = "RAM" if cfg.device == "cuda" and not gpu_each(cfg) else "device"
     if sync_where == "RAM" and peak:  # staged through the host: on the GPU, the flat gradient and its result
-        kept, peak = 0.0, float(GLOO_DEVICE_COPIES)
+        kept, peak = 0.0, gloo_gpu_copies(cfg.grad_sync)
     headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
     stages = []
     link_shapes = [link.activation_shape for link in links]
@@ -234,9 +234,6 @@ def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
     value_bytes = getattr(torch, ROW_EXCHANGES[cfg.tied_exchange]).itemsize
     rows = sum(2 * (round(distinct) * (value_bytes * width + 8) + cfg.micro_batches * HEADER_SIZE) for width in widths)
     return TiedNeeds("rows", rows + dense, sum(table_bytes.values()), distinct)
-
-
-GLOO_DEVICE_COPIES = 2  # what a grad sync staged through the host holds on the GPU: the flat gradient, its result
 
 
 def gpu_each(cfg: ResolvedConfig) -> bool:

@@ -26,16 +26,21 @@ METHODS = {
 }
 SIGN_BASED = ("signsgd", "marsit")
 # fp32 copies of a stage's trained parameters a method keeps from step to step where the replicas' collectives run (a
-# GPU under NCCL, else the host): error feedback's residual, PowerSGD's error (and its factors, R·(m + n) values of
-# an m × n matrix: a few hundredths at the ranks it runs at), Marsit's compensation, qadam's worker residual (its
-# server residual, a 1/dp chunk, comes on top); the others keep none
-KEPT_COPIES = {"powersgd": 1.1, "ef": 1.0, "qadam": 1.0, "topk": 1.0, "sidco": 1.0, "marsit": 1.0}
+# GPU under NCCL, else the host): error feedback's residual, PowerSGD's error and its factors (R·(m + n) values of an
+# m × n matrix, which torch's hook factors only where that is at most half of it), Marsit's compensation, qadam's
+# worker residual (its server residual, a 1/dp chunk, comes on top); the others keep none
+KEPT_COPIES = {"powersgd": 1.5, "ef": 1.0, "qadam": 1.0, "topk": 1.0, "sidco": 1.0, "marsit": 1.0}
 # fp32 copies of the trained parameters a replica's grad sync holds at its peak, its kept state included (qadam's in
-# the optimizer's momentum exchange): measured on the host with every storage its ops make counted, at 1-4 replicas
-# (tests/test_grad_methods.py holds this table to what the code does). fft's gathered spectra grow with the replicas.
-PEAK_ALONE = {"signsgd": 5.8, "marsit": 11.0, "qadam": 3.1}  # the same at dp 1 (its vote, its momentum step)
-PEAK_COPIES = {"none": 1.0, "fp16": 2.5, "bf16": 2.5, "powersgd": 4.1, "ef": 9.0, "qadam": 9.1, "topk": 5.2,
-               "sidco": 5.1, "fft": 8.2, "signsgd": 5.8, "marsit": 11.0}
+# the optimizer's momentum exchange), at least: measured on gloo ranks with every storage its ops make counted and
+# every buffer a collective sends held to the end, at 1-4 replicas; the messages a method gathers add their share
+# per replica (`sync_copies`). tests/test_grad_methods.py holds the table to what the code does.
+PEAK_COPIES = {"none": 1.0, "fp16": 2.5, "bf16": 2.5, "powersgd": 4.1, "ef": 8.6, "qadam": 9.1, "topk": 5.1,
+               "sidco": 5.1, "fft": 8.2, "signsgd": 5.8, "marsit": 11.1}
+PEAK_ALONE = {"signsgd": 5.8, "marsit": 11.1, "qadam": 3.1}  # at dp 1 (a vote, Marsit's compensation, qadam's step)
+# What a grad sync staged through the host (gloo, ranks sharing a GPU) holds on the GPU: the flat gradient and its
+# result; qadam's step, its momentum, the averaged one and the step's denominator
+GLOO_GPU_COPIES = {"qadam": 3.0}
+GLOO_GPU_DEFAULT = 2.0
 
 
 class GradSpecError(ValueError):
@@ -137,7 +142,17 @@ def sync_copies(text: str, dp: int) -> tuple[float, float]:
         return (KEPT_COPIES["marsit"] if spec.method == "marsit" else 0.0), PEAK_ALONE[spec.method]
     kept = KEPT_COPIES.get(spec.method, 0.0) + (1 / dp if spec.method == "qadam" else 0.0)
     peak = PEAK_COPIES[spec.method]
-    if spec.method == "fft":  # every replica's spectrum, a fraction 1 − THETA of a copy while sent in fp32
+    if spec.method == "ef":  # every replica's B-bit message
+        peak += dp * spec.args[0] / 32
+    elif spec.method in ("topk", "sidco"):  # the kept fraction F, its values and indices, and every replica's
+        fraction = spec.args[-1]
+        peak += 9 * fraction + 2.5 * fraction * dp
+    elif spec.method == "fft":  # every replica's spectrum, a fraction 1 − THETA of a copy while sent in fp32
         theta, bits = spec.args
-        peak = max(peak if bits < 32 else 0.0, 4.2 + dp * (1 - theta))
+        peak = max(peak if bits < 32 else 0.0, 4.3 + (dp + 1) * (1 - theta))
     return kept, peak
+
+
+def gloo_gpu_copies(text: str) -> float:
+    """fp32 copies of the trained parameters a grad sync staged through the host holds on the GPU at its peak."""
+    return GLOO_GPU_COPIES.get(parse_grad_spec(text).method, GLOO_GPU_DEFAULT)
