@@ -89,7 +89,10 @@ def test_a_flag_given_differently_is_named():
 
 def test_gloo_is_pinned_to_the_interface_that_reaches_the_master(monkeypatch):
     for name in ("GLOO_SOCKET_IFNAME", "AQPIPE_LOOPBACK", "AQPIPE_LINK_ADDR"):
-        monkeypatch.delenv(name, raising=False)
+        # (set first, so that monkeypatch restores the variable even where it was unset: pin_gloo_interface below
+        # sets GLOO_SOCKET_IFNAME itself, and a leftover eth7 broke every later gloo group in the worker process)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert pin_gloo_interface() is None  # loopback: nothing to choose
     assert interface_of("127.0.0.1") == "lo" and interface_of("203.0.113.250") is None
