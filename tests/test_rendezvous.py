@@ -16,23 +16,32 @@ from tests.distributed import free_port
 FACTS = {"device": "cuda", "backend": "nccl", "world": [2, 1, 2], "config": {"lr": 0.001, "pp": 2}}
 
 
-def agree_all(facts_by_rank: list[dict]) -> list[str | None]:
-    """Every rank of one store agreeing on its facts, each on a thread: the error text each got (None: agreed)."""
+def on_threads(world: int, call) -> list:
+    """`call(store, rank)` for every rank of one store, each on a thread: what each returned."""
     store = dist.HashStore()
-    results: list[str | None] = [None] * len(facts_by_rank)
+    results: list = [None] * world
 
     def one(rank: int) -> None:
-        try:
-            agree(store, rank, len(facts_by_rank), facts_by_rank[rank])
-        except HostDisagreement as e:
-            results[rank] = str(e)
+        results[rank] = call(store, rank)
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(facts_by_rank))]
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
     return results
+
+
+def agree_all(facts_by_rank: list[dict]) -> list[str | None]:
+    """Every rank of one store agreeing on its facts, each on a thread: the error text each got (None: agreed)."""
+    def one(store, rank: int) -> str | None:
+        try:
+            agree(store, rank, len(facts_by_rank), facts_by_rank[rank])
+        except HostDisagreement as e:
+            return str(e)
+        return None
+
+    return on_threads(len(facts_by_rank), one)
 
 
 def test_ranks_that_resolved_the_same_agree():
@@ -139,18 +148,7 @@ def _backends(gpus: list) -> list[str]:
     """Every rank of one store choosing its collective backend, each on a thread, rank r on GPU `gpus[r]`."""
     from aqpipe.pipeline.rendezvous import collective_backend
 
-    store = dist.HashStore()
-    chosen = [""] * len(gpus)
-
-    def one(rank: int) -> None:
-        chosen[rank] = collective_backend(store, rank, len(gpus), gpus[rank])
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(gpus))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    return chosen
+    return on_threads(len(gpus), lambda store, rank: collective_backend(store, rank, len(gpus), gpus[rank]))
 
 
 def test_nccl_only_where_every_rank_has_a_gpu_no_other_rank_uses():

@@ -90,15 +90,21 @@ def rendezvous_store(rank: int, world_size: int, timeout: timedelta):
     return store
 
 
+def exchange(store, rank: int, world_size: int, topic: str, value):
+    """Every rank's `value` (JSON) on `topic`, in rank order: this rank's published in the store, everyone's read
+    (waiting for them), under keys of this launch attempt (an elastic restart publishes afresh)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"aqpipe/{topic}/{attempt}/{{}}"
+    store.set(key.format(rank), json.dumps(value, sort_keys=True))
+    return [json.loads(store.get(key.format(r))) for r in range(world_size)]
+
+
 def agree(store, rank: int, world_size: int, facts: dict) -> None:
     """Every rank publishes `facts` (JSON values: device kind, backend, grid, the resolved configuration…) and
     checks everyone's, before any collective: a rank that chose otherwise (a host without a GPU picking gloo while
     the others pick NCCL, a host given another flag) would otherwise hang the rendezvous or train something else.
     Raises HostDisagreement naming the first fact that differs, with each rank's host and value."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    key = f"aqpipe/agree/{attempt}/{{}}"
-    store.set(key.format(rank), json.dumps({"host": socket.gethostname(), "facts": facts}, sort_keys=True))
-    everyone = [json.loads(store.get(key.format(r))) for r in range(world_size)]
+    everyone = exchange(store, rank, world_size, "agree", {"host": socket.gethostname(), "facts": facts})
     flat = [_flatten(e["facts"]) for e in everyone]
     for name in sorted(set().union(*flat)):
         values = [json.dumps(f.get(name), sort_keys=True) for f in flat]
@@ -131,10 +137,7 @@ def collective_backend(store, rank: int, world_size: int, gpu: str | None) -> st
     other rank uses, gloo otherwise — on the host, and where ranks share a GPU (NCCL refuses two ranks of one
     communicator on one device; collectives then stage through host memory: `grid.collective_device`). Each rank
     publishes its GPU and reads everyone's, so all choose alike."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    key = f"aqpipe/gpu/{attempt}/{{}}"
-    store.set(key.format(rank), json.dumps(gpu))
-    gpus = [json.loads(store.get(key.format(r))) for r in range(world_size)]
+    gpus = exchange(store, rank, world_size, "gpu", gpu)
     return "nccl" if all(gpus) and len(set(gpus)) == len(gpus) else "gloo"
 
 

@@ -36,7 +36,7 @@ KEPT_COPIES = {"powersgd": 1.5, "ef": 1.0, "qadam": 1.0, "topk": 1.0, "sidco": 1
 # per replica (`sync_copies`). tests/test_grad_methods.py holds the table to what the code does.
 PEAK_COPIES = {"none": 1.0, "fp16": 2.5, "bf16": 2.5, "powersgd": 4.1, "ef": 8.6, "qadam": 9.1, "topk": 5.1,
                "sidco": 5.1, "fft": 8.2, "signsgd": 5.8, "marsit": 11.1}
-PEAK_ALONE = {"signsgd": 5.8, "marsit": 11.1, "qadam": 3.1}  # at dp 1 (a vote, Marsit's compensation, qadam's step)
+QADAM_ALONE = 3.1  # qadam's step at dp 1 (the sign-based methods' vote holds at dp 1 what it holds with replicas)
 # What a grad sync staged through the host (gloo, ranks sharing a GPU) holds on the GPU: the flat gradient and its
 # result; qadam's step, its momentum, the averaged one and the step's denominator
 GLOO_GPU_COPIES = {"qadam": 3.0}
@@ -134,12 +134,12 @@ def check_pairing(spec: GradSpec, optimizer: str) -> None:
 def sync_copies(text: str, dp: int) -> tuple[float, float]:
     """fp32 copies of a stage's trained parameters one replica's grad sync holds where its collectives run: (what it
     keeps from step to step, the most it holds at once while it runs, that included). None without replicas, but for
-    the sign-based methods and qadam, which run on one replica too (`PEAK_ALONE`)."""
+    the sign-based methods and qadam, which run on one replica too."""
     spec = parse_grad_spec(text)
     if dp < 2:  # nothing to exchange: only a vote (Marsit's with its compensation) and qadam's step run alone
-        if spec.method not in PEAK_ALONE:
-            return 0.0, 0.0
-        return (KEPT_COPIES["marsit"] if spec.method == "marsit" else 0.0), PEAK_ALONE[spec.method]
+        if spec.sign_based:
+            return KEPT_COPIES.get(spec.method, 0.0), PEAK_COPIES[spec.method]
+        return 0.0, (QADAM_ALONE if spec.method == "qadam" else 0.0)
     kept = KEPT_COPIES.get(spec.method, 0.0) + (1 / dp if spec.method == "qadam" else 0.0)
     peak = PEAK_COPIES[spec.method]
     if spec.method == "ef":  # every replica's B-bit message
