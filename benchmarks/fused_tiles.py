@@ -2,14 +2,14 @@
 kernels) and decode (decode and verdicts kernels) on one batch, each kernel's device time per call read from the
 profiler, for every setting — each setting first checked to write the bits of the shipped one (payload, new m(ξ),
 verdicts and checksum sums, decoded activation; the fidelity norms, summed in another order, to float rounding).
-What `fused_kernels`' SCALE_T/SCALE_C (the scales kernel), TILE_T/TILE_C (codes and decode) and the warp count are
-set from.
+What `fused_kernels`' SCALE_T/SCALE_C (the scales kernel), TILE_T/TILE_C (codes and decode) and WARPS (each kernel's
+warp count, read from each kernel's own column: the rows set one count for all) are set from.
 
     python benchmarks/fused_tiles.py --out benchmarks/results/fused_tiles_h100                  # on a GPU
     TRITON_INTERPRET=1 python benchmarks/fused_tiles.py --device cpu --shape 2,16,64 --quick    # the bits alone
 
 Two sweeps, each varying one kernel's tiles with the other's as shipped: "scales" (SCALE_T × SCALE_C × warps) and
-"codes" (TILE_T × TILE_C × warps, which the decode kernel shares). The warp count applies to every kernel of a call.
+"codes" (TILE_T × TILE_C × warps, which the decode kernel shares). A row's warp count applies to every kernel.
 m(ξ) is fp16 in a slab read through shuffled slots, as a run on a GPU keeps it; the new m(ξ) is written apart, so
 every call sees the same inputs. Under Triton's interpreter (no GPU) only the bits are checked.
 """
@@ -121,12 +121,12 @@ def sweep(batch: Batch, settings: list[dict[str, int]], warps: tuple[int, ...], 
     kernels = fused._kernels()
     rows = []
     for setting, w in itertools.product(settings, warps):
-        saved = {name: getattr(kernels, name) for name in (*setting, "OPTIONS")}
+        saved = {name: getattr(kernels, name) for name in (*setting, "WARPS")}
         try:
             for name, value in setting.items():
                 setattr(kernels, name, value)
             if w:
-                kernels.OPTIONS = {**saved["OPTIONS"], "num_warps": w}
+                kernels.WARPS = dict.fromkeys(saved["WARPS"], w)
             row = {**setting, "num_warps": w or None, "differs": same_bits(outputs(batch), shipped)}
             if timed and row["differs"] is None:
                 row.update({f"{k}_us": v for k, v in device_times(batch, repeats).items()})

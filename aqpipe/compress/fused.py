@@ -153,7 +153,8 @@ def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, b
         return None
     try:
         k.verdicts_kernel[(1,)](scales, sums, norms, unstorable, verdicts, norms_out, squares, b, c, parts,
-                                FP16_MAX=FP16_MAX, ENCODE=True, BP=k.VERDICT_P, BC=k.VERDICT_C, **k.OPTIONS)
+                                FP16_MAX=FP16_MAX, ENCODE=True, BP=k.VERDICT_P, BC=k.VERDICT_C,
+                                num_warps=k.WARPS["verdicts"], **k.OPTIONS)
     except Exception as error:
         _give_up(error, in_place)
         return None
@@ -203,7 +204,8 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
         k = _kernels()
         try:
             k.verdicts_kernel[(1,)](sums, sums, sums, sums, verdicts, sums, sums, b, shape[-1], sums.shape[1],
-                                    FP16_MAX=FP16_MAX, ENCODE=False, BP=k.VERDICT_P, BC=k.VERDICT_C, **k.OPTIONS)
+                                    FP16_MAX=FP16_MAX, ENCODE=False, BP=k.VERDICT_P, BC=k.VERDICT_C,
+                                    num_warps=k.WARPS["verdicts"], **k.OPTIONS)
         except Exception as error:
             _give_up(error, in_place)
             return None
@@ -282,12 +284,13 @@ def _launch_codes(k, x3: torch.Tensor, m3: torch.Tensor | None, slots: torch.Ten
     slot_of = m_in if slots is None else slots  # (unread without slots)
     k.scales_kernel[(b, -(-c // k.SCALE_C))](
         x3, m_in, slot_of, rows, scales, t, c, rows.stride(0), KIND=_SCALE_KINDS[grid], FP16_MAX=FP16_MAX,
-        HAS_M=m3 is not None, SLOTS=slots is not None, BT=k.SCALE_T, BC=k.SCALE_C, **k.OPTIONS)
+        HAS_M=m3 is not None, SLOTS=slots is not None, BT=k.SCALE_T, BC=k.SCALE_C, num_warps=k.WARPS["scales"],
+        **k.OPTIONS)
     k.codes_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
         x3, m_in, slot_of, rows, scales, _levels(bits, grid, x3.device), x3 if coded is None else coded, m_new,
         sums, norms, unstorable, t, c, rows.stride(0), float(offset), float(steps), float(top), multiplier,
         modulus, float(m_max), BITS=bits, VALUES=coded is not None, HAS_M=m3 is not None, SLOTS=slots is not None,
-        IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
+        IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, num_warps=k.WARPS["codes"], **k.OPTIONS)
 
 
 def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
@@ -316,7 +319,7 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
             k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
                 rows, _levels(bits, grid, rows.device), out, m3, m3 if slots is None else slots, m_new, sums, t, c,
                 rows.shape[1], multiplier, modulus, BITS=bits, HAS_M=delta is not None, SLOTS=slots is not None,
-                IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, **k.OPTIONS)
+                IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, num_warps=k.WARPS["decode"], **k.OPTIONS)
         except Exception as error:
             _give_up(error)
             return None
