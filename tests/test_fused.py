@@ -303,7 +303,7 @@ def _unlaunchable_kernels(monkeypatch) -> None:
     kernels = SimpleNamespace(scales_kernel=Unlaunchable(), codes_kernel=Unlaunchable(), decode_kernel=Unlaunchable(),
                               verdicts_kernel=Unlaunchable(), SCALE_T=32, SCALE_C=32, TILE_T=16, TILE_C=64,
                               VERDICT_P=256, VERDICT_C=256, OPTIONS={},
-                              WARPS=dict.fromkeys(("scales", "codes", "decode", "verdicts"), 4))
+                              WARPS=dict.fromkeys(("scales", "codes", "decode", "delta_decode", "verdicts"), 4))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(fused, "_kernels", lambda: kernels)
     monkeypatch.setattr(fused, "_failed", [])

@@ -150,7 +150,7 @@ def test_a_delta_step_that_fails_after_writing_m_in_place_says_so_rather_than_di
 
     kernels = SimpleNamespace(scales_kernel=Runs(), codes_kernel=Runs(), decode_kernel=Runs(), verdicts_kernel=Fails(),
                               SCALE_T=32, SCALE_C=32, TILE_T=16, TILE_C=64, VERDICT_P=256, VERDICT_C=256, OPTIONS={},
-                              WARPS=dict.fromkeys(("scales", "codes", "decode", "verdicts"), 4))
+                              WARPS=dict.fromkeys(("scales", "codes", "decode", "delta_decode", "verdicts"), 4))
     monkeypatch.setattr(fused, "_kernels", lambda: kernels)
     slab, slots = torch.zeros(5, 8, 16, dtype=torch.float16), torch.tensor([3, 1])
     x, rows = torch.randn(2, 8, 16), torch.zeros(2, fused.row_bytes(8, 16, 4), dtype=torch.uint8)

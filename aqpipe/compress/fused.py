@@ -315,11 +315,12 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
         sums = torch.empty(b, _parts((b, t, c)), dtype=torch.int64, device=rows.device)
     if rows.device.type != "meta":  # (on the meta device: the outputs alone)
         k = _kernels()
+        warps = k.WARPS["decode" if delta is None else "delta_decode"]
         try:
             k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
                 rows, _levels(bits, grid, rows.device), out, m3, m3 if slots is None else slots, m_new, sums, t, c,
                 rows.shape[1], multiplier, modulus, BITS=bits, HAS_M=delta is not None, SLOTS=slots is not None,
-                IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, num_warps=k.WARPS["decode"], **k.OPTIONS)
+                IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, num_warps=warps, **k.OPTIONS)
         except Exception as error:
             _give_up(error)
             return None

@@ -68,6 +68,7 @@ from aqpipe.compress.link.codecs import (
     generator_on,
     numel,
     to_device,
+    to_host,
 )
 from aqpipe.compress.link.late_checks import LateChecks
 from aqpipe.compress.link.sample_coders import (
@@ -160,9 +161,13 @@ class AQSGDCodec(LinkCodec):
         lend = self._borrows(raw.device)
         delta = [i for i, m in enumerate(modes) if m == MODE_DELTA]
         groups: dict[int, Candidates] = {}
+        queued = None
         if delta:
             payload, m_new, verdicts, norms, squares, lent = self._delta_encode(raw, floats, delta, id_list, lend)
             groups[MODE_DELTA] = Candidates(delta, m_new, verdicts, payload, lent)
+            if len(delta) == b:  # (the steady state) its bytes' copy to the host queued before the verdicts' read, so
+                # the GPU copies while the host waits, and one wait covers both; wasted only where a row cannot go
+                queued = to_host(payload)
         if first := [i for i, m in enumerate(modes) if m == MODE_FIRST]:
             payload, seeds, verdicts = self._graphed("first-encode", self.steps.first_rows, rows_of(floats(), first),
                                                        borrow=lend)
@@ -177,7 +182,8 @@ class AQSGDCodec(LinkCodec):
             check = fold_checksum(list(range(b)), only.sums) if self.check else 0
             fidelity = DeltaFidelity(squares.clone() if only.lent else squares) if delta else None
             wire = only.payload if only.payload is not None else lossless_payload(tensor)
-            return Encoded.of(wire, tuple(raw.shape), torch.uint8, codec_check=check, flags=flags, fidelity=fidelity)
+            return Encoded.of(wire, tuple(raw.shape), torch.uint8, queued, codec_check=check, flags=flags,
+                              fidelity=fidelity)
         as_delta = [j for j, ok in enumerate(groups[MODE_DELTA].fits) if ok] if delta else []
         self._read_back(list(groups.values()), id_list, raw.device)
         return self._encode_mixed(tensor, floats(), id_list, modes, [g.owned() for g in groups.values()], flags,

@@ -123,9 +123,11 @@ class Encoded:
     ready: Landing | None = None  # marks the copy to `host` (None: host bytes, ready now)
 
     @classmethod
-    def of(cls, payload: torch.Tensor, shape: tuple[int, ...], wire_dtype: torch.dtype, **fields: Any) -> Encoded:
-        """The message of encoded bytes `payload` (flat uint8, on any device), their copy to the host queued."""
-        host, ready = to_host(payload)
+    def of(cls, payload: torch.Tensor, shape: tuple[int, ...], wire_dtype: torch.dtype,
+           queued: tuple[torch.Tensor, Landing | None] | None = None, **fields: Any) -> Encoded:
+        """The message of encoded bytes `payload` (flat uint8, on any device), their copy to the host queued (or
+        `queued` already: what `to_host(payload)` gave)."""
+        host, ready = queued or to_host(payload)
         return cls(host, shape, wire_dtype, ready=ready, **fields)
 
     @property
