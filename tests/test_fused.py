@@ -146,6 +146,34 @@ def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
 
 
 @needs_triton
+def test_the_verdicts_kernel_writes_each_samples_verdicts_and_the_batch_squares_as_the_torch_ops_sum_them():
+    """A program a sample: every sample of a batch gets its verdict, checksum sum and norms (a sample whose scale is
+    clamped among them), and the batch's squares are the sum `aqsgd_rows.delta_fidelity` takes of those norms —
+    the same float64 bits."""
+    interpret("""
+        import torch
+        from aqpipe.compress import fused
+        from aqpipe.compress.link.aqsgd_rows import delta_fidelity
+        from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS
+
+        torch.manual_seed(3)
+        x, m = torch.randn(5, 12, 24), (torch.randn(5, 12, 24) * 0.5).half()
+        x[3, 2, 7] = 1e6  # sample 3's scale cannot be kept in fp16: it may not go as a delta
+        done = fused.delta_encode(x, m, None, 3, "signed", CHECKSUM_WEIGHTS, 1)
+        verdicts = done.verdicts.tolist()
+        assert verdicts[:5] == [1, 1, 1, 0, 1], verdicts
+        assert all(v != 0 for v in verdicts[5:]) and len(set(verdicts[5:])) == 5, verdicts
+        assert bool((done.norms > 0).all()), done.norms
+        want = delta_fidelity(done.norms, list(range(5))).squares
+        assert torch.equal(done.squares, want), (done.squares, want)
+        m_new, values, decoded = fused.delta_decode(done.payload[5:].view(5, -1), m, None, (5, 12, 24), 3, "signed",
+                                                    CHECKSUM_WEIGHTS)
+        assert decoded.tolist()[:5] == [1] * 5 and decoded.tolist()[5:] == verdicts[5:], (decoded, verdicts)
+        print("checked")
+    """)
+
+
+@needs_triton
 def test_a_pipeline_through_the_fused_kernels_trains_bit_for_bit_as_through_the_torch_ops(tmp_path):
     """Two stages launched as a user launches them, AQ-SGD fw / DirectQ bw, three epochs of rtq:4 first sights then
     deltas: with every fused kernel on (the interpreter standing in for the GPU in each rank; AQ-SGD's delta step

@@ -138,9 +138,10 @@ def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, b
     m_new = m3 if in_place else torch.empty(x3.shape, dtype=m.dtype, device=x.device)
     parts = _parts(x3.shape)
     rows = payload[b:].view(b, -1)
-    sums, norms, unstorable, scales, verdicts, norms_out, squares = _carved(
+    sums, norms, unstorable, scales, verdicts, norms_out, squares, sample_squares = _carved(
         x.device, ((b, parts), torch.int64), ((b, 3, parts), torch.float32), ((b, parts), torch.int32),
-        ((b, c), torch.float32), ((2 * b,), torch.int64), ((b, 3), torch.float32), ((3,), torch.float64))
+        ((b, c), torch.float32), ((2 * b,), torch.int64), ((b, 3), torch.float32), ((3,), torch.float64),
+        ((b, 3), torch.float64))
     done = DeltaEncoded(payload, None if in_place else m_new.view(x.shape), verdicts, norms_out, squares)
     if x.device.type == "meta":  # (the outputs alone)
         return done
@@ -152,12 +153,13 @@ def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, b
         _give_up(error)
         return None
     try:
-        k.verdicts_kernel[(1,)](scales, sums, norms, unstorable, verdicts, norms_out, squares, b, c, parts,
+        k.verdicts_kernel[(b,)](scales, sums, norms, unstorable, verdicts, norms_out, sample_squares, b, c, parts,
                                 FP16_MAX=FP16_MAX, ENCODE=True, BP=k.VERDICT_P, BC=k.VERDICT_C,
                                 num_warps=k.WARPS["verdicts"], **k.OPTIONS)
     except Exception as error:
         _give_up(error, in_place)
         return None
+    torch.sum(sample_squares, dim=0, out=squares)  # (summed as `aqsgd_rows.delta_fidelity` sums the torch ops')
     _proven.add("encode")
     return done
 
@@ -203,7 +205,7 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
     if rows.device.type != "meta":
         k = _kernels()
         try:
-            k.verdicts_kernel[(1,)](sums, sums, sums, sums, verdicts, sums, sums, b, shape[-1], sums.shape[1],
+            k.verdicts_kernel[(b,)](sums, sums, sums, sums, verdicts, sums, sums, b, shape[-1], sums.shape[1],
                                     FP16_MAX=FP16_MAX, ENCODE=False, BP=k.VERDICT_P, BC=k.VERDICT_C,
                                     num_warps=k.WARPS["verdicts"], **k.OPTIONS)
         except Exception as error:

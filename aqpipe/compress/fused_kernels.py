@@ -188,55 +188,47 @@ def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sum
 @triton.jit
 def verdicts_kernel(s_ptr, sums_ptr, norms_ptr, bad_ptr, verdicts_ptr, norms_out_ptr, squares_ptr, B, C, P,
                     FP16_MAX: tl.constexpr, ENCODE: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr):
-    """One program for the whole batch, after the codes (ENCODE) or decode kernel: each sample's verdicts — whether
-    it can go as a delta (ENCODE: no scale clamped at the fp16 maximum or NaN, every new m(ξ) value storable; a
-    decode's are all kept) and its checksum sum, the sum of its tiles' parts — as `verdicts_ptr` [2B] (int64, the
-    layout `aqsgd_rows.verdicts_of` gives); with ENCODE also its fidelity norms [B, 3] (square roots of the parts'
-    sums) and their squares summed over the batch in float64 [3]."""
-    signal = tl.zeros([1], tl.float64)
-    change = tl.zeros([1], tl.float64)
-    error = tl.zeros([1], tl.float64)
-    for sample in range(0, B):
-        total = tl.zeros([BP], tl.int64)
+    """A program per sample, after the codes (ENCODE) or decode kernel: the sample's verdicts — whether it can go as
+    a delta (ENCODE: no scale clamped at the fp16 maximum or NaN, every new m(ξ) value storable; a decode's are all
+    kept) and its checksum sum, the sum of its tiles' parts — into `verdicts_ptr` [2B] (int64, the layout
+    `aqsgd_rows.verdicts_of` gives); with ENCODE also its fidelity norms [B, 3] (square roots of the parts' sums) and
+    their squares in float64 into `squares_ptr` [B, 3], which the caller sums over the batch as the torch ops do."""
+    sample = tl.program_id(0)
+    total = tl.zeros([BP], tl.int64)
+    for p0 in range(0, P, BP):
+        parts = p0 + tl.arange(0, BP)
+        total += tl.load(sums_ptr + sample * P + parts, mask=parts < P, other=0)
+    ok = 1
+    if ENCODE:
+        bad = tl.zeros([BP], tl.int32)
+        n0 = tl.zeros([BP], tl.float32)
+        n1 = tl.zeros([BP], tl.float32)
+        n2 = tl.zeros([BP], tl.float32)
         for p0 in range(0, P, BP):
             parts = p0 + tl.arange(0, BP)
-            total += tl.load(sums_ptr + sample * P + parts, mask=parts < P, other=0)
-        ok = 1
-        if ENCODE:
-            bad = tl.zeros([BP], tl.int32)
-            n0 = tl.zeros([BP], tl.float32)
-            n1 = tl.zeros([BP], tl.float32)
-            n2 = tl.zeros([BP], tl.float32)
-            for p0 in range(0, P, BP):
-                parts = p0 + tl.arange(0, BP)
-                inside = parts < P
-                bad += tl.load(bad_ptr + sample * P + parts, mask=inside, other=0)
-                norms = norms_ptr + sample * 3 * P + parts
-                n0 += tl.load(norms, mask=inside, other=0.0)
-                n1 += tl.load(norms + P, mask=inside, other=0.0)
-                n2 += tl.load(norms + 2 * P, mask=inside, other=0.0)
-            clipped = tl.zeros([BC], tl.int32)
-            for c0 in range(0, C, BC):
-                cols = c0 + tl.arange(0, BC)
-                scale = tl.load(s_ptr + sample * C + cols, mask=cols < C, other=0.0)
-                clipped += ((cols < C) & ~(tl.abs(scale) < FP16_MAX)).to(tl.int32)  # (a NaN fails too)
-            ok = ((tl.sum(bad, axis=0) == 0) & (tl.sum(clipped, axis=0) == 0)).to(tl.int32)
-            r0 = tl.sqrt_rn(tl.sum(n0, axis=0))
-            r1 = tl.sqrt_rn(tl.sum(n1, axis=0))
-            r2 = tl.sqrt_rn(tl.sum(n2, axis=0))
-            tl.store(norms_out_ptr + sample * 3, r0)
-            tl.store(norms_out_ptr + sample * 3 + 1, r1)
-            tl.store(norms_out_ptr + sample * 3 + 2, r2)
-            signal += r0.to(tl.float64) * r0.to(tl.float64)
-            change += r1.to(tl.float64) * r1.to(tl.float64)
-            error += r2.to(tl.float64) * r2.to(tl.float64)
-        tl.store(verdicts_ptr + sample, ok)
-        tl.store(verdicts_ptr + B + sample, tl.sum(total, axis=0))
-    if ENCODE:
-        first = tl.arange(0, 1)
-        tl.store(squares_ptr + first, signal)
-        tl.store(squares_ptr + 1 + first, change)
-        tl.store(squares_ptr + 2 + first, error)
+            inside = parts < P
+            bad += tl.load(bad_ptr + sample * P + parts, mask=inside, other=0)
+            norms = norms_ptr + sample * 3 * P + parts
+            n0 += tl.load(norms, mask=inside, other=0.0)
+            n1 += tl.load(norms + P, mask=inside, other=0.0)
+            n2 += tl.load(norms + 2 * P, mask=inside, other=0.0)
+        clipped = tl.zeros([BC], tl.int32)
+        for c0 in range(0, C, BC):
+            cols = c0 + tl.arange(0, BC)
+            scale = tl.load(s_ptr + sample * C + cols, mask=cols < C, other=0.0)
+            clipped += ((cols < C) & ~(tl.abs(scale) < FP16_MAX)).to(tl.int32)  # (a NaN fails too)
+        ok = ((tl.sum(bad, axis=0) == 0) & (tl.sum(clipped, axis=0) == 0)).to(tl.int32)
+        r0 = tl.sqrt_rn(tl.sum(n0, axis=0))
+        r1 = tl.sqrt_rn(tl.sum(n1, axis=0))
+        r2 = tl.sqrt_rn(tl.sum(n2, axis=0))
+        tl.store(norms_out_ptr + sample * 3, r0)
+        tl.store(norms_out_ptr + sample * 3 + 1, r1)
+        tl.store(norms_out_ptr + sample * 3 + 2, r2)
+        tl.store(squares_ptr + sample * 3, r0.to(tl.float64) * r0.to(tl.float64))
+        tl.store(squares_ptr + sample * 3 + 1, r1.to(tl.float64) * r1.to(tl.float64))
+        tl.store(squares_ptr + sample * 3 + 2, r2.to(tl.float64) * r2.to(tl.float64))
+    tl.store(verdicts_ptr + sample, ok)
+    tl.store(verdicts_ptr + B + sample, tl.sum(total, axis=0))
 
 
 # Tiles and warps from benchmarks/fused_tiles.py on an H200 at SmolLM2's 8 × 1024 × 576, 3 bits (2026-11-27): each
