@@ -292,12 +292,14 @@ def test_aqsgd_uses_lent_graph_outputs_before_its_next_replay_or_keeps_copies(st
     message after message (each new m(ξ) one row, which a per-sample store would keep as it is), then steady deltas,
     then new samples alone, then new samples of which one must go losslessly (and is kept, in bf16): payloads,
     activations, fidelity sums and both copies of m(ξ) as op by op (where nothing is lent)."""
-    from aqpipe.compress.link import codecs
+    from aqpipe.compress.link import aqsgd, codecs
     from aqpipe.compress.link.codecs import QuantOptions, build_codec
     from aqpipe.storage import MemoryStore, SlabStore, StoreView
 
-    # a GPU's payload crosses to the host in a copy: the stand-in's host "device" must copy too
-    monkeypatch.setattr(codecs, "to_host", lambda payload: (payload.clone(), None))
+    # a GPU's payload crosses to the host in a copy: the stand-in's host "device" must copy too (where a message's
+    # copy is queued: a steady-state AQ-SGD message's before its verdicts are read, any other's after)
+    for module in (codecs, aqsgd):
+        monkeypatch.setattr(module, "to_host", lambda payload: (payload.clone(), None))
     generator = torch.Generator().manual_seed(0)
     visits = ([[0, 1]] + [[k, k + 2] for k in range(1, 6)] + [[k] for k in (2, 3, 4, 5)] + [[9], [10], [11]]
               + [[12, 13], [14, 15], [16, 17]])  # (the second sample of the last three: too large for fp16)
