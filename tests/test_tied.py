@@ -72,3 +72,60 @@ def test_a_stage_without_parameters_takes_part_in_the_tied_sum():
     assert all(status == "ok" for status, _ in results), results
     copies = results[0][1]
     assert torch.equal(copies[0], torch.full((4, 3), -3.0)) and torch.equal(copies[1], copies[0])  # -(1 + 2)
+
+
+def _replicas_reduce_in_orders_of_their_own(rank: int, world: int):
+    """pp=3, dp=2: each stage holds a copy of a tied table, whose gradient the sync leaves one value a stage (as
+    top-k may leave two copies differently), equal across replicas, with a float32 sum over the stages that depends
+    on the order its terms are added in. The backend is made to add a group's terms in an order of the replica's
+    own — replica 1 in reverse — as NCCL may (it picks its algorithm and ring per communicator, from each one's
+    topology). Returns this rank's stage, replica and table after one step."""
+    import torch.distributed as dist
+
+    from aqpipe.pipeline.grid import Grid
+    from aqpipe.pipeline.tied import TiedGroup
+
+    grid = Grid(3, 2, rank)
+    original = dist.all_reduce
+
+    def reduce_in_own_order(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if op != dist.ReduceOp.SUM or dist.get_world_size(group) < 3:  # (two terms add alike in either order)
+            return original(tensor, op=op, group=group, async_op=async_op)
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor, group=group)
+        total = torch.zeros_like(tensor)
+        for part in (reversed(parts) if grid.replica == 1 else parts):
+            total += part
+        tensor.copy_(total)
+
+    dist.all_reduce = reduce_in_own_order
+    module = Copy()
+    module.table.grad = torch.zeros(4, 3)
+
+    def before_sync(params):  # float32: (1 + 1e8) - 1e8 = 0, but (-1e8 + 1e8) + 1 = 1
+        module.table.grad.fill_([1.0, 1e8, -1e8][grid.stage])
+
+    from aqpipe.pipeline import comm
+
+    before = comm.TRAFFIC.snapshot()[comm.TIED]
+    worker_step(grid, module, "none", tied=[TiedGroup("table", ((4, 3),), 3)], before_sync=before_sync)
+    return grid.stage, grid.replica, module.table.detach().clone(), comm.TRAFFIC.snapshot()[comm.TIED] - before
+
+
+def test_replicas_keep_one_tied_table_whatever_order_the_backend_adds_a_pipelines_terms_in():
+    """The copies re-agree after the sync on the mean of their gradients, a sum over the pipeline's stages: each
+    replica must add its terms in the same order, or the replicas' tables part in their last bits (and the digest
+    check at the next checkpoint ends the run). (The clip's norm is a float64 sum of float32 norms squared exactly:
+    an order's last bit there does not reach the float32 coefficient — no case in 2 million random ones.)"""
+    from aqpipe.pipeline.tied import TiedGroup
+    from aqpipe.runtime.capacity import _dense_tied_bytes
+
+    results = run_ranks(_replicas_reduce_in_orders_of_their_own, 6)
+    assert all(status == "ok" for status, _ in results), results
+    tables: dict[int, list] = {}
+    for _, (stage, replica, table, _) in results:
+        tables.setdefault(stage, []).append(table)
+    assert all(len(pair) == 2 and torch.equal(*pair) for pair in tables.values()), tables
+    # each rank sent a ring all-reduce of the 48-byte table (2·2/3 of it) and an all-gather (twice it), as planned
+    sent = [value[3] for _, value in results]
+    assert sent == [64 + 96] * 6 and _dense_tied_bytes(TiedGroup("table", ((4, 3),), 3), 48, 3, 2) == 3 * 160

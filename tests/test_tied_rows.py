@@ -317,3 +317,17 @@ def test_bf16_rows_travel_in_half_the_bytes_and_the_head_keeps_its_fp32_table():
         assert owner.bytes_sent == lookup.bytes_sent == 2 * (2 * WIDTH + 8) + HEADER_SIZE
     finally:
         close(owner, lookup)
+
+
+def test_the_plan_counts_what_a_dense_tied_table_sends_with_replicas(tmp_path):
+    """With two replicas the copies sum their gradients before the sync and re-agree after it: two all-reduces of
+    the table a step over each replica's pipeline, which the plan once counted as one. The run's records sum the
+    replicas."""
+    from aqpipe.runtime.capacity import plan_capacity
+    from aqpipe.runtime.plan import make_plan
+
+    settings = dict(dp=2, steps=2, eval_every=0)
+    assert run_job(tied_config(tmp_path / "run", "dense", **settings), progress=False, starter=warm.ranks()) == 0
+    planned = plan_capacity(make_plan(tied_config(tmp_path / "plan", "dense", **settings))).tied
+    assert planned is not None and planned.how == "dense"
+    assert [r["tied_bytes"] for r in records(tmp_path / "run")] == [2 * planned.step_bytes] * 2

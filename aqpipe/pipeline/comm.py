@@ -71,6 +71,20 @@ def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, traffic: str, 
     TRAFFIC.add(traffic, (_size(group) - 1) * _nbytes(tensor))
 
 
+def ordered_sum(tensor: torch.Tensor, traffic: str, group=None) -> None:
+    """`tensor` becomes the sum of every member's, added in the group's rank order: the same bits in every group of
+    the same layout, whatever order a backend would add in (NCCL picks its algorithm and ring per communicator, from
+    each one's topology, so two replicas' pipelines may add their stages' terms in different orders, and float sums
+    of three terms or more depend on the order). An all-gather: (n − 1) times the tensor from each member, where a
+    ring all-reduce sends 2·(n − 1)/n times."""
+    parts = [torch.empty_like(tensor) for _ in range(_size(group))]
+    all_gather(parts, tensor, traffic, group)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    tensor.copy_(total)
+
+
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, traffic: str, dst: int = 0, group=None
            ) -> None:
     """`dist.gather` to global rank `dst`, counted."""

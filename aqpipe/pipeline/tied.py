@@ -65,8 +65,18 @@ def sum_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int, d
 def agree_tied_grads(module: nn.Module, groups: list[TiedGroup], group, pp: int, device: torch.device) -> None:
     """After the grad sync, give every copy the mean of the copies' synchronized gradients (all stages must call
     this): a compressor that selects or randomizes per coordinate (top-k, Marsit's transient bits, PowerSGD's
-    projections) can treat two copies differently, and the copies must stay one tensor."""
+    projections) can treat two copies differently, and the copies must stay one tensor — in every replica too
+    (`added_in_order`)."""
     _combine_copies(module, groups, group, pp, device, mean=True)
+
+
+def added_in_order(tied: TiedGroup) -> bool:
+    """Whether the copies' re-agreement after the sync adds the stages' terms in stage order (`comm.ordered_sum`, an
+    all-gather) rather than all-reducing them: where three copies or more may be summed, since a float sum of three
+    terms depends on the order the backend adds them in, which NCCL may pick apart for each replica's pipeline (two
+    add alike in either order, the other stages' zeros exactly). Before the sync the order does not matter: the sync
+    makes the replicas' gradients one."""
+    return tied.copies >= 3
 
 
 def tied_sq_norm(module: nn.Module, groups: list[TiedGroup], last_stage: bool = True) -> torch.Tensor:
@@ -99,7 +109,9 @@ def _combine_copies(module: nn.Module, groups: list[TiedGroup], group, pp: int, 
                 if p.grad is not None:
                     acc.add_(p.grad.to(device, torch.float32))
         flat = torch.cat([t.reshape(-1) for t in total])
-        if pp > 1:
+        if pp > 1 and mean and added_in_order(tied):
+            comm.ordered_sum(flat, comm.TIED, group=group)
+        elif pp > 1:
             comm.all_reduce(flat, comm.TIED, group=group)
         if mean:
             flat.div_(tied.copies)

@@ -23,7 +23,7 @@ from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_by
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.pipeline.grid import Grid
-from aqpipe.pipeline.tied import row_tables, tied_groups
+from aqpipe.pipeline.tied import TiedGroup, added_in_order, row_tables, tied_groups
 from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
 from aqpipe.pipeline.tied_rows import step_rows
 from aqpipe.pipeline.transport import HEADER_SIZE
@@ -215,14 +215,16 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
 def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
     """Bytes per step one replica sends for its tied tables: with `--tied-exchange rows`, a table's looked-up rows
     and their gradient (`aqpipe.pipeline.tied_rows`), counted on the first `sampled_steps` steps of the real data
-    order; otherwise a ring all-reduce of every table over the pipeline (every rank sends 2·(pp−1)/pp of it)."""
+    order; otherwise a ring all-reduce of every table over the pipeline (every rank sends 2·(pp−1)/pp of it), and
+    with replicas a second after the sync, where the copies re-agree (an all-gather, (pp−1) times the table from
+    every rank, where three copies or more are added in stage order: `tied.added_in_order`)."""
     cfg = plan.cfg
     groups = tied_groups(plan.spec.extras)
     if cfg.pp < 2 or plan.lora is not None or not groups:
         return None
     by_rows = set(row_tables(plan.spec.extras, cfg.pp, cfg.tied_exchange))
     table_bytes = {g.name: 4 * sum(numel(shape) for shape in g.shapes) for g in groups}
-    dense = sum(ring_all_reduce_bytes(table_bytes[g.name], cfg.pp) * cfg.pp for g in groups if g.name not in by_rows)
+    dense = sum(_dense_tied_bytes(g, table_bytes[g.name], cfg.pp, cfg.dp) for g in groups if g.name not in by_rows)
     if not by_rows:
         return TiedNeeds("dense", dense, sum(table_bytes.values()))
     epochs = plan.epoch_plan(0)
@@ -234,6 +236,14 @@ def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
     value_bytes = getattr(torch, ROW_EXCHANGES[cfg.tied_exchange]).itemsize
     rows = sum(2 * (round(distinct) * (value_bytes * width + 8) + cfg.micro_batches * HEADER_SIZE) for width in widths)
     return TiedNeeds("rows", rows + dense, sum(table_bytes.values()), distinct)
+
+
+def _dense_tied_bytes(group: TiedGroup, table_bytes: int, pp: int, dp: int) -> int:
+    """What one replica's pipeline sends a step to keep a tied table whole by summing its copies' gradients."""
+    ring = ring_all_reduce_bytes(table_bytes, pp) * pp
+    if dp == 1:
+        return ring
+    return ring + ((pp - 1) * table_bytes * pp if added_in_order(group) else ring)
 
 
 def gpu_each(cfg: ResolvedConfig) -> bool:
