@@ -137,3 +137,4 @@ def worker_step(grid, module, method: str, lr: float = 1.0, clip: float = 0.0, t
                          device=torch.device("cpu"), tied=list(tied))
     stats = StepStats()
     worker.optimizer_phase.run(0, stats)
+    return stats

@@ -293,7 +293,7 @@ def test_the_kernels_apply_on_a_gpu_unless_switched_off_or_without_triton(monkey
     assert not fused.fusable(cuda, (4, 128, 576), 3, "channel", "signed")
 
 
-def test_aqsgds_delta_step_is_fused_by_default_from_half_a_million_values(monkeypatch):
+def test_aqsgds_delta_step_is_fused_by_default_from_a_million_values(monkeypatch):
     """Below `DELTA_MIN_ELEMENTS` a fused delta step was no faster on a GPU (a message's time is its launches and
     waits there), above it up to twice as fast; AQPIPE_FUSED_AQSGD=1 fuses every size, 0 none."""
     cuda, fp16 = torch.device("cuda"), torch.float16
@@ -301,11 +301,11 @@ def test_aqsgds_delta_step_is_fused_by_default_from_half_a_million_values(monkey
     monkeypatch.delenv(fused.DELTA_SWITCH, raising=False)
     monkeypatch.setattr(fused, "_kernels", lambda: object())
     small, smollm2_gpu_batch = (4, 128, 576), (8, 1024, 576)
-    assert fused.DELTA_MIN_ELEMENTS == 1 << 19 and math.prod(small) < fused.DELTA_MIN_ELEMENTS
+    assert fused.DELTA_MIN_ELEMENTS == 1 << 20 and math.prod(small) < fused.DELTA_MIN_ELEMENTS
     assert not fused.delta_fusable(cuda, small, fp16, 3, "channel", "signed")
     assert fused.delta_fusable(cuda, smollm2_gpu_batch, fp16, 3, "channel", "signed")
-    assert fused.delta_fusable(cuda, (1, 1024, 512), torch.bfloat16, 3, "channel", "signed")  # exactly the bound
-    assert not fused.delta_fusable(cuda, (1, 1023, 512), torch.bfloat16, 3, "channel", "signed")
+    assert fused.delta_fusable(cuda, (1, 1024, 1024), torch.bfloat16, 3, "channel", "signed")  # exactly the bound
+    assert not fused.delta_fusable(cuda, (1, 1023, 1024), torch.bfloat16, 3, "channel", "signed")
     assert not fused.delta_fusable(cuda, smollm2_gpu_batch, torch.float32, 3, "channel", "signed")  # fp32 m(ξ)
     assert not fused.delta_fusable(torch.device("cpu"), smollm2_gpu_batch, fp16, 3, "channel", "signed")
     monkeypatch.setenv(fused.DELTA_SWITCH, "1")

@@ -198,7 +198,7 @@ def test_aqsgds_delta_graphs_hold_no_float32_copy_of_m_and_no_sum_of_their_own(m
 @pytest.mark.parametrize("shape,fusing", [((8, 1024, 576), True), ((4, 128, 576), False)])
 def test_a_fused_delta_step_keeps_no_graph_and_the_plan_counts_none(monkeypatch, shape, fusing):
     """The fused kernels read the activation and m(ξ) where they lie and write a message's payload and new m(ξ) as
-    tensors of its own: no CUDA graph, so no buffers held for the run. By default that is from half a million values
+    tensors of its own: no CUDA graph, so no buffers held for the run. By default that is from a million values
     (SmolLM2's 8 × 1024 × 576); below it the delta step in torch ops replays its graphs, which the plan counts."""
     _delta_step(monkeypatch, "")
     assert fused.delta_fusable(torch.device("meta"), shape, torch.float16, 3, "channel", "signed") == fusing

@@ -77,9 +77,10 @@ def test_a_stage_without_parameters_takes_part_in_the_tied_sum():
 def _replicas_reduce_in_orders_of_their_own(rank: int, world: int):
     """pp=3, dp=2: each stage holds a copy of a tied table, whose gradient the sync leaves one value a stage (as
     top-k may leave two copies differently), equal across replicas, with a float32 sum over the stages that depends
-    on the order its terms are added in. The backend is made to add a group's terms in an order of the replica's
+    on the order its terms are added in; and a plain weight whose squared norms' float64 sum does too. The backend is made to add a group's terms in an order of the replica's
     own — replica 1 in reverse — as NCCL may (it picks its algorithm and ring per communicator, from each one's
-    topology). Returns this rank's stage, replica and table after one step."""
+    topology). Returns this rank's stage, replica, table after one step, the step's gradient norm and the tied bytes
+    it sent."""
     import torch.distributed as dist
 
     from aqpipe.pipeline.grid import Grid
@@ -99,33 +100,45 @@ def _replicas_reduce_in_orders_of_their_own(rank: int, world: int):
         tensor.copy_(total)
 
     dist.all_reduce = reduce_in_own_order
-    module = Copy()
-    module.table.grad = torch.zeros(4, 3)
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.copy = Copy()
+            self.weight = nn.Parameter(torch.zeros(1))
+
+    module = Stage()
+    module.copy.table.grad = torch.zeros(4, 3)
+    module.weight.grad = torch.tensor([[1.0, 1.0, 1e8][grid.stage]])  # squares in float64: (1 + 1) + 1e16 ≠ (1e16 + 1) + 1
 
     def before_sync(params):  # float32: (1 + 1e8) - 1e8 = 0, but (-1e8 + 1e8) + 1 = 1
-        module.table.grad.fill_([1.0, 1e8, -1e8][grid.stage])
+        module.copy.table.grad.fill_([1.0, 1e8, -1e8][grid.stage])
 
     from aqpipe.pipeline import comm
 
     before = comm.TRAFFIC.snapshot()[comm.TIED]
-    worker_step(grid, module, "none", tied=[TiedGroup("table", ((4, 3),), 3)], before_sync=before_sync)
-    return grid.stage, grid.replica, module.table.detach().clone(), comm.TRAFFIC.snapshot()[comm.TIED] - before
+    stats = worker_step(grid, module, "none", tied=[TiedGroup("table", ((4, 3),), 3)], before_sync=before_sync)
+    return (grid.stage, grid.replica, module.copy.table.detach().clone(), stats.grad_norm,
+            comm.TRAFFIC.snapshot()[comm.TIED] - before)
 
 
-def test_replicas_keep_one_tied_table_whatever_order_the_backend_adds_a_pipelines_terms_in():
+def test_replicas_keep_one_tied_table_and_one_norm_whatever_order_the_backend_adds_a_pipelines_terms_in():
     """The copies re-agree after the sync on the mean of their gradients, a sum over the pipeline's stages: each
     replica must add its terms in the same order, or the replicas' tables part in their last bits (and the digest
-    check at the next checkpoint ends the run). (The clip's norm is a float64 sum of float32 norms squared exactly:
-    an order's last bit there does not reach the float32 coefficient — no case in 2 million random ones.)"""
-    from aqpipe.pipeline.tied import TiedGroup
-    from aqpipe.runtime.capacity import _dense_tied_bytes
+    check at the next checkpoint ends the run). The clip's norm is such a sum too: every replica must clip on the
+    same number (a last bit apart rarely reaches the float32 coefficient — no case in 2 million random ones — but
+    the replicas then report different norms)."""
+    from aqpipe.pipeline.tied import TiedGroup, added_in_order
+    from aqpipe.runtime.capacity import dense_tied_bytes
 
     results = run_ranks(_replicas_reduce_in_orders_of_their_own, 6)
     assert all(status == "ok" for status, _ in results), results
     tables: dict[int, list] = {}
-    for _, (stage, replica, table, _) in results:
+    for _, (stage, replica, table, _, _) in results:
         tables.setdefault(stage, []).append(table)
     assert all(len(pair) == 2 and torch.equal(*pair) for pair in tables.values()), tables
+    norms = {value[3] for _, value in results}
+    assert len(norms) == 1, norms
     # each rank sent a ring all-reduce of the 48-byte table (2·2/3 of it) and an all-gather (twice it), as planned
-    sent = [value[3] for _, value in results]
-    assert sent == [64 + 96] * 6 and _dense_tied_bytes(TiedGroup("table", ((4, 3),), 3), 48, 3, 2) == 3 * 160
+    sent = [value[4] for _, value in results]
+    assert sent == [64 + 96] * 6 and dense_tied_bytes(48, 3, 2, added_in_order(TiedGroup("table", ((4, 3),), 3))) == 3 * 160

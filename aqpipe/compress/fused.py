@@ -24,7 +24,7 @@ to save three kernel launches and a fill (which costs more on a GPU is still to 
 
 DirectQ's kernels apply where `encodable` and `fusable` say (a CUDA tensor of ≥ 3 dims whose channel count is a
 multiple of 8, per-channel scales, nearest rounding, 2–8 bits, a grid whose scale needs no division: signed,
-symmetric, uniform) and Triton imports; AQ-SGD's on batches of half a million values and more (`delta_fusable`:
+symmetric, uniform) and Triton imports; AQ-SGD's on batches of a million values and more (`delta_fusable`:
 below that the fused step is no faster); elsewhere the torch ops run.
 `AQPIPE_FUSED_KERNELS=0` turns them all off. Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (numpy's
 IEEE float32), which is how CPU-only CI checks their bits against torch's.
@@ -47,10 +47,10 @@ GROUP = 8  # codes per packed group: 8 codes of b bits fill exactly b bytes
 _SCALE_KINDS = {"signed": 0, "symmetric": 1, "uniform": 1}  # 0: the long side where |x| is largest; 1: max |x|
 DELTA_SWITCH = "AQPIPE_FUSED_AQSGD"  # "1": AQ-SGD's delta step fused at every size, "0": at none (`delta_fusable`)
 # The batch size (values) from which AQ-SGD's delta step is fused by default. Measured pair by pair (aqsgd:3, fp16
-# m(ξ) on the GPU; benchmarks/README.md): on an H200 fused was as fast at 4 × 128 × 576 (0.29 M values), 17% faster
-# at 0.59 M, 21-28% at 1.2-2.4 M and 49% (up to 2×) at SmolLM2's 8 × 1024 × 576; on an H100 it was 10-20% slower at
-# 4 × 128 × 576, where a message's time is its launches and waits, not its arithmetic.
-DELTA_MIN_ELEMENTS = 1 << 19
+# m(ξ) on the GPU; benchmarks/README.md) with the step ungraphed and m(ξ) written in place, on an H200 (2026-11-27):
+# fused was 8% slower at 4 × 128 × 576 (0.29 M values), as fast at 1.18 M, 18% faster at 2.36 M and 50% at SmolLM2's
+# 8 × 1024 × 576. Below a million a message's time is its launches and waits, not its arithmetic.
+DELTA_MIN_ELEMENTS = 1 << 20
 log = logging.getLogger(__name__)
 _failed: list[str] = []  # why the kernels failed to compile or launch in this process (then the torch ops run)
 # the delta steps ("encode", "decode") whose every kernel has run in this process: only those write m(ξ) in place, so

@@ -126,8 +126,8 @@ class OptimizerPhase:
             sq = sq + tied_sq_norm(self.module, self.tied, self.grid.is_last_stage)
         if self.tied_rows is not None:
             sq = sq + self.tied_rows.sq_norm()
-        if self.grid.pp > 1:  # clip on the norm of the whole model, not of this stage
+        if self.grid.pp > 1:  # clip on the norm of the whole model, not of this stage, added alike in every replica
             sq = sq.to(collective_device(self.device))
-            comm.all_reduce(sq, comm.CONTROL, group=self.groups.pipeline)
+            comm.ordered_sum(sq, comm.CONTROL, group=self.groups.pipeline)
         # signSGD's ±1 vector is the update itself: clipping its norm would only shrink every step
         return clip_by_global_norm(params, self.clip if self.grad_sync.clippable else 0.0, sq.cpu())

@@ -23,7 +23,7 @@ from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_by
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.pipeline.grid import Grid
-from aqpipe.pipeline.tied import TiedGroup, added_in_order, row_tables, tied_groups
+from aqpipe.pipeline.tied import added_in_order, row_tables, tied_groups
 from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
 from aqpipe.pipeline.tied_rows import step_rows
 from aqpipe.pipeline.transport import HEADER_SIZE
@@ -224,7 +224,8 @@ def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
         return None
     by_rows = set(row_tables(plan.spec.extras, cfg.pp, cfg.tied_exchange))
     table_bytes = {g.name: 4 * sum(numel(shape) for shape in g.shapes) for g in groups}
-    dense = sum(_dense_tied_bytes(g, table_bytes[g.name], cfg.pp, cfg.dp) for g in groups if g.name not in by_rows)
+    dense = sum(dense_tied_bytes(table_bytes[g.name], cfg.pp, cfg.dp, added_in_order(g))
+                for g in groups if g.name not in by_rows)
     if not by_rows:
         return TiedNeeds("dense", dense, sum(table_bytes.values()))
     epochs = plan.epoch_plan(0)
@@ -238,12 +239,13 @@ def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
     return TiedNeeds("rows", rows + dense, sum(table_bytes.values()), distinct)
 
 
-def _dense_tied_bytes(group: TiedGroup, table_bytes: int, pp: int, dp: int) -> int:
-    """What one replica's pipeline sends a step to keep a tied table whole by summing its copies' gradients."""
+def dense_tied_bytes(table_bytes: int, pp: int, dp: int, in_order: bool = False) -> int:
+    """What one replica's pipeline sends a step to keep a tied table whole by summing its copies' gradients: an
+    all-reduce, and with replicas another after the sync (an all-gather where the copies re-agree `in_order`)."""
     ring = ring_all_reduce_bytes(table_bytes, pp) * pp
     if dp == 1:
         return ring
-    return ring + ((pp - 1) * table_bytes * pp if added_in_order(group) else ring)
+    return ring + ((pp - 1) * table_bytes * pp if in_order else ring)
 
 
 def gpu_each(cfg: ResolvedConfig) -> bool:
@@ -392,8 +394,9 @@ def format_tied(tied: TiedNeeds, cfg: ResolvedConfig) -> str:
         return (f"tied embedding/LM head: {_gb(tied.step_bytes)} per step between stage 0 and stage {cfg.pp - 1} "
                 f"(the rows of ~{tied.distinct_tokens:,.0f} distinct tokens and their gradient; the table is "
                 f"{_gb(tied.table_bytes)}; --tied-exchange dense would send "
-                f"{_gb(ring_all_reduce_bytes(tied.table_bytes, cfg.pp) * cfg.pp)})")
-    return f"tied tables: {_gb(tied.step_bytes)} per step (an all-reduce of {_gb(tied.table_bytes)} over the pipeline)"
+                f"{_gb(dense_tied_bytes(tied.table_bytes, cfg.pp, cfg.dp))})")
+    again = ", and again after the grad sync" if cfg.dp > 1 else ""
+    return f"tied tables: {_gb(tied.step_bytes)} per step (an all-reduce of {_gb(tied.table_bytes)} over the pipeline{again})"
 
 
 def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:
