@@ -64,8 +64,9 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 def local_grad_sq_norm(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     """Sum of squared gradient entries of `params`: per-tensor norms in the gradients' dtype, squared and summed in
-    float64 so that the stages' shares add up to the same total in any order. On the gradients' device (nothing is
-    read: the caller adds the tied tables' shares before the one copy the collective needs)."""
+    float64 (each square exact; the stages' shares are then added in stage order, `comm.ordered_sum`, since even
+    float64 sums round by order). On the gradients' device (nothing is read: the caller adds the tied tables' shares
+    before the one copy the collective needs)."""
     grads = [p.grad.detach() for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64)
