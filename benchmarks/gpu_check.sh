@@ -16,7 +16,7 @@
 #                and benchmarks/fused_delta_sizes.py: AQ-SGD's delta step unfused and fused, by micro-batch size
 #   throughput   benchmarks/throughput.py: 4 ranks on the one GPU behind 100 Mbit/s tc links, fp32 vs aqsgd fw3 bw6
 #   throughput-mps  the same under NVIDIA MPS (started and stopped here), where nvidia-cuda-mps-control exists
-# About 5 minutes on an H200 (codec speed, then the GPU tests beside the sync audit, then the two throughput runs;
+# About 4 minutes on an H200 (codec speed, then the GPU tests beside the sync audit, then the two throughput runs;
 # each part stops at its own limit: 8.7 minutes in all at most). AQPIPE_BENCH_DATA names the WikiText-2 file the
 # throughput parts train on; AQPIPE_GPU_CHECK_PARTS picks a subset; AQPIPE_COMMIT names the commit the results
 # files record, where the tree is a copy whose git is not the checkout's (on the lent GPU machines git reported
