@@ -1,6 +1,7 @@
 """Codec speed: quantize+pack and unpack+dequantize, in MB/s of fp32 input, for every bit width — on one CPU core,
 or on a GPU with --device cuda (where it also times AQ-SGD's whole encode and decode, m(ξ) update and checksum
-included, with m(ξ) in GPU memory, and the bytes' copy to the host) — then the whole link codecs of --codecs
+included, with m(ξ) in GPU memory, and the bytes' copy to the host: message by message, and streamed, pairs queued
+back to back as a pipeline's two ends run them) — then the whole link codecs of --codecs
 (rotated tile quantization, TAH-Quant, …) through their encode and decode, header and bytes to the host included.
 
     python benchmarks/codec_speed.py --out benchmarks/results/codec_speed
@@ -107,10 +108,32 @@ def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) ->
         given = x.to(torch.bfloat16) if "bf16" in label else x  # (what a bf16 run's stage sends)
         mb = given.numel() * given.element_size() / 1e6
         enc, dec = measure_pairs(sender, receiver, given, ids, repeats, device, pageable="pageable" in label)
-        rows.append({"bits": bits, "rounding": f"aqsgd codec{label}", "encode_MBps": mb / enc, "decode_MBps": mb / dec})
-        print(f"aqsgd:{bits} whole codec{label}   encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s",
+        row = {"bits": bits, "rounding": f"aqsgd codec{label}", "encode_MBps": mb / enc, "decode_MBps": mb / dec}
+        streamed = ""
+        if device.type == "cuda" and not label:  # the rate a pipeline sees: no wait but the sender's own
+            row["streamed_round_trip_MBps"] = mb / stream_pairs(sender, receiver, given, ids, 20 * repeats)
+            streamed = f"  streamed both {row['streamed_round_trip_MBps']:7.0f} MB/s"
+        rows.append(row)
+        print(f"aqsgd:{bits} whole codec{label}   encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s{streamed}",
               flush=True)
     return rows
+
+
+def stream_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, pairs: int) -> float:
+    """Seconds per encode+decode pair, `pairs` queued back to back as a pipeline's two ends would run them: the
+    sender still waits once per message for its verdicts (which samples go as deltas), the receiver never (its
+    checksum checks are made as their sums arrive, and all of them before the clock stops)."""
+    from aqpipe.pipeline.transport import Header
+
+    sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(pairs):
+        encoded = sender.encode(x, ids, compress=True)
+        receiver.decode(Header.for_encoded(encoded, sender.code), encoded.payload, ids)
+    receiver.settle()
+    sync()
+    return (time.perf_counter() - start) / pairs
 
 
 def link_codec_rows(x: torch.Tensor, specs: list[str], repeats: int, device: torch.device) -> list[dict]:
