@@ -133,8 +133,8 @@ def check_pairing(spec: GradSpec, optimizer: str) -> None:
 
 def sync_copies(text: str, dp: int) -> tuple[float, float]:
     """fp32 copies of a stage's trained parameters one replica's grad sync holds where its collectives run: (what it
-    keeps from step to step, the most it holds at once while it runs, that included). None without replicas, but for
-    the sign-based methods and qadam, which run on one replica too."""
+    keeps from step to step, the most it holds at once while it runs, that included). Nothing without replicas, but
+    for the sign-based methods and qadam, which run on one replica too."""
     spec = parse_grad_spec(text)
     if dp < 2:  # nothing to exchange: only a vote (Marsit's with its compensation) and qadam's step run alone
         if spec.sign_based:
