@@ -1,50 +1,22 @@
 """When a codec's kernels run op by op and when they replay a graph: the cache's rules, checked on the host with a
 stand-in capture (the GPU tests replay real CUDA graphs and compare their bits with op by op)."""
 
-import inspect
 import logging
-import weakref
 
 import pytest
 import torch
 
 from aqpipe.compress import cuda_graphs
 from aqpipe.compress.cuda_graphs import graphed
-
-
-class StandInGraph:
-    """Replays `fn` on the captured buffers into the captured outputs, as a CUDA graph does on a GPU."""
-
-    def __init__(self, fn, inputs, outputs):
-        # (a CUDA graph keeps no reference to the Python function it was captured from: nor does this)
-        self.fn = weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
-        self.inputs, self.outputs, self.replays = inputs, outputs, 0
-
-    def replay(self):
-        self.replays += 1
-        cuda_graphs._capturing.now = True  # (a real replay runs no Python: nothing inside may capture)
-        try:
-            for out, value in zip(self.outputs, self.fn()(*self.inputs)):
-                out.copy_(value)
-        finally:
-            cuda_graphs._capturing.now = False
+from tests.graph_stand_ins import install
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
     """Graphs on the host: every device replays, and a capture is a `StandInGraph`; returns the captures made."""
     captures = []
-
-    def capture(fn, tensors):
-        inputs = tuple(t.clone() for t in tensors)
-        graph = StandInGraph(fn, inputs, tuple(fn(*inputs)))
-        captures.append(graph)
-        return cuda_graphs._Graph(graph, inputs, graph.outputs)
-
     cuda_graphs.clear()
-    monkeypatch.setattr(cuda_graphs, "_replays_on", lambda device: True)
-    monkeypatch.setattr(cuda_graphs, "_stream_id", lambda device: 0)
-    monkeypatch.setattr(cuda_graphs, "_capture", capture)
+    install(captures, monkeypatch.setattr)
     monkeypatch.delenv(cuda_graphs.SWITCH, raising=False)
     yield captures
     cuda_graphs.clear()
@@ -107,7 +79,7 @@ def test_a_capture_that_fails_turns_graphs_off_for_the_process_with_one_warning(
         graphed("kept", fn, x, x)  # a graph made before the failure
     replays = stand_in[0].replays
 
-    def failing(fn, tensors):
+    def failing(fn, tensors, held=()):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(cuda_graphs, "_capture", failing)
@@ -229,9 +201,9 @@ def test_a_codec_finalized_during_a_capture_does_not_deadlock(stand_in, monkeypa
 
     capture = cuda_graphs._capture
 
-    def collecting(fn, tensors):
+    def collecting(fn, tensors, held=()):
         cuda_graphs.forget("a-dropped-codec")  # what a finalizer run by the collector here would do
-        return capture(fn, tensors)
+        return capture(fn, tensors, held)
 
     monkeypatch.setattr(cuda_graphs, "_capture", collecting)
     fn = Counted()
@@ -357,3 +329,27 @@ def test_what_the_graphs_hold_is_measured_again_only_after_a_graph_is_added_or_d
         assert cuda_graphs.held_on(cuda) == 12 and len(asked) == 3
     finally:
         cuda_graphs.clear()
+
+
+def test_held_tensors_are_read_and_written_where_they_lie_once_a_call_and_a_moved_one_gets_a_new_graph(stand_in):
+    """A `held` tensor (a slab of m(ξ) a step writes in place) is never copied: each call — op by op, captured and
+    replayed, or replayed — writes it once, and a caller sees the write at once. Its address is part of the
+    signature: a slab that grew and moved gets a graph of its own, which replaces the old one's."""
+    def bump(x, slab):
+        slab.add_(x)
+        return (slab.sum(dim=0),)
+
+    slab, x = torch.zeros(3, 4), torch.ones(4)
+    sums = [graphed("step", bump, x, held=(slab,))[0].clone() for _ in range(4)]
+    assert torch.equal(slab, torch.full((3, 4), 4.0))  # one write a call, none of them twice
+    assert [s[0].item() for s in sums] == [3.0, 6.0, 9.0, 12.0]
+    assert len(stand_in) == 1 and stand_in[0].replays == 3
+    grown = torch.zeros(5, 4)
+    for _ in range(3):
+        graphed("step", bump, x, held=(grown,))
+    assert torch.equal(grown, torch.full((5, 4), 3.0)) and torch.equal(slab, torch.full((3, 4), 4.0))
+    assert len(stand_in) == 2 and cuda_graphs.captured() == 1  # (the graph over the old slab dropped)
+    other = torch.zeros(3, 2, 4)
+    for _ in range(2):  # another input shape: a graph of its own, beside the other's
+        graphed("step", bump, torch.ones(2, 4), held=(other,))
+    assert len(stand_in) == 3 and cuda_graphs.captured() == 2

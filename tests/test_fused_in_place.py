@@ -166,3 +166,66 @@ def test_a_delta_step_that_fails_after_writing_m_in_place_says_so_rather_than_di
                 with pytest.raises(RuntimeError, match="failed after writing m\\(xi\\) in place.*illegal memory"):
                     step()
         assert fused._failed and not fused.fusable(x.device, tuple(x.shape), 4, "channel", "signed")
+
+
+@needs_triton
+def test_the_steady_delta_step_replayed_from_a_graph_over_a_slab_keeps_the_bits():
+    """Once the kernels write m(ξ) in place, each end's delta step over a slab's rows runs from a CUDA graph (here a
+    stand-in that replays the step on the host, `tests.graph_stand_ins`): its first such message launches the
+    kernels, the next captures the graph, later ones replay it, with the slab held where it lies — written once a
+    message, never twice — and its outputs lent to the codec until its next message. A batch with a sample twice
+    still launches the kernels, writing m(ξ) apart. A slab that grows (new samples) moves, and the step's graph
+    over the old slab is replaced. Every payload, activation, checksum check (late, as on a GPU) and both copies of
+    m(ξ) agree bit for bit with a link through the torch ops."""
+    interpret("""
+        import os
+        import torch
+        from aqpipe.compress import cuda_graphs
+        from aqpipe.compress.link import aqsgd, codecs
+        from aqpipe.compress.link.codecs import QuantOptions, build_codec
+        from aqpipe.compress.link.late_checks import LateChecks
+        from aqpipe.pipeline.transport import Header
+        from aqpipe.storage import StoreView
+        from aqpipe.storage.slab import SlabStore
+        from tests.graph_stand_ins import install
+
+        captures = []
+        install(captures)
+        for module in (codecs, aqsgd):  # (a GPU's payload crosses to the host in a copy: the stand-in's must too)
+            module.to_host = lambda payload: (payload.clone(), None)
+
+        def run(switch):
+            os.environ["AQPIPE_FUSED_KERNELS"] = switch
+            cuda_graphs.clear()
+            torch.manual_seed(7)
+            send, recv = SlabStore(torch.float16, "cpu", 4), SlabStore(torch.float16, "cpu", 4)
+            sender = build_codec("aqsgd:3", "fw", StoreView(send, 0, "send"), QuantOptions())
+            receiver = build_codec("aqsgd:3", "fw", StoreView(recv, 0, "recv"), QuantOptions())
+            receiver.late_checks = LateChecks(receiver._verify)  # (what a GPU receiver has)
+            x, out, slabs = torch.randn(8, 6, 16), [], []
+            visits = [[0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0], [1, 0, 3, 2], [1, 1, 2, 0], [0, 2, 3, 1],
+                      [4, 5, 6, 7], [7, 6, 5, 4], [5, 7, 4, 6], [6, 4, 7, 5], [0, 1, 2, 3]]
+            for visit, order in enumerate(visits):
+                ids = torch.tensor(order)
+                x += 0.1 * torch.randn_like(x)
+                e = sender.encode(x[ids], ids, compress=True)
+                out += [e.payload, torch.tensor(e.codec_check),
+                        receiver.decode(Header.for_encoded(e, sender.code, step=visit), e.payload, ids)]
+                slabs.append(send._slabs[(0, "send", (6, 16))].rows.data_ptr())
+            receiver.settle()
+            for kept, side in ((send, "send"), (recv, "recv")):
+                out.append(torch.stack(kept.get(0, side, list(range(8)))))
+            kinds = sorted(signature[0][1] for signature in cuda_graphs._cache.graphs)
+            return out, kinds, len(set(slabs))
+
+        graphed, kinds, slabs = run("1")
+        assert slabs == 2  # (the slab grew for samples 4-7)
+        assert kinds == ["fused-decode", "fused-encode", "seed", "seed"], kinds  # (the old slab's graphs dropped)
+        steps = [g for g in captures if g.held]
+        assert len(steps) == 4 and all(g.replays >= 2 for g in steps), [g.replays for g in steps]
+        ops, _, _ = run("0")
+        assert len(graphed) == len(ops) == 3 * 11 + 2
+        for a, b in zip(graphed, ops):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        print("checked")
+    """)

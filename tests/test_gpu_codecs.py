@@ -223,6 +223,34 @@ def _after_a_failed_capture() -> str:
 
 
 @needs_cuda
+def test_a_real_graph_writes_a_held_tensor_once_a_call_where_it_lies():
+    """A CUDA graph over a held tensor (a slab of m(ξ) that a step writes in place): the capture does not run the
+    step first (which would write it twice), each replay writes it once where it lies, and a slab that moved gets a
+    graph of its own that replaces the old one."""
+    from aqpipe.compress import cuda_graphs
+    from aqpipe.compress.cuda_graphs import graphed
+
+    def bump(x, slab):
+        slab.add_(x)
+        return (slab.sum(dim=0),)
+
+    cuda_graphs.clear()
+    try:
+        slab, x = torch.zeros(3, 4, device=DEVICE), torch.ones(4, device=DEVICE)
+        sums = [graphed("held-step", bump, x * (k + 1), held=(slab,))[0].clone() for k in range(5)]
+        assert torch.equal(slab.cpu(), torch.full((3, 4), 15.0))  # 1 + 2 + 3 + 4 + 5: each call written once
+        assert [s[0].item() for s in sums] == [3.0, 9.0, 18.0, 30.0, 45.0]
+        assert cuda_graphs.captured() == 1
+        grown = torch.zeros(6, 4, device=DEVICE)
+        for _ in range(3):
+            graphed("held-step", bump, x, held=(grown,))
+        assert torch.equal(grown.cpu(), torch.full((6, 4), 3.0)) and torch.equal(slab.cpu(), torch.full((3, 4), 15.0))
+        assert cuda_graphs.captured() == 1
+    finally:
+        cuda_graphs.clear()
+
+
+@needs_cuda
 def test_a_codec_graphs_capture_failure_falls_back_to_its_ops():
     """A function that makes the host wait cannot be captured: graphs are off from then on, with a warning, the
     results are right, and the GPU and its default random generator (which every capture registers) go on working."""
@@ -278,6 +306,7 @@ def test_aqsgd_through_the_fused_kernels_keeps_the_bits_of_the_torch_ops(monkeyp
     bytes and checksum, decoded activation and m(ξ) agree (the fidelity norms, summed in another order, to float
     tolerance). m(ξ) in fp16, bf16 (both fused) and fp32 (the torch ops update it)."""
     from aqpipe.compress import cuda_graphs, fused
+    from aqpipe.compress.link import aqsgd_fused
 
     cuda_graphs.clear()
     options = QuantOptions()
@@ -293,15 +322,24 @@ def test_aqsgd_through_the_fused_kernels_keeps_the_bits_of_the_torch_ops(monkeyp
     assert fused.encodable(x, 3, "channel", False, "signed")
     monkeypatch.setenv(fused.DELTA_SWITCH, "1")
     calls: list[str] = []
+    inside: list[str] = []  # (a graphed step's own launches, op by op or captured, are not counted again)
 
     def counting(name, kernel):
         def counted(*args, **kwargs):
-            calls.append(name)
-            return kernel(*args, **kwargs)
+            if not inside:
+                calls.append(name)
+            if name != "graphed":
+                return kernel(*args, **kwargs)
+            inside.append(name)
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                inside.pop()
         return counted
 
     for name in ("encode", "decode", "delta_encode", "delta_decode"):
         monkeypatch.setattr(fused, name, counting(name, getattr(fused, name)))
+    monkeypatch.setattr(aqsgd_fused, "graphed", counting("graphed", aqsgd_fused.graphed))
     fidelity = []
     for visit in range(6):
         ids = torch.tensor([[0, 1, 2, 3], [2, 0, 3, 1], [3, 2, 1, 0]][visit // 2]) + 4 * (visit % 2)
@@ -324,11 +362,17 @@ def test_aqsgd_through_the_fused_kernels_keeps_the_bits_of_the_torch_ops(monkeyp
         if fused_fidelity is not None:
             assert torch.allclose(fused_fidelity.squares, torch_fidelity.squares, rtol=1e-5)
     # the fused link ran its kernels (DirectQ's outside a graph only on a shape's first two calls: the rest replay
-    # them; AQ-SGD's delta step on every delta message, with no graph)
-    fused_parts = {"encode", "decode"} | ({"delta_encode", "delta_decode"} if store != torch.float32 else set())
+    # them; AQ-SGD's delta step on every delta message: launched until the kernels write m(ξ) in place, then from
+    # the step's graph over the slab — op by op at its first call, captured at its second, replayed after)
+    fused_parts = {"encode", "decode"} | ({"delta_encode", "delta_decode", "graphed"} if store != torch.float32
+                                          else set())
     assert set(calls) == fused_parts and not fused._failed, (calls, fused._failed)
-    if store != torch.float32:  # the four delta visits, each through the kernels
-        assert calls.count("delta_encode") == calls.count("delta_decode") == 4, calls
+    if store != torch.float32:  # the four delta visits each way, each through the kernels: launched or graphed
+        assert calls.count("delta_encode") + calls.count("graphed") // 2 == 4, calls
+        assert calls.count("delta_decode") + calls.count("graphed") // 2 == 4, calls
+        assert calls.count("graphed") >= 4, calls  # (at least two visits each way from the graphs)
+        kinds = {signature[0][1] for signature in cuda_graphs._cache.graphs if isinstance(signature[0], tuple)}
+        assert {"fused-encode", "fused-decode"} <= kinds, kinds
     for i in range(8):
         values = [store.get(0, side, [i])[0] for _, _, send, recv, _ in links for store, side in ((send, "send"),
                                                                                               (recv, "recv"))]

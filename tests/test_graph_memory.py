@@ -2,6 +2,8 @@
 copies; views and in-place ops on what the call was given count nothing; and every graph a codec really replays is
 one its `graph_calls` names, of the same input shapes."""
 
+import math
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from aqpipe.compress import graph_memory as gm
 from aqpipe.compress.link import aqsgd, sample_coders
 from aqpipe.compress.link.codecs import QuantOptions, build_codec
 from aqpipe.pipeline.transport import Header
-from aqpipe.storage import MemoryStore, StoreView
+from aqpipe.storage import MemoryStore, SlabStore, StoreView
 
 MB = 1 << 20
 
@@ -196,13 +198,25 @@ def test_aqsgds_delta_graphs_hold_no_float32_copy_of_m_and_no_sum_of_their_own(m
 
 
 @pytest.mark.parametrize("shape,fusing", [((8, 1024, 576), True), ((4, 128, 576), False)])
-def test_a_fused_delta_step_keeps_no_graph_and_the_plan_counts_none(monkeypatch, shape, fusing):
-    """The fused kernels read the activation and m(ξ) where they lie and write a message's payload and new m(ξ) as
-    tensors of its own: no CUDA graph, so no buffers held for the run. By default that is from a million values
-    (SmolLM2's 8 × 1024 × 576); below it the delta step in torch ops replays its graphs, which the plan counts."""
+@pytest.mark.parametrize("slabs", [True, False], ids=["slabs", "host-ram"])
+def test_a_fused_delta_step_replays_a_graph_only_over_slabs_and_the_plan_counts_it(monkeypatch, shape, fusing, slabs):
+    """The fused kernels read m(ξ) where it lies. Over a slab's rows (`--store-device cuda`, written in place) each
+    end's step replays one graph, which holds copies of its inputs (the activation, or the received rows, and the
+    slots) and its outputs (the payload; the decoded activation) but no copy of m(ξ) and no new m(ξ); over m(ξ)
+    kept otherwise the kernels run ungraphed and hold nothing. By default the step is fused from a million values
+    (SmolLM2's 8 × 1024 × 576); below it the torch ops replay their own graphs."""
     _delta_step(monkeypatch, "")
     assert fused.delta_fusable(torch.device("meta"), shape, torch.float16, 3, "channel", "signed") == fusing
-    for side, sending, name in (("send", True, "delta-encode"), ("recv", False, "delta-decode")):
-        codec = build_codec("aqsgd:3", "fw", StoreView(MemoryStore(torch.float16), 0, side), QuantOptions())
-        names = [call.name for call in codec.graph_calls(shape, sending)]
-        assert (name in names) == (not fusing) and "seed" in names, names
+    values = math.prod(shape)
+    for side, sending, torch_ops, fused_step in (("send", True, "delta-encode", "fused-encode"),
+                                                 ("recv", False, "delta-decode", "fused-decode")):
+        store = SlabStore(torch.float16, "meta") if slabs else MemoryStore(torch.float16)
+        codec = build_codec("aqsgd:3", "fw", StoreView(store, 0, side), QuantOptions())
+        calls = {call.name: call for call in codec.graph_calls(shape, sending)}
+        assert (torch_ops in calls) == (not fusing) and (fused_step in calls) == (fusing and slabs), calls
+        assert "seed" in calls
+        if fused_step in calls:
+            held = gm.held_bytes(calls[fused_step])
+            floats, payload = values * 4, values * 3 // 8  # (the activation copied in, or decoded out)
+            assert floats + payload <= held <= floats + payload + values // 2 + gm.MID_SEGMENT + gm.SMALL_SEGMENT, (
+                held, floats, payload)

@@ -84,7 +84,7 @@ def test_rtq_and_rtqo_never_share_a_cuda_graph(monkeypatch):
 
     captured = []
 
-    def capture(fn, tensors):
+    def capture(fn, tensors, held=()):
         inputs = tuple(t.clone() for t in tensors)
         outputs = tuple(fn(*inputs))
         captured.append(fn)

@@ -70,8 +70,8 @@ def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
-def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.Tensor, borrow: bool = False
-            ) -> tuple[torch.Tensor, ...]:
+def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.Tensor, borrow: bool = False,
+            held: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, ...]:
     """`fn(*tensors)`, replayed from a CUDA graph where the tensors are on one GPU and this signature (key, each
     tensor's shape, strides, dtype and device, the current stream) has run before; `key` names `fn` and every
     non-tensor value it depends on. Every tensor `fn` reads besides its arguments (a level table) must live as long
@@ -80,21 +80,34 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
     With `borrow`, a replay returns the graph's own output buffers, not copies: the caller must have queued every use
     of them on the current stream (a copy, a scatter, a read) before it calls this signature again, whose replay
     writes them anew — a copy call saved per output. The graph's lock covers its replay, not those uses: only a
-    signature that one thread calls (a codec's own, on its compute thread) may be borrowed."""
+    signature that one thread calls (a codec's own, on its compute thread) may be borrowed.
+
+    `held` tensors (a slab of m(ξ) that `fn` reads and writes in place) are passed to `fn` after `tensors` and never
+    copied: a graph reads and writes them where they lay at its capture, so their addresses are part of the
+    signature (a graph of the same call on tensors that have since moved — a slab that grew — is dropped). Since `fn`
+    then changes what it is given, a capture does not run it first on the capturing stream (it would run twice): it
+    must need nothing made on its first call but what the signature's first, uncaptured call made."""
     device = tensors[0].device
-    if not may_replay(device) or any(t.device != device for t in tensors) or getattr(_capturing, "now", False):
-        return fn(*tensors)  # (inside another graph's capture: its kernels become part of that graph)
-    signature = (key, _stream_id(device), *((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors))
+    if (not may_replay(device) or any(t.device != device for t in tensors + held)
+            or getattr(_capturing, "now", False)):
+        return fn(*tensors, *held)  # (inside another graph's capture: its kernels become part of that graph)
+    inputs = tuple(_layout(t) for t in tensors)
+    signature = (key, _stream_id(device), *inputs, *((t.data_ptr(), *_layout(t)) for t in held))
     entry = _cache.graphs.get(signature)
     if entry is None:
-        entry = _first_calls(signature, fn, tensors)
+        entry = _first_calls(signature, fn, tensors, held)
         if entry is None:
-            return fn(*tensors)
+            return fn(*tensors, *held)
     with entry.lock:  # one thread at a time fills the buffers, replays and copies out
         for buffer, t in zip(entry.inputs, tensors):
             buffer.copy_(t)
         entry.graph.replay()
         return entry.outputs if borrow else tuple(out.clone() for out in entry.outputs)
+
+
+def _layout(t: torch.Tensor) -> tuple[Hashable, ...]:
+    """What a graph's kernels depend on in a tensor they are given: its shape, strides, dtype and device."""
+    return tuple(t.shape), t.stride(), t.dtype, t.device
 
 
 def may_replay(device: torch.device) -> bool:
@@ -113,9 +126,10 @@ def _stream_id(device: torch.device) -> int:
 
 
 def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...]],
-                 tensors: tuple[torch.Tensor, ...]) -> _Graph | None:
+                 tensors: tuple[torch.Tensor, ...], held: tuple[torch.Tensor, ...] = ()) -> _Graph | None:
     """None for a signature's first call (run op by op: it fills the caches `fn` reads, such as level tables, which a
-    capture could not), a failed one, or one past `MAX_GRAPHS`; the captured graph on the second."""
+    capture could not), a failed one, or one past `MAX_GRAPHS`; the captured graph on the second (which replaces a
+    graph of the same call whose `held` tensors lay elsewhere)."""
     with _cache.lock:
         if signature in _cache.graphs:
             return _cache.graphs[signature]
@@ -132,7 +146,7 @@ def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...
             return None
         _capturing.now = True
         try:
-            entry = _capture(fn, tensors)
+            entry = _capture(fn, tensors, held)
         except Exception as e:
             _cache.failed = True
             log.warning("codec kernels run op by op from now on: the CUDA graph capture of %s failed (%s: %s)",
@@ -140,25 +154,31 @@ def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...
             return None
         finally:
             _capturing.now = False
+        same_call = len(signature) - len(held)  # (key, stream, inputs): then where the held tensors lay
+        for moved in [s for s in _cache.graphs if held and s[:same_call] == signature[:same_call]]:
+            del _cache.graphs[moved]  # (it reads and writes memory that is no longer the held tensors')
         _cache.graphs[signature] = entry
         _cache.version += 1
         return entry
 
 
-def _capture(fn: Callable[..., tuple[torch.Tensor, ...]], tensors: tuple[torch.Tensor, ...]) -> _Graph:
-    """Capture `fn` on copies of `tensors`, on a side stream ordered after the caller's stream's work so far. No
-    device-wide synchronize (torch.cuda.graph's own), which would stall every stream of a training step."""
+def _capture(fn: Callable[..., tuple[torch.Tensor, ...]], tensors: tuple[torch.Tensor, ...],
+             held: tuple[torch.Tensor, ...] = ()) -> _Graph:
+    """Capture `fn` on copies of `tensors` (and on `held` as they are), on a side stream ordered after the caller's
+    stream's work so far. No device-wide synchronize (torch.cuda.graph's own), which would stall every stream of a
+    training step."""
     stream = torch.cuda.current_stream(tensors[0].device)
     side = _capturing_stream(stream.device)
     side.wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         inputs = tuple(t.clone() for t in tensors)
-        fn(*inputs)  # a warm-up on the capturing stream: library workspaces are made here, not inside the capture
+        if not held:  # a warm-up on the capturing stream: library workspaces are made here, not inside the capture
+            fn(*inputs)
         # thread_local: other threads' CUDA calls (the outbox's copies, the prefetchers) go on meanwhile
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            outputs = tuple(fn(*inputs))
+            outputs = tuple(fn(*inputs, *held))
         except BaseException:
             _end_failed(graph, stream.device)
             raise

@@ -133,7 +133,7 @@ def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, b
     b, t, c = x3.shape
     _check_rows(m, x.shape, slots, checksum, in_place)
     m3 = m.detach().reshape(m.shape[0], t, c)
-    in_place = in_place and "encode" in _proven and x.device.type != "meta"
+    in_place = in_place and proven("encode", x.device)
     payload = torch.empty(b + b * row_bytes(t, c, bits), dtype=torch.uint8, device=x.device)
     payload[:b].fill_(mode)
     m_new = m3 if in_place else torch.empty(x3.shape, dtype=m.dtype, device=x.device)
@@ -197,7 +197,7 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
     b = shape[0]
     _check_rows(m, shape, slots, checksum, in_place)
     m3 = m.detach().reshape(m.shape[0], -1, shape[-1])
-    in_place = in_place and "decode" in _proven and rows.device.type != "meta"
+    in_place = in_place and proven("decode", rows.device)
     out = _decode(rows, shape, bits, grid, (m3, slots, checksum), in_place)
     if out is None:
         return None
@@ -214,6 +214,13 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
             return None
         _proven.add("decode")
     return None if in_place else m_new, values, verdicts
+
+
+def proven(step: str, device: torch.device) -> bool:
+    """Whether the delta step `step` ("encode", "decode") writes m(ξ) in place on `device`: once every kernel of it
+    has run in the process (see `_proven`), and on the meta device (where nothing runs: the outputs a GPU's
+    in-place step makes, for the capacity plan)."""
+    return device.type == "meta" or step in _proven
 
 
 def _carved(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:

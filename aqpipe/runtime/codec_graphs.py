@@ -14,7 +14,7 @@ from aqpipe.compress.graph_memory import graphs_bytes
 from aqpipe.compress.link.codecs import QuantOptions, build_codec
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ResolvedConfig
-from aqpipe.storage import MemoryStore, StoreView
+from aqpipe.storage import MemoryStore, SlabStore, StoreView
 from aqpipe.storage.encoding import value_dtype
 
 
@@ -33,7 +33,9 @@ def stage_graph_bytes(cfg: ResolvedConfig, stage: int, link_shapes: list[tuple[i
     for link, spec, direction, sending in ends:
         view = None
         if keeps_messages(spec, direction):
-            view = StoreView(MemoryStore(value_dtype(cfg.store_dtype)), link, "send" if sending else "recv")
+            dtype = value_dtype(cfg.store_dtype)  # (kept as a GPU's slabs, a codec's fused step replays a graph)
+            store = SlabStore(dtype, "meta") if cfg.store_device == "cuda" else MemoryStore(dtype)
+            view = StoreView(store, link, "send" if sending else "recv")
         codec = build_codec(spec, direction, view, options, first_sight=cfg.first_sight)
         calls += codec.graph_calls(link_shapes[link], sending, warmup=cfg.warmup_epochs > 0)
     return graphs_bytes(calls)  # (a graph two ends share counted once)

@@ -107,6 +107,11 @@ class StoreView:
         rows = getattr(self.store, "rows", None)
         return None if rows is None else rows(self.link, self.side, ids)
 
+    @property
+    def keeps_rows(self) -> bool:
+        """Whether the store keeps m(ξ) as rows of slabs, which `rows` hands a kernel to read and write in place."""
+        return hasattr(self.store, "rows")
+
     def scatter(self, ids: Sequence[int], values: torch.Tensor) -> None:
         """Replace m(ξ) of `ids` with the rows of `values` [B, ...] (in the store dtype). The store copies them: the
         caller may reuse `values` once its stream has passed this call (a codec's CUDA graph writes them again)."""

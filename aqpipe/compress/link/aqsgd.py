@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from aqpipe.compress import fused
 from aqpipe.compress.cuda_graphs import forget, graphed, may_replay
 from aqpipe.compress.graph_memory import GraphCall, stand_in
+from aqpipe.compress.link.aqsgd_fused import FusedDelta, fused_delta
 from aqpipe.compress.link.aqsgd_rows import (
     LOSSLESS_MODES,
     MODE_DELTA,
@@ -52,7 +52,7 @@ from aqpipe.compress.link.aqsgd_rows import (
     segments_by_mode,
 )
 from aqpipe.compress.link.aqsgd_steps import RowSteps
-from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS, fold_checksum, store_checksum
+from aqpipe.compress.link.checksum import fold_checksum, store_checksum
 from aqpipe.compress.link.codecs import (
     CODE_AQSGD,
     CODE_AQSGD_RTQ,
@@ -196,13 +196,12 @@ class AQSGDCodec(LinkCodec):
         activation as it is and m(ξ) where the store keeps it (a slab's rows, read and written in place: the new m(ξ)
         is then None) — no graph, no copy of either; else the torch ops run, replayed from a graph on a GPU."""
         ids = [id_list[i] for i in at]
-        quant = self._fused_delta(raw.device, (len(at), *raw.shape[1:]))
-        if quant is not None:
+        step = self._fused_delta(raw.device, (len(at), *raw.shape[1:]))
+        if step is not None:
             m, slots = self._rows_of(ids, raw.device)
-            done = fused.delta_encode(rows_of(raw, at), m, slots, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS,
-                                      MODE_DELTA, in_place=_writable(slots, ids))
+            done = step.encode(rows_of(raw, at), m, slots, ids, lend)
             if done is not None:
-                return done.payload, done.m_new, done.verdicts, done.norms, done.squares, False
+                return done
         x = rows_of(floats(), at)
         return (*self._graphed("delta-encode", self.steps.delta_rows, x, self._recall(ids, x.device), borrow=lend), lend)
 
@@ -267,16 +266,18 @@ class AQSGDCodec(LinkCodec):
             return [] if sending else [call for coder in (self.delta, self.first_sight) if coder is not None
                                        for call in coder_calls(coder, shape, sending=False)]
         x, m_old = stand_in(shape, torch.float32), stand_in(shape, self.view.dtype)
-        fused_delta = self._fused_delta(torch.device("meta"), shape) is not None  # (its kernels run ungraphed)
+        step = self._fused_delta(torch.device("meta"), shape)
+        # the fused step replays a graph only over a slab's rows (it runs ungraphed on m(ξ) kept otherwise)
+        fused_calls = [] if step is None or not self.view.keeps_rows else step.graph_calls(shape, m_old.dtype, sending)
         if sending:
-            calls = [] if fused_delta else [self._graph_call("delta-encode", self.steps.delta_rows, x, m_old)]
+            calls = fused_calls if step else [self._graph_call("delta-encode", self.steps.delta_rows, x, m_old)]
             if self.first_sight is not None:
                 calls.append(self._graph_call("first-encode", self.steps.first_rows, x))
             if self.first_sight is None or warmup:
                 calls.append(self._graph_call("seed", self.steps.seeds, x))
             return calls
         rows = stand_in((shape[0], self.delta.sample_bytes(shape)), torch.uint8)
-        calls = [] if fused_delta else [self._graph_call("delta-decode", self.steps.delta_values, rows, m_old)]
+        calls = fused_calls if step else [self._graph_call("delta-decode", self.steps.delta_values, rows, m_old)]
         calls.append(self._graph_call("seed", self.steps.seeds, x))
         if self.first_sight is not None:  # a quantizing first-sight coder's decode is a graph of its own
             calls += coder_calls(self.first_sight, shape, sending=False)
@@ -287,17 +288,11 @@ class AQSGDCodec(LinkCodec):
         """This codec's graph of `kind` (see `_graphed`), on stand-in inputs."""
         return GraphCall(kind, fn, inputs, self._graph_key(kind))
 
-    def _fused_delta(self, device: torch.device, shape: tuple[int, ...]) -> QuantCoder | None:
-        """The delta coder, where its coding and m(ξ)'s update run as fused kernels (`aqpipe.compress.fused`, where
-        `fused.delta_fusable` says for delta rows of `shape` on `device`): a nearest-rounding `QuantCoder` on a batch
-        they take, m(ξ) in a 16-bit dtype; else None. Each end decides on its own delta rows, so on a message mixing
-        kinds of rows the two ends of a link may decide differently: the bits are the same either way."""
-        delta = self.delta
-        if type(delta) is not QuantCoder or delta.options.stochastic:
-            return None
-        options = delta.options
-        fusable = fused.delta_fusable(device, shape, self.view.dtype, delta.bits, options.per, options.grid)
-        return delta if fusable else None
+    def _fused_delta(self, device: torch.device, shape: tuple[int, ...]) -> FusedDelta | None:
+        """The delta step as fused kernels, for delta rows of `shape` on `device` (`aqsgd_fused.fused_delta`),
+        replayed from this codec's graphs where it may be; else None."""
+        return fused_delta(self.delta, device, shape, self.view.dtype,
+                           self._graphs if self._replayable else None)
 
     def _rows_of(self, ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Where m(ξ) of `ids` is, for the fused kernels to read in place: a slab on `device` and their slots in it
@@ -440,13 +435,12 @@ class AQSGDCodec(LinkCodec):
         store keeps m(ξ) (a slab's rows, written in place: the new m(ξ) is then None), or in torch ops replayed from
         a graph."""
         batch = (len(ids), *shape[1:])
-        quant = self._fused_delta(rows.device, batch)
-        if quant is not None:
+        step = self._fused_delta(rows.device, batch)
+        if step is not None:
             m, slots = self._sent(self._rows_of, ids, rows.device)
-            done = fused.delta_decode(rows, m, slots, batch, quant.bits, quant.options.grid, CHECKSUM_WEIGHTS,
-                                      in_place=_writable(slots, ids))
+            done = step.decode(rows, m, slots, ids, batch, lend)
             if done is not None:
-                return (*done, False)
+                return done
         return (*self._graphed("delta-decode", self.steps.delta_values, rows,
                                self._sent(self._recall, ids, self.device), borrow=lend), lend)
 
@@ -475,12 +469,6 @@ class AQSGDCodec(LinkCodec):
 # The kinds of row a receiver keeps whatever its values (its sender sent each so only where the value could be kept):
 # a message of them alone needs no verdict read, and a GPU receiver checks its checksum late (`late_checks`).
 LATE_CHECKED = frozenset({MODE_DELTA, MODE_FIRST})
-
-
-def _writable(slots: torch.Tensor | None, ids: list[int]) -> bool:
-    """Whether the fused kernels may write the new m(ξ) of `ids` over the old: rows of a slab (`slots`), one per
-    sample (a sample twice in a batch would have two programs write one row)."""
-    return slots is not None and len(set(ids)) == len(ids)
 
 
 def _sums_by_row(groups: list[Candidates]) -> tuple[torch.Tensor, list[int] | None]:

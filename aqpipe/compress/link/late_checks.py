@@ -55,8 +55,8 @@ class LateChecks:
             arrived = torch.cuda.Event()
             arrived.record(torch.cuda.current_stream(sums.device))
             self._pending.append(_Pending(header, host, arrived, rows))
-        else:
-            self._pending.append(_Pending(header, sums, None, rows))
+        else:  # (a copy: sums a graph lent are written again by its next replay)
+            self._pending.append(_Pending(header, sums.clone(), None, rows))
 
     def check(self, wait: bool = False) -> None:
         """Make, in order, each check whose sums have reached the host (with `wait`: the oldest waited for first)."""

@@ -1,0 +1,123 @@
+"""AQ-SGD's delta rows through the fused kernels (`aqpipe.compress.fused`): which rows they take, and how they run.
+
+In the steady state of a GPU run — m(ξ) a slab's rows on the GPU (`--store-device cuda`), a batch of distinct
+samples, the kernels proven in the process so they write m(ξ) in place — each end replays its step from one CUDA
+graph (`aqpipe.compress.cuda_graphs`, the slab held where it lies): the kernels' launches, their buffers'
+allocations and the mode bytes' fill become one replay, for a copy of the step's inputs into the graph (the
+activation, or the received rows, and the slots). On an H100 a message's time at SmolLM2's 8 × 1024 × 576 was
+its host's calls, a quarter of them Triton's launcher, against ~190 µs of device time a pair (benchmarks/README.md).
+Elsewhere — m(ξ) in host RAM or per-sample tensors, a sample twice in a batch, the first messages — the kernels
+are launched one by one, as the graph would replay them: the bits are the same either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from aqpipe.compress import fused
+from aqpipe.compress.cuda_graphs import graphed
+from aqpipe.compress.graph_memory import GraphCall, stand_in
+from aqpipe.compress.link.aqsgd_rows import MODE_DELTA
+from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS
+from aqpipe.compress.link.sample_coders import QuantCoder, SampleCoder
+
+
+@dataclass(frozen=True)
+class FusedDelta:
+    """One link end's fused delta step: its coder's `bits` and `grid`, and the key its graphs are filed under
+    (None: never replayed from a graph, as where a part of the codec rounds stochastically)."""
+
+    bits: int
+    grid: str
+    graphs: Hashable | None
+
+    def encode(self, x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, ids: list[int], lend: bool
+               ) -> tuple | None:
+        """The sender's step on rows `x` of samples `ids`, m(ξ) in `m` (`slots`: a slab's rows; None: `m` is the
+        batch's m(ξ) gathered): (payload, new m(ξ) or None where written in place, verdicts, norms, squares, lent —
+        whether they are a graph's buffers, see `graphed`'s borrow); None if the kernels failed before writing
+        anything."""
+        if slots is not None and self._replays(ids, "encode", x.device):
+            step = (self.graphs, "fused-encode")
+            encode = functools.partial(encode_in_place, self.bits, self.grid)
+            payload, verdicts, norms, squares = graphed(step, encode, x, slots, held=(m,), borrow=lend)
+            return payload, None, verdicts, norms, squares, lend
+        done = fused.delta_encode(x, m, slots, self.bits, self.grid, CHECKSUM_WEIGHTS, MODE_DELTA,
+                                  in_place=writable(slots, ids))
+        return None if done is None else (done.payload, done.m_new, done.verdicts, done.norms, done.squares, False)
+
+    def decode(self, rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, ids: list[int],
+               batch: tuple[int, ...], lend: bool) -> tuple | None:
+        """The receiver's step on coded rows `rows` of samples `ids` (`batch`: their activation's shape; `m`,
+        `slots` as `encode`): (new m(ξ) or None where written in place, the activation, verdicts, lent); None if the
+        kernels failed before writing anything."""
+        if slots is not None and self._replays(ids, "decode", rows.device):
+            decode = functools.partial(decode_in_place, self.bits, self.grid)
+            values, verdicts = graphed((self.graphs, "fused-decode"), decode, rows, slots, held=(m,), borrow=lend)
+            return None, values, verdicts, lend
+        done = fused.delta_decode(rows, m, slots, batch, self.bits, self.grid, CHECKSUM_WEIGHTS,
+                                  in_place=writable(slots, ids))
+        return None if done is None else (*done, False)
+
+    def graph_calls(self, shape: tuple[int, ...], m_dtype: torch.dtype, sending: bool) -> list[GraphCall]:
+        """The graph this end replays for delta rows of `shape` where m(ξ) is a slab's rows on its GPU, on stand-in
+        inputs (the slab itself is the store's, not the graph's)."""
+        slab, slots = stand_in(shape, m_dtype), stand_in((shape[0],), torch.int64)
+        if sending:
+            return [GraphCall("fused-encode", lambda x, at: encode_in_place(self.bits, self.grid, x, at, slab),
+                              (stand_in(shape, torch.float32), slots), (self.graphs, "fused-encode"))]
+        rows = stand_in((shape[0], fused.row_bytes(math.prod(shape[1:-1]), shape[-1], self.bits)), torch.uint8)
+        return [GraphCall("fused-decode", lambda coded, at: decode_in_place(self.bits, self.grid, coded, at, slab),
+                          (rows, slots),
+                          (self.graphs, "fused-decode"))]
+
+    def _replays(self, ids: list[int], step: str, device: torch.device) -> bool:
+        """Whether this step, over a slab's rows, runs from its graph: distinct rows, written in place (the kernels
+        proven in the process)."""
+        return self.graphs is not None and len(set(ids)) == len(ids) and fused.proven(step, device)
+
+
+def fused_delta(delta: SampleCoder, device: torch.device, shape: tuple[int, ...], m_dtype: torch.dtype,
+                graphs: Hashable | None) -> FusedDelta | None:
+    """The fused step of delta coder `delta` for delta rows of `shape` on `device`, m(ξ) in `m_dtype` (`graphs`:
+    see `FusedDelta`): where `fused.delta_fusable` says, for a nearest-rounding `QuantCoder`; else None. Each end
+    decides on its own delta rows, so on a message mixing kinds of rows the two ends of a link may decide
+    differently: the bits are the same either way."""
+    if type(delta) is not QuantCoder or delta.options.stochastic:
+        return None
+    options = delta.options
+    if not fused.delta_fusable(device, shape, m_dtype, delta.bits, options.per, options.grid):
+        return None
+    return FusedDelta(delta.bits, options.grid, graphs)
+
+
+def writable(slots: torch.Tensor | None, ids: list[int]) -> bool:
+    """Whether the fused kernels may write the new m(ξ) of `ids` over the old: rows of a slab (`slots`), one per
+    sample (a sample twice in a batch would have two programs write one row)."""
+    return slots is not None and len(set(ids)) == len(ids)
+
+
+def encode_in_place(bits: int, grid: str, x: torch.Tensor, slots: torch.Tensor, slab: torch.Tensor
+                    ) -> tuple[torch.Tensor, ...]:
+    """The sender's fused step over a slab's rows, the new m(ξ) written over the old: (payload, verdicts, norms,
+    squares), as a graph captures it."""
+    done = fused.delta_encode(x, slab, slots, bits, grid, CHECKSUM_WEIGHTS, MODE_DELTA, in_place=True)
+    if done is None:
+        raise RuntimeError("the fused delta kernels failed")  # (in a capture: graphs go off, the step runs again)
+    return done.payload, done.verdicts, done.norms, done.squares
+
+
+def decode_in_place(bits: int, grid: str, rows: torch.Tensor, slots: torch.Tensor, slab: torch.Tensor
+                    ) -> tuple[torch.Tensor, ...]:
+    """The receiver's fused step over a slab's rows, the new m(ξ) written over the old: (the activation,
+    verdicts), as a graph captures it."""
+    batch = (rows.shape[0], *slab.shape[1:])
+    done = fused.delta_decode(rows, slab, slots, batch, bits, grid, CHECKSUM_WEIGHTS, in_place=True)
+    if done is None:
+        raise RuntimeError("the fused delta kernels failed")
+    return done[1], done[2]

@@ -1,0 +1,41 @@
+"""CUDA graphs on the host, for tests: a capture that records the call and a replay that runs it again into the
+captured outputs, as a CUDA graph does on a GPU (tests/test_cuda_graphs.py's fixture; the fused-kernel tests under
+Triton's interpreter install it in their own process)."""
+
+import inspect
+import weakref
+
+from aqpipe.compress import cuda_graphs
+
+
+class StandInGraph:
+    """Replays `fn` on the captured buffers (and the held tensors, where they lie) into the captured outputs."""
+
+    def __init__(self, fn, inputs, held, outputs):
+        # (a CUDA graph keeps no reference to the Python function it was captured from: nor does this)
+        self.fn = weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
+        self.inputs, self.held, self.outputs, self.replays = inputs, held, outputs, 0
+
+    def replay(self):
+        self.replays += 1
+        cuda_graphs._capturing.now = True  # (a real replay runs no Python: nothing inside may capture)
+        try:
+            for out, value in zip(self.outputs, self.fn()(*self.inputs, *self.held)):
+                out.copy_(value)
+        finally:
+            cuda_graphs._capturing.now = False
+
+
+def install(captures: list, patch=setattr) -> None:
+    """Make every device replay, with `StandInGraph`s as its captures (appended to `captures`); `patch(module,
+    name, value)` sets each (a monkeypatch's setattr undoes them after a test)."""
+    def capture(fn, tensors, held=()):
+        inputs = tuple(t.clone() for t in tensors)
+        # a capture runs nothing: the outputs' buffers are made on copies of what `fn` writes in place
+        graph = StandInGraph(fn, inputs, held, tuple(fn(*inputs, *(t.clone() for t in held))))
+        captures.append(graph)
+        return cuda_graphs._Graph(graph, inputs, graph.outputs)
+
+    patch(cuda_graphs, "_replays_on", lambda device: True)
+    patch(cuda_graphs, "_stream_id", lambda device: 0)
+    patch(cuda_graphs, "_capture", capture)
