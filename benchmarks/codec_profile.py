@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from aqpipe.compress import cuda_graphs
 from aqpipe.compress.graph_memory import held_bytes as graph_bytes
-from aqpipe.compress.link import aqsgd, sample_coders
+from aqpipe.compress.link import aqsgd, aqsgd_fused, sample_coders
 from aqpipe.compress.link.codecs import QuantOptions, build_codec
 from aqpipe.storage import MemoryStore, SlabStore, StoreView, memory_store
 
@@ -82,7 +82,7 @@ class HostOps(TorchDispatchMode):
 def host_ops(pair, pairs: int = 5) -> dict:
     """Torch ops per pair outside the graphed calls and inside them, and graphed calls per pair."""
     counter = HostOps()
-    real = {module: module.graphed for module in (aqsgd, sample_coders)}
+    real = {module: module.graphed for module in (aqsgd, aqsgd_fused, sample_coders)}
     try:
         for module, graphed in real.items():
             module.graphed = counter.wrap(graphed)
