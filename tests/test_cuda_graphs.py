@@ -353,3 +353,25 @@ def test_held_tensors_are_read_and_written_where_they_lie_once_a_call_and_a_move
     for _ in range(2):  # another input shape: a graph of its own, beside the other's
         graphed("step", bump, torch.ones(2, 4), held=(other,))
     assert len(stand_in) == 3 and cuda_graphs.captured() == 2
+
+
+def test_a_held_signatures_first_call_runs_on_copies_of_its_inputs_as_its_capture_will(stand_in):
+    """A capture over held tensors runs no warm-up (it would write them twice), so the signature's first call, op by
+    op, must be the one that makes what the capture needs: it runs on fresh copies of the other inputs, as the
+    capture does (a Triton kernel is compiled per alignment of its pointers: rows at an odd offset in a payload
+    would otherwise first meet their aligned copy inside the capture, and compile there). A call without held
+    tensors runs on what it was given."""
+    given = []
+
+    def bump(x, slab):
+        given.append(x.data_ptr())
+        slab.add_(x)
+        return (slab.sum(dim=0),)
+
+    payload = torch.ones(5, 4)
+    rows, slab = payload[1:], torch.zeros(4, 4)  # (rows at an offset into their payload)
+    graphed("held", bump, rows, held=(slab,))
+    assert given[-1] != rows.data_ptr() and torch.equal(slab, torch.ones(4, 4))
+    graphed("plain", lambda x: (x * 2,), rows)
+    graphed("plain-2", lambda x: (given.append(x.data_ptr()) or x * 2,), rows)
+    assert given[-1] == rows.data_ptr()

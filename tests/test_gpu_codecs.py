@@ -3,6 +3,7 @@ each against the torch ops op by op, bit for bit, and a capture that fails. They
 tests/test_gpu.py's checks do (whose device switch, marks and header helper they share)."""
 
 import functools
+import os
 import subprocess
 import sys
 
@@ -250,6 +251,39 @@ def test_a_real_graph_writes_a_held_tensor_once_a_call_where_it_lies():
         cuda_graphs.clear()
 
 
+_FRESH_FUSED_GRAPHS = """
+import torch
+from aqpipe.compress import cuda_graphs, fused
+from aqpipe.compress.link.codecs import QuantOptions, build_codec
+from aqpipe.pipeline.transport import Header
+from aqpipe.storage import StoreView, memory_store
+ends = [build_codec("aqsgd:3", "fw", StoreView(memory_store(torch.float16, "cuda"), 0, side), QuantOptions(),
+                    device=torch.device("cuda")) for side in ("send", "recv")]
+x, ids = torch.randn(4, 64, 576, device="cuda"), torch.arange(4)
+for visit in range(6):
+    encoded = ends[0].encode(x + 0.01 * visit, ids, compress=True)
+    ends[1].decode(Header.for_encoded(encoded, ends[0].code, step=visit), encoded.payload, ids)
+ends[1].settle()
+kinds = sorted(signature[0][1] for signature in cuda_graphs._cache.graphs)
+print("failed" if cuda_graphs._cache.failed or fused._failed else "captured", kinds)
+"""
+
+
+@needs_cuda
+@needs_triton
+def test_a_fresh_process_captures_the_fused_steps_graphs_over_rows_at_an_odd_offset():
+    """In a process whose kernels have never run, a 4-sample message's rows lie 4 bytes into their payload, and the
+    decode step's graph captures their aligned copy: Triton's kernels for it must be compiled and loaded before the
+    capture (which cannot compile: it failed so at codec_speed.py's aqsgd:3 on an H100, and every later row ran
+    about ten times slower)."""
+    env = {**os.environ, "AQPIPE_FUSED_AQSGD": "1"}
+    proc = subprocess.run([sys.executable, "-c", _FRESH_FUSED_GRAPHS], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "captured ['fused-decode', 'fused-encode']", (proc.stdout,
+                                                                                            proc.stderr[-3000:])
+
+
 @needs_cuda
 def test_a_codec_graphs_capture_failure_falls_back_to_its_ops():
     """A function that makes the host wait cannot be captured: graphs are off from then on, with a warning, the
@@ -364,9 +398,9 @@ def test_aqsgd_through_the_fused_kernels_keeps_the_bits_of_the_torch_ops(monkeyp
     # the fused link ran its kernels (DirectQ's outside a graph only on a shape's first two calls: the rest replay
     # them; AQ-SGD's delta step on every delta message: launched until the kernels write m(ξ) in place, then from
     # the step's graph over the slab — op by op at its first call, captured at its second, replayed after)
-    fused_parts = {"encode", "decode"} | ({"delta_encode", "delta_decode", "graphed"} if store != torch.float32
-                                          else set())
-    assert set(calls) == fused_parts and not fused._failed, (calls, fused._failed)
+    fused_parts = {"encode", "decode"} | ({"graphed"} if store != torch.float32 else set())
+    launched = {"delta_encode", "delta_decode"} if store != torch.float32 else set()  # (unless proven before)
+    assert set(calls) - launched == fused_parts and not fused._failed, (calls, fused._failed)
     if store != torch.float32:  # the four delta visits each way, each through the kernels: launched or graphed
         assert calls.count("delta_encode") + calls.count("graphed") // 2 == 4, calls
         assert calls.count("delta_decode") + calls.count("graphed") // 2 == 4, calls

@@ -85,8 +85,11 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
     `held` tensors (a slab of m(ξ) that `fn` reads and writes in place) are passed to `fn` after `tensors` and never
     copied: a graph reads and writes them where they lay at its capture, so their addresses are part of the
     signature (a graph of the same call on tensors that have since moved — a slab that grew — is dropped). Since `fn`
-    then changes what it is given, a capture does not run it first on the capturing stream (it would run twice): it
-    must need nothing made on its first call but what the signature's first, uncaptured call made."""
+    then changes what it is given, a capture does not run it first on the capturing stream (it would run twice): the
+    signature's first, uncaptured call must make all it needs, so it runs on copies of `tensors`, as the capture
+    will. (A Triton kernel is compiled and loaded per alignment of its pointers: given a message's rows at an odd
+    offset in its payload, and their copy in the capture, it would be compiled inside the capture, which fails —
+    seen on an H100 — and a failed capture leaves the allocator holding back frees for the process's life.)"""
     device = tensors[0].device
     if (not may_replay(device) or any(t.device != device for t in tensors + held)
             or getattr(_capturing, "now", False)):
@@ -95,8 +98,11 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
     signature = (key, _stream_id(device), *inputs, *((t.data_ptr(), *_layout(t)) for t in held))
     entry = _cache.graphs.get(signature)
     if entry is None:
+        first = signature not in _cache.seen
         entry = _first_calls(signature, fn, tensors, held)
         if entry is None:
+            if first and held:  # (see below)
+                return fn(*(t.clone() for t in tensors), *held)
             return fn(*tensors, *held)
     with entry.lock:  # one thread at a time fills the buffers, replays and copies out
         for buffer, t in zip(entry.inputs, tensors):
