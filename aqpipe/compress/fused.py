@@ -17,11 +17,12 @@ new m(ξ) in its 16-bit dtype, each tile's share of the checksum sums (exact int
 values m(ξ) cannot keep; `verdicts_kernel` sums each sample's shares into what the host reads. They read m(ξ) where
 it lies — a slab's rows through their slots (`storage.slab`), so a message's m(ξ) is never gathered into a copy —
 and, asked (`in_place`: a batch of distinct samples, once the step's kernels have run in the process), write the new
-m(ξ) over the old there, with no scatter after them. They read the activation in its own dtype, write the codes
-straight into the message's payload after its mode bytes, and run ungraphed: a CUDA graph would need its inputs
-copied into its own buffers (the activation and m(ξ), a full pass each) and its outputs copied out on every message,
-to save three kernel launches and a fill. On H200s a pair at SmolLM2's 8 × 1024 × 576 took about 580 µs either way
-(host-bound), but 199 µs of device time ungraphed against 356 graphed (benchmarks/README.md, two machines).
+m(ξ) over the old there, with no scatter after them. They read the activation in its own dtype and write the codes
+straight into the message's payload after its mode bytes. Over a slab's rows written in place, AQ-SGD's codec
+replays the whole step from a CUDA graph that holds the slab where it lies (`aqpipe.compress.link.aqsgd_fused`): a
+copy of the activation in and of the decoded activation out buy back the launches and allocations, which were most
+of a message's host time — on an H100 at SmolLM2's 8 × 1024 × 576 a pair took 644–708 µs launched and 471–524 µs
+replayed, for ~215 µs of device time (benchmarks/README.md).
 
 DirectQ's kernels apply where `encodable` and `fusable` say (a CUDA tensor of ≥ 3 dims whose channel count is a
 multiple of 8, per-channel scales, nearest rounding, 2–8 bits, a grid whose scale needs no division: signed,

@@ -13,9 +13,10 @@ The arithmetic runs on the activation's device (a GPU's m(ξ) update never visit
 the store keeps it, and moved to the device for the update. On a GPU each kind of row is coded by one replayed CUDA
 graph whose outputs the codec borrows (`aqpipe.compress.cuda_graphs`), and a message of one kind of sample — the
 steady state — goes as that graph's payload, its m(ξ) read and written in one gather and one scatter. A large
-message's deltas (`fused.delta_fusable`) go through fused kernels instead, ungraphed, which read m(ξ) in place from a
-slab store's rows and write the payload whole: m(ξ) is never gathered, and (once the kernels have run in the
-process, for a batch of distinct samples) the new m(ξ) is written over the old in those rows, with no scatter.
+message's deltas (`fused.delta_fusable`) go through fused kernels instead (`aqsgd_fused`), which read m(ξ) in place
+from a slab store's rows and write the payload whole: m(ξ) is never gathered, and (once the kernels have run in the
+process, for a batch of distinct samples) the new m(ξ) is written over the old in those rows, with no scatter — from
+then on replayed from a graph of their own that holds the slab where it lies.
 """
 
 from __future__ import annotations
