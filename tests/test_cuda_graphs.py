@@ -372,6 +372,31 @@ def test_a_held_signatures_first_call_runs_on_copies_of_its_inputs_as_its_captur
     rows, slab = payload[1:], torch.zeros(4, 4)  # (rows at an offset into their payload)
     graphed("held", bump, rows, held=(slab,))
     assert given[-1] != rows.data_ptr() and torch.equal(slab, torch.ones(4, 4))
-    graphed("plain", lambda x: (x * 2,), rows)
-    graphed("plain-2", lambda x: (given.append(x.data_ptr()) or x * 2,), rows)
+    graphed("plain", lambda x: (given.append(x.data_ptr()) or x * 2,), rows)
     assert given[-1] == rows.data_ptr()
+
+
+def test_past_the_limit_a_moved_slab_still_replaces_its_graph_and_held_calls_copy_only_at_first(stand_in, monkeypatch):
+    """At `MAX_GRAPHS`, a graph over a slab that moved still replaces the old one (the count does not grow, and the
+    old one's memory is the store's no longer); a new signature past the limit runs op by op, on copies of its
+    inputs at its first call only (what a capture would need; later calls need nothing)."""
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 1)
+    given = []
+
+    def bump(x, slab):
+        given.append(x.data_ptr())
+        slab.add_(x)
+        return (slab.sum(dim=0),)
+
+    x = torch.ones(4)
+    for slab in (torch.zeros(3, 4), torch.zeros(5, 4)):  # (the second: the slab grown)
+        for _ in range(3):
+            graphed("step", bump, x, held=(slab,))
+        assert torch.equal(slab, torch.full(slab.shape, 3.0))
+    assert len(stand_in) == 2 and cuda_graphs.captured() == 1
+    other, y = torch.zeros(3, 2, 4), torch.ones(2, 4)
+    given.clear()
+    for _ in range(3):
+        graphed("step", bump, y, held=(other,))
+    assert len(stand_in) == 2 and torch.equal(other, torch.full((3, 2, 4), 3.0))
+    assert given[0] != y.data_ptr() and given[1:] == [y.data_ptr()] * 2

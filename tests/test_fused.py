@@ -356,15 +356,19 @@ def test_kernels_that_fail_to_launch_turn_off_with_one_warning_and_the_torch_ops
     assert torch.equal(decoded, values)
 
 
-def test_aqsgds_delta_step_falls_back_to_the_torch_ops_when_its_kernels_fail_to_launch(monkeypatch, caplog):
+@pytest.mark.parametrize("proven", [set(), {"encode", "decode"}], ids=["first-run", "in-place"])
+def test_aqsgds_delta_step_falls_back_to_the_torch_ops_when_its_kernels_fail_to_launch(monkeypatch, caplog, proven):
     """The first delta message finds the kernels unlaunchable: it goes through the torch ops, with the same bytes
-    and the same m(ξ) on both sides as a link that never tried them, and so does every message after it."""
+    and the same m(ξ) on both sides as a link that never tried them, and so does every message after it — whether
+    the kernels would have written m(ξ) apart or (having run in the process before, say for another shape) in place
+    over a slab's rows, from the step's graph (a failure before anything is written is no divergence)."""
     from aqpipe.compress.link.codecs import QuantOptions, build_codec
     from aqpipe.pipeline.transport import Header
     from aqpipe.storage import StoreView
     from aqpipe.storage.slab import SlabStore
 
     _unlaunchable_kernels(monkeypatch)
+    monkeypatch.setattr(fused, "_proven", set(proven))
     monkeypatch.setenv(fused.DELTA_SWITCH, "1")
     links = []
     for _ in range(2):

@@ -360,8 +360,8 @@ def test_aqsgd_through_the_fused_kernels_keeps_the_bits_of_the_torch_ops(monkeyp
 
     def counting(name, kernel):
         def counted(*args, **kwargs):
-            if not inside:
-                calls.append(name)
+            if not inside:  # (a graphed call by its step: "graphed fused-encode", "graphed fused-decode")
+                calls.append(name if name != "graphed" else f"graphed {args[0][1]}")
             if name != "graphed":
                 return kernel(*args, **kwargs)
             inside.append(name)
@@ -398,13 +398,14 @@ def test_aqsgd_through_the_fused_kernels_keeps_the_bits_of_the_torch_ops(monkeyp
     # the fused link ran its kernels (DirectQ's outside a graph only on a shape's first two calls: the rest replay
     # them; AQ-SGD's delta step on every delta message: launched until the kernels write m(ξ) in place, then from
     # the step's graph over the slab — op by op at its first call, captured at its second, replayed after)
-    fused_parts = {"encode", "decode"} | ({"graphed"} if store != torch.float32 else set())
+    graphs = {"graphed fused-encode", "graphed fused-decode"}
+    fused_parts = {"encode", "decode"} | (graphs if store != torch.float32 else set())
     launched = {"delta_encode", "delta_decode"} if store != torch.float32 else set()  # (unless proven before)
     assert set(calls) - launched == fused_parts and not fused._failed, (calls, fused._failed)
     if store != torch.float32:  # the four delta visits each way, each through the kernels: launched or graphed
-        assert calls.count("delta_encode") + calls.count("graphed") // 2 == 4, calls
-        assert calls.count("delta_decode") + calls.count("graphed") // 2 == 4, calls
-        assert calls.count("graphed") >= 4, calls  # (at least two visits each way from the graphs)
+        for step in ("encode", "decode"):
+            assert calls.count(f"delta_{step}") + calls.count(f"graphed fused-{step}") == 4, calls
+            assert calls.count(f"graphed fused-{step}") >= 2, calls  # (at least the last two visits)
         kinds = {signature[0][1] for signature in cuda_graphs._cache.graphs if isinstance(signature[0], tuple)}
         assert {"fused-encode", "fused-decode"} <= kinds, kinds
     for i in range(8):

@@ -11,7 +11,9 @@ the same kernels on the same inputs, so the same bits as running it op by op (th
 of a signature, where graphs are switched off (`AQPIPE_CUDA_GRAPHS=0`) or where a capture failed; replayed from a
 graph otherwise. Inputs are copied into the graph's own buffers and outputs copied out of them, so a caller keeps
 what it was given across later calls. `fn` must be a pure function of its tensors and the `key` (nothing it reads
-may change between calls: no random numbers, no host values), and must not wait for the device. A capture that
+may change between calls: no random numbers, no host values), and must not wait for the device — save for tensors
+it is given as `held` (a slab of m(ξ) that AQ-SGD's fused step reads and writes in place), which a graph reads and
+writes where they lie, never copied. A capture that
 fails anyway turns graphs off for the rest of the process, with a warning: a failed capture can leave the CUDA
 allocator's bookkeeping behind, and the codecs are only faster with graphs, never different.
 """
@@ -98,10 +100,9 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
     signature = (key, _stream_id(device), *inputs, *((t.data_ptr(), *_layout(t)) for t in held))
     entry = _cache.graphs.get(signature)
     if entry is None:
-        first = signature not in _cache.seen
-        entry = _first_calls(signature, fn, tensors, held)
+        entry, first = _first_calls(signature, fn, tensors, held)
         if entry is None:
-            if first and held:  # (see below)
+            if first and held:  # (copies, as the capture will have: see above)
                 return fn(*(t.clone() for t in tensors), *held)
             return fn(*tensors, *held)
     with entry.lock:  # one thread at a time fills the buffers, replays and copies out
@@ -132,24 +133,28 @@ def _stream_id(device: torch.device) -> int:
 
 
 def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...]],
-                 tensors: tuple[torch.Tensor, ...], held: tuple[torch.Tensor, ...] = ()) -> _Graph | None:
-    """None for a signature's first call (run op by op: it fills the caches `fn` reads, such as level tables, which a
-    capture could not), a failed one, or one past `MAX_GRAPHS`; the captured graph on the second (which replaces a
-    graph of the same call whose `held` tensors lay elsewhere)."""
+                 tensors: tuple[torch.Tensor, ...], held: tuple[torch.Tensor, ...] = ()
+                 ) -> tuple[_Graph | None, bool]:
+    """The signature's graph, captured at its second call (replacing a graph of the same call whose `held` tensors
+    lay elsewhere), and whether this is its first call; no graph for the first call (run op by op: it fills the
+    caches `fn` reads, such as level tables, which a capture could not), after a failed capture, or past
+    `MAX_GRAPHS`."""
     with _cache.lock:
         if signature in _cache.graphs:
-            return _cache.graphs[signature]
+            return _cache.graphs[signature], False
         if _cache.failed:
-            return None
-        if len(_cache.graphs) >= MAX_GRAPHS:
+            return None, False
+        if signature not in _cache.seen:
+            _cache.seen.add(signature)
+            return None, True
+        same_call = len(signature) - len(held)  # (key, stream, inputs): then where the held tensors lay
+        moved = [s for s in _cache.graphs if s[:same_call] == signature[:same_call]] if held else []
+        if len(_cache.graphs) - len(moved) >= MAX_GRAPHS:
             if not _cache.full:
                 _cache.full = True
                 log.warning("%d codec CUDA graphs held: further message shapes run their codec op by op",
                             MAX_GRAPHS)
-            return None
-        if signature not in _cache.seen:
-            _cache.seen.add(signature)
-            return None
+            return None, False
         _capturing.now = True
         try:
             entry = _capture(fn, tensors, held)
@@ -157,15 +162,14 @@ def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...
             _cache.failed = True
             log.warning("codec kernels run op by op from now on: the CUDA graph capture of %s failed (%s: %s)",
                         signature[0], type(e).__name__, e)
-            return None
+            return None, False
         finally:
             _capturing.now = False
-        same_call = len(signature) - len(held)  # (key, stream, inputs): then where the held tensors lay
-        for moved in [s for s in _cache.graphs if held and s[:same_call] == signature[:same_call]]:
-            del _cache.graphs[moved]  # (it reads and writes memory that is no longer the held tensors')
+        for old in moved:  # (each reads and writes memory that is no longer the held tensors')
+            del _cache.graphs[old]
         _cache.graphs[signature] = entry
         _cache.version += 1
-        return entry
+        return entry, False
 
 
 def _capture(fn: Callable[..., tuple[torch.Tensor, ...]], tensors: tuple[torch.Tensor, ...],

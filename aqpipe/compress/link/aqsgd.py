@@ -195,7 +195,8 @@ class AQSGDCodec(LinkCodec):
         """Rows `at` of the activation as deltas (`raw`: as given, `floats()`: in float32): `RowSteps.delta_rows`' outputs and
         whether they are lent (a CUDA graph's buffers). Where the fused kernels take the rows, they read the
         activation as it is and m(ξ) where the store keeps it (a slab's rows, read and written in place: the new m(ξ)
-        is then None) — no graph, no copy of either; else the torch ops run, replayed from a graph on a GPU."""
+        is then None; in the steady state from their graph, `aqsgd_fused`); else the torch ops run, replayed from a
+        graph on a GPU."""
         ids = [id_list[i] for i in at]
         step = self._fused_delta(raw.device, (len(at), *raw.shape[1:]))
         if step is not None:
@@ -271,14 +272,14 @@ class AQSGDCodec(LinkCodec):
         # the fused step replays a graph only over a slab's rows (it runs ungraphed on m(ξ) kept otherwise)
         fused_calls = [] if step is None or not self.view.keeps_rows else step.graph_calls(shape, m_old.dtype, sending)
         if sending:
-            calls = fused_calls if step else [self._graph_call("delta-encode", self.steps.delta_rows, x, m_old)]
+            calls = fused_calls if step is not None else [self._graph_call("delta-encode", self.steps.delta_rows, x, m_old)]
             if self.first_sight is not None:
                 calls.append(self._graph_call("first-encode", self.steps.first_rows, x))
             if self.first_sight is None or warmup:
                 calls.append(self._graph_call("seed", self.steps.seeds, x))
             return calls
         rows = stand_in((shape[0], self.delta.sample_bytes(shape)), torch.uint8)
-        calls = fused_calls if step else [self._graph_call("delta-decode", self.steps.delta_values, rows, m_old)]
+        calls = fused_calls if step is not None else [self._graph_call("delta-decode", self.steps.delta_values, rows, m_old)]
         calls.append(self._graph_call("seed", self.steps.seeds, x))
         if self.first_sight is not None:  # a quantizing first-sight coder's decode is a graph of its own
             calls += coder_calls(self.first_sight, shape, sending=False)

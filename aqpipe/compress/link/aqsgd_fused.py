@@ -4,17 +4,18 @@ In the steady state of a GPU run — m(ξ) a slab's rows on the GPU (`--store-de
 samples, the kernels proven in the process so they write m(ξ) in place — each end replays its step from one CUDA
 graph (`aqpipe.compress.cuda_graphs`, the slab held where it lies): the kernels' launches, their buffers'
 allocations and the mode bytes' fill become one replay, for a copy of the step's inputs into the graph (the
-activation, or the received rows, and the slots). On an H100 a message's time at SmolLM2's 8 × 1024 × 576 was
-its host's calls, a quarter of them Triton's launcher, against ~190 µs of device time a pair (benchmarks/README.md).
-Elsewhere — m(ξ) in host RAM or per-sample tensors, a sample twice in a batch, the first messages — the kernels
-are launched one by one, as the graph would replay them: the bits are the same either way.
+activation, or the received rows, and the slots) and, at the receiver, of the decoded activation out. On an H100 a
+message's time at SmolLM2's 8 × 1024 × 576 was its host's calls, a quarter of them Triton's launcher, against
+~215 µs of device time a pair (benchmarks/README.md). Elsewhere — m(ξ) in host RAM or per-sample tensors, a sample
+twice in a batch, the first messages — the kernels are launched one by one, as the graph replays them: the bits
+are the same either way.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,12 @@ from aqpipe.compress.graph_memory import GraphCall, stand_in
 from aqpipe.compress.link.aqsgd_rows import MODE_DELTA
 from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS
 from aqpipe.compress.link.sample_coders import QuantCoder, SampleCoder
+
+Step = Callable[..., tuple[torch.Tensor, ...]]
+
+
+class KernelsFailed(RuntimeError):
+    """The fused kernels failed before writing anything: the torch ops can still take the message."""
 
 
 @dataclass(frozen=True)
@@ -42,44 +49,58 @@ class FusedDelta:
         batch's m(ξ) gathered): (payload, new m(ξ) or None where written in place, verdicts, norms, squares, lent —
         whether they are a graph's buffers, see `graphed`'s borrow); None if the kernels failed before writing
         anything."""
-        if slots is not None and self._replays(ids, "encode", x.device):
-            step = (self.graphs, "fused-encode")
-            encode = functools.partial(encode_in_place, self.bits, self.grid)
-            payload, verdicts, norms, squares = graphed(step, encode, x, slots, held=(m,), borrow=lend)
-            return payload, None, verdicts, norms, squares, lend
-        done = fused.delta_encode(x, m, slots, self.bits, self.grid, CHECKSUM_WEIGHTS, MODE_DELTA,
-                                  in_place=writable(slots, ids))
-        return None if done is None else (done.payload, done.m_new, done.verdicts, done.norms, done.squares, False)
+        if slots is not None and self._replays(slots, ids, "encode", x.device):
+            done = self._graphed("encode", encode_in_place, x, slots, m, lend)
+            return None if done is None else (done[0], None, *done[1:], lend)
+        coded = fused.delta_encode(x, m, slots, self.bits, self.grid, CHECKSUM_WEIGHTS, MODE_DELTA,
+                                   in_place=writable(slots, ids))
+        if coded is None:
+            return None
+        return coded.payload, coded.m_new, coded.verdicts, coded.norms, coded.squares, False
 
     def decode(self, rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, ids: list[int],
                batch: tuple[int, ...], lend: bool) -> tuple | None:
         """The receiver's step on coded rows `rows` of samples `ids` (`batch`: their activation's shape; `m`,
         `slots` as `encode`): (new m(ξ) or None where written in place, the activation, verdicts, lent); None if the
         kernels failed before writing anything."""
-        if slots is not None and self._replays(ids, "decode", rows.device):
-            decode = functools.partial(decode_in_place, self.bits, self.grid)
-            values, verdicts = graphed((self.graphs, "fused-decode"), decode, rows, slots, held=(m,), borrow=lend)
-            return None, values, verdicts, lend
-        done = fused.delta_decode(rows, m, slots, batch, self.bits, self.grid, CHECKSUM_WEIGHTS,
-                                  in_place=writable(slots, ids))
-        return None if done is None else (*done, False)
+        if slots is not None and self._replays(slots, ids, "decode", rows.device):
+            done = self._graphed("decode", decode_in_place, rows, slots, m, lend)
+            return None if done is None else (None, *done, lend)
+        decoded = fused.delta_decode(rows, m, slots, batch, self.bits, self.grid, CHECKSUM_WEIGHTS,
+                                     in_place=writable(slots, ids))
+        return None if decoded is None else (*decoded, False)
 
     def graph_calls(self, shape: tuple[int, ...], m_dtype: torch.dtype, sending: bool) -> list[GraphCall]:
         """The graph this end replays for delta rows of `shape` where m(ξ) is a slab's rows on its GPU, on stand-in
-        inputs (the slab itself is the store's, not the graph's)."""
+        inputs (the slab itself is the store's, not the graph's; the activation counted in float32, the most a
+        stage sends)."""
         slab, slots = stand_in(shape, m_dtype), stand_in((shape[0],), torch.int64)
         if sending:
-            return [GraphCall("fused-encode", lambda x, at: encode_in_place(self.bits, self.grid, x, at, slab),
-                              (stand_in(shape, torch.float32), slots), (self.graphs, "fused-encode"))]
-        rows = stand_in((shape[0], fused.row_bytes(math.prod(shape[1:-1]), shape[-1], self.bits)), torch.uint8)
-        return [GraphCall("fused-decode", lambda coded, at: decode_in_place(self.bits, self.grid, coded, at, slab),
-                          (rows, slots),
-                          (self.graphs, "fused-decode"))]
+            step, coded = "encode", stand_in(shape, torch.float32)
+        else:
+            step = "decode"
+            coded = stand_in((shape[0], fused.row_bytes(math.prod(shape[1:-1]), shape[-1], self.bits)), torch.uint8)
+        run = functools.partial(STEPS[step], self.bits, self.grid)
+        return [GraphCall(f"fused-{step}", lambda given, at: run(given, at, slab), (coded, slots), self._key(step))]
 
-    def _replays(self, ids: list[int], step: str, device: torch.device) -> bool:
-        """Whether this step, over a slab's rows, runs from its graph: distinct rows, written in place (the kernels
-        proven in the process)."""
-        return self.graphs is not None and len(set(ids)) == len(ids) and fused.proven(step, device)
+    def _graphed(self, step: str, fn: Step, given: torch.Tensor, slots: torch.Tensor, slab: torch.Tensor,
+                 lend: bool) -> tuple[torch.Tensor, ...] | None:
+        """`fn` (`encode_in_place`, `decode_in_place`) on `given` and `slots` over the slab, replayed from this
+        end's graph of `step` where it may be; None if the kernels failed before writing anything."""
+        try:
+            return graphed(self._key(step), functools.partial(fn, self.bits, self.grid), given, slots, held=(slab,),
+                           borrow=lend)
+        except KernelsFailed:
+            return None
+
+    def _key(self, step: str) -> tuple[Hashable, str]:
+        """The key this end's graph of `step` is filed under (the codec's, so that it goes with the codec)."""
+        return self.graphs, f"fused-{step}"
+
+    def _replays(self, slots: torch.Tensor, ids: list[int], step: str, device: torch.device) -> bool:
+        """Whether this step, over a slab's rows, runs from its graph: rows it writes in place (distinct, the
+        kernels proven in the process)."""
+        return self.graphs is not None and writable(slots, ids) and fused.proven(step, device)
 
 
 def fused_delta(delta: SampleCoder, device: torch.device, shape: tuple[int, ...], m_dtype: torch.dtype,
@@ -105,19 +126,22 @@ def writable(slots: torch.Tensor | None, ids: list[int]) -> bool:
 def encode_in_place(bits: int, grid: str, x: torch.Tensor, slots: torch.Tensor, slab: torch.Tensor
                     ) -> tuple[torch.Tensor, ...]:
     """The sender's fused step over a slab's rows, the new m(ξ) written over the old: (payload, verdicts, norms,
-    squares), as a graph captures it."""
-    done = fused.delta_encode(x, slab, slots, bits, grid, CHECKSUM_WEIGHTS, MODE_DELTA, in_place=True)
-    if done is None:
-        raise RuntimeError("the fused delta kernels failed")  # (in a capture: graphs go off, the step runs again)
-    return done.payload, done.verdicts, done.norms, done.squares
+    squares), as a graph captures it; KernelsFailed if they failed before writing anything."""
+    coded = fused.delta_encode(x, slab, slots, bits, grid, CHECKSUM_WEIGHTS, MODE_DELTA, in_place=True)
+    if coded is None:
+        raise KernelsFailed("the fused delta kernels failed")  # (in a capture: graphs go off, the step runs again)
+    return coded.payload, coded.verdicts, coded.norms, coded.squares
 
 
 def decode_in_place(bits: int, grid: str, rows: torch.Tensor, slots: torch.Tensor, slab: torch.Tensor
                     ) -> tuple[torch.Tensor, ...]:
     """The receiver's fused step over a slab's rows, the new m(ξ) written over the old: (the activation,
-    verdicts), as a graph captures it."""
-    batch = (rows.shape[0], *slab.shape[1:])
-    done = fused.delta_decode(rows, slab, slots, batch, bits, grid, CHECKSUM_WEIGHTS, in_place=True)
-    if done is None:
-        raise RuntimeError("the fused delta kernels failed")
-    return done[1], done[2]
+    verdicts), as a graph captures it; KernelsFailed if they failed before writing anything."""
+    decoded = fused.delta_decode(rows, slab, slots, (rows.shape[0], *slab.shape[1:]), bits, grid, CHECKSUM_WEIGHTS,
+                                 in_place=True)
+    if decoded is None:
+        raise KernelsFailed("the fused delta kernels failed")
+    return decoded[1], decoded[2]
+
+
+STEPS: dict[str, Step] = {"encode": encode_in_place, "decode": decode_in_place}  # each step over a slab, by name

@@ -55,7 +55,7 @@ class LateChecks:
             arrived = torch.cuda.Event()
             arrived.record(torch.cuda.current_stream(sums.device))
             self._pending.append(_Pending(header, host, arrived, rows))
-        else:  # (a copy: sums a graph lent are written again by its next replay)
+        else:  # (a copy, as on a GPU: the caller may write the tensor again, as a graph does the sums it lends)
             self._pending.append(_Pending(header, sums.clone(), None, rows))
 
     def check(self, wait: bool = False) -> None:
