@@ -3,6 +3,7 @@ bytes held per stage under each schedule, precision, recompute and LoRA, and the
 `--dry-run` prints it and starts nothing, and a launch that does not fit is refused with exit 2 and its numbers."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,28 @@ def test_a_gpu_runs_plan_counts_what_its_codecs_cuda_graphs_hold_and_a_cpu_runs_
     off = cap.plan_capacity(make_plan(dataclasses.replace(cfg, device="cuda")))
     assert all(s.codec_bytes == 0 for s in off.stages)
     assert "codec CUDA graphs" not in cap.format_plan(off)
+
+
+def test_a_gpu_plan_counts_the_fused_delta_steps_graphs_where_m_lies_in_gpu_slabs(tmp_path, monkeypatch):
+    """AQ-SGD's fused delta step replays a graph of its own only over a GPU store's slab rows (`--store-device
+    cuda`), holding its inputs' copies and outputs: the plan counts them there; with m(ξ) in host RAM the step runs
+    ungraphed and holds nothing (its torch-ops graphs are not made either)."""
+    import dataclasses
+
+    from aqpipe.compress import fused
+
+    if fused._kernels() is None:
+        pytest.skip("Triton is not installed")
+    monkeypatch.setenv(fused.DELTA_SWITCH, "1")  # (fused at this test's small micro-batch too)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    cfg = dataclasses.replace(flags_to_config(SMALL, tmp_path), device="cuda")
+    host_ram = cap.plan_capacity(make_plan(dataclasses.replace(cfg, store_device="cpu")))
+    slabs = cap.plan_capacity(make_plan(dataclasses.replace(cfg, store_device="cuda")))
+    values = math.prod(slabs.links[0].activation_shape)
+    for ram, slab in zip(host_ram.stages, slabs.stages):
+        # each fused end's graph: at least its activation copied in (sender) or decoded out (receiver), in float32
+        ends = 2 if 0 < slab.stage < len(slabs.stages) - 1 else 1
+        assert slab.codec_bytes - ram.codec_bytes >= ends * values * 4, (slab.codec_bytes, ram.codec_bytes)
 
 
 def test_the_plan_counts_the_grad_syncs_copies_where_its_collectives_run(tmp_path, monkeypatch):
