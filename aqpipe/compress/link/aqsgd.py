@@ -269,18 +269,21 @@ class AQSGDCodec(LinkCodec):
                                        for call in coder_calls(coder, shape, sending=False)]
         x, m_old = stand_in(shape, torch.float32), stand_in(shape, self.view.dtype)
         step = self._fused_delta(torch.device("meta"), shape)
-        # the fused step replays a graph only over a slab's rows (it runs ungraphed on m(ξ) kept otherwise)
-        fused_calls = [] if step is None or not self.view.keeps_rows else step.graph_calls(shape, m_old.dtype, sending)
+        if step is None and sending:
+            deltas = [self._graph_call("delta-encode", self.steps.delta_rows, x, m_old)]
+        elif step is None:
+            rows = stand_in((shape[0], self.delta.sample_bytes(shape)), torch.uint8)
+            deltas = [self._graph_call("delta-decode", self.steps.delta_values, rows, m_old)]
+        else:  # (the fused step replays a graph only over a slab's rows; over m(ξ) kept otherwise it runs ungraphed)
+            deltas = step.graph_calls(shape, m_old.dtype, sending) if self.view.keeps_rows else []
         if sending:
-            calls = fused_calls if step is not None else [self._graph_call("delta-encode", self.steps.delta_rows, x, m_old)]
+            calls = deltas
             if self.first_sight is not None:
                 calls.append(self._graph_call("first-encode", self.steps.first_rows, x))
             if self.first_sight is None or warmup:
                 calls.append(self._graph_call("seed", self.steps.seeds, x))
             return calls
-        rows = stand_in((shape[0], self.delta.sample_bytes(shape)), torch.uint8)
-        calls = fused_calls if step is not None else [self._graph_call("delta-decode", self.steps.delta_values, rows, m_old)]
-        calls.append(self._graph_call("seed", self.steps.seeds, x))
+        calls = deltas + [self._graph_call("seed", self.steps.seeds, x)]
         if self.first_sight is not None:  # a quantizing first-sight coder's decode is a graph of its own
             calls += coder_calls(self.first_sight, shape, sending=False)
         return calls
