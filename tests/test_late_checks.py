@@ -87,3 +87,30 @@ def test_a_divergence_found_late_is_refused_at_the_next_message_or_when_the_step
     with pytest.raises(ValueError, match="diverged"):
         checks.settle()
     assert len(checks) == 0
+
+
+def test_a_gpu_receiver_that_is_dropped_goes_at_once_with_its_graphs(monkeypatch):
+    """A GPU receiver's late checks refuse a divergence by its link alone, holding no reference back to the codec:
+    a codec that is dropped (a benchmark's next variant, a rebuilt link) is freed at once, and its CUDA graphs —
+    tens of MB each — are forgotten with it, not whenever the garbage collector next finds a cycle. (Built here on
+    the CPU as on a GPU: `device` cuda, its random generator on the host.)"""
+    import gc
+    import weakref
+
+    from aqpipe.compress.link import aqsgd
+    from aqpipe.compress.link.codecs import QuantOptions, build_codec
+    from aqpipe.storage import SlabStore, StoreView
+
+    monkeypatch.setattr(aqsgd, "generator_on", lambda device, seed: torch.Generator().manual_seed(seed))
+    forgotten = []
+    monkeypatch.setattr(aqsgd, "forget", forgotten.append)
+    gc.disable()
+    try:
+        receiver = build_codec("aqsgd:3", "fw", StoreView(SlabStore(torch.float16, "cpu"), 3, "recv"), QuantOptions(),
+                               device="cuda")
+        assert receiver.late_checks is not None
+        gone, serial = weakref.ref(receiver), receiver._graphs
+        del receiver
+        assert gone() is None and forgotten == [serial]
+    finally:
+        gc.enable()

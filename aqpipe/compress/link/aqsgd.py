@@ -136,7 +136,10 @@ class AQSGDCodec(LinkCodec):
         self._replayable = not any(getattr(getattr(part, "options", None), "stochastic", False)
                                    for part in (self.delta, self.first_sight)) and not options.stochastic
         # on a GPU a receiver checks a delta message's checksum once its sums reach the host, not while it waits
-        self.late_checks: LateChecks | None = LateChecks(self._verify) if device.type == "cuda" else None
+        # (a function of the link, not a method: a codec that is dropped goes at once, its graphs with it, with no
+        # reference cycle through its checks to wait for the garbage collector)
+        self.late_checks: LateChecks | None = (LateChecks(functools.partial(refuse_divergence, view.link))
+                                               if device.type == "cuda" else None)
 
     # -- sender ------------------------------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, ids: torch.Tensor, compress: bool = True) -> Encoded:
@@ -465,10 +468,16 @@ class AQSGDCodec(LinkCodec):
             self.late_checks.settle()
 
     def _verify(self, header, check: int) -> None:
-        """Refuse a message after which this side's m(ξ) would differ from the sender's (unless it sent no check)."""
-        if not header.flags & FLAG_NO_CHECK and check != header.codec_check:
-            raise CodecError(f"m(xi) diverged on link {self.view.link}: this side's copy fails the sender's checksum "
-                             f"at step {header.step} micro-batch {header.micro_batch}")
+        """Refuse a message after which this side's m(ξ) would differ from the sender's (`refuse_divergence`)."""
+        refuse_divergence(self.view.link, header, check)
+
+
+def refuse_divergence(link: int, header, check: int) -> None:
+    """Refuse a message on `link` after which the receiver's m(ξ) would differ from the sender's: its folded checksum
+    `check` is not the header's (unless the sender sent no check)."""
+    if not header.flags & FLAG_NO_CHECK and check != header.codec_check:
+        raise CodecError(f"m(xi) diverged on link {link}: this side's copy fails the sender's checksum "
+                         f"at step {header.step} micro-batch {header.micro_batch}")
 
 
 # The kinds of row a receiver keeps whatever its values (its sender sent each so only where the value could be kept):
