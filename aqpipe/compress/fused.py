@@ -134,7 +134,7 @@ def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, b
     b, t, c = x3.shape
     _check_rows(m, x.shape, slots, checksum, in_place)
     m3 = m.detach().reshape(m.shape[0], t, c)
-    in_place = in_place and proven("encode", x.device)
+    in_place = in_place and writes_in_place("encode", x.device)
     payload = torch.empty(b + b * row_bytes(t, c, bits), dtype=torch.uint8, device=x.device)
     payload[:b].fill_(mode)
     m_new = m3 if in_place else torch.empty(x3.shape, dtype=m.dtype, device=x.device)
@@ -198,7 +198,7 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
     b = shape[0]
     _check_rows(m, shape, slots, checksum, in_place)
     m3 = m.detach().reshape(m.shape[0], -1, shape[-1])
-    in_place = in_place and proven("decode", rows.device)
+    in_place = in_place and writes_in_place("decode", rows.device)
     out = _decode(rows, shape, bits, grid, (m3, slots, checksum), in_place)
     if out is None:
         return None
@@ -217,7 +217,7 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
     return None if in_place else m_new, values, verdicts
 
 
-def proven(step: str, device: torch.device) -> bool:
+def writes_in_place(step: str, device: torch.device) -> bool:
     """Whether the delta step `step` ("encode", "decode") writes m(ξ) in place on `device`: once every kernel of it
     has run in the process (see `_proven`), and on the meta device (where nothing runs: the outputs a GPU's
     in-place step makes, for the capacity plan)."""

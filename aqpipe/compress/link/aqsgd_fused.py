@@ -100,7 +100,7 @@ class FusedDelta:
     def _replays(self, slots: torch.Tensor, ids: list[int], step: str, device: torch.device) -> bool:
         """Whether this step, over a slab's rows, runs from its graph: rows it writes in place (distinct, the
         kernels proven in the process)."""
-        return self.graphs is not None and writable(slots, ids) and fused.proven(step, device)
+        return self.graphs is not None and writable(slots, ids) and fused.writes_in_place(step, device)
 
 
 def fused_delta(delta: SampleCoder, device: torch.device, shape: tuple[int, ...], m_dtype: torch.dtype,
