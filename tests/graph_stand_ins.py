@@ -30,7 +30,8 @@ def install(captures: list, patch=setattr) -> None:
     """Make every device replay, with `StandInGraph`s as its captures (appended to `captures`); `patch(module,
     name, value)` sets each (a monkeypatch's setattr undoes them after a test)."""
     def capture(fn, tensors, held=()):
-        inputs = tuple(t.clone() for t in tensors)
+        device = cuda_graphs._device_of(tensors + held)
+        inputs = tuple(cuda_graphs._copy_on(device, t) for t in tensors)  # (the graph's buffers, as a capture's)
         # a capture runs nothing: the outputs' buffers are made on copies of what `fn` writes in place
         graph = StandInGraph(fn, inputs, held, tuple(fn(*inputs, *(t.clone() for t in held))))
         captures.append(graph)

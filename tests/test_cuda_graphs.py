@@ -49,6 +49,26 @@ def test_the_first_call_runs_op_by_op_the_second_captures_and_later_ones_replay(
     assert cuda_graphs.captured() == 1
 
 
+def test_a_host_tensor_given_beside_gpu_tensors_reaches_fn_on_the_gpu_on_every_path(stand_in):
+    """A host tensor is fed: op by op (the first call), in the capture and in every replay `fn` gets it on the GPU,
+    and the graph's buffer for it lies there (the meta device stands in for a GPU: a device that is not the host)."""
+    seen = []
+
+    def fn(x, y):
+        seen.append((x.device, y.device))
+        return (x + y,)
+
+    gpu = torch.device("meta")
+    for k in range(4):
+        out = graphed("fed", fn, torch.full((4, 3), float(k)), torch.empty(4, 3, device=gpu))
+        assert out[0].device == gpu
+    assert len(seen) >= 4 and set(seen) == {(gpu, gpu)}
+    assert len(stand_in) == 1 and stand_in[0].replays == 3 and stand_in[0].inputs[0].device == gpu
+    held = torch.empty(2, 3, device=gpu)  # (a held call's first run, on copies of its inputs, gets them there too)
+    graphed("fed-held", lambda x, slab: (x.sum(dim=0) + slab[0],), torch.ones(4, 3), held=(held,))
+    assert set(seen) == {(gpu, gpu)}
+
+
 def test_what_a_replay_returns_is_the_callers_own(stand_in):
     fn = Counted()
     x, y = torch.randn(2, 4), torch.randn(2, 4)

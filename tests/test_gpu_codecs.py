@@ -251,6 +251,33 @@ def test_a_real_graph_writes_a_held_tensor_once_a_call_where_it_lies():
         cuda_graphs.clear()
 
 
+@needs_cuda
+def test_a_real_graph_fed_from_the_host_gives_what_device_inputs_give():
+    """Host tensors given beside GPU tensors (a received message's rows in pinned memory, slots in pageable memory)
+    are copied straight into the graph's buffers: every replay computes on the values given at its call, as op by op
+    on the GPU, and the host may write a pageable tensor again at once."""
+    from aqpipe.compress import cuda_graphs
+    from aqpipe.compress.cuda_graphs import graphed
+
+    def step(rows, slots, scale):
+        return (rows.float() * scale + slots.float().sum(),)
+
+    cuda_graphs.clear()
+    try:
+        scale = torch.randn(5, device=DEVICE)
+        slots = torch.zeros(3, dtype=torch.int64)
+        for k in range(6):
+            rows = torch.randint(0, 255, (4, 5), dtype=torch.uint8).pin_memory()
+            slots.copy_(torch.tensor([k, 2 * k, 3]))  # (pageable: its copy is staged before the call returns)
+            got = graphed("fed-step", step, rows, slots, scale)[0].clone()
+            slots.zero_()
+            expected = step(rows.to(DEVICE), torch.tensor([k, 2 * k, 3], device=DEVICE), scale)[0]
+            assert got.device == scale.device and torch.equal(got, expected), k
+        assert cuda_graphs.captured() == 1
+    finally:
+        cuda_graphs.clear()
+
+
 _FRESH_FUSED_GRAPHS = """
 import torch
 from aqpipe.compress import cuda_graphs, fused

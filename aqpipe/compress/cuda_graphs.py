@@ -31,6 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
+HOST = torch.device("cpu")
 SWITCH = "AQPIPE_CUDA_GRAPHS"  # "0" turns every graph off: each call runs op by op
 MAX_GRAPHS = 64  # signatures kept per process; past it, new ones run op by op (each graph holds its own buffers)
 
@@ -79,6 +80,10 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
     non-tensor value it depends on. Every tensor `fn` reads besides its arguments (a level table) must live as long
     as the process, or as long as the graphs of its key (`forget`): a graph reads it where it was at capture.
 
+    A tensor given on the host, beside tensors on a GPU, is fed: copied straight into the graph's buffer, without
+    the host waiting (pinned memory must then not be written until the copy is done), rather than moved to the GPU
+    by the caller and copied again — a copy and an allocation saved. Run op by op, `fn` gets it moved to the GPU.
+
     With `borrow`, a replay returns the graph's own output buffers, not copies: the caller must have queued every use
     of them on the current stream (a copy, a scatter, a read) before it calls this signature again, whose replay
     writes them anew — a copy call saved per output. The graph's lock covers its replay, not those uses: only a
@@ -92,10 +97,11 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
     will. (A Triton kernel is compiled and loaded per alignment of its pointers: given a message's rows at an odd
     offset in its payload, and their copy in the capture, it would be compiled inside the capture, which fails —
     seen on an H100 — and a failed capture leaves the allocator holding back frees for the process's life.)"""
-    device = tensors[0].device
-    if (not may_replay(device) or any(t.device != device for t in tensors + held)
-            or getattr(_capturing, "now", False)):
-        return fn(*tensors, *held)  # (inside another graph's capture: its kernels become part of that graph)
+    device = _device_of(tensors + held)
+    if (not may_replay(device) or any(t.device != device for t in held)
+            or any(t.device != device and t.device != HOST for t in tensors) or getattr(_capturing, "now", False)):
+        # (inside another graph's capture: its kernels become part of that graph)
+        return fn(*(_on(device, t) for t in tensors), *held)
     inputs = tuple(_layout(t) for t in tensors)
     signature = (key, _stream_id(device), *inputs, *((t.data_ptr(), *_layout(t)) for t in held))
     entry = _cache.graphs.get(signature)
@@ -103,13 +109,28 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
         entry, first = _first_calls(signature, fn, tensors, held)
         if entry is None:
             if first and held:  # (copies, as the capture will have: see above)
-                return fn(*(t.clone() for t in tensors), *held)
-            return fn(*tensors, *held)
+                return fn(*(_copy_on(device, t) for t in tensors), *held)
+            return fn(*(_on(device, t) for t in tensors), *held)
     with entry.lock:  # one thread at a time fills the buffers, replays and copies out
         for buffer, t in zip(entry.inputs, tensors):
-            buffer.copy_(t)
+            buffer.copy_(t, non_blocking=True)  # (from the host: fed without the host waiting)
         entry.graph.replay()
         return entry.outputs if borrow else tuple(out.clone() for out in entry.outputs)
+
+
+def _device_of(tensors: tuple[torch.Tensor, ...]) -> torch.device:
+    """The device a graphed call runs on: that of its first tensor off the host, else the host."""
+    return next((t.device for t in tensors if t.device != HOST), tensors[0].device)
+
+
+def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
+    """`t` on `device`: moved there, without the host waiting, where it was fed from the host."""
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
+def _copy_on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` of its own on `device` (a buffer of the graph's, or what the signature's first call runs on)."""
+    return t.clone() if t.device == device else t.to(device, non_blocking=True)
 
 
 def _layout(t: torch.Tensor) -> tuple[Hashable, ...]:
@@ -128,8 +149,21 @@ def _replays_on(device: torch.device) -> bool:
 
 
 def _stream_id(device: torch.device) -> int:
-    """The stream the caller's work goes to (a graph is replayed on the stream it was made for)."""
-    return torch.cuda.current_stream(device).cuda_stream
+    """The stream the caller's work goes to (a graph is replayed on the stream it was made for): its raw handle, as
+    Triton's launcher reads it (no Stream object made per call)."""
+    return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _raw_stream_reader() -> Callable[[int], int]:
+    """torch's reader of a GPU's current raw stream handle (a CUDA build's), else one through a Stream object."""
+    try:
+        from torch._C import _cuda_getCurrentRawStream
+    except ImportError:  # (a CPU build of torch: no GPU to ask, but the tests' stand-ins do not ask either)
+        return lambda index: torch.cuda.current_stream(index).cuda_stream
+    return _cuda_getCurrentRawStream
+
+
+_raw_stream = _raw_stream_reader()
 
 
 def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...]],
@@ -177,12 +211,12 @@ def _capture(fn: Callable[..., tuple[torch.Tensor, ...]], tensors: tuple[torch.T
     """Capture `fn` on copies of `tensors` (and on `held` as they are), on a side stream ordered after the caller's
     stream's work so far. No device-wide synchronize (torch.cuda.graph's own), which would stall every stream of a
     training step."""
-    stream = torch.cuda.current_stream(tensors[0].device)
+    stream = torch.cuda.current_stream(_device_of(tensors + held))
     side = _capturing_stream(stream.device)
     side.wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
-        inputs = tuple(t.clone() for t in tensors)
+        inputs = tuple(_copy_on(side.device, t) for t in tensors)
         if not held:  # a warm-up on the capturing stream: library workspaces are made here, not inside the capture
             fn(*inputs)
         # thread_local: other threads' CUDA calls (the outbox's copies, the prefetchers) go on meanwhile
@@ -200,7 +234,8 @@ def _capture(fn: Callable[..., tuple[torch.Tensor, ...]], tensors: tuple[torch.T
             raise
     stream.wait_stream(side)
     for t in tensors:  # the inputs' memory must not be reused before the side stream's copies of them are done
-        t.record_stream(side)
+        if t.device == side.device:  # (a host tensor's copy: pinned memory's is recorded by the copy itself)
+            t.record_stream(side)
     return _Graph(graph, inputs, outputs)
 
 

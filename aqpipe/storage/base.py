@@ -101,11 +101,12 @@ class StoreView:
         batch = gather(self.link, self.side, ids)
         return batch if device is None or batch.device == device else batch.to(device, non_blocking=True)
 
-    def rows(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rows(self, ids: Sequence[int], on_host: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Where m(ξ) of `ids` lies, for a kernel to read in place: a slab store's slab [N, ...] and the slots of
-        `ids` in it (int64 [B] on its device; all must exist, with one shape); None from a store without slabs."""
+        `ids` in it (int64 [B] on its device, or `on_host`; all must exist, with one shape); None from a store
+        without slabs."""
         rows = getattr(self.store, "rows", None)
-        return None if rows is None else rows(self.link, self.side, ids)
+        return None if rows is None else rows(self.link, self.side, ids, on_host)
 
     @property
     def keeps_rows(self) -> bool:

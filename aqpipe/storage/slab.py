@@ -70,10 +70,11 @@ class SlabStore:
         slab, slots = self.rows(link, side, ids)
         return slab.index_select(0, slots)
 
-    def rows(self, link: int, side: str, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slab that holds m(ξ) of `ids` [N, *shape] and their slots in it (int64 [B] on the store's device),
-        for a kernel to read them in place: good until the next scatter, which may grow the slab (all must exist,
-        with one shape)."""
+    def rows(self, link: int, side: str, ids: Sequence[int], on_host: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slab that holds m(ξ) of `ids` [N, *shape] and their slots in it (int64 [B] on the store's device, or
+        `on_host`, for a caller that copies them on itself: a CUDA graph's buffer), for a kernel to read them in
+        place: good until the next scatter, which may grow the slab (all must exist, with one shape)."""
         keys = tuple((link, side, int(i)) for i in ids)
         if not keys:
             raise ValueError(f"a gather of no samples on link {link} side {side}: its shape is unknown")
@@ -82,8 +83,9 @@ class SlabStore:
         if len(slab_keys) != 1:
             raise ValueError(f"the m(xi) of samples {list(ids)} on link {link} side {side} have different shapes: "
                              f"{sorted(shape for _, _, shape in slab_keys)}")
-        slots = self._slots_on_device(keys, [slot for _, slot in places])
-        return self._slabs[slab_keys.pop()].rows, slots
+        slots = [slot for _, slot in places]
+        index = torch.tensor(slots, dtype=torch.int64) if on_host else self._slots_on_device(keys, slots)
+        return self._slabs[slab_keys.pop()].rows, index
 
     def scatter(self, link: int, side: str, ids: Sequence[int], values: torch.Tensor) -> None:
         """Replace m(ξ) of `ids` with the rows of `values` [B, *shape] (in the store's dtype) in one scatter; the

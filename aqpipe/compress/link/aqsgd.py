@@ -151,7 +151,7 @@ class AQSGDCodec(LinkCodec):
         (counted as `overflow`) rather than kept poisoned for every later epoch."""
         raw = tensor.detach()
         # in float32, made where a path codes it so (the fused delta step reads a bf16 or fp16 activation as it is)
-        floats = functools.cache(lambda: raw.float().contiguous())
+        floats = _once(lambda: raw.float().contiguous())
         id_list = ids.tolist()
         b = len(id_list)
         modes = [MODE_DELTA if k else MODE_FIRST for k in self.view.contains(id_list)] if compress \
@@ -304,8 +304,9 @@ class AQSGDCodec(LinkCodec):
 
     def _rows_of(self, ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Where m(ξ) of `ids` is, for the fused kernels to read in place: a slab on `device` and their slots in it
-        (int64 [B] on `device`), or, from any other store, the values gathered (`_recall`) and None."""
-        rows = self.view.rows(ids)
+        (int64 [B] on the host: fed to the step's graph as they are, with no copy of their own to the GPU), or, from
+        any other store, the values gathered (`_recall`) and None."""
+        rows = self.view.rows(ids, on_host=True)
         if rows is not None and rows[0].device == device:
             return rows
         return self._recall(ids, device), None
@@ -370,9 +371,16 @@ class AQSGDCodec(LinkCodec):
         sizes = self._segment_bytes(header.shape)
         return read_modes(payload, header.shape[0], sizes), sizes
 
+    def _payload_for(self, payload: torch.Tensor, layout: Any) -> torch.Tensor:
+        """A message of deltas alone (the steady state) stays where it arrived: its rows go to the device in one
+        copy of their own (`_delta_decode`; on a GPU straight into the fused step's graph); any other message goes to
+        the device whole."""
+        modes, _ = layout
+        return payload if modes and all(m == MODE_DELTA for m in modes) else to_device(payload, self.device)
+
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor, layout: Any = None) -> torch.Tensor:
         """Rebuild the activation and update this side's m(ξ) exactly as the sender did (`layout`: the samples'
-        modes and each mode's segment length)."""
+        modes and each mode's segment length; `payload`: where `_payload_for` put it)."""
         shape = header.shape
         b = shape[0]
         modes, sizes = layout
@@ -439,17 +447,17 @@ class AQSGDCodec(LinkCodec):
     def _delta_decode(self, rows: torch.Tensor, ids: list[int], shape: tuple[int, ...], lend: bool
                       ) -> tuple[Any, ...]:
         """The receiver's side of `_delta_encode`: the new m(ξ), the activation and the verdicts of the delta rows
-        `rows` of samples `ids`, and whether they are lent (a CUDA graph's buffers) — fused straight from where the
-        store keeps m(ξ) (a slab's rows, written in place: the new m(ξ) is then None), or in torch ops replayed from
-        a graph."""
+        `rows` of samples `ids` (on the device or, as received, on the host), and whether they are lent (a CUDA
+        graph's buffers) — fused straight from where the store keeps m(ξ) (a slab's rows, written in place: the new
+        m(ξ) is then None), or in torch ops replayed from a graph."""
         batch = (len(ids), *shape[1:])
-        step = self._fused_delta(rows.device, batch)
+        step = self._fused_delta(self.device, batch)
         if step is not None:
-            m, slots = self._sent(self._rows_of, ids, rows.device)
+            m, slots = self._sent(self._rows_of, ids, self.device)
             done = step.decode(rows, m, slots, ids, batch, lend)
             if done is not None:
                 return done
-        return (*self._graphed("delta-decode", self.steps.delta_values, rows,
+        return (*self._graphed("delta-decode", self.steps.delta_values, to_device(rows, self.device),
                                self._sent(self._recall, ids, self.device), borrow=lend), lend)
 
     def _sent(self, read: Callable[[list[int], torch.device], Any], ids: list[int], device: torch.device) -> Any:
@@ -483,6 +491,19 @@ def refuse_divergence(link: int, header, check: int) -> None:
 # The kinds of row a receiver keeps whatever its values (its sender sent each so only where the value could be kept):
 # a message of them alone needs no verdict read, and a GPU receiver checks its checksum late (`late_checks`).
 LATE_CHECKED = frozenset({MODE_DELTA, MODE_FIRST})
+
+
+def _once(make: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """`make`, called at most once: its value kept for the calls after (what `functools.cache` does, without its
+    wrapper's set-up on every message)."""
+    made: list[torch.Tensor] = []
+
+    def value() -> torch.Tensor:
+        if not made:
+            made.append(make())
+        return made[0]
+
+    return value
 
 
 def _sums_by_row(groups: list[Candidates]) -> tuple[torch.Tensor, list[int] | None]:

@@ -45,29 +45,30 @@ class FusedDelta:
 
     def encode(self, x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, ids: list[int], lend: bool
                ) -> tuple | None:
-        """The sender's step on rows `x` of samples `ids`, m(ξ) in `m` (`slots`: a slab's rows; None: `m` is the
-        batch's m(ξ) gathered): (payload, new m(ξ) or None where written in place, verdicts, norms, squares, lent —
-        whether they are a graph's buffers, see `graphed`'s borrow); None if the kernels failed before writing
-        anything."""
-        if slots is not None and self._replays(slots, ids, "encode", x.device):
+        """The sender's step on rows `x` of samples `ids`, m(ξ) in `m` (`slots`: a slab's rows, on its device or on
+        the host — fed to the step's graph as they are; None: `m` is the batch's m(ξ) gathered): (payload, new m(ξ)
+        or None where written in place, verdicts, norms, squares, lent — whether they are a graph's buffers, see
+        `graphed`'s borrow); None if the kernels failed before writing anything."""
+        if slots is not None and self._replays(slots, ids, "encode", m.device):
             done = self._graphed("encode", encode_in_place, x, slots, m, lend)
             return None if done is None else (done[0], None, *done[1:], lend)
-        coded = fused.delta_encode(x, m, slots, self.bits, self.grid, CHECKSUM_WEIGHTS, MODE_DELTA,
-                                   in_place=writable(slots, ids))
+        coded = fused.delta_encode(x, m, _slots_on(m.device, slots), self.bits, self.grid, CHECKSUM_WEIGHTS,
+                                   MODE_DELTA, in_place=writable(slots, ids))
         if coded is None:
             return None
         return coded.payload, coded.m_new, coded.verdicts, coded.norms, coded.squares, False
 
     def decode(self, rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, ids: list[int],
                batch: tuple[int, ...], lend: bool) -> tuple | None:
-        """The receiver's step on coded rows `rows` of samples `ids` (`batch`: their activation's shape; `m`,
-        `slots` as `encode`): (new m(ξ) or None where written in place, the activation, verdicts, lent); None if the
-        kernels failed before writing anything."""
-        if slots is not None and self._replays(slots, ids, "decode", rows.device):
+        """The receiver's step on coded rows `rows` of samples `ids` (on m(ξ)'s device or, as received, on the host;
+        `batch`: their activation's shape; `m`, `slots` as `encode`): (new m(ξ) or None where written in place, the
+        activation, verdicts, lent); None if the kernels failed before writing anything."""
+        if slots is not None and self._replays(slots, ids, "decode", m.device):
             done = self._graphed("decode", decode_in_place, rows, slots, m, lend)
             return None if done is None else (None, *done, lend)
-        decoded = fused.delta_decode(rows, m, slots, batch, self.bits, self.grid, CHECKSUM_WEIGHTS,
-                                     in_place=writable(slots, ids))
+        rows = rows if rows.device == m.device else rows.to(m.device, non_blocking=True)
+        decoded = fused.delta_decode(rows, m, _slots_on(m.device, slots), batch, self.bits, self.grid,
+                                     CHECKSUM_WEIGHTS, in_place=writable(slots, ids))
         return None if decoded is None else (*decoded, False)
 
     def graph_calls(self, shape: tuple[int, ...], m_dtype: torch.dtype, sending: bool) -> list[GraphCall]:
@@ -115,6 +116,12 @@ def fused_delta(delta: SampleCoder, device: torch.device, shape: tuple[int, ...]
     if not fused.delta_fusable(device, shape, m_dtype, delta.bits, options.per, options.grid):
         return None
     return FusedDelta(delta.bits, options.grid, graphs)
+
+
+def _slots_on(device: torch.device, slots: torch.Tensor | None) -> torch.Tensor | None:
+    """A slab's `slots` on its `device`, for kernels launched one by one (from the host: moved without the host
+    waiting); None stays None."""
+    return slots if slots is None or slots.device == device else slots.to(device, non_blocking=True)
 
 
 def writable(slots: torch.Tensor | None, ids: list[int]) -> bool:
