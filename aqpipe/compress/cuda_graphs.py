@@ -82,7 +82,9 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
 
     A tensor given on the host, beside tensors on a GPU, is fed: copied straight into the graph's buffer, without
     the host waiting (pinned memory must then not be written until the copy is done), rather than moved to the GPU
-    by the caller and copied again — a copy and an allocation saved. Run op by op, `fn` gets it moved to the GPU.
+    by the caller and copied again — a copy and an allocation saved (AQ-SGD's slots). Run op by op, `fn` gets it
+    moved to the GPU. (Worth it for what the host makes just before the call: a large input that could have been on
+    its way meanwhile — a received message's rows — is better sent to the GPU as early as it can be.)
 
     With `borrow`, a replay returns the graph's own output buffers, not copies: the caller must have queued every use
     of them on the current stream (a copy, a scatter, a read) before it calls this signature again, whose replay

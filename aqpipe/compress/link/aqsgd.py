@@ -371,16 +371,9 @@ class AQSGDCodec(LinkCodec):
         sizes = self._segment_bytes(header.shape)
         return read_modes(payload, header.shape[0], sizes), sizes
 
-    def _payload_for(self, payload: torch.Tensor, layout: Any) -> torch.Tensor:
-        """A message of deltas alone (the steady state) stays where it arrived: its rows go to the device in one
-        copy of their own (`_delta_decode`; on a GPU straight into the fused step's graph); any other message goes to
-        the device whole."""
-        modes, _ = layout
-        return payload if modes and all(m == MODE_DELTA for m in modes) else to_device(payload, self.device)
-
     def _decode(self, header, payload: torch.Tensor, ids: torch.Tensor, layout: Any = None) -> torch.Tensor:
         """Rebuild the activation and update this side's m(ξ) exactly as the sender did (`layout`: the samples'
-        modes and each mode's segment length; `payload`: where `_payload_for` put it)."""
+        modes and each mode's segment length)."""
         shape = header.shape
         b = shape[0]
         modes, sizes = layout
@@ -447,17 +440,17 @@ class AQSGDCodec(LinkCodec):
     def _delta_decode(self, rows: torch.Tensor, ids: list[int], shape: tuple[int, ...], lend: bool
                       ) -> tuple[Any, ...]:
         """The receiver's side of `_delta_encode`: the new m(ξ), the activation and the verdicts of the delta rows
-        `rows` of samples `ids` (on the device or, as received, on the host), and whether they are lent (a CUDA
-        graph's buffers) — fused straight from where the store keeps m(ξ) (a slab's rows, written in place: the new
-        m(ξ) is then None), or in torch ops replayed from a graph."""
+        `rows` of samples `ids`, and whether they are lent (a CUDA graph's buffers) — fused straight from where the
+        store keeps m(ξ) (a slab's rows, written in place: the new m(ξ) is then None), or in torch ops replayed from
+        a graph."""
         batch = (len(ids), *shape[1:])
-        step = self._fused_delta(self.device, batch)
+        step = self._fused_delta(rows.device, batch)
         if step is not None:
-            m, slots = self._sent(self._rows_of, ids, self.device)
+            m, slots = self._sent(self._rows_of, ids, rows.device)
             done = step.decode(rows, m, slots, ids, batch, lend)
             if done is not None:
                 return done
-        return (*self._graphed("delta-decode", self.steps.delta_values, to_device(rows, self.device),
+        return (*self._graphed("delta-decode", self.steps.delta_values, rows,
                                self._sent(self._recall, ids, self.device), borrow=lend), lend)
 
     def _sent(self, read: Callable[[list[int], torch.device], Any], ids: list[int], device: torch.device) -> Any:

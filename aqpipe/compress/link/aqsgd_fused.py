@@ -60,13 +60,12 @@ class FusedDelta:
 
     def decode(self, rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, ids: list[int],
                batch: tuple[int, ...], lend: bool) -> tuple | None:
-        """The receiver's step on coded rows `rows` of samples `ids` (on m(ξ)'s device or, as received, on the host;
-        `batch`: their activation's shape; `m`, `slots` as `encode`): (new m(ξ) or None where written in place, the
-        activation, verdicts, lent); None if the kernels failed before writing anything."""
+        """The receiver's step on coded rows `rows` of samples `ids` (`batch`: their activation's shape; `m`,
+        `slots` as `encode`): (new m(ξ) or None where written in place, the activation, verdicts, lent); None if the
+        kernels failed before writing anything."""
         if slots is not None and self._replays(slots, ids, "decode", m.device):
             done = self._graphed("decode", decode_in_place, rows, slots, m, lend)
             return None if done is None else (None, *done, lend)
-        rows = rows if rows.device == m.device else rows.to(m.device, non_blocking=True)
         decoded = fused.delta_decode(rows, m, _slots_on(m.device, slots), batch, self.bits, self.grid,
                                      CHECKSUM_WEIGHTS, in_place=writable(slots, ids))
         return None if decoded is None else (*decoded, False)

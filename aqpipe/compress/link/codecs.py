@@ -220,12 +220,7 @@ class LinkCodec:
                 raise CodecError(self._raw_refusal())
             return bytes_as(to_device(payload, self.device).view(1, -1), header.dtype).view(header.shape)
         layout = self._read_layout(header, payload)
-        return self._decode(header, self._payload_for(payload, layout), ids, layout)
-
-    def _payload_for(self, payload: torch.Tensor, layout: Any) -> torch.Tensor:
-        """A compressed message's bytes where `_decode` takes them (`layout`: `_read_layout`'s answer): on the
-        codec's device."""
-        return to_device(payload, self.device)
+        return self._decode(header, to_device(payload, self.device), ids, layout)
 
     def _read_layout(self, header, payload: torch.Tensor) -> Any:
         """What decoding must know of a compressed message's bytes before they go to the device — where each part
