@@ -174,6 +174,30 @@ def test_the_verdicts_kernel_writes_each_samples_verdicts_and_the_batch_squares_
 
 
 @needs_triton
+def test_the_kernels_checksum_sums_are_the_stores_over_many_ragged_tiles():
+    """Each sample's checksum sum the codes and decode kernels form, over a batch of several tiles each way with
+    ragged last tiles (the weights of each tile's words read from `fused.weight_parts`' tables by the words'
+    positions), is the sum `checksum.row_sums` forms over the new m(ξ); a sample twice in a slab's slots too."""
+    interpret("""
+        import torch
+        from aqpipe.compress import fused
+        from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS, row_sums
+
+        torch.manual_seed(4)
+        shape = (3, 37, 136)  # 3 tiles of tokens (16, 16, 5) and 3 of channels (64, 64, 8) each
+        x, m = torch.randn(shape), (torch.randn(shape) * 0.5).half()
+        done = fused.delta_encode(x, m, None, 4, "signed", CHECKSUM_WEIGHTS, 1)
+        assert done.verdicts.tolist()[3:] == row_sums(done.m_new).tolist()
+        slab, slots = (torch.randn(5, 37, 136) * 0.5).half(), torch.tensor([4, 0, 4])
+        m_new, values, decoded = fused.delta_decode(done.payload[3:].view(3, -1), slab, slots, shape, 4, "signed",
+                                                    CHECKSUM_WEIGHTS)
+        assert decoded.tolist()[3:] == row_sums(m_new).tolist()
+        assert torch.equal(values, m_new.float())
+        print("checked")
+    """)
+
+
+@needs_triton
 def test_a_pipeline_through_the_fused_kernels_trains_bit_for_bit_as_through_the_torch_ops(tmp_path):
     """Two stages launched as a user launches them, AQ-SGD fw / DirectQ bw, three epochs of rtq:4 first sights then
     deltas: with every fused kernel on (the interpreter standing in for the GPU in each rank; AQ-SGD's delta step

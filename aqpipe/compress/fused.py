@@ -291,6 +291,7 @@ def _launch_codes(k, x3: torch.Tensor, m3: torch.Tensor | None, slots: torch.Ten
     offset, steps, top = _offset_steps(bits, grid)
     m_new, sums, norms, unstorable, multiplier, modulus, m_max = (
         delta if delta is not None else (x3, x3, x3, x3, 0, 1, 0.0))  # (unread)
+    row_w, col_w = weight_parts(t, c, (multiplier, modulus), x3.device) if delta is not None else (x3, x3)
     m_in = x3 if m3 is None else m3
     slot_of = m_in if slots is None else slots  # (unread without slots)
     k.scales_kernel[(b, -(-c // k.SCALE_C))](
@@ -299,7 +300,7 @@ def _launch_codes(k, x3: torch.Tensor, m3: torch.Tensor | None, slots: torch.Ten
         **k.OPTIONS)
     k.codes_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
         x3, m_in, slot_of, rows, scales, _levels(bits, grid, x3.device), x3 if coded is None else coded, m_new,
-        sums, norms, unstorable, t, c, rows.stride(0), float(offset), float(steps), float(top), multiplier,
+        sums, norms, unstorable, t, c, rows.stride(0), float(offset), float(steps), float(top), row_w, col_w,
         modulus, float(m_max), BITS=bits, VALUES=coded is not None, HAS_M=m3 is not None, SLOTS=slots is not None,
         IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, num_warps=k.WARPS["codes"], **k.OPTIONS)
 
@@ -319,18 +320,21 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
         raise ValueError(f"rows of shape {tuple(rows.shape)} cannot hold a {bits}-bit batch of shape {shape}")
     out = torch.empty(b, t, c, dtype=torch.float32, device=rows.device)
     if delta is None:
-        m3, slots, m_new, sums, (multiplier, modulus) = out, None, out, out, (0, 1)  # (unread)
+        m3, slots, m_new, sums, row_w, col_w, modulus = out, None, out, out, out, out, 1  # (unread)
     else:
-        m3, slots, (multiplier, modulus) = delta
+        m3, slots, checksum = delta
+        modulus = checksum[1]
         m_new = m3 if in_place else torch.empty(b, t, c, dtype=m3.dtype, device=rows.device)
         sums = torch.empty(b, _parts((b, t, c)), dtype=torch.int64, device=rows.device)
     if rows.device.type != "meta":  # (on the meta device: the outputs alone)
+        if delta is not None:
+            row_w, col_w = weight_parts(t, c, checksum, rows.device)
         k = _kernels()
         warps = k.WARPS["decode" if delta is None else "delta_decode"]
         try:
             k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
                 rows, _levels(bits, grid, rows.device), out, m3, m3 if slots is None else slots, m_new, sums, t, c,
-                rows.shape[1], multiplier, modulus, BITS=bits, HAS_M=delta is not None, SLOTS=slots is not None,
+                rows.shape[1], row_w, col_w, modulus, BITS=bits, HAS_M=delta is not None, SLOTS=slots is not None,
                 IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, num_warps=warps, **k.OPTIONS)
         except Exception as error:
             _give_up(error)
@@ -338,6 +342,22 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
     if delta is None:
         return (out.view(shape),)
     return m_new if in_place else m_new.view(shape), out.view(shape), sums
+
+
+@functools.cache
+def weight_parts(tokens: int, channels: int, checksum: tuple[int, int], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights of a [tokens, channels] value's words as two tables the fused kernels add: word (t, ch) at
+    position p = t · channels + ch weighs 1 + (p · multiplier) mod n = 1 + (r[t] + c[ch]) mod n, with r[t] =
+    (t · channels · multiplier) mod n and c[ch] = (ch · multiplier) mod n (`checksum`: (multiplier, n); int32 on
+    `device`, each below n) — one conditional subtraction a word and no 64-bit remainder, which a GPU forms in a
+    long instruction sequence. Cached for the process's life: a codec's CUDA graph reads the tables it was captured
+    with."""
+    multiplier, modulus = checksum
+    r = (torch.arange(tokens, dtype=torch.int64) * (channels * multiplier)) % modulus
+    c = (torch.arange(channels, dtype=torch.int64) * multiplier) % modulus
+    # (fresh host tensors: staged by the driver, the host does not wait for the GPU)
+    return r.to(torch.int32).to(device, non_blocking=True), c.to(torch.int32).to(device, non_blocking=True)
 
 
 def _give_up(error: Exception, in_place: bool = False) -> None:

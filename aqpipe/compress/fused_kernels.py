@@ -66,13 +66,13 @@ def scales_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.co
 
 @triton.jit
 def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, m_new_ptr, sums_ptr, norms_ptr,
-                 bad_ptr, T, C, W, offset, steps, top, multiplier, modulus, m_max, BITS: tl.constexpr,
+                 bad_ptr, T, C, W, offset, steps, top, row_w_ptr, col_w_ptr, modulus, m_max, BITS: tl.constexpr,
                  VALUES: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, IN_PLACE: tl.constexpr,
                  BT: tl.constexpr, BC: tl.constexpr):
     """One program per (sample, BT tokens, BC channels): each value's code, packed into the row after its scales;
     with VALUES the dequantized values; with HAS_M AQ-SGD's new m(ξ) (IN_PLACE: over the old, in m's own rows) and
-    the tile's checksum and norm parts, and how many of its new m(ξ) values the store cannot keep (beyond `m_max`,
-    the store dtype's largest, or NaN)."""
+    the tile's checksum and norm parts (its words' weights from `fused.weight_parts`' tables), and how many of its
+    new m(ξ) values the store cannot keep (beyond `m_max`, the store dtype's largest, or NaN)."""
     tiles_t = tl.cdiv(T, BT)
     sample = tl.program_id(0) // tiles_t
     tokens = (tl.program_id(0) % tiles_t) * BT + tl.arange(0, BT)
@@ -108,7 +108,7 @@ def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, table_ptr, values_ptr
             part = tl.program_id(0) % tiles_t * tl.num_programs(1) + tl.program_id(1)
             parts = tiles_t * tl.num_programs(1)
             tl.store(sums_ptr + sample * parts + part,
-                     checksum_part(new, tokens, cols, C, inside, multiplier, modulus))
+                     checksum_part(new, tokens, cols, T, C, inside, row_w_ptr, col_w_ptr, modulus))
             error = tl.where(inside, new.to(tl.float32) - m - v, 0.0)  # (what torch computes: m_new − m_old − change)
             norms = norms_ptr + sample * 3 * parts + part
             tl.store(norms, tl.sum(tl.sum(x * x, axis=1), axis=0))
@@ -127,25 +127,25 @@ def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, table_ptr, values_ptr
 
 
 @triton.jit
-def checksum_part(new, tokens, cols, C, inside, multiplier, modulus):
+def checksum_part(new, tokens, cols, T, C, inside, row_w_ptr, col_w_ptr, modulus):
     """The tile's share of its sample's checksum sum: each 16-bit word (sign-extended) times its position's weight
     1 + (position · multiplier) mod modulus, in int64 (exact: any order of the parts gives the same sum).
 
-    position = token · C + col, so (position · multiplier) mod n = (r(token) + c(col)) mod n with r = (token · C ·
-    multiplier) mod n and c = (col · multiplier) mod n, both below n: one 64-bit remainder per token and per channel
-    of the tile, not one per value (a GPU has no 64-bit divider: each is a long instruction sequence), and one
-    conditional subtraction per value. Each word times its weight is below 2^15 · 2^16, so it is formed in int32."""
-    row = (tokens.to(tl.int64) * C * multiplier) % modulus
-    col = (cols.to(tl.int64) * multiplier) % modulus
-    both = (row[:, None] + col[None, :]).to(tl.int32)  # (each below 2^16: the sum below 2^17)
+    position = token · C + col, so (position · multiplier) mod n = (r(token) + c(col)) mod n with r and c read from
+    `fused.weight_parts`' tables, both below n: no remainder formed here (a GPU has no divider: each 64-bit one
+    is a long instruction sequence, and each thread of a tile would form several), one conditional subtraction per
+    value. Each word times its weight is below 2^15 · 2^16, so it is formed in int32."""
+    row = tl.load(row_w_ptr + tokens, mask=tokens < T, other=0)
+    col = tl.load(col_w_ptr + cols, mask=cols < C, other=0)
+    both = row[:, None] + col[None, :]  # (int32, each below 2^16: the sum below 2^17)
     weight = 1 + tl.where(both >= modulus, both - modulus, both)
     word = new.to(tl.int16, bitcast=True).to(tl.int32)
     return tl.sum(tl.sum(tl.where(inside, word * weight, 0).to(tl.int64), axis=1), axis=0)
 
 
 @triton.jit
-def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sums_ptr, T, C, W, multiplier,
-                  modulus, BITS: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, IN_PLACE: tl.constexpr,
+def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sums_ptr, T, C, W, row_w_ptr,
+                  col_w_ptr, modulus, BITS: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, IN_PLACE: tl.constexpr,
                   BT: tl.constexpr, BC: tl.constexpr):
     """One program per (sample, BT tokens, BC channels): unpack the codes, level(code) · scale; with HAS_M the new
     m(ξ) = m + that (m's row `slots_ptr[sample]` of a slab with SLOTS), in m's dtype (IN_PLACE: over the old), its
@@ -181,7 +181,7 @@ def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sum
         values = new.to(tl.float32)
         part = tl.program_id(0) % tiles_t * tl.num_programs(1) + tl.program_id(1)
         tl.store(sums_ptr + sample * tiles_t * tl.num_programs(1) + part,
-                 checksum_part(new, tokens, cols, C, inside, multiplier, modulus))
+                 checksum_part(new, tokens, cols, T, C, inside, row_w_ptr, col_w_ptr, modulus))
     tl.store(out_ptr + at, values, mask=inside)
 
 
