@@ -165,13 +165,15 @@ class AQSGDCodec(LinkCodec):
         lend = self._borrows(raw.device)
         delta = [i for i, m in enumerate(modes) if m == MODE_DELTA]
         groups: dict[int, Candidates] = {}
-        queued = None
+        queued = squares = None
         if delta:
             payload, m_new, verdicts, norms, squares, lent = self._delta_encode(raw, floats, delta, id_list, lend)
             groups[MODE_DELTA] = Candidates(delta, m_new, verdicts, payload, lent)
             if len(delta) == b:  # (the steady state) its bytes' copy to the host queued before the verdicts' read, so
-                # the GPU copies while the host waits, and one wait covers both; wasted only where a row cannot go
+                # the GPU copies while the host waits, and one wait covers both — and the fidelity squares made its
+                # own, so that the host's call hides behind the device's work; wasted only where a row cannot go
                 queued = to_host(payload)
+                squares = squares.clone() if lent else squares
         if first := [i for i, m in enumerate(modes) if m == MODE_FIRST]:
             payload, seeds, verdicts = self._graphed("first-encode", self.steps.first_rows, rows_of(floats(), first),
                                                        borrow=lend)
@@ -184,7 +186,7 @@ class AQSGDCodec(LinkCodec):
             if only.values is not None:  # (else the kernels wrote m(ξ) in place)
                 self.view.scatter(id_list, only.values)
             check = fold_checksum(list(range(b)), only.sums) if self.check else 0
-            fidelity = DeltaFidelity(squares.clone() if only.lent else squares) if delta else None
+            fidelity = DeltaFidelity(squares) if squares is not None else None
             wire = only.payload if only.payload is not None else lossless_payload(tensor)
             return Encoded.of(wire, tuple(raw.shape), torch.uint8, queued, codec_check=check, flags=flags,
                               fidelity=fidelity)
