@@ -91,7 +91,7 @@ def delta_fusable(device: torch.device, shape: tuple[int, ...], dtype: torch.dty
         return False
     if switch != "1" and math.prod(shape) < DELTA_MIN_ELEMENTS:
         return False
-    if interpreted() and dtype == torch.bfloat16:  # (the interpreter truncates to bfloat16 where a GPU rounds)
+    if dtype == torch.bfloat16 and interpreted():  # (the interpreter truncates to bfloat16 where a GPU rounds)
         return False
     # (its outputs' shapes read the kernels' tiles: on the meta device too, the kernels must import)
     return fusable(device, shape, bits, per, grid) and (device.type != "meta" or _kernels() is not None)

@@ -75,7 +75,7 @@ class SlabStore:
         """The slab that holds m(ξ) of `ids` [N, *shape] and their slots in it (int64 [B] on the store's device, or
         `on_host`, for a caller that copies them on itself: a CUDA graph's buffer), for a kernel to read them in
         place: good until the next scatter, which may grow the slab (all must exist, with one shape)."""
-        keys = tuple((link, side, int(i)) for i in ids)
+        keys = tuple([(link, side, int(i)) for i in ids])  # (a list first: a generator's frames cost more)
         if not keys:
             raise ValueError(f"a gather of no samples on link {link} side {side}: its shape is unknown")
         places = [self._place(key) for key in keys]

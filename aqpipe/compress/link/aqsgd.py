@@ -129,6 +129,7 @@ class AQSGDCodec(LinkCodec):
             if part is not None and hasattr(part, "generator"):
                 part.generator = self._generator
         self.steps = RowSteps(self.delta, self.first_sight, view)  # each kind of row's arithmetic, in torch ops
+        self._sizes: dict[tuple[int, ...], dict[int, int]] = {}  # each mode's segment length, by message shape
         # this codec's CUDA graphs: named by a serial (its coders and store rule are fixed for its life), dropped
         # with it, and never made where a part rounds stochastically (a replay would repeat its random draws)
         self._graphs = f"aqsgd-{next(_serials)}"
@@ -223,14 +224,15 @@ class AQSGDCodec(LinkCodec):
         sums: list[int] = [0] * b
         late = []  # rows a coder could not carry, or whose coded m(ξ) could not be stored: sent losslessly
         for group in groups:
-            if group.segments is None:
+            coded = group.segments
+            if coded is None:
                 continue
             for j, i in enumerate(group.at):
                 if group.fits[j]:
-                    segments[i], new_m[i], sums[i] = group.segments[j], present(group.values)[j], group.sums[j]
+                    segments[i], new_m[i], sums[i] = coded[j], present(group.values)[j], group.sums[j]
                 else:
                     late.append(i)
-        lossless = [g for g in groups if g.segments is None]
+        lossless = [g for g in groups if g.payload is None]
         if late:
             lossless.append(self._lossless(sorted(late), x).owned())
             Candidates.read_all(lossless[-1:])
@@ -347,12 +349,16 @@ class AQSGDCodec(LinkCodec):
         return [i for i, held in zip(ids, self.view.present(ids)) if not held]
 
     def _segment_bytes(self, shape: tuple[int, ...]) -> dict[int, int]:
-        """Each mode's segment length for a message of `shape`."""
-        n = numel(shape[1:])
-        sizes = {mode: n * dtype.itemsize for mode, dtype in MODE_DTYPES.items()}
-        sizes[MODE_DELTA] = self.delta.sample_bytes(shape)
-        if self.first_sight is not None:
-            sizes[MODE_FIRST] = self.first_sight.sample_bytes(shape)
+        """Each mode's segment length for a message of `shape` (kept per shape: a link has a few; read, not
+        written, by the callers)."""
+        sizes = self._sizes.get(shape)
+        if sizes is None:
+            n = numel(shape[1:])
+            sizes = {mode: n * dtype.itemsize for mode, dtype in MODE_DTYPES.items()}
+            sizes[MODE_DELTA] = self.delta.sample_bytes(shape)
+            if self.first_sight is not None:
+                sizes[MODE_FIRST] = self.first_sight.sample_bytes(shape)
+            self._sizes[shape] = sizes
         return sizes
 
     def _payload_problem(self, header) -> str | None:

@@ -104,10 +104,15 @@ class Candidates:
     def __init__(self, at: list[int], values: torch.Tensor | None, verdicts: torch.Tensor,
                  payload: torch.Tensor | None = None, lent: bool = False) -> None:
         self.at, self.values, self.verdicts, self.payload, self.lent = at, values, verdicts, payload, lent
-        n = len(at)
-        self.segments = None if payload is None else payload[n:].view(n, -1)
         self.fits: list[bool] = []
         self.sums: list[int] = []
+
+    @property
+    def segments(self) -> torch.Tensor | None:
+        """Each row's coded segment [n, segment bytes] (None: lossless) — a view, made only where a message mixes
+        kinds of rows (two tensor calls a message saved in the steady state)."""
+        n = len(self.at)
+        return None if self.payload is None else self.payload[n:].view(n, -1)
 
     def owned(self) -> Candidates:
         """These rows with values of their own (copies of a graph's buffers, which its next replay writes), for a
