@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import gc
 import itertools
 import json
@@ -44,7 +45,9 @@ def steady_pairs(pairs: int, shape: tuple[int, ...], profile: str | None) -> dic
     import torch
 
     from aqpipe.compress import fused
+    from aqpipe.compress.link.aqsgd import refuse_divergence
     from aqpipe.compress.link.codecs import QuantOptions, build_codec
+    from aqpipe.compress.link.late_checks import LateChecks
     from aqpipe.pipeline.transport import Header
     from aqpipe.storage import StoreView
     from aqpipe.storage.slab import SlabStore
@@ -78,6 +81,8 @@ def steady_pairs(pairs: int, shape: tuple[int, ...], profile: str | None) -> dic
     host = torch.device("cpu")
     ends = [build_codec("aqsgd:3", "fw", StoreView(SlabStore(torch.float16, host), 0, side), QuantOptions(),
                         device=host) for side in ("send", "recv")]
+    # a GPU receiver's checksum checks, made once their sums arrive (here at once: host sums arrive as made)
+    ends[1].late_checks = LateChecks(functools.partial(refuse_divergence, 0))
     x = torch.randn(shape)
     batches = itertools.cycle([torch.arange(shape[0]) + shape[0] * k for k in range(4)])
 

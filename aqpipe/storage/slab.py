@@ -75,17 +75,17 @@ class SlabStore:
         """The slab that holds m(ξ) of `ids` [N, *shape] and their slots in it (int64 [B] on the store's device, or
         `on_host`, for a caller that copies them on itself: a CUDA graph's buffer), for a kernel to read them in
         place: good until the next scatter, which may grow the slab (all must exist, with one shape)."""
-        keys = tuple([(link, side, int(i)) for i in ids])  # (a list first: a generator's frames cost more)
+        keys = tuple([(link, side, int(i)) for i in ids])  # (lists, not generators: on a GPU's hot path)
         if not keys:
             raise ValueError(f"a gather of no samples on link {link} side {side}: its shape is unknown")
         places = [self._place(key) for key in keys]
-        slab_keys = {slab_key for slab_key, _ in places}
-        if len(slab_keys) != 1:
+        slab_key = places[0][0]
+        if any(place[0] != slab_key for place in places):
             raise ValueError(f"the m(xi) of samples {list(ids)} on link {link} side {side} have different shapes: "
-                             f"{sorted(shape for _, _, shape in slab_keys)}")
+                             f"{sorted({shape for (_, _, shape), _ in places})}")
         slots = [slot for _, slot in places]
         index = torch.tensor(slots, dtype=torch.int64) if on_host else self._slots_on_device(keys, slots)
-        return self._slabs[slab_keys.pop()].rows, index
+        return self._slabs[slab_key].rows, index
 
     def scatter(self, link: int, side: str, ids: Sequence[int], values: torch.Tensor) -> None:
         """Replace m(ξ) of `ids` with the rows of `values` [B, *shape] (in the store's dtype) in one scatter; the
