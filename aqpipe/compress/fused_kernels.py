@@ -116,8 +116,14 @@ def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, table_ptr, values_ptr
             tl.store(norms + 2 * parts, tl.sum(tl.sum(error * error, axis=1), axis=0))
             unstorable = inside & ~(tl.abs(new.to(tl.float32)) <= m_max)  # (a NaN fails the comparison)
             tl.store(bad_ptr + sample * parts + part, tl.sum(tl.sum(unstorable.to(tl.int32), axis=1), axis=0))
-    shift = (tl.arange(0, 8) * BITS).to(tl.int64)
-    word = tl.sum(tl.reshape(code.to(tl.int64), (BT, BC // 8, 8)) << shift[None, None, :], axis=2)
+    # a group's 8 codes as one word: 32 bits hold up to 4-bit codes (half the registers and shuffles of 64-bit
+    # words, and no 64-bit shifts), 64 bits the wider ones
+    if BITS <= 4:
+        shift = (tl.arange(0, 8) * BITS).to(tl.uint32)
+        word = tl.sum(tl.reshape(code.to(tl.uint32), (BT, BC // 8, 8)) << shift[None, None, :], axis=2)
+    else:
+        shift = (tl.arange(0, 8) * BITS).to(tl.int64)
+        word = tl.sum(tl.reshape(code.to(tl.int64), (BT, BC // 8, 8)) << shift[None, None, :], axis=2)
     groups = tl.program_id(1) * (BC // 8) + tl.arange(0, BC // 8)
     stored = (tokens[:, None] < T) & (groups[None, :] < C // 8)
     out = (rows_ptr + sample.to(tl.int64) * W + 2 * C + tokens[:, None].to(tl.int64) * (C // 8 * BITS)
