@@ -4,11 +4,11 @@ In the steady state of a GPU run — m(ξ) a slab's rows on the GPU (`--store-de
 samples, the kernels proven in the process so they write m(ξ) in place — each end replays its step from one CUDA
 graph (`aqpipe.compress.cuda_graphs`, the slab held where it lies): the kernels' launches, their buffers'
 allocations and the mode bytes' fill become one replay, for a copy of the step's inputs into the graph (the
-activation, or the received rows, and the slots) and, at the receiver, of the decoded activation out. On an H100 a
-message's time at SmolLM2's 8 × 1024 × 576 was its host's calls, a quarter of them Triton's launcher, against
-~215 µs of device time a pair (benchmarks/README.md). Elsewhere — m(ξ) in host RAM or per-sample tensors, a sample
-twice in a batch, the first messages — the kernels are launched one by one, as the graph replays them: the bits
-are the same either way.
+activation, or the received rows; the slots straight from the host, where the store's index made them) and, at the
+receiver, of the decoded activation out. On an H100 a message's time at SmolLM2's 8 × 1024 × 576 was its host's
+calls, a quarter of them Triton's launcher, against ~215 µs of device time a pair (benchmarks/README.md).
+Elsewhere — m(ξ) in host RAM or per-sample tensors, a sample twice in a batch, the first messages — the kernels are
+launched one by one, as the graph replays them: the bits are the same either way.
 """
 
 from __future__ import annotations
