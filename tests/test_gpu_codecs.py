@@ -253,7 +253,7 @@ def test_a_real_graph_writes_a_held_tensor_once_a_call_where_it_lies():
 
 @needs_cuda
 def test_a_real_graph_fed_from_the_host_gives_what_device_inputs_give():
-    """Host tensors given beside GPU tensors (rows in pinned memory, a slab's slots in pageable memory, as AQ-SGD's
+    """Host tensors given beside GPU tensors (rows in pinned memory; a slab's slots in pageable memory, as AQ-SGD's
     fused step feeds them) are copied straight into the graph's buffers: every replay computes on the values given
     at its call, as op by op on the GPU, and the host may write a pageable tensor again at once."""
     from aqpipe.compress import cuda_graphs

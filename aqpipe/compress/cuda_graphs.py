@@ -75,16 +75,19 @@ def enabled() -> bool:
 
 def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.Tensor, borrow: bool = False,
             held: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, ...]:
-    """`fn(*tensors)`, replayed from a CUDA graph where the tensors are on one GPU and this signature (key, each
-    tensor's shape, strides, dtype and device, the current stream) has run before; `key` names `fn` and every
+    """`fn(*tensors)`, replayed from a CUDA graph where the tensors are on one GPU (some may be on the host beside
+    them: fed, see below) and this signature (key, each tensor's shape, strides, dtype and device, the current
+    stream) has run before; `key` names `fn` and every
     non-tensor value it depends on. Every tensor `fn` reads besides its arguments (a level table) must live as long
     as the process, or as long as the graphs of its key (`forget`): a graph reads it where it was at capture.
 
-    A tensor given on the host, beside tensors on a GPU, is fed: copied straight into the graph's buffer, without
-    the host waiting (pinned memory must then not be written until the copy is done), rather than moved to the GPU
-    by the caller and copied again — a copy and an allocation saved (AQ-SGD's slots). Run op by op, `fn` gets it
-    moved to the GPU. (Worth it for what the host makes just before the call: a large input that could have been on
-    its way meanwhile — a received message's rows — is better sent to the GPU as early as it can be.)
+    A tensor given on the host, beside tensors on a GPU, is fed: copied straight into the graph's buffer, rather
+    than moved to the GPU by the caller and copied again — a copy and an allocation saved (AQ-SGD's slots). The host
+    does not wait for the GPU: pageable memory is staged by the driver before the call returns (it may be written at
+    once), pinned memory is read later (it must not be written until the copy is done). Run op by op, `fn` gets it
+    moved to the GPU. Not inside another graph's capture, where a copy from the host cannot be captured. (Worth it
+    for what the host makes just before the call: a large input that could have been on its way meanwhile — a
+    received message's rows — is better sent to the GPU as early as it can be.)
 
     With `borrow`, a replay returns the graph's own output buffers, not copies: the caller must have queued every use
     of them on the current stream (a copy, a scatter, a read) before it calls this signature again, whose replay
@@ -126,7 +129,7 @@ def _device_of(tensors: tuple[torch.Tensor, ...]) -> torch.device:
 
 
 def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
-    """`t` on `device`: moved there, without the host waiting, where it was fed from the host."""
+    """`t` on `device`: moved there where it was fed from the host (as `graphed` says, the host does not wait)."""
     return t if t.device == device else t.to(device, non_blocking=True)
 
 

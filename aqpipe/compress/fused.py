@@ -327,11 +327,11 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
         m_new = m3 if in_place else torch.empty(b, t, c, dtype=m3.dtype, device=rows.device)
         sums = torch.empty(b, _parts((b, t, c)), dtype=torch.int64, device=rows.device)
     if rows.device.type != "meta":  # (on the meta device: the outputs alone)
-        if delta is not None:
-            row_w, col_w = weight_parts(t, c, checksum, rows.device)
         k = _kernels()
         warps = k.WARPS["decode" if delta is None else "delta_decode"]
         try:
+            if delta is not None:
+                row_w, col_w = weight_parts(t, c, checksum, rows.device)
             k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
                 rows, _levels(bits, grid, rows.device), out, m3, m3 if slots is None else slots, m_new, sums, t, c,
                 rows.shape[1], row_w, col_w, modulus, BITS=bits, HAS_M=delta is not None, SLOTS=slots is not None,

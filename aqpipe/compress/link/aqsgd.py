@@ -308,8 +308,8 @@ class AQSGDCodec(LinkCodec):
 
     def _rows_of(self, ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Where m(ξ) of `ids` is, for the fused kernels to read in place: a slab on `device` and their slots in it
-        (int64 [B] on the host: fed to the step's graph as they are, with no copy of their own to the GPU), or, from
-        any other store, the values gathered (`_recall`) and None."""
+        (int64 [B] on the host: a replayed step's graph is fed them as they are, kernels launched one by one get them
+        moved to the GPU), or, from any other store, the values gathered (`_recall`) and None."""
         rows = self.view.rows(ids, on_host=True)
         if rows is not None and rows[0].device == device:
             return rows

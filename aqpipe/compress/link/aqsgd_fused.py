@@ -25,6 +25,7 @@ from aqpipe.compress.cuda_graphs import graphed
 from aqpipe.compress.graph_memory import GraphCall, stand_in
 from aqpipe.compress.link.aqsgd_rows import MODE_DELTA
 from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS
+from aqpipe.compress.link.codecs import to_device
 from aqpipe.compress.link.sample_coders import QuantCoder, SampleCoder
 
 Step = Callable[..., tuple[torch.Tensor, ...]]
@@ -52,8 +53,9 @@ class FusedDelta:
         if slots is not None and self._replays(slots, ids, "encode", m.device):
             done = self._graphed("encode", encode_in_place, x, slots, m, lend)
             return None if done is None else (done[0], None, *done[1:], lend)
-        coded = fused.delta_encode(x, m, _slots_on(m.device, slots), self.bits, self.grid, CHECKSUM_WEIGHTS,
-                                   MODE_DELTA, in_place=writable(slots, ids))
+        at = None if slots is None else to_device(slots, m.device)  # (launched one by one: the slots on the slab's GPU)
+        coded = fused.delta_encode(x, m, at, self.bits, self.grid, CHECKSUM_WEIGHTS, MODE_DELTA,
+                                   in_place=writable(slots, ids))
         if coded is None:
             return None
         return coded.payload, coded.m_new, coded.verdicts, coded.norms, coded.squares, False
@@ -66,8 +68,9 @@ class FusedDelta:
         if slots is not None and self._replays(slots, ids, "decode", m.device):
             done = self._graphed("decode", decode_in_place, rows, slots, m, lend)
             return None if done is None else (None, *done, lend)
-        decoded = fused.delta_decode(rows, m, _slots_on(m.device, slots), batch, self.bits, self.grid,
-                                     CHECKSUM_WEIGHTS, in_place=writable(slots, ids))
+        at = None if slots is None else to_device(slots, m.device)
+        decoded = fused.delta_decode(rows, m, at, batch, self.bits, self.grid, CHECKSUM_WEIGHTS,
+                                     in_place=writable(slots, ids))
         return None if decoded is None else (*decoded, False)
 
     def graph_calls(self, shape: tuple[int, ...], m_dtype: torch.dtype, sending: bool) -> list[GraphCall]:
@@ -115,12 +118,6 @@ def fused_delta(delta: SampleCoder, device: torch.device, shape: tuple[int, ...]
     if not fused.delta_fusable(device, shape, m_dtype, delta.bits, options.per, options.grid):
         return None
     return FusedDelta(delta.bits, options.grid, graphs)
-
-
-def _slots_on(device: torch.device, slots: torch.Tensor | None) -> torch.Tensor | None:
-    """A slab's `slots` on its `device`, for kernels launched one by one (from the host: moved without the host
-    waiting); None stays None."""
-    return slots if slots is None or slots.device == device else slots.to(device, non_blocking=True)
 
 
 def writable(slots: torch.Tensor | None, ids: list[int]) -> bool:
