@@ -1,0 +1,95 @@
+"""AQ-SGD's message time, this tree against a baseline, on one machine in alternating rounds: what a change to the
+codec's GPU path bought, measured as `codec_profile.py` measures it (a sender and a receiver of one link, pair by
+pair: encode, decode, both ends together, the device's busy time), each round a fresh process per tree.
+
+On a lent GPU machine git may not know the commits (its copy of the checkout is not a clone), so the baseline can be
+a directory: made here, git-ignored under `.ab/`, and carried with the checkout.
+
+    git archive 19b02cc --prefix=base/ | tar -x -C .ab            # (mkdir -p .ab first) a baseline tree to carry
+    python benchmarks/codec_ab.py --baseline .ab/base --device cuda --rounds 3
+    python benchmarks/codec_ab.py --baseline HEAD~2 --shapes 4,16,64 --pairs 5   # on a host, for the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MEASURES = ("encode_us", "decode_us", "device_busy_us_per_pair")
+
+
+def baseline_tree(baseline: str, scratch: Path) -> tuple[Path, bool]:
+    """The baseline's tree: `baseline` itself where it is a directory, else a git worktree of that revision made
+    under `scratch` (and whether it was made, to be removed)."""
+    if Path(baseline).is_dir():
+        return Path(baseline).resolve(), False
+    tree = scratch / "baseline"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), baseline], check=True)
+    return tree, True
+
+
+def profile(tree: Path, out: Path, args: argparse.Namespace) -> list[dict]:
+    """`codec_profile.py` of `tree`, run from that tree with its own aqpipe first on the path: its rows."""
+    command = [sys.executable, "benchmarks/codec_profile.py", "--codec", args.codec, "--device", args.device,
+               "--pairs", str(args.pairs), "--out", str(out), "--shapes", *args.shapes]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    subprocess.run(command, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.with_suffix(".json").read_text())["rows"]
+
+
+def summary(rounds: list[list[dict]]) -> list[dict]:
+    """Per shape, the median of each measure over the rounds, and both ends together in MB/s of input."""
+    rows = []
+    for at, first in enumerate(rounds[0]):
+        row: dict = {"shape": first["shape"]}
+        for measure in MEASURES:
+            values = [r[at][measure] for r in rounds if r[at].get(measure) is not None]
+            row[measure] = statistics.median(values) if values else None
+        row["round_trip_MBps"] = statistics.median(r[at]["round_trip_MBps"] for r in rounds)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", required=True, help="a directory holding the baseline's tree, or a git revision")
+    parser.add_argument("--codec", default="aqsgd:3")
+    parser.add_argument("--shapes", nargs="+", default=["8,1024,576"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--pairs", type=int, default=21)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results/codec_ab.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        base, made = baseline_tree(args.baseline, Path(scratch))
+        trees = {args.baseline: base, "this tree": ROOT}
+        try:
+            runs: dict[str, list[list[dict]]] = {name: [] for name in trees}
+            for k in range(args.rounds):
+                for i, (name, tree) in enumerate(trees.items()):
+                    runs[name].append(profile(tree, Path(scratch) / f"profile-{i}-{k}", args))
+        finally:
+            if made:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+    results = {name: summary(rounds) for name, rounds in runs.items()}
+    for name, rows in results.items():
+        for row in rows:
+            busy = row["device_busy_us_per_pair"]
+            print(f"{name:>12} {tuple(row['shape'])}: encode {row['encode_us']:6.0f} µs  decode {row['decode_us']:6.0f} "
+                  f"µs  both ends {row['round_trip_MBps'] / 1e3:6.1f} GB/s"
+                  + ("" if busy is None else f"  device busy {busy:.0f} µs a pair"), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"baseline": args.baseline, "device": args.device, "codec": args.codec,
+                               "rounds": args.rounds, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
