@@ -77,9 +77,9 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
             held: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, ...]:
     """`fn(*tensors)`, replayed from a CUDA graph where the tensors are on one GPU (some may be on the host beside
     them: fed, see below) and this signature (key, each tensor's shape, strides, dtype and device, the current
-    stream) has run before; `key` names `fn` and every
-    non-tensor value it depends on. Every tensor `fn` reads besides its arguments (a level table) must live as long
-    as the process, or as long as the graphs of its key (`forget`): a graph reads it where it was at capture.
+    stream) has run before; `key` names `fn` and every non-tensor value it depends on. Every tensor `fn` reads
+    besides its arguments (a level table) must live as long as the process, or as long as the graphs of its key
+    (`forget`): a graph reads it where it was at capture.
 
     A tensor given on the host, beside tensors on a GPU, is fed: copied straight into the graph's buffer, rather
     than moved to the GPU by the caller and copied again — a copy and an allocation saved (AQ-SGD's slots). The host
