@@ -170,9 +170,11 @@ class AQSGDCodec(LinkCodec):
         if delta:
             payload, m_new, verdicts, norms, squares, lent = self._delta_encode(raw, floats, delta, id_list, lend)
             groups[MODE_DELTA] = Candidates(delta, m_new, verdicts, payload, lent)
-            if len(delta) == b:  # (the steady state) its bytes' copy to the host queued before the verdicts' read, so
-                # the GPU copies while the host waits, and one wait covers both — and the fidelity squares made its
-                # own, so that the host's call hides behind the device's work; wasted only where a row cannot go
+            if len(delta) == b:  # (the steady state) the verdicts' copy to the host queued, then the bytes' — which
+                # goes on while the host, waiting for the verdicts alone, reads them and builds the message — and the
+                # fidelity squares made its own, that call's host time hidden behind the device's work; wasted only
+                # where a row cannot go
+                groups[MODE_DELTA].fetch()
                 queued = to_host(payload)
                 squares = squares.clone() if lent else squares
         if first := [i for i, m in enumerate(modes) if m == MODE_FIRST]:

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from aqpipe.compress.link.codecs import CodecError, DeltaFidelity, to_device
+from aqpipe.compress.link.codecs import CodecError, DeltaFidelity, Landing, to_device, to_host
 
 # A sample's mode byte: what its segment holds.
 MODE_FULL, MODE_DELTA, MODE_FIRST, MODE_FULL_BF16, MODE_FULL_FP16 = 0, 1, 2, 3, 4
@@ -104,8 +104,15 @@ class Candidates:
     def __init__(self, at: list[int], values: torch.Tensor | None, verdicts: torch.Tensor,
                  payload: torch.Tensor | None = None, lent: bool = False) -> None:
         self.at, self.values, self.verdicts, self.payload, self.lent = at, values, verdicts, payload, lent
+        self.arrival: Landing | None = None  # marks the verdicts' copy to the host, where `fetch` queued one
         self.fits: list[bool] = []
         self.sums: list[int] = []
+
+    def fetch(self) -> None:
+        """Queue the verdicts' copy to the host now (from a GPU: into pinned memory, without waiting), so that
+        `read_all` waits for that copy alone and not for what is queued after it: a message's bytes on their way to
+        the host, whose copy then goes on while the host reads the verdicts and builds the message."""
+        self.verdicts, self.arrival = to_host(self.verdicts)
 
     @property
     def segments(self) -> torch.Tensor | None:
@@ -123,10 +130,18 @@ class Candidates:
 
     @staticmethod
     def read_all(groups: list[Candidates]) -> None:
-        """Read every group's verdicts from the device at once, and fill each group's `fits` and `sums`."""
+        """Read every group's verdicts from the device at once (or, where `fetch` queued their copy, once it has
+        arrived), and fill each group's `fits` and `sums`."""
         if not groups:
             return
-        numbers = (groups[0].verdicts if len(groups) == 1 else torch.cat([g.verdicts for g in groups])).tolist()
+        if len(groups) > 1 and all(g.arrival is None for g in groups):
+            numbers = torch.cat([g.verdicts for g in groups]).tolist()
+        else:
+            numbers = []
+            for g in groups:
+                if g.arrival is not None:
+                    g.arrival.synchronize()
+                numbers += g.verdicts.tolist()
         start = 0
         for g in groups:
             n = len(g.at)
