@@ -2,6 +2,7 @@
 stand-in capture (the GPU tests replay real CUDA graphs and compare their bits with op by op)."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -285,14 +286,18 @@ def test_aqsgd_uses_lent_graph_outputs_before_its_next_replay_or_keeps_copies(st
     message after message (each new m(ξ) one row, which a per-sample store would keep as it is), then steady deltas,
     then new samples alone, then new samples of which one must go losslessly (and is kept, in bf16): payloads,
     activations, fidelity sums and both copies of m(ξ) as op by op (where nothing is lent)."""
-    from aqpipe.compress.link import aqsgd, codecs
+    from aqpipe.compress.link import aqsgd, aqsgd_rows, codecs
     from aqpipe.compress.link.codecs import QuantOptions, build_codec
     from aqpipe.storage import MemoryStore, SlabStore, StoreView
 
     # a GPU's payload crosses to the host in a copy: the stand-in's host "device" must copy too (where a message's
-    # copy is queued: a steady-state AQ-SGD message's before its verdicts are read, any other's after)
+    # copy is queued: a steady-state AQ-SGD message's before its verdicts are read, any other's after), and a steady
+    # message's verdicts in a copy of their own, queued before the payload's and waited for when read
     for module in (codecs, aqsgd):
-        monkeypatch.setattr(module, "to_host", lambda payload: (payload.clone(), None))
+        monkeypatch.setattr(module, "to_host", lambda payload, spin=False: (payload.clone(), None))
+    waits = []
+    landing = SimpleNamespace(device=torch.device("cpu"), synchronize=lambda: waits.append(1))
+    monkeypatch.setattr(aqsgd_rows, "to_host", lambda verdicts, spin=False: (verdicts.clone(), landing))
     generator = torch.Generator().manual_seed(0)
     visits = ([[0, 1]] + [[k, k + 2] for k in range(1, 6)] + [[k] for k in (2, 3, 4, 5)] + [[9], [10], [11]]
               + [[12, 13], [14, 15], [16, 17]])  # (the second sample of the last three: too large for fp16)
@@ -318,6 +323,7 @@ def test_aqsgd_uses_lent_graph_outputs_before_its_next_replay_or_keeps_copies(st
     monkeypatch.delenv(cuda_graphs.SWITCH)
     got = run()
     assert any(graph.replays > 2 for graph in stand_in)  # (the outputs were lent, message after message)
+    assert waits  # (steady messages' verdicts were read from their own copies)
     for (payload, check, out, fidelity), (want_payload, want_check, want_out, want_fidelity) in zip(got[0],
                                                                                                   expected[0]):
         assert torch.equal(payload, want_payload) and check == want_check and torch.equal(out, want_out)

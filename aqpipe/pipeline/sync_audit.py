@@ -5,9 +5,9 @@ environment, a rank on a GPU runs each training step from the third on (the firs
 warm the allocator) under `torch.cuda.set_sync_debug_mode("warn")` and prints one line per step to its log —
 ``cuda sync audit: step N: K synchronizing calls`` — followed by one line per place in aqpipe that made them, most
 frequent first. The GPU checks (`benchmarks/gpu_check.sh`, `tests/test_gpu.py`) read those lines. torch counts a
-stream's or the device's synchronize and a copy that waits, not a wait on a CUDA event: the waits aqpipe makes on
-purpose on an event — an AQ-SGD sender's for its verdicts' copy (`aqsgd_rows.Candidates.fetch`), a link's outbox
-thread's for a message's bytes — are not among them.
+stream's or the device's synchronize and a copy that waits, not a wait on a CUDA event: an AQ-SGD sender's wait
+for its verdicts' copy (`aqsgd_rows.Candidates.read_all`) reports itself as torch would; a link's outbox thread's
+for a message's bytes, off the compute thread, is not counted.
 """
 
 from __future__ import annotations

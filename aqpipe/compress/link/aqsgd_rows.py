@@ -3,6 +3,7 @@ its way, its checksum sum), payloads, m(ξ) kept per sample, and the deltas' fid
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -112,7 +113,7 @@ class Candidates:
         """Queue the verdicts' copy to the host now (from a GPU: into pinned memory, without waiting), so that
         `read_all` waits for that copy alone and not for what is queued after it: a message's bytes on their way to
         the host, whose copy then goes on while the host reads the verdicts and builds the message."""
-        self.verdicts, self.arrival = to_host(self.verdicts)
+        self.verdicts, self.arrival = to_host(self.verdicts, spin=True)
 
     @property
     def segments(self) -> torch.Tensor | None:
@@ -140,7 +141,7 @@ class Candidates:
             numbers = []
             for g in groups:
                 if g.arrival is not None:
-                    g.arrival.synchronize()
+                    _wait_for(g.arrival)
                 numbers += g.verdicts.tolist()
         start = 0
         for g in groups:
@@ -148,6 +149,19 @@ class Candidates:
             g.fits = [bool(v) for v in numbers[start:start + n]]
             g.sums = numbers[start + n:start + 2 * n]
             start += 2 * n
+
+
+def _wait_for(arrival: Landing) -> None:
+    """Wait for a copy's arrival on the host, reported as torch's sync debug mode reports the waits it counts (a
+    stream's, not an event's): the sync audit and `set_sync_debug_mode` see this wait as they saw the device read
+    it replaced."""
+    if arrival.device.type == "cuda":
+        mode = torch.cuda.get_sync_debug_mode()
+        if mode == 2:
+            raise RuntimeError("called a synchronizing CUDA operation")
+        if mode == 1:
+            warnings.warn("called a synchronizing CUDA operation (a wait for a copy's event)", stacklevel=2)
+    arrival.synchronize()
 
 
 def keep(view: SampleMemory, ids: list[int], values: list[torch.Tensor | None]) -> list[int]:

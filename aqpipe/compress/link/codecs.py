@@ -37,16 +37,18 @@ LOSSLESS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HOST = torch.device("cpu")
 
 
-def to_host(payload: torch.Tensor) -> tuple[torch.Tensor, Landing | None]:
+def to_host(payload: torch.Tensor, spin: bool = False) -> tuple[torch.Tensor, Landing | None]:
     """A message's encoded bytes on their way to the host, where the socket reads them, and what marks their arrival
     (None: host bytes, ready as they are). The one device-to-host copy a message makes goes into
     pinned memory without waiting (a DMA queued behind the encode), so the compute thread never waits for the GPU:
-    whoever reads the bytes waits on the event first (the outbox thread; `Encoded.payload`)."""
+    whoever reads the bytes waits on the event first (the outbox thread; `Encoded.payload`). A thread that waits
+    sleeps (a link's thread, for a message's bytes) or, with `spin`, spins: the compute thread, waiting for a few
+    numbers it needs at once, is not put to sleep and woken (tens of µs) on a step's critical path."""
     if payload.device.type == "cpu":
         return payload, None
     host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
     host.copy_(payload, non_blocking=True)  # queued on the payload's device's current stream
-    event = torch.cuda.Event(blocking=True)  # a waiting thread sleeps rather than spins
+    event = torch.cuda.Event(blocking=not spin)
     event.record(torch.cuda.current_stream(payload.device))
     return host, Landing(event, payload.device)
 
