@@ -19,20 +19,28 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURES = ("encode_us", "decode_us", "device_busy_us_per_pair")
 
 
-def baseline_tree(baseline: str, scratch: Path) -> tuple[Path, bool]:
-    """The baseline's tree: `baseline` itself where it is a directory, else a git worktree of that revision made
-    under `scratch` (and whether it was made, to be removed)."""
-    if Path(baseline).is_dir():
-        return Path(baseline).resolve(), False
-    tree = scratch / "baseline"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), baseline], check=True)
-    return tree, True
+@contextmanager
+def compared_trees(baseline: str | None) -> Iterator[dict[str, Path]]:
+    """The trees to time, by name, baseline first: `baseline` itself where it is a directory, else a git worktree
+    of that revision (removed afterwards); then this tree. Without a baseline, this tree alone."""
+    if baseline is None or Path(baseline).is_dir():
+        yield ({baseline: Path(baseline).resolve()} if baseline else {}) | {"this tree": ROOT}
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        tree = Path(scratch) / "baseline"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), baseline], check=True)
+        try:
+            yield {baseline: tree, "this tree": ROOT}
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
 
 
 def profile(tree: Path, out: Path, args: argparse.Namespace) -> list[dict]:
@@ -67,17 +75,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/codec_ab.json")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch:
-        base, made = baseline_tree(args.baseline, Path(scratch))
-        trees = {args.baseline: base, "this tree": ROOT}
-        try:
-            runs: dict[str, list[list[dict]]] = {name: [] for name in trees}
-            for k in range(args.rounds):
-                for i, (name, tree) in enumerate(trees.items()):
-                    runs[name].append(profile(tree, Path(scratch) / f"profile-{i}-{k}", args))
-        finally:
-            if made:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+    with compared_trees(args.baseline) as trees, tempfile.TemporaryDirectory() as scratch:
+        runs: dict[str, list[list[dict]]] = {name: [] for name in trees}
+        for k in range(args.rounds):
+            for i, (name, tree) in enumerate(trees.items()):
+                runs[name].append(profile(tree, Path(scratch) / f"profile-{i}-{k}", args))
     results = {name: summary(rounds) for name, rounds in runs.items()}
     for name, rows in results.items():
         for row in rows:

@@ -30,7 +30,6 @@ import pstats
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -131,28 +130,21 @@ def main() -> None:
     parser.add_argument("--shape", default="8,16,64", help="a micro-batch's activation (small: the Python alone)")
     parser.add_argument("--pairs", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--baseline", help="a git revision to compare with, its rounds alternating with this tree's")
+    parser.add_argument("--baseline", help="a git revision (or a directory holding a tree) to compare with, its rounds "
+                        "alternating with this tree's")
     parser.add_argument("--profile", choices=("tottime", "cumulative", "ncalls"), help="print a cProfile table")
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))  # (in this process only: a tree's run imports that tree's aqpipe)
+    from benchmarks.codec_ab import compared_trees
+
     if args.profile:
-        sys.path.insert(0, str(ROOT))
         steady_pairs(args.pairs, tuple(int(d) for d in args.shape.split(",")), args.profile)
         return
-    trees = {"this tree": ROOT}
-    with tempfile.TemporaryDirectory() as scratch:
-        if args.baseline:
-            base = Path(scratch) / "baseline"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base), args.baseline],
-                           check=True)
-            trees = {args.baseline: base, **trees}
-        try:
-            times: dict[str, list[dict]] = {name: [] for name in trees}
-            for _ in range(args.rounds):
-                for name, tree in trees.items():
-                    times[name].append(run_tree(tree, args.pairs, args.shape))
-        finally:
-            if args.baseline:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+    with compared_trees(args.baseline) as trees:
+        times: dict[str, list[dict]] = {name: [] for name in trees}
+        for _ in range(args.rounds):
+            for name, tree in trees.items():
+                times[name].append(run_tree(tree, args.pairs, args.shape))
     for name, rows in times.items():
         encode = statistics.median(r["encode_us"] for r in rows)
         decode = statistics.median(r["decode_us"] for r in rows)
