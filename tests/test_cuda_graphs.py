@@ -427,3 +427,38 @@ def test_past_the_limit_a_moved_slab_still_replaces_its_graph_and_held_calls_cop
         graphed("step", bump, y, held=(other,))
     assert len(stand_in) == 2 and torch.equal(other, torch.full((3, 2, 4), 3.0))
     assert given[0] != y.data_ptr() and given[1:] == [y.data_ptr()] * 2
+
+
+def test_an_addressed_tensor_is_reached_where_it_lies_at_each_call_and_moving_it_captures_nothing_new(stand_in):
+    """`addressed` tensors (AQ-SGD's activation, or the place its decoded activation goes) are given to `fn` as they
+    are, never copied into a buffer of the graph's, and not named by their address: a call on a tensor elsewhere
+    replays the same graph, which reaches it through the address fed among its inputs (a registry stands in for
+    memory here; the fused kernels move their pointer). Their layouts name the graph, and so does whether each
+    starts at a 16-byte boundary (Triton compiles a kernel per alignment of its pointers)."""
+    placed: dict[int, torch.Tensor] = {}
+    given = []
+
+    def step(index, x, slab):
+        given.append(x.data_ptr())
+        real = placed[int(index[-1])]  # (as a kernel does: the tensor at the address its index ends with)
+        slab.add_(real.sum(dim=0))
+        return (real * 2,)
+
+    def call(x, slab):
+        placed[x.data_ptr()] = x
+        return graphed("moved", step, torch.tensor([0, x.data_ptr()]), addressed=(x,), held=(slab,))[0].clone()
+
+    slab, xs = torch.zeros(4), [torch.full((3, 4), float(k)) for k in range(4)]  # (all alive: four addresses)
+    outs = [call(x, slab) for x in xs]
+    assert [out[0, 0].item() for out in outs] == [0.0, 2.0, 4.0, 6.0]
+    assert torch.equal(slab, torch.full((4,), 18.0))  # (each call wrote the held slab once)
+    assert len(stand_in) == 1 and stand_in[0].replays == 3  # captured at the second call, replayed from then on
+    assert given[0] == xs[0].data_ptr() and given[-1] == xs[1].data_ptr()  # as it was: the capture's, moved
+    assert [tuple(t.shape) for t in stand_in[0].inputs] == [(2,)]  # (the graph's buffers: the index alone)
+    off = torch.zeros(13)[1:].view(3, 4)  # (4 bytes past a boundary)
+    for _ in range(2):
+        call(off, slab)
+    assert len(stand_in) == 2
+    for _ in range(2):  # (another layout)
+        call(torch.ones(2, 4), slab)
+    assert len(stand_in) == 3 and cuda_graphs.captured() == 3

@@ -442,6 +442,40 @@ def test_aqsgd_through_the_fused_kernels_keeps_the_bits_of_the_torch_ops(monkeyp
 
 
 @needs_cuda
+@needs_triton
+def test_a_replayed_fused_step_reads_and_writes_activations_wherever_they_lie(monkeypatch):
+    """The fused delta step's graphs reach each message's activation, and write each decoded one, through addresses
+    their index carries (`fused.addressable`), not copies: fed fresh activations that all stay alive (each lies
+    elsewhere), the link replaying graphs sends, decodes and keeps the bits of the same kernels launched one by
+    one, and every decoded activation keeps its values after later messages (the caller's own tensor)."""
+    from aqpipe.compress import cuda_graphs, fused
+
+    cuda_graphs.clear()
+    monkeypatch.setenv("AQPIPE_FUSED_KERNELS", "1")
+    monkeypatch.setenv(fused.DELTA_SWITCH, "1")
+    links = [[build_codec("aqsgd:3", "fw", StoreView(memory_store(torch.float16, DEVICE, 16), 0, side),
+                          QuantOptions(), device=DEVICE) for side in ("send", "recv")] for _ in range(2)]
+    base, ids, kept = torch.randn(8, 64, 576, device=DEVICE), torch.arange(8), []
+    for visit in range(7):  # a first sight, deltas launched, then the step's first call, its capture and replays
+        x = base + 0.1 * visit * torch.randn_like(base)
+        results = []
+        for switch, (sender, receiver) in zip(("1", "0"), links):
+            monkeypatch.setenv(cuda_graphs.SWITCH, switch)
+            encoded = sender.encode(x, ids, compress=True)
+            results.append((encoded.payload, torch.tensor(encoded.codec_check),
+                            receiver.decode(_header(encoded, sender), encoded.payload, ids)))
+        for a, b in zip(*results):
+            assert torch.equal(a.cpu(), b.cpu()), visit
+        kept.append((x, results[0][2], results[0][2].clone()))
+    assert len({x.data_ptr() for x, _, _ in kept}) == len(kept)
+    assert all(torch.equal(out, copy) for _, out, copy in kept)
+    kinds = {signature[0][1] for signature in cuda_graphs._cache.graphs if isinstance(signature[0], tuple)}
+    assert {"fused-encode", "fused-decode"} <= kinds, kinds
+    for _, receiver in links:
+        receiver.settle()
+
+
+@needs_cuda
 def test_a_gpu_receivers_messages_land_in_page_locked_memory_and_decode_as_from_any_memory():
     """Each message is decoded without a wait (DirectQ's decode reads nothing back) and dropped before the next, of
     the same size, is received: a pinned block reused before its copy to the GPU was done would change an earlier

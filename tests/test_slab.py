@@ -40,7 +40,9 @@ def test_a_messages_rows_are_named_in_place_for_a_kernel_to_read():
     assert slab is store._slabs[(0, "send", (6, 8))].rows and slots.dtype == torch.int64
     assert slots.tolist() == [3, 2, 0] and torch.equal(slab[slots], store.gather(0, "send", [1, 9, 7]))
     view = StoreView(store, 0, "send")
-    assert view.rows([3])[1].tolist() == [1] and StoreView(MemoryStore(torch.float16), 0, "send").rows([3]) is None
+    named = view.slots([3, 1])  # (`slots`: the same, the slots as numbers on the host)
+    assert named is not None and named[0] is slab and named[1] == [1, 3]
+    assert StoreView(MemoryStore(torch.float16), 0, "send").slots([3]) is None
     with pytest.raises(KeyError, match="no m\\(xi\\) for link 0 side send sample 4"):
         store.rows(0, "send", [1, 4])
 

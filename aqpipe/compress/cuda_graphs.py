@@ -13,9 +13,10 @@ graph otherwise. Inputs are copied into the graph's own buffers and outputs copi
 what it was given across later calls. `fn` must be a pure function of its tensors and the `key` (nothing it reads
 may change between calls: no random numbers, no host values), and must not wait for the device — save for tensors
 it is given as `held` (a slab of m(ξ) that AQ-SGD's fused step reads and writes in place), which a graph reads and
-writes where they lie, never copied. A capture that
-fails anyway turns graphs off for the rest of the process, with a warning: a failed capture can leave the CUDA
-allocator's bookkeeping behind, and the codecs are only faster with graphs, never different.
+writes where they lie, never copied, and `addressed` ones (an activation), reached at each call where the address
+fed among its inputs says. A capture that fails anyway turns graphs off for the rest of the process, with a
+warning: a failed capture can leave the CUDA allocator's bookkeeping behind, and the codecs are only faster with
+graphs, never different.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def enabled() -> bool:
 
 
 def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.Tensor, borrow: bool = False,
-            held: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, ...]:
+            held: tuple[torch.Tensor, ...] = (), addressed: tuple[torch.Tensor, ...] = ()
+            ) -> tuple[torch.Tensor, ...]:
     """`fn(*tensors)`, replayed from a CUDA graph where the tensors are on one GPU (some may be on the host beside
     them: fed, see below) and this signature (key, each tensor's shape, strides, dtype and device, the current
     stream) has run before; `key` names `fn` and every non-tensor value it depends on. Every tensor `fn` reads
@@ -101,21 +103,29 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
     signature's first, uncaptured call must make all it needs, so it runs on copies of `tensors`, as the capture
     will. (A Triton kernel is compiled and loaded per alignment of its pointers: given a message's rows at an odd
     offset in its payload, and their copy in the capture, it would be compiled inside the capture, which fails —
-    seen on an H100 — and a failed capture leaves the allocator holding back frees for the process's life.)"""
-    device = _device_of(tensors + held)
-    if (not may_replay(device) or any(t.device != device for t in held)
+    seen on an H100 — and a failed capture leaves the allocator holding back frees for the process's life.)
+
+    `addressed` tensors (AQ-SGD's activation in, or the place its decoded activation goes) are passed to `fn` after
+    `tensors` and before `held`, never copied either, but may lie elsewhere at each call: `fn` must reach them only
+    through addresses it reads from `tensors` (a replay runs the kernels captured with the capture's tensors, which
+    move themselves to the address given). Their layouts are part of the signature, and whether each starts at a
+    16-byte boundary (what Triton compiles a kernel for), not their addresses: a copy in or out saved per call."""
+    device = _device_of(tensors + addressed + held)
+    passed = addressed + held  # (given to `fn` as they are)
+    if (not may_replay(device) or any(t.device != device for t in passed)
             or any(t.device != device and t.device != HOST for t in tensors) or getattr(_capturing, "now", False)):
         # (inside another graph's capture: its kernels become part of that graph)
-        return fn(*(_on(device, t) for t in tensors), *held)
+        return fn(*(_on(device, t) for t in tensors), *passed)
     inputs = tuple(_layout(t) for t in tensors)
-    signature = (key, _stream_id(device), *inputs, *((t.data_ptr(), *_layout(t)) for t in held))
+    signature = (key, _stream_id(device), *inputs, *((*_layout(t), t.data_ptr() % 16 == 0) for t in addressed),
+                 tuple((t.data_ptr(), *_layout(t)) for t in held))
     entry = _cache.graphs.get(signature)
     if entry is None:
-        entry, first = _first_calls(signature, fn, tensors, held)
+        entry, first = _first_calls(signature, fn, tensors, passed, bool(held))
         if entry is None:
-            if first and held:  # (copies, as the capture will have: see above)
-                return fn(*(_copy_on(device, t) for t in tensors), *held)
-            return fn(*(_on(device, t) for t in tensors), *held)
+            if first and passed:  # (copies, as the capture will have: see above)
+                return fn(*(_copy_on(device, t) for t in tensors), *passed)
+            return fn(*(_on(device, t) for t in tensors), *passed)
     with entry.lock:  # one thread at a time fills the buffers, replays and copies out
         for buffer, t in zip(entry.inputs, tensors):
             buffer.copy_(t, non_blocking=True)  # (from the host: fed without the host waiting)
@@ -172,12 +182,13 @@ _raw_stream = _raw_stream_reader()
 
 
 def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...]],
-                 tensors: tuple[torch.Tensor, ...], held: tuple[torch.Tensor, ...] = ()
+                 tensors: tuple[torch.Tensor, ...], passed: tuple[torch.Tensor, ...] = (), held: bool = False
                  ) -> tuple[_Graph | None, bool]:
-    """The signature's graph, captured at its second call (replacing a graph of the same call whose `held` tensors
-    lay elsewhere), and whether this is its first call; no graph for the first call (run op by op: it fills the
-    caches `fn` reads, such as level tables, which a capture could not), after a failed capture, or past
-    `MAX_GRAPHS`."""
+    """The signature's graph, captured at its second call (with `held`, replacing a graph of the same call whose held
+    tensors lay elsewhere: the signature's last part), and whether this is its first call; no graph for the first
+    call (run op by op: it fills the caches `fn` reads, such as level tables, which a capture could not), after a
+    failed capture, or past `MAX_GRAPHS`. `passed`: the tensors `fn` gets as they are (`graphed`'s addressed and
+    held)."""
     with _cache.lock:
         if signature in _cache.graphs:
             return _cache.graphs[signature], False
@@ -186,7 +197,7 @@ def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...
         if signature not in _cache.seen:
             _cache.seen.add(signature)
             return None, True
-        same_call = len(signature) - len(held)  # (key, stream, inputs): then where the held tensors lay
+        same_call = len(signature) - 1  # (key, stream, inputs, addressed): then where the held tensors lay
         moved = [s for s in _cache.graphs if s[:same_call] == signature[:same_call]] if held else []
         if len(_cache.graphs) - len(moved) >= MAX_GRAPHS:
             if not _cache.full:
@@ -196,7 +207,7 @@ def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...
             return None, False
         _capturing.now = True
         try:
-            entry = _capture(fn, tensors, held)
+            entry = _capture(fn, tensors, passed)
         except Exception as e:
             _cache.failed = True
             log.warning("codec kernels run op by op from now on: the CUDA graph capture of %s failed (%s: %s)",
@@ -213,9 +224,9 @@ def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...
 
 def _capture(fn: Callable[..., tuple[torch.Tensor, ...]], tensors: tuple[torch.Tensor, ...],
              held: tuple[torch.Tensor, ...] = ()) -> _Graph:
-    """Capture `fn` on copies of `tensors` (and on `held` as they are), on a side stream ordered after the caller's
-    stream's work so far. No device-wide synchronize (torch.cuda.graph's own), which would stall every stream of a
-    training step."""
+    """Capture `fn` on copies of `tensors` (and on `held` as they are: `graphed`'s addressed and held tensors), on a
+    side stream ordered after the caller's stream's work so far. No device-wide synchronize (torch.cuda.graph's
+    own), which would stall every stream of a training step."""
     stream = torch.cuda.current_stream(_device_of(tensors + held))
     side = _capturing_stream(stream.device)
     side.wait_stream(stream)

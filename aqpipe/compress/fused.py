@@ -19,10 +19,11 @@ it lies — a slab's rows through their slots (`storage.slab`), so a message's m
 and, asked (`in_place`: a batch of distinct samples, once the step's kernels have run in the process), write the new
 m(ξ) over the old there, with no scatter after them. They read the activation in its own dtype and write the codes
 straight into the message's payload after its mode bytes. Over a slab's rows written in place, AQ-SGD's codec
-replays the whole step from a CUDA graph that holds the slab where it lies (`aqpipe.compress.link.aqsgd_fused`): a
-copy of the activation in and of the decoded activation out buy back the launches and allocations, which were most
-of a message's host time — on an H100 at SmolLM2's 8 × 1024 × 576 a pair took 644–708 µs launched and 471–524 µs
-replayed, for ~215 µs of device time (benchmarks/README.md).
+replays the whole step from a CUDA graph that holds the slab where it lies (`aqpipe.compress.link.aqsgd_fused`),
+which buys back the launches and allocations, most of a message's host time — on an H100 at SmolLM2's 8 × 1024 ×
+576 a pair took 644–708 µs launched and 471–524 µs replayed, for ~215 µs of device time (benchmarks/README.md). So
+that a replay needs no copy of the activation in or of the decoded activation out, the kernels can reach either
+through an address the slots carry after the rows' slots (`addressable`): they move their pointer there.
 
 DirectQ's kernels apply where `encodable` and `fusable` say (a CUDA tensor of ≥ 3 dims whose channel count is a
 multiple of 8, per-channel scales, nearest rounding, 2–8 bits, a grid whose scale needs no division: signed,
@@ -53,6 +54,7 @@ DELTA_SWITCH = "AQPIPE_FUSED_AQSGD"  # "1": AQ-SGD's delta step fused at every s
 # fused was 8% slower at 4 × 128 × 576 (0.29 M values), as fast at 1.18 M, 18% faster at 2.36 M and 50% at SmolLM2's
 # 8 × 1024 × 576. Below a million a message's time is its launches and waits, not its arithmetic.
 DELTA_MIN_ELEMENTS = 1 << 20
+ADDRESS_ALIGN = 64  # bytes: where a tensor the delta kernels reach through an address must start (`addressable`)
 log = logging.getLogger(__name__)
 _failed: list[str] = []  # why the kernels failed to compile or launch in this process (then the torch ops run)
 # the delta steps ("encode", "decode") whose every kernel has run in this process: only those write m(ξ) in place, so
@@ -121,18 +123,20 @@ def encode(x: torch.Tensor, bits: int, grid: str, values: bool) -> tuple[torch.T
 
 
 def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, bits: int, grid: str,
-                 checksum: tuple[int, int], mode: int, in_place: bool = False) -> DeltaEncoded | None:
+                 checksum: tuple[int, int], mode: int, in_place: bool = False, x_moved: bool = False
+                 ) -> DeltaEncoded | None:
     """AQ-SGD's sender in three kernels and a fill of the mode bytes, straight from m(ξ)'s storage: the change
     x − m(ξ) of each sample of `x` [B, ..., C] (any float dtype, read as float32) coded into a message's payload (a
     `mode` byte per sample, then the rows), the new m(ξ) = m(ξ) + its dequantized change in m's 16-bit dtype, and
     the verdicts, norms and squares of `DeltaEncoded`. m(ξ) of sample i is `m[slots[i]]` — rows of a slab, read in
     place — or, with `slots` None, `m[i]`. With `in_place` (slots of distinct rows) the new m(ξ) is written over the
     old in those rows, once this step's kernels have run in the process (`DeltaEncoded.m_new` None says it was).
-    Bits as torch's ops give them (the norms' summation order aside); None if the kernels failed before writing
-    anything."""
+    With `x_moved` the kernels read the activation at the address `slots[B]` holds, not at `x` (a tensor of its
+    layout: see `addressable`). Bits as torch's ops give them (the norms' summation order aside); None if the
+    kernels failed before writing anything."""
     x3 = _as_rows(x)
     b, t, c = x3.shape
-    _check_rows(m, x.shape, slots, checksum, in_place)
+    _check_rows(m, x.shape, slots, checksum, in_place, moved=x if x_moved else None)
     m3 = m.detach().reshape(m.shape[0], t, c)
     in_place = in_place and writes_in_place("encode", x.device)
     payload = torch.empty(b + b * row_bytes(t, c, bits), dtype=torch.uint8, device=x.device)
@@ -150,7 +154,7 @@ def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, b
     k = _kernels()
     try:
         _launch_codes(k, x3, m3, slots, rows, scales, bits, grid, None,
-                      (m_new, sums, norms, unstorable, *checksum, torch.finfo(m.dtype).max), in_place)
+                      (m_new, sums, norms, unstorable, *checksum, torch.finfo(m.dtype).max), in_place, x_moved)
     except Exception as error:  # (a Triton that cannot compile for this GPU, say): the torch ops code it
         _give_up(error)
         return None
@@ -189,17 +193,21 @@ def decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str) -> 
 
 
 def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, shape: tuple[int, ...], bits: int,
-                 grid: str, checksum: tuple[int, int], in_place: bool = False
+                 grid: str, checksum: tuple[int, int], in_place: bool = False, into: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
     """AQ-SGD's receiver in two kernels, straight from m(ξ)'s storage (`m`, `slots`, `in_place`: as
     `delta_encode`): the new m(ξ) (m(ξ) + the decoded change, in m's 16-bit dtype; None where written over the old)
-    of the batch of `shape`, it in float32 (the activation, a tensor of its own), and the verdicts [2B] (each sample
-    kept, its checksum sum); None if the kernels failed before writing anything."""
+    of the batch of `shape`, it in float32 (the activation, a tensor of its own — or, given `into` [shape] float32,
+    written at the address `slots[B]` holds and `into` returned as it: see `addressable`), and the verdicts [2B]
+    (each sample kept, its checksum sum); None if the kernels failed before writing anything."""
     b = shape[0]
-    _check_rows(m, shape, slots, checksum, in_place)
+    if into is not None and (tuple(into.shape) != tuple(shape) or into.dtype != torch.float32):
+        raise ValueError(f"the activation's place must be float32 {tuple(shape)}, not {into.dtype} "
+                         f"{tuple(into.shape)}")
+    _check_rows(m, shape, slots, checksum, in_place, moved=into)
     m3 = m.detach().reshape(m.shape[0], -1, shape[-1])
     in_place = in_place and writes_in_place("decode", rows.device)
-    out = _decode(rows, shape, bits, grid, (m3, slots, checksum), in_place)
+    out = _decode(rows, shape, bits, grid, (m3, slots, checksum), in_place, into)
     if out is None:
         return None
     m_new, values, sums = out
@@ -215,6 +223,15 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
             return None
         _proven.add("decode")
     return None if in_place else m_new, values, verdicts
+
+
+def addressable(t: torch.Tensor) -> bool:
+    """Whether the delta kernels may reach `t` through an address their slots carry (`delta_encode`'s `x_moved`,
+    `delta_decode`'s `into`) rather than where it was when a graph captured them: contiguous (they take it as rows),
+    of at most 4-byte elements, at a multiple of `ADDRESS_ALIGN` bytes — so the shift between two such tensors is a
+    multiple of 16 elements, which keeps the kernels' vector loads and stores. The caching allocator's blocks start
+    at 512-byte boundaries; a view into one may not."""
+    return t.is_contiguous() and t.element_size() <= 4 and t.data_ptr() % ADDRESS_ALIGN == 0
 
 
 def writes_in_place(step: str, device: torch.device) -> bool:
@@ -237,18 +254,22 @@ def _carved(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -
 
 
 def _check_rows(m: torch.Tensor, shape: tuple[int, ...], slots: torch.Tensor | None, checksum: tuple[int, int],
-                in_place: bool) -> None:
+                in_place: bool, moved: torch.Tensor | None = None) -> None:
     """m(ξ)'s rows must hold the batch of `shape`: its own B rows, or slots [B] (int64, on m's device) into a slab,
     each row of the batch's sample shape (written `in_place` only through slots, whose rows the caller keeps
-    distinct); and the checksum's weights must fit 16 bits (the kernels form each word's product in int32)."""
-    b = shape[0]
+    distinct); and the checksum's weights must fit 16 bits (the kernels form each word's product in int32). A tensor
+    the kernels reach through an address (`moved`: see `addressable`) comes with slots [B + 1] that carry it."""
+    if moved is not None and (slots is None or not addressable(moved)):
+        raise ValueError("a tensor reached through an address needs slots to carry it, and must be contiguous, of "
+                         f"at most 4-byte elements, at a multiple of {ADDRESS_ALIGN} bytes")
+    b = shape[0] + (moved is not None)
     if tuple(m.shape[1:]) != tuple(shape[1:]):
         raise ValueError(f"m(xi) rows of shape {tuple(m.shape[1:])} for samples of shape {tuple(shape[1:])}")
     if in_place and slots is None:
         raise ValueError("m(xi) is written in place only into a slab's rows, through their slots")
     if slots is None:
         if m.shape[0] != b:
-            raise ValueError(f"m(xi) of {m.shape[0]} samples for a batch of {b}")
+            raise ValueError(f"m(xi) of {m.shape[0]} samples for a batch of {b}")  # (b: the batch, nothing moved)
     elif slots.shape != (b,) or slots.dtype != torch.int64 or slots.device != m.device:
         raise ValueError(f"slots must be int64 [{b}] on {m.device}, not {slots.dtype} {tuple(slots.shape)} on "
                          f"{slots.device}")
@@ -283,10 +304,11 @@ def _encode(x3: torch.Tensor, bits: int, grid: str, coded: torch.Tensor | None) 
 
 def _launch_codes(k, x3: torch.Tensor, m3: torch.Tensor | None, slots: torch.Tensor | None, rows: torch.Tensor,
                   scales: torch.Tensor, bits: int, grid: str, coded: torch.Tensor | None, delta: tuple | None,
-                  in_place: bool = False) -> None:
+                  in_place: bool = False, x_moved: bool = False) -> None:
     """Launch the scales and codes kernels on rows [B, T, C] into `rows` (`m3`, `slots`, `delta`: AQ-SGD's m(ξ),
     where its rows are, and the outputs (m_new, sums, norms, unstorable) with the checksum constants and the largest
-    value m(ξ)'s dtype holds; `in_place`: the new m(ξ) over the old, in m3's rows)."""
+    value m(ξ)'s dtype holds; `in_place`: the new m(ξ) over the old, in m3's rows; `x_moved`: x3 read at the address
+    `slots[B]` holds)."""
     b, t, c = x3.shape
     offset, steps, top = _offset_steps(bits, grid)
     m_new, sums, norms, unstorable, multiplier, modulus, m_max = (
@@ -295,22 +317,23 @@ def _launch_codes(k, x3: torch.Tensor, m3: torch.Tensor | None, slots: torch.Ten
     m_in = x3 if m3 is None else m3
     slot_of = m_in if slots is None else slots  # (unread without slots)
     k.scales_kernel[(b, -(-c // k.SCALE_C))](
-        x3, m_in, slot_of, rows, scales, t, c, rows.stride(0), KIND=_SCALE_KINDS[grid], FP16_MAX=FP16_MAX,
-        HAS_M=m3 is not None, SLOTS=slots is not None, BT=k.SCALE_T, BC=k.SCALE_C, num_warps=k.WARPS["scales"],
-        **k.OPTIONS)
+        x3, m_in, slot_of, rows, scales, t, c, rows.stride(0), b, KIND=_SCALE_KINDS[grid], FP16_MAX=FP16_MAX,
+        HAS_M=m3 is not None, SLOTS=slots is not None, X_MOVED=x_moved, BT=k.SCALE_T, BC=k.SCALE_C,
+        num_warps=k.WARPS["scales"], **k.OPTIONS)
     k.codes_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
         x3, m_in, slot_of, rows, scales, _levels(bits, grid, x3.device), x3 if coded is None else coded, m_new,
-        sums, norms, unstorable, t, c, rows.stride(0), float(offset), float(steps), float(top), row_w, col_w,
+        sums, norms, unstorable, t, c, rows.stride(0), b, float(offset), float(steps), float(top), row_w, col_w,
         modulus, float(m_max), BITS=bits, VALUES=coded is not None, HAS_M=m3 is not None, SLOTS=slots is not None,
-        IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, num_warps=k.WARPS["codes"], **k.OPTIONS)
+        X_MOVED=x_moved, IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, num_warps=k.WARPS["codes"], **k.OPTIONS)
 
 
 def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
-            delta: tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]] | None, in_place: bool = False
-            ) -> tuple[torch.Tensor, ...] | None:
+            delta: tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]] | None, in_place: bool = False,
+            into: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | None:
     """Launch the decode kernel (`delta`: AQ-SGD's m(ξ) rows [N, T, C], the slots of the batch's rows among them or
     None, and the checksum constants): (values,) or, for AQ-SGD, (m_new, values, the tiles' checksum parts) — m_new
-    being m's rows themselves where written `in_place`."""
+    being m's rows themselves where written `in_place`; the values a tensor of their own, or (`into`, a tensor of
+    their layout, returned as them) written at the address the slots' last holds."""
     b, c = shape[0], shape[-1]
     t = 1
     for d in shape[1:-1]:
@@ -318,7 +341,7 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
     rows = rows.contiguous()
     if rows.shape != (b, row_bytes(t, c, bits)):
         raise ValueError(f"rows of shape {tuple(rows.shape)} cannot hold a {bits}-bit batch of shape {shape}")
-    out = torch.empty(b, t, c, dtype=torch.float32, device=rows.device)
+    out = torch.empty(b, t, c, dtype=torch.float32, device=rows.device) if into is None else into.view(b, t, c)
     if delta is None:
         m3, slots, m_new, sums, row_w, col_w, modulus = out, None, out, out, out, out, 1  # (unread)
     else:
@@ -334,8 +357,9 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
                 row_w, col_w = weight_parts(t, c, checksum, rows.device)
             k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
                 rows, _levels(bits, grid, rows.device), out, m3, m3 if slots is None else slots, m_new, sums, t, c,
-                rows.shape[1], row_w, col_w, modulus, BITS=bits, HAS_M=delta is not None, SLOTS=slots is not None,
-                IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, num_warps=warps, **k.OPTIONS)
+                rows.shape[1], b, row_w, col_w, modulus, BITS=bits, HAS_M=delta is not None, SLOTS=slots is not None,
+                OUT_MOVED=into is not None, IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, num_warps=warps,
+                **k.OPTIONS)
         except Exception as error:
             _give_up(error)
             return None

@@ -18,11 +18,26 @@ def m_row(sample, slots_ptr, SLOTS: tl.constexpr):
 
 
 @triton.jit
-def scales_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.constexpr, FP16_MAX: tl.constexpr,
-                  HAS_M: tl.constexpr, SLOTS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def moved(ptr, slots_ptr, at):
+    """`ptr` moved to the address `slots_ptr[at]` holds: a tensor of the same layout elsewhere (a graph captured with
+    `ptr` replays on another activation without copying it in). Both addresses are multiples of
+    `fused.ADDRESS_ALIGN` bytes and the elements at most 4 bytes, so the shift is a multiple of 16 elements: said
+    to the compiler, which then keeps the vector loads and stores it makes for `ptr` itself."""
+    size: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    shift = (tl.load(slots_ptr + at) - ptr.to(tl.int64)) // size
+    return ptr + tl.multiple_of(shift, 16)
+
+
+@triton.jit
+def scales_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, T, C, W, X_AT, KIND: tl.constexpr,
+                  FP16_MAX: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, X_MOVED: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr):
     """One program per (sample, BC channels): the channels' extremes over all T tokens (of x − m with HAS_M; m's row
-    `slots_ptr[sample]` of a slab with SLOTS), their scale on the grid (KIND 0: signed, 1: max |x|) rounded up to
-    fp16, written into the row's first 2·C bytes and, as fp32, into `s_ptr` [B, C] for `codes_kernel`."""
+    `slots_ptr[sample]` of a slab with SLOTS; x read at the address `slots_ptr[X_AT]` with X_MOVED), their scale on
+    the grid (KIND 0: signed, 1: max |x|) rounded up to fp16, written into the row's first 2·C bytes and, as fp32,
+    into `s_ptr` [B, C] for `codes_kernel`."""
+    if X_MOVED:
+        x_ptr = moved(x_ptr, slots_ptr, X_AT)
     sample = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     in_c = cols < C
@@ -66,13 +81,16 @@ def scales_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, T, C, W, KIND: tl.co
 
 @triton.jit
 def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, m_new_ptr, sums_ptr, norms_ptr,
-                 bad_ptr, T, C, W, offset, steps, top, row_w_ptr, col_w_ptr, modulus, m_max, BITS: tl.constexpr,
-                 VALUES: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, IN_PLACE: tl.constexpr,
-                 BT: tl.constexpr, BC: tl.constexpr):
-    """One program per (sample, BT tokens, BC channels): each value's code, packed into the row after its scales;
-    with VALUES the dequantized values; with HAS_M AQ-SGD's new m(ξ) (IN_PLACE: over the old, in m's own rows) and
-    the tile's checksum and norm parts (its words' weights from `fused.weight_parts`' tables), and how many of its
-    new m(ξ) values the store cannot keep (beyond `m_max`, the store dtype's largest, or NaN)."""
+                 bad_ptr, T, C, W, X_AT, offset, steps, top, row_w_ptr, col_w_ptr, modulus, m_max, BITS: tl.constexpr,
+                 VALUES: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, X_MOVED: tl.constexpr,
+                 IN_PLACE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """One program per (sample, BT tokens, BC channels): each value's code (x read at `slots_ptr[X_AT]` with
+    X_MOVED), packed into the row after its scales; with VALUES the dequantized values; with HAS_M AQ-SGD's new m(ξ)
+    (IN_PLACE: over the old, in m's own rows) and the tile's checksum and norm parts (its words' weights from
+    `fused.weight_parts`' tables), and how many of its new m(ξ) values the store cannot keep (beyond `m_max`, the
+    store dtype's largest, or NaN)."""
+    if X_MOVED:
+        x_ptr = moved(x_ptr, slots_ptr, X_AT)
     tiles_t = tl.cdiv(T, BT)
     sample = tl.program_id(0) // tiles_t
     tokens = (tl.program_id(0) % tiles_t) * BT + tl.arange(0, BT)
@@ -150,12 +168,15 @@ def checksum_part(new, tokens, cols, T, C, inside, row_w_ptr, col_w_ptr, modulus
 
 
 @triton.jit
-def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sums_ptr, T, C, W, row_w_ptr,
-                  col_w_ptr, modulus, BITS: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, IN_PLACE: tl.constexpr,
-                  BT: tl.constexpr, BC: tl.constexpr):
+def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sums_ptr, T, C, W, OUT_AT, row_w_ptr,
+                  col_w_ptr, modulus, BITS: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr,
+                  OUT_MOVED: tl.constexpr, IN_PLACE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """One program per (sample, BT tokens, BC channels): unpack the codes, level(code) · scale; with HAS_M the new
     m(ξ) = m + that (m's row `slots_ptr[sample]` of a slab with SLOTS), in m's dtype (IN_PLACE: over the old), its
-    float32 value as the output and the tile's checksum part."""
+    float32 value as the output (written at the address `slots_ptr[OUT_AT]` with OUT_MOVED) and the tile's checksum
+    part."""
+    if OUT_MOVED:
+        out_ptr = moved(out_ptr, slots_ptr, OUT_AT)
     tiles_t = tl.cdiv(T, BT)
     sample = tl.program_id(0) // tiles_t
     tokens = (tl.program_id(0) % tiles_t) * BT + tl.arange(0, BT)

@@ -101,16 +101,15 @@ class StoreView:
         batch = gather(self.link, self.side, ids)
         return batch if device is None or batch.device == device else batch.to(device, non_blocking=True)
 
-    def rows(self, ids: Sequence[int], on_host: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def slots(self, ids: Sequence[int]) -> tuple[torch.Tensor, list[int]] | None:
         """Where m(ξ) of `ids` lies, for a kernel to read in place: a slab store's slab [N, ...] and the slots of
-        `ids` in it (int64 [B] on its device, or `on_host`; all must exist, with one shape); None from a store
-        without slabs."""
-        rows = getattr(self.store, "rows", None)
-        return None if rows is None else rows(self.link, self.side, ids, on_host)
+        `ids` in it, as numbers on the host (all must exist, with one shape); None from a store without slabs."""
+        slots = getattr(self.store, "slots", None)
+        return None if slots is None else slots(self.link, self.side, ids)
 
     @property
     def keeps_rows(self) -> bool:
-        """Whether the store keeps m(ξ) as rows of slabs, which `rows` hands a kernel to read and write in place."""
+        """Whether the store keeps m(ξ) as rows of slabs, which `slots` hands a kernel to read and write in place."""
         return hasattr(self.store, "rows")
 
     def scatter(self, ids: Sequence[int], values: torch.Tensor) -> None:

@@ -70,11 +70,21 @@ class SlabStore:
         slab, slots = self.rows(link, side, ids)
         return slab.index_select(0, slots)
 
-    def rows(self, link: int, side: str, ids: Sequence[int], on_host: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slab that holds m(ξ) of `ids` [N, *shape] and their slots in it (int64 [B] on the store's device, or
-        `on_host`, for a caller that copies them on itself: a CUDA graph's buffer), for a kernel to read them in
-        place: good until the next scatter, which may grow the slab (all must exist, with one shape)."""
+    def rows(self, link: int, side: str, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slab that holds m(ξ) of `ids` [N, *shape] and their slots in it (int64 [B] on the store's device), for
+        a kernel to read them in place: good until the next scatter, which may grow the slab (all must exist, with
+        one shape)."""
+        keys, slab, slots = self._slots(link, side, ids)
+        return slab, self._slots_on_device(keys, slots)
+
+    def slots(self, link: int, side: str, ids: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+        """`rows`, the slots as numbers on the host: for a caller that makes its own index of them (a CUDA graph's
+        buffer, fed with more than the slots)."""
+        return self._slots(link, side, ids)[1:]
+
+    def _slots(self, link: int, side: str, ids: Sequence[int]
+               ) -> tuple[tuple[Key, ...], torch.Tensor, list[int]]:
+        """The keys of `ids`, the slab that holds them and their slots in it (see `rows`)."""
         keys = tuple([(link, side, int(i)) for i in ids])  # (lists, not generators: on a GPU's hot path)
         if not keys:
             raise ValueError(f"a gather of no samples on link {link} side {side}: its shape is unknown")
@@ -83,9 +93,7 @@ class SlabStore:
         if any(place[0] != slab_key for place in places):
             raise ValueError(f"the m(xi) of samples {list(ids)} on link {link} side {side} have different shapes: "
                              f"{sorted({shape for (_, _, shape), _ in places})}")
-        slots = [slot for _, slot in places]
-        index = torch.tensor(slots, dtype=torch.int64) if on_host else self._slots_on_device(keys, slots)
-        return self._slabs[slab_key].rows, index
+        return keys, self._slabs[slab_key].rows, [slot for _, slot in places]
 
     def scatter(self, link: int, side: str, ids: Sequence[int], values: torch.Tensor) -> None:
         """Replace m(ξ) of `ids` with the rows of `values` [B, *shape] (in the store's dtype) in one scatter; the

@@ -308,11 +308,11 @@ class AQSGDCodec(LinkCodec):
         return fused_delta(self.delta, device, shape, self.view.dtype,
                            self._graphs if self._replayable else None)
 
-    def _rows_of(self, ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _rows_of(self, ids: list[int], device: torch.device) -> tuple[torch.Tensor, list[int] | None]:
         """Where m(ξ) of `ids` is, for the fused kernels to read in place: a slab on `device` and their slots in it
-        (int64 [B] on the host: a replayed step's graph is fed them as they are, kernels launched one by one get them
-        moved to the GPU), or, from any other store, the values gathered (`_recall`) and None."""
-        rows = self.view.rows(ids, on_host=True)
+        (numbers on the host, from which the step makes its index: see `FusedDelta`), or, from any other store, the
+        values gathered (`_recall`) and None."""
+        rows = self.view.slots(ids)
         if rows is not None and rows[0].device == device:
             return rows
         return self._recall(ids, device), None
@@ -401,8 +401,6 @@ class AQSGDCodec(LinkCodec):
             else:  # the sender sent a delta only where the new m(ξ) could be kept
                 seeds, values, verdicts, lent = self._delta_decode(rows, [id_list[i] for i in at], shape, lend)
                 group = Candidates(at, seeds, verdicts, lent=lent)
-                if lent:
-                    values = values.clone()  # the activation is the caller's own
             groups.append(group)
             outs.append(values)
         if len(groups) == 1:  # one kind of sample (the steady state: all deltas)
@@ -449,10 +447,10 @@ class AQSGDCodec(LinkCodec):
 
     def _delta_decode(self, rows: torch.Tensor, ids: list[int], shape: tuple[int, ...], lend: bool
                       ) -> tuple[Any, ...]:
-        """The receiver's side of `_delta_encode`: the new m(ξ), the activation and the verdicts of the delta rows
-        `rows` of samples `ids`, and whether they are lent (a CUDA graph's buffers) — fused straight from where the
-        store keeps m(ξ) (a slab's rows, written in place: the new m(ξ) is then None), or in torch ops replayed from
-        a graph."""
+        """The receiver's side of `_delta_encode`: the new m(ξ), the activation (a tensor of its own: the caller's)
+        and the verdicts of the delta rows `rows` of samples `ids`, and whether the new m(ξ) and verdicts are lent (a
+        CUDA graph's buffers) — fused straight from where the store keeps m(ξ) (a slab's rows, written in place: the
+        new m(ξ) is then None), or in torch ops replayed from a graph."""
         batch = (len(ids), *shape[1:])
         step = self._fused_delta(rows.device, batch)
         if step is not None:
@@ -460,8 +458,9 @@ class AQSGDCodec(LinkCodec):
             done = step.decode(rows, m, slots, ids, batch, lend)
             if done is not None:
                 return done
-        return (*self._graphed("delta-decode", self.steps.delta_values, rows,
-                               self._sent(self._recall, ids, self.device), borrow=lend), lend)
+        seeds, values, verdicts = self._graphed("delta-decode", self.steps.delta_values, rows,
+                                                self._sent(self._recall, ids, self.device), borrow=lend)
+        return seeds, values.clone() if lend else values, verdicts, lend
 
     def _sent(self, read: Callable[[list[int], torch.device], Any], ids: list[int], device: torch.device) -> Any:
         """`read(ids, device)` of m(ξ) of samples the sender sent as deltas (`_rows_of`, `_recall`): this side must

@@ -3,10 +3,12 @@
 In the steady state of a GPU run — m(ξ) a slab's rows on the GPU (`--store-device cuda`), a batch of distinct
 samples, the kernels proven in the process so they write m(ξ) in place — each end replays its step from one CUDA
 graph (`aqpipe.compress.cuda_graphs`, the slab held where it lies): the kernels' launches, their buffers'
-allocations and the mode bytes' fill become one replay, for a copy of the step's inputs into the graph (the
-activation, or the received rows; the slots straight from the host, where the store's index made them) and, at the
-receiver, of the decoded activation out. On an H100 a message's time at SmolLM2's 8 × 1024 × 576 was its host's
-calls, a quarter of them Triton's launcher, against ~215 µs of device time a pair (benchmarks/README.md).
+allocations and the mode bytes' fill become one replay, for one copy into the graph from the host — the step's
+index: the slots, where the store's index made them, then the activation's address — and, at the receiver, of the
+received rows. The kernels read the activation, and write the decoded one, where the caller has them, through that
+address (`fused.addressable`): no 18.9 MB copy in or out at SmolLM2's 8 × 1024 × 576, where a message's time on an
+H100 was its host's calls, a quarter of them Triton's launcher, against ~215 µs of device time a pair, 36 of them
+those two copies (benchmarks/README.md).
 Elsewhere — m(ξ) in host RAM or per-sample tensors, a sample twice in a batch, the first messages — the kernels are
 launched one by one, as the graph replays them: the bits are the same either way.
 """
@@ -44,31 +46,41 @@ class FusedDelta:
     grid: str
     graphs: Hashable | None
 
-    def encode(self, x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, ids: list[int], lend: bool
+    def encode(self, x: torch.Tensor, m: torch.Tensor, slots: list[int] | None, ids: list[int], lend: bool
                ) -> tuple | None:
-        """The sender's step on rows `x` of samples `ids`, m(ξ) in `m` (`slots`: a slab's rows, on its device or on
-        the host — fed to the step's graph as they are; None: `m` is the batch's m(ξ) gathered): (payload, new m(ξ)
-        or None where written in place, verdicts, norms, squares, lent — whether they are a graph's buffers, see
-        `graphed`'s borrow); None if the kernels failed before writing anything."""
+        """The sender's step on rows `x` of samples `ids`, m(ξ) in `m` (`slots`: a slab's rows; None: `m` is the
+        batch's m(ξ) gathered): (payload, new m(ξ) or None where written in place, verdicts, norms, squares, lent —
+        whether they are a graph's buffers, see `graphed`'s borrow); None if the kernels failed before writing
+        anything. Replayed from the step's graph, the slots go from the host straight into its buffer, with the
+        activation's address after them where the kernels may read it there (`fused.addressable`: no copy of it
+        into the graph), else with the activation copied in."""
         if slots is not None and self._replays(slots, ids, "encode", m.device):
-            done = self._graphed("encode", encode_in_place, x, slots, m, lend)
+            given: tuple[torch.Tensor, ...]
+            moved: tuple[torch.Tensor, ...]
+            if fused.addressable(x):
+                given, moved = (_index(slots, x),), (x,)
+            else:  # (a view off the allocator's boundaries: copied into the graph)
+                given, moved = (_index(slots), x), ()
+            done = self._graphed("encode", encode_in_place, given, moved, m, lend)
             return None if done is None else (done[0], None, *done[1:], lend)
-        at = None if slots is None else to_device(slots, m.device)  # (launched one by one: the slots on the slab's GPU)
+        at = None if slots is None else to_device(_index(slots), m.device)  # (launched one by one: on the slab's GPU)
         coded = fused.delta_encode(x, m, at, self.bits, self.grid, CHECKSUM_WEIGHTS, MODE_DELTA,
                                    in_place=writable(slots, ids))
         if coded is None:
             return None
         return coded.payload, coded.m_new, coded.verdicts, coded.norms, coded.squares, False
 
-    def decode(self, rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, ids: list[int],
+    def decode(self, rows: torch.Tensor, m: torch.Tensor, slots: list[int] | None, ids: list[int],
                batch: tuple[int, ...], lend: bool) -> tuple | None:
         """The receiver's step on coded rows `rows` of samples `ids` (`batch`: their activation's shape; `m`,
-        `slots` as `encode`): (new m(ξ) or None where written in place, the activation, verdicts, lent); None if the
-        kernels failed before writing anything."""
+        `slots` as `encode`): (new m(ξ) or None where written in place, the activation — a tensor of its own, which
+        a replayed graph writes where its address in the slots says: no copy of it out of the graph —, verdicts,
+        lent); None if the kernels failed before writing anything."""
         if slots is not None and self._replays(slots, ids, "decode", m.device):
-            done = self._graphed("decode", decode_in_place, rows, slots, m, lend)
-            return None if done is None else (None, *done, lend)
-        at = None if slots is None else to_device(slots, m.device)
+            out = torch.empty(batch, dtype=torch.float32, device=m.device)
+            done = self._graphed("decode", decode_in_place, (rows, _index(slots, out)), (out,), m, lend)
+            return None if done is None else (None, out, done[0], lend)
+        at = None if slots is None else to_device(_index(slots), m.device)
         decoded = fused.delta_decode(rows, m, at, batch, self.bits, self.grid, CHECKSUM_WEIGHTS,
                                      in_place=writable(slots, ids))
         return None if decoded is None else (*decoded, False)
@@ -77,22 +89,23 @@ class FusedDelta:
         """The graph this end replays for delta rows of `shape` where m(ξ) is a slab's rows on its GPU, on stand-in
         inputs (the slab itself is the store's, not the graph's; the activation counted in float32, the most a
         stage sends)."""
-        slab, slots = stand_in(shape, m_dtype), stand_in((shape[0],), torch.int64)
+        slab, index = stand_in(shape, m_dtype), stand_in((shape[0] + 1,), torch.int64)
+        activation = stand_in(shape, torch.float32)  # (reached through its address: not the graph's)
+        run = functools.partial(STEPS["encode" if sending else "decode"], self.bits, self.grid)
         if sending:
-            step, coded = "encode", stand_in(shape, torch.float32)
-        else:
-            step = "decode"
-            coded = stand_in((shape[0], fused.row_bytes(math.prod(shape[1:-1]), shape[-1], self.bits)), torch.uint8)
-        run = functools.partial(STEPS[step], self.bits, self.grid)
-        return [GraphCall(f"fused-{step}", lambda given, at: run(given, at, slab), (coded, slots), self._key(step))]
+            return [GraphCall("fused-encode", lambda at: run(at, activation, slab), (index,), self._key("encode"))]
+        coded = stand_in((shape[0], fused.row_bytes(math.prod(shape[1:-1]), shape[-1], self.bits)), torch.uint8)
+        return [GraphCall("fused-decode", lambda given, at: run(given, at, activation, slab), (coded, index),
+                          self._key("decode"))]
 
-    def _graphed(self, step: str, fn: Step, given: torch.Tensor, slots: torch.Tensor, slab: torch.Tensor,
-                 lend: bool) -> tuple[torch.Tensor, ...] | None:
-        """`fn` (`encode_in_place`, `decode_in_place`) on `given` and `slots` over the slab, replayed from this
-        end's graph of `step` where it may be; None if the kernels failed before writing anything."""
+    def _graphed(self, step: str, fn: Step, given: tuple[torch.Tensor, ...], moved: tuple[torch.Tensor, ...],
+                 slab: torch.Tensor, lend: bool) -> tuple[torch.Tensor, ...] | None:
+        """`fn` (`encode_in_place`, `decode_in_place`) on `given` (copied into the graph) and `moved` (reached through
+        their addresses in the index `given` ends with) over the slab, replayed from this end's graph of `step` where
+        it may be; None if the kernels failed before writing anything."""
         try:
-            return graphed(self._key(step), functools.partial(fn, self.bits, self.grid), given, slots, held=(slab,),
-                           borrow=lend)
+            return graphed(self._key(step), functools.partial(fn, self.bits, self.grid), *given, addressed=moved,
+                           held=(slab,), borrow=lend)
         except KernelsFailed:
             return None
 
@@ -100,7 +113,7 @@ class FusedDelta:
         """The key this end's graph of `step` is filed under (the codec's, so that it goes with the codec)."""
         return self.graphs, f"fused-{step}"
 
-    def _replays(self, slots: torch.Tensor, ids: list[int], step: str, device: torch.device) -> bool:
+    def _replays(self, slots: list[int], ids: list[int], step: str, device: torch.device) -> bool:
         """Whether this step, over a slab's rows, runs from its graph: rows it writes in place (distinct, the
         kernels proven in the process)."""
         return self.graphs is not None and writable(slots, ids) and fused.writes_in_place(step, device)
@@ -120,31 +133,40 @@ def fused_delta(delta: SampleCoder, device: torch.device, shape: tuple[int, ...]
     return FusedDelta(delta.bits, options.grid, graphs)
 
 
-def writable(slots: torch.Tensor | None, ids: list[int]) -> bool:
+def writable(slots: list[int] | None, ids: list[int]) -> bool:
     """Whether the fused kernels may write the new m(ξ) of `ids` over the old: rows of a slab (`slots`), one per
     sample (a sample twice in a batch would have two programs write one row)."""
     return slots is not None and len(set(ids)) == len(ids)
 
 
-def encode_in_place(bits: int, grid: str, x: torch.Tensor, slots: torch.Tensor, slab: torch.Tensor
+def encode_in_place(bits: int, grid: str, index: torch.Tensor, x: torch.Tensor, slab: torch.Tensor
                     ) -> tuple[torch.Tensor, ...]:
     """The sender's fused step over a slab's rows, the new m(ξ) written over the old: (payload, verdicts, norms,
-    squares), as a graph captures it; KernelsFailed if they failed before writing anything."""
-    coded = fused.delta_encode(x, slab, slots, bits, grid, CHECKSUM_WEIGHTS, MODE_DELTA, in_place=True)
+    squares), as a graph captures it (`index`: the rows' slots, then — one more — the address x is read at);
+    KernelsFailed if they failed before writing anything."""
+    coded = fused.delta_encode(x, slab, index, bits, grid, CHECKSUM_WEIGHTS, MODE_DELTA, in_place=True,
+                               x_moved=index.shape[0] > x.shape[0])
     if coded is None:
         raise KernelsFailed("the fused delta kernels failed")  # (in a capture: graphs go off, the step runs again)
     return coded.payload, coded.verdicts, coded.norms, coded.squares
 
 
-def decode_in_place(bits: int, grid: str, rows: torch.Tensor, slots: torch.Tensor, slab: torch.Tensor
-                    ) -> tuple[torch.Tensor, ...]:
-    """The receiver's fused step over a slab's rows, the new m(ξ) written over the old: (the activation,
-    verdicts), as a graph captures it; KernelsFailed if they failed before writing anything."""
-    decoded = fused.delta_decode(rows, slab, slots, (rows.shape[0], *slab.shape[1:]), bits, grid, CHECKSUM_WEIGHTS,
-                                 in_place=True)
+def decode_in_place(bits: int, grid: str, rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
+                    slab: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The receiver's fused step over a slab's rows, the new m(ξ) written over the old and the activation at the
+    address `index` ends with (after the rows' slots; `out`: a tensor of its layout): (verdicts,), as a graph
+    captures it; KernelsFailed if they failed before writing anything."""
+    decoded = fused.delta_decode(rows, slab, index, tuple(out.shape), bits, grid, CHECKSUM_WEIGHTS, in_place=True,
+                                 into=out)
     if decoded is None:
         raise KernelsFailed("the fused delta kernels failed")
-    return decoded[1], decoded[2]
+    return (decoded[2],)
 
 
 STEPS: dict[str, Step] = {"encode": encode_in_place, "decode": decode_in_place}  # each step over a slab, by name
+
+
+def _index(slots: list[int], moved: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused step's index on the host: the rows' slots, then the address of `moved` (the tensor its kernels
+    reach there, see `fused.addressable`), if given."""
+    return torch.tensor(slots if moved is None else [*slots, moved.data_ptr()], dtype=torch.int64)

@@ -1,0 +1,130 @@
+"""The fused delta kernels reaching the activation through an address their slots carry (`fused.addressable`): what
+lets the fused step's CUDA graph read each message's activation, and write each decoded one, where the caller has
+it — no copy into the graph or out of it. Its bits under Triton's interpreter, its refusals, and (compiled for an
+H100, which needs no GPU) the kernels' vector loads and stores."""
+
+import re
+
+import pytest
+import torch
+
+from aqpipe.compress import fused
+from tests.fused_cases import interpret, needs_triton
+
+
+@needs_triton
+def test_the_kernels_read_and_write_the_activation_at_the_address_their_slots_carry():
+    """Given a tensor of the activation's layout (what a graph was captured with) and the real activation's address
+    after the slots, the encode kernels code the real one: payload, new m(ξ), verdicts and norms as given it
+    directly. The decode kernel writes the activation at the address it is given, and nothing into the tensor that
+    stood for it."""
+    interpret("""
+        import torch
+        from aqpipe.compress import fused
+        from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS
+
+        torch.manual_seed(5)
+        shape = (3, 37, 136)  # (ragged tiles both ways)
+        for dtype in (torch.float32, torch.bfloat16):
+            x, decoy = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+            slab, slots = (torch.randn(5, 37, 136) * 0.5).half(), [4, 0, 2]
+            assert fused.addressable(x) and fused.addressable(decoy)
+            direct = fused.delta_encode(x, slab, torch.tensor(slots), 3, "signed", CHECKSUM_WEIGHTS, 1)
+            moved = fused.delta_encode(decoy, slab, torch.tensor([*slots, x.data_ptr()]), 3, "signed",
+                                       CHECKSUM_WEIGHTS, 1, x_moved=True)
+            for a, b in zip((direct.payload, direct.m_new, direct.verdicts, direct.norms, direct.squares),
+                            (moved.payload, moved.m_new, moved.verdicts, moved.norms, moved.squares)):
+                assert torch.equal(a, b), dtype
+            rows = direct.payload[3:].view(3, -1)
+            m_new, values, verdicts = fused.delta_decode(rows, slab, torch.tensor(slots), shape, 3, "signed",
+                                                         CHECKSUM_WEIGHTS)
+            out, stand_in = torch.full(shape, 7.0), torch.full(shape, 7.0)
+            got = fused.delta_decode(rows, slab, torch.tensor([*slots, out.data_ptr()]), shape, 3, "signed",
+                                     CHECKSUM_WEIGHTS, into=stand_in)
+            assert got[1].data_ptr() == stand_in.data_ptr()  # (the tensor it was given, as the activation)
+            assert torch.equal(out, values) and torch.equal(got[0], m_new) and torch.equal(got[2], verdicts)
+            assert torch.equal(stand_in, torch.full(shape, 7.0))
+        print("checked")
+    """)
+
+
+@needs_triton
+def test_a_tensor_reached_through_an_address_must_be_carried_and_addressable():
+    if fused._kernels() is None:
+        pytest.skip("Triton is not installed")
+    x = torch.empty(2, 8, 16, device="meta")
+    slab, slots = torch.empty(5, 8, 16, device="meta", dtype=torch.float16), torch.empty(3, dtype=torch.int64,
+                                                                                          device="meta")
+    assert fused.addressable(x) and not fused.addressable(x.transpose(1, 2))
+    off = torch.empty(2 * 8 * 16 + 4, device="meta")[4:].view(2, 8, 16)  # (16 bytes past a 64-byte boundary)
+    assert not fused.addressable(off) and not fused.addressable(x.double())
+    for given in (x.transpose(1, 2).contiguous().transpose(1, 2), off):
+        with pytest.raises(ValueError, match="reached through an address .* multiple of 64 bytes"):
+            fused.delta_encode(given, slab, slots, 4, "signed", (40503, 65521), 1, x_moved=True)
+    with pytest.raises(ValueError, match="needs slots to carry it"):
+        fused.delta_encode(x, slab[:2], None, 4, "signed", (40503, 65521), 1, x_moved=True)
+    with pytest.raises(ValueError, match="slots must be int64 \\[3\\]"):  # (the slots, then the address)
+        fused.delta_encode(x, slab, slots[:2], 4, "signed", (40503, 65521), 1, x_moved=True)
+    rows = torch.empty(2, fused.row_bytes(8, 16, 4), dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match="activation's place must be float32 \\(2, 8, 16\\)"):
+        fused.delta_decode(rows, slab, slots, (2, 8, 16), 4, "signed", (40503, 65521), into=x.half())
+    _, values, _ = fused.delta_decode(rows, slab, slots, (2, 8, 16), 4, "signed", (40503, 65521), into=x)
+    assert values.data_ptr() == x.data_ptr() and values.shape == x.shape
+
+
+def _compiled_for_an_h100(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict) -> str:
+    """`kernel`'s PTX for an H100 (sm_90), its pointers and its T, C, W 16-aligned as Triton's launcher finds them
+    at SmolLM2's 8 × 1024 × 576: compiled by Triton's own compiler and ptxas, no GPU needed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    aligned = [*pointers, "T", "C", "W"]
+    signature = {name: pointers.get(name) or scalars.get(name) or "constexpr" for name in names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants,
+                       attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
+    options = {"num_warps": 4, "enable_fp_fusion": False}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def _memory_ops(ptx: str) -> tuple[int, int, int]:
+    """Vector loads, vector stores and all loads from global memory in `ptx`."""
+    vector = r"\.global(?:\.[a-z0-9]+)*\.v[248]\b"
+    return (len(re.findall(r"\bld" + vector, ptx)), len(re.findall(r"\bst" + vector, ptx)),
+            len(re.findall(r"\bld\.global", ptx)))
+
+
+@needs_triton
+def test_kernels_reaching_the_activation_through_its_address_keep_their_vector_loads_and_stores():
+    """The scales, codes and decode kernels, compiled for an H100 with the activation at its own pointer and moved to
+    an address from the slots: the same vector loads and stores, and one more scalar load (the address). The shift's
+    alignment is what keeps them (said to the compiler: without it the loads of the activation are split into
+    scalar ones)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from aqpipe.compress import fused_kernels as k
+
+    def ptr(kind: str, *names: str) -> dict[str, str]:
+        return dict.fromkeys(names, kind)
+
+    ints = dict.fromkeys(("T", "C", "W", "X_AT", "OUT_AT", "modulus"), "i32")
+    floats = dict.fromkeys(("offset", "steps", "top", "m_max"), "fp32")
+    kernels = {
+        "scales": (k.scales_kernel, {**ptr("*fp32", "x_ptr", "s_ptr"), **ptr("*fp16", "m_ptr"),
+                                     **ptr("*i64", "slots_ptr"), **ptr("*u8", "rows_ptr")},
+                   {"KIND": 0, "FP16_MAX": fused.FP16_MAX, "BT": k.SCALE_T, "BC": k.SCALE_C}, "X_MOVED"),
+        "codes": (k.codes_kernel, {**ptr("*fp32", "x_ptr", "s_ptr", "table_ptr", "values_ptr", "norms_ptr"),
+                                   **ptr("*fp16", "m_ptr", "m_new_ptr"), **ptr("*i64", "slots_ptr", "sums_ptr"),
+                                   **ptr("*u8", "rows_ptr"), **ptr("*i32", "bad_ptr", "row_w_ptr", "col_w_ptr")},
+                  {"BITS": 3, "VALUES": False, "IN_PLACE": True, "BT": k.TILE_T, "BC": k.TILE_C}, "X_MOVED"),
+        "decode": (k.decode_kernel, {**ptr("*fp32", "out_ptr", "table_ptr"), **ptr("*fp16", "m_ptr", "m_new_ptr"),
+                                     **ptr("*i64", "slots_ptr", "sums_ptr"), **ptr("*u8", "rows_ptr"),
+                                     **ptr("*i32", "row_w_ptr", "col_w_ptr")},
+                   {"BITS": 3, "IN_PLACE": True, "BT": k.TILE_T, "BC": k.TILE_C}, "OUT_MOVED"),
+    }
+    for name, (kernel, pointers, constants, moved) in kernels.items():
+        ops = [_memory_ops(_compiled_for_an_h100(kernel, pointers, {**ints, **floats},
+                                                 {**constants, "HAS_M": True, "SLOTS": True, moved: flag}))
+               for flag in (False, True)]
+        (vector_loads, vector_stores, loads), moved_ops = ops
+        assert vector_loads > 0 and moved_ops == (vector_loads, vector_stores, loads + 1), (name, ops)
