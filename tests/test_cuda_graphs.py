@@ -433,8 +433,9 @@ def test_an_addressed_tensor_is_reached_where_it_lies_at_each_call_and_moving_it
     """`addressed` tensors (AQ-SGD's activation, or the place its decoded activation goes) are given to `fn` as they
     are, never copied into a buffer of the graph's, and not named by their address: a call on a tensor elsewhere
     replays the same graph, which reaches it through the address fed among its inputs (a registry stands in for
-    memory here; the fused kernels move their pointer). Their layouts name the graph, and so does whether each
-    starts at a 16-byte boundary (Triton compiles a kernel per alignment of its pointers)."""
+    memory here; the fused kernels move their pointer). Their layouts name the graph, and so does each one's offset
+    from a 64-byte boundary (Triton compiles a kernel per alignment of its pointers, and the fused kernels take the
+    shift as a multiple of 64 bytes)."""
     placed: dict[int, torch.Tensor] = {}
     given = []
 

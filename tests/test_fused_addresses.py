@@ -16,8 +16,8 @@ from tests.fused_cases import interpret, needs_triton
 def test_the_kernels_read_and_write_the_activation_at_the_address_their_slots_carry():
     """Given a tensor of the activation's layout (what a graph was captured with) and the real activation's address
     after the slots, the encode kernels code the real one: payload, new m(ξ), verdicts and norms as given it
-    directly. The decode kernel writes the activation at the address it is given, and nothing into the tensor that
-    stood for it."""
+    directly. The decode kernel reads the rows, and writes the activation, at the addresses it is given, and nothing
+    into the tensor that stood for the activation."""
     interpret("""
         import torch
         from aqpipe.compress import fused
@@ -38,12 +38,15 @@ def test_the_kernels_read_and_write_the_activation_at_the_address_their_slots_ca
             rows = direct.payload[3:].view(3, -1)
             m_new, values, verdicts = fused.delta_decode(rows, slab, torch.tensor(slots), shape, 3, "signed",
                                                          CHECKSUM_WEIGHTS)
-            out, stand_in = torch.full(shape, 7.0), torch.full(shape, 7.0)
-            got = fused.delta_decode(rows, slab, torch.tensor([*slots, out.data_ptr()]), shape, 3, "signed",
-                                     CHECKSUM_WEIGHTS, into=stand_in)
-            assert got[1].data_ptr() == stand_in.data_ptr()  # (the tensor it was given, as the activation)
-            assert torch.equal(out, values) and torch.equal(got[0], m_new) and torch.equal(got[2], verdicts)
-            assert torch.equal(stand_in, torch.full(shape, 7.0))
+            decoy = torch.zeros(3 + rows.numel(), dtype=torch.uint8)[3:].view(3, -1)  # (as `rows` lie: 3 bytes in)
+            for rows_moved in (False, True):
+                out, stand_in = torch.full(shape, 7.0), torch.full(shape, 7.0)
+                addresses = [rows.data_ptr()] * rows_moved + [out.data_ptr()]
+                got = fused.delta_decode(decoy if rows_moved else rows, slab, torch.tensor([*slots, *addresses]),
+                                         shape, 3, "signed", CHECKSUM_WEIGHTS, into=stand_in, rows_moved=rows_moved)
+                assert got[1].data_ptr() == stand_in.data_ptr()  # (the tensor it was given, as the activation)
+                assert torch.equal(out, values) and torch.equal(got[0], m_new) and torch.equal(got[2], verdicts)
+                assert torch.equal(stand_in, torch.full(shape, 7.0))
         print("checked")
     """)
 
@@ -55,11 +58,11 @@ def test_a_tensor_reached_through_an_address_must_be_carried_and_addressable():
     x = torch.empty(2, 8, 16, device="meta")
     slab, slots = torch.empty(5, 8, 16, device="meta", dtype=torch.float16), torch.empty(3, dtype=torch.int64,
                                                                                           device="meta")
-    assert fused.addressable(x) and not fused.addressable(x.transpose(1, 2))
-    off = torch.empty(2 * 8 * 16 + 4, device="meta")[4:].view(2, 8, 16)  # (16 bytes past a 64-byte boundary)
-    assert not fused.addressable(off) and not fused.addressable(x.double())
-    for given in (x.transpose(1, 2).contiguous().transpose(1, 2), off):
-        with pytest.raises(ValueError, match="reached through an address .* multiple of 64 bytes"):
+    off = torch.empty(2 * 8 * 16 + 1, device="meta")[1:].view(2, 8, 16)  # (4 bytes past a boundary: one piece still)
+    assert fused.addressable(x) and fused.addressable(off)
+    assert not fused.addressable(x.transpose(1, 2)) and not fused.addressable(x.double())
+    for given in (x.transpose(1, 2).contiguous().transpose(1, 2), x.double()):
+        with pytest.raises(ValueError, match="reached through an address .* at most 4-byte elements"):
             fused.delta_encode(given, slab, slots, 4, "signed", (40503, 65521), 1, x_moved=True)
     with pytest.raises(ValueError, match="needs slots to carry it"):
         fused.delta_encode(x, slab[:2], None, 4, "signed", (40503, 65521), 1, x_moved=True)
@@ -70,6 +73,8 @@ def test_a_tensor_reached_through_an_address_must_be_carried_and_addressable():
         fused.delta_decode(rows, slab, slots, (2, 8, 16), 4, "signed", (40503, 65521), into=x.half())
     _, values, _ = fused.delta_decode(rows, slab, slots, (2, 8, 16), 4, "signed", (40503, 65521), into=x)
     assert values.data_ptr() == x.data_ptr() and values.shape == x.shape
+    with pytest.raises(ValueError, match="slots must be int64 \\[4\\]"):  # (the slots, the rows', the activation's)
+        fused.delta_decode(rows, slab, slots, (2, 8, 16), 4, "signed", (40503, 65521), into=x, rows_moved=True)
 
 
 def _compiled_for_an_h100(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict) -> str:
@@ -97,10 +102,10 @@ def _memory_ops(ptx: str) -> tuple[int, int, int]:
 
 @needs_triton
 def test_kernels_reaching_the_activation_through_its_address_keep_their_vector_loads_and_stores():
-    """The scales, codes and decode kernels, compiled for an H100 with the activation at its own pointer and moved to
-    an address from the slots: the same vector loads and stores, and one more scalar load (the address). The shift's
-    alignment is what keeps them (said to the compiler: without it the loads of the activation are split into
-    scalar ones)."""
+    """The scales, codes and decode kernels, compiled for an H100 with the activation (and the decode's rows) at its
+    own pointer and moved to an address from the slots: the same vector loads and stores, and one more scalar load
+    an address. The shift's alignment is what keeps them (said to the compiler: without it the loads of the
+    activation are split into scalar ones)."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     from aqpipe.compress import fused_kernels as k
 
@@ -120,11 +125,15 @@ def test_kernels_reaching_the_activation_through_its_address_keep_their_vector_l
         "decode": (k.decode_kernel, {**ptr("*fp32", "out_ptr", "table_ptr"), **ptr("*fp16", "m_ptr", "m_new_ptr"),
                                      **ptr("*i64", "slots_ptr", "sums_ptr"), **ptr("*u8", "rows_ptr"),
                                      **ptr("*i32", "row_w_ptr", "col_w_ptr")},
-                   {"BITS": 3, "IN_PLACE": True, "BT": k.TILE_T, "BC": k.TILE_C}, "OUT_MOVED"),
+                   {"BITS": 3, "IN_PLACE": True, "BT": k.TILE_T, "BC": k.TILE_C}, ("OUT_MOVED", "ROWS_MOVED")),
     }
+    ints["ROWS_AT"] = "i32"
     for name, (kernel, pointers, constants, moved) in kernels.items():
         ops = [_memory_ops(_compiled_for_an_h100(kernel, pointers, {**ints, **floats},
-                                                 {**constants, "HAS_M": True, "SLOTS": True, moved: flag}))
+                                                 {**constants, "HAS_M": True, "SLOTS": True,
+                                                  **dict.fromkeys(moved if isinstance(moved, tuple) else (moved,),
+                                                                  flag)}))
                for flag in (False, True)]
         (vector_loads, vector_stores, loads), moved_ops = ops
-        assert vector_loads > 0 and moved_ops == (vector_loads, vector_stores, loads + 1), (name, ops)
+        addresses = len(moved) if isinstance(moved, tuple) else 1
+        assert vector_loads > 0 and moved_ops == (vector_loads, vector_stores, loads + addresses), (name, ops)

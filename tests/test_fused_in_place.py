@@ -174,7 +174,8 @@ def test_the_steady_delta_step_replayed_from_a_graph_over_a_slab_keeps_the_bits(
     stand-in that replays the step on the host, `tests.graph_stand_ins`): its first such message launches the
     kernels, the next captures the graph, later ones replay it, with the slab held where it lies — written once a
     message, never twice — and its outputs lent to the codec until its next message; the activation is read, and the
-    decoded one written, where the codec's caller has it (no copy in or out). A batch with a sample twice
+    decoded one written, where the codec's caller has it, and the received rows read where they lie (no copy in or
+    out). A batch with a sample twice
     still launches the kernels, writing m(ξ) apart. A slab that grows (new samples) moves, and the step's graph
     over the old slab is replaced. Every payload, activation, checksum check (late, as on a GPU) and both copies of
     m(ξ) agree bit for bit with a link through the torch ops."""
@@ -224,11 +225,11 @@ def test_the_steady_delta_step_replayed_from_a_graph_over_a_slab_keeps_the_bits(
         assert kinds == ["fused-decode", "fused-encode", "seed", "seed"], kinds  # (the old slab's graphs dropped)
         steps = [g for g in captures if g.held]
         assert len(steps) == 4 and all(g.replays >= 2 for g in steps), [g.replays for g in steps]
-        # no activation copied into a graph or out of one: the encode step's buffer is its index (the slots, then
-        # the activation's address), the decode step's the rows and the index; neither returns an activation
-        assert sorted([str(t.dtype) for t in g.inputs] for g in steps) == [["torch.int64"]] * 2 + [
-            ["torch.uint8", "torch.int64"]] * 2
-        assert all(t.shape[0] == 5 for g in steps for t in g.inputs if t.dtype == torch.int64)
+        # no activation copied into a graph or out of one, nor the received rows: each step's one buffer is its index
+        # (the slots, then the addresses of the activation, or of the rows and the activation); neither returns an
+        # activation
+        assert sorted(tuple(t.shape) for g in steps for t in g.inputs) == [(5,), (5,), (6,), (6,)]
+        assert all(t.dtype == torch.int64 for g in steps for t in g.inputs)
         assert all(out.dtype != torch.float32 or out.numel() < 4 * 6 * 16 for g in steps for out in g.outputs)
         ops, _, _ = run("0")
         assert len(graphed) == len(ops) == 3 * 11 + 2

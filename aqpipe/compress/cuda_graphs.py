@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 HOST = torch.device("cpu")
 SWITCH = "AQPIPE_CUDA_GRAPHS"  # "0" turns every graph off: each call runs op by op
 MAX_GRAPHS = 64  # signatures kept per process; past it, new ones run op by op (each graph holds its own buffers)
+# An addressed tensor's offset from a boundary of this many bytes is part of a graph's signature: a kernel reaching it
+# through an address may take the shift from the tensor it was captured with as a multiple of it (`fused`'s do).
+ADDRESS_GRAIN = 64
 
 Signature = tuple[Hashable, ...]
 
@@ -108,8 +111,9 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
     `addressed` tensors (AQ-SGD's activation in, or the place its decoded activation goes) are passed to `fn` after
     `tensors` and before `held`, never copied either, but may lie elsewhere at each call: `fn` must reach them only
     through addresses it reads from `tensors` (a replay runs the kernels captured with the capture's tensors, which
-    move themselves to the address given). Their layouts are part of the signature, and whether each starts at a
-    16-byte boundary (what Triton compiles a kernel for), not their addresses: a copy in or out saved per call."""
+    move themselves to the address given). Their layouts are part of the signature, and each one's offset from an
+    `ADDRESS_GRAIN` boundary (Triton compiles a kernel per alignment of its pointers), not their addresses: a copy
+    in or out saved per call."""
     device = _device_of(tensors + addressed + held)
     passed = addressed + held  # (given to `fn` as they are)
     if (not may_replay(device) or any(t.device != device for t in passed)
@@ -117,7 +121,7 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
         # (inside another graph's capture: its kernels become part of that graph)
         return fn(*(_on(device, t) for t in tensors), *passed)
     inputs = tuple(_layout(t) for t in tensors)
-    signature = (key, _stream_id(device), *inputs, *((*_layout(t), t.data_ptr() % 16 == 0) for t in addressed),
+    signature = (key, _stream_id(device), *inputs, *((*_layout(t), t.data_ptr() % ADDRESS_GRAIN) for t in addressed),
                  tuple((t.data_ptr(), *_layout(t)) for t in held))
     entry = _cache.graphs.get(signature)
     if entry is None:

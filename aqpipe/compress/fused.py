@@ -54,7 +54,6 @@ DELTA_SWITCH = "AQPIPE_FUSED_AQSGD"  # "1": AQ-SGD's delta step fused at every s
 # fused was 8% slower at 4 × 128 × 576 (0.29 M values), as fast at 1.18 M, 18% faster at 2.36 M and 50% at SmolLM2's
 # 8 × 1024 × 576. Below a million a message's time is its launches and waits, not its arithmetic.
 DELTA_MIN_ELEMENTS = 1 << 20
-ADDRESS_ALIGN = 64  # bytes: where a tensor the delta kernels reach through an address must start (`addressable`)
 log = logging.getLogger(__name__)
 _failed: list[str] = []  # why the kernels failed to compile or launch in this process (then the torch ops run)
 # the delta steps ("encode", "decode") whose every kernel has run in this process: only those write m(ξ) in place, so
@@ -136,7 +135,7 @@ def delta_encode(x: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, b
     kernels failed before writing anything."""
     x3 = _as_rows(x)
     b, t, c = x3.shape
-    _check_rows(m, x.shape, slots, checksum, in_place, moved=x if x_moved else None)
+    _check_rows(m, x.shape, slots, checksum, in_place, (x,) if x_moved else ())
     m3 = m.detach().reshape(m.shape[0], t, c)
     in_place = in_place and writes_in_place("encode", x.device)
     payload = torch.empty(b + b * row_bytes(t, c, bits), dtype=torch.uint8, device=x.device)
@@ -193,21 +192,23 @@ def decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str) -> 
 
 
 def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, shape: tuple[int, ...], bits: int,
-                 grid: str, checksum: tuple[int, int], in_place: bool = False, into: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+                 grid: str, checksum: tuple[int, int], in_place: bool = False, into: torch.Tensor | None = None,
+                 rows_moved: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
     """AQ-SGD's receiver in two kernels, straight from m(ξ)'s storage (`m`, `slots`, `in_place`: as
     `delta_encode`): the new m(ξ) (m(ξ) + the decoded change, in m's 16-bit dtype; None where written over the old)
     of the batch of `shape`, it in float32 (the activation, a tensor of its own — or, given `into` [shape] float32,
-    written at the address `slots[B]` holds and `into` returned as it: see `addressable`), and the verdicts [2B]
-    (each sample kept, its checksum sum); None if the kernels failed before writing anything."""
+    written at the address the slots end with and `into` returned as it: see `addressable`), and the verdicts [2B]
+    (each sample kept, its checksum sum); None if the kernels failed before writing anything. With `rows_moved` the
+    rows are read at the address `slots[B]` holds, not at `rows` (a tensor of their layout, as `into`)."""
     b = shape[0]
     if into is not None and (tuple(into.shape) != tuple(shape) or into.dtype != torch.float32):
         raise ValueError(f"the activation's place must be float32 {tuple(shape)}, not {into.dtype} "
                          f"{tuple(into.shape)}")
-    _check_rows(m, shape, slots, checksum, in_place, moved=into)
+    moved = ((rows,) if rows_moved else ()) + (() if into is None else (into,))
+    _check_rows(m, shape, slots, checksum, in_place, moved)
     m3 = m.detach().reshape(m.shape[0], -1, shape[-1])
     in_place = in_place and writes_in_place("decode", rows.device)
-    out = _decode(rows, shape, bits, grid, (m3, slots, checksum), in_place, into)
+    out = _decode(rows, shape, bits, grid, (m3, slots, checksum), in_place, into, rows_moved)
     if out is None:
         return None
     m_new, values, sums = out
@@ -227,11 +228,11 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
 
 def addressable(t: torch.Tensor) -> bool:
     """Whether the delta kernels may reach `t` through an address their slots carry (`delta_encode`'s `x_moved`,
-    `delta_decode`'s `into`) rather than where it was when a graph captured them: contiguous (they take it as rows),
-    of at most 4-byte elements, at a multiple of `ADDRESS_ALIGN` bytes — so the shift between two such tensors is a
-    multiple of 16 elements, which keeps the kernels' vector loads and stores. The caching allocator's blocks start
-    at 512-byte boundaries; a view into one may not."""
-    return t.is_contiguous() and t.element_size() <= 4 and t.data_ptr() % ADDRESS_ALIGN == 0
+    `delta_decode`'s `into` and `rows_moved`) rather than where the tensor they are given lies: contiguous (they take
+    it as rows) and of at most 4-byte elements. The tensor given in its place (what a graph was captured with) must
+    start at the same offset from a `cuda_graphs.ADDRESS_GRAIN` boundary — a graph's signature holds that offset —
+    so the shift is a multiple of 16 elements, which keeps the kernels' vector loads and stores."""
+    return t.is_contiguous() and t.element_size() <= 4
 
 
 def writes_in_place(step: str, device: torch.device) -> bool:
@@ -254,15 +255,16 @@ def _carved(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -
 
 
 def _check_rows(m: torch.Tensor, shape: tuple[int, ...], slots: torch.Tensor | None, checksum: tuple[int, int],
-                in_place: bool, moved: torch.Tensor | None = None) -> None:
+                in_place: bool, moved: tuple[torch.Tensor, ...] = ()) -> None:
     """m(ξ)'s rows must hold the batch of `shape`: its own B rows, or slots [B] (int64, on m's device) into a slab,
     each row of the batch's sample shape (written `in_place` only through slots, whose rows the caller keeps
-    distinct); and the checksum's weights must fit 16 bits (the kernels form each word's product in int32). A tensor
-    the kernels reach through an address (`moved`: see `addressable`) comes with slots [B + 1] that carry it."""
-    if moved is not None and (slots is None or not addressable(moved)):
+    distinct); and the checksum's weights must fit 16 bits (the kernels form each word's product in int32). The
+    tensors the kernels reach through an address (`moved`, each `addressable`) come with slots [B + their number]
+    that carry their addresses after the rows' slots."""
+    if moved and (slots is None or not all(addressable(t) for t in moved)):
         raise ValueError("a tensor reached through an address needs slots to carry it, and must be contiguous, of "
-                         f"at most 4-byte elements, at a multiple of {ADDRESS_ALIGN} bytes")
-    b = shape[0] + (moved is not None)
+                         "at most 4-byte elements")
+    b = shape[0] + len(moved)
     if tuple(m.shape[1:]) != tuple(shape[1:]):
         raise ValueError(f"m(xi) rows of shape {tuple(m.shape[1:])} for samples of shape {tuple(shape[1:])}")
     if in_place and slots is None:
@@ -329,11 +331,12 @@ def _launch_codes(k, x3: torch.Tensor, m3: torch.Tensor | None, slots: torch.Ten
 
 def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
             delta: tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]] | None, in_place: bool = False,
-            into: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | None:
+            into: torch.Tensor | None = None, rows_moved: bool = False) -> tuple[torch.Tensor, ...] | None:
     """Launch the decode kernel (`delta`: AQ-SGD's m(ξ) rows [N, T, C], the slots of the batch's rows among them or
     None, and the checksum constants): (values,) or, for AQ-SGD, (m_new, values, the tiles' checksum parts) — m_new
     being m's rows themselves where written `in_place`; the values a tensor of their own, or (`into`, a tensor of
-    their layout, returned as them) written at the address the slots' last holds."""
+    their layout, returned as them) written at the address the slots' last holds; with `rows_moved` the rows read at
+    the address after the batch's slots."""
     b, c = shape[0], shape[-1]
     t = 1
     for d in shape[1:-1]:
@@ -357,9 +360,9 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
                 row_w, col_w = weight_parts(t, c, checksum, rows.device)
             k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
                 rows, _levels(bits, grid, rows.device), out, m3, m3 if slots is None else slots, m_new, sums, t, c,
-                rows.shape[1], b, row_w, col_w, modulus, BITS=bits, HAS_M=delta is not None, SLOTS=slots is not None,
-                OUT_MOVED=into is not None, IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, num_warps=warps,
-                **k.OPTIONS)
+                rows.shape[1], b, b + rows_moved, row_w, col_w, modulus, BITS=bits, HAS_M=delta is not None,
+                SLOTS=slots is not None, ROWS_MOVED=rows_moved, OUT_MOVED=into is not None, IN_PLACE=in_place,
+                BT=k.TILE_T, BC=k.TILE_C, num_warps=warps, **k.OPTIONS)
         except Exception as error:
             _give_up(error)
             return None

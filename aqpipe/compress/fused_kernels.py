@@ -20,9 +20,10 @@ def m_row(sample, slots_ptr, SLOTS: tl.constexpr):
 @triton.jit
 def moved(ptr, slots_ptr, at):
     """`ptr` moved to the address `slots_ptr[at]` holds: a tensor of the same layout elsewhere (a graph captured with
-    `ptr` replays on another activation without copying it in). Both addresses are multiples of
-    `fused.ADDRESS_ALIGN` bytes and the elements at most 4 bytes, so the shift is a multiple of 16 elements: said
-    to the compiler, which then keeps the vector loads and stores it makes for `ptr` itself."""
+    `ptr` replays on another activation without copying it in). Both start at the same offset from a
+    `cuda_graphs.ADDRESS_GRAIN` (64-byte) boundary — a graph's signature says so — and the elements are at most 4
+    bytes, so the shift is a multiple of 16 elements: said to the compiler, which then keeps the vector loads and
+    stores it makes for `ptr` itself."""
     size: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
     shift = (tl.load(slots_ptr + at) - ptr.to(tl.int64)) // size
     return ptr + tl.multiple_of(shift, 16)
@@ -168,13 +169,16 @@ def checksum_part(new, tokens, cols, T, C, inside, row_w_ptr, col_w_ptr, modulus
 
 
 @triton.jit
-def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sums_ptr, T, C, W, OUT_AT, row_w_ptr,
-                  col_w_ptr, modulus, BITS: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr,
-                  OUT_MOVED: tl.constexpr, IN_PLACE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sums_ptr, T, C, W, ROWS_AT, OUT_AT,
+                  row_w_ptr, col_w_ptr, modulus, BITS: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr,
+                  ROWS_MOVED: tl.constexpr, OUT_MOVED: tl.constexpr, IN_PLACE: tl.constexpr, BT: tl.constexpr,
+                  BC: tl.constexpr):
     """One program per (sample, BT tokens, BC channels): unpack the codes, level(code) · scale; with HAS_M the new
     m(ξ) = m + that (m's row `slots_ptr[sample]` of a slab with SLOTS), in m's dtype (IN_PLACE: over the old), its
     float32 value as the output (written at the address `slots_ptr[OUT_AT]` with OUT_MOVED) and the tile's checksum
-    part."""
+    part. With ROWS_MOVED the rows are read at the address `slots_ptr[ROWS_AT]`."""
+    if ROWS_MOVED:
+        rows_ptr = moved(rows_ptr, slots_ptr, ROWS_AT)
     if OUT_MOVED:
         out_ptr = moved(out_ptr, slots_ptr, OUT_AT)
     tiles_t = tl.cdiv(T, BT)

@@ -3,12 +3,12 @@
 In the steady state of a GPU run — m(ξ) a slab's rows on the GPU (`--store-device cuda`), a batch of distinct
 samples, the kernels proven in the process so they write m(ξ) in place — each end replays its step from one CUDA
 graph (`aqpipe.compress.cuda_graphs`, the slab held where it lies): the kernels' launches, their buffers'
-allocations and the mode bytes' fill become one replay, for one copy into the graph from the host — the step's
-index: the slots, where the store's index made them, then the activation's address — and, at the receiver, of the
-received rows. The kernels read the activation, and write the decoded one, where the caller has them, through that
-address (`fused.addressable`): no 18.9 MB copy in or out at SmolLM2's 8 × 1024 × 576, where a message's time on an
-H100 was its host's calls, a quarter of them Triton's launcher, against ~215 µs of device time a pair, 36 of them
-those two copies (benchmarks/README.md).
+allocations and the mode bytes' fill become one replay, for one copy into the graph from the host: the step's
+index — the slots, where the store's index made them, then the addresses of the activation (or of the received
+rows and of the decoded activation). The kernels read and write those where the caller has them (`fused.addressable`):
+no 18.9 MB copy in or out at SmolLM2's 8 × 1024 × 576, where a message's time on an H100 was its host's calls, a
+quarter of them Triton's launcher, against ~215 µs of device time a pair, 36 of them those two copies
+(benchmarks/README.md).
 Elsewhere — m(ξ) in host RAM or per-sample tensors, a sample twice in a batch, the first messages — the kernels are
 launched one by one, as the graph replays them: the bits are the same either way.
 """
@@ -52,14 +52,14 @@ class FusedDelta:
         batch's m(ξ) gathered): (payload, new m(ξ) or None where written in place, verdicts, norms, squares, lent —
         whether they are a graph's buffers, see `graphed`'s borrow); None if the kernels failed before writing
         anything. Replayed from the step's graph, the slots go from the host straight into its buffer, with the
-        activation's address after them where the kernels may read it there (`fused.addressable`: no copy of it
-        into the graph), else with the activation copied in."""
+        activation's address after them (`fused.addressable`: no copy of it into the graph; one not in one piece is
+        copied in)."""
         if slots is not None and self._replays(slots, ids, "encode", m.device):
             given: tuple[torch.Tensor, ...]
             moved: tuple[torch.Tensor, ...]
             if fused.addressable(x):
                 given, moved = (_index(slots, x),), (x,)
-            else:  # (a view off the allocator's boundaries: copied into the graph)
+            else:  # (not in one piece: copied into the graph)
                 given, moved = (_index(slots), x), ()
             done = self._graphed("encode", encode_in_place, given, moved, m, lend)
             return None if done is None else (done[0], None, *done[1:], lend)
@@ -74,11 +74,18 @@ class FusedDelta:
                batch: tuple[int, ...], lend: bool) -> tuple | None:
         """The receiver's step on coded rows `rows` of samples `ids` (`batch`: their activation's shape; `m`,
         `slots` as `encode`): (new m(ξ) or None where written in place, the activation — a tensor of its own, which
-        a replayed graph writes where its address in the slots says: no copy of it out of the graph —, verdicts,
-        lent); None if the kernels failed before writing anything."""
+        a replayed graph writes where its address in the step's index says: no copy of it out of the graph —,
+        verdicts, lent); None if the kernels failed before writing anything. The graph reads the rows where they
+        lie too, through their address in the index."""
         if slots is not None and self._replays(slots, ids, "decode", m.device):
             out = torch.empty(batch, dtype=torch.float32, device=m.device)
-            done = self._graphed("decode", decode_in_place, (rows, _index(slots, out)), (out,), m, lend)
+            given: tuple[torch.Tensor, ...]
+            moved: tuple[torch.Tensor, ...]
+            if fused.addressable(rows):
+                given, moved = (_index(slots, rows, out),), (rows, out)
+            else:  # (rows that are not one piece: copied into the graph)
+                given, moved = (_index(slots, out), rows), (out,)
+            done = self._graphed("decode", decode_in_place, given, moved, m, lend)
             return None if done is None else (None, out, done[0], lend)
         at = None if slots is None else to_device(_index(slots), m.device)
         decoded = fused.delta_decode(rows, m, at, batch, self.bits, self.grid, CHECKSUM_WEIGHTS,
@@ -89,14 +96,15 @@ class FusedDelta:
         """The graph this end replays for delta rows of `shape` where m(ξ) is a slab's rows on its GPU, on stand-in
         inputs (the slab itself is the store's, not the graph's; the activation counted in float32, the most a
         stage sends)."""
-        slab, index = stand_in(shape, m_dtype), stand_in((shape[0] + 1,), torch.int64)
-        activation = stand_in(shape, torch.float32)  # (reached through its address: not the graph's)
+        slab, activation = stand_in(shape, m_dtype), stand_in(shape, torch.float32)
         run = functools.partial(STEPS["encode" if sending else "decode"], self.bits, self.grid)
+        # (the activation, and the rows, reached through their addresses in the index: not the graph's)
         if sending:
+            index = stand_in((shape[0] + 1,), torch.int64)
             return [GraphCall("fused-encode", lambda at: run(at, activation, slab), (index,), self._key("encode"))]
+        index = stand_in((shape[0] + 2,), torch.int64)
         coded = stand_in((shape[0], fused.row_bytes(math.prod(shape[1:-1]), shape[-1], self.bits)), torch.uint8)
-        return [GraphCall("fused-decode", lambda given, at: run(given, at, activation, slab), (coded, index),
-                          self._key("decode"))]
+        return [GraphCall("fused-decode", lambda at: run(at, coded, activation, slab), (index,), self._key("decode"))]
 
     def _graphed(self, step: str, fn: Step, given: tuple[torch.Tensor, ...], moved: tuple[torch.Tensor, ...],
                  slab: torch.Tensor, lend: bool) -> tuple[torch.Tensor, ...] | None:
@@ -151,13 +159,14 @@ def encode_in_place(bits: int, grid: str, index: torch.Tensor, x: torch.Tensor, 
     return coded.payload, coded.verdicts, coded.norms, coded.squares
 
 
-def decode_in_place(bits: int, grid: str, rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
+def decode_in_place(bits: int, grid: str, index: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
                     slab: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The receiver's fused step over a slab's rows, the new m(ξ) written over the old and the activation at the
-    address `index` ends with (after the rows' slots; `out`: a tensor of its layout): (verdicts,), as a graph
-    captures it; KernelsFailed if they failed before writing anything."""
+    address `index` ends with (`out`: a tensor of its layout): (verdicts,), as a graph captures it; KernelsFailed if
+    they failed before writing anything. `index`: the rows' slots, then — with two more — the rows' address, then
+    the activation's."""
     decoded = fused.delta_decode(rows, slab, index, tuple(out.shape), bits, grid, CHECKSUM_WEIGHTS, in_place=True,
-                                 into=out)
+                                 into=out, rows_moved=index.shape[0] > rows.shape[0] + 1)
     if decoded is None:
         raise KernelsFailed("the fused delta kernels failed")
     return (decoded[2],)
@@ -166,7 +175,7 @@ def decode_in_place(bits: int, grid: str, rows: torch.Tensor, index: torch.Tenso
 STEPS: dict[str, Step] = {"encode": encode_in_place, "decode": decode_in_place}  # each step over a slab, by name
 
 
-def _index(slots: list[int], moved: torch.Tensor | None = None) -> torch.Tensor:
-    """The fused step's index on the host: the rows' slots, then the address of `moved` (the tensor its kernels
-    reach there, see `fused.addressable`), if given."""
-    return torch.tensor(slots if moved is None else [*slots, moved.data_ptr()], dtype=torch.int64)
+def _index(slots: list[int], *moved: torch.Tensor) -> torch.Tensor:
+    """The fused step's index on the host: the rows' slots, then the address of each of `moved` (the tensors its
+    kernels reach there, see `fused.addressable`)."""
+    return torch.tensor([*slots, *(t.data_ptr() for t in moved)], dtype=torch.int64)
