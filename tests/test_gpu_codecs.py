@@ -299,9 +299,10 @@ print("failed" if cuda_graphs._cache.failed or fused._failed else "captured", ki
 @needs_cuda
 @needs_triton
 def test_a_fresh_process_captures_the_fused_steps_graphs_over_rows_at_an_odd_offset():
-    """In a process whose kernels have never run, a 4-sample message's rows lie 4 bytes into their payload, and the
-    decode step's graph captures their aligned copy: Triton's kernels for it must be compiled and loaded before the
-    capture (which cannot compile: it failed so at codec_speed.py's aqsgd:3 on an H100, and every later row ran
+    """In a process whose kernels have never run, a 4-sample message's rows lie 4 bytes into their payload, where
+    the decode step's graph reads them (their offset from a 64-byte boundary names the graph): Triton's kernels for
+    that alignment must be compiled and loaded before the capture (which cannot compile: it failed so at
+    codec_speed.py's aqsgd:3 on an H100, when the graph read an aligned copy of the rows, and every later row ran
     about ten times slower)."""
     env = {**os.environ, "AQPIPE_FUSED_AQSGD": "1"}
     proc = subprocess.run([sys.executable, "-c", _FRESH_FUSED_GRAPHS], capture_output=True, text=True, timeout=300,
