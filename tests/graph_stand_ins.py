@@ -32,7 +32,8 @@ def install(captures: list, patch=setattr) -> None:
     def capture(fn, tensors, held=()):
         device = cuda_graphs._device_of(tensors + held)
         inputs = tuple(cuda_graphs._copy_on(device, t) for t in tensors)  # (the graph's buffers, as a capture's)
-        # a capture runs nothing: the outputs' buffers are made on copies of what `fn` writes in place
+        # a capture runs nothing: the outputs' buffers are made on copies of what `fn` writes in place (what `fn`
+        # reaches through an address among its inputs it reaches all the same here: the replay after writes it again)
         graph = StandInGraph(fn, inputs, held, tuple(fn(*inputs, *(t.clone() for t in held))))
         captures.append(graph)
         return cuda_graphs._Graph(graph, inputs, graph.outputs)

@@ -463,3 +463,40 @@ def test_an_addressed_tensor_is_reached_where_it_lies_at_each_call_and_moving_it
     for _ in range(2):  # (another layout)
         call(torch.ones(2, 4), slab)
     assert len(stand_in) == 3 and cuda_graphs.captured() == 3
+
+
+def test_a_moved_slab_drops_its_graphs_at_every_offset_and_addressed_calls_need_no_held_tensor(stand_in, monkeypatch):
+    """A slab that moved drops the graphs of the same call over the old slab at every offset of its addressed
+    tensors, not only the offset of the call that found it moved (they read and write memory no longer the slab's).
+    A call with addressed tensors and none held captures and replays as well, its first call getting them as they
+    are; with graphs switched off every call gets them as they are, and nothing is captured."""
+    placed: dict[int, torch.Tensor] = {}
+    given = []
+
+    def step(index, x, *slab):
+        given.append(x.data_ptr())
+        real = placed[int(index[-1])]
+        for s in slab:
+            s.add_(real.sum(dim=0))
+        return (real + 1,)
+
+    def call(x, *held):
+        placed[x.data_ptr()] = x
+        return graphed("moved", step, torch.tensor([x.data_ptr()]), addressed=(x,), held=held)[0].clone()
+
+    aligned, off = torch.ones(3, 4), torch.ones(13)[1:].view(3, 4)  # (at two offsets from a 64-byte boundary)
+    slab, grown = torch.zeros(4), torch.zeros(4)
+    for x in (aligned, off, aligned, off):
+        call(x, slab)
+    assert cuda_graphs.captured() == 2
+    for _ in range(2):
+        call(aligned, grown)
+    assert cuda_graphs.captured() == 1  # (both graphs over the old slab dropped)
+    cuda_graphs.clear()
+    given.clear()
+    xs = [torch.full((3, 4), float(k)) for k in range(3)]
+    assert [call(x)[0, 0].item() for x in xs] == [1.0, 2.0, 3.0] and cuda_graphs.captured() == 1
+    assert given[0] == xs[0].data_ptr()
+    monkeypatch.setenv(cuda_graphs.SWITCH, "0")
+    given.clear()
+    assert [call(x)[0, 0].item() for x in xs] == [1.0, 2.0, 3.0] and given == [x.data_ptr() for x in xs]

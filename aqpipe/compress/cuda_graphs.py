@@ -26,7 +26,7 @@ import os
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -120,12 +120,12 @@ def graphed(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *tensors
             or any(t.device != device and t.device != HOST for t in tensors) or getattr(_capturing, "now", False)):
         # (inside another graph's capture: its kernels become part of that graph)
         return fn(*(_on(device, t) for t in tensors), *passed)
-    inputs = tuple(_layout(t) for t in tensors)
-    signature = (key, _stream_id(device), *inputs, *((*_layout(t), t.data_ptr() % ADDRESS_GRAIN) for t in addressed),
-                 tuple((t.data_ptr(), *_layout(t)) for t in held))
+    signature = (key, _stream_id(device), tuple(_layout(t) for t in tensors),
+                 tuple((_layout(t), t.data_ptr() % ADDRESS_GRAIN) for t in addressed),
+                 tuple((t.data_ptr(), _layout(t)) for t in held))
     entry = _cache.graphs.get(signature)
     if entry is None:
-        entry, first = _first_calls(signature, fn, tensors, passed, bool(held))
+        entry, first = _first_calls(signature, fn, tensors, passed)
         if entry is None:
             if first and passed:  # (copies, as the capture will have: see above)
                 return fn(*(_copy_on(device, t) for t in tensors), *passed)
@@ -186,13 +186,12 @@ _raw_stream = _raw_stream_reader()
 
 
 def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...]],
-                 tensors: tuple[torch.Tensor, ...], passed: tuple[torch.Tensor, ...] = (), held: bool = False
+                 tensors: tuple[torch.Tensor, ...], passed: tuple[torch.Tensor, ...] = ()
                  ) -> tuple[_Graph | None, bool]:
-    """The signature's graph, captured at its second call (with `held`, replacing a graph of the same call whose held
-    tensors lay elsewhere: the signature's last part), and whether this is its first call; no graph for the first
-    call (run op by op: it fills the caches `fn` reads, such as level tables, which a capture could not), after a
-    failed capture, or past `MAX_GRAPHS`. `passed`: the tensors `fn` gets as they are (`graphed`'s addressed and
-    held)."""
+    """The signature's graph, captured at its second call (replacing every graph of the same call whose held tensors
+    lay elsewhere: see `_moved`), and whether this is its first call; no graph for the first call (run op by op: it
+    fills the caches `fn` reads, such as level tables, which a capture could not), after a failed capture, or past
+    `MAX_GRAPHS`. `passed`: the tensors `fn` gets as they are (`graphed`'s addressed and held)."""
     with _cache.lock:
         if signature in _cache.graphs:
             return _cache.graphs[signature], False
@@ -201,8 +200,7 @@ def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...
         if signature not in _cache.seen:
             _cache.seen.add(signature)
             return None, True
-        same_call = len(signature) - 1  # (key, stream, inputs, addressed): then where the held tensors lay
-        moved = [s for s in _cache.graphs if s[:same_call] == signature[:same_call]] if held else []
+        moved = [s for s in _cache.graphs if _moved(s, signature)]
         if len(_cache.graphs) - len(moved) >= MAX_GRAPHS:
             if not _cache.full:
                 _cache.full = True
@@ -226,23 +224,32 @@ def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...
         return entry, False
 
 
+def _moved(old: Signature, new: Signature) -> bool:
+    """Whether the graph of signature `old` is of the same call as `new` (key, stream, inputs' and addressed tensors'
+    layouts, whatever the latter's offsets) over held tensors that have since moved (a slab that grew)."""
+    def layouts(signature: Signature) -> list[Hashable]:
+        return [layout for layout, _ in cast(tuple, signature[3])]  # (`graphed`'s: (layout, offset) pairs)
+
+    return len(old) == len(new) == 5 and old[:3] == new[:3] and old[4] != new[4] and layouts(old) == layouts(new)
+
+
 def _capture(fn: Callable[..., tuple[torch.Tensor, ...]], tensors: tuple[torch.Tensor, ...],
-             held: tuple[torch.Tensor, ...] = ()) -> _Graph:
-    """Capture `fn` on copies of `tensors` (and on `held` as they are: `graphed`'s addressed and held tensors), on a
-    side stream ordered after the caller's stream's work so far. No device-wide synchronize (torch.cuda.graph's
+             passed: tuple[torch.Tensor, ...] = ()) -> _Graph:
+    """Capture `fn` on copies of `tensors` (and on `passed` as they are: `graphed`'s addressed and held tensors), on
+    a side stream ordered after the caller's stream's work so far. No device-wide synchronize (torch.cuda.graph's
     own), which would stall every stream of a training step."""
-    stream = torch.cuda.current_stream(_device_of(tensors + held))
+    stream = torch.cuda.current_stream(_device_of(tensors + passed))
     side = _capturing_stream(stream.device)
     side.wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         inputs = tuple(_copy_on(side.device, t) for t in tensors)
-        if not held:  # a warm-up on the capturing stream: library workspaces are made here, not inside the capture
+        if not passed:  # a warm-up on the capturing stream: library workspaces are made here, not inside the capture
             fn(*inputs)
         # thread_local: other threads' CUDA calls (the outbox's copies, the prefetchers) go on meanwhile
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            outputs = tuple(fn(*inputs, *held))
+            outputs = tuple(fn(*inputs, *passed))
         except BaseException:
             _end_failed(graph, stream.device)
             raise

@@ -193,13 +193,14 @@ def decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str) -> 
 
 def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None, shape: tuple[int, ...], bits: int,
                  grid: str, checksum: tuple[int, int], in_place: bool = False, into: torch.Tensor | None = None,
-                 rows_moved: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+                 rows_moved: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None:
     """AQ-SGD's receiver in two kernels, straight from m(ξ)'s storage (`m`, `slots`, `in_place`: as
     `delta_encode`): the new m(ξ) (m(ξ) + the decoded change, in m's 16-bit dtype; None where written over the old)
-    of the batch of `shape`, it in float32 (the activation, a tensor of its own — or, given `into` [shape] float32,
-    written at the address the slots end with and `into` returned as it: see `addressable`), and the verdicts [2B]
-    (each sample kept, its checksum sum); None if the kernels failed before writing anything. With `rows_moved` the
-    rows are read at the address `slots[B]` holds, not at `rows` (a tensor of their layout, as `into`)."""
+    of the batch of `shape`, it in float32 (the activation, a tensor of its own — or, given `into`, None: written at
+    the address the slots end with, `into` being a float32 tensor of its layout that the kernels move from, see
+    `addressable`), and the verdicts [2B] (each sample kept, its checksum sum); None if the kernels failed before
+    writing anything. With `rows_moved` the rows are read at the address `slots[B]` holds, not at `rows` (a tensor
+    of their layout, as `into`)."""
     b = shape[0]
     if into is not None and (tuple(into.shape) != tuple(shape) or into.dtype != torch.float32):
         raise ValueError(f"the activation's place must be float32 {tuple(shape)}, not {into.dtype} "
@@ -223,7 +224,7 @@ def delta_decode(rows: torch.Tensor, m: torch.Tensor, slots: torch.Tensor | None
             _give_up(error, in_place)
             return None
         _proven.add("decode")
-    return None if in_place else m_new, values, verdicts
+    return None if in_place else m_new, None if into is not None else values, verdicts
 
 
 def addressable(t: torch.Tensor) -> bool:

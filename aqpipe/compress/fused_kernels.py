@@ -29,7 +29,7 @@ def moved(ptr, slots_ptr, at):
     return ptr + tl.multiple_of(shift, 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["X_AT"])  # (an index into the slots, unread without X_MOVED: one kernel for any)
 def scales_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, T, C, W, X_AT, KIND: tl.constexpr,
                   FP16_MAX: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, X_MOVED: tl.constexpr,
                   BT: tl.constexpr, BC: tl.constexpr):
@@ -80,7 +80,7 @@ def scales_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, T, C, W, X_AT, KIND:
     tl.store(row + 1, (pattern >> 8).to(tl.uint8), mask=in_c)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["X_AT"])
 def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, m_new_ptr, sums_ptr, norms_ptr,
                  bad_ptr, T, C, W, X_AT, offset, steps, top, row_w_ptr, col_w_ptr, modulus, m_max, BITS: tl.constexpr,
                  VALUES: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, X_MOVED: tl.constexpr,
@@ -168,7 +168,7 @@ def checksum_part(new, tokens, cols, T, C, inside, row_w_ptr, col_w_ptr, modulus
     return tl.sum(tl.sum(tl.where(inside, word * weight, 0).to(tl.int64), axis=1), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS_AT", "OUT_AT"])
 def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sums_ptr, T, C, W, ROWS_AT, OUT_AT,
                   row_w_ptr, col_w_ptr, modulus, BITS: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr,
                   ROWS_MOVED: tl.constexpr, OUT_MOVED: tl.constexpr, IN_PLACE: tl.constexpr, BT: tl.constexpr,

@@ -110,7 +110,7 @@ class StoreView:
     @property
     def keeps_rows(self) -> bool:
         """Whether the store keeps m(ξ) as rows of slabs, which `slots` hands a kernel to read and write in place."""
-        return hasattr(self.store, "rows")
+        return hasattr(self.store, "slots")
 
     def scatter(self, ids: Sequence[int], values: torch.Tensor) -> None:
         """Replace m(ξ) of `ids` with the rows of `values` [B, ...] (in the store dtype). The store copies them: the

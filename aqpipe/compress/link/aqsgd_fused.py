@@ -55,13 +55,7 @@ class FusedDelta:
         activation's address after them (`fused.addressable`: no copy of it into the graph; one not in one piece is
         copied in)."""
         if slots is not None and self._replays(slots, ids, "encode", m.device):
-            given: tuple[torch.Tensor, ...]
-            moved: tuple[torch.Tensor, ...]
-            if fused.addressable(x):
-                given, moved = (_index(slots, x),), (x,)
-            else:  # (not in one piece: copied into the graph)
-                given, moved = (_index(slots), x), ()
-            done = self._graphed("encode", encode_in_place, given, moved, m, lend)
+            done = self._graphed("encode", encode_in_place, slots, (x,), m, lend)
             return None if done is None else (done[0], None, *done[1:], lend)
         at = None if slots is None else to_device(_index(slots), m.device)  # (launched one by one: on the slab's GPU)
         coded = fused.delta_encode(x, m, at, self.bits, self.grid, CHECKSUM_WEIGHTS, MODE_DELTA,
@@ -78,14 +72,8 @@ class FusedDelta:
         verdicts, lent); None if the kernels failed before writing anything. The graph reads the rows where they
         lie too, through their address in the index."""
         if slots is not None and self._replays(slots, ids, "decode", m.device):
-            out = torch.empty(batch, dtype=torch.float32, device=m.device)
-            given: tuple[torch.Tensor, ...]
-            moved: tuple[torch.Tensor, ...]
-            if fused.addressable(rows):
-                given, moved = (_index(slots, rows, out),), (rows, out)
-            else:  # (rows that are not one piece: copied into the graph)
-                given, moved = (_index(slots, out), rows), (out,)
-            done = self._graphed("decode", decode_in_place, given, moved, m, lend)
+            out = torch.empty(batch, dtype=torch.float32, device=m.device)  # (always `fused.addressable`)
+            done = self._graphed("decode", decode_in_place, slots, (rows, out), m, lend)
             return None if done is None else (None, out, done[0], lend)
         at = None if slots is None else to_device(_index(slots), m.device)
         decoded = fused.delta_decode(rows, m, at, batch, self.bits, self.grid, CHECKSUM_WEIGHTS,
@@ -94,26 +82,32 @@ class FusedDelta:
 
     def graph_calls(self, shape: tuple[int, ...], m_dtype: torch.dtype, sending: bool) -> list[GraphCall]:
         """The graph this end replays for delta rows of `shape` where m(ξ) is a slab's rows on its GPU, on stand-in
-        inputs (the slab itself is the store's, not the graph's; the activation counted in float32, the most a
-        stage sends)."""
+        inputs: its index alone (the slab is the store's; the activation, and a receiver's rows, the caller's,
+        reached through their addresses in the index)."""
         slab, activation = stand_in(shape, m_dtype), stand_in(shape, torch.float32)
-        run = functools.partial(STEPS["encode" if sending else "decode"], self.bits, self.grid)
-        # (the activation, and the rows, reached through their addresses in the index: not the graph's)
         if sending:
+            run = functools.partial(encode_in_place, self.bits, self.grid, 1)
             index = stand_in((shape[0] + 1,), torch.int64)
             return [GraphCall("fused-encode", lambda at: run(at, activation, slab), (index,), self._key("encode"))]
+        run = functools.partial(decode_in_place, self.bits, self.grid, 2)
         index = stand_in((shape[0] + 2,), torch.int64)
         coded = stand_in((shape[0], fused.row_bytes(math.prod(shape[1:-1]), shape[-1], self.bits)), torch.uint8)
         return [GraphCall("fused-decode", lambda at: run(at, coded, activation, slab), (index,), self._key("decode"))]
 
-    def _graphed(self, step: str, fn: Step, given: tuple[torch.Tensor, ...], moved: tuple[torch.Tensor, ...],
-                 slab: torch.Tensor, lend: bool) -> tuple[torch.Tensor, ...] | None:
-        """`fn` (`encode_in_place`, `decode_in_place`) on `given` (copied into the graph) and `moved` (reached through
-        their addresses in the index `given` ends with) over the slab, replayed from this end's graph of `step` where
-        it may be; None if the kernels failed before writing anything."""
+    def _graphed(self, step: str, fn: Step, slots: list[int], reached: tuple[torch.Tensor, ...], slab: torch.Tensor,
+                 lend: bool) -> tuple[torch.Tensor, ...] | None:
+        """`fn` (`encode_in_place`, `decode_in_place`) over the slab's rows `slots`, replayed from this end's graph of
+        `step` where it may be; None if the kernels failed before writing anything. `fn` gets its index (the slots,
+        then the addresses of the last of `reached` that `fused.addressable` allows: the graph reaches them there),
+        then `reached` — those before them copied into the graph — and the slab; and how many it reaches through
+        the index."""
+        copied = len(reached)
+        while copied and fused.addressable(reached[copied - 1]):
+            copied -= 1
+        moved = reached[copied:]
         try:
-            return graphed(self._key(step), functools.partial(fn, self.bits, self.grid), *given, addressed=moved,
-                           held=(slab,), borrow=lend)
+            return graphed(self._key(step), functools.partial(fn, self.bits, self.grid, len(moved)),
+                           _index(slots, *moved), *reached[:copied], addressed=moved, held=(slab,), borrow=lend)
         except KernelsFailed:
             return None
 
@@ -147,32 +141,31 @@ def writable(slots: list[int] | None, ids: list[int]) -> bool:
     return slots is not None and len(set(ids)) == len(ids)
 
 
-def encode_in_place(bits: int, grid: str, index: torch.Tensor, x: torch.Tensor, slab: torch.Tensor
+def encode_in_place(bits: int, grid: str, moved: int, index: torch.Tensor, x: torch.Tensor, slab: torch.Tensor
                     ) -> tuple[torch.Tensor, ...]:
     """The sender's fused step over a slab's rows, the new m(ξ) written over the old: (payload, verdicts, norms,
-    squares), as a graph captures it (`index`: the rows' slots, then — one more — the address x is read at);
+    squares), as a graph captures it (`index`: the rows' slots, then — with `moved` 1 — the address x is read at);
     KernelsFailed if they failed before writing anything."""
     coded = fused.delta_encode(x, slab, index, bits, grid, CHECKSUM_WEIGHTS, MODE_DELTA, in_place=True,
-                               x_moved=index.shape[0] > x.shape[0])
+                               x_moved=moved == 1)
     if coded is None:
         raise KernelsFailed("the fused delta kernels failed")  # (in a capture: graphs go off, the step runs again)
     return coded.payload, coded.verdicts, coded.norms, coded.squares
 
 
-def decode_in_place(bits: int, grid: str, index: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+def decode_in_place(bits: int, grid: str, moved: int, index: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
                     slab: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The receiver's fused step over a slab's rows, the new m(ξ) written over the old and the activation at the
     address `index` ends with (`out`: a tensor of its layout): (verdicts,), as a graph captures it; KernelsFailed if
-    they failed before writing anything. `index`: the rows' slots, then — with two more — the rows' address, then
-    the activation's."""
+    they failed before writing anything. `index`: the rows' slots, then — with `moved` 2 — the rows' address, then
+    the activation's (`moved` 1: the activation's alone)."""
+    if moved < 1:
+        raise ValueError("the decoded activation is written at an address in the index, which must carry it")
     decoded = fused.delta_decode(rows, slab, index, tuple(out.shape), bits, grid, CHECKSUM_WEIGHTS, in_place=True,
-                                 into=out, rows_moved=index.shape[0] > rows.shape[0] + 1)
+                                 into=out, rows_moved=moved == 2)
     if decoded is None:
         raise KernelsFailed("the fused delta kernels failed")
     return (decoded[2],)
-
-
-STEPS: dict[str, Step] = {"encode": encode_in_place, "decode": decode_in_place}  # each step over a slab, by name
 
 
 def _index(slots: list[int], *moved: torch.Tensor) -> torch.Tensor:
