@@ -61,6 +61,7 @@ def summary(rounds: list[list[dict]]) -> list[dict]:
             values = [r[at][measure] for r in rounds if r[at].get(measure) is not None]
             row[measure] = statistics.median(values) if values else None
         row["round_trip_MBps"] = statistics.median(r[at]["round_trip_MBps"] for r in rounds)
+        row["host_timeline"] = [r[at].get("host_timeline") for r in rounds]  # (each round's, where the tree makes one)
         rows.append(row)
     return rows
 
@@ -87,6 +88,12 @@ def main() -> None:
             print(f"{name:>12} {tuple(row['shape'])}: encode {row['encode_us']:6.0f} µs  decode {row['decode_us']:6.0f} "
                   f"µs  both ends {row['round_trip_MBps'] / 1e3:6.1f} GB/s"
                   + ("" if busy is None else f"  device busy {busy:.0f} µs a pair"), flush=True)
+            launches = {end: [t[end]["to_graph_launch_us"] for t in row["host_timeline"] if t and end in t]
+                        for end in ("encode", "decode")}
+            if all(None not in found and found for found in launches.values()):
+                print(f"{'':>12} host time to the graph's launch: encode "
+                      f"{statistics.median(launches['encode']):.0f} µs, decode "
+                      f"{statistics.median(launches['decode']):.0f} µs (profiled)", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"baseline": args.baseline, "device": args.device, "codec": args.codec,

@@ -1,10 +1,11 @@
-"""Where an AQ-SGD message's time goes: a sender and a receiver of one link, fed the same batch message after
-message (its m(ξ) kept in memory on the device, or in host RAM), timed pair by pair, then profiled with
-torch.profiler — the device's busy time per pair beside the wall time, the kernels and copies that took it, and the
-host's calls per pair (copies, kernel launches, graph launches): what the host does per message, apart from what
-the device does. It also counts the torch ops a pair runs outside the codec's graphed calls, and those calls: on a
-GPU each such op is a call of the host's own and each graphed call one graph launch, so the count, taken on the
-host, says what a GPU's host will do per message.
+"""Where an AQ-SGD message's time goes: a sender and a receiver of one link, fed the same batch message after message
+(its m(ξ) kept in memory on the device, or in host RAM), timed pair by pair, then profiled with torch.profiler — the
+device's busy time per pair beside the wall time, the kernels and copies that took it, and the host's calls per pair
+(copies, kernel launches, graph launches): what the host does per message, apart from what the device does — and, per
+end, how long its host took to reach its graph's launch and how long it waited for the device (the round trip's
+critical path: the host's time before each launch adds to the device's). It also counts the torch ops a pair runs
+outside the codec's graphed calls, and those calls: on a GPU each such op is a call of the host's own and each
+graphed call one graph launch, so the count, taken on the host, says what a GPU's host will do per message.
 
     python benchmarks/codec_profile.py --device cuda --out benchmarks/results/codec_profile_cuda
     python benchmarks/codec_profile.py --shapes 4,16,64 --pairs 5      # on the host: the per-message Python alone
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aqpipe.compress import cuda_graphs
@@ -37,6 +38,8 @@ from benchmarks.codec_speed import time_pair  # noqa: E402
 
 HOST_CALLS = ("cudaMemcpyAsync", "cudaLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx", "cuLaunchKernel",
               "cudaStreamSynchronize", "cudaEventSynchronize")
+WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")  # the host waiting for the device
+ENDS = ("encode", "decode", "settle")  # a link's calls a pair makes, each marked in the profile
 
 
 STORES = {"auto": memory_store,  # what a run keeps: slabs on a GPU, a tensor per sample in host RAM
@@ -96,6 +99,45 @@ def host_ops(pair, pairs: int = 5) -> dict:
             "graphed_calls": counter.graphed / pairs}
 
 
+def marked(codec, names: tuple[str, ...] = ENDS) -> None:
+    """Mark each call of `codec`'s methods `names` in a profile (as `aqsgd <name>`), until `unmarked`."""
+    for name in names:
+        method = getattr(codec, name)
+
+        def call(*args, _method=method, _label=f"aqsgd {name}", **kwargs):
+            with record_function(_label):
+                return _method(*args, **kwargs)
+
+        setattr(codec, name, call)
+
+
+def unmarked(codec, names: tuple[str, ...] = ENDS) -> None:
+    """Undo `marked`."""
+    for name in names:
+        codec.__dict__.pop(name, None)
+
+
+def host_timeline(events, names: tuple[str, ...] = ENDS) -> dict:
+    """Per marked call (`marked`; medians over the profiled pairs): µs from its start to its first graph launch
+    (None where it launched none), µs it waited for the device in synchronizing calls, and µs it took."""
+    timeline = {}
+    for name in names:
+        rows = []
+        for mark in (e for e in events if e.name == f"aqsgd {name}"):
+            start, end = mark.time_range.start, mark.time_range.end
+            inside = [e for e in events if e.thread == mark.thread and start <= e.time_range.start
+                      and e.time_range.end <= end]
+            launches = [e.time_range.start - start for e in inside if e.name == "cudaGraphLaunch"]
+            waits = sum(e.time_range.elapsed_us() for e in inside if e.name in WAITS)
+            rows.append((min(launches) if launches else None, waits, end - start))
+        if rows:
+            launched = [r[0] for r in rows if r[0] is not None]
+            timeline[name] = {"to_graph_launch_us": statistics.median(launched) if launched else None,
+                              "waiting_us": statistics.median(r[1] for r in rows),
+                              "took_us": statistics.median(r[2] for r in rows)}
+    return timeline
+
+
 def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store_device: torch.device,
                   pairs: int, store: str = "auto") -> dict:
     """Wall time of encode and decode (medians of `pairs` pairs after five), the device's busy time per pair, the
@@ -113,9 +155,16 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
     times = [pair() for _ in range(pairs)]
     counted = host_ops(pair)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(5):
-            pair()
+    for end in (sender, receiver):
+        marked(end)
+    try:
+        with profile(activities=activities) as prof:
+            for _ in range(5):
+                pair()
+    finally:
+        for end in (sender, receiver):
+            unmarked(end)
+    timeline = host_timeline(prof.events())
     events = prof.key_averages()
     # the kernels and copies themselves: an op's row repeats its kernels' device time (summing every row counted
     # the device's busy time about 1.6 times over on an H200: 562 µs a pair where the kernels took 356)
@@ -131,6 +180,7 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
     return {"shape": list(shape), "encode_us": encode_s * 1e6, "decode_us": decode_s * 1e6,
             "round_trip_MBps": mb / (encode_s + decode_s), "device_busy_us_per_pair": device_us,
             "aten_ops_per_pair": ops, "host_calls_per_pair": calls, **{f"{k}_per_pair": v for k, v in counted.items()},
+            "host_timeline": timeline,
             "most_called_ops_per_pair": {e.key: e.count / 5 for e in frequent},
             "top_device_time_us_per_pair": {e.key[:60]: e.self_device_time_total / 5 for e in top},
             "graph_memory_MB": graph_memory(sender, receiver, shape) if device.type == "cuda" else {}}
@@ -174,6 +224,11 @@ def main() -> None:
               + ", ".join(f"{k} {v:.0f}" for k, v in sorted(row["host_calls_per_pair"].items())), flush=True)
         print("  most called: " + ", ".join(f"{k[6:]} {v:.0f}" for k, v in row["most_called_ops_per_pair"].items()),
               flush=True)
+        for name, step in row["host_timeline"].items():
+            launch = step["to_graph_launch_us"]
+            print(f"  {name}: {step['took_us']:.0f} µs, of which waiting for the device {step['waiting_us']:.0f}"
+                  + ("" if launch is None else f"; its graph launched after {launch:.0f} µs of host time"),
+                  flush=True)
         for name, us in row["top_device_time_us_per_pair"].items():
             print(f"  {us:8.1f} µs  {name}", flush=True)
         for kind, mb in row["graph_memory_MB"].items():
