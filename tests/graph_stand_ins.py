@@ -29,12 +29,12 @@ class StandInGraph:
 def install(captures: list, patch=setattr) -> None:
     """Make every device replay, with `StandInGraph`s as its captures (appended to `captures`); `patch(module,
     name, value)` sets each (a monkeypatch's setattr undoes them after a test)."""
-    def capture(fn, tensors, held=()):
-        device = cuda_graphs._device_of(tensors + held)
+    def capture(fn, tensors, passed=()):  # (`passed`: `graphed`'s addressed and held tensors, as they are)
+        device = cuda_graphs._device_of(tensors + passed)
         inputs = tuple(cuda_graphs._copy_on(device, t) for t in tensors)  # (the graph's buffers, as a capture's)
         # a capture runs nothing: the outputs' buffers are made on copies of what `fn` writes in place (what `fn`
         # reaches through an address among its inputs it reaches all the same here: the replay after writes it again)
-        graph = StandInGraph(fn, inputs, held, tuple(fn(*inputs, *(t.clone() for t in held))))
+        graph = StandInGraph(fn, inputs, passed, tuple(fn(*inputs, *(t.clone() for t in passed))))
         captures.append(graph)
         return cuda_graphs._Graph(graph, inputs, graph.outputs)
 

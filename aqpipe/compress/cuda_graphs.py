@@ -226,11 +226,16 @@ def _first_calls(signature: Signature, fn: Callable[..., tuple[torch.Tensor, ...
 
 def _moved(old: Signature, new: Signature) -> bool:
     """Whether the graph of signature `old` is of the same call as `new` (key, stream, inputs' and addressed tensors'
-    layouts, whatever the latter's offsets) over held tensors that have since moved (a slab that grew)."""
+    layouts, whatever the latter's offsets, as many held tensors) over held tensors that have since moved (a slab
+    that grew)."""
     def layouts(signature: Signature) -> list[Hashable]:
         return [layout for layout, _ in cast(tuple, signature[3])]  # (`graphed`'s: (layout, offset) pairs)
 
-    return len(old) == len(new) == 5 and old[:3] == new[:3] and old[4] != new[4] and layouts(old) == layouts(new)
+    def held(signature: Signature) -> tuple:
+        return cast(tuple, signature[4])
+
+    return (len(old) == len(new) == 5 and old[:3] == new[:3] and len(held(old)) == len(held(new)) > 0
+            and held(old) != held(new) and layouts(old) == layouts(new))
 
 
 def _capture(fn: Callable[..., tuple[torch.Tensor, ...]], tensors: tuple[torch.Tensor, ...],

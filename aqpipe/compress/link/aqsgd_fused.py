@@ -53,8 +53,8 @@ class FusedDelta:
         batch's m(ξ) gathered): (payload, new m(ξ) or None where written in place, verdicts, norms, squares, lent —
         whether they are a graph's buffers, see `graphed`'s borrow); None if the kernels failed before writing
         anything. Replayed from the step's graph, the slots go from the host straight into its buffer, with the
-        activation's address after them (`fused.addressable`: no copy of it into the graph; one not in one piece is
-        copied in)."""
+        activation's address after them (`fused.addressable`: no copy of it into the graph; one not contiguous, or
+        of 8-byte elements, is copied in)."""
         if slots is not None and self._replays(slots, ids, "encode", m.device):
             done = self._graphed("encode", encode_in_place, slots, (x,), m, lend)
             return None if done is None else (done[0], None, *done[1:], lend)
@@ -71,7 +71,7 @@ class FusedDelta:
         `slots` as `encode`): (new m(ξ) or None where written in place, the activation — a tensor of its own, which
         a replayed graph writes where its address in the step's index says: no copy of it out of the graph —,
         verdicts, lent); None if the kernels failed before writing anything. The graph reads the rows where they
-        lie too, through their address in the index."""
+        lie too (where `fused.addressable`), through their address in the index."""
         if slots is not None and self._replays(slots, ids, "decode", m.device):
             out = torch.empty(batch, dtype=torch.float32, device=m.device)  # (always `fused.addressable`)
             done = self._graphed("decode", decode_in_place, slots, (rows, out), m, lend)
@@ -98,10 +98,10 @@ class FusedDelta:
     def _graphed(self, step: str, fn: Step, slots: list[int], reached: tuple[torch.Tensor, ...], slab: torch.Tensor,
                  lend: bool) -> tuple[torch.Tensor, ...] | None:
         """`fn` (`encode_in_place`, `decode_in_place`) over the slab's rows `slots`, replayed from this end's graph of
-        `step` where it may be; None if the kernels failed before writing anything. `fn` gets its index (the slots,
-        then the addresses of the last of `reached` that `fused.addressable` allows: the graph reaches them there),
-        then `reached` — those before them copied into the graph — and the slab; and how many it reaches through
-        the index."""
+        `step` where it may be; None if the kernels failed before writing anything. `fn` is given how many tensors
+        it reaches through its index, then its index (the slots, then the addresses of the last of `reached` that
+        `fused.addressable` allows: the graph reaches them there), then `reached` — those before them copied into
+        the graph — and the slab."""
         copied = len(reached)
         while copied and fused.addressable(reached[copied - 1]):
             copied -= 1
@@ -172,5 +172,5 @@ def decode_in_place(bits: int, grid: str, moved: int, index: torch.Tensor, rows:
 def _index(slots: list[int], *moved: torch.Tensor) -> torch.Tensor:
     """The fused step's index on the host: the rows' slots, then the address of each of `moved` (the tensors its
     kernels reach there, see `fused.addressable`)."""
-    # (over an array's buffer: a third of torch.tensor's time from a list, on a GPU message's host path)
+    # (over an array's buffer: about half torch.tensor's time from a list, on a GPU message's host path)
     return torch.frombuffer(array.array("q", [*slots, *(t.data_ptr() for t in moved)]), dtype=torch.int64)
