@@ -228,14 +228,11 @@ def _moved(old: Signature, new: Signature) -> bool:
     """Whether the graph of signature `old` is of the same call as `new` (key, stream, inputs' and addressed tensors'
     layouts, whatever the latter's offsets, as many held tensors) over held tensors that have since moved (a slab
     that grew)."""
-    def layouts(signature: Signature) -> list[Hashable]:
-        return [layout for layout, _ in cast(tuple, signature[3])]  # (`graphed`'s: (layout, offset) pairs)
-
-    def held(signature: Signature) -> tuple:
-        return cast(tuple, signature[4])
-
-    return (len(old) == len(new) == 5 and old[:3] == new[:3] and len(held(old)) == len(held(new)) > 0
-            and held(old) != held(new) and layouts(old) == layouts(new))
+    if not len(old) == len(new) == 5 or old[:3] != new[:3]:
+        return False
+    (old_addressed, old_held), (new_addressed, new_held) = cast(tuple, old[3:]), cast(tuple, new[3:])
+    return (len(old_held) == len(new_held) > 0 and old_held != new_held
+            and [layout for layout, _ in old_addressed] == [layout for layout, _ in new_addressed])
 
 
 def _capture(fn: Callable[..., tuple[torch.Tensor, ...]], tensors: tuple[torch.Tensor, ...],
