@@ -50,3 +50,52 @@ def edge_case_batch(shape: tuple[int, ...], device: str = "cpu") -> torch.Tensor
     v[0, 0, 3] = 1e6
     v[-1, :, 4] *= 1e-9
     return x
+
+
+def aqsgd_kernels_at_smollm2() -> dict[str, tuple]:
+    """AQ-SGD's scales, codes and decode kernels as its steady GPU path launches them at SmolLM2's 8 × 1024 × 576
+    (3 bits on the signed grid, m(ξ) fp16 in a slab's rows, written in place): name → (kernel, each argument's type
+    or constexpr value, the warps a program, the flags that move a pointer to an address in the slots), for
+    `compiled_for_an_h100`."""
+    from aqpipe.compress import fused_kernels as k
+
+    def typed(kind: str, *names: str) -> dict[str, str]:
+        return dict.fromkeys(names, kind)
+
+    scalars = {**typed("i32", "T", "C", "W", "X_AT", "ROWS_AT", "OUT_AT", "modulus"),
+               **typed("fp32", "offset", "steps", "top", "step", "m_max")}
+    delta = {"HAS_M": True, "SLOTS": True, "IN_PLACE": True, "BITS": 3, "INVERSE": True, "BT": k.TILE_T,
+             "BC": k.TILE_C}
+    return {
+        "scales": (k.scales_kernel, {**scalars, **typed("*fp32", "x_ptr", "s_ptr"), **typed("*fp16", "m_ptr"),
+                                     **typed("*i64", "slots_ptr"), **typed("*u8", "rows_ptr"), "HAS_M": True,
+                                     "SLOTS": True, "KIND": 0, "FP16_MAX": fused.FP16_MAX, "BT": k.SCALE_T,
+                                     "BC": k.SCALE_C, "num_warps": k.WARPS["scales"]}, ("X_MOVED",)),
+        "codes": (k.codes_kernel, {**scalars, **typed("*fp32", "x_ptr", "s_ptr", "values_ptr", "norms_ptr"),
+                                   **typed("*fp16", "m_ptr", "m_new_ptr"), **typed("*i64", "slots_ptr", "sums_ptr"),
+                                   **typed("*u8", "rows_ptr"), **typed("*i32", "bad_ptr", "row_w_ptr", "col_w_ptr"),
+                                   **delta, "VALUES": False, "num_warps": k.WARPS["codes"]}, ("X_MOVED",)),
+        "decode": (k.decode_kernel, {**scalars, "top": "i32", **typed("*fp32", "out_ptr"),
+                                     **typed("*fp16", "m_ptr", "m_new_ptr"), **typed("*i64", "slots_ptr", "sums_ptr"),
+                                     **typed("*u8", "rows_ptr"), **typed("*i32", "row_w_ptr", "col_w_ptr"), **delta,
+                                     "num_warps": k.WARPS["delta_decode"]}, ("OUT_MOVED", "ROWS_MOVED")),
+    }
+
+
+def compiled_for_an_h100(kernel, arguments: dict) -> dict[str, str]:
+    """`kernel` compiled for an H100 (sm_90) by Triton's own compiler and ptxas, no GPU needed: its code at each
+    stage ("ttgir", "ptx", ...). `arguments`: each argument's type ("*fp32", "i32", ...) or constexpr value, and
+    `num_warps`; the pointers and T, C, W are 16-aligned, as Triton's launcher finds them at SmolLM2's shape."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    given = {name: arguments[name] for name in names}
+    types = {name: value for name, value in given.items() if isinstance(value, str)}
+    aligned = [name for name, kind in types.items() if kind.startswith("*")] + ["T", "C", "W"]
+    source = ASTSource(fn=kernel, signature={name: types.get(name, "constexpr") for name in names},
+                       constexprs={name: value for name, value in given.items() if name not in types},
+                       attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
+    options = {"num_warps": arguments["num_warps"], "enable_fp_fusion": False}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm

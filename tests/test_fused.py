@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from aqpipe.compress import fused
-from tests.fused_cases import INTERPRETER_PATCH, ROOT, interpret, needs_triton
+from tests.fused_cases import (INTERPRETER_PATCH, ROOT, aqsgd_kernels_at_smollm2, compiled_for_an_h100, interpret,
+                               needs_triton)
 
 
 @needs_triton
@@ -336,6 +337,60 @@ def test_aqsgds_delta_step_is_fused_by_default_from_a_million_values(monkeypatch
     assert fused.delta_fusable(cuda, small, fp16, 3, "channel", "signed")
     monkeypatch.setenv(fused.DELTA_SWITCH, "0")
     assert not fused.delta_fusable(cuda, smollm2_gpu_batch, fp16, 3, "channel", "signed")
+
+
+def test_the_kernels_levels_are_the_float32_of_the_levels_table_for_every_code_of_every_grid():
+    """The kernels form a code's level in registers (`fused.level_step`: times 1/steps where steps are a power of
+    two, else a correctly rounded division), not from `quantize.levels`' table (float64, rounded once): the same
+    float32 for every code of every width and grid they take."""
+    from aqpipe.compress.quantize import _offset_steps, levels
+
+    for bits in range(1, 9):
+        for grid in fused._SCALE_KINDS:
+            offset, steps, top = _offset_steps(bits, grid)
+            step, inverse = fused.level_step(bits, grid)
+            assert inverse == (bits == 1 or grid == "signed" or (grid == "symmetric" and bits == 2)), (bits, grid)
+            k = torch.arange(1 << bits).clamp(max=top).to(torch.float32) - offset
+            formed = k * step if inverse else k / torch.tensor(step, dtype=torch.float32)
+            assert torch.equal(formed.view(torch.int32), levels(bits, None, grid).view(torch.int32)), (bits, grid)
+
+
+@needs_triton
+def test_the_decode_kernel_reads_codes_past_the_grids_top_as_the_top_as_the_torch_ops_do():
+    """A row whose codes are all ones (past the top code of the symmetric grid, which no encoder writes): each decodes
+    to the top level, as the torch ops' table says."""
+    interpret("""
+        import torch
+        from aqpipe.compress import fused
+        from aqpipe.compress.link.directq import decode_samples
+
+        for bits in (2, 3, 5, 8):
+            for grid in ("symmetric", "signed", "uniform"):
+                shape = (2, 3, 16)
+                rows, _ = fused.encode(torch.randn(shape), bits, grid, values=False)
+                rows[:, 2 * 16:] = 255
+                assert torch.equal(fused.decode(rows, shape, bits, grid).view(torch.int32),
+                                   decode_samples(rows, shape, bits, "channel", grid).view(torch.int32)), (bits, grid)
+        print("checked")
+    """)
+
+
+@needs_triton
+def test_the_codes_and_decode_kernels_keep_their_tiles_arithmetic_in_the_layout_they_load_it_in():
+    """Compiled for an H100 as AQ-SGD's steady path launches them: no whole tile moved between layouts (each move
+    a round trip through shared memory with its barriers) in the codes kernel, one in the decode kernel (the new
+    m(ξ) into the float32 store's layout). A level read from a table at addresses made of the codes drew the tile's
+    arithmetic into a gather's layout: three moves in the codes kernel, two in the decode kernel."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from aqpipe.compress import fused_kernels as k
+
+    tile = f"tensor<{k.TILE_T}x{k.TILE_C}x"
+    moves = {}
+    for name, (kernel, arguments, moved) in aqsgd_kernels_at_smollm2().items():
+        if name != "scales":
+            ttgir = compiled_for_an_h100(kernel, {**arguments, **dict.fromkeys(moved, True)})["ttgir"]
+            moves[name] = sum(tile in line for line in ttgir.splitlines() if "ttg.convert_layout" in line)
+    assert moves == {"codes": 0, "decode": 1}
 
 
 def test_decode_refuses_rows_of_the_wrong_width():

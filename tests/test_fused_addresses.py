@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aqpipe.compress import fused
-from tests.fused_cases import interpret, needs_triton
+from tests.fused_cases import aqsgd_kernels_at_smollm2, compiled_for_an_h100, interpret, needs_triton
 
 
 @needs_triton
@@ -77,22 +77,6 @@ def test_a_tensor_reached_through_an_address_must_be_carried_and_addressable():
         fused.delta_decode(rows, slab, slots, (2, 8, 16), 4, "signed", (40503, 65521), into=x, rows_moved=True)
 
 
-def _compiled_for_an_h100(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict) -> str:
-    """`kernel`'s PTX for an H100 (sm_90), its pointers and its T, C, W 16-aligned as Triton's launcher finds them
-    at SmolLM2's 8 × 1024 × 576: compiled by Triton's own compiler and ptxas, no GPU needed."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = kernel.arg_names
-    aligned = [*pointers, "T", "C", "W"]
-    signature = {name: pointers.get(name) or scalars.get(name) or "constexpr" for name in names}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants,
-                       attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
-    options = {"num_warps": 4, "enable_fp_fusion": False}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-
-
 def _memory_ops(ptx: str) -> tuple[int, int, int]:
     """Vector loads, vector stores and all loads from global memory in `ptx`."""
     vector = r"\.global(?:\.[a-z0-9]+)*\.v[248]\b"
@@ -107,33 +91,8 @@ def test_kernels_reaching_the_activation_through_its_address_keep_their_vector_l
     an address. The shift's alignment is what keeps them (said to the compiler: without it the loads of the
     activation are split into scalar ones)."""
     pytest.importorskip("triton.backends.nvidia.compiler")
-    from aqpipe.compress import fused_kernels as k
-
-    def ptr(kind: str, *names: str) -> dict[str, str]:
-        return dict.fromkeys(names, kind)
-
-    ints = dict.fromkeys(("T", "C", "W", "X_AT", "OUT_AT", "modulus"), "i32")
-    floats = dict.fromkeys(("offset", "steps", "top", "m_max"), "fp32")
-    kernels = {
-        "scales": (k.scales_kernel, {**ptr("*fp32", "x_ptr", "s_ptr"), **ptr("*fp16", "m_ptr"),
-                                     **ptr("*i64", "slots_ptr"), **ptr("*u8", "rows_ptr")},
-                   {"KIND": 0, "FP16_MAX": fused.FP16_MAX, "BT": k.SCALE_T, "BC": k.SCALE_C}, "X_MOVED"),
-        "codes": (k.codes_kernel, {**ptr("*fp32", "x_ptr", "s_ptr", "table_ptr", "values_ptr", "norms_ptr"),
-                                   **ptr("*fp16", "m_ptr", "m_new_ptr"), **ptr("*i64", "slots_ptr", "sums_ptr"),
-                                   **ptr("*u8", "rows_ptr"), **ptr("*i32", "bad_ptr", "row_w_ptr", "col_w_ptr")},
-                  {"BITS": 3, "VALUES": False, "IN_PLACE": True, "BT": k.TILE_T, "BC": k.TILE_C}, "X_MOVED"),
-        "decode": (k.decode_kernel, {**ptr("*fp32", "out_ptr", "table_ptr"), **ptr("*fp16", "m_ptr", "m_new_ptr"),
-                                     **ptr("*i64", "slots_ptr", "sums_ptr"), **ptr("*u8", "rows_ptr"),
-                                     **ptr("*i32", "row_w_ptr", "col_w_ptr")},
-                   {"BITS": 3, "IN_PLACE": True, "BT": k.TILE_T, "BC": k.TILE_C}, ("OUT_MOVED", "ROWS_MOVED")),
-    }
-    ints["ROWS_AT"] = "i32"
-    for name, (kernel, pointers, constants, moved) in kernels.items():
-        ops = [_memory_ops(_compiled_for_an_h100(kernel, pointers, {**ints, **floats},
-                                                 {**constants, "HAS_M": True, "SLOTS": True,
-                                                  **dict.fromkeys(moved if isinstance(moved, tuple) else (moved,),
-                                                                  flag)}))
+    for name, (kernel, arguments, moved) in aqsgd_kernels_at_smollm2().items():
+        ops = [_memory_ops(compiled_for_an_h100(kernel, {**arguments, **dict.fromkeys(moved, flag)})["ptx"])
                for flag in (False, True)]
         (vector_loads, vector_stores, loads), moved_ops = ops
-        addresses = len(moved) if isinstance(moved, tuple) else 1
-        assert vector_loads > 0 and moved_ops == (vector_loads, vector_stores, loads + addresses), (name, ops)
+        assert vector_loads > 0 and moved_ops == (vector_loads, vector_stores, loads + len(moved)), (name, ops)

@@ -10,7 +10,8 @@ cost but not the passes. The kernels (`fused_kernels`):
 - `codes_kernel`: each value's code — ``rint(clamp(x / s · steps + offset, 0, top))`` with an IEEE division and no
   fused multiply-add, so the same float operations as torch's — packed 8 codes into b bytes (bit b·i of the row's
   little-endian stream holds code i's low bit), and, asked, the dequantized values (level · scale);
-- `decode_kernel`: unpack and dequantize: level(code) · scale, one table lookup and one multiply, as everywhere.
+- `decode_kernel`: unpack and dequantize: level(code) · scale, as everywhere (the level formed in registers,
+  `level_step`: the same float32 as `quantize.levels`' table, which the kernels do not read).
 
 With an m(ξ) (`delta_encode`, `delta_decode`) the same kernels do AQ-SGD's delta step: they code x − m(ξ), write the
 new m(ξ) in its 16-bit dtype, each tile's share of the checksum sums (exact int64), of the fidelity norms and of the
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aqpipe.compress.quantize import FP16_MAX, _levels, _offset_steps
+from aqpipe.compress.quantize import FP16_MAX, _offset_steps
 
 GROUP = 8  # codes per packed group: 8 codes of b bits fill exactly b bytes
 _SCALE_KINDS = {"signed": 0, "symmetric": 1, "uniform": 1}  # 0: the long side where |x| is largest; 1: max |x|
@@ -323,10 +324,11 @@ def _launch_codes(k, x3: torch.Tensor, m3: torch.Tensor | None, slots: torch.Ten
         x3, m_in, slot_of, rows, scales, t, c, rows.stride(0), b, KIND=_SCALE_KINDS[grid], FP16_MAX=FP16_MAX,
         HAS_M=m3 is not None, SLOTS=slots is not None, X_MOVED=x_moved, BT=k.SCALE_T, BC=k.SCALE_C,
         num_warps=k.WARPS["scales"], **k.OPTIONS)
+    step, inverse = level_step(bits, grid)
     k.codes_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
-        x3, m_in, slot_of, rows, scales, _levels(bits, grid, x3.device), x3 if coded is None else coded, m_new,
-        sums, norms, unstorable, t, c, rows.stride(0), b, float(offset), float(steps), float(top), row_w, col_w,
-        modulus, float(m_max), BITS=bits, VALUES=coded is not None, HAS_M=m3 is not None, SLOTS=slots is not None,
+        x3, m_in, slot_of, rows, scales, x3 if coded is None else coded, m_new, sums, norms, unstorable, t, c,
+        rows.stride(0), b, float(offset), float(steps), float(top), step, row_w, col_w, modulus, float(m_max),
+        BITS=bits, INVERSE=inverse, VALUES=coded is not None, HAS_M=m3 is not None, SLOTS=slots is not None,
         X_MOVED=x_moved, IN_PLACE=in_place, BT=k.TILE_T, BC=k.TILE_C, num_warps=k.WARPS["codes"], **k.OPTIONS)
 
 
@@ -359,9 +361,11 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
         try:
             if delta is not None:
                 row_w, col_w = weight_parts(t, c, checksum, rows.device)
+            offset, _, top = _offset_steps(bits, grid)
+            step, inverse = level_step(bits, grid)
             k.decode_kernel[(b * -(-t // k.TILE_T), -(-c // k.TILE_C))](
-                rows, _levels(bits, grid, rows.device), out, m3, m3 if slots is None else slots, m_new, sums, t, c,
-                rows.shape[1], b, b + rows_moved, row_w, col_w, modulus, BITS=bits, HAS_M=delta is not None,
+                rows, out, m3, m3 if slots is None else slots, m_new, sums, t, c, rows.shape[1], b, b + rows_moved,
+                float(offset), top, step, row_w, col_w, modulus, BITS=bits, INVERSE=inverse, HAS_M=delta is not None,
                 SLOTS=slots is not None, ROWS_MOVED=rows_moved, OUT_MOVED=into is not None, IN_PLACE=in_place,
                 BT=k.TILE_T, BC=k.TILE_C, num_warps=warps, **k.OPTIONS)
         except Exception as error:
@@ -370,6 +374,16 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
     if delta is None:
         return (out.view(shape),)
     return m_new if in_place else m_new.view(shape), out.view(shape), sums
+
+
+def level_step(bits: int, grid: str) -> tuple[float, bool]:
+    """How the kernels form a code's level (`fused_kernels.level`): (1/steps, True) where the grid's steps are a
+    power of two (the default grid's: the product is exact), else (steps, False) for a correctly rounded division —
+    both the float32 that `quantize.levels` computes in float64 and rounds once (exact quotients of small numbers;
+    tests/test_fused.py checks every code of every grid)."""
+    _, steps, _ = _offset_steps(bits, grid)
+    mantissa, _ = math.frexp(steps)
+    return (1.0 / steps, True) if mantissa == 0.5 else (float(steps), False)
 
 
 @functools.cache

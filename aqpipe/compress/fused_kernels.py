@@ -29,6 +29,20 @@ def moved(ptr, slots_ptr, at):
     return ptr + tl.multiple_of(shift, 16)
 
 
+@triton.jit
+def level(code, offset, step, INVERSE: tl.constexpr):
+    """Each code's level on a unit scale, (code − offset) / steps, as the float32 `quantize.levels` tabulates
+    (`fused.level_step` gives `step`): times `step` = 1/steps with INVERSE (steps a power of two: exact), else divided
+    by `step` = steps, correctly rounded. Formed in registers, not read from the table: a load at an address made of
+    the codes has no contiguity, so Triton gave it — and through it the whole tile's arithmetic — a layout of its own,
+    moving each tile between layouts through shared memory three times (compiled for an H100: 1,320 SASS
+    instructions in the codes kernel with the table, 968 without)."""
+    k = code.to(tl.float32) - offset  # (exact: codes and offsets are small multiples of 1/2)
+    if INVERSE:
+        return k * step
+    return tl.div_rn(k, step)
+
+
 @triton.jit(do_not_specialize=["X_AT"])  # (an index into the slots, unread without X_MOVED: one kernel for any)
 def scales_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, T, C, W, X_AT, KIND: tl.constexpr,
                   FP16_MAX: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, X_MOVED: tl.constexpr,
@@ -81,15 +95,15 @@ def scales_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, T, C, W, X_AT, KIND:
 
 
 @triton.jit(do_not_specialize=["X_AT"])
-def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, table_ptr, values_ptr, m_new_ptr, sums_ptr, norms_ptr,
-                 bad_ptr, T, C, W, X_AT, offset, steps, top, row_w_ptr, col_w_ptr, modulus, m_max, BITS: tl.constexpr,
-                 VALUES: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr, X_MOVED: tl.constexpr,
-                 IN_PLACE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, values_ptr, m_new_ptr, sums_ptr, norms_ptr, bad_ptr, T,
+                 C, W, X_AT, offset, steps, top, step, row_w_ptr, col_w_ptr, modulus, m_max, BITS: tl.constexpr,
+                 INVERSE: tl.constexpr, VALUES: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr,
+                 X_MOVED: tl.constexpr, IN_PLACE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """One program per (sample, BT tokens, BC channels): each value's code (x read at `slots_ptr[X_AT]` with
-    X_MOVED), packed into the row after its scales; with VALUES the dequantized values; with HAS_M AQ-SGD's new m(ξ)
-    (IN_PLACE: over the old, in m's own rows) and the tile's checksum and norm parts (its words' weights from
-    `fused.weight_parts`' tables), and how many of its new m(ξ) values the store cannot keep (beyond `m_max`, the
-    store dtype's largest, or NaN)."""
+    X_MOVED), packed into the row after its scales; with VALUES the dequantized values (`level`(code) · scale); with
+    HAS_M AQ-SGD's new m(ξ) (IN_PLACE: over the old, in m's own rows) and the tile's checksum and norm parts (its
+    words' weights from `fused.weight_parts`' tables), and how many of its new m(ξ) values the store cannot keep
+    (beyond `m_max`, the store dtype's largest, or NaN)."""
     if X_MOVED:
         x_ptr = moved(x_ptr, slots_ptr, X_AT)
     tiles_t = tl.cdiv(T, BT)
@@ -115,7 +129,7 @@ def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, table_ptr, values_ptr
     u = (u + 12582912.0) - 12582912.0
     code = u.to(tl.int32)
     if VALUES or HAS_M:
-        values = tl.load(table_ptr + code) * scale[None, :]
+        values = level(code, offset, step, INVERSE) * scale[None, :]
         if VALUES:
             tl.store(values_ptr + at, values, mask=inside)
         if HAS_M:  # the new m(ξ) in the store's dtype, its checksum part and the fidelity norms' parts
@@ -169,11 +183,11 @@ def checksum_part(new, tokens, cols, T, C, inside, row_w_ptr, col_w_ptr, modulus
 
 
 @triton.jit(do_not_specialize=["ROWS_AT", "OUT_AT"])
-def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sums_ptr, T, C, W, ROWS_AT, OUT_AT,
-                  row_w_ptr, col_w_ptr, modulus, BITS: tl.constexpr, HAS_M: tl.constexpr, SLOTS: tl.constexpr,
-                  ROWS_MOVED: tl.constexpr, OUT_MOVED: tl.constexpr, IN_PLACE: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr):
-    """One program per (sample, BT tokens, BC channels): unpack the codes, level(code) · scale; with HAS_M the new
+def decode_kernel(rows_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sums_ptr, T, C, W, ROWS_AT, OUT_AT, offset, top,
+                  step, row_w_ptr, col_w_ptr, modulus, BITS: tl.constexpr, INVERSE: tl.constexpr, HAS_M: tl.constexpr,
+                  SLOTS: tl.constexpr, ROWS_MOVED: tl.constexpr, OUT_MOVED: tl.constexpr, IN_PLACE: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr):
+    """One program per (sample, BT tokens, BC channels): unpack the codes, `level`(code) · scale; with HAS_M the new
     m(ξ) = m + that (m's row `slots_ptr[sample]` of a slab with SLOTS), in m's dtype (IN_PLACE: over the old), its
     float32 value as the output (written at the address `slots_ptr[OUT_AT]` with OUT_MOVED) and the tile's checksum
     part. With ROWS_MOVED the rows are read at the address `slots_ptr[ROWS_AT]`."""
@@ -191,14 +205,23 @@ def decode_kernel(rows_ptr, table_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sum
     pattern = (tl.load(row + 2 * cols, mask=in_c, other=0).to(tl.int32)
                | (tl.load(row + 2 * cols + 1, mask=in_c, other=0).to(tl.int32) << 8))
     scale = pattern.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    bit = (cols % 8) * BITS
-    first = (row + 2 * C + tokens[:, None].to(tl.int64) * (C // 8 * BITS) + (cols // 8 * BITS)[None, :]
-             + (bit // 8)[None, :])
-    spans = inside & ((bit % 8) + BITS > 8)[None, :]  # a code that reaches into the next byte
-    pair = (tl.load(first, mask=inside, other=0).to(tl.int32)
-            | (tl.load(first + 1, mask=spans, other=0).to(tl.int32) << 8))
-    code = (pair >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
-    values = tl.load(table_ptr + code) * scale[None, :]
+    # each group of 8 codes (BITS bytes) as one word, split into its codes in registers: 8 channels a thread, the
+    # layout of the arithmetic after (a load per code's bytes was two loads a value, in a layout of their own)
+    groups = tl.program_id(1) * (BC // 8) + tl.arange(0, BC // 8)
+    held = (tokens[:, None] < T) & (groups[None, :] < C // 8)
+    first = row + 2 * C + tokens[:, None].to(tl.int64) * (C // 8 * BITS) + groups[None, :] * BITS
+    if BITS <= 4:
+        word = tl.zeros([BT, BC // 8], tl.uint32)
+        for k in tl.static_range(BITS):
+            word |= tl.load(first + k, mask=held, other=0).to(tl.uint32) << (8 * k)
+        shift = (tl.arange(0, 8) * BITS).to(tl.uint32)
+    else:
+        word = tl.zeros([BT, BC // 8], tl.uint64)
+        for k in tl.static_range(BITS):
+            word |= tl.load(first + k, mask=held, other=0).to(tl.uint64) << (8 * k)
+        shift = (tl.arange(0, 8) * BITS).to(tl.uint64)
+    code = tl.reshape((word[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1), (BT, BC)).to(tl.int32)
+    values = level(tl.minimum(code, top), offset, step, INVERSE) * scale[None, :]  # (codes past the top repeat it)
     within = tokens[:, None].to(tl.int64) * C + cols[None, :]
     at = sample.to(tl.int64) * T * C + within
     if HAS_M:  # AQ-SGD's receiver: the new m(ξ), the activation it stands for, the checksum's part
