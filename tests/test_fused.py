@@ -393,6 +393,18 @@ def test_the_codes_and_decode_kernels_keep_their_tiles_arithmetic_in_the_layout_
     assert moves == {"codes": 0, "decode": 1}
 
 
+@needs_triton
+def test_the_tile_sweep_checks_its_settings_bits_under_the_interpreter(tmp_path):
+    """`benchmarks/fused_tiles.py`'s command without a GPU (its docstring's second): each setting's bits checked
+    against the shipped tiles' under Triton's interpreter (it failed under numpy 2.4 without the tests' patch)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "benchmarks/fused_tiles.py", "--device", "cpu", "--shape", "2,16,64",
+                           "--quick", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "every setting wrote the shipped tiles' bits (2 settings)" in proc.stdout
+
+
 def test_decode_refuses_rows_of_the_wrong_width():
     if fused._kernels() is None:
         pytest.skip("Triton is not installed")
