@@ -5,6 +5,7 @@ tests/test_gpu_codecs.py checks the same bits on a GPU."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -13,8 +14,14 @@ import pytest
 import torch
 
 from aqpipe.compress import fused
-from tests.fused_cases import (INTERPRETER_PATCH, ROOT, aqsgd_kernels_at_smollm2, compiled_for_an_h100, interpret,
-                               needs_triton)
+from tests.fused_cases import (
+    INTERPRETER_PATCH,
+    ROOT,
+    aqsgd_kernels_at_smollm2,
+    compiled_for_an_h100,
+    interpret,
+    needs_triton,
+)
 
 
 @needs_triton
@@ -380,8 +387,13 @@ def test_the_codes_and_decode_kernels_keep_their_tiles_arithmetic_in_the_layout_
     """Compiled for an H100 as AQ-SGD's steady path launches them: no whole tile moved between layouts (each move
     a round trip through shared memory with its barriers) in the codes kernel, one in the decode kernel (the new
     m(ξ) into the float32 store's layout). A level read from a table at addresses made of the codes drew the tile's
-    arithmetic into a gather's layout: three moves in the codes kernel, two in the decode kernel."""
+    arithmetic into a gather's layout: three moves in the codes kernel, two in the decode kernel. (Layouts are the
+    compiler's choice: these are Triton 3.6.0's, the version .ci/run installs.)"""
     pytest.importorskip("triton.backends.nvidia.compiler")
+    import triton
+
+    if triton.__version__ != "3.6.0":
+        pytest.skip(f"the layouts counted are Triton 3.6.0's, not {triton.__version__}'s")
     from aqpipe.compress import fused_kernels as k
 
     tile = f"tensor<{k.TILE_T}x{k.TILE_C}x"
@@ -391,6 +403,19 @@ def test_the_codes_and_decode_kernels_keep_their_tiles_arithmetic_in_the_layout_
             ttgir = compiled_for_an_h100(kernel, {**arguments, **dict.fromkeys(moved, True)})["ttgir"]
             moves[name] = sum(tile in line for line in ttgir.splitlines() if "ttg.convert_layout" in line)
     assert moves == {"codes": 0, "decode": 1}
+
+
+@needs_triton
+def test_the_kernels_divide_levels_correctly_rounded_on_a_gpu():
+    """On a grid whose steps are not a power of two, the codes and decode kernels, compiled for an H100, divide with
+    IEEE rounding (`div.rn`) and nothing approximate: the interpreter's numpy divides exactly whatever the kernel
+    asks, so only the compiled code shows a `/` (Triton's approximate `div.full`) where `tl.div_rn` belongs."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    for name, (kernel, arguments, moved) in aqsgd_kernels_at_smollm2().items():
+        if name != "scales":
+            ptx = compiled_for_an_h100(kernel, {**arguments, **dict.fromkeys(moved, True), "INVERSE": False})["ptx"]
+            assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, name
+            assert not re.search(r"\bfma\.", ptx), name  # (no fused multiply-add: torch rounds each step)
 
 
 @needs_triton

@@ -378,9 +378,10 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
 
 def level_step(bits: int, grid: str) -> tuple[float, bool]:
     """How the kernels form a code's level (`fused_kernels.level`): (1/steps, True) where the grid's steps are a
-    power of two (the default grid's: the product is exact), else (steps, False) for a correctly rounded division —
-    both the float32 that `quantize.levels` computes in float64 and rounds once (exact quotients of small numbers;
-    tests/test_fused.py checks every code of every grid)."""
+    power of two (the default grid's: the product is exact), else (steps, False) for a correctly rounded division of
+    exact values. Both give the float32 that `quantize.levels` computes in float64 and rounds once: a float64
+    quotient rounded to float32 is the correctly rounded float32 quotient (53 ≥ 2·24 + 2 bits, so no double
+    rounding), and tests/test_fused.py checks every code of every grid."""
     _, steps, _ = _offset_steps(bits, grid)
     mantissa, _ = math.frexp(steps)
     return (1.0 / steps, True) if mantissa == 0.5 else (float(steps), False)

@@ -206,7 +206,8 @@ def decode_kernel(rows_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sums_ptr, T, C
                | (tl.load(row + 2 * cols + 1, mask=in_c, other=0).to(tl.int32) << 8))
     scale = pattern.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     # each group of 8 codes (BITS bytes) as one word, split into its codes in registers: 8 channels a thread, the
-    # layout of the arithmetic after (a load per code's bytes was two loads a value, in a layout of their own)
+    # layout of the arithmetic after. Only the words (one a thread) move there from their loads' layout; a load per
+    # code's bytes was two loads a value, and drew the whole tile's values into their layout.
     groups = tl.program_id(1) * (BC // 8) + tl.arange(0, BC // 8)
     held = (tokens[:, None] < T) & (groups[None, :] < C // 8)
     first = row + 2 * C + tokens[:, None].to(tl.int64) * (C // 8 * BITS) + groups[None, :] * BITS
