@@ -54,9 +54,9 @@ def edge_case_batch(shape: tuple[int, ...], device: str = "cpu") -> torch.Tensor
 
 def aqsgd_kernels_at_smollm2() -> dict[str, tuple]:
     """AQ-SGD's scales, codes and decode kernels as its steady GPU path launches them at SmolLM2's 8 × 1024 × 576
-    (3 bits on the signed grid, m(ξ) fp16 in a slab's rows, written in place): name → (kernel, each argument's type
-    or constexpr value, the warps a program, the flags that move a pointer to an address in the slots), for
-    `compiled_for_an_h100`."""
+    (3 bits on the signed grid, m(ξ) fp16 in a slab's rows, written in place): name → (kernel, its arguments — each
+    one's type or constexpr value, and `num_warps` — and the flags that move a pointer to an address in the slots,
+    left for the caller to set), for `compiled_for_an_h100`."""
     from aqpipe.compress import fused_kernels as k
 
     def typed(kind: str, *names: str) -> dict[str, str]:
