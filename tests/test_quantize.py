@@ -4,7 +4,16 @@ per-sample scales, fp16 scales both sides use."""
 import pytest
 import torch
 
-from aqpipe.compress.quantize import DEFAULT_GRID, GRIDS, dequantize, levels, quantize, scale_count
+from aqpipe.compress.quantize import (
+    DEFAULT_GRID,
+    GRIDS,
+    _offset_steps,
+    dequantize,
+    level_step,
+    levels,
+    quantize,
+    scale_count,
+)
 
 ZERO_GRIDS = [g for g in GRIDS if g != "uniform"]
 
@@ -159,6 +168,20 @@ def test_levels_of_each_grid():
             lv = levels(bits, grid=grid)
             assert lv[0] == -1 and float(lv[1 << (bits - 1)]) == 0.0 and float(lv[-1]) == 1 - 2 ** (1 - bits)
     assert torch.equal(levels(1, grid="signed"), torch.tensor([-1.0, 1.0]))
+
+
+def test_level_step_forms_the_float32_of_the_levels_table_for_every_code_of_every_grid():
+    """The fused kernels form a code's level in registers (`level_step`: times 1/steps where steps are a power of
+    two, else a correctly rounded division), not from `quantize.levels`' table (float64, rounded once): the same
+    float32 for every code of every width and grid they take."""
+    for bits in range(1, 9):
+        for grid in ("signed", "symmetric", "uniform"):
+            offset, steps, top = _offset_steps(bits, grid)
+            step, inverse = level_step(bits, grid)
+            assert inverse == (bits == 1 or grid == "signed" or (grid == "symmetric" and bits == 2)), (bits, grid)
+            k = torch.arange(1 << bits).clamp(max=top).to(torch.float32) - offset
+            formed = k * step if inverse else k / torch.tensor(step, dtype=torch.float32)
+            assert torch.equal(formed.view(torch.int32), levels(bits, None, grid).view(torch.int32)), (bits, grid)
 
 
 def test_an_unknown_grid_is_refused():

@@ -11,7 +11,7 @@ cost but not the passes. The kernels (`fused_kernels`):
   fused multiply-add, so the same float operations as torch's — packed 8 codes into b bytes (bit b·i of the row's
   little-endian stream holds code i's low bit), and, asked, the dequantized values (level · scale);
 - `decode_kernel`: unpack and dequantize: level(code) · scale, as everywhere (the level formed in registers,
-  `level_step`: the same float32 as `quantize.levels`' table, which the kernels do not read).
+  `quantize.level_step`: the same float32 as `quantize.levels`' table, which the kernels do not read).
 
 With an m(ξ) (`delta_encode`, `delta_decode`) the same kernels do AQ-SGD's delta step: they code x − m(ξ), write the
 new m(ξ) in its 16-bit dtype, each tile's share of the checksum sums (exact int64), of the fidelity norms and of the
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aqpipe.compress.quantize import FP16_MAX, _offset_steps
+from aqpipe.compress.quantize import FP16_MAX, _offset_steps, level_step
 
 GROUP = 8  # codes per packed group: 8 codes of b bits fill exactly b bytes
 _SCALE_KINDS = {"signed": 0, "symmetric": 1, "uniform": 1}  # 0: the long side where |x| is largest; 1: max |x|
@@ -374,17 +374,6 @@ def _decode(rows: torch.Tensor, shape: tuple[int, ...], bits: int, grid: str,
     if delta is None:
         return (out.view(shape),)
     return m_new if in_place else m_new.view(shape), out.view(shape), sums
-
-
-def level_step(bits: int, grid: str) -> tuple[float, bool]:
-    """How the kernels form a code's level (`fused_kernels.level`): (1/steps, True) where the grid's steps are a
-    power of two (the default grid's: the product is exact), else (steps, False) for a correctly rounded division of
-    exact values. Both give the float32 that `quantize.levels` computes in float64 and rounds once: a float64
-    quotient rounded to float32 is the correctly rounded float32 quotient (53 ≥ 2·24 + 2 bits, so no double
-    rounding), and tests/test_fused.py checks every code of every grid."""
-    _, steps, _ = _offset_steps(bits, grid)
-    mantissa, _ = math.frexp(steps)
-    return (1.0 / steps, True) if mantissa == 0.5 else (float(steps), False)
 
 
 @functools.cache

@@ -32,10 +32,10 @@ def moved(ptr, slots_ptr, at):
 @triton.jit
 def level(code, offset, step, INVERSE: tl.constexpr):
     """Each code's level on a unit scale, (code − offset) / steps, as the float32 `quantize.levels` tabulates
-    (`fused.level_step` gives `step`): times `step` = 1/steps with INVERSE (steps a power of two: exact), else divided
-    by `step` = steps, correctly rounded. Formed in registers, not read from the table: a load at an address made of
-    the codes has no contiguity, so Triton gave it — and through it the whole tile's arithmetic — a layout of its own,
-    moving each tile between layouts through shared memory three times (compiled for an H100: 1,320 SASS
+    (`quantize.level_step` gives `step`): times `step` = 1/steps with INVERSE (steps a power of two: exact), else
+    divided by `step` = steps, correctly rounded. Formed in registers, not read from the table: a load at an address
+    made of the codes has no contiguity, so Triton gave it — and through it the whole tile's arithmetic — a layout
+    of its own, moving each tile between layouts through shared memory three times (compiled for an H100: 1,320 SASS
     instructions in the codes kernel with the table, 968 without)."""
     k = code.to(tl.float32) - offset  # (exact: codes and offsets are small multiples of 1/2)
     if INVERSE:

@@ -25,6 +25,7 @@ feedback stays bounded; stochastic rounding keeps the max |x| scale, the one tha
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,17 @@ def _offset_steps(bits: int, grid: str) -> tuple[float, float, int]:
         return float(h), float(h), 2 * h
     h = 1 << (bits - 1)
     return float(h), float(h), (1 << bits) - 1
+
+
+def level_step(bits: int, grid: str) -> tuple[float, bool]:
+    """How the fused kernels form a code's level (`fused_kernels.level`): (1/steps, True) where the grid's steps are a
+    power of two (the default grid's: the product is exact), else (steps, False) for a correctly rounded division of
+    exact values. Both give the float32 that `quantize.levels` computes in float64 and rounds once: a float64
+    quotient rounded to float32 is the correctly rounded float32 quotient (53 ≥ 2·24 + 2 bits, so no double
+    rounding), and tests/test_quantize.py checks every code of every grid."""
+    _, steps, _ = _offset_steps(bits, grid)
+    mantissa, _ = math.frexp(steps)
+    return (1.0 / steps, True) if mantissa == 0.5 else (float(steps), False)
 
 
 def levels(bits: int, device: torch.device | None = None, grid: str = DEFAULT_GRID) -> torch.Tensor:
