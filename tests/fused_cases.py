@@ -1,6 +1,6 @@
-"""What the fused-kernel tests share (tests/test_fused.py and tests/test_fused_in_place.py under Triton's
-interpreter, tests/test_gpu_codecs.py on a GPU): the interpreter's runner, and the batches they code — random values
-with the edge cases a scale meets."""
+"""What the fused-kernel tests share (tests/test_fused*.py under Triton's interpreter or compiled for an H100 without
+one, tests/test_gpu_codecs.py on a GPU): the interpreter's runner, the batches they code — random values with the
+edge cases a scale meets — and AQ-SGD's kernels with the arguments its GPU path gives them, compiled."""
 
 import importlib.util
 import os
