@@ -29,6 +29,13 @@ def moved(ptr, slots_ptr, at):
     return ptr + tl.multiple_of(shift, 16)
 
 
+@triton.constexpr_function
+def word_type(bits):
+    """The word a group of 8 codes of `bits` bits is packed into: 32 bits hold up to 4-bit codes (half the registers
+    and shuffles of 64-bit words, and no 64-bit shifts), 64 bits the wider ones."""
+    return tl.uint32 if bits <= 4 else tl.uint64
+
+
 @triton.jit
 def level(code, offset, step, INVERSE: tl.constexpr):
     """Each code's level on a unit scale, (code − offset) / steps, as the float32 `quantize.levels` tabulates
@@ -149,14 +156,10 @@ def codes_kernel(x_ptr, m_ptr, slots_ptr, rows_ptr, s_ptr, values_ptr, m_new_ptr
             tl.store(norms + 2 * parts, tl.sum(tl.sum(error * error, axis=1), axis=0))
             unstorable = inside & ~(tl.abs(new.to(tl.float32)) <= m_max)  # (a NaN fails the comparison)
             tl.store(bad_ptr + sample * parts + part, tl.sum(tl.sum(unstorable.to(tl.int32), axis=1), axis=0))
-    # a group's 8 codes as one word: 32 bits hold up to 4-bit codes (half the registers and shuffles of 64-bit
-    # words, and no 64-bit shifts), 64 bits the wider ones
-    if BITS <= 4:
-        shift = (tl.arange(0, 8) * BITS).to(tl.uint32)
-        word = tl.sum(tl.reshape(code.to(tl.uint32), (BT, BC // 8, 8)) << shift[None, None, :], axis=2)
-    else:
-        shift = (tl.arange(0, 8) * BITS).to(tl.int64)
-        word = tl.sum(tl.reshape(code.to(tl.int64), (BT, BC // 8, 8)) << shift[None, None, :], axis=2)
+    # a group's 8 codes as one word (`word_type`)
+    WORD: tl.constexpr = word_type(BITS)
+    shift = (tl.arange(0, 8) * BITS).to(WORD)
+    word = tl.sum(tl.reshape(code.to(WORD), (BT, BC // 8, 8)) << shift[None, None, :], axis=2)
     groups = tl.program_id(1) * (BC // 8) + tl.arange(0, BC // 8)
     stored = (tokens[:, None] < T) & (groups[None, :] < C // 8)
     out = (rows_ptr + sample.to(tl.int64) * W + 2 * C + tokens[:, None].to(tl.int64) * (C // 8 * BITS)
@@ -211,16 +214,11 @@ def decode_kernel(rows_ptr, out_ptr, m_ptr, slots_ptr, m_new_ptr, sums_ptr, T, C
     groups = tl.program_id(1) * (BC // 8) + tl.arange(0, BC // 8)
     held = (tokens[:, None] < T) & (groups[None, :] < C // 8)
     first = row + 2 * C + tokens[:, None].to(tl.int64) * (C // 8 * BITS) + groups[None, :] * BITS
-    if BITS <= 4:
-        word = tl.zeros([BT, BC // 8], tl.uint32)
-        for k in tl.static_range(BITS):
-            word |= tl.load(first + k, mask=held, other=0).to(tl.uint32) << (8 * k)
-        shift = (tl.arange(0, 8) * BITS).to(tl.uint32)
-    else:
-        word = tl.zeros([BT, BC // 8], tl.uint64)
-        for k in tl.static_range(BITS):
-            word |= tl.load(first + k, mask=held, other=0).to(tl.uint64) << (8 * k)
-        shift = (tl.arange(0, 8) * BITS).to(tl.uint64)
+    WORD: tl.constexpr = word_type(BITS)
+    word = tl.zeros([BT, BC // 8], WORD)
+    for k in tl.static_range(BITS):
+        word |= tl.load(first + k, mask=held, other=0).to(WORD) << (8 * k)
+    shift = (tl.arange(0, 8) * BITS).to(WORD)
     code = tl.reshape((word[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1), (BT, BC)).to(tl.int32)
     values = level(tl.minimum(code, top), offset, step, INVERSE) * scale[None, :]  # (codes past the top repeat it)
     within = tokens[:, None].to(tl.int64) * C + cols[None, :]
