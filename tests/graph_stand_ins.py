@@ -1,6 +1,6 @@
 """CUDA graphs on the host, for tests: a capture that records the call and a replay that runs it again into the
-captured outputs, as a CUDA graph does on a GPU (tests/test_cuda_graphs.py's fixture; the fused-kernel tests under
-Triton's interpreter install it in their own process)."""
+captured outputs, as a CUDA graph does on a GPU (the `stand_in` fixture of tests/conftest.py; the fused-kernel tests
+under Triton's interpreter install it in their own process)."""
 
 import inspect
 import weakref
