@@ -399,3 +399,38 @@ def test_two_throttled_launches_at_once_both_finish_and_leave_nothing(tmp_path):
     assert tagged_processes(tag) == []
     assert len(names) == 2
     assert_nothing_left(before, names)
+
+
+@pytest.mark.parametrize("at", [1, 22], ids=["first-command", "last-command"])
+def test_a_signal_during_setup_never_cuts_an_ip_command_short_and_the_build_stops_after_it(tmp_path, monkeypatch, at):
+    """An interrupt that arrives while an `ip` command runs is taken once that command is done, before the next one
+    (or, after the last, before the topology is handed out), and then everything built is removed. Raised inside the
+    command instead, it could leave its `ip` process running unattended (an interrupt while the child starts escapes
+    `subprocess.run` without killing it), which went on to make a namespace after the cleanup had listed them: seen
+    as a leftover bridge namespace in CI."""
+    from aqpipe.launch.signals import interrupts_raise
+
+    monkeypatch.setenv("AQPIPE_NETNS_STATE", str(tmp_path))
+    monkeypatch.setattr(netns, "can_throttle", lambda: None)
+    monkeypatch.setattr(netns, "_namespaces", lambda: [])
+    ran, finished = [], []
+
+    def run(*args):
+        ran.append(args)
+        if len(ran) == at:
+            os.kill(os.getpid(), signal.SIGTERM)  # (a handler that raises runs at once, inside this command)
+        finished.append(args)
+        return ""
+
+    monkeypatch.setattr(netns, "_run", run)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        interrupts_raise()
+        with pytest.raises(KeyboardInterrupt):
+            netns.create(2, 10**8, name="sig")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert ran == finished and len(ran) == at  # (2 ranks, one bridge: 22 commands in all)
+    assert ran[0] == ("ip", "netns", "add", f"{netns.PREFIX}sig-br")
+    assert not list(tmp_path.glob("*.json"))

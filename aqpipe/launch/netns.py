@@ -162,7 +162,11 @@ def create(ranks: int, rate_bits: int, name: str | None = None, manual: bool = F
             raise NetnsError(f"a topology named {name!r} exists already; remove it with `aqpipe netns down {name}`")
         _state_file(name).write_text(json.dumps(asdict(topo)))  # first, so a crash mid-way is still cleanable
         try:
-            _build(topo)
+            # an interrupt is taken between `ip` commands, never inside one: raised while a command's process starts,
+            # it escapes subprocess.run without killing it, and that process went on building after the cleanup
+            with deferred_interrupts() as received:
+                _build(topo, received)
+                _stop_if(received)  # (one that came during the last command)
         except BaseException:
             with deferred_interrupts():  # interrupted mid-way (Ctrl-C, SIGTERM): remove what was built, whatever comes
                 _destroy(name)
@@ -170,32 +174,44 @@ def create(ranks: int, rate_bits: int, name: str | None = None, manual: bool = F
     return topo
 
 
-def _build(topo: Topology) -> None:
+def _build(topo: Topology, interrupted: list[int]) -> None:
+    """Make the topology's namespaces, links and qdiscs, one `ip` or `tc` command at a time; a KeyboardInterrupt
+    before the next command once `interrupted` (the signals received meanwhile) is not empty."""
+    def run(*args: str) -> None:
+        _stop_if(interrupted)
+        _run(*args)
+
     br = topo.bridge_namespace
-    _run("ip", "netns", "add", br)
-    _run("ip", "-n", br, "link", "set", "lo", "up")
+    run("ip", "netns", "add", br)
+    run("ip", "-n", br, "link", "set", "lo", "up")
     bridges = ["br0", "br1"] if topo.slow_link_bits else ["br0"]
     for bridge in bridges:
-        _run("ip", "-n", br, "link", "add", bridge, "type", "bridge", "forward_delay", "0", "stp_state", "0")
-        _run("ip", "-n", br, "link", "set", bridge, "up")
+        run("ip", "-n", br, "link", "add", bridge, "type", "bridge", "forward_delay", "0", "stp_state", "0")
+        run("ip", "-n", br, "link", "set", bridge, "up")
     if topo.slow_link_bits:  # the slow link between the clusters, shaped on both ends
-        _run("ip", "-n", br, "link", "add", "xa", "type", "veth", "peer", "name", "xb")
+        run("ip", "-n", br, "link", "add", "xa", "type", "veth", "peer", "name", "xb")
         for end, bridge in (("xa", "br0"), ("xb", "br1")):
-            _run("ip", "-n", br, "link", "set", end, "master", bridge)
-            _run("ip", "-n", br, "link", "set", end, "up")
-            _run("tc", "-n", br, "qdisc", "add", "dev", end, "root", "tbf", *tbf_arguments(topo.slow_link_bits))
+            run("ip", "-n", br, "link", "set", end, "master", bridge)
+            run("ip", "-n", br, "link", "set", end, "up")
+            run("tc", "-n", br, "qdisc", "add", "dev", end, "root", "tbf", *tbf_arguments(topo.slow_link_bits))
     tbf = tbf_arguments(topo.rate_bits)
     for rank in range(topo.ranks):
         ns, port = topo.namespace(rank), f"r{rank}"
-        _run("ip", "netns", "add", ns)
-        _run("ip", "-n", ns, "link", "set", "lo", "up")
-        _run("ip", "link", "add", INTERFACE, "netns", ns, "type", "veth", "peer", "name", port, "netns", br)
-        _run("ip", "-n", ns, "addr", "add", f"{topo.address(rank)}/24", "dev", INTERFACE)
-        _run("ip", "-n", ns, "link", "set", INTERFACE, "up")
-        _run("ip", "-n", br, "link", "set", port, "master", bridges[topo.cluster(rank)])
-        _run("ip", "-n", br, "link", "set", port, "up")
-        _run("tc", "-n", ns, "qdisc", "add", "dev", INTERFACE, "root", "tbf", *tbf)
-        _run("tc", "-n", br, "qdisc", "add", "dev", port, "root", "tbf", *tbf)
+        run("ip", "netns", "add", ns)
+        run("ip", "-n", ns, "link", "set", "lo", "up")
+        run("ip", "link", "add", INTERFACE, "netns", ns, "type", "veth", "peer", "name", port, "netns", br)
+        run("ip", "-n", ns, "addr", "add", f"{topo.address(rank)}/24", "dev", INTERFACE)
+        run("ip", "-n", ns, "link", "set", INTERFACE, "up")
+        run("ip", "-n", br, "link", "set", port, "master", bridges[topo.cluster(rank)])
+        run("ip", "-n", br, "link", "set", port, "up")
+        run("tc", "-n", ns, "qdisc", "add", "dev", INTERFACE, "root", "tbf", *tbf)
+        run("tc", "-n", br, "qdisc", "add", "dev", port, "root", "tbf", *tbf)
+
+
+def _stop_if(interrupted: list[int]) -> None:
+    """Raise the KeyboardInterrupt a signal in `interrupted` (received while interrupts were deferred) stands for."""
+    if interrupted:
+        raise KeyboardInterrupt(f"signal {interrupted[0]}")
 
 
 def destroy(topo: Topology | str) -> list[str]:
