@@ -61,6 +61,9 @@ def summary(rounds: list[list[dict]]) -> list[dict]:
             values = [r[at][measure] for r in rounds if r[at].get(measure) is not None]
             row[measure] = statistics.median(values) if values else None
         row["round_trip_MBps"] = statistics.median(r[at]["round_trip_MBps"] for r in rounds)
+        # (each round's too: on an H200 one tree's pair read 59.9 GB/s here, the median of three rounds, and 40.2 in
+        # gpu_check.sh's profile of the same tree — the spread says which to trust)
+        row["round_trip_MBps_by_round"] = [r[at]["round_trip_MBps"] for r in rounds]
         row["host_timeline"] = [r[at].get("host_timeline") for r in rounds]  # (each round's, where the tree makes one)
         rows.append(row)
     return rows
@@ -86,7 +89,8 @@ def main() -> None:
         for row in rows:
             busy = row["device_busy_us_per_pair"]
             print(f"{name:>12} {tuple(row['shape'])}: encode {row['encode_us']:6.0f} µs  decode {row['decode_us']:6.0f} "
-                  f"µs  both ends {row['round_trip_MBps'] / 1e3:6.1f} GB/s"
+                  f"µs  both ends {row['round_trip_MBps'] / 1e3:6.1f} GB/s ("
+                  + ", ".join(f"{v / 1e3:.1f}" for v in row["round_trip_MBps_by_round"]) + " by round)"
                   + ("" if busy is None else f"  device busy {busy:.0f} µs a pair"), flush=True)
             launches = {end: [t[end]["to_graph_launch_us"] for t in row["host_timeline"] if t and end in t]
                         for end in ("encode", "decode")}

@@ -169,8 +169,10 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
     timeline = host_timeline(prof.events())
     events = prof.key_averages()
     # the kernels and copies themselves: an op's row repeats its kernels' device time (summing every row counted
-    # the device's busy time about 1.6 times over on an H200: 562 µs a pair where the kernels took 356)
-    on_device = [e for e in events if e.device_type == DeviceType.CUDA]
+    # the device's busy time about 1.6 times over on an H200: 562 µs a pair where the kernels took 356), and so does
+    # a mark's (`marked`: the device's timeline shows each as a user annotation spanning its call's kernels; counted,
+    # a pair's device time read 472 µs on an H200 where the tree before the marks read 206)
+    on_device = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     device_us = sum(e.self_device_time_total for e in on_device) / 5 if device.type == "cuda" else None
     top = sorted((e for e in on_device if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)[:12]
     calls = {e.key: e.count / 5 for e in events if e.key in HOST_CALLS}
@@ -179,7 +181,10 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
     encode_s = statistics.median(t for t, _ in times)
     decode_s = statistics.median(t for _, t in times)
     mb = x.numel() * 4 / 1e6
+    pair_us = sorted((t + u) * 1e6 for t, u in times)
     return {"shape": list(shape), "encode_us": encode_s * 1e6, "decode_us": decode_s * 1e6,
+            # (the spread of the timed pairs: the same tree's pair has read 40 and 60 GB/s on one H200 in two runs)
+            "pair_us_fastest_median_slowest": [pair_us[0], statistics.median(pair_us), pair_us[-1]],
             "round_trip_MBps": mb / (encode_s + decode_s), "device_busy_us_per_pair": device_us,
             "aten_ops_per_pair": ops, "host_calls_per_pair": calls, **{f"{k}_per_pair": v for k, v in counted.items()},
             "host_timeline": timeline,
@@ -219,6 +224,9 @@ def main() -> None:
         print(f"{args.codec} {shape} m(ξ) on {store_device}: encode {row['encode_us']:.0f} µs, decode "
               f"{row['decode_us']:.0f} µs ({row['round_trip_MBps']:.0f} MB/s both)"
               + ("" if busy is None else f"; device busy {busy:.0f} µs a pair"), flush=True)
+        fastest, median, slowest = row["pair_us_fastest_median_slowest"]
+        print(f"  a pair's µs over {args.pairs} pairs: fastest {fastest:.0f}, median {median:.0f}, slowest "
+              f"{slowest:.0f}", flush=True)
         print(f"  per pair: {row['ops_outside_graphs_per_pair']:.0f} torch ops outside graphed calls (each a call of "
               f"its own on a GPU), {row['graphed_calls_per_pair']:.0f} graphed calls (each one launch on a GPU) of "
               f"{row['ops_inside_graphs_per_pair']:.0f} ops", flush=True)

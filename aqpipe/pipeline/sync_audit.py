@@ -33,12 +33,19 @@ def enabled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get(ENV, "") not in ("", "0")
 
 
-def _caller(stack: list[traceback.FrameSummary]) -> str:
-    """The innermost aqpipe frame of a warning's stack (where the synchronizing call was made)."""
-    for frame in reversed(stack):
-        if frame.filename.startswith(_PACKAGE) and not frame.filename.endswith("sync_audit.py"):
-            return f"{Path(frame.filename).relative_to(Path(_PACKAGE).parent)}:{frame.lineno} {frame.name}"
-    return "(outside aqpipe)"
+def _ours(frame: traceback.FrameSummary) -> bool:
+    return frame.filename.startswith(_PACKAGE) and not frame.filename.endswith("sync_audit.py")
+
+
+def _caller(stack: list[traceback.FrameSummary], filename: str, lineno: int) -> str:
+    """Where a warning's synchronizing call was made: the aqpipe frame the warning names (a helper that warns for its
+    caller, with stacklevel, names that caller), else the innermost aqpipe frame of its stack."""
+    frames = [f for f in stack if (f.filename, f.lineno) == (filename, lineno) and _ours(f)]
+    frames = frames or [f for f in stack if _ours(f)]
+    if not frames:
+        return "(outside aqpipe)"
+    frame = frames[-1]
+    return f"{Path(frame.filename).relative_to(Path(_PACKAGE).parent)}:{frame.lineno} {frame.name}"
 
 
 @contextmanager
@@ -52,7 +59,7 @@ def audited(step: int, device: torch.device) -> Iterator[None]:
 
     def record(message, category, filename, lineno, file=None, line=None):  # warnings.showwarning's signature
         if "synchronizing CUDA operation" in str(message):
-            places[_caller(traceback.extract_stack()[:-1])] += 1
+            places[_caller(traceback.extract_stack()[:-1], filename, lineno)] += 1
         else:
             show(message, category, filename, lineno, file, line)
 
