@@ -170,9 +170,10 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
     events = prof.key_averages()
     # the kernels and copies themselves: an op's row repeats its kernels' device time (summing every row counted
     # the device's busy time about 1.6 times over on an H200: 562 µs a pair where the kernels took 356), and so does
-    # a mark's (`marked`: the device's timeline shows each as a user annotation spanning its call's kernels; counted,
-    # a pair's device time read 472 µs on an H200 where the tree before the marks read 206)
-    on_device = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    # a mark's (`marked`: the device's timeline shows each as a user annotation spanning its call's work; counted, they
+    # added about the pair's own time on an H200: 472 µs a pair, where the pair took 315)
+    on_device = [e for e in events
+                 if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     device_us = sum(e.self_device_time_total for e in on_device) / 5 if device.type == "cuda" else None
     top = sorted((e for e in on_device if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)[:12]
     calls = {e.key: e.count / 5 for e in events if e.key in HOST_CALLS}
