@@ -9,7 +9,7 @@
 #                GPU), 4 ranks on the GPU,
 #                aqsgd:3 / directq:6, every step from the third under torch.cuda.set_sync_debug_mode
 #                (AQPIPE_CUDA_SYNC_AUDIT=1): synchronizing calls per step and where
-#   gpu-tests    python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py tests/test_fused*.py
+#   gpu-tests    python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py tests/test_gpu_cuda_graphs.py
 #   codec-speed  benchmarks/codec_speed.py on the GPU, at GPT2-XL's activation shape and at SmolLM2-135M's (there
 #                also at a GPU run's 8 × 1024 tokens, and with the fused kernels off, then the CUDA graphs too),
 #                then benchmarks/codec_profile.py: an AQ-SGD message's host calls and device time,
@@ -117,8 +117,8 @@ part codec-speed 120 bash -c "echo '### at GPT2-XL shape 4,512,1600 MB/s'; \
   python benchmarks/codec_profile.py --device cuda --pairs 11 --out '$out/codec_profile_cuda' && \
   echo '### AQ-SGD delta step in torch ops against fused, by micro-batch size (benchmarks/fused_delta_sizes.py)' && \
   python benchmarks/fused_delta_sizes.py --repeats 15 --out '$out/fused_delta_sizes'"
-part gpu-tests 210 python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py tests/test_fused.py \
-  tests/test_fused_in_place.py -n 12 -p no:cacheprovider -v --timeout 150 -rfE &
+part gpu-tests 210 python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py tests/test_gpu_cuda_graphs.py \
+  -n 12 -p no:cacheprovider -v --timeout 150 -rfE &
 tests=$!
 part sync-audit 130 bash -c sync_audit
 wait "$tests"

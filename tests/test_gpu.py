@@ -1,6 +1,7 @@
 """The GPU checks (`pytest -m gpu`): codecs computing on the GPU, several ranks sharing one GPU, NCCL or staged
 collectives. They skip where CUDA is absent (CI never has a GPU); benchmarks/README.md says when they last ran on a
-GPU (or that they have not yet); tests/test_gpu_codecs.py holds the codecs' CUDA graphs and fused kernels.
+GPU (or that they have not yet); tests/test_gpu_codecs.py holds the codecs' CUDA graphs and fused kernels,
+tests/test_gpu_cuda_graphs.py CUDA graphs themselves.
 `AQPIPE_TEST_DEVICE=cpu pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py` runs the same checks on the host,
 which checks the checks themselves on a machine without a GPU.
 """
