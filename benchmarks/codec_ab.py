@@ -1,6 +1,8 @@
 """AQ-SGD's message time, this tree against a baseline, on one machine in alternating rounds: what a change to the
 codec's GPU path bought, measured as `codec_profile.py` measures it (a sender and a receiver of one link, pair by
-pair: encode, decode, both ends together, the device's busy time), each round a fresh process per tree.
+pair: encode, decode, both ends together, the device's busy time), each round a fresh process per tree. Both trees
+are measured by this tree's `codec_profile.py`, each with its own package (so that only the package differs: the
+script's warm-up changed, and with it what a tree's own script read); `--own-scripts` runs each tree's own.
 
 On a lent GPU machine git may not know the commits (its copy of the checkout is not a clone), so the baseline can be
 a directory: made here, git-ignored under `.ab/`, and carried with the checkout.
@@ -24,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MEASURES = ("encode_us", "decode_us", "device_busy_us_per_pair")
+MEASURES = ("encode_us", "decode_us", "device_busy_us_per_pair", "cold_pair_us")
 
 
 @contextmanager
@@ -44,8 +46,10 @@ def compared_trees(baseline: str | None) -> Iterator[dict[str, Path]]:
 
 
 def profile(tree: Path, out: Path, args: argparse.Namespace) -> list[dict]:
-    """`codec_profile.py` of `tree`, run from that tree with its own aqpipe first on the path: its rows."""
-    command = [sys.executable, "benchmarks/codec_profile.py", "--codec", args.codec, "--device", args.device,
+    """`codec_profile.py` (this tree's, or with `--own-scripts` `tree`'s), run from `tree` with its aqpipe first on
+    the path: its rows."""
+    script = (tree if args.own_scripts else ROOT) / "benchmarks" / "codec_profile.py"
+    command = [sys.executable, str(script), "--codec", args.codec, "--device", args.device,
                "--pairs", str(args.pairs), "--out", str(out), "--shapes", *args.shapes]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     subprocess.run(command, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -77,6 +81,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--pairs", type=int, default=21)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--own-scripts", action="store_true",
+                        help="measure each tree with its own codec_profile.py, not this tree's")
     parser.add_argument("--out", default="benchmarks/results/codec_ab.json")
     args = parser.parse_args()
     with compared_trees(args.baseline) as trees, tempfile.TemporaryDirectory() as scratch:
@@ -92,6 +98,9 @@ def main() -> None:
                   f"µs  both ends {row['round_trip_MBps'] / 1e3:6.1f} GB/s ("
                   + ", ".join(f"{v / 1e3:.1f}" for v in row["round_trip_MBps_by_round"]) + " by round)"
                   + ("" if busy is None else f"  device busy {busy:.0f} µs a pair"), flush=True)
+            if row["cold_pair_us"] is not None:
+                print(f"{'':>12} a pair before the warm-up: {row['cold_pair_us']:.0f} µs, after: "
+                      f"{row['encode_us'] + row['decode_us']:.0f} µs", flush=True)
             launches = {end: [t[end]["to_graph_launch_us"] for t in row["host_timeline"] if t and end in t]
                         for end in ("encode", "decode")}
             if all(None not in found and found for found in launches.values()):
@@ -101,7 +110,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"baseline": args.baseline, "device": args.device, "codec": args.codec,
-                               "rounds": args.rounds, "results": results}, indent=2))
+                               "rounds": args.rounds, "own_scripts": args.own_scripts, "results": results},
+                              indent=2))
 
 
 if __name__ == "__main__":

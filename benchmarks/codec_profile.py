@@ -34,7 +34,7 @@ from aqpipe.storage import MemoryStore, SlabStore, StoreView, memory_store
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.codec_speed import time_pair  # noqa: E402
+from benchmarks.codec_speed import WARM_SECONDS, time_pair, warm  # noqa: E402
 
 HOST_CALLS = ("cudaMemcpyAsync", "cudaLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx", "cuLaunchKernel",
               "cudaStreamSynchronize", "cudaEventSynchronize")
@@ -142,7 +142,8 @@ def host_timeline(events, names: tuple[str, ...] = ENDS) -> dict:
 
 def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store_device: torch.device,
                   pairs: int, store: str = "auto") -> dict:
-    """Wall time of encode and decode (medians of `pairs` pairs after five), the device's busy time per pair, the
+    """Wall time of encode and decode (medians of `pairs` pairs after fifteen and `2 × WARM_SECONDS` of pairs; the
+    median pair of the ten after the first five apart, as `cold_pair_us`), the device's busy time per pair, the
     top kernels and copies by device time, and the host's calls per pair."""
     cuda_graphs.clear()  # (the graphs counted below are this shape's alone)
     sender, receiver = link(spec, device, store_device, store)
@@ -154,6 +155,8 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
 
     for _ in range(5):  # the first seeds m(ξ); then the delta path warms up and (on a GPU) captures its graphs
         pair()
+    cold = [pair() for _ in range(10)]  # (what the timed pairs were before `warm`: see codec_speed.WARM_SECONDS)
+    warm(pair, 2 * WARM_SECONDS)
     times = [pair() for _ in range(pairs)]
     counted = host_ops(pair)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -186,6 +189,7 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
     return {"shape": list(shape), "encode_us": encode_s * 1e6, "decode_us": decode_s * 1e6,
             # (the spread of the timed pairs: the same tree's pair has read 40 and 60 GB/s on one H200 in two runs)
             "pair_us_fastest_median_slowest": [pair_us[0], statistics.median(pair_us), pair_us[-1]],
+            "cold_pair_us": statistics.median((t + u) * 1e6 for t, u in cold),
             "round_trip_MBps": mb / (encode_s + decode_s), "device_busy_us_per_pair": device_us,
             "aten_ops_per_pair": ops, "host_calls_per_pair": calls, **{f"{k}_per_pair": v for k, v in counted.items()},
             "host_timeline": timeline,
@@ -227,7 +231,8 @@ def main() -> None:
               + ("" if busy is None else f"; device busy {busy:.0f} µs a pair"), flush=True)
         fastest, median, slowest = row["pair_us_fastest_median_slowest"]
         print(f"  a pair's µs over {args.pairs} pairs: fastest {fastest:.0f}, median {median:.0f}, slowest "
-              f"{slowest:.0f}", flush=True)
+              f"{slowest:.0f}; the 10 pairs after the first 5, before {2 * WARM_SECONDS:g} s more of pairs: median "
+              f"{row['cold_pair_us']:.0f}", flush=True)
         print(f"  per pair: {row['ops_outside_graphs_per_pair']:.0f} torch ops outside graphed calls (each a call of "
               f"its own on a GPU), {row['graphed_calls_per_pair']:.0f} graphed calls (each one launch on a GPU) of "
               f"{row['ops_inside_graphs_per_pair']:.0f} ops", flush=True)

@@ -23,6 +23,21 @@ from aqpipe.compress.link.codecs import QuantOptions
 from aqpipe.compress.link.directq import decode_samples, encode_samples
 from aqpipe.compress.quantize import quantize
 
+# Seconds of pairs each AQ-SGD row runs, past its first four, before it times any: the pairs it timed right after
+# those four (7 pairs here, 11 or 21 in codec_profile.py) read 23, 40 and 60 GB/s for one tree on one H200, as if
+# the machine sped up over a run's first milliseconds (clocks rising from idle?). What a pipeline meets is a link
+# that has been busy for a while.
+WARM_SECONDS = 0.25
+
+
+def warm(fn, seconds: float = WARM_SECONDS) -> int:
+    """Call fn() until `seconds` have passed (at least once); how many calls that took."""
+    calls, until = 0, time.perf_counter() + seconds
+    while calls == 0 or time.perf_counter() < until:
+        fn()
+        calls += 1
+    return calls
+
 
 def measure(fn, repeats: int, device: torch.device | None = None) -> float:
     """Median seconds of fn() after two warm-up calls — on a GPU the second captures the codec's CUDA graph — (the
@@ -78,11 +93,17 @@ def measure_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, repeats:
                   device: torch.device, pageable: bool = False) -> tuple[float, float]:
     """Median seconds of AQ-SGD's encode and of its decode, timed message by message: every message the sender
     encodes is decoded once, in order, so the two copies of m(ξ) move together (decoding one message twice would
-    apply its delta twice, and the checksum would say so). The first four pairs are not timed."""
-    times = [time_pair(sender, receiver, x, ids, device, pageable) for _ in range(repeats + 4)]
+    apply its delta twice, and the checksum would say so). Pairs are timed after the first four and `WARM_SECONDS`
+    of pairs (`warm`)."""
+    def pair() -> tuple[float, float]:
+        return time_pair(sender, receiver, x, ids, device, pageable)
+
     # the first seeds m(ξ); then the delta path warms up and captures its CUDA graphs, by the fourth at the latest
     # (the fused step: its kernels' first run in the process, its graph's first call, then its capture)
-    timed = times[4:]
+    for _ in range(4):
+        pair()
+    warm(pair)
+    timed = [pair() for _ in range(repeats)]
     return statistics.median(t for t, _ in timed), statistics.median(t for _, t in timed)
 
 
