@@ -190,6 +190,7 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
             # (the spread of the timed pairs: the same tree's pair has read 40 and 60 GB/s on one H200 in two runs)
             "pair_us_fastest_median_slowest": [pair_us[0], statistics.median(pair_us), pair_us[-1]],
             "cold_pair_us": statistics.median((t + u) * 1e6 for t, u in cold),
+            "warm_pair_us": statistics.median(pair_us),  # (the same statistic as `cold_pair_us`, after the warm-up)
             "round_trip_MBps": mb / (encode_s + decode_s), "device_busy_us_per_pair": device_us,
             "aten_ops_per_pair": ops, "host_calls_per_pair": calls, **{f"{k}_per_pair": v for k, v in counted.items()},
             "host_timeline": timeline,

@@ -23,10 +23,11 @@ from aqpipe.compress.link.codecs import QuantOptions
 from aqpipe.compress.link.directq import decode_samples, encode_samples
 from aqpipe.compress.quantize import quantize
 
-# Seconds of pairs each AQ-SGD row runs, past its first four, before it times any: the pairs it timed right after
-# those four (7 pairs here, 11 or 21 in codec_profile.py) read 23, 40 and 60 GB/s for one tree on one H200, as if
-# the machine sped up over a run's first milliseconds (clocks rising from idle?). What a pipeline meets is a link
-# that has been busy for a while.
+# Seconds of pairs an AQ-SGD link runs, past its first four, before any is timed (`measure_pairs`; codec_profile.py
+# twice that). Timed right after those four, one tree's pair read 23, 40 and 60 GB/s on one H200 in three scripts
+# that timed 7, 11 and 21 pairs: as if a link's pairs got faster over its first few dozen (its graphs' first
+# replays? the allocators?). A pipeline's link has been busy for a while. The early pairs are still recorded apart
+# (`early`; codec_profile.py's `cold_pair_us`), to show whether they differ.
 WARM_SECONDS = 0.25
 
 
@@ -90,11 +91,12 @@ def time_pair(sender, receiver, x: torch.Tensor, ids: torch.Tensor, device: torc
 
 
 def measure_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, repeats: int,
-                  device: torch.device, pageable: bool = False) -> tuple[float, float]:
+                  device: torch.device, pageable: bool = False, early: list[float] | None = None
+                  ) -> tuple[float, float]:
     """Median seconds of AQ-SGD's encode and of its decode, timed message by message: every message the sender
     encodes is decoded once, in order, so the two copies of m(ξ) move together (decoding one message twice would
     apply its delta twice, and the checksum would say so). Pairs are timed after the first four and `WARM_SECONDS`
-    of pairs (`warm`)."""
+    of pairs (`warm`); `early` (a list) gets the median seconds of a pair among the ten right after the four."""
     def pair() -> tuple[float, float]:
         return time_pair(sender, receiver, x, ids, device, pageable)
 
@@ -102,6 +104,8 @@ def measure_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, repeats:
     # (the fused step: its kernels' first run in the process, its graph's first call, then its capture)
     for _ in range(4):
         pair()
+    if early is not None:
+        early.append(statistics.median(sum(pair()) for _ in range(10)))
     warm(pair)
     timed = [pair() for _ in range(repeats)]
     return statistics.median(t for t, _ in timed), statistics.median(t for _, t in timed)
@@ -130,15 +134,18 @@ def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) ->
         receiver = build_codec(f"aqsgd:{bits}", "fw", StoreView(recv, 0, "recv"), QuantOptions(per=per), device=device)
         given = x.to(torch.bfloat16) if "bf16" in label else x  # (what a bf16 run's stage sends)
         mb = given.numel() * given.element_size() / 1e6
-        enc, dec = measure_pairs(sender, receiver, given, ids, repeats, device, pageable="pageable" in label)
-        row = {"bits": bits, "rounding": f"aqsgd codec{label}", "encode_MBps": mb / enc, "decode_MBps": mb / dec}
+        early: list[float] = []
+        enc, dec = measure_pairs(sender, receiver, given, ids, repeats, device, pageable="pageable" in label,
+                                 early=early)
+        row = {"bits": bits, "rounding": f"aqsgd codec{label}", "encode_MBps": mb / enc, "decode_MBps": mb / dec,
+               "early_pair_MBps": mb / early[0]}
         streamed = ""
         if device.type == "cuda" and not label:  # the rate a pipeline sees: no wait but the sender's own
             row["streamed_round_trip_MBps"] = mb / stream_pairs(sender, receiver, given, ids, 20 * repeats)
             streamed = f"  streamed both {row['streamed_round_trip_MBps']:7.0f} MB/s"
         rows.append(row)
-        print(f"aqsgd:{bits} whole codec{label}   encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s{streamed}",
-              flush=True)
+        print(f"aqsgd:{bits} whole codec{label}   encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s{streamed}"
+              f"  (both, its 5th-14th pairs: {row['early_pair_MBps']:7.0f} MB/s)", flush=True)
     return rows
 
 
