@@ -12,7 +12,8 @@
 # Steps, in this order, each given what is left of AQPIPE_SESSION_SECONDS (default 560, under the tool's 600):
 #   ab        benchmarks/codec_ab.py against .ab/base, where it exists (AQPIPE_AB_ROUNDS rounds, default 3)
 #   gpu-check benchmarks/gpu_check.sh (AQPIPE_GPU_CHECK_PARTS picks its parts)
-#   tiles     benchmarks/fused_tiles.py, where at least 120 s are left
+#   tiles     benchmarks/fused_tiles.py, with AQPIPE_SESSION_TILES=1 and at least 240 s left (its sweep took 200 s on
+#             an H200, and writes its results only at its end; last run on an H200 at 0651fb8's kernels)
 # The device tool brings back at most 8 files from OUT (the first such session lost every file of gpu_check.sh's
 # but what it printed): session.log (the set-up and the GPU), ab.log and ab.json, gpu-check.log (which ends with
 # gpu_check.sh's results.md), gpu_check.tar.gz (its whole folder: logs, JSON, rank logs), tiles.log, tiles.json and
@@ -59,7 +60,7 @@ step gpu-check $(($(left) - 10)) bash benchmarks/gpu_check.sh "$checks"
 command -v nvidia-cuda-mps-control >/dev/null && echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
 tar -czf "$out/gpu_check.tar.gz" -C "$(dirname "$checks")" "$(basename "$checks")"
 grep -s -E "^\| |^- (PASSED|FAILED|ERROR)" "$checks/results.md"
-if [ "$(left)" -ge 120 ]; then
+if [ "${AQPIPE_SESSION_TILES:-0}" = 1 ] && [ "$(left)" -ge 240 ]; then
   step tiles $(($(left) - 5)) python benchmarks/fused_tiles.py --out "$out/tiles"
 fi
 echo "== done, $(left) s of the session's time left" | tee -a "$log"
