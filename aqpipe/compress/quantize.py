@@ -83,6 +83,7 @@ def _offset_steps(bits: int, grid: str) -> tuple[float, float, int]:
     return float(h), float(h), (1 << bits) - 1
 
 
+@functools.cache  # (asked at every ungraphed kernel launch)
 def level_step(bits: int, grid: str) -> tuple[float, bool]:
     """How the fused kernels form a code's level (`fused_kernels.level`): (1/steps, True) where the grid's steps are a
     power of two (the default grid's: the product is exact), else (steps, False) for a correctly rounded division of
