@@ -24,135 +24,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from tests.processes import small_disk, tagged_processes  # noqa: E402 - the repository's own test helpers
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # (its harness, and the tests' helpers)
+from fault_harness import LONG, QUICK, Case, Row, finish, listening_ports, markdown  # noqa: E402 - its harness
+
+from tests.processes import small_disk  # noqa: E402 - the repository's own test helpers
 from tests.test_health import DAMAGE  # noqa: E402 - the three kinds of LMDB damage
-
-QUICK = ["--pp", "3", "--seq-len", "16", "--max-samples", "128", "--no-progress"]
-LONG = [*QUICK, "--steps", "5000"]
-
-
-@dataclass
-class Row:
-    """One attempt: what happened, and whether that is what a clean failure (or success) looks like."""
-
-    case: str
-    expect: int
-    code: int | None = None
-    seconds: float = 0.0
-    line: str = ""
-    after: int = 0  # stderr lines after the failure line
-    traceback: bool = False
-    orphans: list[str] = field(default_factory=list)
-    lost: str = "nothing"
-    note: str = ""
-    says: str = ""  # the failure line must contain this
-    verified: bool = True  # the case's own property (same losses, lr > 0, re-seeded, …) held
-
-    @property
-    def clean(self) -> bool:
-        return (self.code == self.expect and not self.after and not self.traceback and not self.orphans
-                and self.says in self.line and self.verified)
-
-
-class Case:
-    """One case's scratch directory, tag (every process it starts carries it) and launches."""
-
-    def __init__(self, work: Path, cache: Path, name: str) -> None:
-        self.dir = work / name.replace(" ", "-").replace("/", "-")
-        self.dir.mkdir(parents=True)
-        self.out = self.dir / "run"
-        self.tag = uuid.uuid4().hex
-        self.env = dict(os.environ, AQPIPE_TEST_TAG=self.tag, AQPIPE_CACHE=str(cache),
-                        AQPIPE_NETNS_STATE=str(self.dir / "netns"))
-        self.namespaces_before = namespaces()
-
-    def start(self, *args: str, command: str = "launch") -> subprocess.Popen:
-        """`aqpipe COMMAND ARGS` in the background, tagged."""
-        return subprocess.Popen([sys.executable, "-m", "aqpipe", command, *args], cwd=ROOT, env=self.env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def run(self, *args: str, command: str = "launch", timeout: float = 600) -> tuple[int, str, float]:
-        """`aqpipe COMMAND ARGS` to its end: (exit code, stderr (and stdout of store tools), seconds)."""
-        start = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "aqpipe", command, *args], cwd=ROOT, env=self.env,
-                              capture_output=True, text=True, timeout=timeout)
-        return proc.returncode, proc.stderr + proc.stdout * (command == "store"), time.monotonic() - start
-
-    def steps_logged(self, out: Path | None = None) -> int:
-        """Steps recorded in the run's metrics.jsonl so far."""
-        metrics = (out or self.out) / "metrics.jsonl"
-        return metrics.read_text().count("\n") if metrics.exists() else 0
-
-    def wait_steps(self, proc: subprocess.Popen, n: int, out: Path | None = None, timeout: float = 180) -> None:
-        """Return once the run has logged `n` steps."""
-        deadline = time.monotonic() + timeout
-        while self.steps_logged(out) < n:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the run never reached step {n}: {proc.communicate()[1][-2000:]}")
-            time.sleep(0.05)
-
-    def pids(self, rank: str | None = None) -> list[int]:
-        """Live processes of this case (of one rank when given)."""
-        return tagged_processes(self.tag, rank)
-
-    def row(self, case: str, expect: int, code: int | None, err: str, seconds: float, killed_in: Path | None = None,
-            **extra) -> Row:
-        """The row of one attempt; `killed_in`: a checkpoint a SIGKILL interrupted, whose partial files only the
-        next launch can remove (the row after it checks that it did)."""
-        line, after = failure_line(err)
-        time.sleep(0.5)
-        left = [f"pid {p}" for p in self.pids()]
-        left += [f"netns {n}" for n in namespaces() if n not in self.namespaces_before]
-        left += [str(p.relative_to(self.dir)) for p in self.dir.rglob("*.tmp")
-                 if killed_in is None or killed_in not in p.parents]
-        return Row(case, expect, code, round(seconds, 1), line[:400], after, "Traceback" in err, left, **extra)
-
-
-
-
-def finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int | None, str, float]:
-    """Wait for a background launch: (exit code or None if it hung, stderr, seconds waited)."""
-    start = time.monotonic()
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-        return None, err + f"\n(no exit within {timeout} s)", time.monotonic() - start
-    return proc.returncode, err, time.monotonic() - start
-
-
-def failure_line(err: str) -> tuple[str, int]:
-    """The line that reports how the command ended, and how many stderr lines came after it."""
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    for i, line in enumerate(lines):
-        if line.startswith(("aqpipe: error", "aqpipe: run failed", "aqpipe: interrupted")):
-            return line, len(lines) - 1 - i
-    return (lines[-1] if lines else ""), 0
-
-
-def namespaces() -> list[str]:
-    """aqpipe's network namespaces on this machine."""
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith("aqpipe-")]
-
-
-def last_checkpoint(out: Path) -> int | None:
-    """The newest complete checkpoint's step."""
-    done = [int(d.name[5:]) for d in (out / "checkpoints").glob("step-*") if (d / "COMPLETE").is_file()]
-    return max(done) if done else None
-
-
-def lost_since_checkpoint(case: Case, reached: int) -> str:
-    """The steps a resume has to redo."""
-    kept = last_checkpoint(case.out)
-    return f"steps {kept or 0}+1..{reached} (resumable from {kept})" if kept else f"steps 1..{reached} (no checkpoint)"
 
 
 # -- kills, stalls, disk -------------------------------------------------------------------------------------------
@@ -163,7 +43,7 @@ def kill_rank_mid_run(case: Case) -> list[Row]:
     os.kill(case.pids(rank="1")[0], signal.SIGKILL)
     reached = case.steps_logged()
     code, err, seconds = finish(proc)
-    rows = [case.row("SIGKILL rank 1 mid-run", 1, code, err, seconds, lost=lost_since_checkpoint(case, reached),
+    rows = [case.row("SIGKILL rank 1 mid-run", 1, code, err, seconds, lost=case.lost_since_checkpoint(reached),
                      says="rank 1 (stage 1, replica 0) died: killed by signal SIGKILL")]
     code, err, seconds = case.run("--resume", str(case.out), "--steps", "20")
     rows.append(case.row("  then --resume (to step 20)", 0, code, err, seconds))
@@ -186,7 +66,7 @@ def kill_during_checkpoint(case: Case) -> list[Row]:
     code, err, seconds = finish(proc)
     incomplete = [d for d in (case.out / "checkpoints").glob("step-*") if not (d / "COMPLETE").exists()]
     rows = [case.row("SIGKILL launcher during a checkpoint write", -9, code, err, seconds,
-                     killed_in=incomplete[0] if incomplete else None, lost=lost_since_checkpoint(case, reached),
+                     killed_in=incomplete[0] if incomplete else None, lost=case.lost_since_checkpoint(reached),
                      verified=caught,
                      note=f"caught mid-write: {caught}; left incomplete: {', '.join(d.name for d in incomplete) or 'none'}")]
     code, err, seconds = case.run("--resume", str(case.out), "--steps", str(reached + 3))
@@ -228,7 +108,7 @@ def disk_full(case: Case) -> list[Row]:
                           "--checkpoint-every", "2", "--steps", "8", "--out", str(case.out))
         code, err, seconds = finish(proc)
         rows = [case.row("disk full (24 MB tmpfs) at a checkpoint", 1, code, err, seconds,
-                         lost=lost_since_checkpoint(case, case.steps_logged()), says="disk full writing")]
+                         lost=case.lost_since_checkpoint(case.steps_logged()), says="disk full writing")]
         subprocess.run(["mount", "-o", "remount,size=200m", str(disk)], check=True)
         code, err, seconds = case.run("--resume", str(case.out))
         rows.append(case.row("  then space freed, --resume", 0, code, err, seconds))
@@ -248,7 +128,7 @@ def disk_filled_mid_run(case: Case) -> list[Row]:
             pass
         code, err, seconds = finish(proc)
         rows = [case.row("disk filled by another process mid-run (--store lmdb)", 1, code, err, seconds,
-                         lost=lost_since_checkpoint(case, case.steps_logged()), says="disk full writing")]
+                         lost=case.lost_since_checkpoint(case.steps_logged()), says="disk full writing")]
         (disk / "filler").unlink()
         code, err, seconds = case.run("--resume", str(case.out), "--steps", str(case.steps_logged() + 4))
         rows.append(case.row("  then space freed, --resume", 0, code, err, seconds))
@@ -308,16 +188,6 @@ def interrupts(case: Case, bandwidth: bool) -> list[Row]:
 
 
 # -- stray connections ---------------------------------------------------------------------------------------------
-def listening_ports(pids: list[int]) -> list[int]:
-    """TCP ports the processes listen on."""
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
-    ports = set()
-    for line in out.splitlines():
-        if any(f"pid={p}," in line for p in pids):
-            ports.add(int(line.split()[3].rsplit(":", 1)[1]))
-    return sorted(ports)
-
-
 def stray_connections(case: Case) -> list[Row]:
     """Garbage on every port the run listens on, mid-run; the losses must equal an undisturbed run's."""
     args = [*QUICK, "--steps", "40", "--seed", "3"]
@@ -340,23 +210,16 @@ def stray_connections(case: Case) -> list[Row]:
     losses = [json.loads(x)["loss"] for x in (case.out / "metrics.jsonl").read_text().splitlines()] \
         if (case.out / "metrics.jsonl").exists() else []
     return [case.row("stray connections with garbage, mid-run", 0, code, err, seconds,
-                     verified=losses == reference and sent > 0, note=f"{sent} connections to {len(ports)} ports; losses identical to an undisturbed run: "
+                     verified=losses == reference and sent > 0,
+                     note=f"{sent} connections to {len(ports)} ports; losses identical to an undisturbed run: "
                           f"{losses == reference}")]
 
 
 # -- resume abuse --------------------------------------------------------------------------------------------------
-def finished_run(case: Case, steps: int = 6, *extra: str) -> Path:
-    """A short run with checkpoints, finished."""
-    code, err, _ = case.run(*QUICK, "--steps", str(steps), "--checkpoint-every", "2", *extra, "--out", str(case.out))
-    if code != 0:
-        raise RuntimeError(err[-2000:])
-    return case.out
-
-
 def resume_abuse(case: Case) -> list[Row]:
     """Every way to resume what should not be resumed, and one extension that should work."""
     rows = []
-    run = finished_run(case)
+    run = case.finished_run()
     pristine = case.dir / "pristine"
     shutil.copytree(run, pristine)
 
@@ -395,7 +258,8 @@ def resume_abuse(case: Case) -> list[Row]:
     fresh()
     attempt("--resume extending 6 -> 9 steps", 0, "--steps", "9")
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    rows[-1].note = f"lr at step 7: {records[6]['lr']:.2e} (must be > 0), weights move: {records[6]['loss'] != records[5]['loss']}"
+    rows[-1].note = (f"lr at step 7: {records[6]['lr']:.2e} (must be > 0), weights move: "
+                     f"{records[6]['loss'] != records[5]['loss']}")
     rows[-1].verified = records[6]["lr"] > 0 and records[6]["loss"] != records[5]["loss"]
     proc = case.start(*LONG, "--checkpoint-every", "2", "--out", str(case.dir / "running"))
     case.wait_steps(proc, 3, case.dir / "running")
@@ -457,7 +321,7 @@ def bad_data(case: Case) -> list[Row]:
 def damaged_stores(case: Case) -> list[Row]:
     """Each kind of LMDB damage on rank 1's store: the tools say so in one line, and a resume re-seeds."""
     rows = []
-    run = finished_run(case, 6, "--store", "lmdb", "--fw", "aqsgd:3", "--warmup-epochs", "1", "--max-samples", "32",
+    run = case.finished_run(6, "--store", "lmdb", "--fw", "aqsgd:3", "--warmup-epochs", "1", "--max-samples", "32",
                        "--checkpoint-every", "6")
     pristine = case.dir / "pristine"
     shutil.copytree(run, pristine)
@@ -484,18 +348,6 @@ CASES = {
     "interrupts bandwidth": lambda c: interrupts(c, True), "stray": stray_connections, "resume": resume_abuse,
     "same directory": same_directory, "bad data": bad_data, "lmdb": damaged_stores,
 }
-
-
-def markdown(rows: list[Row]) -> str:
-    """The rows as a Markdown table."""
-    lines = ["| case | exit (expected) | s | failure line | orphans | lost | clean | note |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        extra = (f" (+{r.after} lines after)" if r.after else "") + (" TRACEBACK" if r.traceback else "")
-        line = r.line.replace("|", "\\|")
-        lines.append(f"| {r.case} | {r.code} ({r.expect}) | {r.seconds} | `{line}`{extra} | "
-                     f"{', '.join(r.orphans) or 0} | {r.lost} | {'yes' if r.clean else '**no**'} | {r.note} |")
-    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
