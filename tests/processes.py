@@ -1,5 +1,5 @@
 """Helpers for tests that start `aqpipe launch` and look for the processes it left (also used by
-benchmarks/faults.py)."""
+the fault campaign, benchmarks/faults.py and fault_harness.py)."""
 
 import os
 import signal
