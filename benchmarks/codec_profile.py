@@ -191,6 +191,9 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
             "pair_us_fastest_slowest": [pair_us[0], pair_us[-1]],
             "cold_pair_us": statistics.median((t + u) * 1e6 for t, u in cold),
             "warm_pair_us": statistics.median(pair_us),  # (the same statistic as `cold_pair_us`, after the warm-up)
+            # every pair in the order it ran, the ten early ones then the timed ones (a trend, or a few slow outliers?)
+            "early_pairs_us": [round((t + u) * 1e6, 1) for t, u in cold],
+            "timed_pairs_us": [round((t + u) * 1e6, 1) for t, u in times],
             "round_trip_MBps": mb / (encode_s + decode_s), "device_busy_us_per_pair": device_us,
             "aten_ops_per_pair": ops, "host_calls_per_pair": calls, **{f"{k}_per_pair": v for k, v in counted.items()},
             "host_timeline": timeline,

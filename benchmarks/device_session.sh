@@ -34,13 +34,17 @@ unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/aqpipe-pycache}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/aqpipe-triton-cache} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$log" 2>&1
+# shellcheck source=benchmarks/gpu_state.sh
+source benchmarks/gpu_state.sh  # (gpu_state LABEL: the GPU's clocks, a line)
 
 step() {  # step NAME SECONDS COMMAND...: COMMAND under its limit, its output in NAME.log, its status and time printed
   local name=$1 limit=$(($2 > 1 ? $2 : 1)) start rc  # (timeout 0 would mean no limit)
   shift 2
   start=$(date +%s)
+  gpu_state "before $name" >>"$log"
   timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
   rc=$?
+  gpu_state "after $name" >>"$log"
   echo "== $name: exit $rc$([ "$rc" = 124 ] || [ "$rc" = 137 ] && echo ' (time limit)'), $(($(date +%s) - start)) s" \
     | tee -a "$log"
 }

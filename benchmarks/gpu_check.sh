@@ -42,6 +42,9 @@ unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/aqpipe-pycache}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/aqpipe-triton-cache}  # (compiled kernels; a home may be read-only)
 
+# shellcheck source=benchmarks/gpu_state.sh
+source benchmarks/gpu_state.sh  # (gpu_state LABEL: the GPU's clocks, a line; between the timed scripts below)
+
 part() {  # part NAME SECONDS COMMAND...: run COMMAND with its output in NAME.log, record status and time
   local name=$1 limit=$2 start rc
   shift 2
@@ -93,14 +96,14 @@ throughput_mps() {  # the same pipeline with NVIDIA MPS: the four ranks' kernels
   return $rc
 }
 
-export -f sync_audit throughput_mps
+export -f sync_audit throughput_mps gpu_state
 export out data
 # Codec speed first, alone on the GPU (its numbers are times); then the GPU tests beside the sync audit (neither
 # times anything, and the audit's launches fit in the tests' shadow); then each throughput run alone.
 # (at SmolLM2's shape: also the shape of a GPU run's micro-batch, 8 × 1024 tokens, and the same coders without the
 # fused kernels — AQPIPE_FUSED_KERNELS=0 — and without the CUDA graphs as well: the torch ops one by one; AQ-SGD's
 # delta step unfused against fused, at 8 × 1024 among other sizes, is fused_delta_sizes.py's)
-part codec-speed 120 bash -c "echo '### at GPT2-XL shape 4,512,1600 MB/s'; \
+part codec-speed 120 bash -c "gpu_state 'before codec_speed.py' && echo '### at GPT2-XL shape 4,512,1600 MB/s'; \
   python benchmarks/codec_speed.py --device cuda --out '$out/codec_speed_cuda' && \
   echo '### at SmolLM2-135M shape 4,128,576 MB/s' && \
   python benchmarks/codec_speed.py --device cuda --shape 4,128,576 --out '$out/codec_speed_cuda_smollm2' && \
@@ -113,10 +116,13 @@ part codec-speed 120 bash -c "echo '### at GPT2-XL shape 4,512,1600 MB/s'; \
   echo '### at SmolLM2-135M shape 4,128,576, fused kernels and CUDA graphs off (AQPIPE_CUDA_GRAPHS=0) MB/s' && \
   AQPIPE_FUSED_KERNELS=0 AQPIPE_CUDA_GRAPHS=0 python benchmarks/codec_speed.py --device cuda --shape 4,128,576 \
     --codecs directq:4,rtq:4 --out '$out/codec_speed_cuda_smollm2_no_graphs' && \
+  gpu_state 'before codec_profile.py' && \
   echo '### where an aqsgd:3 message goes, m(xi) in GPU memory (benchmarks/codec_profile.py)' && \
   python benchmarks/codec_profile.py --device cuda --pairs 11 --out '$out/codec_profile_cuda' && \
+  gpu_state 'before fused_delta_sizes.py' && \
   echo '### AQ-SGD delta step in torch ops against fused, by micro-batch size (benchmarks/fused_delta_sizes.py)' && \
-  python benchmarks/fused_delta_sizes.py --repeats 15 --out '$out/fused_delta_sizes'"
+  python benchmarks/fused_delta_sizes.py --repeats 15 --out '$out/fused_delta_sizes' && \
+  gpu_state 'after fused_delta_sizes.py'"
 part gpu-tests 210 python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py tests/test_gpu_cuda_graphs.py \
   -n 12 -p no:cacheprovider -v --timeout 150 -rfE &
 tests=$!
@@ -148,7 +154,7 @@ part throughput-mps 70 bash -c throughput_mps
   fi
   echo
   echo "## codec speed"
-  ran codec-speed && grep -h -E "MB/s|per pair|a pair's µs|most called|µs  |M values" "$out/codec-speed.log" | head -140
+  ran codec-speed && grep -h -E "MB/s|per pair|a pair's µs|most called|µs  |M values|^   gpu " "$out/codec-speed.log" | head -140
   echo
   echo "## throughput (samples/s)"
   ran throughput && grep -h -E "samples/s|≥|target" "$out/throughput.log" | head -20

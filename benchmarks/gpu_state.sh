@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# gpu_state LABEL: one line with the GPU's clocks, power state, temperature, power draw and what holds its clocks
+# back (where the driver can say), for the logs of benchmarks/gpu_check.sh and benchmarks/device_session.sh, which
+# source this file. Printed between timed scripts: one tree's AQ-SGD pair has read 23 to 60 GB/s in different
+# scripts of one device call, unexplained, and a GPU that had idled, or was held back, would be one explanation.
+gpu_state() {
+  local fields=clocks.sm,clocks.max.sm,clocks.mem,pstate,temperature.gpu,power.draw
+  printf '   gpu %s: ' "$1"
+  nvidia-smi --query-gpu="$fields,clocks_event_reasons.active" --format=csv,noheader 2>/dev/null \
+    || nvidia-smi --query-gpu="$fields" --format=csv,noheader 2>&1 \
+    || true
+}
