@@ -322,7 +322,7 @@ def damaged_stores(case: Case) -> list[Row]:
     """Each kind of LMDB damage on rank 1's store: the tools say so in one line, and a resume re-seeds."""
     rows = []
     run = case.finished_run(6, "--store", "lmdb", "--fw", "aqsgd:3", "--warmup-epochs", "1", "--max-samples", "32",
-                       "--checkpoint-every", "6")
+                            "--checkpoint-every", "6")
     pristine = case.dir / "pristine"
     shutil.copytree(run, pristine)
     for name, damage in DAMAGE.items():
