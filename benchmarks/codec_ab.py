@@ -26,6 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.codec_path import fallback_note  # noqa: E402
+
 MEASURES = ("encode_us", "decode_us", "device_busy_us_per_pair", "cold_pair_us", "warm_pair_us")
 
 
@@ -69,6 +72,7 @@ def summary(rounds: list[list[dict]]) -> list[dict]:
         # gpu_check.sh's profile of the same tree — the spread says which to trust)
         row["round_trip_MBps_by_round"] = [r[at]["round_trip_MBps"] for r in rounds]
         row["host_timeline"] = [r[at].get("host_timeline") for r in rounds]  # (each round's, where the tree makes one)
+        row["codec_path"] = [r[at].get("codec_path") for r in rounds]  # (each round's: had its GPU path fallen back?)
         rows.append(row)
     return rows
 
@@ -98,6 +102,9 @@ def main() -> None:
                   f"µs  both ends {row['round_trip_MBps'] / 1e3:6.1f} GB/s ("
                   + ", ".join(f"{v / 1e3:.1f}" for v in row["round_trip_MBps_by_round"]) + " by round)"
                   + ("" if busy is None else f"  device busy {busy:.0f} µs a pair"), flush=True)
+            for k, path in enumerate(row["codec_path"]):
+                if path and fallback_note(path):
+                    print(f"{'':>12} round {k + 1}{fallback_note(path)}", flush=True)
             if row["cold_pair_us"] is not None and row["warm_pair_us"] is not None:
                 print(f"{'':>12} a pair (the median) before the warm-up: {row['cold_pair_us']:.0f} µs, after: "
                       f"{row['warm_pair_us']:.0f} µs", flush=True)

@@ -34,6 +34,7 @@ from aqpipe.storage import MemoryStore, SlabStore, StoreView, memory_store
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.codec_path import codec_path, fallback_note  # noqa: E402
 from benchmarks.codec_speed import WARM_SECONDS, time_pair, warm  # noqa: E402
 
 HOST_CALLS = ("cudaMemcpyAsync", "cudaLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx", "cuLaunchKernel",
@@ -199,7 +200,8 @@ def profile_shape(spec: str, shape: tuple[int, ...], device: torch.device, store
             "host_timeline": timeline,
             "most_called_ops_per_pair": {e.key: e.count / 5 for e in frequent},
             "top_device_time_us_per_pair": {e.key[:60]: e.self_device_time_total / 5 for e in top},
-            "graph_memory_MB": graph_memory(sender, receiver, shape) if device.type == "cuda" else {}}
+            "graph_memory_MB": graph_memory(sender, receiver, shape) if device.type == "cuda" else {},
+            "codec_path": codec_path()}  # (after the timed pairs: had the graphs or the fused kernels fallen back?)
 
 
 def graph_memory(sender, receiver, shape: tuple[int, ...]) -> dict:
@@ -232,7 +234,8 @@ def main() -> None:
         busy = row["device_busy_us_per_pair"]
         print(f"{args.codec} {shape} m(ξ) on {store_device}: encode {row['encode_us']:.0f} µs, decode "
               f"{row['decode_us']:.0f} µs ({row['round_trip_MBps']:.0f} MB/s both)"
-              + ("" if busy is None else f"; device busy {busy:.0f} µs a pair"), flush=True)
+              + ("" if busy is None else f"; device busy {busy:.0f} µs a pair") + fallback_note(row["codec_path"]),
+              flush=True)
         fastest, slowest = row["pair_us_fastest_slowest"]
         print(f"  a pair's µs over {args.pairs} pairs: fastest {fastest:.0f}, median {row['warm_pair_us']:.0f}, slowest "
               f"{slowest:.0f}; the 10 pairs after the first 5, before {2 * WARM_SECONDS:g} s more of pairs: median "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,9 @@ import torch
 from aqpipe.compress.link.codecs import QuantOptions
 from aqpipe.compress.link.directq import decode_samples, encode_samples
 from aqpipe.compress.quantize import quantize
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.codec_path import codec_path, fallback_note  # noqa: E402
 
 # Seconds of pairs an AQ-SGD link runs, past its first four, before any is timed (`measure_pairs`; codec_profile.py
 # twice that). Timed right after those four, one tree's pair read 23, 40 and 60 GB/s on one H200 in three scripts
@@ -138,14 +142,15 @@ def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) ->
         enc, dec = measure_pairs(sender, receiver, given, ids, repeats, device, pageable="pageable" in label,
                                  early=early)
         row = {"bits": bits, "rounding": f"aqsgd codec{label}", "encode_MBps": mb / enc, "decode_MBps": mb / dec,
-               "early_pair_MBps": mb / early[0]}
+               "early_pair_MBps": mb / early[0], "codec_path": codec_path()}
         streamed = ""
         if device.type == "cuda" and not label:  # the rate a pipeline sees: no wait but the sender's own
             row["streamed_round_trip_MBps"] = mb / stream_pairs(sender, receiver, given, ids, 20 * repeats)
             streamed = f"  streamed both {row['streamed_round_trip_MBps']:7.0f} MB/s"
         rows.append(row)
         print(f"aqsgd:{bits} whole codec{label}   encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s{streamed}"
-              f"  (both, its 5th-14th pairs: {row['early_pair_MBps']:7.0f} MB/s)", flush=True)
+              f"  (both, its 5th-14th pairs: {row['early_pair_MBps']:7.0f} MB/s){fallback_note(row['codec_path'])}",
+              flush=True)
     return rows
 
 
@@ -188,9 +193,9 @@ def link_codec_rows(x: torch.Tensor, specs: list[str], repeats: int, device: tor
         enc, dec = measure(encode, repeats, device), measure(decode, repeats, device)
         bits = 8 * box["e"].payload.numel() / x.numel()
         row = {"codec": spec, "bits_per_value": bits, "encode_MBps": mb / enc, "decode_MBps": mb / dec,
-               "round_trip_MBps": mb / (enc + dec)}
+               "round_trip_MBps": mb / (enc + dec), "codec_path": codec_path()}
         print(f"{spec:10s} {bits:5.2f} bits/value  encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s  "
-              f"both {mb / (enc + dec):7.0f} MB/s", flush=True)
+              f"both {mb / (enc + dec):7.0f} MB/s{fallback_note(row['codec_path'])}", flush=True)
         if device.type == "cuda":  # queued back to back: encode, then decode of what it sent (host copies included)
             def round_trip():
                 e = codec.encode(x, ids)

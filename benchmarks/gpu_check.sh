@@ -157,6 +157,8 @@ part throughput-mps 70 bash -c throughput_mps
   ran codec-speed && grep -h -E "MB/s|per pair|a pair's µs|most called|µs  |M values" "$out/codec-speed.log" | head -140
   echo "### the GPU's state between the codec scripts"
   ran codec-speed && grep -h "^   gpu " "$out/codec-speed.log"
+  echo "### the codecs' GPU path falling back (rows after it are the fallback's: marked FELL BACK)"
+  ran codec-speed && { grep -h -E "from now on|graphs held: further" "$out/codec-speed.log" || echo "none"; }
   echo
   echo "## throughput (samples/s)"
   ran throughput && grep -h -E "samples/s|≥|target" "$out/throughput.log" | head -20

@@ -97,6 +97,7 @@ def test_a_capture_that_fails_turns_graphs_off_for_the_process_with_one_warning(
     with caplog.at_level(logging.WARNING, logger="aqpipe.compress.cuda_graphs"):
         results = [graphed(key, fn, x, x) for key in ("k", "k", "k", "other", "other", "kept")]
     assert len(stand_in) == 1 and stand_in[0].replays == replays  # the earlier graph is not replayed again either
+    assert cuda_graphs.stopped() == "a capture failed: every graphed call runs op by op"
     assert [r.message for r in caplog.records if "capture of k failed" in r.message] and len(caplog.records) == 1
     assert all(torch.equal(r[0], x * 3) for r in results)
 
@@ -127,11 +128,16 @@ def test_past_the_limit_new_signatures_run_op_by_op_with_one_warning(stand_in, m
     monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 2)
     fn = Counted()
     with caplog.at_level(logging.WARNING, logger="aqpipe.compress.cuda_graphs"):
-        for n in range(1, 5):
+        for n in range(1, 3):
+            for _ in range(3):
+                graphed("k", fn, torch.ones(n, 2), torch.ones(n, 2))
+        assert cuda_graphs.stopped() is None  # (at the limit, not past it: no signature has been turned away)
+        for n in range(3, 5):
             for _ in range(3):
                 graphed("k", fn, torch.ones(n, 2), torch.ones(n, 2))
     assert cuda_graphs.captured() == 2 and len(stand_in) == 2
     assert len([r for r in caplog.records if "graphs held" in r.message]) == 1
+    assert cuda_graphs.stopped() == "2 graphs held: new signatures run op by op"
 
 
 def test_forget_drops_the_graphs_of_one_owner(stand_in):

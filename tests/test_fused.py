@@ -368,12 +368,14 @@ def test_kernels_that_fail_to_launch_turn_off_with_one_warning_and_the_torch_ops
     _unlaunchable_kernels(monkeypatch)
     coder = QuantCoder(4, QuantOptions())
     x = torch.randn(2, 8, 16)
+    assert fused.failure() is None
     with caplog.at_level("WARNING", logger="aqpipe.compress.fused"):
         rows, values = coder._encode(x, values=True)
         decoded = coder._decode(rows, tuple(x.shape))
         coder._encode(x, values=False)
     assert [r.message for r in caplog.records] == [
         "fused codec kernels off, the torch ops code from now on: RuntimeError: no compiler for this GPU"]
+    assert fused.failure() == "RuntimeError: no compiler for this GPU"
     assert not fused.fusable(x.device, tuple(x.shape), 4, "channel", "signed")
     monkeypatch.setenv("AQPIPE_FUSED_KERNELS", "0")
     assert torch.equal(rows, coder._encode(x, values=False)[0])

@@ -356,6 +356,16 @@ def captured() -> int:
     return len(_cache.graphs)
 
 
+def stopped() -> str | None:
+    """Why this process captures no new graph, or None while it does: after a failed capture every graphed call runs
+    op by op, and past `MAX_GRAPHS` every new signature does (what a benchmark's figures depend on: for logs)."""
+    if _cache.failed:
+        return "a capture failed: every graphed call runs op by op"
+    if _cache.full:
+        return f"{MAX_GRAPHS} graphs held: new signatures run op by op"
+    return None
+
+
 def clear() -> None:
     """Drop every graph and forget a failed capture (tests; a process that changes device)."""
     global _cache

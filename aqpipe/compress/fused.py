@@ -237,6 +237,12 @@ def addressable(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.element_size() <= 4
 
 
+def failure() -> str | None:
+    """Why the fused kernels are off in this process (their first failure: the torch ops code from then on), or None
+    while they are on."""
+    return _failed[0] if _failed else None
+
+
 def writes_in_place(step: str, device: torch.device) -> bool:
     """Whether the delta step `step` ("encode", "decode") writes m(ξ) in place on `device`: once every kernel of it
     has run in the process (see `_proven`), and on the meta device (where nothing runs: the outputs a GPU's
