@@ -358,7 +358,8 @@ def captured() -> int:
 
 def stopped() -> str | None:
     """Why this process captures no new graph, or None while it does: after a failed capture every graphed call runs
-    op by op, and past `MAX_GRAPHS` every new signature does (what a benchmark's figures depend on: for logs)."""
+    op by op, and past `MAX_GRAPHS` every new signature does (for benchmarks: a codec timed after either is not timed
+    on its graphs)."""
     if _cache.failed:
         return "a capture failed: every graphed call runs op by op"
     if _cache.full:
