@@ -11,8 +11,8 @@ UNKNOWN = "not reported"  # (by an aqpipe from before these reports: a baseline 
 def codec_path() -> dict:
     """How the codecs' GPU path stands in this process so far: the CUDA graphs held, why new ones stopped being
     captured and why the fused kernels are off (None: they were not). A figure timed after either fell back is the
-    fallback's: one H100 run (89a45ef) read AQ-SGD's pair at 54 GB/s a side, then 8 for every row after a failed
-    capture."""
+    fallback's: one H100 run (89a45ef) read AQ-SGD at 54 / 61 GB/s a side at 8 × 1024 × 576, then 8–9 / 12–16 in
+    the slab rows after a failed capture."""
     from aqpipe.compress import cuda_graphs, fused
 
     return {"graphs_held": cuda_graphs.captured(),

@@ -137,7 +137,21 @@ def test_past_the_limit_new_signatures_run_op_by_op_with_one_warning(stand_in, m
                 graphed("k", fn, torch.ones(n, 2), torch.ones(n, 2))
     assert cuda_graphs.captured() == 2 and len(stand_in) == 2
     assert len([r for r in caplog.records if "graphs held" in r.message]) == 1
-    assert cuda_graphs.stopped() == "2 graphs held: new signatures run op by op"
+    assert cuda_graphs.stopped() == "2 graphs held: a signature not among them runs op by op"
+
+
+def test_graphs_dropped_below_the_limit_are_captured_again_and_no_longer_reported_stopped(stand_in, monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 2)
+    fn = Counted()
+    for owner, n in (("a", 1), ("b", 2), ("c", 3)):  # the third turned away
+        for _ in range(3):
+            graphed((owner, "step"), fn, torch.ones(n, 2), torch.ones(n, 2))
+    assert cuda_graphs.stopped() is not None and cuda_graphs.captured() == 2
+    cuda_graphs.forget("a")  # (a codec that ends)
+    assert cuda_graphs.stopped() is None
+    for _ in range(3):
+        graphed(("d", "step"), fn, torch.ones(4, 2), torch.ones(4, 2))
+    assert cuda_graphs.captured() == 2 and len(stand_in) == 3  # the new signature was captured
 
 
 def test_forget_drops_the_graphs_of_one_owner(stand_in):

@@ -357,13 +357,13 @@ def captured() -> int:
 
 
 def stopped() -> str | None:
-    """Why this process captures no new graph, or None while it does: after a failed capture every graphed call runs
-    op by op, and past `MAX_GRAPHS` every new signature does (for benchmarks: a codec timed after either is not timed
-    on its graphs)."""
+    """Why this process captures no new graph, or None while it would: after a failed capture every graphed call
+    runs op by op; while `MAX_GRAPHS` are held (and a signature was turned away) a signature not among them does —
+    until `forget` drops some (for benchmarks: a codec timed meanwhile may not be timed on its graphs)."""
     if _cache.failed:
         return "a capture failed: every graphed call runs op by op"
-    if _cache.full:
-        return f"{MAX_GRAPHS} graphs held: new signatures run op by op"
+    if _cache.full and len(_cache.graphs) >= MAX_GRAPHS:
+        return f"{MAX_GRAPHS} graphs held: a signature not among them runs op by op"
     return None
 
 

@@ -238,8 +238,8 @@ def addressable(t: torch.Tensor) -> bool:
 
 
 def failure() -> str | None:
-    """Why the fused kernels are off in this process (their first failure: the torch ops code from then on), or None
-    while they are on."""
+    """Why the fused kernels failed in this process (their first failure: the torch ops code from then on), or None if
+    they never did (`AQPIPE_FUSED_KERNELS=0` turns them off without a failure)."""
     return _failed[0] if _failed else None
 
 
