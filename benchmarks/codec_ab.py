@@ -103,8 +103,8 @@ def main() -> None:
                   + ", ".join(f"{v / 1e3:.1f}" for v in row["round_trip_MBps_by_round"]) + " by round)"
                   + ("" if busy is None else f"  device busy {busy:.0f} µs a pair"), flush=True)
             for k, path in enumerate(row["codec_path"]):
-                if path and fallback_note(path):
-                    print(f"{'':>12} round {k + 1}{fallback_note(path)}", flush=True)
+                if path and (note := fallback_note(path)):
+                    print(f"{'':>12} round {k + 1}{note}", flush=True)
             if row["cold_pair_us"] is not None and row["warm_pair_us"] is not None:
                 print(f"{'':>12} a pair (the median) before the warm-up: {row['cold_pair_us']:.0f} µs, after: "
                       f"{row['warm_pair_us']:.0f} µs", flush=True)

@@ -154,7 +154,7 @@ part throughput-mps 70 bash -c throughput_mps
   fi
   echo
   echo "## codec speed"
-  ran codec-speed && grep -h -E "MB/s|per pair|a pair's µs|most called|µs  |M values" "$out/codec-speed.log" | head -140
+  ran codec-speed && grep -h -E "MB/s|per pair|a pair's µs|most called|µs  |M values" "$out/codec-speed.log" | head -300  # (175 lines on an H100: 140 cut the profile's)
   echo "### the GPU's state between the codec scripts"
   ran codec-speed && grep -h "^   gpu " "$out/codec-speed.log"
   echo "### the codecs' GPU path falling back (rows after it are the fallback's: marked FELL BACK)"
