@@ -132,3 +132,39 @@ def test_on_one_machine_without_a_topology_nccl_stays_on_loopback(tmp_path):
     launch_local(Recording([sys.executable, "-c", "pass"]), 1, lambda rank: f"rank {rank}", {}, 0,
                  stall_timeout=60, progress=False, log_dir=tmp_path)
     assert seen[0]["NCCL_SOCKET_IFNAME"] == "lo" and "NCCL_P2P_DISABLE" not in seen[0]
+
+
+# A rank that trains one step, then spends 2.5 s in a phase that reports its progress twice a second, as the held-out
+# pass and the final weights' way to rank 0 do, then ends.
+_LONG_PHASE = textwrap.dedent("""
+    import json, time
+    def event(**e):
+        print("@@aqpipe " + json.dumps(e), flush=True)
+    event(event="start", total_steps=1, rank=0, first_step=0)
+    event(event="step", step=1, total_steps=1, loss=1.0, samples_per_second=1.0)
+    for done in range(1, 6):
+        time.sleep(0.5)
+        event(event="progress", phase="final weights", done=done * 1_000_000, total=5_000_000, unit="bytes")
+""")
+
+
+def test_a_phase_that_reports_progress_may_outlast_the_stall_timeout(tmp_path):
+    result = launch_local(CommandStarter([sys.executable, "-c", _LONG_PHASE]), 1, lambda rank: f"rank {rank}", {}, 1,
+                          stall_timeout=1.5, progress=False, log_dir=tmp_path)
+    assert result.code == 0, result.message
+
+
+def test_without_a_bar_a_long_phase_is_printed_every_ten_seconds_once_it_has_lasted_that_long(monkeypatch, capsys):
+    from aqpipe.launch import local
+
+    now = [0.0]
+    monkeypatch.setattr(local.time, "monotonic", lambda: now[0])
+    phases: dict[str, float] = {}
+    for second, done in ((0, 1), (5, 2), (10, 3), (15, 4), (21, 5), (22, 6)):
+        now[0] = float(second)
+        local._on_event({"event": "progress", "phase": "final weights", "done": done * 10**6, "total": 6 * 10**6,
+                         "unit": "bytes"}, [], None, phases)
+    assert capsys.readouterr().err.splitlines() == ["final weights: 3.0 of 6.0 MB", "final weights: 5.0 of 6.0 MB"]
+    assert phases == {}  # the phase ended: a later one starts its own count
+    assert local.phase_text({"phase": "held-out pass", "done": 3, "total": 40, "unit": "batches"}) == \
+        "held-out pass: 3 of 40 batches"

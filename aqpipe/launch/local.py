@@ -156,6 +156,7 @@ def launch_local(
     # Set by the first event of training; before it, start-up hangs are the ranks' own to time out (the process
     # group's rendezvous timeout), because loading a large model legitimately takes long.
     last_progress: float | None = None
+    phases: dict[str, float] = {}
     summary = None
     try:
         for rank in range(world_size):
@@ -178,7 +179,7 @@ def launch_local(
                 if kind == "event":
                     if payload.get("event") != "alive":
                         last_progress = time.monotonic()
-                    summary = _on_event(payload, workers, bar) or summary
+                    summary = _on_event(payload, workers, bar, phases) or summary
                 else:
                     _print_line(payload, bar)
             except queue.Empty:
@@ -186,17 +187,18 @@ def launch_local(
             failed = [w for w in workers if w.proc.poll() not in (None, 0)]
             if failed:
                 time.sleep(1.0)  # let the neighbours of a dead rank finish failing, then pick the cause
-                _drain(events, workers, None, quiet=True)
+                _drain(events, workers, None, phases, quiet=True)
                 result = LaunchResult(1, _root_cause(workers) + _log_hint(log_dir),
                                       disk_full=any(w.disk_full for w in workers))
             elif all(w.proc.poll() == 0 for w in workers):
-                _drain(events, workers, bar)
+                _drain(events, workers, bar, phases)
                 for w in workers:
                     w.proc.wait()
                 result = LaunchResult(0, summary=summary)
             elif last_progress is not None and time.monotonic() - last_progress > stall_timeout:
                 silent = _silent(workers)
-                who = f"{silent[0].name} stopped responding" if silent else "no rank is responsive"
+                who = (f"{silent[0].name} stopped responding" if silent
+                       else "every rank is alive but none moved on (--stall-timeout S allows a longer wait)")
                 result = LaunchResult(1, f"no progress for {stall_timeout:.0f} s (stalled): {who}; stopping all ranks"
                                       + _log_hint(log_dir))
     except KeyboardInterrupt:
@@ -277,9 +279,32 @@ def _pump(worker: _Worker, events: queue.Queue) -> None:
             events.put(("line", f"[rank {worker.rank}] {line}"))
 
 
-def _on_event(event: dict, workers: list[_Worker], bar) -> dict | None:
+# A long phase between step records (the held-out pass, the final weights' way to rank 0) is shown on the bar as it
+# moves; without a bar, a line every this many seconds once it has lasted that long.
+PHASE_LINE_SECONDS = 10.0
+
+
+def phase_text(event: dict) -> str:
+    """A progress event as the launcher shows it: "final weights: 1.2 of 5.3 MB"."""
+    done, total, unit = event["done"], event["total"], event.get("unit", "")
+    if unit == "bytes":
+        return f"{event['phase']}: {done / 1e6:.1f} of {total / 1e6:.1f} MB"
+    return f"{event['phase']}: {done} of {total} {unit}".rstrip()
+
+
+def _on_event(event: dict, workers: list[_Worker], bar, phases: dict[str, float]) -> dict | None:
+    """Take one worker event in; `phases`: when each long phase's line was last printed (no bar). Returns the run's
+    summary once a `done` event brings it."""
     kind = event.get("event")
-    if kind == "step" and bar is not None and not bar.disable:
+    if kind == "progress":
+        if bar is not None and not bar.disable:
+            bar.set_postfix_str(phase_text(event), refresh=True)
+        elif event["done"] >= event["total"]:
+            phases.pop(event["phase"], None)
+        elif time.monotonic() - phases.setdefault(event["phase"], time.monotonic()) >= PHASE_LINE_SECONDS:
+            phases[event["phase"]] = time.monotonic()
+            print(phase_text(event), file=sys.stderr, flush=True)
+    elif kind == "step" and bar is not None and not bar.disable:
         bar.n = event["step"]
         bar.set_postfix(loss=f"{event['loss']:.4f}", sps=f"{event['samples_per_second']:.1f}", refresh=False)
         bar.refresh()
@@ -296,7 +321,7 @@ def _on_event(event: dict, workers: list[_Worker], bar) -> dict | None:
     return None
 
 
-def _drain(events: queue.Queue, workers: list[_Worker], bar, quiet: bool = False) -> None:
+def _drain(events: queue.Queue, workers: list[_Worker], bar, phases: dict[str, float], quiet: bool = False) -> None:
     """Take in what the workers still had to say; `quiet` (a rank failed): keep their lines off the terminal."""
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
@@ -307,7 +332,7 @@ def _drain(events: queue.Queue, workers: list[_Worker], bar, quiet: bool = False
                 break
             continue
         if kind == "event":
-            _on_event(payload, workers, bar)
+            _on_event(payload, workers, bar, phases)
         elif not quiet:
             _print_line(payload, bar)
 

@@ -14,12 +14,14 @@ Objects count as the bytes of their pickle, which is what torch sends for them.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from aqpipe.compress.grad.base import ring_all_reduce_bytes
+from aqpipe.config.rates import MIN_RATE_BITS
 
 # The traffic classes outside the links (one vocabulary: metrics fields are `<class>_bytes`).
 GRAD_SYNC, TIED, CONTROL, EVALUATION, FINAL_WEIGHTS, SETUP = (
@@ -101,30 +103,64 @@ def all_gather_object(outputs: list, obj, traffic: str, group=None) -> None:
     TRAFFIC.add(traffic, (_size(group) - 1) * (largest + 8))
 
 
-# A large transfer goes in pieces of this size, so the process group's time-out bounds a stall, not a transfer.
-CHUNK = 64 << 20
+# The pieces a large transfer goes in: no larger (a piece's wait is what the process group's time-out bounds, not a
+# transfer's) and no smaller (each piece is a round trip of its own).
+MAX_PIECE, MIN_PIECE = 64 << 20, 64 << 10
 
 
-def send_bytes(data: bytes, dst: int, traffic: str, device: torch.device) -> None:
-    """Send `data` to global rank `dst` (which calls `receive_bytes`): its length, then its bytes in pieces, as
-    tensors on `device` (the collectives' device); counted."""
+def piece_bytes(stall_timeout: float, senders: int) -> int:
+    """The size of the pieces `senders` ranks send one receiver at once (`send_bytes`, `receive_bytes_from_all`):
+    a round, one piece from each, crosses the slowest link aqpipe plans for (`MIN_RATE_BITS`, into the receiver)
+    within half of `stall_timeout`, the time-out every piece's send and receive wait under."""
+    fits = int(stall_timeout / 2 * MIN_RATE_BITS / 8 / max(1, senders))
+    return max(MIN_PIECE, min(MAX_PIECE, fits))
+
+
+def send_bytes(data: bytes, dst: int, traffic: str, device: torch.device, piece: int = MAX_PIECE) -> None:
+    """Send `data` to global rank `dst` (which receives it with `receive_bytes_from_all`, the same `piece`): its
+    length, then its bytes in pieces, as tensors on `device` (the collectives' device); counted."""
     dist.send(torch.tensor([len(data)], dtype=torch.int64, device=device), dst)
     view = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
-    for start in range(0, len(data), CHUNK):
-        dist.send(view[start : start + CHUNK].to(device), dst)
+    for start in range(0, len(data), piece):
+        dist.send(view[start : start + piece].to(device), dst)
     TRAFFIC.add(traffic, 8 + len(data))
 
 
-def receive_bytes(src: int, device: torch.device) -> bytes:
-    """What global rank `src` sends with `send_bytes`."""
-    size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(size, src)
-    data = bytearray()
-    for start in range(0, int(size.item()), CHUNK):
-        piece = torch.empty(min(CHUNK, int(size.item()) - start), dtype=torch.uint8, device=device)
-        dist.recv(piece, src)
-        data += piece.cpu().numpy().tobytes()
-    return bytes(data)
+def receive_bytes_from_all(sources: list[int], device: torch.device, piece: int = MAX_PIECE,
+                           on_round: Callable[[int, int], None] | None = None) -> list[bytes]:
+    """What each global rank of `sources` sends with `send_bytes`, taken from all of them at once: their lengths,
+    then rounds of one piece from each that has bytes left, so that no sender waits for another's whole transfer
+    (a sender's wait is one round's); `on_round(bytes received, bytes in all)` after each round."""
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in sources]
+    for work in [_irecv(size, src) for size, src in zip(sizes, sources)]:
+        work.wait()
+    totals = [int(size.item()) for size in sizes]
+    received = [bytearray() for _ in sources]
+    while True:
+        pieces = [(i, torch.empty(min(piece, totals[i] - len(received[i])), dtype=torch.uint8, device=device))
+                  for i in range(len(sources)) if len(received[i]) < totals[i]]
+        if not pieces:
+            return [bytes(data) for data in received]
+        works = [_irecv(buffer, sources[i]) for i, buffer in pieces]
+        for (i, buffer), work in zip(pieces, works):
+            work.wait()
+            received[i] += buffer.cpu().numpy().tobytes()
+        if on_round is not None:
+            on_round(sum(map(len, received)), sum(totals))
+
+
+def _irecv(tensor: torch.Tensor, src: int) -> dist.Work:
+    work = dist.irecv(tensor, src)
+    assert work is not None, "every rank is a member of the default group"
+    return work
+
+
+def finish_queued(device: torch.device) -> None:
+    """Wait until what this rank queued on `device` — collectives, sends — has completed: under NCCL a call returns
+    once queued, and a rank that then tore its process group down could cut a peer's transfer short (torch before
+    2.6 aborted the communicators in `destroy_process_group`). On the host gloo's calls have completed already."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def broadcast_object_list(objects: list, traffic: str, src: int = 0) -> None:

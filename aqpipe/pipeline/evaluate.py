@@ -7,6 +7,7 @@ their own message kind and a stateless fp32 codec, so training's codecs and stor
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +37,10 @@ class EvalTotals:
     bytes_sent: int = 0
 
 
-def evaluate_stage(worker: StageWorker, step: int, batches: list[torch.Tensor], samples, num_labels: int) -> EvalTotals:
-    """Run this stage's part of one evaluation pass (every rank of a replica calls it with the same batches)."""
+def evaluate_stage(worker: StageWorker, step: int, batches: list[torch.Tensor], samples, num_labels: int,
+                   on_batch: Callable[[int, int], None] | None = None) -> EvalTotals:
+    """Run this stage's part of one evaluation pass (every rank of a replica calls it with the same batches);
+    `on_batch(done, total)` after each batch."""
     grid, links = worker.grid, worker.links
     totals = EvalTotals(confusion=torch.zeros(num_labels, num_labels, dtype=torch.int64) if num_labels else None)
     if links.act_in is not None:
@@ -63,6 +66,8 @@ def evaluate_stage(worker: StageWorker, step: int, batches: list[torch.Tensor], 
                 else:
                     out_link = present(links.act_out, "the outgoing activation link")
                     totals.bytes_sent += out_link.send_eval(step, mb, out, ids, mask)
+                if on_batch is not None:
+                    on_batch(mb + 1, len(batches))
             if links.act_out is not None:
                 links.act_out.flush()
     finally:

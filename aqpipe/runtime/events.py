@@ -1,7 +1,7 @@
 """The worker's side of the launcher's event protocol: one machine-readable stdout line per event, and a heartbeat.
 
-A line is `@@aqpipe ` followed by one JSON object with an `event` field (start, step, eval, resumed, done, error,
-alive). The local launcher reads them to draw progress and to tell a hung rank (silent) from a busy one; outside it
+A line is `@@aqpipe ` followed by one JSON object with an `event` field (start, step, eval, progress, resumed, done,
+error, alive). The local launcher reads them to draw progress and to tell a hung rank (silent) from a busy one; outside it
 (torchrun, DeepSpeed) nothing is written.
 """
 
@@ -16,6 +16,7 @@ import time
 EVENT_PREFIX = "@@aqpipe "
 HEARTBEAT_SECONDS = 1.0
 _EMIT_LOCK = threading.Lock()
+_last_progress: dict[str, float] = {}  # phase -> when its last progress event went out (monotonic seconds)
 
 
 def _enabled() -> bool:
@@ -41,3 +42,14 @@ def start_heartbeat() -> None:
             time.sleep(HEARTBEAT_SECONDS)
 
     threading.Thread(target=beat, name="aqpipe-heartbeat", daemon=True).start()
+
+
+def progress(phase: str, done: int, total: int, unit: str) -> None:
+    """Tell the local launcher that a long phase between step records (the held-out pass, the final weights' way to
+    rank 0) moves on — `done` of `total` `unit` — at most once a heartbeat period, and at its end: over a slow link
+    such a phase can outlast --stall-timeout, and the launcher counts only events other than `alive` as progress."""
+    now = time.monotonic()
+    if done < total and now - _last_progress.get(phase, float("-inf")) < HEARTBEAT_SECONDS:
+        return
+    _last_progress[phase] = now
+    emit({"event": "progress", "phase": phase, "done": done, "total": total, "unit": unit})

@@ -12,7 +12,7 @@ from aqpipe.pipeline.evaluate import eval_batches, evaluate_stage, gather_eval
 from aqpipe.pipeline.grid import host_leader
 from aqpipe.runtime.assemble import RankStage
 from aqpipe.runtime.checkpoint import mark_complete, save_rank
-from aqpipe.runtime.events import emit
+from aqpipe.runtime.events import emit, progress
 from aqpipe.runtime.outputs import print_eval, print_progress, step_record
 from aqpipe.runtime.replicas import check_replicas
 from aqpipe.runtime.resume import collect_state
@@ -24,7 +24,10 @@ def evaluate(stage: RankStage, step: int) -> dict:
     plan, grid = stage.plan, stage.grid
     cfg, ends = plan.cfg, grid.is_first_stage or grid.is_last_stage
     batches = eval_batches(len(plan.dataset.valid), grid.replica, cfg.dp, cfg.micro_batch_size)
-    totals = evaluate_stage(stage.worker, step, batches, plan.dataset.valid if ends else None, plan.dataset.num_labels)
+    # the pass's progress as its last stage sees it (replica 0's: one report among the replicas)
+    reporting = grid.is_last_stage and grid.replica == 0
+    totals = evaluate_stage(stage.worker, step, batches, plan.dataset.valid if ends else None, plan.dataset.num_labels,
+                            (lambda done, total: progress("held-out pass", done, total, "batches")) if reporting else None)
     result = gather_eval(totals, grid, plan.dataset.num_labels, stage.device)
     if result is None:
         return {}

@@ -21,6 +21,7 @@ from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
 from aqpipe.pipeline import comm, present
 from aqpipe.pipeline.grid import Grid, collective_device, gather_rows
 from aqpipe.pipeline.step_stats import COMBINED, INTEGER_FIELDS, STAT_FIELDS, StepStats
+from aqpipe.runtime.events import progress
 from aqpipe.runtime.plan import RunPlan
 from aqpipe.runtime.resume import kept_records
 from aqpipe.stages.export import export_adapter, export_hf
@@ -161,16 +162,18 @@ class FinalWeights:
 def gather_final_weights(module: torch.nn.Module, grid: Grid, plan: RunPlan, device: torch.device,
                          tied_head: str | None = None, row_cache: torch.nn.Parameter | None = None
                          ) -> FinalWeights | None:
-    """Send replica 0's final stage weights to rank 0 (one stage after another, point to point: hosts need not share
-    a disk), which writes the export. With a tied table exchanged by rows, rank 0 (the first stage, holding the
-    `row_cache`) takes the whole table from the last stage's head (`tied_head`: its name there) before its own
-    weights are saved; for a model aqpipe does not export only that table travels, and nothing at all without one.
-    Every rank calls this; returns what rank 0 received (None elsewhere, and when nothing travelled)."""
+    """Send replica 0's final stage weights to rank 0 (point to point, every stage at once, a piece at a time: hosts
+    need not share a disk, and over a slow link no stage's wait may outlast the time-out), which writes the export.
+    With a tied table exchanged by rows, rank 0 (the first stage, holding the `row_cache`) takes the whole table
+    from the last stage's head (`tied_head`: its name there) before its own weights are saved; for a model aqpipe
+    does not export only that table travels, and nothing at all without one. Every rank calls this; returns what
+    rank 0 received (None elsewhere, and when nothing travelled)."""
     exporting = plan.spec.extras.get("architecture") is not None
     if not (exporting or tied_head is not None or row_cache is not None) or grid.replica != 0:
         return None
     where = collective_device(device)
-    senders = range(1, plan.cfg.pp) if exporting else [plan.cfg.pp - 1]
+    senders = list(range(1, plan.cfg.pp)) if exporting else [plan.cfg.pp - 1]
+    piece = comm.piece_bytes(plan.cfg.stall_timeout, len(senders))
     if grid.rank != 0 and grid.stage in senders:
         model = merged_state(module)
         if not exporting:  # only the head's table is wanted
@@ -180,10 +183,11 @@ def gather_final_weights(module: torch.nn.Module, grid: Grid, plan: RunPlan, dev
             parts["adapter"] = adapter_state(module)
         buffer = io.BytesIO()
         torch.save(parts, buffer)
-        comm.send_bytes(buffer.getvalue(), 0, comm.FINAL_WEIGHTS, where)
+        comm.send_bytes(buffer.getvalue(), 0, comm.FINAL_WEIGHTS, where, piece)
     if grid.rank != 0:
         return None
-    received = [comm.receive_bytes(grid.rank_of(stage, 0), where) for stage in senders]
+    received = comm.receive_bytes_from_all([grid.rank_of(stage, 0) for stage in senders], where, piece,
+                                           lambda done, total: progress("final weights", done, total, "bytes"))
     parts_of = [torch.load(io.BytesIO(data), weights_only=True) for data in received]
     head = parts_of[-1].get("tied_head") if parts_of else None
     if row_cache is not None and head is not None:

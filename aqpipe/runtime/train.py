@@ -111,8 +111,14 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, stores
         stage.worker.links.close(abort=True)
         raise
     stage.worker.links.close()
-    final = _finish_rank(stage, first_step)
+    if first_step >= stage.plan.total_steps:  # no step ran, so no checkpoint compared the replicas
+        check_replicas(stage.worker.module, grid, stage.groups.data_parallel, stage.plan.total_steps, stage.device,
+                       stage.worker.row_cache_names)
+    # before the final weights travel: over a slow link rank 0 may take longer than the time-out to receive them,
+    # and no rank may wait for it in a collective meanwhile (a rank that sends none leaves at once)
     unrecorded = unrecorded_traffic(unrecorded_control, grid, device)
+    final = _finish_rank(stage)
+    comm.finish_queued(device)
     if log is None:
         return None
     summary = finish_outputs(plan, log, time.perf_counter() - wall_start, final, unrecorded)
@@ -120,13 +126,10 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, stores
     return summary
 
 
-def _finish_rank(stage: RankStage, first_step: int) -> FinalWeights | None:
-    """Every rank at the end: replicas compared, final weights written (replica 0) on this rank's host and gathered
-    on rank 0 for the export, the store closed or dumped; returns what rank 0 gathered (None elsewhere)."""
+def _finish_rank(stage: RankStage) -> FinalWeights | None:
+    """Every rank at the end: final weights written (replica 0) on this rank's host and gathered on rank 0 for the
+    export, the store closed or dumped; returns what rank 0 gathered (None elsewhere)."""
     cfg, grid = stage.plan.cfg, stage.grid
-    if first_step >= stage.plan.total_steps:  # no step ran, so no checkpoint compared the replicas
-        check_replicas(stage.worker.module, grid, stage.groups.data_parallel, stage.plan.total_steps, stage.device,
-                       stage.worker.row_cache_names)
     rows = stage.worker.links.tied_rows
     # hosts need not share a disk; and the first stage's tied table is whole once it has the head's
     final = gather_final_weights(stage.worker.module, grid, stage.plan, stage.device,
