@@ -470,8 +470,8 @@ def test_a_held_out_pass_and_an_export_that_outlast_the_stall_timeout_finish(tmp
 @needs_root
 def test_ranks_that_send_no_final_weights_do_not_wait_for_rank_0_to_receive_them(tmp_path):
     """Replica 1's ranks send rank 0 no weights; they once met it in the run's last gather only after it had received
-    stage 1's (2.6 MB, ~11 s at 2 Mbit/s), past a 6 s --stall-timeout (gloo: "Timed out waiting 6000ms for send operation"). (The
-    replicas combine their gradients at 4 bits, so that a step's grad sync fits the time-out.)"""
+    stage 1's (2.6 MB, ~11 s at 2 Mbit/s), past a 6 s --stall-timeout (gloo: "Timed out waiting 6000ms for send
+    operation"). (The replicas combine their gradients at 4 bits, so that a step's grad sync fits the time-out.)"""
     before, out = network_state(), tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "aqpipe", "launch", "--pp", "2", "--dp", "2", "--steps", "2", "--max-samples", "64",
