@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from aqpipe.pipeline.rendezvous import HostDisagreement, agree, interface_of, pin_gloo_interface
+from aqpipe.pipeline.rendezvous import HostDisagreement, agree, interface_of, pin_socket_interface
 from tests.distributed import free_port
 
 FACTS = {"device": "cuda", "backend": "nccl", "world": [2, 1, 2], "config": {"lr": 0.001, "pp": 2}}
@@ -96,20 +96,27 @@ def test_a_flag_given_differently_is_named():
     assert text is not None and text.startswith("the ranks disagree on config lr (rank 0 on ") and ": 0.002)" in text
 
 
-def test_gloo_is_pinned_to_the_interface_that_reaches_the_master(monkeypatch):
-    for name in ("GLOO_SOCKET_IFNAME", "AQPIPE_LOOPBACK", "AQPIPE_LINK_ADDR"):
-        # (set first, so that monkeypatch restores the variable even where it was unset: pin_gloo_interface below
-        # sets GLOO_SOCKET_IFNAME itself, and a leftover eth7 broke every later gloo group in the worker process)
+@pytest.mark.parametrize("backend, variable, value", [("gloo", "GLOO_SOCKET_IFNAME", "eth7"),
+                                                      ("nccl", "NCCL_SOCKET_IFNAME", "=eth7")])
+def test_the_backend_is_pinned_to_the_interface_that_reaches_the_master(monkeypatch, backend, variable, value):
+    """Across hosts gloo would advertise the address the host's name resolves to (often 127.0.0.1), and NCCL picks
+    its first interface that is neither loopback nor docker's — a bridge such as virbr0 or cni0, which the other
+    hosts cannot reach, hangs its first collective. Both take the interface that reaches MASTER_ADDR (NCCL: that
+    name exactly, not every interface it begins), unless the user chose one."""
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "AQPIPE_LOOPBACK", "AQPIPE_LINK_ADDR"):
+        # (set first, so that monkeypatch restores the variable even where it was unset: pin_socket_interface below
+        # sets the backend's variable itself, and a leftover eth7 broke every later gloo group in the worker process)
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    assert pin_gloo_interface() is None  # loopback: nothing to choose
+    assert pin_socket_interface(backend) is None  # loopback: nothing to choose
     assert interface_of("127.0.0.1") == "lo" and interface_of("203.0.113.250") is None
     monkeypatch.setattr("aqpipe.pipeline.streams.local_address", lambda: "10.9.9.9")
     monkeypatch.setattr("aqpipe.pipeline.rendezvous.interface_of", lambda address: "eth7")
-    assert pin_gloo_interface() == "eth7" and os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")
-    assert pin_gloo_interface() is None and os.environ["GLOO_SOCKET_IFNAME"] == "mine"  # the user's choice stands
+    assert pin_socket_interface(backend) == value and os.environ[variable] == value
+    assert [v for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if v in os.environ] == [variable]  # its own only
+    monkeypatch.setenv(variable, "mine")
+    assert pin_socket_interface(backend) is None and os.environ[variable] == "mine"  # the user's choice stands
 
 
 def test_two_torchrun_hosts_given_different_flags_stop_with_one_line_each(tmp_path):

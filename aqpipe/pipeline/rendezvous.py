@@ -31,12 +31,20 @@ def loopback_rendezvous(rank: int, world_size: int, timeout: timedelta):
     return store
 
 
-def pin_gloo_interface() -> str | None:
-    """Across hosts, make gloo listen on the interface that reaches MASTER_ADDR: by default gloo advertises the
-    address this host's name resolves to, which on many machines (and in network namespaces) is 127.0.0.1, and the
-    other hosts then cannot connect. Sets GLOO_SOCKET_IFNAME unless the user set it or the run is on loopback;
-    returns the interface chosen (None: left alone)."""
-    if os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get(LOOPBACK_ENV) == "1":
+# The variable naming the interface each backend listens and connects on, and how it names one interface exactly
+# (NCCL reads a bare name as a prefix: `eth0` would take eth01 too).
+SOCKET_INTERFACE = {"gloo": ("GLOO_SOCKET_IFNAME", ""), "nccl": ("NCCL_SOCKET_IFNAME", "=")}
+
+
+def pin_socket_interface(backend: str) -> str | None:
+    """Across hosts, make the collectives' backend use the interface that reaches MASTER_ADDR. By default gloo
+    advertises the address this host's name resolves to, which on many machines (and in network namespaces) is
+    127.0.0.1, so that the other hosts cannot connect; NCCL takes its first interface that is neither loopback nor
+    docker's, which may be a bridge the other hosts cannot reach (virbr0, cni0), and its first collective hangs. Sets
+    the backend's variable (`SOCKET_INTERFACE`) unless the user set it or the run is on loopback; returns the value
+    set (None: left alone)."""
+    variable, exactly = SOCKET_INTERFACE[backend]
+    if os.environ.get(variable) or os.environ.get(LOOPBACK_ENV) == "1":
         return None
     from aqpipe.pipeline.streams import StreamError, local_address
 
@@ -47,9 +55,10 @@ def pin_gloo_interface() -> str | None:
     if address.startswith("127."):
         return None
     name = interface_of(address)
-    if name is not None:
-        os.environ["GLOO_SOCKET_IFNAME"] = name
-    return name
+    if name is None:
+        return None
+    os.environ[variable] = exactly + name
+    return os.environ[variable]
 
 
 def interface_of(address: str) -> str | None:

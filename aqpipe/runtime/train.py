@@ -19,7 +19,7 @@ from aqpipe.pipeline.rendezvous import (
     agree,
     collective_backend,
     gpu_identity,
-    pin_gloo_interface,
+    pin_socket_interface,
     rendezvous_store,
     replica_gpu_facts,
 )
@@ -68,8 +68,7 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
     timeout = timedelta(seconds=cfg.stall_timeout)
     store = rendezvous_store(rank, world_size, timeout)
     backend = collective_backend(store, rank, world_size, gpu_identity(device))
-    if backend == "gloo":
-        pin_gloo_interface()
+    pin_socket_interface(backend)
     try:
         agree(store, rank, world_size, {
             "device": device.type, "backend": backend, "world": [cfg.pp, cfg.dp, world_size],
