@@ -205,8 +205,9 @@ class RunConfig:
         "run", "steps between evaluations on the held-out split, sent uncompressed and never through m(ξ) (0: never)",
         shown="at the end only", metavar="N", resume=True)
     seed: int = setting("run", "seed of all randomness (initialisation, data order)", 0, metavar="N")
-    stall_timeout: float = setting("run", "seconds without progress before a run is declared stalled", 300.0,
-                                   metavar="S", resume=True)
+    stall_timeout: float = setting(
+        "run", "seconds without progress (a step, a held-out batch, a piece of the final weights) before a run is "
+        "declared stalled; also every collective's time-out", 300.0, metavar="S", resume=True)
     port: int | None = setting("run", "rendezvous port of a local launch", shown="a free one", metavar="N",
                                resume=True)
 

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from aqpipe.compress.grad.base import ring_all_reduce_bytes
-from aqpipe.config.rates import MIN_RATE_BITS
 
 # The traffic classes outside the links (one vocabulary: metrics fields are `<class>_bytes`).
 GRAD_SYNC, TIED, CONTROL, EVALUATION, FINAL_WEIGHTS, SETUP = (
@@ -103,17 +102,9 @@ def all_gather_object(outputs: list, obj, traffic: str, group=None) -> None:
     TRAFFIC.add(traffic, (_size(group) - 1) * (largest + 8))
 
 
-# The pieces a large transfer goes in: no larger (a piece's wait is what the process group's time-out bounds, not a
-# transfer's) and no smaller (each piece is a round trip of its own).
-MAX_PIECE, MIN_PIECE = 64 << 20, 64 << 10
-
-
-def piece_bytes(stall_timeout: float, senders: int) -> int:
-    """The size of the pieces `senders` ranks send one receiver at once (`send_bytes`, `receive_bytes_from_all`):
-    a round, one piece from each, crosses the slowest link aqpipe plans for (`MIN_RATE_BITS`, into the receiver)
-    within half of `stall_timeout`, the time-out every piece's send and receive wait under."""
-    fits = int(stall_timeout / 2 * MIN_RATE_BITS / 8 / max(1, senders))
-    return max(MIN_PIECE, min(MAX_PIECE, fits))
+# The largest piece a large transfer goes in (a piece's wait is what the process group's time-out bounds, not a
+# transfer's: `runtime.outputs.piece_bytes` sizes them to it).
+MAX_PIECE = 64 << 20
 
 
 def send_bytes(data: bytes, dst: int, traffic: str, device: torch.device, piece: int = MAX_PIECE) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from aqpipe.config import ResolvedConfig
+from aqpipe.config.rates import MIN_RATE_BITS
 from aqpipe.data.dataset import export_tokenizer
 from aqpipe.disk import DiskFullError, save_atomic, writing
 from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
@@ -159,6 +160,18 @@ class FinalWeights:
     bytes_received: int
 
 
+# The smallest piece the final weights go in: each is a round trip of its own.
+MIN_PIECE = 64 << 10
+
+
+def piece_bytes(stall_timeout: float, senders: int) -> int:
+    """The size of the pieces `senders` ranks send rank 0 their final weights in, all at once: a round, one piece
+    from each, crosses the slowest link aqpipe plans for (`MIN_RATE_BITS`, into rank 0) within half of
+    `stall_timeout`, the time-out each piece's send and receive wait under; `MIN_PIECE` to `comm.MAX_PIECE`."""
+    fits = int(stall_timeout / 2 * MIN_RATE_BITS / 8 / max(1, senders))
+    return max(MIN_PIECE, min(comm.MAX_PIECE, fits))
+
+
 def gather_final_weights(module: torch.nn.Module, grid: Grid, plan: RunPlan, device: torch.device,
                          tied_head: str | None = None, row_cache: torch.nn.Parameter | None = None
                          ) -> FinalWeights | None:
@@ -173,7 +186,7 @@ def gather_final_weights(module: torch.nn.Module, grid: Grid, plan: RunPlan, dev
         return None
     where = collective_device(device)
     senders = list(range(1, plan.cfg.pp)) if exporting else [plan.cfg.pp - 1]
-    piece = comm.piece_bytes(plan.cfg.stall_timeout, len(senders))
+    piece = piece_bytes(plan.cfg.stall_timeout, len(senders))
     if grid.rank != 0 and grid.stage in senders:
         model = merged_state(module)
         if not exporting:  # only the head's table is wanted
