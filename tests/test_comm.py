@@ -5,7 +5,6 @@ import torch
 from aqpipe.pipeline import comm
 from tests.distributed import run_ranks
 
-
 PIECE = 1000
 SIZES = {1: 0, 2: 999, 3: 4 * PIECE + 1}  # nothing, less than a piece, pieces and a remainder
 

@@ -1,6 +1,7 @@
 """The worker's events: progress of a long phase is told at most once a heartbeat period, and at its end."""
 
 import json
+from types import SimpleNamespace
 
 from aqpipe.runtime import events
 
@@ -14,7 +15,7 @@ def test_progress_goes_out_at_most_once_a_heartbeat_and_always_at_the_end(monkey
     monkeypatch.setenv("AQPIPE_EVENTS", "1")
     monkeypatch.setattr(events, "_last_progress", {})
     now = [100.0]
-    monkeypatch.setattr(events.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(events, "time", SimpleNamespace(monotonic=lambda: now[0]))  # (this module's clock only)
     for done in range(1, 5):  # four batches within one heartbeat period: the first is told, the rest wait
         events.progress("held-out pass", done, 10, "batches")
         now[0] += 0.2

@@ -475,7 +475,8 @@ def test_ranks_that_send_no_final_weights_do_not_wait_for_rank_0_to_receive_them
     before, out = network_state(), tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "aqpipe", "launch", "--pp", "2", "--dp", "2", "--steps", "2", "--max-samples", "64",
-         "--grad-sync", "ef:4", "--eval-every", "0", "--bandwidth", "2mbit", "--stall-timeout", "6", "--out", str(out), "--no-progress"],
+         "--grad-sync", "ef:4", "--eval-every", "0", "--bandwidth", "2mbit", "--stall-timeout", "6", "--out", str(out),
+         "--no-progress"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -8,12 +8,13 @@ from aqpipe.runtime.outputs import MIN_PIECE, piece_bytes
 
 
 @pytest.mark.parametrize("stall_timeout, senders", [(300.0, 3), (300.0, 7), (6.0, 3), (60.0, 1)])
-def test_a_round_of_pieces_crosses_the_slowest_link_within_half_the_time_out(stall_timeout, senders):
+def test_a_round_of_pieces_crosses_the_slowest_link_within_a_third_of_the_time_out(stall_timeout, senders):
+    """A piece's send waits for the rest of its round and its share of the next: under the time-out at 1 Mbit/s."""
     piece = piece_bytes(stall_timeout, senders)
     assert MIN_PIECE <= piece <= comm.MAX_PIECE
     if MIN_PIECE < piece < comm.MAX_PIECE:
         round_seconds = senders * piece * 8 / MIN_RATE_BITS
-        assert 0.45 * stall_timeout < round_seconds <= 0.5 * stall_timeout
+        assert 0.3 * stall_timeout < round_seconds <= stall_timeout / 3
 
 
 def test_pieces_stay_within_their_bounds():

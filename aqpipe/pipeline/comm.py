@@ -114,14 +114,18 @@ def send_bytes(data: bytes, dst: int, traffic: str, device: torch.device, piece:
     view = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
     for start in range(0, len(data), piece):
         dist.send(view[start : start + piece].to(device), dst)
+        # one piece queued at a time: NCCL times a send from when it is queued, so pieces queued together would
+        # wait out the whole transfer under one time-out
+        finish_queued(device)
     TRAFFIC.add(traffic, 8 + len(data))
 
 
 def receive_bytes_from_all(sources: list[int], device: torch.device, piece: int = MAX_PIECE,
                            on_round: Callable[[int, int], None] | None = None) -> list[bytes]:
     """What each global rank of `sources` sends with `send_bytes`, taken from all of them at once: their lengths,
-    then rounds of one piece from each that has bytes left, so that no sender waits for another's whole transfer
-    (a sender's wait is one round's); `on_round(bytes received, bytes in all)` after each round."""
+    then rounds of one piece from each that has bytes left, so that no sender waits for another's whole transfer (a
+    piece's send waits at most for the rest of one round and its share of the next); `on_round(bytes received,
+    bytes in all)` after each round."""
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in sources]
     for work in [_irecv(size, src) for size, src in zip(sizes, sources)]:
         work.wait()

@@ -39,8 +39,9 @@ SOCKET_INTERFACE = {"gloo": ("GLOO_SOCKET_IFNAME", ""), "nccl": ("NCCL_SOCKET_IF
 def pin_socket_interface(backend: str) -> str | None:
     """Across hosts, make the collectives' backend use the interface that reaches MASTER_ADDR. By default gloo
     advertises the address this host's name resolves to, which on many machines (and in network namespaces) is
-    127.0.0.1, so that the other hosts cannot connect; NCCL takes its first interface that is neither loopback nor
-    docker's, which may be a bridge the other hosts cannot reach (virbr0, cni0), and its first collective hangs. Sets
+    127.0.0.1, so that the other hosts cannot connect; NCCL, failing an `ib*` interface, takes its first that is
+    neither loopback nor docker's, which may be a bridge the other hosts cannot reach (virbr0, cni0), and its first
+    collective hangs. Sets
     the backend's variable (`SOCKET_INTERFACE`) unless the user set it or the run is on loopback; returns the value
     set (None: left alone)."""
     variable, exactly = SOCKET_INTERFACE[backend]
