@@ -438,9 +438,9 @@ def test_a_signal_during_setup_never_cuts_an_ip_command_short_and_the_build_stop
 
 @needs_root
 def test_a_held_out_pass_and_an_export_that_outlast_the_stall_timeout_finish(tmp_path):
-    """At 4 Mbit/s the held-out pass (~4 MB of fp32 activations per link) and the final weights' way to rank 0
-    (5.3 MB from stages 1–3 into rank 0's one shaped link) each take longer than a 6 s --stall-timeout, as an LLM's do
-    at the default 300 s over a 10 Mbit/s link. A run that had trained to its end failed there ("no progress for 6 s
+    """At 2 Mbit/s the held-out pass (~4 MB of fp32 activations per link) and the final weights' way to rank 0
+    (5.3 MB from stages 1–3 into rank 0's one shaped link) each take longer than a 10 s --stall-timeout, as an LLM's do
+    at the default 300 s over a 10 Mbit/s link. A run that had trained to its end failed there ("no progress for 10 s
     (stalled)"): neither phase told the launcher it moved on, and rank 3's weights waited for ranks 1's and 2's to
     arrive whole, past the process group's time-out. Now both phases report progress, and rank 0 takes every stage's
     weights at once, in pieces sized so that no piece waits longer than the time-out allows."""
@@ -454,14 +454,15 @@ def test_a_held_out_pass_and_an_export_that_outlast_the_stall_timeout_finish(tmp
     before, out = network_state(), tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "aqpipe", "launch", "--data", str(data), "--steps", "3", "--max-samples", "64",
-         "--bandwidth", "4mbit", "--stall-timeout", "6", "--out", str(out), "--no-progress"],
+         "--bandwidth", "2mbit", "--stall-timeout", "10", "--out", str(out), "--no-progress"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     held_out = records[-1]["elapsed_seconds"] - records[-2]["elapsed_seconds"] - records[-1]["step_seconds"]
     after_the_last_record = summary["wall_seconds"] - records[-1]["elapsed_seconds"]
-    assert held_out > 6 and after_the_last_record > 6, (held_out, after_the_last_record)  # both outlasted it
+    # both outlasted the time-out (seen: 24 s and 25 s)
+    assert held_out > 10 and after_the_last_record > 10, (held_out, after_the_last_record)
     assert summary["eval_samples"] > 0 and summary["final_weights_bytes"] > 5e6
     assert (out / "export" / "model.safetensors").is_file()
     assert_nothing_left(before, topologies_in(proc.stderr))
@@ -470,17 +471,19 @@ def test_a_held_out_pass_and_an_export_that_outlast_the_stall_timeout_finish(tmp
 @needs_root
 def test_ranks_that_send_no_final_weights_do_not_wait_for_rank_0_to_receive_them(tmp_path):
     """Replica 1's ranks send rank 0 no weights; they once met it in the run's last gather only after it had received
-    stage 1's (2.6 MB, ~11 s at 2 Mbit/s), past a 6 s --stall-timeout (gloo: "Timed out waiting 6000ms for send
-    operation"). (The replicas combine their gradients at 4 bits, so that a step's grad sync fits the time-out.)"""
+    stage 1's (4 blocks and the head: ~20 s at 2 Mbit/s), past a 10 s --stall-timeout (gloo: "Timed out waiting
+    10000ms for send operation"). (The replicas combine their gradients at 4 bits, so that a step's grad sync fits
+    the time-out.)"""
     before, out = network_state(), tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "aqpipe", "launch", "--pp", "2", "--dp", "2", "--steps", "2", "--max-samples", "64",
-         "--grad-sync", "ef:4", "--eval-every", "0", "--bandwidth", "2mbit", "--stall-timeout", "6", "--out", str(out),
-         "--no-progress"],
+        [sys.executable, "-m", "aqpipe", "launch", "--pp", "2", "--dp", "2", "--partition", "1,5", "--steps", "2",
+         "--max-samples", "64", "--grad-sync", "ef:4", "--eval-every", "0", "--bandwidth", "2mbit", "--stall-timeout",
+         "10", "--out", str(out), "--no-progress"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["wall_seconds"] - records[-1]["elapsed_seconds"] > 6  # the export outlasted the time-out
+    exporting = summary["wall_seconds"] - records[-1]["elapsed_seconds"]
+    assert exporting > 10, exporting  # the export outlasted the time-out (seen: 22 s)
     assert (out / "export" / "model.safetensors").is_file()
     assert_nothing_left(before, topologies_in(proc.stderr))
