@@ -41,9 +41,8 @@ def pin_socket_interface(backend: str) -> str | None:
     advertises the address this host's name resolves to, which on many machines (and in network namespaces) is
     127.0.0.1, so that the other hosts cannot connect; NCCL, failing an `ib*` interface, takes its first that is
     neither loopback nor docker's, which may be a bridge the other hosts cannot reach (virbr0, cni0), and its first
-    collective hangs. Sets
-    the backend's variable (`SOCKET_INTERFACE`) unless the user set it or the run is on loopback; returns the value
-    set (None: left alone)."""
+    collective hangs. Sets the backend's variable (`SOCKET_INTERFACE`) unless the user set it or the run is on
+    loopback; returns the value set (None: left alone)."""
     variable, exactly = SOCKET_INTERFACE[backend]
     if os.environ.get(variable) or os.environ.get(LOOPBACK_ENV) == "1":
         return None

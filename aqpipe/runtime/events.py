@@ -1,8 +1,8 @@
 """The worker's side of the launcher's event protocol: one machine-readable stdout line per event, and a heartbeat.
 
 A line is `@@aqpipe ` followed by one JSON object with an `event` field (start, step, eval, progress, resumed, done,
-error, alive). The local launcher reads them to draw progress and to tell a hung rank (silent) from a busy one; outside it
-(torchrun, DeepSpeed) nothing is written.
+error, alive). The local launcher reads them to draw progress and to tell a hung rank (silent) from a busy one;
+outside it (torchrun, DeepSpeed) nothing is written.
 """
 
 from __future__ import annotations
