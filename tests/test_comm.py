@@ -23,7 +23,7 @@ def _transfer(rank: int, world: int) -> tuple[list[bytes], list[tuple[int, int]]
     return received, rounds
 
 
-def test_every_sender_bytes_arrive_whole_in_rounds_of_one_piece_each():
+def test_each_senders_bytes_arrive_whole_in_rounds_of_one_piece_each():
     results = run_ranks(_transfer, 4)
     assert all(status == "ok" for status, _ in results), results
     received, rounds = results[0][1]
