@@ -102,14 +102,10 @@ def all_gather_object(outputs: list, obj, traffic: str, group=None) -> None:
     TRAFFIC.add(traffic, (_size(group) - 1) * (largest + 8))
 
 
-# The largest piece a large transfer goes in (a piece's wait is what the process group's time-out bounds, not a
-# transfer's: `runtime.outputs.piece_bytes` sizes them to it).
-MAX_PIECE = 64 << 20
-
-
-def send_bytes(data: bytes, dst: int, traffic: str, device: torch.device, piece: int = MAX_PIECE) -> None:
+def send_bytes(data: bytes, dst: int, traffic: str, device: torch.device, piece: int) -> None:
     """Send `data` to global rank `dst` (which receives it with `receive_bytes_from_all`, the same `piece`): its
-    length, then its bytes in pieces, as tensors on `device` (the collectives' device); counted."""
+    length, then its bytes in pieces of `piece` bytes (a piece's wait, not a transfer's, is what the process group's
+    time-out bounds), as tensors on `device` (the collectives' device); counted."""
     dist.send(torch.tensor([len(data)], dtype=torch.int64, device=device), dst)
     view = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
     for start in range(0, len(data), piece):
@@ -120,7 +116,7 @@ def send_bytes(data: bytes, dst: int, traffic: str, device: torch.device, piece:
     TRAFFIC.add(traffic, 8 + len(data))
 
 
-def receive_bytes_from_all(sources: list[int], device: torch.device, piece: int = MAX_PIECE,
+def receive_bytes_from_all(sources: list[int], device: torch.device, piece: int,
                            on_round: Callable[[int, int], None] | None = None) -> list[bytes]:
     """What each global rank of `sources` sends with `send_bytes`, taken from all of them at once: their lengths,
     then rounds of one piece from each that has bytes left, so that no sender waits for another's whole transfer (a

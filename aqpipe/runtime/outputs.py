@@ -160,17 +160,17 @@ class FinalWeights:
     bytes_received: int
 
 
-# The smallest piece the final weights go in: each is a round trip of its own.
-MIN_PIECE = 64 << 10
+# The sizes the final weights' pieces keep to: the smallest is a round trip of its own, the largest bounded.
+MIN_PIECE, MAX_PIECE = 64 << 10, 64 << 20
 
 
 def piece_bytes(stall_timeout: float, senders: int) -> int:
     """The size of the pieces `senders` ranks send rank 0 their final weights in, all at once: a round, one piece
     from each, crosses the slowest link aqpipe plans for (`MIN_RATE_BITS`, into rank 0) within a third of
     `stall_timeout`, the time-out each piece's send and receive wait under (a send may wait for the rest of one round
-    and its share of the next); `MIN_PIECE` to `comm.MAX_PIECE`."""
+    and its share of the next); `MIN_PIECE` to `MAX_PIECE`."""
     fits = int(stall_timeout / 3 * MIN_RATE_BITS / 8 / max(1, senders))
-    return max(MIN_PIECE, min(comm.MAX_PIECE, fits))
+    return max(MIN_PIECE, min(MAX_PIECE, fits))
 
 
 def gather_final_weights(module: torch.nn.Module, grid: Grid, plan: RunPlan, device: torch.device,
