@@ -172,3 +172,42 @@ def test_without_a_bar_a_long_phase_is_printed_every_ten_seconds_once_it_has_las
     assert phases == {}  # the phase ended: a later one starts its own count
     assert local.phase_text({"phase": "held-out pass", "done": 3, "total": 40, "unit": "batches"}) == \
         "held-out pass: 3 of 40 batches"
+
+
+# Ranks in start-up (no `start` event yet): each is silent for `quiet` seconds (importing), then beats its heart twice
+# a second; rank 1 stops beating after `beats` beats (a stopped or hung process) but lives on. Both end after 15 s.
+_START_UP = textwrap.dedent("""
+    import json, os, sys, time
+    quiet, beats = float(sys.argv[1]), int(sys.argv[2])
+    time.sleep(quiet)
+    end = time.monotonic() + 15 - quiet
+    n = 0
+    while time.monotonic() < end:
+        if os.environ["RANK"] == "0" or n < beats:
+            print("@@aqpipe " + json.dumps({"event": "alive"}), flush=True)
+        n += 1
+        time.sleep(0.5)
+""")
+
+
+def _start_up(tmp_path, quiet: float, beats: int):
+    import time
+
+    start = time.monotonic()
+    result = launch_local(CommandStarter([sys.executable, "-c", _START_UP, str(quiet), str(beats)]), 2,
+                          lambda rank: f"rank {rank}", {}, 1, stall_timeout=2.0, progress=False, log_dir=tmp_path)
+    return result, time.monotonic() - start
+
+
+def test_a_rank_that_falls_silent_during_start_up_ends_the_run(tmp_path):
+    """Until training begins the ranks' collectives wait up to half an hour for each other (a host may be downloading
+    its weights), so the launcher ends a run whose rank stopped beating its heart for --stall-timeout."""
+    result, seconds = _start_up(tmp_path, quiet=0.0, beats=2)
+    assert result.code == 1 and "rank 1 stopped responding during start-up (no heartbeat for 2 s)" in result.message
+    assert seconds < 12
+
+
+def test_a_rank_still_importing_is_not_taken_for_a_silent_one(tmp_path):
+    """A rank's heartbeat begins once it has imported what it runs, which may take longer than the stall time-out."""
+    result, _ = _start_up(tmp_path, quiet=4.0, beats=10**6)
+    assert result.code == 0, result.message

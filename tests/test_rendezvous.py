@@ -188,3 +188,63 @@ def test_a_gpu_is_known_as_nccl_knows_it_by_its_host_and_pci_address(monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-0a1b"))
     assert gpu_identity(torch.device("cuda", 0)) == "uuid GPU-0a1b"
     assert gpu_identity(torch.device("cpu")) is None
+
+
+# Two ranks of a `pp x dp` grid of 2 meet as a run's ranks do (the start-up time-out, then `begin_training` in the
+# training phase); rank 1 reaches the named group's collective `late` seconds after rank 0, which reports how its
+# all-reduce ended. (In the training phase rank 1 never joins, and stays until rank 0 has seen its collective end:
+# a peer's exit would end it otherwise.)
+_LATE_RANK = """
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from aqpipe.pipeline.grid import Grid, create_groups
+from aqpipe.pipeline.rendezvous import begin_training, startup_timeout
+rank, port, pp, dp, phase, names = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6:]
+stall, late = 1.5, 5.0
+timeout = startup_timeout(stall)
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout)
+dist.init_process_group("gloo", rank=rank, world_size=2, store=store, timeout=timeout)
+groups = create_groups(Grid(pp, dp, rank), "gloo", timeout)
+chosen = {"world": None, "pipeline": groups.pipeline, "data parallel": groups.data_parallel}
+if phase == "training":
+    begin_training(store, list(chosen.values()), stall)
+for name in names:
+    if rank == 1 and phase == "training":
+        store.wait(["ended"], timedelta(seconds=60))
+        break
+    if rank == 1:
+        time.sleep(late)
+    try:
+        dist.all_reduce(torch.ones(1), group=chosen[name])
+        print(name, "joined", flush=True)
+    except RuntimeError as e:
+        print(name, "failed:", str(e).splitlines()[0][:160], flush=True)
+    if rank == 0:
+        store.set("ended", "1")
+"""
+
+
+def _late_rank(pp: int, dp: int, phase: str, *groups: str) -> list[str]:
+    """What rank 0 printed, one line per group, after rank 1 came late to each (`_LATE_RANK`)."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _LATE_RANK, str(rank), str(port), str(pp), str(dp), phase, *groups],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    return [line for line in outs[0].splitlines() if line.split(" ")[0] in ("world", "pipeline", "data")]
+
+
+@pytest.mark.parametrize("pp, dp, groups", [(2, 1, ("world", "pipeline")), (1, 2, ("data parallel",))])
+def test_until_training_begins_a_rank_may_reach_a_collective_long_after_the_stall_timeout(pp, dp, groups):
+    """Start-up (a host downloading its weights, rank 0 profiling a time partition, a resume's checks) may hold one
+    rank far longer than a step may take: its collectives must wait for it (they timed out after --stall-timeout)."""
+    assert _late_rank(pp, dp, "start-up", *groups) == [f"{name} joined" for name in groups]
+
+
+@pytest.mark.parametrize("pp, dp, group", [(2, 1, "world"), (2, 1, "pipeline"), (1, 2, "data parallel")])
+def test_once_training_begins_every_group_times_out_after_the_stall_timeout(pp, dp, group):
+    """--stall-timeout is every collective's time-out while training; the pipeline and data-parallel groups had
+    torch's defaults (30 min under gloo, 10 under NCCL, whatever the setting said)."""
+    lines = _late_rank(pp, dp, "training", group)
+    # gloo: "Timed out waiting 1500ms for recv operation …" (not "Connection closed by peer" once rank 1 gave up)
+    assert len(lines) == 1 and lines[0].startswith(f"{group} failed:") and "Timed out waiting 1500ms" in lines[0], lines

@@ -68,6 +68,7 @@ class _Worker:
     error: str | None = None
     disk_full: bool = False  # its error was a full disk
     last_seen: float = field(default_factory=time.monotonic)
+    beating: bool = False  # its heartbeat has begun (before it, the rank is importing what it runs)
     in_traceback: bool = False  # the lines now arriving belong to a traceback (log only)
     failed: bool = False  # it reported its error: whatever it prints after that is for the log only
     tracebacks: int = 0
@@ -153,8 +154,9 @@ def launch_local(
             log_dir = None
     bar = _progress_bar(total_steps) if progress else None
     result: LaunchResult | None = None
-    # Set by the first event of training; before it, start-up hangs are the ranks' own to time out (the process
-    # group's rendezvous timeout), because loading a large model legitimately takes long.
+    # Set by the first event of training. Before it, loading a large model legitimately takes long (the ranks' own
+    # collectives wait up to STARTUP_TIMEOUT_SECONDS for each other): only a rank silent for the stall time-out, not
+    # even a heartbeat, ends a run then (a stopped or hung process).
     last_progress: float | None = None
     phases: dict[str, float] = {}
     summary = None
@@ -195,6 +197,9 @@ def launch_local(
                 for w in workers:
                     w.proc.wait()
                 result = LaunchResult(0, summary=summary)
+            elif last_progress is None and (hung := [w for w in _silent(workers, stall_timeout) if w.beating]):
+                result = LaunchResult(1, f"{hung[0].name} stopped responding during start-up (no heartbeat for "
+                                      f"{stall_timeout:.0f} s); stopping all ranks" + _log_hint(log_dir))
             elif last_progress is not None and time.monotonic() - last_progress > stall_timeout:
                 silent = _silent(workers)
                 who = (f"{silent[0].name} stopped responding" if silent
@@ -241,10 +246,11 @@ def _log_hint(log_dir: Path | None) -> str:
     return f" (every rank's output: {log_dir}/rank-K.log)" if log_dir is not None else ""
 
 
-def _silent(workers: list[_Worker]) -> list[_Worker]:
-    """Live workers that sent nothing, not even a heartbeat, for several heartbeat periods: stopped or hung."""
+def _silent(workers: list[_Worker], seconds: float = 5 * HEARTBEAT_SECONDS) -> list[_Worker]:
+    """Live workers that sent nothing, not even a heartbeat, for `seconds` (several heartbeat periods by default):
+    stopped or hung."""
     now = time.monotonic()
-    return [w for w in workers if w.proc.poll() is None and now - w.last_seen > 5 * HEARTBEAT_SECONDS]
+    return [w for w in workers if w.proc.poll() is None and now - w.last_seen > seconds]
 
 
 def _pump(worker: _Worker, events: queue.Queue) -> None:
@@ -258,6 +264,7 @@ def _pump(worker: _Worker, events: queue.Queue) -> None:
                 event = json.loads(line[len(EVENT_PREFIX):])
                 if event.get("event") == "error":  # the traceback(s) that follow are for the log
                     worker.failed = True
+                worker.beating = True
                 events.put(("event", dict(event, _rank=worker.rank)))
                 continue
             except ValueError:

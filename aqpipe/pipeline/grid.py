@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -97,17 +98,18 @@ class ProcessGroups:
     data_parallel: object
 
 
-def create_groups(grid: Grid, backend: str | None = None) -> ProcessGroups:
-    """Create every pipeline and DP group (all ranks must call this, in the same order) and keep this rank's."""
+def create_groups(grid: Grid, backend: str | None = None, timeout: timedelta | None = None) -> ProcessGroups:
+    """Create every pipeline and DP group (all ranks must call this, in the same order) and keep this rank's; their
+    collectives time out after `timeout` (None: torch's default for the backend, 10 min for NCCL, 30 for gloo)."""
     import torch.distributed as dist
 
     pipeline = data_parallel = None
     for replica in range(grid.dp):
-        group = dist.new_group(grid.pipeline_ranks(replica), backend=backend)
+        group = dist.new_group(grid.pipeline_ranks(replica), backend=backend, timeout=timeout)
         if replica == grid.replica:
             pipeline = group
     for stage in range(grid.pp):
-        group = dist.new_group(grid.dp_ranks(stage), backend=backend)
+        group = dist.new_group(grid.dp_ranks(stage), backend=backend, timeout=timeout)
         if stage == grid.stage:
             data_parallel = group
     return ProcessGroups(pipeline=pipeline, data_parallel=data_parallel)

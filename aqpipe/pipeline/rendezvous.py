@@ -11,6 +11,28 @@ from datetime import timedelta
 # Set by `aqpipe launch` when every rank runs on this machine's loopback: the rendezvous binds to 127.0.0.1 only.
 LOOPBACK_ENV = "AQPIPE_LOOPBACK"
 
+# Start-up (each host loading or downloading its stage's weights, building its m(xi) store, rank 0 profiling a time
+# partition, a resume checking every host's checkpoints) may keep one rank from the run's first collectives far
+# longer than a step may take, so until training begins the rendezvous store and every process group wait this long
+# (or --stall-timeout, when that is longer); `begin_training` then gives them the stall time-out.
+STARTUP_TIMEOUT_SECONDS = 1800.0
+
+
+def startup_timeout(stall_timeout: float) -> timedelta:
+    """How long the rendezvous and every collective wait for a late rank until training begins."""
+    return timedelta(seconds=max(stall_timeout, STARTUP_TIMEOUT_SECONDS))
+
+
+def begin_training(store, groups: list, stall_timeout: float) -> None:
+    """From now on every collective of `groups` (None: the world group) and every wait on the rendezvous `store`
+    (NCCL's communicators of a group used for the first time meet there) time out after `stall_timeout` seconds."""
+    from torch.distributed import distributed_c10d
+
+    timeout = timedelta(seconds=stall_timeout)
+    for group in groups:
+        distributed_c10d._set_pg_timeout(timeout, group)
+    store.set_timeout(timeout)
+
 
 def loopback_rendezvous(rank: int, world_size: int, timeout: timedelta):
     """The rendezvous store of a single-machine launch, listening on 127.0.0.1 only (torch's own listens on every

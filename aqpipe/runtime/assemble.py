@@ -16,6 +16,7 @@ from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device, create_
 from aqpipe.pipeline.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
 from aqpipe.pipeline.mixed_precision import LossScaler, needs_loss_scaling
 from aqpipe.pipeline.optim import build_optimizer, momenta
+from aqpipe.pipeline.rendezvous import startup_timeout
 from aqpipe.pipeline.streams import open_streams
 from aqpipe.pipeline.tied import row_tables, tied_groups
 from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
@@ -118,7 +119,7 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
 def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> RankStage:
     """Build this rank's stage from the run plan (every rank of the world calls it: it creates process groups)."""
     cfg = plan.cfg
-    groups = create_groups(grid, backend)
+    groups = create_groups(grid, backend, startup_timeout(cfg.stall_timeout))
     samples = len(plan.dataset.train)
     store = open_store(cfg, grid.rank, store_bytes_per_rank(cfg, plan.spec, samples), device, samples // cfg.dp)
     module = plan.build_stage(grid.stage).to(device)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,11 +16,13 @@ from aqpipe.pipeline.rendezvous import (
     HOST_LOCAL_SETTINGS,
     HostDisagreement,
     agree,
+    begin_training,
     collective_backend,
     gpu_identity,
     pin_socket_interface,
     rendezvous_store,
     replica_gpu_facts,
+    startup_timeout,
 )
 from aqpipe.pipeline.tied_rows import LOOKUP, OWNER
 from aqpipe.runtime.assemble import RankStage, assemble_stage
@@ -65,7 +66,7 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
                           else max(1, (os.cpu_count() or 1) // local_world))
     torch.manual_seed(cfg.seed)
 
-    timeout = timedelta(seconds=cfg.stall_timeout)
+    timeout = startup_timeout(cfg.stall_timeout)
     store = rendezvous_store(rank, world_size, timeout)
     backend = collective_backend(store, rank, world_size, gpu_identity(device))
     pin_socket_interface(backend)
@@ -88,12 +89,14 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
         # what config.json records and checkpoints are checked against, as in a run `aqpipe launch` starts (under
         # torchrun nothing set it before)
         cfg.stage_bounds = plan.bounds
-        return _train(plan, grid, device, backend, stores_checked)
+        return _train(plan, grid, device, backend, stores_checked, store)
     finally:
         dist.destroy_process_group()
 
 
-def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, stores_checked: bool) -> dict | None:
+def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, stores_checked: bool, store
+           ) -> dict | None:
+    """Assemble, resume and train this rank's stage, then finish the run's outputs; `store`: the rendezvous store."""
     cfg = plan.cfg
     if cfg.resume and cfg.store == "lmdb" and not stores_checked:
         drop_if_damaged(store_path(cfg.out, grid.rank), grid.rank)
@@ -103,6 +106,7 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, stores
         log = open_outputs(cfg, plan, first_step) if grid.rank == 0 else None
         if log is None and host_leader():  # another host's copy, for a resume there
             write_config(cfg, plan)
+        begin_training(store, [None, stage.groups.pipeline, stage.groups.data_parallel], cfg.stall_timeout)
         emit({"event": "start", "total_steps": plan.total_steps, "rank": grid.rank, "first_step": first_step})
         wall_start = time.perf_counter() - (log.records[-1]["elapsed_seconds"] if log is not None and log.records else 0.0)
         unrecorded_control = train_steps(stage, first_step, log, wall_start)
