@@ -211,3 +211,34 @@ def test_a_rank_still_importing_is_not_taken_for_a_silent_one(tmp_path):
     """A rank's heartbeat begins once it has imported what it runs, which may take longer than the stall time-out."""
     result, _ = _start_up(tmp_path, quiet=4.0, beats=10**6)
     assert result.code == 0, result.message
+
+
+# Rank 0 in training prints what NCCL's watchdog prints when a collective outlives its time-out, and aborts as the
+# watchdog does; rank 1 (the one it waited for) goes on beating its heart.
+_WATCHDOG = textwrap.dedent("""
+    import json, os, resource, sys, time
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    def event(**e):
+        print("@@aqpipe " + json.dumps(e), flush=True)
+    event(event="start", total_steps=2, rank=int(os.environ["RANK"]), first_step=0)
+    event(event="step", step=1, total_steps=2, loss=1.0, samples_per_second=1.0)
+    if os.environ["RANK"] == "0":
+        time.sleep(1.0)
+        print("[rank0]:[E1128 04:00:00.000000000 ProcessGroupNCCL.cpp:685] [Rank 0] Watchdog caught collective "
+              "operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE, NumelIn=1024, NumelOut=1024, "
+              "Timeout(ms)=300000) ran for 300012 milliseconds before timing out.", flush=True)
+        os.abort()
+    for _ in range(30):
+        event(event="alive")
+        time.sleep(0.5)
+""")
+
+
+def test_a_rank_aborted_by_nccls_watchdog_is_named_with_the_collective_and_the_ranks_still_running(tmp_path):
+    """NCCL's watchdog aborts a rank (SIGABRT) whose collective outlived --stall-timeout; the rank it waited for is
+    alive and beating its heart, so "killed by signal SIGABRT" alone named the victim, never the cause."""
+    result = launch_local(CommandStarter([sys.executable, "-c", _WATCHDOG]), 2, lambda rank: f"rank {rank}", {}, 2,
+                          stall_timeout=60, progress=False, log_dir=tmp_path)
+    assert result.code == 1
+    assert ("rank 0 died: NCCL's watchdog aborted it when its ALLREDUCE had waited 300 s for its peers (the time-out is "
+            "--stall-timeout); still running: rank 1") in result.message, result.message

@@ -36,7 +36,11 @@ _NATIVE_LOG = re.compile(r"^(\[[WEFI]\d{4} |terminate called|  what\(\): )")
 # What a signal that killed a rank usually means, for the one-line message.
 _SIGNAL_HINTS = {"SIGBUS": " (a memory-mapped file could not be read or grown: is the disk holding the run directory "
                            "full, or its m(xi) store damaged? see aqpipe store verify)",
-                 "SIGKILL": " (by a user, or by the kernel's out-of-memory killer: see dmesg)"}
+                 "SIGKILL": " (by a user, or by the kernel's out-of-memory killer: see dmesg)",
+                 "SIGABRT": " (a native library aborted it: see its log)"}
+# What NCCL's watchdog prints before it aborts a rank whose collective outlived its process group's time-out.
+_NCCL_WATCHDOG = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\(.*?OpType=(\w+).*?"
+                            r"Timeout\(ms\)=(\d+)")
 
 
 @contextmanager
@@ -354,6 +358,12 @@ def _root_cause(workers: list[_Worker]) -> str:
     if killed:
         w = killed[0]
         name = signal.Signals(-(w.proc.returncode or 0)).name
+        watchdog = next((m for m in map(_NCCL_WATCHDOG.search, reversed(w.tail)) if m), None)
+        if name == "SIGABRT" and watchdog:  # the rank it waited for is the story: those still running may hold it
+            running = ", ".join(other.name for other in workers if other.proc.poll() is None)
+            return (f"{w.name} died: NCCL's watchdog aborted it when its {watchdog[1]} had waited "
+                    f"{int(watchdog[2]) / 1000:.0f} s for its peers (the time-out is --stall-timeout)"
+                    + (f"; still running: {running}" if running else ""))
         return f"{w.name} died: killed by signal {name}" + _SIGNAL_HINTS.get(name, "")
     silent = _silent(workers)
     if silent:  # its peers failed waiting for it
