@@ -125,3 +125,25 @@ def test_incomplete_checkpoints_are_removed_once_a_newer_one_is_complete(tmp_pat
     ck.save_rank(tmp_path, 9, 1, _state(), SETTINGS)  # an earlier attempt that got further, then was resumed
     _save(tmp_path, 6)
     assert sorted(p.name for p in ck.root(tmp_path).glob("step-*")) == ["step-00000002", "step-00000006"]
+
+
+def test_a_rank_state_is_neither_saved_nor_loaded_whole_in_memory_a_second_time(tmp_path):
+    """An in-memory m(xi) store may be most of a host's memory, and the run's last checkpoint comes before its final
+    weights: serializing the state into memory (then reading the file back whole on resume) held it twice."""
+    import tracemalloc
+
+    from aqpipe.runtime.checkpoint import load_rank, save_rank
+
+    store = {i: torch.full((64 * 1024,), float(i)) for i in range(128)}  # 32 MiB in 256 KiB samples
+    size = sum(t.numel() * t.element_size() for t in store.values())
+    tracemalloc.start()
+    try:
+        save_rank(tmp_path, 3, 1, {"store": store}, {"lr": 1.0})
+        saving = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        state = load_rank(tmp_path, 3, 1, {"lr": 1.0})
+        loading = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert all(torch.equal(state["store"][i], store[i]) for i in store)
+    assert saving < size / 8 and loading < size / 8, (saving, loading, size)

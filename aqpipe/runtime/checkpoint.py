@@ -19,14 +19,14 @@ every key and shape before anything is applied, so a damaged file is an error na
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import shutil
 from pathlib import Path
+from typing import BinaryIO, cast
 
 import torch
 
-from aqpipe.disk import write_atomic
+from aqpipe.disk import save_atomic, write_atomic
 
 FORMAT = 2  # 2: checksum lines name rank, step and configuration digest; run.json records the settings
 KEEP = 2  # complete checkpoints kept; older ones are removed once a newer one is complete
@@ -61,17 +61,39 @@ def settings_digest(settings: dict) -> str:
 
 def save_rank(out: str | Path, step: int, rank: int, state: dict, settings: dict) -> Path:
     """Write one rank's state for step `step` (the file, then its checksum line naming rank, step and the digest
-    of `settings`); returns the file."""
+    of `settings`); returns the file. The state goes to disk as it is serialized, never whole in memory a second
+    time (an in-memory m(xi) store may be most of the host's memory)."""
     directory = step_dir(out, step)
     directory.mkdir(parents=True, exist_ok=True)
     digest = settings_digest(settings)
-    buf = io.BytesIO()
-    torch.save({"format": FORMAT, "step": step, "rank": rank, "config_digest": digest, **state}, buf)
-    data = buf.getvalue()
     path = rank_file(directory, rank)
-    write_atomic(path, data, durable=True)
-    write_atomic(path.with_suffix(".sha256"), f"{_sha256(data)} rank={rank} step={step} config={digest}\n".encode(), durable=True)
+    writer = _Hashing()
+    save_atomic(path, lambda f: torch.save({"format": FORMAT, "step": step, "rank": rank, "config_digest": digest,
+                                            **state}, cast(BinaryIO, writer.into(f))), durable=True)
+    write_atomic(path.with_suffix(".sha256"), f"{writer.sha.hexdigest()} rank={rank} step={step} config={digest}\n".encode(),
+                 durable=True)
     return path
+
+
+class _Hashing:
+    """A file's writer that hashes (SHA-256) what goes through it (torch.save needs only `write`)."""
+
+    def __init__(self) -> None:
+        self.sha = hashlib.sha256()
+        self.file: BinaryIO | None = None
+
+    def into(self, file: BinaryIO) -> _Hashing:
+        self.file = file
+        return self
+
+    def write(self, data) -> int:
+        assert self.file is not None, "into(file) first"
+        self.sha.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        if self.file is not None:
+            self.file.flush()
 
 
 def mark_complete(out: str | Path, step: int, world_size: int, settings: dict) -> None:
@@ -183,17 +205,18 @@ def _read_record(directory: Path) -> dict:
     return record
 
 
-def _read_checked(path: Path, rank: int, step: int, digest: str | None = None) -> bytes:
-    """The bytes of a rank's file, checked against its checksum line (and the rank, step and settings digest the
-    line names)."""
+def _read_checked(path: Path, rank: int, step: int, digest: str | None = None) -> None:
+    """Check a rank's file against its checksum line (and the rank, step and settings digest the line names), reading
+    it a piece at a time."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
     checksum = path.with_suffix(".sha256")
     if not checksum.is_file():
         raise CheckpointError(f"checkpoint file {path} has no checksum file {checksum.name} (interrupted write)")
     fields = checksum.read_text().split()
-    data = path.read_bytes()
-    if not fields or _sha256(data) != fields[0]:
+    with open(path, "rb") as f:
+        sha = _sha256_of(f)
+    if not fields or sha != fields[0]:
         raise CheckpointError(f"checkpoint file {path} is damaged or truncated: its SHA-256 does not match {checksum.name}")
     tags = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
     if tags.get("rank") != str(rank) or tags.get("step") != str(step):
@@ -202,16 +225,23 @@ def _read_checked(path: Path, rank: int, step: int, digest: str | None = None) -
     if digest is not None and tags.get("config") != digest:
         raise CheckpointError(f"checkpoint file {path} was written by a run with other settings than its "
                               "checkpoint's run.json records")
-    return data
+
+
+def _sha256_of(file: BinaryIO) -> str:
+    """SHA-256 of a file, read in 1 MiB pieces."""
+    sha = hashlib.sha256()
+    for piece in iter(lambda: file.read(1 << 20), b""):
+        sha.update(piece)
+    return sha.hexdigest()
 
 
 def load_rank(out: str | Path, step: int, rank: int, settings: dict | None = None) -> dict:
     """One rank's checkpointed state, checked (against `settings` too, when given) and loaded with
-    `weights_only=True`."""
+    `weights_only=True`; its tensors map the file (read as they are used, not copied whole into memory first)."""
     path = rank_file(step_dir(out, step), rank)
-    data = _read_checked(path, rank, step, settings_digest(settings) if settings is not None else None)
+    _read_checked(path, rank, step, settings_digest(settings) if settings is not None else None)
     try:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a damaged file
         raise CheckpointError(f"checkpoint file {path} cannot be loaded: {type(e).__name__}: {e}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
