@@ -346,3 +346,51 @@ def test_a_message_with_an_empty_body_arrives_without_a_read():
     assert msg.payload.numel() == 0 and msg.ids.numel() == 0 and msg.side is None
     box.close()
     inbox.close()
+
+
+def test_a_message_longer_in_transit_than_the_timeout_arrives_while_its_bytes_keep_coming():
+    """Over a slow link one message (a first sight in fp32, a large micro-batch) may take longer than the stall
+    time-out to cross: the receiver gave up after the time-out although bytes were arriving all along."""
+    import socket
+    import threading
+    import time
+
+    sender, relay_in = socket.socketpair()
+    relay_out, receiver = socket.socketpair()
+    box, inbox = t.Outbox(sender, "rank 1", timeout=10), t.Inbox(receiver, "rank 0", timeout=1.0)
+
+    def relay() -> None:  # a 640 KB/s link: 64 KiB every 0.1 s
+        while piece := relay_in.recv(64 * 1024):
+            relay_out.sendall(piece)
+            time.sleep(0.1)
+        relay_out.close()
+
+    relaying = threading.Thread(target=relay, daemon=True)
+    relaying.start()
+    payload = torch.arange(2 << 20, dtype=torch.int64).to(torch.uint8)  # 2 MiB: over 3 s in transit
+    inbox.expect(t.Expect(t.KIND_ACTIVATION, 0, 0, 2, max_payload=4 << 20))
+    start = time.monotonic()
+    box.send(t.Header(t.KIND_ACTIVATION, 0, 0, (payload.numel(),), torch.uint8, 2, payload.numel()),
+             torch.tensor([5, 9]), payload)
+    msg = inbox.get()
+    assert time.monotonic() - start > 2.0  # it did outlast the time-out
+    assert torch.equal(msg.payload, payload) and msg.ids.tolist() == [5, 9]
+    box.close()  # the relay reads the end of the stream and closes its side
+    relaying.join(timeout=10)
+    relay_in.close()
+    inbox.close()
+
+
+def test_a_peer_that_sends_nothing_is_still_given_up_on_after_the_timeout():
+    import socket
+    import time
+
+    sender, receiver = socket.socketpair()
+    inbox = t.Inbox(receiver, "rank 0", timeout=0.5)
+    inbox.expect(t.Expect(t.KIND_ACTIVATION, 0, 0, 2))
+    start = time.monotonic()
+    with pytest.raises(t.TransportError, match=r"no message from rank 0 within 0 s \(peer dead or stalled\)"):
+        inbox.get()
+    assert time.monotonic() - start < 5.0
+    sender.close()
+    inbox.close()
