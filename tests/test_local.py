@@ -190,26 +190,29 @@ _START_UP = textwrap.dedent("""
 """)
 
 
-def _start_up(tmp_path, quiet: float, beats: int):
+def _start_up(tmp_path, monkeypatch, quiet: float, beats: int):
     import time
 
+    from aqpipe.launch import local
+
+    monkeypatch.setattr(local, "START_UP_SILENCE_SECONDS", 0.0)  # (at least a minute in earnest)
     start = time.monotonic()
     result = launch_local(CommandStarter([sys.executable, "-c", _START_UP, str(quiet), str(beats)]), 2,
                           lambda rank: f"rank {rank}", {}, 1, stall_timeout=2.0, progress=False, log_dir=tmp_path)
     return result, time.monotonic() - start
 
 
-def test_a_rank_that_falls_silent_during_start_up_ends_the_run(tmp_path):
+def test_a_rank_that_falls_silent_during_start_up_ends_the_run(tmp_path, monkeypatch):
     """Until training begins the ranks' collectives wait up to half an hour for each other (a host may be downloading
     its weights), so the launcher ends a run whose rank stopped beating its heart for --stall-timeout."""
-    result, seconds = _start_up(tmp_path, quiet=0.0, beats=2)
+    result, seconds = _start_up(tmp_path, monkeypatch, quiet=0.0, beats=2)
     assert result.code == 1 and "rank 1 stopped responding during start-up (no heartbeat for 2 s)" in result.message
     assert seconds < 12
 
 
-def test_a_rank_still_importing_is_not_taken_for_a_silent_one(tmp_path):
+def test_a_rank_still_importing_is_not_taken_for_a_silent_one(tmp_path, monkeypatch):
     """A rank's heartbeat begins once it has imported what it runs, which may take longer than the stall time-out."""
-    result, _ = _start_up(tmp_path, quiet=4.0, beats=10**6)
+    result, _ = _start_up(tmp_path, monkeypatch, quiet=4.0, beats=10**6)
     assert result.code == 0, result.message
 
 
@@ -240,5 +243,27 @@ def test_a_rank_aborted_by_nccls_watchdog_is_named_with_the_collective_and_the_r
     result = launch_local(CommandStarter([sys.executable, "-c", _WATCHDOG]), 2, lambda rank: f"rank {rank}", {}, 2,
                           stall_timeout=60, progress=False, log_dir=tmp_path)
     assert result.code == 1
-    assert ("rank 0 died: NCCL's watchdog aborted it when its ALLREDUCE had waited 300 s for its peers (the time-out is "
-            "--stall-timeout); still running: rank 1") in result.message, result.message
+    assert ("rank 0 died: NCCL's watchdog aborted it when its ALLREDUCE had waited 300 s for its peers (--stall-timeout "
+            "once training has begun); still running: rank 1") in result.message, result.message
+
+
+# A resumed rank: it says so, then waits (beating its heart) for the other replica to be ready to train, then trains.
+_RESUMED_THEN_WAITS = textwrap.dedent("""
+    import json, time
+    def event(**e):
+        print("@@aqpipe " + json.dumps(e), flush=True)
+    event(event="resumed", step=4, rank=0, reseeded=0)
+    for _ in range(8):
+        event(event="alive")
+        time.sleep(0.5)
+    event(event="start", total_steps=5, rank=0, first_step=4)
+    event(event="step", step=5, total_steps=5, loss=1.0, samples_per_second=1.0)
+""")
+
+
+def test_a_resumed_rank_waiting_for_the_others_to_start_is_not_stalled(tmp_path):
+    """A resumed rank reports it before every rank is ready to train (another replica may still be loading); its
+    wait is start-up, not a stalled step."""
+    result = launch_local(CommandStarter([sys.executable, "-c", _RESUMED_THEN_WAITS]), 1, lambda rank: f"rank {rank}",
+                          {}, 5, stall_timeout=1.5, progress=False, log_dir=tmp_path)
+    assert result.code == 0, result.message

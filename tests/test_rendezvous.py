@@ -190,10 +190,11 @@ def test_a_gpu_is_known_as_nccl_knows_it_by_its_host_and_pci_address(monkeypatch
     assert gpu_identity(torch.device("cpu")) is None
 
 
-# Two ranks of a `pp x dp` grid of 2 meet as a run's ranks do (the start-up time-out, then `begin_training` in the
-# training phase); rank 1 reaches the named group's collective `late` seconds after rank 0, which reports how its
-# all-reduce ended. (In the training phase rank 1 never joins, and stays until rank 0 has seen its collective end:
-# a peer's exit would end it otherwise.)
+# Two ranks of a `pp x dp` grid of 2 meet as a run's ranks do: under the start-up time-out, then (phase "training")
+# under the stall time-out from `begin_training` on, or (phase "late to training") after rank 1 came to
+# `begin_training` `late` seconds after rank 0. Rank 0 reports how its all-reduce on each named group ended. In the
+# start-up phase rank 1 reaches each collective `late` seconds after rank 0; in the training phase it never joins,
+# and stays until rank 0 has seen its collective end (a peer's exit would end it otherwise).
 _LATE_RANK = """
 import sys, time
 from datetime import timedelta
@@ -207,13 +208,18 @@ store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout)
 dist.init_process_group("gloo", rank=rank, world_size=2, store=store, timeout=timeout)
 groups = create_groups(Grid(pp, dp, rank), "gloo", timeout)
 chosen = {"world": None, "pipeline": groups.pipeline, "data parallel": groups.data_parallel}
+if phase == "late to training":  # rank 1's replica still loading while rank 0's is ready to train
+    if rank == 1:
+        time.sleep(late)
+    begin_training(store, list(chosen.values()), stall)
+    phase = "trains"
 if phase == "training":
     begin_training(store, list(chosen.values()), stall)
 for name in names:
     if rank == 1 and phase == "training":
         store.wait(["ended"], timedelta(seconds=60))
         break
-    if rank == 1:
+    if rank == 1 and phase == "start-up":
         time.sleep(late)
     try:
         dist.all_reduce(torch.ones(1), group=chosen[name])
@@ -248,3 +254,9 @@ def test_once_training_begins_every_group_times_out_after_the_stall_timeout(pp, 
     lines = _late_rank(pp, dp, "training", group)
     # gloo: "Timed out waiting 1500ms for recv operation …" (not "Connection closed by peer" once rank 1 gave up)
     assert len(lines) == 1 and lines[0].startswith(f"{group} failed:") and "Timed out waiting 1500ms" in lines[0], lines
+
+
+def test_a_replica_ready_to_train_waits_for_one_still_starting_up():
+    """Only a pipeline's ranks meet while they start up: a replica whose host loads fast must not begin training (and
+    its short time-outs) while another replica's host is still loading, or its first gradient sync times out."""
+    assert _late_rank(1, 2, "late to training", "data parallel") == ["data parallel joined"]

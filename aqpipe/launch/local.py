@@ -38,6 +38,9 @@ _SIGNAL_HINTS = {"SIGBUS": " (a memory-mapped file could not be read or grown: i
                            "full, or its m(xi) store damaged? see aqpipe store verify)",
                  "SIGKILL": " (by a user, or by the kernel's out-of-memory killer: see dmesg)",
                  "SIGABRT": " (a native library aborted it: see its log)"}
+# The least silence that ends a start-up (see `launch_local`): a native call holding the interpreter's lock (a large
+# cache unpickled) stops a rank's heartbeat for a while, and a short --stall-timeout is for steps.
+START_UP_SILENCE_SECONDS = 60.0
 # What NCCL's watchdog prints before it aborts a rank whose collective outlived its process group's time-out.
 _NCCL_WATCHDOG = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\(.*?OpType=(\w+).*?"
                             r"Timeout\(ms\)=(\d+)")
@@ -160,8 +163,9 @@ def launch_local(
     result: LaunchResult | None = None
     # Set by the first event of training. Before it, loading a large model legitimately takes long (the ranks' own
     # collectives wait up to STARTUP_TIMEOUT_SECONDS for each other): only a rank silent for the stall time-out, not
-    # even a heartbeat, ends a run then (a stopped or hung process).
+    # even a heartbeat, ends a run then (a stopped or hung process), and only after START_UP_SILENCE_SECONDS at least.
     last_progress: float | None = None
+    start_up_silence = max(stall_timeout, START_UP_SILENCE_SECONDS)
     phases: dict[str, float] = {}
     summary = None
     try:
@@ -183,7 +187,9 @@ def launch_local(
             try:
                 kind, payload = events.get(timeout=0.1)
                 if kind == "event":
-                    if payload.get("event") != "alive":
+                    # (a rank's `resumed` comes before every rank is ready to train: start-up goes on)
+                    event = payload.get("event")
+                    if event == "start" or (last_progress is not None and event != "alive"):
                         last_progress = time.monotonic()
                     summary = _on_event(payload, workers, bar, phases) or summary
                 else:
@@ -201,9 +207,9 @@ def launch_local(
                 for w in workers:
                     w.proc.wait()
                 result = LaunchResult(0, summary=summary)
-            elif last_progress is None and (hung := [w for w in _silent(workers, stall_timeout) if w.beating]):
+            elif last_progress is None and (hung := [w for w in _silent(workers, start_up_silence) if w.beating]):
                 result = LaunchResult(1, f"{hung[0].name} stopped responding during start-up (no heartbeat for "
-                                      f"{stall_timeout:.0f} s); stopping all ranks" + _log_hint(log_dir))
+                                      f"{start_up_silence:.0f} s); stopping all ranks" + _log_hint(log_dir))
             elif last_progress is not None and time.monotonic() - last_progress > stall_timeout:
                 silent = _silent(workers)
                 who = (f"{silent[0].name} stopped responding" if silent
@@ -362,7 +368,7 @@ def _root_cause(workers: list[_Worker]) -> str:
         if name == "SIGABRT" and watchdog:  # the rank it waited for is the story: those still running may hold it
             running = ", ".join(other.name for other in workers if other.proc.poll() is None)
             return (f"{w.name} died: NCCL's watchdog aborted it when its {watchdog[1]} had waited "
-                    f"{int(watchdog[2]) / 1000:.0f} s for its peers (the time-out is --stall-timeout)"
+                    f"{int(watchdog[2]) / 1000:.0f} s for its peers (--stall-timeout once training has begun)"
                     + (f"; still running: {running}" if running else ""))
         return f"{w.name} died: killed by signal {name}" + _SIGNAL_HINTS.get(name, "")
     silent = _silent(workers)

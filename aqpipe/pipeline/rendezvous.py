@@ -24,13 +24,18 @@ def startup_timeout(stall_timeout: float) -> timedelta:
 
 
 def begin_training(store, groups: list, stall_timeout: float) -> None:
-    """From now on every collective of `groups` (None: the world group) and every wait on the rendezvous `store`
-    (NCCL's communicators of a group used for the first time meet there) time out after `stall_timeout` seconds."""
+    """Once every rank of the world has come here (waiting under the start-up time-out: a replica's host may still be
+    loading its weights while another's pipeline is ready), every collective of `groups` (None: the world group) and
+    every wait on the rendezvous `store` (NCCL's communicators of a group used for the first time meet there) time
+    out after `stall_timeout` seconds. Every rank calls it."""
     from torch.distributed import distributed_c10d
 
+    from aqpipe.pipeline import comm
+
+    comm.barrier(comm.SETUP)
     timeout = timedelta(seconds=stall_timeout)
-    for group in groups:
-        distributed_c10d._set_pg_timeout(timeout, group)
+    for group in groups:  # (torch >= 2.2; the world group named, since 2.2 took None for it wrongly)
+        distributed_c10d._set_pg_timeout(timeout, group if group is not None else distributed_c10d._get_default_group())
     store.set_timeout(timeout)
 
 

@@ -20,7 +20,6 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Callable
 
 HELLO = struct.Struct("<4s64s")
 HELLO_MAGIC = b"AQS1"
@@ -61,16 +60,14 @@ def _hello(name: str) -> bytes:
     return HELLO.pack(HELLO_MAGIC, encoded)
 
 
-def read_exactly(sock: socket.socket, buffer: memoryview, on_bytes: Callable[[], object] | None = None) -> None:
-    """Fill `buffer` from the stream, calling `on_bytes` whenever some arrive; EOFError if the peer closes it first."""
+def read_exactly(sock: socket.socket, buffer: memoryview) -> None:
+    """Fill `buffer` from the stream; EOFError if the peer closes it first."""
     got = 0
     while got < len(buffer):
         n = sock.recv_into(buffer[got:])
         if n == 0:
             raise EOFError
         got += n
-        if on_bytes is not None:
-            on_bytes()
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes:

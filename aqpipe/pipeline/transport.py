@@ -299,7 +299,6 @@ class Inbox:
     def __init__(self, stream: socket.socket, peer_name: str, timeout: float, device: torch.device | None = None
                  ) -> None:
         self.stream, self.peer_name, self.timeout = stream, peer_name, timeout
-        self._moved = 0.0  # when bytes last arrived (monotonic): a long message over a slow link is no stall
         self.pin_for = device if device is not None and device.type == "cuda" else None  # the GPU bodies go to
         self._expected: queue.Queue = queue.Queue()
         self._received: queue.Queue = queue.Queue()
@@ -320,18 +319,11 @@ class Inbox:
         self.stream.close()
 
     def get(self) -> Message:
-        """The next message, waiting until the timeout passes with no byte from the peer; re-raises the thread's error
-        with the peer named."""
-        waiting_since = time.monotonic()
-        while True:
-            idle = time.monotonic() - max(waiting_since, self._moved)
-            try:
-                item = self._received.get(timeout=max(0.0, self.timeout - idle))
-                break
-            except queue.Empty:
-                if time.monotonic() - max(waiting_since, self._moved) >= self.timeout:
-                    raise TransportError(f"no message from {self.peer_name} within {self.timeout:.0f} s (peer dead or "
-                                         "stalled)") from None
+        """The next message, waiting up to the timeout; re-raises the thread's error with the peer named."""
+        try:
+            item = self._received.get(timeout=self.timeout)
+        except queue.Empty:
+            raise TransportError(f"no message from {self.peer_name} within {self.timeout:.0f} s (peer dead or stalled)") from None
         if isinstance(item, BaseException):
             raise item
         return item
@@ -351,12 +343,9 @@ class Inbox:
 
     def _read_into(self, buffer: memoryview) -> None:
         try:
-            read_exactly(self.stream, buffer, self._on_bytes)
+            read_exactly(self.stream, buffer)
         except EOFError:
             raise TransportError(f"{self.peer_name} closed the link (peer dead or finished early)") from None
-
-    def _on_bytes(self) -> None:
-        self._moved = time.monotonic()
 
     def _receive(self, expect: Expect) -> Message:
         head = bytearray(HEADER_SIZE)

@@ -237,11 +237,11 @@ def _sha256_of(file: BinaryIO) -> str:
 
 def load_rank(out: str | Path, step: int, rank: int, settings: dict | None = None) -> dict:
     """One rank's checkpointed state, checked (against `settings` too, when given) and loaded with
-    `weights_only=True`; its tensors map the file (read as they are used, not copied whole into memory first)."""
+    `weights_only=True`, each tensor read from the file into its own memory (the file is not read whole first)."""
     path = rank_file(step_dir(out, step), rank)
     _read_checked(path, rank, step, settings_digest(settings) if settings is not None else None)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a damaged file
         raise CheckpointError(f"checkpoint file {path} cannot be loaded: {type(e).__name__}: {e}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
