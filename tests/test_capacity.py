@@ -248,3 +248,23 @@ def test_the_plan_counts_the_grad_syncs_copies_where_its_collectives_run(tmp_pat
             copies = (kept, peak) if where == "device" else (0, 2.0)
             assert (s.sync_kept_bytes, s.sync_peak_bytes) == (int(4 * copies[0] * s.trainable),
                                                               int(4 * copies[1] * s.trainable))
+
+
+@pytest.mark.parametrize("warmup, stall, refused", [("1", "3", "4.2 s per step during the fp32 warm-up"),
+                                                    ("0", "0.5", "0.7 s per step,"), ("1", "30", None)])
+def test_a_run_whose_links_keep_a_step_longer_than_the_stall_timeout_is_refused(tmp_path, capsys, warmup, stall,
+                                                                                  refused):
+    """Every collective of a step times out after --stall-timeout, so such a run would fail at its first slow step
+    (after it had set everything up): it is refused up front, naming both numbers."""
+    out = tmp_path / "run"
+    for dry_run in (["--dry-run"], [] if refused else None):  # (an accepted run is not started: its plan says so)
+        if dry_run is None:
+            continue
+        code = main(["launch", *SMALL, "--model", "gpt2-tiny", "--warmup-epochs", warmup, "--bandwidth", "1mbit",
+                     "--stall-timeout", stall, *dry_run, "--out", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        if refused is None:
+            assert code == 0, err
+        else:
+            assert code == 2 and len(err) == 1 and refused in err[0] and f"--stall-timeout ({stall} s" in err[0], err
+            assert not (out / "metrics.jsonl").exists()

@@ -410,4 +410,19 @@ def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:
         raise ConfigError("the run does not fit: " + "; ".join(capacity.problems)
                           + f" (per stage in memory: {', '.join(_gb(s.memory_bytes) for s in capacity.stages)}; "
                           "see aqpipe launch ... --dry-run)")
+    refuse_if_steps_outlast_the_stall_timeout(capacity)
     return capacity
+
+
+def refuse_if_steps_outlast_the_stall_timeout(capacity: CapacityPlan) -> None:
+    """Raise ConfigError when, at --bandwidth, the links alone keep a step longer than --stall-timeout: every
+    collective of a training step times out after it, so the run would fail at its first such step."""
+    cfg = capacity.cfg
+    steps = [capacity.link_bound_step_seconds()] + ([capacity.link_bound_step_seconds(warmup=True)]
+                                                   if cfg.warmup_epochs else [])
+    slowest = max((s for s in steps if s is not None), default=None)
+    if slowest is not None and slowest >= cfg.stall_timeout:
+        during = " during the fp32 warm-up" if cfg.warmup_epochs and slowest == steps[-1] != steps[0] else ""
+        raise ConfigError(f"at --bandwidth {cfg.bandwidth} the links alone need at least {slowest:.1f} s per step"
+                          f"{during}, but a step must take less than --stall-timeout ({cfg.stall_timeout:g} s, every "
+                          "collective's time-out while training): raise --stall-timeout well above it")
