@@ -342,7 +342,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _dry_run(cfg: ResolvedConfig) -> int:
     """Print the capacity plan of a launch and start nothing (the run directory is not touched); exit 2 when the
     run would not fit."""
-    from aqpipe.runtime.capacity import TraceError, format_plan, plan_capacity, refuse_if_steps_outlast_the_stall_timeout
+    from aqpipe.runtime.capacity import TraceError, format_plan, plan_capacity, steps_outlasting_the_stall_timeout
     from aqpipe.runtime.plan import check_store_capacity, make_plan
 
     plan = make_plan(cfg, check_store=False)  # a store that does not fit is one of the plan's findings
@@ -354,10 +354,12 @@ def _dry_run(cfg: ResolvedConfig) -> int:
         check_store_capacity(cfg, plan.spec, len(plan.dataset.train))
     except ConfigError as e:
         capacity.problems.append(str(e))
+    slow = steps_outlasting_the_stall_timeout(capacity)
+    if slow is not None:
+        capacity.problems.append(slow)
     print(format_plan(capacity), flush=True)
     if capacity.problems:
         raise ConfigError("the run does not fit: " + "; ".join(capacity.problems))
-    refuse_if_steps_outlast_the_stall_timeout(capacity)
     return 0
 
 

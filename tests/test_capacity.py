@@ -250,17 +250,21 @@ def test_the_plan_counts_the_grad_syncs_copies_where_its_collectives_run(tmp_pat
                                                               int(4 * copies[1] * s.trainable))
 
 
-@pytest.mark.parametrize("warmup, stall, refused", [("1", "3", "4.2 s per step during the fp32 warm-up"),
-                                                    ("0", "0.5", "0.7 s per step,"), ("1", "30", None)])
-def test_a_run_whose_links_keep_a_step_longer_than_the_stall_timeout_is_refused(tmp_path, capsys, warmup, stall,
+@pytest.mark.parametrize("extra, stall, refused", [
+    (["--warmup-epochs", "1"], "3", "4.2 s per step during the warm-up (lossless links)"),
+    (["--warmup-epochs", "0", "--first-sight", "fp32"], "1", "s per step during the first epoch (every sample a first"),
+    (["--warmup-epochs", "0"], "0.5", "0.7 s per step during the first epoch"),
+    (["--warmup-epochs", "1"], "30", None)])
+def test_a_run_whose_links_keep_a_step_longer_than_the_stall_timeout_is_refused(tmp_path, capsys, extra, stall,
                                                                                   refused):
-    """Every collective of a step times out after --stall-timeout, so such a run would fail at its first slow step
-    (after it had set everything up): it is refused up front, naming both numbers."""
+    """The launcher's stall clock and every collective of a step give up after --stall-timeout, so such a run would
+    fail at its first slow step (after it had set everything up): it is refused up front, naming both numbers. The
+    first epoch of an AQ-SGD run without a warm-up sends first sights, more than the deltas after it (0.66 s here)."""
     out = tmp_path / "run"
     for dry_run in (["--dry-run"], [] if refused else None):  # (an accepted run is not started: its plan says so)
         if dry_run is None:
             continue
-        code = main(["launch", *SMALL, "--model", "gpt2-tiny", "--warmup-epochs", warmup, "--bandwidth", "1mbit",
+        code = main(["launch", *SMALL, "--model", "gpt2-tiny", *extra, "--epochs", "2", "--bandwidth", "1mbit",
                      "--stall-timeout", stall, *dry_run, "--out", str(out)])
         err = capsys.readouterr().err.strip().splitlines()
         if refused is None:
@@ -268,3 +272,17 @@ def test_a_run_whose_links_keep_a_step_longer_than_the_stall_timeout_is_refused(
         else:
             assert code == 2 and len(err) == 1 and refused in err[0] and f"--stall-timeout ({stall} s" in err[0], err
             assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("warmup, first_sights, first_step, ahead", [
+    ("1", "aqsgd:3", 0, ["warm-up", "steady"]), ("1", "aqsgd:3", 2, ["steady"]),
+    ("0", "aqsgd:3", 0, ["first epoch", "steady"]), ("0", "aqsgd:3", 1, ["first epoch", "steady"]),
+    ("0", "aqsgd:3", 2, ["steady"]), ("0", "directq:4", 0, ["steady"]), ("2", "aqsgd:3", 0, ["warm-up"]),
+    ("0", "aqsgd:3", 4, [])])
+def test_the_phases_a_run_still_has_ahead(tmp_path, warmup, first_sights, first_step, ahead):
+    """What a (resumed) run's steps from `first_step` on send: a warm-up's lossless links, an AQ-SGD first epoch's
+    first sights, then deltas; 2 epochs of 2 steps here. A resume past the warm-up is not refused for the warm-up."""
+    cfg = flags_to_config([*SMALL, "--warmup-epochs", warmup, "--fw", first_sights, "--epochs", "2"], tmp_path)
+    capacity = cap.plan_capacity(make_plan(cfg))
+    assert (capacity.steps, capacity.steps_per_epoch) == (4, 2)
+    assert capacity.phases_ahead(first_step) == ahead

@@ -28,6 +28,7 @@ from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
 from aqpipe.pipeline.tied_rows import step_rows
 from aqpipe.pipeline.transport import HEADER_SIZE
 from aqpipe.runtime import plan as run_plan
+from aqpipe.runtime.checkpoint import latest_step
 from aqpipe.runtime.codec_graphs import stage_graph_bytes
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan
 from aqpipe.runtime.stage_trace import TraceError, micro_batches_held, state_copies, trace_stages
@@ -110,6 +111,12 @@ class TiedNeeds:
     distinct_tokens: float = 0.0  # rows: the mean distinct tokens per step over the first steps of the data order
 
 
+# The phases of a run whose steps differ in link bytes, and how a message says "during" each.
+STEADY, WARM_UP, FIRST_EPOCH = "steady", "warm-up", "first epoch"
+STEP_PHASES = {STEADY: "", WARM_UP: " during the warm-up (lossless links)",
+               FIRST_EPOCH: " during the first epoch (every sample a first sight)"}
+
+
 @dataclass
 class CapacityPlan:
     """The plan of one run, and whatever does not fit."""
@@ -131,21 +138,34 @@ class CapacityPlan:
         lossless = sum(self.steps * (link.warmup_fwd_bytes + link.warmup_bwd_bytes) for link in self.links)
         return sent, lossless
 
-    def link_seconds(self, link: LinkNeeds, warmup: bool = False) -> tuple[float, float] | None:
-        """Seconds on the wire per step (forward, backward) at --bandwidth; None without one."""
+    def link_seconds(self, link: LinkNeeds, phase: str = STEADY) -> tuple[float, float] | None:
+        """Seconds on the wire per step (forward, backward) at --bandwidth in a phase of the run (STEP_PHASES); None
+        without a bandwidth."""
         if self.bandwidth_bits is None:
             return None
-        fwd, bwd = (link.warmup_fwd_bytes, link.warmup_bwd_bytes) if warmup else (link.fwd_bytes, link.bwd_bytes)
+        fwd, bwd = {STEADY: (link.fwd_bytes, link.bwd_bytes), WARM_UP: (link.warmup_fwd_bytes, link.warmup_bwd_bytes),
+                    FIRST_EPOCH: (link.first_fwd_bytes, link.bwd_bytes)}[phase]
         return 8 * fwd / self.bandwidth_bits, 8 * bwd / self.bandwidth_bits
 
-    def link_bound_step_seconds(self, warmup: bool = False) -> float | None:
+    def link_bound_step_seconds(self, phase: str = STEADY) -> float | None:
         """The least step time the links alone allow: under GPipe each direction runs in its own half of the step
         (activations, then gradients); under a 1F1B schedule both directions are busy at once."""
-        times = [self.link_seconds(link, warmup) for link in self.links]
+        times = [self.link_seconds(link, phase) for link in self.links]
         if not times or times[0] is None:
             return None
         both = self.cfg.schedule != "gpipe"
         return max((max(t) if both else sum(t)) for t in times if t is not None)
+
+    def phases_ahead(self, first_step: int = 0) -> list[str]:
+        """The phases (STEP_PHASES) the run's steps from `first_step` on go through."""
+        cfg, per_epoch = self.cfg, self.steps_per_epoch
+        warm = cfg.warmup_epochs * per_epoch
+        ahead = [WARM_UP] if first_step < min(warm, self.steps) else []
+        lossy_from = max(first_step, warm)
+        if lossy_from < self.steps and cfg.warmup_epochs == 0 and keeps_messages(cfg.fw) and lossy_from < per_epoch:
+            ahead.append(FIRST_EPOCH)  # every sample a first sight (a warm-up seeds m(xi) instead)
+            lossy_from = per_epoch
+        return ahead + ([STEADY] if lossy_from < self.steps else [])
 
 
 def steady_payload_bytes(spec: str, direction: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -366,7 +386,7 @@ def format_plan(capacity: CapacityPlan) -> str:
             lines.append(format_tied(capacity.tied, cfg))
         step = capacity.link_bound_step_seconds()
         if step is not None:
-            warmup = (f" ({capacity.link_bound_step_seconds(warmup=True):.2f} s during the fp32 warm-up)"
+            warmup = (f" ({capacity.link_bound_step_seconds(WARM_UP):.2f} s during the fp32 warm-up)"
                       if cfg.warmup_epochs else "")
             lines.append(f"at --bandwidth {cfg.bandwidth}: the links alone need at least {step:.2f} s per step{warmup}")
     if any(s.sync_peak_bytes for s in capacity.stages):
@@ -410,19 +430,24 @@ def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:
         raise ConfigError("the run does not fit: " + "; ".join(capacity.problems)
                           + f" (per stage in memory: {', '.join(_gb(s.memory_bytes) for s in capacity.stages)}; "
                           "see aqpipe launch ... --dry-run)")
-    refuse_if_steps_outlast_the_stall_timeout(capacity)
+    problem = steps_outlasting_the_stall_timeout(capacity)
+    if problem is not None:
+        raise ConfigError(problem)
     return capacity
 
 
-def refuse_if_steps_outlast_the_stall_timeout(capacity: CapacityPlan) -> None:
-    """Raise ConfigError when, at --bandwidth, the links alone keep a step longer than --stall-timeout: every
-    collective of a training step times out after it, so the run would fail at its first such step."""
+def steps_outlasting_the_stall_timeout(capacity: CapacityPlan) -> str | None:
+    """What is wrong when, at --bandwidth, the links alone keep a step the run has still to take (a resume's from its
+    checkpoint on) as long as --stall-timeout or longer (None: nothing): the launcher's stall clock and every
+    collective of a training step give up after it, so the run would fail at its first such step."""
     cfg = capacity.cfg
-    steps = [capacity.link_bound_step_seconds()] + ([capacity.link_bound_step_seconds(warmup=True)]
-                                                   if cfg.warmup_epochs else [])
-    slowest = max((s for s in steps if s is not None), default=None)
-    if slowest is not None and slowest >= cfg.stall_timeout:
-        during = " during the fp32 warm-up" if cfg.warmup_epochs and slowest == steps[-1] != steps[0] else ""
-        raise ConfigError(f"at --bandwidth {cfg.bandwidth} the links alone need at least {slowest:.1f} s per step"
-                          f"{during}, but a step must take less than --stall-timeout ({cfg.stall_timeout:g} s, every "
-                          "collective's time-out while training): raise --stall-timeout well above it")
+    first_step = (latest_step(cfg.resume) or 0) if cfg.resume else 0
+    bounds = [(seconds, phase) for phase in capacity.phases_ahead(first_step)
+              if (seconds := capacity.link_bound_step_seconds(phase)) is not None]
+    if not bounds or max(bounds)[0] < cfg.stall_timeout:
+        return None
+    seconds, phase = max(bounds)
+    return (f"at --bandwidth {cfg.bandwidth} the links alone need at least {seconds:.1f} s per step"
+            f"{STEP_PHASES[phase]}, but a step must take less than --stall-timeout ({cfg.stall_timeout:g} s: the "
+            "launcher's stall clock, and every collective's time-out while training): raise --stall-timeout well "
+            "above it")
