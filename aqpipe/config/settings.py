@@ -208,8 +208,8 @@ class RunConfig:
     stall_timeout: float = setting(
         "run", "seconds without progress (a step, a held-out batch, a piece of the final weights) before a run is "
         "declared stalled; also every collective's time-out once training has begun, so a step (and a checkpoint's "
-        "writing) must take less (until "
-        "then ranks wait up to 30 min for each other, or S if longer: a host may be loading or downloading its weights)",
+        "writing) must take less (until then ranks wait up to 30 min for each other, or S if longer: a host may be "
+        "loading or downloading its weights)",
         300.0, metavar="S", resume=True)
     port: int | None = setting("run", "rendezvous port of a local launch", shown="a free one", metavar="N",
                                resume=True)
