@@ -195,7 +195,7 @@ def _start_up(tmp_path, monkeypatch, quiet: float, beats: int):
 
     from aqpipe.launch import local
 
-    monkeypatch.setattr(local, "START_UP_SILENCE_SECONDS", 0.0)  # (at least a minute in earnest)
+    monkeypatch.setattr(local, "STARTUP_SILENCE_SECONDS", 0.0)  # (at least a minute in earnest)
     start = time.monotonic()
     result = launch_local(CommandStarter([sys.executable, "-c", _START_UP, str(quiet), str(beats)]), 2,
                           lambda rank: f"rank {rank}", {}, 1, stall_timeout=2.0, progress=False, log_dir=tmp_path)

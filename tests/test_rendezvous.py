@@ -211,10 +211,10 @@ chosen = {"world": None, "pipeline": groups.pipeline, "data parallel": groups.da
 if phase == "late to training":  # rank 1's replica still loading while rank 0's is ready to train
     if rank == 1:
         time.sleep(late)
-    begin_training(store, list(chosen.values()), stall)
+    begin_training(store, groups, stall)
     phase = "trains"
 if phase == "training":
-    begin_training(store, list(chosen.values()), stall)
+    begin_training(store, groups, stall)
 for name in names:
     if rank == 1 and phase == "training":
         store.wait(["ended"], timedelta(seconds=60))

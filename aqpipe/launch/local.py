@@ -40,7 +40,7 @@ _SIGNAL_HINTS = {"SIGBUS": " (a memory-mapped file could not be read or grown: i
                  "SIGABRT": " (a native library aborted it: see its log)"}
 # The least silence that ends a start-up (see `launch_local`): a native call holding the interpreter's lock (a large
 # cache unpickled) stops a rank's heartbeat for a while, and a short --stall-timeout is for steps.
-START_UP_SILENCE_SECONDS = 60.0
+STARTUP_SILENCE_SECONDS = 60.0
 # What NCCL's watchdog prints before it aborts a rank whose collective outlived its process group's time-out.
 _NCCL_WATCHDOG = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\(.*?OpType=(\w+).*?"
                             r"Timeout\(ms\)=(\d+)")
@@ -163,9 +163,9 @@ def launch_local(
     result: LaunchResult | None = None
     # Set by the first event of training. Before it, loading a large model legitimately takes long (the ranks' own
     # collectives wait up to STARTUP_TIMEOUT_SECONDS for each other): only a rank silent for the stall time-out, not
-    # even a heartbeat, ends a run then (a stopped or hung process), and only after START_UP_SILENCE_SECONDS at least.
+    # even a heartbeat, ends a run then (a stopped or hung process), and only after STARTUP_SILENCE_SECONDS at least.
     last_progress: float | None = None
-    start_up_silence = max(stall_timeout, START_UP_SILENCE_SECONDS)
+    startup_silence = max(stall_timeout, STARTUP_SILENCE_SECONDS)
     phases: dict[str, float] = {}
     summary = None
     try:
@@ -207,9 +207,9 @@ def launch_local(
                 for w in workers:
                     w.proc.wait()
                 result = LaunchResult(0, summary=summary)
-            elif last_progress is None and (hung := [w for w in _silent(workers, start_up_silence) if w.beating]):
+            elif last_progress is None and (hung := [w for w in _silent(workers, startup_silence) if w.beating]):
                 result = LaunchResult(1, f"{hung[0].name} stopped responding during start-up (no heartbeat for "
-                                      f"{start_up_silence:.0f} s); stopping all ranks" + _log_hint(log_dir))
+                                      f"{startup_silence:.0f} s); stopping all ranks" + _log_hint(log_dir))
             elif last_progress is not None and time.monotonic() - last_progress > stall_timeout:
                 silent = _silent(workers)
                 who = (f"{silent[0].name} stopped responding" if silent

@@ -7,6 +7,9 @@ import json
 import os
 import socket
 from datetime import timedelta
+from typing import Any
+
+from aqpipe.pipeline.grid import ProcessGroups
 
 # Set by `aqpipe launch` when every rank runs on this machine's loopback: the rendezvous binds to 127.0.0.1 only.
 LOOPBACK_ENV = "AQPIPE_LOOPBACK"
@@ -23,19 +26,21 @@ def startup_timeout(stall_timeout: float) -> timedelta:
     return timedelta(seconds=max(stall_timeout, STARTUP_TIMEOUT_SECONDS))
 
 
-def begin_training(store, groups: list, stall_timeout: float) -> None:
+def begin_training(store, groups: ProcessGroups, stall_timeout: float) -> None:
     """Once every rank of the world has come here (waiting under the start-up time-out: a replica's host may still be
-    loading its weights while another's pipeline is ready), every collective of `groups` (None: the world group) and
-    every wait on the rendezvous `store` (NCCL's communicators of a group used for the first time meet there) time
-    out after `stall_timeout` seconds. Every rank calls it."""
+    loading its weights while another's pipeline is ready), every collective of the world group and of this rank's
+    `groups`, and every wait on the rendezvous `store` (NCCL's communicators of a group used for the first time meet
+    there), time out after `stall_timeout` seconds. Every rank calls it."""
     from torch.distributed import distributed_c10d
 
     from aqpipe.pipeline import comm
 
     comm.barrier(comm.SETUP)
     timeout = timedelta(seconds=stall_timeout)
-    for group in groups:  # (torch >= 2.2; the world group named, since 2.2 took None for it wrongly)
-        distributed_c10d._set_pg_timeout(timeout, group if group is not None else distributed_c10d._get_default_group())
+    # (torch >= 2.2; the world group named, since 2.2 took None for it wrongly)
+    every: tuple[Any, ...] = (distributed_c10d._get_default_group(), groups.pipeline, groups.data_parallel)
+    for group in every:
+        distributed_c10d._set_pg_timeout(timeout, group)
     store.set_timeout(timeout)
 
 

@@ -67,33 +67,26 @@ def save_rank(out: str | Path, step: int, rank: int, state: dict, settings: dict
     directory.mkdir(parents=True, exist_ok=True)
     digest = settings_digest(settings)
     path = rank_file(directory, rank)
-    writer = _Hashing()
+    sha = hashlib.sha256()
     save_atomic(path, lambda f: torch.save({"format": FORMAT, "step": step, "rank": rank, "config_digest": digest,
-                                            **state}, cast(BinaryIO, writer.into(f))), durable=True)
-    write_atomic(path.with_suffix(".sha256"), f"{writer.sha.hexdigest()} rank={rank} step={step} config={digest}\n".encode(),
+                                            **state}, cast(BinaryIO, _Hashing(f, sha))), durable=True)
+    write_atomic(path.with_suffix(".sha256"), f"{sha.hexdigest()} rank={rank} step={step} config={digest}\n".encode(),
                  durable=True)
     return path
 
 
 class _Hashing:
-    """A file's writer that hashes (SHA-256) what goes through it (torch.save needs only `write`)."""
+    """A file's writer that adds what goes through it to `sha` (torch.save needs only `write`)."""
 
-    def __init__(self) -> None:
-        self.sha = hashlib.sha256()
-        self.file: BinaryIO | None = None
-
-    def into(self, file: BinaryIO) -> _Hashing:
-        self.file = file
-        return self
+    def __init__(self, file: BinaryIO, sha) -> None:
+        self.file, self.sha = file, sha
 
     def write(self, data) -> int:
-        assert self.file is not None, "into(file) first"
         self.sha.update(data)
         return self.file.write(data)
 
     def flush(self) -> None:
-        if self.file is not None:
-            self.file.flush()
+        self.file.flush()
 
 
 def mark_complete(out: str | Path, step: int, world_size: int, settings: dict) -> None:

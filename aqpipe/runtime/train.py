@@ -106,7 +106,7 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, stores
         log = open_outputs(cfg, plan, first_step) if grid.rank == 0 else None
         if log is None and host_leader():  # another host's copy, for a resume there
             write_config(cfg, plan)
-        begin_training(store, [None, stage.groups.pipeline, stage.groups.data_parallel], cfg.stall_timeout)
+        begin_training(store, stage.groups, cfg.stall_timeout)
         emit({"event": "start", "total_steps": plan.total_steps, "rank": grid.rank, "first_step": first_step})
         wall_start = time.perf_counter() - (log.records[-1]["elapsed_seconds"] if log is not None and log.records else 0.0)
         unrecorded_control = train_steps(stage, first_step, log, wall_start)
