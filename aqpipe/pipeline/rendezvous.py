@@ -7,9 +7,10 @@ import json
 import os
 import socket
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aqpipe.pipeline.grid import ProcessGroups
+if TYPE_CHECKING:  # (the launcher imports this module before it may import torch: see launch/fork_safety)
+    from aqpipe.pipeline.grid import ProcessGroups
 
 # Set by `aqpipe launch` when every rank runs on this machine's loopback: the rendezvous binds to 127.0.0.1 only.
 LOOPBACK_ENV = "AQPIPE_LOOPBACK"
