@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -21,20 +20,15 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
 
-def free_port() -> int:
-    """A loopback port free right now (torch binds it later; `run_ranks` starts again should another take it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, world: int, port: int, fn, args, results: str) -> None:
     import datetime
 
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout)  # the test process's (`run_ranks`)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         result = ("ok", fn(rank, world, *args))
     except BaseException as e:  # noqa: BLE001 - reported to the test
@@ -63,20 +57,17 @@ def _settle() -> None:
 def run_ranks(fn, world: int, *args):
     """Call fn(rank, world, *args) on `world` gloo ranks; returns each rank's ("ok", value) or ("error", text)
     (None for a rank that ended without a result)."""
-    for attempt in range(3):
-        with tempfile.TemporaryDirectory(prefix="aqpipe-ranks-") as results:
-            try:
-                mp.start_processes(_entry, args=(world, free_port(), fn, args, results), nprocs=world,
-                                   start_method="forkserver")
-            except mp.ProcessRaisedException as e:
-                # the port picked free was taken before the ranks bound it (another test process, between our
-                # probe and gloo's bind): the ranks never ran `fn`, so they start again on another port
-                if "Address already in use" in str(e) and attempt < 2:
-                    continue
-                raise
-            files = [Path(results) / f"rank-{r}.pkl" for r in range(world)]
-            return [pickle.loads(f.read_bytes()) if f.exists() else None for f in files]
-    raise AssertionError("unreachable")
+    import datetime
+
+    import torch.distributed as dist
+
+    # The rendezvous store is served from this process on a port the kernel picks as it binds: a port probed free
+    # and bound later by rank 0 was taken in between by another test process once (EADDRINUSE failed a CI run).
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="aqpipe-ranks-") as results:
+        mp.start_processes(_entry, args=(world, store.port, fn, args, results), nprocs=world, start_method="forkserver")
+        files = [Path(results) / f"rank-{r}.pkl" for r in range(world)]
+        return [pickle.loads(f.read_bytes()) if f.exists() else None for f in files]
 
 
 def record_unbatched_point_to_point() -> list[str]:

@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
+from aqpipe.launch.local import reserved_port
 from aqpipe.pipeline.rendezvous import HostDisagreement, agree, interface_of, pin_socket_interface
-from tests.distributed import free_port
 
 FACTS = {"device": "cuda", "backend": "nccl", "world": [2, 1, 2], "config": {"lr": 0.001, "pp": 2}}
 
@@ -122,16 +122,16 @@ def test_the_backend_is_pinned_to_the_interface_that_reaches_the_master(monkeypa
 def test_two_torchrun_hosts_given_different_flags_stop_with_one_line_each(tmp_path):
     """Two `torchrun --nnodes 2` on this machine (two "hosts" on loopback), the second given another --lr: both
     ranks exit 2 naming the setting before any collective, instead of training two different runs together."""
-    port = free_port()
-    procs = []
-    for node, lr in ((0, "1e-3"), (1, "2e-3")):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
-               str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "aqpipe", "launch",
-               "--model", "gpt2-tiny", "--pp", "2", "--steps", "1", "--lr", lr, "--out", str(tmp_path / f"host{node}"),
-               "--no-progress"]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env={**os.environ, "HF_HUB_OFFLINE": "1"}))
-    outputs = [p.communicate(timeout=240) for p in procs]
+    with reserved_port() as port:  # held until both hosts have ended: no other process takes it meanwhile
+        procs = []
+        for node, lr in ((0, "1e-3"), (1, "2e-3")):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+                   str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "aqpipe", "launch",
+                   "--model", "gpt2-tiny", "--pp", "2", "--steps", "1", "--lr", lr, "--out", str(tmp_path / f"host{node}"),
+                   "--no-progress"]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          env={**os.environ, "HF_HUB_OFFLINE": "1"}))
+        outputs = [p.communicate(timeout=240) for p in procs]
     for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode != 0, err[-2000:]
         lines = [line for line in err.splitlines() if line.startswith("aqpipe: error:")]
@@ -233,10 +233,10 @@ for name in names:
 
 def _late_rank(pp: int, dp: int, phase: str, *groups: str) -> list[str]:
     """What rank 0 printed, one line per group, after rank 1 came late to each (`_LATE_RANK`)."""
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _LATE_RANK, str(rank), str(port), str(pp), str(dp), phase, *groups],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    with reserved_port() as port:
+        procs = [subprocess.Popen([sys.executable, "-c", _LATE_RANK, str(rank), str(port), str(pp), str(dp), phase,
+                                   *groups], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
     return [line for line in outs[0].splitlines() if line.split(" ")[0] in ("world", "pipeline", "data")]
 
 
