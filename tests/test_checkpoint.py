@@ -147,3 +147,22 @@ def test_a_rank_state_is_neither_saved_nor_loaded_whole_in_memory_a_second_time(
         tracemalloc.stop()
     assert all(torch.equal(state["store"][i], store[i]) for i in store)
     assert saving < size / 8 and loading < size / 8, (saving, loading, size)
+
+
+def test_writing_a_rank_state_reports_its_bytes_as_they_reach_the_disk(tmp_path, monkeypatch):
+    """A large state on a slow disk takes minutes to write, longer than --stall-timeout: the launcher must hear of
+    each piece (it counts only progress events), and each piece must be on the disk when it is reported, not in
+    the page cache with the whole state's fsync still to come."""
+    import os
+
+    synced = []
+    monkeypatch.setattr(ck, "SYNC_EVERY_BYTES", 1 << 20)
+    monkeypatch.setattr(ck.os, "fdatasync", lambda fd: synced.append(os.fstat(fd).st_size))
+    reports = []
+    store = {i: torch.full((64 * 1024,), float(i)) for i in range(32)}  # 8 MiB in 256 KiB samples
+    path = ck.save_rank(tmp_path, 3, 1, {"store": store}, {"lr": 1.0}, lambda done, total: reports.append((done, total)))
+    size = path.stat().st_size
+    assert len(reports) > 8 and reports[-1] == (size, size), reports[-3:]
+    assert all(a[0] <= b[0] for a, b in zip(reports, reports[1:])) and all(done < total for done, total in reports[:-1])
+    assert 7 <= len(synced) <= 9 and all(b - a >= 1 << 20 for a, b in zip(synced, synced[1:])), synced
+    assert ck.load_rank(tmp_path, 3, 1, {"lr": 1.0})["store"][5].eq(5.0).all()

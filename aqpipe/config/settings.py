@@ -206,10 +206,10 @@ class RunConfig:
         shown="at the end only", metavar="N", resume=True)
     seed: int = setting("run", "seed of all randomness (initialisation, data order)", 0, metavar="N")
     stall_timeout: float = setting(
-        "run", "seconds without progress (a step, a held-out batch, a piece of the final weights) before a run is "
-        "declared stalled; also every collective's time-out once training has begun, so a step (and a checkpoint's "
-        "writing) must take less (until then ranks wait up to 30 min for each other, or S if longer: a host may be "
-        "loading or downloading its weights)",
+        "run", "seconds without progress (a step, a held-out batch, a piece of the final weights or of a checkpoint) "
+        "before a run is declared stalled; also every collective's time-out once training has begun, so a step must "
+        "take less (until then ranks wait up to 30 min for each other, or S if longer: a host may be loading or "
+        "downloading its weights; after a checkpoint too, a rank may be writing a large state to a slow disk)",
         300.0, metavar="S", resume=True)
     port: int | None = setting("run", "rendezvous port of a local launch", shown="a free one", metavar="N",
                                resume=True)

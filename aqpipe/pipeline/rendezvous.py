@@ -45,6 +45,23 @@ def begin_training(store, groups: ProcessGroups, stall_timeout: float) -> None:
     store.set_timeout(timeout)
 
 
+def barrier_after_slow_work(stall_timeout: float) -> None:
+    """A world barrier that waits for the slowest rank up to the start-up time-out, after work whose time scales with
+    a rank's state rather than with a step (writing a checkpoint: an in-memory m(xi) store or Adam's moments on a slow
+    disk take minutes); the world group's collectives time out after `stall_timeout` again afterwards. Every rank
+    calls it."""
+    from torch.distributed import distributed_c10d
+
+    from aqpipe.pipeline import comm
+
+    world = distributed_c10d._get_default_group()
+    distributed_c10d._set_pg_timeout(startup_timeout(stall_timeout), world)
+    try:
+        comm.barrier()
+    finally:
+        distributed_c10d._set_pg_timeout(timedelta(seconds=stall_timeout), world)
+
+
 def loopback_rendezvous(rank: int, world_size: int, timeout: timedelta):
     """The rendezvous store of a single-machine launch, listening on 127.0.0.1 only (torch's own listens on every
     interface); None when this launch spans hosts or network namespaces (torch's env:// rendezvous then)."""

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, cast
 
@@ -30,6 +32,9 @@ from aqpipe.disk import save_atomic, write_atomic
 
 FORMAT = 2  # 2: checksum lines name rank, step and configuration digest; run.json records the settings
 KEEP = 2  # complete checkpoints kept; older ones are removed once a newer one is complete
+# A rank's file goes to the disk in pieces of this size as it is written, so that the progress it reports follows the
+# disk (not the page cache, with the whole state's fsync still to come) and the final fsync is short.
+SYNC_EVERY_BYTES = 256 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -59,31 +64,64 @@ def settings_digest(settings: dict) -> str:
     return _sha256(json.dumps(settings, sort_keys=True).encode())[:16]
 
 
-def save_rank(out: str | Path, step: int, rank: int, state: dict, settings: dict) -> Path:
+def save_rank(out: str | Path, step: int, rank: int, state: dict, settings: dict,
+              progress: Callable[[int, int], None] | None = None) -> Path:
     """Write one rank's state for step `step` (the file, then its checksum line naming rank, step and the digest
     of `settings`); returns the file. The state goes to disk as it is serialized, never whole in memory a second
-    time (an in-memory m(xi) store may be most of the host's memory)."""
+    time (an in-memory m(xi) store may be most of the host's memory). `progress(done, total)` hears of the bytes on
+    disk as they get there (`total` an estimate until the last call, where it is the file's size)."""
     directory = step_dir(out, step)
     directory.mkdir(parents=True, exist_ok=True)
     digest = settings_digest(settings)
     path = rank_file(directory, rank)
     sha = hashlib.sha256()
-    save_atomic(path, lambda f: torch.save({"format": FORMAT, "step": step, "rank": rank, "config_digest": digest,
-                                            **state}, cast(BinaryIO, _Hashing(f, sha))), durable=True)
+    estimate = max(_tensor_bytes(state), 1)
+    report = (lambda done: progress(min(done, estimate - 1), estimate)) if progress else None
+    writer: list[_DiskWriter] = []
+
+    def write(file: BinaryIO) -> None:
+        writer.append(_DiskWriter(file, sha, report))
+        torch.save({"format": FORMAT, "step": step, "rank": rank, "config_digest": digest, **state},
+                   cast(BinaryIO, writer[0]))
+
+    save_atomic(path, write, durable=True)
     write_atomic(path.with_suffix(".sha256"), f"{sha.hexdigest()} rank={rank} step={step} config={digest}\n".encode(),
                  durable=True)
+    if progress:
+        progress(writer[0].written, writer[0].written)
     return path
 
 
-class _Hashing:
-    """A file's writer that adds what goes through it to `sha` (torch.save needs only `write`)."""
+def _tensor_bytes(tree) -> int:
+    """The bytes of every tensor in a nested dict/list/tuple (most of what serializing it writes)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.untyped_storage().nbytes()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0
 
-    def __init__(self, file: BinaryIO, sha) -> None:
-        self.file, self.sha = file, sha
+
+class _DiskWriter:
+    """A file's writer (torch.save needs only `write`) that adds what goes through it to `sha`, puts it on the disk
+    every SYNC_EVERY_BYTES, and tells `report` the bytes written whenever it has."""
+
+    def __init__(self, file: BinaryIO, sha, report: Callable[[int], None] | None) -> None:
+        self.file, self.sha, self.report = file, sha, report
+        self.written = self.synced = 0
 
     def write(self, data) -> int:
         self.sha.update(data)
-        return self.file.write(data)
+        count = self.file.write(data)
+        self.written += count
+        if self.written - self.synced >= SYNC_EVERY_BYTES:
+            self.file.flush()
+            os.fdatasync(self.file.fileno())
+            self.synced = self.written
+            if self.report is not None:
+                self.report(self.written)
+        return count
 
     def flush(self) -> None:
         self.file.flush()

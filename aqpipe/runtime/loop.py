@@ -10,6 +10,7 @@ from aqpipe.metrics import MetricsLog
 from aqpipe.pipeline import comm
 from aqpipe.pipeline.evaluate import eval_batches, evaluate_stage, gather_eval
 from aqpipe.pipeline.grid import host_leader
+from aqpipe.pipeline.rendezvous import barrier_after_slow_work
 from aqpipe.runtime.assemble import RankStage
 from aqpipe.runtime.checkpoint import mark_complete, save_rank
 from aqpipe.runtime.events import emit, progress
@@ -44,8 +45,12 @@ def checkpoint(stage: RankStage, step: int) -> None:
         stage.store.flush()
     check_replicas(stage.worker.module, grid, stage.groups.data_parallel, step, stage.device,
                    stage.worker.row_cache_names)
-    save_rank(cfg.out, step, grid.rank, collect_state(stage.worker, stage.store), cfg.fixed_settings())
-    comm.barrier()  # every rank has written its part: each host marks the step complete on its own disk
+    # (the launcher hears of the bytes on disk: a large state on a slow disk may take longer than --stall-timeout)
+    save_rank(cfg.out, step, grid.rank, collect_state(stage.worker, stage.store), cfg.fixed_settings(),
+              lambda done, total: progress(f"checkpoint of rank {grid.rank}", done, total, "bytes"))
+    # every rank has written its part (the slowest may take far longer than a step): each host marks the step complete
+    # on its own disk
+    barrier_after_slow_work(cfg.stall_timeout)
     if host_leader():
         mark_complete(cfg.out, step, grid.world_size, cfg.fixed_settings())
 
