@@ -29,7 +29,8 @@ from aqpipe.config import ResolvedConfig
 from aqpipe.launch.gpu_sharing import local_sharing_note
 from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.transport import Header
-from aqpipe.runtime.capacity import LinkNeeds, TiedNeeds, format_tied, plan_capacity, steady_payload_bytes
+from aqpipe.runtime.capacity import LinkNeeds, TiedNeeds, plan_capacity, steady_payload_bytes
+from aqpipe.runtime.capacity_table import format_tied
 from aqpipe.runtime.plan import RunPlan
 from aqpipe.storage import StoreView, memory_store
 

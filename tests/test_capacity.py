@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from aqpipe.cli import main
+from aqpipe.compress.grad.methods import sync_step_bytes
 from aqpipe.config import resolve
 from aqpipe.runtime import capacity as cap
+from aqpipe.runtime.capacity_table import format_plan
 from aqpipe.runtime.plan import make_plan
 from tests import warm
 
@@ -185,11 +187,11 @@ def test_a_gpu_runs_plan_counts_what_its_codecs_cuda_graphs_hold_and_a_cpu_runs_
     assert graphs[0] >= values * (4 + 2)  # at least the copies of AQ-SGD's inputs: the activations, and m(ξ) in fp16
     for before, after in zip(cpu.stages, gpu.stages):
         assert after.memory_bytes - before.memory_bytes == after.codec_bytes
-    assert "codec CUDA graphs (held for the run" in cap.format_plan(gpu)
+    assert "codec CUDA graphs (held for the run" in format_plan(gpu)
     monkeypatch.setenv("AQPIPE_CUDA_GRAPHS", "0")
     off = cap.plan_capacity(make_plan(dataclasses.replace(cfg, device="cuda")))
     assert all(s.codec_bytes == 0 for s in off.stages)
-    assert "codec CUDA graphs" not in cap.format_plan(off)
+    assert "codec CUDA graphs" not in format_plan(off)
 
 
 def test_a_gpu_plan_counts_the_fused_delta_steps_graphs_where_m_lies_in_gpu_slabs(tmp_path, monkeypatch):
@@ -229,7 +231,7 @@ def test_the_plan_counts_the_grad_syncs_copies_where_its_collectives_run(tmp_pat
     cfg = flags_to_config([*SMALL, "--dp", "2"], tmp_path)
     single = cap.plan_capacity(make_plan(dataclasses.replace(cfg, dp=1, grad_sync="ef:4")))
     assert all(s.sync_kept_bytes == s.sync_peak_bytes == 0 for s in single.stages)
-    assert "grad sync" not in cap.format_plan(single)
+    assert "grad sync" not in format_plan(single)
     ef = cap.plan_capacity(make_plan(dataclasses.replace(cfg, grad_sync="ef:4")))
     kept, peak = sync_copies("ef:4", 2)
     assert (kept, peak) == (1, 8.6 + 2 * 4 / 32)
@@ -239,7 +241,7 @@ def test_the_plan_counts_the_grad_syncs_copies_where_its_collectives_run(tmp_pat
         model = after.weight_bytes + after.grad_bytes + after.optimizer_bytes
         assert after.memory_bytes == model + max(after.activation_bytes + after.sync_kept_bytes, after.sync_peak_bytes)
         assert before.memory_bytes == model + before.activation_bytes
-    assert "grad sync (--grad-sync ef:4, --dp 2), on the host: kept / at its peak" in cap.format_plan(ef)
+    assert "grad sync (--grad-sync ef:4, --dp 2), on the host: kept / at its peak" in format_plan(ef)
     for gpus, where in ((8, "device"), (1, "RAM")):  # 8 ranks: a GPU each (NCCL), or all on one (gloo)
         monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
         gpu = cap.plan_capacity(make_plan(dataclasses.replace(cfg, device="cuda", grad_sync="ef:4")))
@@ -286,3 +288,29 @@ def test_the_phases_a_run_still_has_ahead(tmp_path, warmup, first_sights, first_
     capacity = cap.plan_capacity(make_plan(cfg))
     assert (capacity.steps, capacity.steps_per_epoch) == (4, 2)
     assert capacity.phases_ahead(first_step) == ahead
+
+
+@pytest.mark.parametrize("grad_sync, refused", [("none", "of it the grad sync's, --grad-sync none at --dp 2)"),
+                                                ("powersgd:2", "of it the grad sync's, --grad-sync powersgd:2 at --dp 2)"),
+                                                ("signsgd", None)])
+def test_a_run_whose_grad_sync_keeps_a_step_longer_than_the_stall_timeout_is_refused(tmp_path, capsys, grad_sync,
+                                                                                      refused):
+    """Replicas all-reduce their stage's gradient after every step: fp32 at 1 Mbit/s that is 30 s for gpt2-tiny's first
+    stage (and PowerSGD's first steps send fp32 too), where the links need 1.6 s, so such a run failed at its first
+    step after --stall-timeout. A compressed sync that fits is accepted; the plan shows each stage's bytes."""
+    out = tmp_path / "run"
+    code = main(["launch", "--model", "gpt2-tiny", "--pp", "2", "--dp", "2", "--grad-sync", grad_sync, "--optimizer",
+                 "sgd", "--bandwidth", "1mbit", "--stall-timeout", "10", "--dry-run", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    if refused is None:
+        assert code == 0, err
+    else:
+        assert code == 2 and len(err) == 1 and refused in err[0] and "--stall-timeout (10 s" in err[0], err
+    cfg = flags_to_config(["--model", "gpt2-tiny", "--pp", "2", "--dp", "2", "--grad-sync", grad_sync, "--optimizer",
+                           "sgd", "--bandwidth", "1mbit"], tmp_path)
+    capacity = cap.plan_capacity(make_plan(cfg))
+    first = capacity.stages[0]
+    assert first.sync == sync_step_bytes(grad_sync, 2, first.trained_shapes) and first.sync.steady > 0
+    assert "grad sync on the wire (per replica and step): stage 0 " in format_plan(capacity)
+    seconds = capacity.step_wire_seconds("steady") - capacity.link_bound_step_seconds("steady")
+    assert seconds == pytest.approx(8 * max(s.sync.steady for s in capacity.stages) / 1e6)

@@ -264,8 +264,9 @@ def settings() -> dict[str, Setting]:
 # The flags of `aqpipe launch` that steer the launcher, not the run (not in RunConfig): (name, section, help).
 LAUNCH_SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("dry_run", "run", "print the capacity plan (per stage: parameters, gradients, optimizer state, activations held "
-                       "under the schedule, m(ξ) store; per link: wire bytes per step and the link-bound step time at "
-                       "--bandwidth) and exit without training; exit 2 if the run would not fit"),
+                       "under the schedule, m(ξ) store, the grad sync's bytes per step; per link: wire bytes per step; "
+                       "the least step time the wire allows at --bandwidth) and exit without training; exit 2 if the "
+                       "run would not fit"),
     ("overwrite", "run", "--out already holds a run: delete it first (without this, such a launch is refused)"),
     ("no_progress", "run", "no progress bar"),
 )

@@ -2,9 +2,10 @@
 
 Per stage: parameters, gradients and optimizer state (fp32 master weights; only what trains has gradients and
 optimizer state), the activations held for backward under the chosen schedule, precision and recompute, and the
-m(ξ) store it keeps; per link: the payload bytes per step each way with the chosen codecs, and the time a link of
-`--bandwidth` needs for them. `aqpipe launch --dry-run` prints it; a launch whose plan does not fit the device is
-refused with those numbers.
+m(ξ) store it keeps, and the bytes its replicas' grad sync sends per step; per link: the payload bytes per step each
+way with the chosen codecs; and the time a link of `--bandwidth` needs for them. `aqpipe launch --dry-run` prints it
+(`aqpipe.runtime.capacity_table`); a launch whose plan does not fit the device, or whose steps the wire alone keeps
+longer than --stall-timeout, is refused with those numbers.
 
 What a stage holds is traced, not guessed (`aqpipe.runtime.stage_trace`); what its codecs' CUDA graphs hold is
 measured on the meta device (`aqpipe.runtime.codec_graphs`).
@@ -18,7 +19,7 @@ import torch
 
 from aqpipe.compress import cuda_graphs
 from aqpipe.compress.grad.base import ring_all_reduce_bytes
-from aqpipe.compress.grad.methods import gloo_gpu_copies, sync_copies
+from aqpipe.compress.grad.methods import FIRST_STEPS, PERIODIC, SyncBytes, gloo_gpu_copies, sync_copies, sync_step_bytes
 from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_bytes, numel
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ConfigError, ResolvedConfig
@@ -57,6 +58,8 @@ class StageNeeds:
     sync_kept_bytes: int = 0
     sync_peak_bytes: int = 0
     sync_where: str = "device"
+    trained_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    sync: SyncBytes = SyncBytes(0, 0)  # what its grad sync sends per step (`methods.sync_step_bytes`)
 
     @property
     def activation_bytes(self) -> int:
@@ -156,6 +159,23 @@ class CapacityPlan:
         both = self.cfg.schedule != "gpipe"
         return max((max(t) if both else sum(t)) for t in times if t is not None)
 
+    def sync_seconds(self, costliest: bool = False) -> float | None:
+        """Seconds on the wire at --bandwidth of the slowest stage's grad sync in a step (in its costliest step with
+        `costliest`); None without a bandwidth."""
+        if self.bandwidth_bits is None:
+            return None
+        return max((8 * (s.sync.costliest if costliest else s.sync.steady) / self.bandwidth_bits
+                    for s in self.stages), default=0.0)
+
+    def step_wire_seconds(self, phase: str = STEADY, costliest_sync: bool = False) -> float | None:
+        """The least step time the wire allows at --bandwidth in a phase of the run: the links' (under the schedule),
+        then the grad sync's, which begins after the step's last backward pass (`sync_seconds`); None without a
+        bandwidth."""
+        sync = self.sync_seconds(costliest_sync)
+        if sync is None:
+            return None
+        return (self.link_bound_step_seconds(phase) or 0.0) + sync
+
     def phases_ahead(self, first_step: int = 0) -> list[str]:
         """The phases (STEP_PHASES) the run's steps from `first_step` on go through."""
         cfg, per_epoch = self.cfg, self.steps_per_epoch
@@ -203,7 +223,7 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
     store = STORE_DTYPES[cfg.store_dtype]
     links = []
     for k in range(cfg.pp - 1):
-        _, _, shape, dtype = traced[k]
+        _, _, shape, dtype, _ = traced[k]
         per_sample = numel(shape[1:])
         side = int(samples_per_replica * per_sample * store.value_bytes) if keeps_messages(cfg.fw) else 0
         links.append(LinkNeeds(
@@ -219,13 +239,14 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
     headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
     stages = []
     link_shapes = [link.activation_shape for link in links]
-    for s, ((params, trainable), act, _, _) in enumerate(traced):
+    for s, ((params, trainable), act, _, _, shapes) in enumerate(traced):
         sides = [links[k].store_side_bytes for k in (s - 1, s) if 0 <= k < cfg.pp - 1]
         stages.append(StageNeeds(
             s, (plan.bounds[s], plan.bounds[s + 1]), params, trainable, 4 * params, 4 * trainable,
             4 * copies * trainable, act, micro_batches_held(cfg.schedule, s, cfg.pp, m),
             int(sum(sides) * headroom), store_where(cfg), stage_graph_bytes(cfg, s, link_shapes),
-            int(4 * kept * trainable), int(4 * peak * trainable), sync_where))
+            int(4 * kept * trainable), int(4 * peak * trainable), sync_where, shapes,
+            sync_step_bytes(cfg.grad_sync, cfg.dp, shapes)))
     capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None,
                             tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch)
     check_fits(capacity)
@@ -291,9 +312,9 @@ def check_fits(capacity: CapacityPlan) -> None:
         free = run_plan.available_memory()  # (looked up at the call: one definition of the RAM on offer)
         capacity.available["RAM"] = free
         if needed > free:
-            capacity.problems.append(f"the {cfg.world_size} ranks need about {_gb(needed)} of RAM (weights, gradients, "
+            capacity.problems.append(f"the {cfg.world_size} ranks need about {size_text(needed)} of RAM (weights, gradients, "
                                      f"optimizer state, activations{', m(xi) stores' if cfg.store == 'memory' else ''}"
-                                     f"{_sync_part(capacity)}) but {_gb(free)} is available")
+                                     f"{_sync_part(capacity)}) but {size_text(free)} is available")
         return
     gpus = torch.cuda.device_count()
     if gpus == 0:
@@ -308,12 +329,12 @@ def check_fits(capacity: CapacityPlan) -> None:
         capacity.available[f"cuda:{gpu}"] = free
         if needed > free:
             capacity.problems.append(
-                f"cuda:{gpu} would hold about {_gb(needed)} (weights, gradients, optimizer state, activations"
+                f"cuda:{gpu} would hold about {size_text(needed)} (weights, gradients, optimizer state, activations"
                 f"{', m(xi) stores' if cfg.store_device == 'cuda' else ''}"
                 f"{', codec CUDA graphs' if cuda_graphs.enabled() else ''}{_sync_part(capacity)} of its "
                 f"{len(ranks)} rank(s), with "
-                f"{_gb(CUDA_CONTEXT_BYTES)} of CUDA context each and {ALLOCATOR_HEADROOM - 1:.0%} for the caching "
-                f"allocator) but has {_gb(free)} {'free' if known else 'in all (free memory unknown: no pynvml)'}")
+                f"{size_text(CUDA_CONTEXT_BYTES)} of CUDA context each and {ALLOCATOR_HEADROOM - 1:.0%} for the caching "
+                f"allocator) but has {size_text(free)} {'free' if known else 'in all (free memory unknown: no pynvml)'}")
 
 
 def _sync_part(capacity: CapacityPlan) -> str:
@@ -344,79 +365,12 @@ def gpu_free_bytes(gpu: int) -> tuple[int, bool]:
         return total, False
 
 
-def _gb(n: float) -> str:
+def size_text(n: float) -> str:
     """Bytes for people: kB, MB, GB or TB with three significant figures or so."""
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             return f"{n / size:.3g} {unit}"
     return f"{int(n)} B"
-
-
-def format_plan(capacity: CapacityPlan) -> str:
-    """The plan as the table `--dry-run` prints."""
-    cfg = capacity.cfg
-    lines = [f"capacity plan: {cfg.model}, --pp {cfg.pp} --dp {cfg.dp}, {cfg.micro_batches} micro-batches of "
-             f"{cfg.micro_batch_size} x {cfg.seq_len} tokens, --schedule {cfg.schedule}, --precision {cfg.precision}"
-             f"{', --recompute' if cfg.recompute else ''}{f', --lora {cfg.lora}' if cfg.lora else ''}, "
-             f"--optimizer {cfg.optimizer}, --fw {cfg.fw} --bw {cfg.bw}", "",
-             "stage  layers  parameters  trained     weights   grads     optimizer  activations (held)     m(xi) store"]
-    for s in capacity.stages:
-        held = f"{_gb(s.activation_bytes)} ({s.micro_batches_held} x {_gb(s.activation_bytes_per_micro_batch)})"
-        lines.append(f"{s.stage:<6} {s.layers[0]:>2}-{s.layers[1]:<4} {s.parameters:>11,} {s.trainable:>11,}  "
-                     f"{_gb(s.weight_bytes):>9} {_gb(s.grad_bytes):>9} {_gb(s.optimizer_bytes):>9}  {held:<22} "
-                     f"{_gb(s.store_bytes) + ' ' + s.store_where if s.store_bytes else '-'}")
-    if capacity.links:
-        warm = cfg.warmup_epochs > 0  # (a warm-up column only for a run that has one)
-        lines += ["", "link   micro-batch         fwd per step   bwd per step   "
-                  + ("warm-up fwd/bwd     " if warm else "") + "m(xi) per side"]
-        for link in capacity.links:
-            warmup = f"{_gb(link.warmup_fwd_bytes):>8}/{_gb(link.warmup_bwd_bytes):<9} " if warm else ""
-            lines.append(f"{link.link}->{link.link + 1}   {'x'.join(map(str, link.activation_shape)):<12} "
-                         f"{link.activation_dtype:<6} {_gb(link.fwd_bytes):>12} {_gb(link.bwd_bytes):>14}   "
-                         f"{warmup}{_gb(link.store_side_bytes) if link.store_side_bytes else '-':>14}")
-        if cfg.warmup_epochs == 0 and keeps_messages(cfg.fw):
-            lines.append(f"first epoch (every sample a first sight, --first-sight {cfg.first_sight}): "
-                         + ", ".join(f"{link.link}->{link.link + 1} {_gb(link.first_fwd_bytes)} fwd per step"
-                                     for link in capacity.links))
-        sent, fp32 = capacity.run_link_bytes()
-        if sent:
-            lines.append(f"over the run ({capacity.steps} steps): {_gb(sent)} on the links of a replica, "
-                         f"{fp32 / sent:.2f}x fewer than lossless links ({_gb(fp32)})")
-        if capacity.tied is not None:
-            lines.append(format_tied(capacity.tied, cfg))
-        step = capacity.link_bound_step_seconds()
-        if step is not None:
-            warmup = (f" ({capacity.link_bound_step_seconds(WARM_UP):.2f} s during the fp32 warm-up)"
-                      if cfg.warmup_epochs else "")
-            lines.append(f"at --bandwidth {cfg.bandwidth}: the links alone need at least {step:.2f} s per step{warmup}")
-    if any(s.sync_peak_bytes for s in capacity.stages):
-        where = {"RAM": "on each rank's GPU the flat gradient and its result, the rest in host RAM (gloo)",
-                 "device": "on the host" if cfg.device == "cpu" else "on each rank's GPU (NCCL)"}
-        lines.append(f"grad sync (--grad-sync {cfg.grad_sync}, --dp {cfg.dp}), "
-                     f"{where[capacity.stages[0].sync_where]}: kept / at its peak after the backward passes "
-                     + ", ".join(f"stage {s.stage} {_gb(s.sync_kept_bytes)} / {_gb(s.sync_peak_bytes)}"
-                                 for s in capacity.stages))
-    if any(s.codec_bytes for s in capacity.stages):
-        lines.append("codec CUDA graphs (held for the run, in each rank's GPU memory): "
-                     + ", ".join(f"stage {s.stage} {_gb(s.codec_bytes)}" for s in capacity.stages))
-    total = sum(s.memory_bytes for s in capacity.stages) * cfg.dp
-    ram_stores = sum(s.store_bytes for s in capacity.stages if s.store_where == "RAM") * cfg.dp
-    lines += ["", f"in memory: {_gb(total)} on the {'host' if cfg.device == 'cpu' else 'GPUs'} over {cfg.world_size} "
-              f"ranks{f', plus m(xi) stores {_gb(ram_stores)} in RAM' if ram_stores else ''}; available: "
-              + ", ".join(f"{k} {_gb(v)}" for k, v in capacity.available.items())]
-    lines += [f"does not fit: {p}" for p in capacity.problems] or ["fits"]
-    return "\n".join(lines)
-
-
-def format_tied(tied: TiedNeeds, cfg: ResolvedConfig) -> str:
-    """The plan's line about tied tables."""
-    if tied.how == "rows":
-        return (f"tied embedding/LM head: {_gb(tied.step_bytes)} per step between stage 0 and stage {cfg.pp - 1} "
-                f"(the rows of ~{tied.distinct_tokens:,.0f} distinct tokens and their gradient; the table is "
-                f"{_gb(tied.table_bytes)}; --tied-exchange dense would send "
-                f"{_gb(dense_tied_bytes(tied.table_bytes, cfg.pp, cfg.dp))})")
-    again = ", and again after the grad sync" if cfg.dp > 1 else ""
-    return f"tied tables: {_gb(tied.step_bytes)} per step (an all-reduce of {_gb(tied.table_bytes)} over the pipeline{again})"
 
 
 def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:
@@ -428,7 +382,7 @@ def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:
         return None
     if capacity.problems:
         raise ConfigError("the run does not fit: " + "; ".join(capacity.problems)
-                          + f" (per stage in memory: {', '.join(_gb(s.memory_bytes) for s in capacity.stages)}; "
+                          + f" (per stage in memory: {', '.join(size_text(s.memory_bytes) for s in capacity.stages)}; "
                           "see aqpipe launch ... --dry-run)")
     problem = steps_outlasting_the_stall_timeout(capacity)
     if problem is not None:
@@ -437,17 +391,26 @@ def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:
 
 
 def steps_outlasting_the_stall_timeout(capacity: CapacityPlan) -> str | None:
-    """What is wrong when, at --bandwidth, the links alone keep a step the run has still to take (a resume's from its
-    checkpoint on) as long as --stall-timeout or longer (None: nothing): the launcher's stall clock and every
-    collective of a training step give up after it, so the run would fail at its first such step."""
+    """What is wrong when, at --bandwidth, the links and the grad sync alone keep a step the run has still to take (a
+    resume's from its checkpoint on) as long as --stall-timeout or longer (None: nothing): the launcher's stall clock
+    and every collective of a training step give up after it, so the run would fail at its first such step."""
     cfg = capacity.cfg
     first_step = (latest_step(cfg.resume) or 0) if cfg.resume else 0
-    bounds = [(seconds, phase) for phase in capacity.phases_ahead(first_step)
-              if (seconds := capacity.link_bound_step_seconds(phase)) is not None]
+    when = {s.sync.costliest_when for s in capacity.stages}
+    bounds = []
+    for i, phase in enumerate(capacity.phases_ahead(first_step)):
+        # the grad sync's costliest step: Marsit's full-precision ones come in every phase, fp32 first steps only in
+        # the first phase of a run from its start
+        costliest = PERIODIC in when or (FIRST_STEPS in when and i == 0 and first_step == 0)
+        seconds = capacity.step_wire_seconds(phase, costliest)
+        if seconds is not None:
+            bounds.append((seconds, phase, capacity.sync_seconds(costliest) or 0.0))
     if not bounds or max(bounds)[0] < cfg.stall_timeout:
         return None
-    seconds, phase = max(bounds)
-    return (f"at --bandwidth {cfg.bandwidth} the links alone need at least {seconds:.1f} s per step"
-            f"{STEP_PHASES[phase]}, but a step must take less than --stall-timeout ({cfg.stall_timeout:g} s: the "
-            "launcher's stall clock, and every collective's time-out while training): raise --stall-timeout well "
-            "above it")
+    seconds, phase, sync = max(bounds)
+    what = "the links alone need" if not sync else "the links and the grad sync alone need"
+    part = f" ({sync:.1f} s of it the grad sync's, --grad-sync {cfg.grad_sync} at --dp {cfg.dp})" if sync else ""
+    return (f"at --bandwidth {cfg.bandwidth} {what} at least {seconds:.1f} s per step{STEP_PHASES[phase]}{part}, but a "
+            f"step must take less than --stall-timeout ({cfg.stall_timeout:g} s: the launcher's stall clock, and every "
+            "collective's time-out while training): raise --stall-timeout well above it"
+            + (", or compress the grad sync (--grad-sync)" if sync and cfg.grad_sync in ("none", "fp16", "bf16") else ""))

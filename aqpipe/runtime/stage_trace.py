@@ -51,9 +51,10 @@ def micro_batches_held(schedule: str, stage: int, stages: int, micro_batches: in
     return peak
 
 
-def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, ...], torch.dtype]]:
+def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, ...], torch.dtype,
+                                               list[tuple[int, ...]]]]:
     """Run every stage's forward on one fake micro-batch: per stage ((parameters, trained parameters), activation
-    bytes held for one micro-batch, output shape, output dtype)."""
+    bytes held for one micro-batch, output shape, output dtype, the trained parameters' shapes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cfg = plan.cfg
@@ -69,6 +70,7 @@ def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, .
             module = module.to_empty(device=device)
             params = list(module.parameters())
             counts = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
+            trained = [tuple(p.shape) for p in params if p.requires_grad]
             meter = ActivationMeter(module)
             meter.begin_step()
             if cfg.recompute:
@@ -80,7 +82,7 @@ def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, .
                 if s == cfg.pp - 1:
                     plan.spec.loss(out, mode.from_tensor(_given(batch["targets"])))
             meter.keep(0, out if s < cfg.pp - 1 else None)
-        traced.append((counts, meter.peak_bytes, tuple(out.shape), out.dtype))
+        traced.append((counts, meter.peak_bytes, tuple(out.shape), out.dtype, trained))
         x = out.detach().requires_grad_(True)  # as a received activation is (aqpipe.pipeline.link_ends)
     return traced
 
