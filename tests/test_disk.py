@@ -49,6 +49,21 @@ def test_a_write_on_a_full_disk_names_the_file_and_leaves_nothing(tmp_path):
         assert sorted(p.name for p in disk.iterdir()) == ["filler"]  # no temporary file left behind
 
 
+@needs_root
+def test_a_checkpoint_on_a_full_disk_names_about_what_it_needed(tmp_path):
+    """A rank's checkpoint streams to its file (never whole in memory), so its size was unknown when the disk filled:
+    the message said it "needed an unknown amount"; the state's tensors say about how much."""
+    import torch
+
+    from aqpipe.runtime.checkpoint import save_rank
+
+    with small_disk(tmp_path / "disk", "4m") as disk:
+        fill(disk, 1_000_000)
+        with pytest.raises(DiskFullError) as caught:
+            save_rank(disk, 2, 0, {"store": {i: torch.zeros(64 * 1024) for i in range(8)}}, {"lr": 1.0})
+        assert "it needed 2.1 MB" in str(caught.value), str(caught.value)
+
+
 _LMDB_ON_FULL_DISK = """
 import sys
 from aqpipe.storage.lmdb_store import LMDBStore

@@ -312,9 +312,9 @@ def check_fits(capacity: CapacityPlan) -> None:
         free = run_plan.available_memory()  # (looked up at the call: one definition of the RAM on offer)
         capacity.available["RAM"] = free
         if needed > free:
-            capacity.problems.append(f"the {cfg.world_size} ranks need about {size_text(needed)} of RAM (weights, gradients, "
+            capacity.problems.append(f"the {cfg.world_size} ranks need about {human_bytes(needed)} of RAM (weights, gradients, "
                                      f"optimizer state, activations{', m(xi) stores' if cfg.store == 'memory' else ''}"
-                                     f"{_sync_part(capacity)}) but {size_text(free)} is available")
+                                     f"{_sync_part(capacity)}) but {human_bytes(free)} is available")
         return
     gpus = torch.cuda.device_count()
     if gpus == 0:
@@ -329,12 +329,12 @@ def check_fits(capacity: CapacityPlan) -> None:
         capacity.available[f"cuda:{gpu}"] = free
         if needed > free:
             capacity.problems.append(
-                f"cuda:{gpu} would hold about {size_text(needed)} (weights, gradients, optimizer state, activations"
+                f"cuda:{gpu} would hold about {human_bytes(needed)} (weights, gradients, optimizer state, activations"
                 f"{', m(xi) stores' if cfg.store_device == 'cuda' else ''}"
                 f"{', codec CUDA graphs' if cuda_graphs.enabled() else ''}{_sync_part(capacity)} of its "
                 f"{len(ranks)} rank(s), with "
-                f"{size_text(CUDA_CONTEXT_BYTES)} of CUDA context each and {ALLOCATOR_HEADROOM - 1:.0%} for the caching "
-                f"allocator) but has {size_text(free)} {'free' if known else 'in all (free memory unknown: no pynvml)'}")
+                f"{human_bytes(CUDA_CONTEXT_BYTES)} of CUDA context each and {ALLOCATOR_HEADROOM - 1:.0%} for the caching "
+                f"allocator) but has {human_bytes(free)} {'free' if known else 'in all (free memory unknown: no pynvml)'}")
 
 
 def _sync_part(capacity: CapacityPlan) -> str:
@@ -365,7 +365,7 @@ def gpu_free_bytes(gpu: int) -> tuple[int, bool]:
         return total, False
 
 
-def size_text(n: float) -> str:
+def human_bytes(n: float) -> str:
     """Bytes for people: kB, MB, GB or TB with three significant figures or so."""
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
@@ -382,7 +382,7 @@ def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:
         return None
     if capacity.problems:
         raise ConfigError("the run does not fit: " + "; ".join(capacity.problems)
-                          + f" (per stage in memory: {', '.join(size_text(s.memory_bytes) for s in capacity.stages)}; "
+                          + f" (per stage in memory: {', '.join(human_bytes(s.memory_bytes) for s in capacity.stages)}; "
                           "see aqpipe launch ... --dry-run)")
     problem = steps_outlasting_the_stall_timeout(capacity)
     if problem is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aqpipe.compress.grad.methods import FIRST_STEPS, PERIODIC
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ResolvedConfig
-from aqpipe.runtime.capacity import WARM_UP, CapacityPlan, TiedNeeds, dense_tied_bytes, size_text
+from aqpipe.runtime.capacity import WARM_UP, CapacityPlan, TiedNeeds, dense_tied_bytes, human_bytes
 
 
 def format_plan(capacity: CapacityPlan) -> str:
@@ -17,27 +17,28 @@ def format_plan(capacity: CapacityPlan) -> str:
              f"--optimizer {cfg.optimizer}, --fw {cfg.fw} --bw {cfg.bw}", "",
              "stage  layers  parameters  trained     weights   grads     optimizer  activations (held)     m(xi) store"]
     for s in capacity.stages:
-        held = f"{size_text(s.activation_bytes)} ({s.micro_batches_held} x {size_text(s.activation_bytes_per_micro_batch)})"
+        held = (f"{human_bytes(s.activation_bytes)} ({s.micro_batches_held} x "
+                f"{human_bytes(s.activation_bytes_per_micro_batch)})")
+        state = "".join(f"{human_bytes(n):>9} " for n in (s.weight_bytes, s.grad_bytes, s.optimizer_bytes))
         lines.append(f"{s.stage:<6} {s.layers[0]:>2}-{s.layers[1]:<4} {s.parameters:>11,} {s.trainable:>11,}  "
-                     f"{size_text(s.weight_bytes):>9} {size_text(s.grad_bytes):>9} {size_text(s.optimizer_bytes):>9}  {held:<22} "
-                     f"{size_text(s.store_bytes) + ' ' + s.store_where if s.store_bytes else '-'}")
+                     f"{state} {held:<22} {human_bytes(s.store_bytes) + ' ' + s.store_where if s.store_bytes else '-'}")
     if capacity.links:
         warm = cfg.warmup_epochs > 0  # (a warm-up column only for a run that has one)
         lines += ["", "link   micro-batch         fwd per step   bwd per step   "
                   + ("warm-up fwd/bwd     " if warm else "") + "m(xi) per side"]
         for link in capacity.links:
-            warmup = f"{size_text(link.warmup_fwd_bytes):>8}/{size_text(link.warmup_bwd_bytes):<9} " if warm else ""
+            warmup = f"{human_bytes(link.warmup_fwd_bytes):>8}/{human_bytes(link.warmup_bwd_bytes):<9} " if warm else ""
             lines.append(f"{link.link}->{link.link + 1}   {'x'.join(map(str, link.activation_shape)):<12} "
-                         f"{link.activation_dtype:<6} {size_text(link.fwd_bytes):>12} {size_text(link.bwd_bytes):>14}   "
-                         f"{warmup}{size_text(link.store_side_bytes) if link.store_side_bytes else '-':>14}")
+                         f"{link.activation_dtype:<6} {human_bytes(link.fwd_bytes):>12} {human_bytes(link.bwd_bytes):>14}   "
+                         f"{warmup}{human_bytes(link.store_side_bytes) if link.store_side_bytes else '-':>14}")
         if cfg.warmup_epochs == 0 and keeps_messages(cfg.fw):
             lines.append(f"first epoch (every sample a first sight, --first-sight {cfg.first_sight}): "
-                         + ", ".join(f"{link.link}->{link.link + 1} {size_text(link.first_fwd_bytes)} fwd per step"
+                         + ", ".join(f"{link.link}->{link.link + 1} {human_bytes(link.first_fwd_bytes)} fwd per step"
                                      for link in capacity.links))
         sent, fp32 = capacity.run_link_bytes()
         if sent:
-            lines.append(f"over the run ({capacity.steps} steps): {size_text(sent)} on the links of a replica, "
-                         f"{fp32 / sent:.2f}x fewer than lossless links ({size_text(fp32)})")
+            lines.append(f"over the run ({capacity.steps} steps): {human_bytes(sent)} on the links of a replica, "
+                         f"{fp32 / sent:.2f}x fewer than lossless links ({human_bytes(fp32)})")
         if capacity.tied is not None:
             lines.append(format_tied(capacity.tied, cfg))
         step = capacity.link_bound_step_seconds()
@@ -50,18 +51,18 @@ def format_plan(capacity: CapacityPlan) -> str:
                  "device": "on the host" if cfg.device == "cpu" else "on each rank's GPU (NCCL)"}
         lines.append(f"grad sync (--grad-sync {cfg.grad_sync}, --dp {cfg.dp}), "
                      f"{where[capacity.stages[0].sync_where]}: kept / at its peak after the backward passes "
-                     + ", ".join(f"stage {s.stage} {size_text(s.sync_kept_bytes)} / {size_text(s.sync_peak_bytes)}"
+                     + ", ".join(f"stage {s.stage} {human_bytes(s.sync_kept_bytes)} / {human_bytes(s.sync_peak_bytes)}"
                                  for s in capacity.stages))
     if any(s.sync.costliest for s in capacity.stages):
         lines.append(format_sync_wire(capacity))
     if any(s.codec_bytes for s in capacity.stages):
         lines.append("codec CUDA graphs (held for the run, in each rank's GPU memory): "
-                     + ", ".join(f"stage {s.stage} {size_text(s.codec_bytes)}" for s in capacity.stages))
+                     + ", ".join(f"stage {s.stage} {human_bytes(s.codec_bytes)}" for s in capacity.stages))
     total = sum(s.memory_bytes for s in capacity.stages) * cfg.dp
     ram_stores = sum(s.store_bytes for s in capacity.stages if s.store_where == "RAM") * cfg.dp
-    lines += ["", f"in memory: {size_text(total)} on the {'host' if cfg.device == 'cpu' else 'GPUs'} over {cfg.world_size} "
-              f"ranks{f', plus m(xi) stores {size_text(ram_stores)} in RAM' if ram_stores else ''}; available: "
-              + ", ".join(f"{k} {size_text(v)}" for k, v in capacity.available.items())]
+    lines += ["", f"in memory: {human_bytes(total)} on the {'host' if cfg.device == 'cpu' else 'GPUs'} over {cfg.world_size} "
+              f"ranks{f', plus m(xi) stores {human_bytes(ram_stores)} in RAM' if ram_stores else ''}; available: "
+              + ", ".join(f"{k} {human_bytes(v)}" for k, v in capacity.available.items())]
     lines += [f"does not fit: {p}" for p in capacity.problems] or ["fits"]
     return "\n".join(lines)
 
@@ -74,8 +75,8 @@ def format_sync_wire(capacity: CapacityPlan) -> str:
     """The plan's line about what the replicas' grad sync sends, and how long that takes at --bandwidth."""
     stages = capacity.stages
     text = "grad sync on the wire (per replica and step): " + ", ".join(
-        f"stage {s.stage} {size_text(s.sync.steady)}"
-        + (f" ({size_text(s.sync.costliest)} {_COSTLIEST_WHEN[s.sync.costliest_when]})" if s.sync.costliest_when in
+        f"stage {s.stage} {human_bytes(s.sync.steady)}"
+        + (f" ({human_bytes(s.sync.costliest)} {_COSTLIEST_WHEN[s.sync.costliest_when]})" if s.sync.costliest_when in
            _COSTLIEST_WHEN else "") for s in stages)
     steady, costliest = capacity.sync_seconds(), capacity.sync_seconds(costliest=True)
     if steady is not None and costliest is not None:
@@ -87,10 +88,10 @@ def format_sync_wire(capacity: CapacityPlan) -> str:
 def format_tied(tied: TiedNeeds, cfg: ResolvedConfig) -> str:
     """The plan's line about tied tables."""
     if tied.how == "rows":
-        return (f"tied embedding/LM head: {size_text(tied.step_bytes)} per step between stage 0 and stage {cfg.pp - 1} "
+        return (f"tied embedding/LM head: {human_bytes(tied.step_bytes)} per step between stage 0 and stage {cfg.pp - 1} "
                 f"(the rows of ~{tied.distinct_tokens:,.0f} distinct tokens and their gradient; the table is "
-                f"{size_text(tied.table_bytes)}; --tied-exchange dense would send "
-                f"{size_text(dense_tied_bytes(tied.table_bytes, cfg.pp, cfg.dp))})")
+                f"{human_bytes(tied.table_bytes)}; --tied-exchange dense would send "
+                f"{human_bytes(dense_tied_bytes(tied.table_bytes, cfg.pp, cfg.dp))})")
     again = ", and again after the grad sync" if cfg.dp > 1 else ""
-    return (f"tied tables: {size_text(tied.step_bytes)} per step (an all-reduce of {size_text(tied.table_bytes)} over "
+    return (f"tied tables: {human_bytes(tied.step_bytes)} per step (an all-reduce of {human_bytes(tied.table_bytes)} over "
             f"the pipeline{again})")

@@ -84,7 +84,7 @@ def save_rank(out: str | Path, step: int, rank: int, state: dict, settings: dict
         torch.save({"format": FORMAT, "step": step, "rank": rank, "config_digest": digest, **state},
                    cast(BinaryIO, writer[0]))
 
-    save_atomic(path, write, durable=True)
+    save_atomic(path, write, estimate, durable=True)
     write_atomic(path.with_suffix(".sha256"), f"{sha.hexdigest()} rank={rank} step={step} config={digest}\n".encode(),
                  durable=True)
     if progress:
