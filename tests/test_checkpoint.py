@@ -155,14 +155,33 @@ def test_writing_a_rank_state_reports_its_bytes_as_they_reach_the_disk(tmp_path,
     the page cache with the whole state's fsync still to come."""
     import os
 
-    synced = []
+    synced = []  # the file's size at each fdatasync (made on the writer's syncing thread)
     monkeypatch.setattr(ck, "SYNC_EVERY_BYTES", 1 << 20)
     monkeypatch.setattr(ck.os, "fdatasync", lambda fd: synced.append(os.fstat(fd).st_size))
-    reports = []
+    reports = []  # (done, total, the most bytes on the disk when it was reported)
     store = {i: torch.full((64 * 1024,), float(i)) for i in range(32)}  # 8 MiB in 256 KiB samples
-    path = ck.save_rank(tmp_path, 3, 1, {"store": store}, {"lr": 1.0}, lambda done, total: reports.append((done, total)))
+    path = ck.save_rank(tmp_path, 3, 1, {"store": store}, {"lr": 1.0},
+                        lambda done, total: reports.append((done, total, max(synced, default=0))))
     size = path.stat().st_size
-    assert len(reports) > 8 and reports[-1] == (size, size), reports[-3:]
-    assert all(a[0] <= b[0] for a, b in zip(reports, reports[1:])) and all(done < total for done, total in reports[:-1])
-    assert 7 <= len(synced) <= 9 and all(b - a >= 1 << 20 for a, b in zip(synced, synced[1:])), synced
+    assert len(reports) >= 8 and reports[-1][:2] == (size, size), reports[-3:]
+    assert all(a[0] < b[0] for a, b in zip(reports, reports[1:])) and all(done < total for done, total, _ in reports[:-1])
+    assert all(done <= on_disk for done, _, on_disk in reports[:-1]), reports
+    assert 7 <= len(synced) <= 9, synced
     assert ck.load_rank(tmp_path, 3, 1, {"lr": 1.0})["store"][5].eq(5.0).all()
+
+
+def test_a_full_disk_met_by_a_piece_syncing_in_the_background_fails_the_save(tmp_path, monkeypatch):
+    """Some filesystems report a full disk only when the data is flushed: the piece's sync runs on another thread,
+    and its error must still fail the save, leaving no file behind."""
+    import errno
+
+    from aqpipe.disk import DiskFullError
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ck, "SYNC_EVERY_BYTES", 1 << 20)
+    monkeypatch.setattr(ck.os, "fdatasync", full)
+    with pytest.raises(DiskFullError):
+        ck.save_rank(tmp_path, 3, 1, {"store": {i: torch.zeros(64 * 1024) for i in range(32)}}, {"lr": 1.0})
+    assert list(ck.step_dir(tmp_path, 3).iterdir()) == []

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO, cast
 
@@ -81,8 +82,11 @@ def save_rank(out: str | Path, step: int, rank: int, state: dict, settings: dict
 
     def write(file: BinaryIO) -> None:
         writer.append(_DiskWriter(file, sha, report))
-        torch.save({"format": FORMAT, "step": step, "rank": rank, "config_digest": digest, **state},
-                   cast(BinaryIO, writer[0]))
+        try:
+            torch.save({"format": FORMAT, "step": step, "rank": rank, "config_digest": digest, **state},
+                       cast(BinaryIO, writer[0]))
+        finally:
+            writer[0].finish()
 
     save_atomic(path, write, estimate, durable=True)
     write_atomic(path.with_suffix(".sha256"), f"{sha.hexdigest()} rank={rank} step={step} config={digest}\n".encode(),
@@ -104,27 +108,46 @@ def _tensor_bytes(tree) -> int:
 
 
 class _DiskWriter:
-    """A file's writer (torch.save needs only `write`) that adds what goes through it to `sha`, puts it on the disk
-    every SYNC_EVERY_BYTES, and tells `report` the bytes written whenever it has."""
+    """A file's writer (torch.save needs only `write`) that adds what goes through it to `sha` and puts it on the
+    disk every SYNC_EVERY_BYTES while serializing goes on (one piece in flight: its fdatasync runs on a thread of its
+    own), telling `report` the bytes on the disk as each piece gets there. `finish` waits for the last piece."""
 
     def __init__(self, file: BinaryIO, sha, report: Callable[[int], None] | None) -> None:
         self.file, self.sha, self.report = file, sha, report
-        self.written = self.synced = 0
+        self.written = self.requested = 0
+        self._syncing: Future[int] | None = None
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="aqpipe-checkpoint-sync")
 
     def write(self, data) -> int:
         self.sha.update(data)
         count = self.file.write(data)
         self.written += count
-        if self.written - self.synced >= SYNC_EVERY_BYTES:
+        if self.written - self.requested >= SYNC_EVERY_BYTES:
+            self._wait()  # (a disk slower than serializing holds the writer back here, not in the page cache)
             self.file.flush()
-            os.fdatasync(self.file.fileno())
-            self.synced = self.written
-            if self.report is not None:
-                self.report(self.written)
+            self.requested = self.written
+            self._syncing = self._syncer.submit(self._sync, self.written)
         return count
 
     def flush(self) -> None:
         self.file.flush()
+
+    def finish(self) -> None:
+        """Wait for the piece in flight (raising its error, a full disk's included) and let the thread go."""
+        try:
+            self._wait()
+        finally:
+            self._syncer.shutdown()
+
+    def _sync(self, upto: int) -> int:
+        os.fdatasync(self.file.fileno())
+        return upto
+
+    def _wait(self) -> None:
+        if self._syncing is not None:
+            on_disk, self._syncing = self._syncing.result(), None
+            if self.report is not None:
+                self.report(on_disk)
 
 
 def mark_complete(out: str | Path, step: int, world_size: int, settings: dict) -> None:
