@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aqpipe.cli import main
-from aqpipe.compress.grad.methods import sync_step_bytes
+from aqpipe.compress.grad.wire import sync_step_bytes
 from aqpipe.config import resolve
 from aqpipe.runtime import capacity as cap
 from aqpipe.runtime.capacity_table import format_plan
@@ -291,7 +291,8 @@ def test_the_phases_a_run_still_has_ahead(tmp_path, warmup, first_sights, first_
 
 
 @pytest.mark.parametrize("grad_sync, refused", [("none", "of it the grad sync's, --grad-sync none at --dp 2)"),
-                                                ("powersgd:2", "of it the grad sync's, --grad-sync powersgd:2 at --dp 2)"),
+                                                ("powersgd:2", "of it the grad sync's in its first steps (fp32), "
+                                                               "--grad-sync powersgd:2 at --dp 2)"),
                                                 ("signsgd", None)])
 def test_a_run_whose_grad_sync_keeps_a_step_longer_than_the_stall_timeout_is_refused(tmp_path, capsys, grad_sync,
                                                                                       refused):
@@ -310,7 +311,47 @@ def test_a_run_whose_grad_sync_keeps_a_step_longer_than_the_stall_timeout_is_ref
                            "sgd", "--bandwidth", "1mbit"], tmp_path)
     capacity = cap.plan_capacity(make_plan(cfg))
     first = capacity.stages[0]
-    assert first.sync == sync_step_bytes(grad_sync, 2, first.trained_shapes) and first.sync.steady > 0
+    assert first.sync == sync_step_bytes(grad_sync, 2, first.synced_shapes) and first.sync.steady > 0
     assert "grad sync on the wire (per replica and step): stage 0 " in format_plan(capacity)
     seconds = capacity.step_wire_seconds("steady") - capacity.link_bound_step_seconds("steady")
     assert seconds == pytest.approx(8 * max(s.sync.steady for s in capacity.stages) / 1e6)
+
+
+def test_a_tied_table_the_first_stage_only_looks_rows_up_in_is_not_in_its_grad_sync(tmp_path):
+    """Under --tied-exchange rows the first stage's copy of a tied embedding is a row cache that the last stage updates
+    (its optimizer leaves it out, and so does its grad sync): the plan counted the table in both stages' syncs."""
+    planned = {}
+    for exchange in ("rows", "dense"):
+        cfg = flags_to_config(["--model", "llama-tiny", "--pp", "2", "--dp", "2", "--tied-exchange", exchange],
+                              tmp_path / exchange)
+        planned[exchange] = cap.plan_capacity(make_plan(cfg)).stages
+    table = max((shape for shape in planned["dense"][0].synced_shapes), key=math.prod)  # the embedding
+    assert table in planned["dense"][0].synced_shapes and table in planned["dense"][1].synced_shapes
+    assert table not in planned["rows"][0].synced_shapes and table in planned["rows"][1].synced_shapes
+    assert planned["rows"][0].sync.steady < planned["dense"][0].sync.steady
+
+
+@pytest.mark.parametrize("method, costly_steps", [("powersgd:2", 2), ("fft:0.5:8", 3), ("qadam:4", None)])
+def test_a_resume_is_refused_only_while_the_grad_sync_still_has_fp32_first_steps_ahead(tmp_path, method, costly_steps):
+    """PowerSGD's first 2 steps, fft's 3 calibration steps and qadam's warm-up (until v freezes) exchange fp32 values:
+    a run resumed before their end meets them again (their counters are checkpointed), one resumed after does not."""
+    import dataclasses
+
+    from aqpipe.compress.grad.qadam import freeze_step
+    from aqpipe.runtime import checkpoint as ck
+
+    cfg = flags_to_config(["--model", "gpt2-tiny", "--pp", "2", "--dp", "2", "--grad-sync", method, "--optimizer",
+                           "adamw" if method.startswith("qadam") else "sgd", "--bandwidth", "1mbit", "--stall-timeout",
+                           "10", "--steps", "40"], tmp_path / "run")
+    plan = make_plan(cfg)
+    costly_steps = costly_steps or freeze_step(plan.total_steps, cfg.warmup_steps)
+    capacity = cap.plan_capacity(plan)
+    assert {s.sync.costly_steps for s in capacity.stages} == {costly_steps}
+    assert "in its first steps (fp32)" in cap.steps_outlasting_the_stall_timeout(capacity)
+    for step, refused in ((costly_steps - 1, True), (costly_steps, False)):
+        run = tmp_path / f"resumed-{step}"
+        for rank in range(cfg.world_size):
+            ck.save_rank(run, step, rank, {}, {})
+        ck.mark_complete(run, step, cfg.world_size, {})
+        resumed = dataclasses.replace(capacity, cfg=dataclasses.replace(cfg, resume=str(run)))
+        assert (cap.steps_outlasting_the_stall_timeout(resumed) is not None) == refused, (step, refused)

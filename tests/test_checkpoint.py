@@ -185,3 +185,18 @@ def test_a_full_disk_met_by_a_piece_syncing_in_the_background_fails_the_save(tmp
     with pytest.raises(DiskFullError):
         ck.save_rank(tmp_path, 3, 1, {"store": {i: torch.zeros(64 * 1024) for i in range(32)}}, {"lr": 1.0})
     assert list(ck.step_dir(tmp_path, 3).iterdir()) == []
+
+
+def test_one_tensor_larger_than_a_piece_is_written_and_reported_piece_by_piece(tmp_path, monkeypatch):
+    """torch.save hands a tensor's whole storage to one write: a flat error-feedback residual or an embedding's Adam
+    moments of many pieces went to the disk with no report until the end. A view sharing a storage counts once."""
+    synced = []
+    monkeypatch.setattr(ck, "SYNC_EVERY_BYTES", 1 << 20)
+    monkeypatch.setattr(ck.os, "fdatasync", lambda fd: synced.append(fd))
+    residual = torch.arange(2 * 1024 * 1024, dtype=torch.float32)  # 8 MiB in one storage
+    reports = []
+    state = {"grad_sync": {"residual": residual, "head": residual[:10]}}
+    path = ck.save_rank(tmp_path, 3, 1, state, {"lr": 1.0}, lambda done, total: reports.append((done, total)))
+    assert len(synced) >= 8 and len(reports) >= 8, (synced, reports)
+    assert {total for _, total in reports[:-1]} == {8 << 20} and reports[-1] == (path.stat().st_size,) * 2
+    assert torch.equal(ck.load_rank(tmp_path, 3, 1, {"lr": 1.0})["grad_sync"]["residual"], residual)

@@ -19,7 +19,9 @@ import torch
 
 from aqpipe.compress import cuda_graphs
 from aqpipe.compress.grad.base import ring_all_reduce_bytes
-from aqpipe.compress.grad.methods import FIRST_STEPS, PERIODIC, SyncBytes, gloo_gpu_copies, sync_copies, sync_step_bytes
+from aqpipe.compress.grad.methods import gloo_gpu_copies, sync_copies
+from aqpipe.compress.grad.qadam import freeze_step
+from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC, SyncBytes, sync_step_bytes
 from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_bytes, numel
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ConfigError, ResolvedConfig
@@ -58,8 +60,8 @@ class StageNeeds:
     sync_kept_bytes: int = 0
     sync_peak_bytes: int = 0
     sync_where: str = "device"
-    trained_shapes: list[tuple[int, ...]] = field(default_factory=list)
-    sync: SyncBytes = SyncBytes(0, 0)  # what its grad sync sends per step (`methods.sync_step_bytes`)
+    synced_shapes: list[tuple[int, ...]] = field(default_factory=list)  # what its replicas' grad sync exchanges
+    sync: SyncBytes = SyncBytes(0, 0)  # what that sends per step (`aqpipe.compress.grad.wire`)
 
     @property
     def activation_bytes(self) -> int:
@@ -246,7 +248,7 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
             4 * copies * trainable, act, micro_batches_held(cfg.schedule, s, cfg.pp, m),
             int(sum(sides) * headroom), store_where(cfg), stage_graph_bytes(cfg, s, link_shapes),
             int(4 * kept * trainable), int(4 * peak * trainable), sync_where, shapes,
-            sync_step_bytes(cfg.grad_sync, cfg.dp, shapes)))
+            sync_step_bytes(cfg.grad_sync, cfg.dp, shapes, freeze_step(plan.total_steps, cfg.warmup_steps))))
     capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None,
                             tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch)
     check_fits(capacity)
@@ -396,20 +398,23 @@ def steps_outlasting_the_stall_timeout(capacity: CapacityPlan) -> str | None:
     and every collective of a training step give up after it, so the run would fail at its first such step."""
     cfg = capacity.cfg
     first_step = (latest_step(cfg.resume) or 0) if cfg.resume else 0
-    when = {s.sync.costliest_when for s in capacity.stages}
+    syncs = [s.sync for s in capacity.stages]
+    periodic = any(sync.costliest_when == PERIODIC for sync in syncs)
+    costly_first = any(sync.costliest_when == FIRST_STEPS and first_step < sync.costly_steps for sync in syncs)
     bounds = []
     for i, phase in enumerate(capacity.phases_ahead(first_step)):
-        # the grad sync's costliest step: Marsit's full-precision ones come in every phase, fp32 first steps only in
-        # the first phase of a run from its start
-        costliest = PERIODIC in when or (FIRST_STEPS in when and i == 0 and first_step == 0)
+        # the grad sync's costliest step: Marsit's full-precision ones come in every phase, fp32 first steps in the
+        # phase the run (or its resume) begins in
+        costliest = periodic or (costly_first and i == 0)
         seconds = capacity.step_wire_seconds(phase, costliest)
         if seconds is not None:
-            bounds.append((seconds, phase, capacity.sync_seconds(costliest) or 0.0))
+            bounds.append((seconds, phase, capacity.sync_seconds(costliest) or 0.0, costliest))
     if not bounds or max(bounds)[0] < cfg.stall_timeout:
         return None
-    seconds, phase, sync = max(bounds)
+    seconds, phase, sync, costliest = max(bounds)
     what = "the links alone need" if not sync else "the links and the grad sync alone need"
-    part = f" ({sync:.1f} s of it the grad sync's, --grad-sync {cfg.grad_sync} at --dp {cfg.dp})" if sync else ""
+    when = (" in its full-precision steps" if periodic else " in its first steps (fp32)") if costliest else ""
+    part = f" ({sync:.1f} s of it the grad sync's{when}, --grad-sync {cfg.grad_sync} at --dp {cfg.dp})" if sync else ""
     return (f"at --bandwidth {cfg.bandwidth} {what} at least {seconds:.1f} s per step{STEP_PHASES[phase]}{part}, but a "
             f"step must take less than --stall-timeout ({cfg.stall_timeout:g} s: the launcher's stall clock, and every "
             "collective's time-out while training): raise --stall-timeout well above it"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aqpipe.compress.grad.methods import FIRST_STEPS, PERIODIC
+from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ResolvedConfig
 from aqpipe.runtime.capacity import WARM_UP, CapacityPlan, TiedNeeds, dense_tied_bytes, human_bytes
@@ -67,7 +67,7 @@ def format_plan(capacity: CapacityPlan) -> str:
     return "\n".join(lines)
 
 
-# How the plan says when a grad sync's costliest step comes (methods.SyncBytes.costliest_when)
+# How the plan says when a grad sync's costliest step comes (wire.SyncBytes.costliest_when)
 _COSTLIEST_WHEN = {FIRST_STEPS: "in its first steps (fp32)", PERIODIC: "in its full-precision steps"}
 
 
@@ -79,9 +79,12 @@ def format_sync_wire(capacity: CapacityPlan) -> str:
         + (f" ({human_bytes(s.sync.costliest)} {_COSTLIEST_WHEN[s.sync.costliest_when]})" if s.sync.costliest_when in
            _COSTLIEST_WHEN else "") for s in stages)
     steady, costliest = capacity.sync_seconds(), capacity.sync_seconds(costliest=True)
-    if steady is not None and costliest is not None:
+    step = capacity.step_wire_seconds()
+    if steady is not None and costliest is not None and step is not None:
         text += (f"; at --bandwidth {capacity.cfg.bandwidth} {steady:.2f} s after each step's backward passes"
-                 + (f", {costliest:.2f} s in the costliest" if costliest > steady else ""))
+                 + (f", {costliest:.2f} s in its costliest steps" if costliest > steady else "")
+                 + f": the links and the grad sync alone need at least {step:.2f} s per step"
+                 + (f" ({capacity.step_wire_seconds(costliest_sync=True):.2f} s in those)" if costliest > steady else ""))
     return text
 
 

@@ -96,15 +96,17 @@ def save_rank(out: str | Path, step: int, rank: int, state: dict, settings: dict
     return path
 
 
-def _tensor_bytes(tree) -> int:
-    """The bytes of every tensor in a nested dict/list/tuple (most of what serializing it writes)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.untyped_storage().nbytes()
-    if isinstance(tree, dict):
-        return sum(_tensor_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in tree)
-    return 0
+def _tensor_bytes(tree: object) -> int:
+    """The bytes of the storages of the tensors in a nested dict/list/tuple, each storage once (as torch.save
+    writes them): most of what serializing it writes."""
+    from torch.utils._pytree import tree_leaves
+
+    storages = {}
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            storage = leaf.untyped_storage()
+            storages[(leaf.device, storage.data_ptr() or id(storage))] = storage.nbytes()
+    return sum(storages.values())
 
 
 class _DiskWriter:
@@ -112,22 +114,29 @@ class _DiskWriter:
     disk every SYNC_EVERY_BYTES while serializing goes on (one piece in flight: its fdatasync runs on a thread of its
     own), telling `report` the bytes on the disk as each piece gets there. `finish` waits for the last piece."""
 
-    def __init__(self, file: BinaryIO, sha, report: Callable[[int], None] | None) -> None:
+    def __init__(self, file: BinaryIO, sha: hashlib._Hash, report: Callable[[int], None] | None) -> None:
         self.file, self.sha, self.report = file, sha, report
         self.written = self.requested = 0
         self._syncing: Future[int] | None = None
         self._syncer = ThreadPoolExecutor(1, thread_name_prefix="aqpipe-checkpoint-sync")
 
-    def write(self, data) -> int:
-        self.sha.update(data)
-        count = self.file.write(data)
-        self.written += count
+    def write(self, data: bytes | memoryview) -> int:
+        # torch.save hands a tensor's storage over in one call: a large one (a flat error-feedback residual, an
+        # embedding's Adam moments) goes in pieces too, each synced and reported
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), SYNC_EVERY_BYTES):
+            self._write_piece(view[start:start + SYNC_EVERY_BYTES])
+        return len(view)
+
+    def _write_piece(self, piece: memoryview) -> None:
+        self.sha.update(piece)
+        self.file.write(piece)
+        self.written += len(piece)
         if self.written - self.requested >= SYNC_EVERY_BYTES:
             self._wait()  # (a disk slower than serializing holds the writer back here, not in the page cache)
             self.file.flush()
             self.requested = self.written
             self._syncing = self._syncer.submit(self._sync, self.written)
-        return count
 
     def flush(self) -> None:
         self.file.flush()
@@ -140,7 +149,7 @@ class _DiskWriter:
             self._syncer.shutdown()
 
     def _sync(self, upto: int) -> int:
-        os.fdatasync(self.file.fileno())
+        getattr(os, "fdatasync", os.fsync)(self.file.fileno())  # (macOS has no fdatasync)
         return upto
 
     def _wait(self) -> None:

@@ -10,6 +10,7 @@ peak is that micro-batch's bytes times the most micro-batches its schedule holds
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +18,8 @@ from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.held import ActivationMeter
 from aqpipe.pipeline.mixed_precision import autocast
+from aqpipe.pipeline.tied import row_tables
+from aqpipe.pipeline.tied_rows import table_parameter
 from aqpipe.runtime.plan import RunPlan
 
 # optimizer -> fp32 copies of each trained parameter it keeps (AdamW: both moments; SGD: its momentum buffer, when
@@ -26,6 +29,16 @@ OPTIMIZER_STATE_COPIES = {"adamw": 2, "sgd": 1}
 
 class TraceError(RuntimeError):
     """A stage the fake-tensor tracer cannot run (a custom model doing something fake tensors cannot)."""
+
+
+class StageTrace(NamedTuple):
+    """What tracing one stage found."""
+
+    counts: tuple[int, int]  # (parameters, trained parameters)
+    activation_bytes: int  # held for backward for one micro-batch
+    output_shape: tuple[int, ...]
+    output_dtype: torch.dtype
+    synced_shapes: list[tuple[int, ...]]  # the trained parameters its replicas' grad sync exchanges
 
 
 def state_copies(cfg: ResolvedConfig) -> int:
@@ -51,10 +64,8 @@ def micro_batches_held(schedule: str, stage: int, stages: int, micro_batches: in
     return peak
 
 
-def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, ...], torch.dtype,
-                                               list[tuple[int, ...]]]]:
-    """Run every stage's forward on one fake micro-batch: per stage ((parameters, trained parameters), activation
-    bytes held for one micro-batch, output shape, output dtype, the trained parameters' shapes)."""
+def trace_stages(plan: RunPlan) -> list[StageTrace]:
+    """Run every stage's forward on one fake micro-batch: what each stage holds and outputs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cfg = plan.cfg
@@ -63,6 +74,7 @@ def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, .
     device = torch.device("cpu")  # autocast and every kernel's output dtype as on the host
     traced = []
     x: torch.Tensor | None = None
+    row_names = row_tables(plan.spec.extras, cfg.pp, cfg.tied_exchange)
     for s in range(cfg.pp):
         with torch.device("meta"):
             module = plan.build_stage(s)
@@ -70,7 +82,9 @@ def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, .
             module = module.to_empty(device=device)
             params = list(module.parameters())
             counts = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
-            trained = [tuple(p.shape) for p in params if p.requires_grad]
+            # (a tied table the first stage only looks rows up in is the last stage's to update and synchronize)
+            cache = table_parameter(module, row_names[0])[1] if s == 0 and row_names else None
+            synced = [tuple(p.shape) for p in params if p.requires_grad and p is not cache]
             meter = ActivationMeter(module)
             meter.begin_step()
             if cfg.recompute:
@@ -82,7 +96,7 @@ def trace_stages(plan: RunPlan) -> list[tuple[tuple[int, int], int, tuple[int, .
                 if s == cfg.pp - 1:
                     plan.spec.loss(out, mode.from_tensor(_given(batch["targets"])))
             meter.keep(0, out if s < cfg.pp - 1 else None)
-        traced.append((counts, meter.peak_bytes, tuple(out.shape), out.dtype, trained))
+        traced.append(StageTrace(counts, meter.peak_bytes, tuple(out.shape), out.dtype, synced))
         x = out.detach().requires_grad_(True)  # as a received activation is (aqpipe.pipeline.link_ends)
     return traced
 

@@ -21,8 +21,7 @@ import torch
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
 from aqpipe.compress.grad.base import Compressor, DPGroup, ring_all_reduce_bytes
 from aqpipe.compress.grad.gather import all_gather_bytes_payloads
-
-CALIBRATION = 3
+from aqpipe.compress.grad.wire import FFT_CALIBRATION_STEPS as CALIBRATION
 
 
 class OffsetFloat:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from aqpipe.compress.grad.base import DPGroup, all_gather_bytes
+from aqpipe.compress.grad.wire import GATHER_HEADER
 
 
 def all_gather_bytes_payloads(dp: DPGroup, payload: torch.Tensor) -> tuple[list[torch.Tensor], int]:
@@ -25,5 +26,5 @@ def all_gather_bytes_payloads(dp: DPGroup, payload: torch.Tensor) -> tuple[list[
     padded[: payload.numel()] = payload
     out = [torch.empty_like(padded) for _ in range(n)]
     dist.all_gather(out, padded, group=dp.group)
-    sent = all_gather_bytes(8 + longest, n)
+    sent = all_gather_bytes(GATHER_HEADER + longest, n)
     return [o[:size] for o, size in zip(out, sizes)], sent

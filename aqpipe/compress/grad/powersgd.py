@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from aqpipe.compress.grad.base import Compressor, DPGroup, flatten, gradients, ring_all_reduce_bytes
+from aqpipe.compress.grad.wire import POWERSGD_PLAIN_STEPS
 
 
 class _Bucket:
@@ -71,7 +72,8 @@ class PowerSGD(Compressor):
     def __init__(self, dp: DPGroup, rank: int, seed: int = 0) -> None:
         super().__init__(dp)
         self.name = f"powersgd:{rank}"
-        self.state = psgd.PowerSGDState(process_group=dp.group, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+        self.state = psgd.PowerSGDState(process_group=dp.group, matrix_approximation_rank=rank,
+                                        start_powerSGD_iter=POWERSGD_PLAIN_STEPS,
                                         min_compression_rate=2, use_error_feedback=True, warm_start=True,
                                         random_seed=seed)
 

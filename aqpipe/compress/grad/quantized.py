@@ -13,9 +13,8 @@ from aqpipe.compress.bitpack import pack, packed_bytes, unpack
 from aqpipe.compress.grad.base import DPGroup
 from aqpipe.compress.grad.feedback import FeedbackCompressor
 from aqpipe.compress.grad.gather import all_gather_bytes_payloads
+from aqpipe.compress.grad.wire import QUANTIZED_CHUNK as CHUNK
 from aqpipe.compress.quantize import Quantized, dequantize, quantize
-
-CHUNK = 512
 
 
 def encode(flat: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

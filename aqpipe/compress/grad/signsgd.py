@@ -14,17 +14,11 @@ the paper's "otherwise negative" would push every tied coordinate the same way.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from aqpipe.compress.grad import ring
 from aqpipe.compress.grad.base import Compressor, DPGroup
-
-
-def count_bits(hop: int) -> int:
-    """Bits of a running +1 count after `hop` replicas (it lies in 0..hop): ⌈log2(hop+1)⌉."""
-    return max(1, math.ceil(math.log2(hop + 1)))
+from aqpipe.compress.grad.wire import count_bits
 
 
 def bits_per_element(members: int) -> float:
