@@ -355,3 +355,19 @@ def test_a_resume_is_refused_only_while_the_grad_sync_still_has_fp32_first_steps
         ck.mark_complete(run, step, cfg.world_size, {})
         resumed = dataclasses.replace(capacity, cfg=dataclasses.replace(cfg, resume=str(run)))
         assert (cap.steps_outlasting_the_stall_timeout(resumed) is not None) == refused, (step, refused)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_least_step_time_waits_for_each_stage_link_traffic_then_its_own_grad_sync(tmp_path, schedule):
+    """A stage's grad sync begins after its last backward pass, which waits for its outbound link's messages (the
+    last stage: for its inbound forward ones), not for every link: adding the slowest sync to the slowest link's time
+    overstated the bound (and could refuse a run that fits). gpt2-tiny's last of 3 stages has the largest gradient."""
+    cfg = flags_to_config(["--model", "gpt2-tiny", "--pp", "3", "--dp", "2", "--schedule", schedule, "--grad-sync",
+                           "none", "--bandwidth", "1mbit"], tmp_path)
+    capacity = cap.plan_capacity(make_plan(cfg))
+    syncs = [8 * s.sync.steady / 1e6 for s in capacity.stages]
+    assert syncs[2] == max(syncs)
+    last_inbound_forward = capacity.link_seconds(capacity.links[1])[0]
+    seconds, sync = capacity.wire_bound()
+    assert (seconds, sync) == pytest.approx((last_inbound_forward + syncs[2], syncs[2]))
+    assert seconds < capacity.link_bound_step_seconds() + max(syncs)

@@ -170,13 +170,29 @@ class CapacityPlan:
                     for s in self.stages), default=0.0)
 
     def step_wire_seconds(self, phase: str = STEADY, costliest_sync: bool = False) -> float | None:
-        """The least step time the wire allows at --bandwidth in a phase of the run: the links' (under the schedule),
-        then the grad sync's, which begins after the step's last backward pass (`sync_seconds`); None without a
+        """The least step time the wire allows at --bandwidth in a phase of the run (`wire_bound`); None without a
         bandwidth."""
-        sync = self.sync_seconds(costliest_sync)
-        if sync is None:
+        bound = self.wire_bound(phase, costliest_sync)
+        return None if bound is None else bound[0]
+
+    def wire_bound(self, phase: str = STEADY, costliest_sync: bool = False) -> tuple[float, float] | None:
+        """(The least step time the wire allows at --bandwidth in a phase of the run, the grad sync's seconds in it):
+        the links' (`link_bound_step_seconds`), or a stage's link traffic and then its grad sync, which begins after
+        its last backward pass — that waits for every message of the link after it (for the last stage: the forward
+        ones of the link before it) — whichever is longest; in its costliest step with `costliest_sync`. None without
+        a bandwidth."""
+        if self.bandwidth_bits is None:
             return None
-        return (self.link_bound_step_seconds(phase) or 0.0) + sync
+        bound = (self.link_bound_step_seconds(phase) or 0.0, 0.0)
+        for s, stage in enumerate(self.stages):
+            sync = 8 * (stage.sync.costliest if costliest_sync else stage.sync.steady) / self.bandwidth_bits
+            if s < len(self.links):
+                fwd, bwd = self.link_seconds(self.links[s], phase) or (0.0, 0.0)
+                before = max(fwd, bwd) if self.cfg.schedule != "gpipe" else fwd + bwd
+            else:
+                before = (self.link_seconds(self.links[-1], phase) or (0.0, 0.0))[0] if self.links else 0.0
+            bound = max(bound, (before + sync, sync))
+        return bound
 
     def phases_ahead(self, first_step: int = 0) -> list[str]:
         """The phases (STEP_PHASES) the run's steps from `first_step` on go through."""
@@ -406,12 +422,12 @@ def steps_outlasting_the_stall_timeout(capacity: CapacityPlan) -> str | None:
         # the grad sync's costliest step: Marsit's full-precision ones come in every phase, fp32 first steps in the
         # phase the run (or its resume) begins in
         costliest = periodic or (costly_first and i == 0)
-        seconds = capacity.step_wire_seconds(phase, costliest)
-        if seconds is not None:
-            bounds.append((seconds, phase, capacity.sync_seconds(costliest) or 0.0, costliest))
+        bound = capacity.wire_bound(phase, costliest)
+        if bound is not None:
+            bounds.append((*bound, phase, costliest))
     if not bounds or max(bounds)[0] < cfg.stall_timeout:
         return None
-    seconds, phase, sync, costliest = max(bounds)
+    seconds, sync, phase, costliest = max(bounds)
     what = "the links alone need" if not sync else "the links and the grad sync alone need"
     when = (" in its full-precision steps" if periodic else " in its first steps (fp32)") if costliest else ""
     part = f" ({sync:.1f} s of it the grad sync's{when}, --grad-sync {cfg.grad_sync} at --dp {cfg.dp})" if sync else ""
