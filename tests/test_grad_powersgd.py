@@ -61,3 +61,22 @@ def test_a_cuda_host_staging_collectives_through_the_host_does_not_crash(tmp_pat
     assert all(status == "ok" for status, _ in results), results
     outs, sent, m, _ = results[0][1]
     assert torch.allclose(outs[3][0], m * (1 + 3 + 2 + 3) / 2, rtol=1e-4, atol=1e-4)  # a compressed step, exact
+
+
+def _with_a_scalar(rank: int, world: int):
+    sync = PowerSGD(DPGroup(None, tuple(range(world)), rank), rank=1, seed=0)
+    params = [torch.nn.Parameter(torch.zeros(40, 30)), torch.nn.Parameter(torch.zeros(()))]  # a learned scale
+    scalars = []
+    for step in range(3):
+        params[0].grad = torch.ones(40, 30) * (rank + 1)
+        params[1].grad = torch.tensor(float(rank + step))
+        sync.synchronize(params)
+        scalars.append(float(params[1].grad))
+    return scalars
+
+
+def test_a_scalar_parameter_is_averaged_once_the_hook_compresses():
+    """torch's hook views each gradient as a matrix of shape[0] rows, which a 0-dim one does not have: a model with a
+    learned scalar (a temperature, a gate) crashed at PowerSGD's first compressed step."""
+    results = run_ranks(_with_a_scalar, 2)
+    assert results == [("ok", [0.5, 1.5, 2.5])] * 2, results

@@ -28,7 +28,8 @@ class _Bucket:
         offset = 0
         for shape in shapes:
             n = int(np.prod(shape)) if len(shape) else 1
-            self._views.append(flat[offset : offset + n].view(shape))
+            # (the hook views each gradient as shape[0] rows: a 0-dim one, a learned scalar, as one value)
+            self._views.append(flat[offset : offset + n].view(shape if len(shape) else (1,)))
             offset += n
 
     def buffer(self) -> torch.Tensor:
