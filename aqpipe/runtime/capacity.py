@@ -241,7 +241,7 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
     store = STORE_DTYPES[cfg.store_dtype]
     links = []
     for k in range(cfg.pp - 1):
-        _, _, shape, dtype, _ = traced[k]
+        shape, dtype = traced[k].output_shape, traced[k].output_dtype
         per_sample = numel(shape[1:])
         side = int(samples_per_replica * per_sample * store.value_bytes) if keeps_messages(cfg.fw) else 0
         links.append(LinkNeeds(
@@ -257,7 +257,8 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
     headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
     stages = []
     link_shapes = [link.activation_shape for link in links]
-    for s, ((params, trainable), act, _, _, shapes) in enumerate(traced):
+    for s, trace in enumerate(traced):
+        (params, trainable), act, shapes = trace.counts, trace.activation_bytes, trace.synced_shapes
         sides = [links[k].store_side_bytes for k in (s - 1, s) if 0 <= k < cfg.pp - 1]
         stages.append(StageNeeds(
             s, (plan.bounds[s], plan.bounds[s + 1]), params, trainable, 4 * params, 4 * trainable,
