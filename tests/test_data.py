@@ -195,9 +195,12 @@ def test_preparing_a_large_corpus_keeps_memory_bounded(tmp_path):
             f.write("a" * 1_000_000 + "\n")  # long unbroken runs
         for i in range(60_000):
             f.write(f"sentence number {i} is about subject {i % 1013}, with a few more words\n")
-    script = ("import resource, sys\nfrom aqpipe.data import prepare_lm_dataset\n"
+    # The child's own peak (VmHWM): getrusage's ru_maxrss would start at this pytest worker's peak, which it inherits
+    # through subprocess's vfork+exec (908 MB in a CI run, whatever the tokenizing took).
+    script = ("from aqpipe.data import prepare_lm_dataset\n"
               f"d = prepare_lm_dataset({str(path)!r}, 64, vocab_size=1024)\n"
-              "print(len(d.train), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+              "peak = next(line for line in open('/proc/self/status') if line.startswith('VmHWM:')).split()[1]\n"
+              "print(len(d.train), peak)")
     env = dict(os.environ, AQPIPE_CACHE=str(tmp_path / "cache"))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -274,3 +274,21 @@ def test_a_receiver_checking_late_trains_as_one_checking_at_once_and_refuses_a_d
     assert late[1]["left"] == [0, 0, 0, 0] and late[1]["error"] is None
     assert planted[1]["error"] is not None and "diverged on link 0" in planted[1]["error"], planted[1]
     assert "at step 3 micro-batch 1" in planted[1]["error"] and planted[1]["left"] == [0, 0, 0, 0]
+
+
+def test_a_rank_reports_its_own_peak_memory_not_its_parents(tmp_path):
+    """On the host a rank's peak memory is its own: a process started by vfork+exec (subprocess, the forkserver)
+    reported its parent's peak through getrusage when that was higher."""
+    import subprocess
+    import sys
+
+    child = "from aqpipe.pipeline.worker import peak_memory_bytes\nimport torch\nprint(peak_memory_bytes(torch.device('cpu')))"
+    parent = ("import subprocess, sys\n"
+              "big = bytearray(1_500_000_000)\n"
+              "big[::4096] = b'x' * len(range(0, len(big), 4096))\n"  # touch every page: 1.5 GB resident
+              "del big\n"
+              f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True, check=True).stdout)")
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak = int(out.stdout.split()[0])
+    assert 50e6 < peak < 1_000_000_000, f"the rank reported {peak / 1e6:.0f} MB (its parent peaked at 1500 MB)"

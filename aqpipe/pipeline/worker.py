@@ -281,6 +281,21 @@ def peak_memory_bytes(device: torch.device) -> int:
     host the process's peak resident set since it started (the kernel keeps no per-step peak)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    return process_peak_rss_bytes()
+
+
+def process_peak_rss_bytes() -> int:
+    """This process's own peak resident set in bytes, since it (or its program) started."""
+    # getrusage's ru_maxrss survives execve: a process started by vfork+exec (subprocess's way) reports its parent's
+    # peak if that was higher (a launcher that tokenized a corpus). The kernel's high-water mark of this address space
+    # (VmHWM) starts afresh with the program.
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB
