@@ -331,6 +331,33 @@ def test_a_tied_table_the_first_stage_only_looks_rows_up_in_is_not_in_its_grad_s
     assert planned["rows"][0].sync.steady < planned["dense"][0].sync.steady
 
 
+def test_a_tied_row_cache_holds_no_optimizer_state_or_grad_sync_memory(tmp_path, monkeypatch):
+    """The first stage's row cache (--tied-exchange rows) is not in its optimizer nor its grad sync
+    (`runtime.assemble`), so it holds no AdamW moments and no error-feedback copies there: the plan counted them
+    (SmolLM2-135M's table: ~226 MB of moments and ~1 GB of ef peak on stage 0), and could refuse a run that fits."""
+    from aqpipe.compress.grad.methods import sync_copies
+    from aqpipe.pipeline.tied import row_tables
+    from aqpipe.pipeline.tied_rows import table_parameter
+    from aqpipe.runtime.stage_trace import state_copies
+
+    monkeypatch.setattr(cap, "check_fits", lambda capacity: None)  # (the numbers alone)
+    cfg = flags_to_config(["--model", "llama-tiny", "--pp", "2", "--dp", "2", "--tied-exchange", "rows",
+                           "--grad-sync", "ef:4", "--optimizer", "adamw"], tmp_path)
+    plan = make_plan(cfg)
+    stages = cap.plan_capacity(plan).stages
+    kept, peak = sync_copies("ef:4", 2)
+    copies = state_copies(cfg)
+    for stage in stages:
+        module = plan.build_stage(stage.stage)
+        trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        cache = table_parameter(module, row_tables(plan.spec.extras, cfg.pp, cfg.tied_exchange)[0])[1]
+        held = trained - (cache.numel() if stage.stage == 0 else 0)  # what the optimizer and the sync hold
+        assert stage.stage != 0 or held < trained
+        assert stage.grad_bytes == 4 * trained  # the cache's gradient is formed (its rows go to the owner)
+        assert stage.optimizer_bytes == 4 * copies * held
+        assert (stage.sync_kept_bytes, stage.sync_peak_bytes) == (int(4 * kept * held), int(4 * peak * held))
+
+
 @pytest.mark.parametrize("method, costly_steps", [("powersgd:2", 2), ("fft:0.5:8", 3), ("qadam:4", None)])
 def test_a_resume_is_refused_only_while_the_grad_sync_still_has_fp32_first_steps_ahead(tmp_path, method, costly_steps):
     """PowerSGD's first 2 steps, fft's 3 calibration steps and qadam's warm-up (until v freezes) exchange fp32 values:

@@ -13,6 +13,7 @@ measured on the meta device (`aqpipe.runtime.codec_graphs`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -259,12 +260,13 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
     link_shapes = [link.activation_shape for link in links]
     for s, trace in enumerate(traced):
         (params, trainable), act, shapes = trace.counts, trace.activation_bytes, trace.synced_shapes
+        held = sum(math.prod(shape) for shape in shapes)  # what its optimizer and grad sync hold (not a row cache)
         sides = [links[k].store_side_bytes for k in (s - 1, s) if 0 <= k < cfg.pp - 1]
         stages.append(StageNeeds(
             s, (plan.bounds[s], plan.bounds[s + 1]), params, trainable, 4 * params, 4 * trainable,
-            4 * copies * trainable, act, micro_batches_held(cfg.schedule, s, cfg.pp, m),
+            4 * copies * held, act, micro_batches_held(cfg.schedule, s, cfg.pp, m),
             int(sum(sides) * headroom), store_where(cfg), stage_graph_bytes(cfg, s, link_shapes),
-            int(4 * kept * trainable), int(4 * peak * trainable), sync_where, shapes,
+            int(4 * kept * held), int(4 * peak * held), sync_where, shapes,
             sync_step_bytes(cfg.grad_sync, cfg.dp, shapes, freeze_step(plan.total_steps, cfg.warmup_steps))))
     capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None,
                             tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch)

@@ -38,7 +38,7 @@ class StageTrace(NamedTuple):
     activation_bytes: int  # held for backward for one micro-batch
     output_shape: tuple[int, ...]
     output_dtype: torch.dtype
-    synced_shapes: list[tuple[int, ...]]  # the trained parameters its replicas' grad sync exchanges
+    synced_shapes: list[tuple[int, ...]]  # the trained parameters its optimizer holds and its replicas' grad sync exchanges
 
 
 def state_copies(cfg: ResolvedConfig) -> int:
@@ -74,7 +74,7 @@ def trace_stages(plan: RunPlan) -> list[StageTrace]:
     device = torch.device("cpu")  # autocast and every kernel's output dtype as on the host
     traced = []
     x: torch.Tensor | None = None
-    row_names = row_tables(plan.spec.extras, cfg.pp, cfg.tied_exchange)
+    row_names = [] if plan.lora is not None else row_tables(plan.spec.extras, cfg.pp, cfg.tied_exchange)  # as assembled
     for s in range(cfg.pp):
         with torch.device("meta"):
             module = plan.build_stage(s)
