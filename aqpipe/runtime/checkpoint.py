@@ -208,17 +208,10 @@ def complete_steps(out: str | Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def sound_steps(out: str | Path, rank: int, settings: dict) -> list[int]:
-    """The steps, newest first, of the complete checkpoints on this host whose file for `rank` is present,
-    undamaged and written for that rank and step by a run with these `settings` (a resume may not change them)."""
-    sound = []
-    for step in complete_steps(out):
-        try:
-            _read_checked(rank_file(step_dir(out, step), rank), rank, step, settings_digest(settings))
-        except CheckpointError:
-            continue
-        sound.append(step)
-    return sound
+def check_rank(out: str | Path, step: int, rank: int, settings: dict) -> None:
+    """Check this rank's file of a checkpoint against its checksum line, written for that rank and step by a run with
+    these `settings` (reading the file once, a piece at a time); a CheckpointError naming what is wrong."""
+    _read_checked(rank_file(step_dir(out, step), rank), rank, step, settings_digest(settings))
 
 
 def verify(out: str | Path, step: int, world_size: int, settings: dict) -> None:
@@ -298,11 +291,13 @@ def _sha256_of(file: BinaryIO) -> str:
     return sha.hexdigest()
 
 
-def load_rank(out: str | Path, step: int, rank: int, settings: dict | None = None) -> dict:
-    """One rank's checkpointed state, checked (against `settings` too, when given) and loaded with
-    `weights_only=True`, each tensor read from the file into its own memory (the file is not read whole first)."""
+def load_rank(out: str | Path, step: int, rank: int, settings: dict | None = None, checked: bool = False) -> dict:
+    """One rank's checkpointed state, checked (against `settings` too, when given; not again when this process has
+    just `checked` it with `check_rank`) and loaded with `weights_only=True`, each tensor read from the file into its
+    own memory (the file is not read whole first)."""
     path = rank_file(step_dir(out, step), rank)
-    _read_checked(path, rank, step, settings_digest(settings) if settings is not None else None)
+    if not checked:
+        _read_checked(path, rank, step, settings_digest(settings) if settings is not None else None)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a damaged file

@@ -15,7 +15,15 @@ from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline import comm
 from aqpipe.pipeline.optim import continue_schedule
 from aqpipe.pipeline.worker import StageWorker
-from aqpipe.runtime.checkpoint import CheckpointError, check_model_state, load_rank, rank_file, sound_steps, step_dir
+from aqpipe.runtime.checkpoint import (
+    CheckpointError,
+    check_model_state,
+    check_rank,
+    complete_steps,
+    load_rank,
+    rank_file,
+    step_dir,
+)
 from aqpipe.runtime.events import emit
 from aqpipe.runtime.reconcile import reconcile
 from aqpipe.stages.lora import checkpointed_names, training_state
@@ -92,32 +100,52 @@ def resume_rank(cfg: ResolvedConfig, worker: StageWorker, store) -> int:
     run = cfg.resume
     if run is None:
         raise CheckpointError("not a resumed run: there is no checkpoint to resume from")
-    step = agreed_step(run, worker.grid.rank, cfg.fixed_settings())
-    apply_state(load_rank(run, step, worker.grid.rank, cfg.fixed_settings()), worker, store,
-                describe(run, step, worker.grid.rank))
+    step, state = load_agreed(run, worker.grid.rank, cfg.fixed_settings())
+    apply_state(state, worker, store, describe(run, step, worker.grid.rank))
     reseeded = reconcile(store, worker.grid, worker.groups.pipeline)
     store.stats.reseeded += reseeded
     emit({"event": "resumed", "step": step, "rank": worker.grid.rank, "reseeded": reseeded})
     return step
 
 
+def load_agreed(run: str | Path, rank: int, settings: dict) -> tuple[int, dict]:
+    """This rank's state in the newest checkpoint every rank can resume from (`agreed_step`), and its step."""
+    step = agreed_step(run, rank, settings)
+    return step, load_rank(run, step, rank, settings, checked=True)  # (`agreed_step` checked this very file)
+
+
 def agreed_step(run: str | Path, rank: int, settings: dict) -> int:
     """The newest checkpoint every rank can resume from, each reading its own host's disk (every rank calls this
-    together): the newest step complete on every host with every rank's own file sound. CheckpointError naming
-    the hosts and what each holds when there is none."""
-    mine = sound_steps(run, rank, settings)
+    together): the newest step complete on every host with every rank's own file sound. Only the candidates are
+    checked, newest first, until one is sound everywhere: a rank's state may be gigabytes (an in-memory m(ξ) store),
+    and the older checkpoints are seldom needed. CheckpointError naming the hosts and what each holds when there is
+    none."""
+    held = [step for step in complete_steps(run) if rank_file(step_dir(run, step), rank).is_file()]
     everyone: list = [None] * dist.get_world_size()
-    comm.all_gather_object(everyone, (socket.gethostname(), mine), comm.SETUP)
-    common = set(everyone[0][1]).intersection(*(set(steps) for _, steps in everyone[1:]))
-    if common:
-        step = max(common)
-        newest = max(steps[0] for _, steps in everyone if steps)
-        if rank == 0 and newest > step:
-            print(f"aqpipe: resuming after step {step}: the checkpoint of step {newest} is not complete and sound on "
-                  "every host", file=sys.stderr, flush=True)
-        return step
-    holdings = "; ".join(f"rank {r} on {host}: {', '.join(map(str, steps)) or 'none'}"
-                         for r, (host, steps) in enumerate(everyone))
+    comm.all_gather_object(everyone, (socket.gethostname(), held), comm.SETUP)
+    common = sorted(set(everyone[0][1]).intersection(*(set(steps) for _, steps in everyone[1:])), reverse=True)
+    damaged: list[int] = []
+    for step in common:
+        try:
+            check_rank(run, step, rank, settings)
+            sound = True
+        except CheckpointError as e:
+            print(f"aqpipe: rank {rank}: {e}", file=sys.stderr, flush=True)
+            damaged.append(step)
+            sound = False
+        verdicts: list = [None] * dist.get_world_size()
+        comm.all_gather_object(verdicts, sound, comm.SETUP)
+        if all(verdicts):
+            newest = max(steps[0] for _, steps in everyone if steps)
+            if rank == 0 and newest > step:
+                print(f"aqpipe: resuming after step {step}: the checkpoint of step {newest} is not complete and sound "
+                      "on every host", file=sys.stderr, flush=True)
+            return step
+    found: list = [None] * dist.get_world_size()
+    comm.all_gather_object(found, damaged, comm.SETUP)
+    holdings = "; ".join(
+        f"rank {r} on {host}: {', '.join(f'{s} (damaged)' if s in bad else str(s) for s in steps) or 'none'}"
+        for r, ((host, steps), bad) in enumerate(zip(everyone, found)))
     raise CheckpointError(f"--resume {run}: no checkpoint is complete and sound on every host (steps held: "
                           f"{holdings})")
 
