@@ -487,3 +487,35 @@ def test_ranks_that_send_no_final_weights_do_not_wait_for_rank_0_to_receive_them
     assert exporting > 10, exporting  # the export outlasted the time-out (seen: 22 s)
     assert (out / "export" / "model.safetensors").is_file()
     assert_nothing_left(before, topologies_in(proc.stderr))
+
+
+def test_a_signal_as_the_state_file_is_written_leaves_no_state_file(tmp_path, monkeypatch):
+    """The state file is written first, so a build cut short can be cleaned up; an interrupt that came while it was
+    being written (before the cleanup's `try`) left it behind with nothing built: seen in CI, where the test above
+    it signals the launcher as soon as the file appears."""
+    from aqpipe.launch.signals import interrupts_raise
+
+    monkeypatch.setenv("AQPIPE_NETNS_STATE", str(tmp_path))
+    monkeypatch.setattr(netns, "can_throttle", lambda: None)
+    monkeypatch.setattr(netns, "_namespaces", lambda: [])
+    ran: list[tuple[str, ...]] = []
+    monkeypatch.setattr(netns, "_run", lambda *args: ran.append(args) or "")
+    write_text = Path.write_text
+
+    def write_then_signal(path, *args, **kwargs):
+        written = write_text(path, *args, **kwargs)
+        if path.suffix == ".json" and path.parent == tmp_path:
+            os.kill(os.getpid(), signal.SIGTERM)  # (a handler that raises runs at once, here)
+        return written
+
+    monkeypatch.setattr(Path, "write_text", write_then_signal)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        interrupts_raise()
+        with pytest.raises(KeyboardInterrupt):
+            netns.create(2, 10**8, name="sigfile")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert ran == []  # nothing built
+    assert not list(tmp_path.glob("*.json"))

@@ -160,11 +160,12 @@ def create(ranks: int, rate_bits: int, name: str | None = None, manual: bool = F
         _remove_stale()
         if _state_file(name).exists() or any(ns.startswith(f"{PREFIX}{name}-") for ns in _namespaces()):
             raise NetnsError(f"a topology named {name!r} exists already; remove it with `aqpipe netns down {name}`")
-        _state_file(name).write_text(json.dumps(asdict(topo)))  # first, so a crash mid-way is still cleanable
         try:
             # an interrupt is taken between `ip` commands, never inside one: raised while a command's process starts,
-            # it escapes subprocess.run without killing it, and that process went on building after the cleanup
+            # it escapes subprocess.run without killing it, and that process went on building after the cleanup;
+            # nor while the state file is written (first, so a crash mid-way is still cleanable), which it outlived
             with deferred_interrupts() as received:
+                _state_file(name).write_text(json.dumps(asdict(topo)))
                 _build(topo, received)
                 _stop_if(received)  # (one that came during the last command)
         except BaseException:
