@@ -200,3 +200,27 @@ def test_one_tensor_larger_than_a_piece_is_written_and_reported_piece_by_piece(t
     assert len(synced) >= 8 and len(reports) >= 8, (synced, reports)
     assert {total for _, total in reports[:-1]} == {8 << 20} and reports[-1] == (path.stat().st_size,) * 2
     assert torch.equal(ck.load_rank(tmp_path, 3, 1, {"lr": 1.0})["grad_sync"]["residual"], residual)
+
+
+def test_the_launcher_checks_the_ranks_files_side_by_side(tmp_path, monkeypatch):
+    """Before a resume the launcher hashes every rank's file of the checkpoint (gigabytes each with an in-memory m(ξ)
+    store): one after the other, that was the sum of their times on one core. Each file is hashed on a thread of its
+    own now (hashing and reading let the others run); a damaged one is still named, the lowest rank's first."""
+    import threading
+
+    _save(tmp_path, 3, world=4)
+    both_at_once = threading.Barrier(4, timeout=10)
+    original = ck._sha256_of
+
+    def meeting(file):
+        both_at_once.wait()  # (one after the other, the first waits here alone until the time-out)
+        return original(file)
+
+    monkeypatch.setattr(ck, "_sha256_of", meeting)
+    ck.verify(tmp_path, 3, 4, SETTINGS)
+    for rank in (3, 1):
+        victim = ck.rank_file(ck.step_dir(tmp_path, 3), rank)
+        victim.write_bytes(victim.read_bytes()[:-10])
+    both_at_once.reset()
+    with pytest.raises(ck.CheckpointError, match="rank-1.pt is damaged"):
+        ck.verify(tmp_path, 3, 4, SETTINGS)

@@ -18,7 +18,7 @@ def _save(run: Path, step: int, world: int = 2) -> None:
     ck.mark_complete(run, step, world, SETTINGS)
 
 
-def _load_counting_reads(rank: int, world: int, run: str):
+def _load_counting_reads(rank: int, world: int, run: str, launcher_checked: bool = False):
     """On a rank: the step it resumes from, the value it loaded, and every checkpoint file it hashed."""
     from aqpipe.runtime import resume
 
@@ -30,7 +30,7 @@ def _load_counting_reads(rank: int, world: int, run: str):
         return original(file)
 
     ck._sha256_of = counting
-    step, state = resume.load_agreed(run, rank, SETTINGS)
+    step, state = resume.load_agreed(run, rank, SETTINGS, launcher_checked)
     return step, float(state["model"]["w"][0]), hashed
 
 
@@ -46,6 +46,15 @@ def test_each_rank_hashes_only_the_checkpoint_it_resumes_from_once(tmp_path):
         step, loaded, hashed = value
         assert (step, loaded) == (8, 80.0 + rank)
         assert hashed == [f"checkpoints/step-00000008/rank-{rank}.pt"], hashed
+
+
+def test_a_rank_whose_launcher_checked_the_newest_checkpoint_hashes_nothing(tmp_path):
+    """`aqpipe launch` checks every rank's file of the newest checkpoint before it starts the ranks (and holds the run
+    directory meanwhile): the ranks it starts load that one and read it once, as they load it."""
+    for step in (4, 8):
+        _save(tmp_path, step)
+    results = run_ranks(_load_counting_reads, 2, str(tmp_path), True)
+    assert [value for _, value in results] == [(8, 80.0, []), (8, 81.0, [])], results
 
 
 @pytest.mark.parametrize("trouble", ["damaged", "incomplete"])

@@ -46,7 +46,7 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
 
         rank, world_size = rank_from_env()
         try:
-            run_worker(cfg, rank, world_size, spec_factory, stores_checked=False)
+            run_worker(cfg, rank, world_size, spec_factory, launcher_checked=False)
         except CheckpointError as e:  # every rank finds the same: one line each, exit 2
             raise ConfigError(str(e)) from None
         return 0

@@ -36,6 +36,7 @@ KEEP = 2  # complete checkpoints kept; older ones are removed once a newer one i
 # A rank's file goes to the disk in pieces of this size as it is written, so that the progress it reports follows the
 # disk (not the page cache, with the whole state's fsync still to come) and the final fsync is short.
 SYNC_EVERY_BYTES = 256 << 20
+MAX_CHECKING_THREADS = 16  # rank files hashed at once before a resume
 
 
 class CheckpointError(RuntimeError):
@@ -229,8 +230,13 @@ def verify(out: str | Path, step: int, world_size: int, settings: dict) -> None:
     changed = changed_setting(out, step, settings, record)
     if changed:
         raise CheckpointError(changed)
-    for rank in range(world_size):
-        _read_checked(rank_file(directory, rank), rank, step, record["config_digest"])
+    # one thread a file: hashing and reading let the others run, so checking gigabytes per rank takes about as long
+    # as the largest file (or the disk), not their sum; the lowest rank's problem is the one named
+    with ThreadPoolExecutor(min(world_size, MAX_CHECKING_THREADS), thread_name_prefix="aqpipe-checkpoint-check") as pool:
+        checks = [pool.submit(_read_checked, rank_file(directory, rank), rank, step, record["config_digest"])
+                  for rank in range(world_size)]
+        for check in checks:
+            check.result()
 
 
 def changed_setting(out: str | Path, step: int, settings: dict, record: dict | None = None) -> str | None:

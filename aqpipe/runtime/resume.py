@@ -20,6 +20,7 @@ from aqpipe.runtime.checkpoint import (
     check_model_state,
     check_rank,
     complete_steps,
+    latest_step,
     load_rank,
     rank_file,
     step_dir,
@@ -94,13 +95,14 @@ def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
         setattr(store.stats, name, int(value))
 
 
-def resume_rank(cfg: ResolvedConfig, worker: StageWorker, store) -> int:
+def resume_rank(cfg: ResolvedConfig, worker: StageWorker, store, launcher_checked: bool = False) -> int:
     """Load this rank's part of the run's last checkpoint and make every link's two m(ξ) copies agree; returns
-    the step to continue from. Every rank calls it (reconciliation is collective)."""
+    the step to continue from. Every rank calls it (reconciliation is collective). `launcher_checked`: as for
+    `load_agreed`."""
     run = cfg.resume
     if run is None:
         raise CheckpointError("not a resumed run: there is no checkpoint to resume from")
-    step, state = load_agreed(run, worker.grid.rank, cfg.fixed_settings())
+    step, state = load_agreed(run, worker.grid.rank, cfg.fixed_settings(), launcher_checked)
     apply_state(state, worker, store, describe(run, step, worker.grid.rank))
     reseeded = reconcile(store, worker.grid, worker.groups.pipeline)
     store.stats.reseeded += reseeded
@@ -108,10 +110,14 @@ def resume_rank(cfg: ResolvedConfig, worker: StageWorker, store) -> int:
     return step
 
 
-def load_agreed(run: str | Path, rank: int, settings: dict) -> tuple[int, dict]:
-    """This rank's state in the newest checkpoint every rank can resume from (`agreed_step`), and its step."""
-    step = agreed_step(run, rank, settings)
-    return step, load_rank(run, step, rank, settings, checked=True)  # (`agreed_step` checked this very file)
+def load_agreed(run: str | Path, rank: int, settings: dict, launcher_checked: bool = False) -> tuple[int, dict]:
+    """This rank's state in the newest checkpoint every rank can resume from (`agreed_step`), and its step; with
+    `launcher_checked` (`aqpipe launch` checked every rank's file of the newest checkpoint before it started the
+    ranks, holding the run directory since) that one, read once as it loads."""
+    step = latest_step(run) if launcher_checked else agreed_step(run, rank, settings)
+    if step is None:
+        raise CheckpointError(f"--resume {run}: no complete checkpoint")
+    return step, load_rank(run, step, rank, settings, checked=True)  # (checked this very file, as said)
 
 
 def agreed_step(run: str | Path, rank: int, settings: dict) -> int:

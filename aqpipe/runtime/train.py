@@ -45,11 +45,11 @@ from aqpipe.storage.lmdb_store import store_path
 from aqpipe.storage.memory import in_memory
 
 
-def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=None, stores_checked: bool = True
+def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=None, launcher_checked: bool = True
                ) -> dict | None:
     """Train this rank's stage for the whole run; returns the summary on rank 0 (None elsewhere). Without
-    `stores_checked` (torchrun, DeepSpeed: no `aqpipe launch` checked the run's LMDB stores before a resume) each
-    rank checks its own, on its own host."""
+    `launcher_checked` (torchrun, DeepSpeed: no `aqpipe launch` checked the run's LMDB stores and its newest
+    checkpoint before a resume) each rank checks its own, on its own host."""
     if world_size != cfg.world_size:
         raise ConfigError(f"the launcher started {world_size} processes but --pp {cfg.pp} x --dp {cfg.dp} needs "
                           f"{cfg.world_size}")
@@ -89,20 +89,20 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
         # what config.json records and checkpoints are checked against, as in a run `aqpipe launch` starts (under
         # torchrun nothing set it before)
         cfg.stage_bounds = plan.bounds
-        return _train(plan, grid, device, backend, stores_checked, store)
+        return _train(plan, grid, device, backend, launcher_checked, store)
     finally:
         dist.destroy_process_group()
 
 
-def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, stores_checked: bool, store
+def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launcher_checked: bool, store
            ) -> dict | None:
     """Assemble, resume and train this rank's stage, then finish the run's outputs; `store`: the rendezvous store."""
     cfg = plan.cfg
-    if cfg.resume and cfg.store == "lmdb" and not stores_checked:
+    if cfg.resume and cfg.store == "lmdb" and not launcher_checked:
         drop_if_damaged(store_path(cfg.out, grid.rank), grid.rank)
     stage = assemble_stage(plan, grid, device, backend)
     try:
-        first_step = resume_rank(cfg, stage.worker, stage.store) if cfg.resume else 0
+        first_step = resume_rank(cfg, stage.worker, stage.store, launcher_checked) if cfg.resume else 0
         log = open_outputs(cfg, plan, first_step) if grid.rank == 0 else None
         if log is None and host_leader():  # another host's copy, for a resume there
             write_config(cfg, plan)
