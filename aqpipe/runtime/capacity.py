@@ -36,6 +36,7 @@ from aqpipe.runtime.checkpoint import latest_step
 from aqpipe.runtime.codec_graphs import stage_graph_bytes
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan
 from aqpipe.runtime.stage_trace import TraceError, micro_batches_held, state_copies, trace_stages
+from aqpipe.runtime.step_wire import RankTraffic, least_step_seconds, links_seconds, rank_traffic
 from aqpipe.storage.dtypes import STORE_DTYPES
 
 
@@ -115,6 +116,8 @@ class TiedNeeds:
     step_bytes: int
     table_bytes: int  # the tables' size, fp32
     distinct_tokens: float = 0.0  # rows: the mean distinct tokens per step over the first steps of the data order
+    row_bytes: int = 0  # of `step_bytes`, the rows and gradient rows between the first and the last stage (the rest:
+    # the all-reduces of copies kept whole, spread evenly over the pipeline's ranks)
 
 
 # The phases of a run whose steps differ in link bytes, and how a message says "during" each.
@@ -154,13 +157,18 @@ class CapacityPlan:
         return 8 * fwd / self.bandwidth_bits, 8 * bwd / self.bandwidth_bits
 
     def link_bound_step_seconds(self, phase: str = STEADY) -> float | None:
-        """The least step time the links alone allow: under GPipe each direction runs in its own half of the step
-        (activations, then gradients); under a 1F1B schedule both directions are busy at once."""
-        times = [self.link_seconds(link, phase) for link in self.links]
-        if not times or times[0] is None:
+        """The least step time the links alone allow (activations, gradients and a tied table's rows; every rank
+        behind a link of its own: `aqpipe.runtime.step_wire`); None without a bandwidth."""
+        if self.bandwidth_bits is None:
             return None
-        both = self.cfg.schedule != "gpipe"
-        return max((max(t) if both else sum(t)) for t in times if t is not None)
+        return links_seconds(self.rank_traffic(phase), self.bandwidth_bits, self.cfg.schedule != "gpipe")
+
+    def rank_traffic(self, phase: str = STEADY) -> list[RankTraffic]:
+        """What each stage's rank (of one replica) sends and receives per step in a phase of the run."""
+        per_link = {STEADY: lambda link: (link.fwd_bytes, link.bwd_bytes),
+                    WARM_UP: lambda link: (link.warmup_fwd_bytes, link.warmup_bwd_bytes),
+                    FIRST_EPOCH: lambda link: (link.first_fwd_bytes, link.bwd_bytes)}[phase]
+        return rank_traffic([per_link(link) for link in self.links], self.tied.row_bytes // 2 if self.tied else 0)
 
     def sync_seconds(self, costliest: bool = False) -> float | None:
         """Seconds on the wire at --bandwidth of the slowest stage's grad sync in a step (in its costliest step with
@@ -178,22 +186,16 @@ class CapacityPlan:
 
     def wire_bound(self, phase: str = STEADY, costliest_sync: bool = False) -> tuple[float, float] | None:
         """(The least step time the wire allows at --bandwidth in a phase of the run, the grad sync's seconds in it):
-        the links' (`link_bound_step_seconds`), or a stage's link traffic and then its grad sync, which begins after
-        its last backward pass — that waits for every message of the link after it (for the last stage: the forward
-        ones of the link before it) — whichever is longest; in its costliest step with `costliest_sync`. None without
-        a bandwidth."""
+        each rank's link traffic up to its last backward pass, then its stage's grad sync (after the pipeline's tied
+        copies kept whole are summed), or the links' traffic alone, whichever is longest
+        (`aqpipe.runtime.step_wire`); in the grad sync's costliest step with `costliest_sync`. None without a
+        bandwidth."""
         if self.bandwidth_bits is None:
             return None
-        bound = (self.link_bound_step_seconds(phase) or 0.0, 0.0)
-        for s, stage in enumerate(self.stages):
-            sync = 8 * (stage.sync.costliest if costliest_sync else stage.sync.steady) / self.bandwidth_bits
-            if s < len(self.links):
-                fwd, bwd = self.link_seconds(self.links[s], phase) or (0.0, 0.0)
-                before = max(fwd, bwd) if self.cfg.schedule != "gpipe" else fwd + bwd
-            else:
-                before = (self.link_seconds(self.links[-1], phase) or (0.0, 0.0))[0] if self.links else 0.0
-            bound = max(bound, (before + sync, sync))
-        return bound
+        syncs = [stage.sync.costliest if costliest_sync else stage.sync.steady for stage in self.stages]
+        pipeline = (self.tied.step_bytes - self.tied.row_bytes) // self.cfg.pp if self.tied else 0
+        return least_step_seconds(self.rank_traffic(phase), self.bandwidth_bits, self.cfg.schedule != "gpipe", syncs,
+                                  pipeline)
 
     def phases_ahead(self, first_step: int = 0) -> list[str]:
         """The phases (STEP_PHASES) the run's steps from `first_step` on go through."""
@@ -298,7 +300,7 @@ def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
     # the rows and the gradient's rows, `distinct` each with their indices, streamed as a message per micro-batch
     value_bytes = getattr(torch, ROW_EXCHANGES[cfg.tied_exchange]).itemsize
     rows = sum(2 * (round(distinct) * (value_bytes * width + 8) + cfg.micro_batches * HEADER_SIZE) for width in widths)
-    return TiedNeeds("rows", rows + dense, sum(table_bytes.values()), distinct)
+    return TiedNeeds("rows", rows + dense, sum(table_bytes.values()), distinct, rows)
 
 
 def dense_tied_bytes(table_bytes: int, pp: int, dp: int, in_order: bool = False) -> int:
