@@ -157,3 +157,18 @@ def plot_loss(records: list[dict], path: Path, title: str = "") -> None:
     fig.savefig(image, dpi=110, format="png")
     write_atomic(path, image.getvalue())
     plt.close(fig)
+
+
+def kept_records(out: str | Path, step: int) -> list[dict]:
+    """The metrics records a resumed run keeps: those of steps up to and including `step`."""
+    path = Path(out) / "metrics.jsonl"
+    records: list[dict] = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut short when the run was killed
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+                records.append(record)
+    return records

@@ -384,6 +384,30 @@ def test_a_resume_is_refused_only_while_the_grad_sync_still_has_fp32_first_steps
         assert (cap.steps_outlasting_the_stall_timeout(resumed) is not None) == refused, (step, refused)
 
 
+def test_a_resume_counts_the_fp16_steps_that_skipped_the_grad_sync(tmp_path):
+    """Under fp16 a step whose gradients overflowed skips its update and the grad sync with it, so PowerSGD's two
+    fp32 steps may still be ahead of a run resumed after step 2 (metrics.jsonl records each skipped step): the plan
+    took the steps for syncs and let such a resume meet its costliest steps unannounced."""
+    import dataclasses
+    import json
+
+    from aqpipe.runtime import checkpoint as ck
+
+    cfg = flags_to_config(["--model", "gpt2-tiny", "--pp", "2", "--dp", "2", "--grad-sync", "powersgd:2", "--optimizer",
+                           "sgd", "--precision", "fp16", "--bandwidth", "1mbit", "--stall-timeout", "10", "--steps", "40"],
+                          tmp_path / "run")
+    capacity = cap.plan_capacity(make_plan(cfg))
+    for skipped, refused in ((0, False), (1, True)):
+        run = tmp_path / f"skipped-{skipped}"
+        for rank in range(cfg.world_size):
+            ck.save_rank(run, 2, rank, {}, {})
+        ck.mark_complete(run, 2, cfg.world_size, {})
+        records = [{"step": step, "skipped": step <= skipped} for step in (1, 2)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        resumed = dataclasses.replace(capacity, cfg=dataclasses.replace(cfg, resume=str(run)))
+        assert (cap.steps_outlasting_the_stall_timeout(resumed) is not None) == refused, skipped
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_the_least_step_time_waits_for_each_stage_link_traffic_then_its_own_grad_sync(tmp_path, schedule):
     """A stage's grad sync begins after its last backward pass, which waits for its own link's traffic, not for every

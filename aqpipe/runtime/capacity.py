@@ -26,6 +26,7 @@ from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC, SyncBytes, sync_ste
 from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_bytes, numel
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ConfigError, ResolvedConfig
+from aqpipe.metrics import kept_records
 from aqpipe.pipeline.grid import Grid
 from aqpipe.pipeline.tied import added_in_order, row_tables, tied_groups
 from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
@@ -419,9 +420,11 @@ def steps_outlasting_the_stall_timeout(capacity: CapacityPlan) -> str | None:
     and every collective of a training step give up after it, so the run would fail at its first such step."""
     cfg = capacity.cfg
     first_step = (latest_step(cfg.resume) or 0) if cfg.resume else 0
+    # fp16: a step whose gradients overflowed skipped the grad sync, whose first steps count the syncs it ran
+    skipped = sum(bool(r.get("skipped")) for r in kept_records(cfg.resume, first_step)) if cfg.resume and first_step else 0
     syncs = [s.sync for s in capacity.stages]
     periodic = any(sync.costliest_when == PERIODIC for sync in syncs)
-    costly_first = any(sync.costliest_when == FIRST_STEPS and first_step < sync.costly_steps for sync in syncs)
+    costly_first = any(sync.costliest_when == FIRST_STEPS and first_step - skipped < sync.costly_steps for sync in syncs)
     bounds = []
     for i, phase in enumerate(capacity.phases_ahead(first_step)):
         # the grad sync's costliest step: Marsit's full-precision ones come in every phase, fp32 first steps in the

@@ -18,13 +18,12 @@ from aqpipe.config import ResolvedConfig
 from aqpipe.config.rates import MIN_RATE_BITS
 from aqpipe.data.dataset import export_tokenizer
 from aqpipe.disk import DiskFullError, save_atomic, writing
-from aqpipe.metrics import MetricsLog, plot_loss, summarize, write_json
+from aqpipe.metrics import MetricsLog, kept_records, plot_loss, summarize, write_json
 from aqpipe.pipeline import comm, present
 from aqpipe.pipeline.grid import Grid, collective_device, gather_rows
 from aqpipe.pipeline.step_stats import COMBINED, INTEGER_FIELDS, STAT_FIELDS, StepStats
 from aqpipe.runtime.events import progress
 from aqpipe.runtime.plan import RunPlan
-from aqpipe.runtime.resume import kept_records
 from aqpipe.stages.export import export_adapter, export_hf
 from aqpipe.stages.lora import adapter_state, merged_state
 from aqpipe.stages.models import tokenizer_directory

@@ -3,7 +3,6 @@ grad-sync (error feedback) and, for an in-memory store, m(ξ) itself; and resumi
 
 from __future__ import annotations
 
-import json
 import socket
 import sys
 from pathlib import Path
@@ -159,18 +158,3 @@ def agreed_step(run: str | Path, rank: int, settings: dict) -> int:
 def describe(out: str | Path, step: int, rank: int) -> str:
     """The file a rank's checkpoint lives in, for messages."""
     return str(rank_file(step_dir(out, step), rank))
-
-
-def kept_records(out: str | Path, step: int) -> list[dict]:
-    """The metrics records a resumed run keeps: those of steps up to and including `step`."""
-    path = Path(out) / "metrics.jsonl"
-    records: list[dict] = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line cut short when the run was killed
-            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-                records.append(record)
-    return records
