@@ -224,3 +224,27 @@ def test_the_launcher_checks_the_ranks_files_side_by_side(tmp_path, monkeypatch)
     both_at_once.reset()
     with pytest.raises(ck.CheckpointError, match="rank-1.pt is damaged"):
         ck.verify(tmp_path, 3, 4, SETTINGS)
+
+
+@pytest.mark.parametrize("damage", ["checksum not text", "file unreadable"])
+def test_a_checksum_line_that_is_not_text_or_a_file_that_cannot_be_read_is_a_checkpoint_error(tmp_path, monkeypatch, damage):
+    """Every way a rank's file can be bad is a CheckpointError naming it: a UnicodeDecodeError or OSError escaped
+    instead (a traceback in the launcher, and under torchrun one rank leaving the others to agree without it)."""
+    _save(tmp_path, 3)
+    victim = ck.rank_file(ck.step_dir(tmp_path, 3), 1)
+    if damage == "checksum not text":
+        victim.with_suffix(".sha256").write_bytes(b"\xff\xfe\x00garbage")
+    else:
+        original = ck._sha256_of
+
+        def unreadable(file):
+            if file.name == str(victim):
+                raise OSError(5, "Input/output error")
+            return original(file)
+
+        monkeypatch.setattr(ck, "_sha256_of", unreadable)
+    with pytest.raises(ck.CheckpointError, match="rank-1") as err:
+        ck.verify(tmp_path, 3, 2, SETTINGS)
+    assert str(victim) in str(err.value)
+    with pytest.raises(ck.CheckpointError):
+        ck.check_rank(tmp_path, 3, 1, SETTINGS)

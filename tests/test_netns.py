@@ -519,3 +519,32 @@ def test_a_signal_as_the_state_file_is_written_leaves_no_state_file(tmp_path, mo
             signal.signal(sig, handler)
     assert ran == []  # nothing built
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_signal_as_the_topology_is_handed_to_the_launcher_still_removes_it(tmp_path, monkeypatch):
+    """Between `netns.create` returning (its own deferral over) and the launcher's clean-up taking charge, a signal
+    left the built topology behind until some later launch found it stale."""
+    from aqpipe.config import build_config, resolve
+    from aqpipe.launch import job
+    from aqpipe.launch.signals import interrupts_raise
+
+    built, removed = [], []
+
+    def create(ranks, rate_bits, **kwargs):
+        built.append(netns.Topology("handed", ranks, rate_bits, os.getpid()))
+        os.kill(os.getpid(), signal.SIGTERM)  # (a handler that raises runs at once, here)
+        return built[-1]
+
+    monkeypatch.setattr(netns, "create", create)
+    monkeypatch.setattr(netns, "destroy", lambda topo: removed.append(topo) or [])
+    cfg = resolve(build_config({}, {"bandwidth": "100mbit", "pp": 2, "out": str(tmp_path / "run")}))
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        interrupts_raise()
+        with pytest.raises(KeyboardInterrupt):
+            with job._topology(cfg):
+                pytest.fail("the interrupt must be taken before the run starts")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert removed == built and len(built) == 1

@@ -57,16 +57,19 @@ def test_a_rank_whose_launcher_checked_the_newest_checkpoint_hashes_nothing(tmp_
     assert [value for _, value in results] == [(8, 80.0, []), (8, 81.0, [])], results
 
 
-@pytest.mark.parametrize("trouble", ["damaged", "incomplete"])
+@pytest.mark.parametrize("trouble", ["damaged", "missing", "incomplete"])
 def test_the_ranks_fall_back_together_to_the_newest_checkpoint_sound_everywhere(tmp_path, trouble):
-    """Rank 1's newest file damaged (or that step never completed on its host): every rank resumes from the older one."""
+    """Rank 1's newest file damaged or missing, or the newest step never marked complete: every rank resumes from
+    the older one."""
     for step in (4, 8):
         _save(tmp_path, step)
     newest = ck.rank_file(ck.step_dir(tmp_path, 8), 1)
     if trouble == "damaged":
         newest.write_bytes(newest.read_bytes()[:-10])
-    else:
+    elif trouble == "missing":
         newest.unlink()
+    else:
+        (ck.step_dir(tmp_path, 8) / "COMPLETE").unlink()
     results = run_ranks(_load_counting_reads, 2, str(tmp_path))
     for rank, (status, value) in enumerate(results):
         assert status == "ok", value

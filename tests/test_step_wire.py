@@ -45,3 +45,10 @@ def test_a_stages_grad_sync_follows_its_own_traffic_and_a_pipeline_exchange_wait
     # tied copies summed over the pipeline (3 s a rank) wait for the slowest rank's 2 s, then the slowest sync
     seconds, sync = least_step_seconds(traffic, BITS, True, [5 * MB, MB, 0], pipeline_bytes=3 * MB)
     assert (seconds, sync) == pytest.approx((10.0, 5.0))
+
+
+def test_a_grad_sync_per_rank_or_it_is_refused():
+    """Fewer syncs than ranks would have dropped the rest silently (a smaller bound)."""
+    with pytest.raises(ValueError, match="1 grad syncs for 2 ranks"):
+        least_step_seconds(rank_traffic([(MB, MB)]), BITS, True, [MB])
+    assert least_step_seconds(rank_traffic([]), BITS, True, [5 * MB]) == pytest.approx((5.0, 5.0))  # one stage

@@ -46,7 +46,7 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
 
         rank, world_size = rank_from_env()
         try:
-            run_worker(cfg, rank, world_size, spec_factory, launcher_checked=False)
+            run_worker(cfg, rank, world_size, spec_factory)
         except CheckpointError as e:  # every rank finds the same: one line each, exit 2
             raise ConfigError(str(e)) from None
         return 0
@@ -182,21 +182,28 @@ def _drop_damaged_stores(cfg: ResolvedConfig) -> None:
 @contextlib.contextmanager
 def _topology(cfg: ResolvedConfig):
     """The throttled namespaces of a --bandwidth run; a failure to build them is a configuration error."""
+    topology = None
     try:
-        topology = netns.create(cfg.world_size, netns.parse_rate(str(cfg.bandwidth)))
-    except netns.NetnsError as e:
-        raise ConfigError(f"--bandwidth {cfg.bandwidth}: {e}") from None
-    print(f"aqpipe: every rank in its own network namespace (aqpipe-{topology.name}-*), links shaped to "
-          f"{format_rate(topology.rate_bits)} by tc tbf", file=sys.stderr, flush=True)
-    try:
+        # a signal between the topology's being built and its being in our hands would leave it behind: it is
+        # taken once the topology is ours (and removed on the way out)
+        with deferred_interrupts() as received:
+            try:
+                topology = netns.create(cfg.world_size, netns.parse_rate(str(cfg.bandwidth)))
+            except netns.NetnsError as e:
+                raise ConfigError(f"--bandwidth {cfg.bandwidth}: {e}") from None
+        if received:
+            raise KeyboardInterrupt(f"signal {received[0]}")
+        print(f"aqpipe: every rank in its own network namespace (aqpipe-{topology.name}-*), links shaped to "
+              f"{format_rate(topology.rate_bits)} by tc tbf", file=sys.stderr, flush=True)
         yield topology
     finally:
-        with deferred_interrupts():  # a second Ctrl-C must not leave namespaces behind
-            start = time.monotonic()
-            netns.destroy(topology)
-            if time.monotonic() - start > 2.0:  # the kernel can be slow to tear namespaces down; say so
-                print(f"aqpipe: removing the network namespaces took {time.monotonic() - start:.0f} s",
-                      file=sys.stderr, flush=True)
+        if topology is not None:
+            with deferred_interrupts():  # a second Ctrl-C must not leave namespaces behind
+                start = time.monotonic()
+                netns.destroy(topology)
+                if time.monotonic() - start > 2.0:  # the kernel can be slow to tear namespaces down; say so
+                    print(f"aqpipe: removing the network namespaces took {time.monotonic() - start:.0f} s",
+                          file=sys.stderr, flush=True)
 
 
 def _announce(cfg: ResolvedConfig, plan) -> None:

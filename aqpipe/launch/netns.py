@@ -167,7 +167,7 @@ def create(ranks: int, rate_bits: int, name: str | None = None, manual: bool = F
             with deferred_interrupts() as received:
                 _state_file(name).write_text(json.dumps(asdict(topo)))
                 _build(topo, received)
-                _stop_if(received)  # (one that came during the last command)
+            _stop_if(received)  # (one that came during the last command, or since)
         except BaseException:
             with deferred_interrupts():  # interrupted mid-way (Ctrl-C, SIGTERM): remove what was built, whatever comes
                 _destroy(name)

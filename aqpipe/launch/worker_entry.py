@@ -43,7 +43,7 @@ def run_rank(spec_factory=None) -> int:
     try:
         cfg = ResolvedConfig(**json.loads(os.environ[CONFIG_ENV]))
         out = cfg.out
-        run_worker(cfg, rank, world_size, spec_factory)
+        run_worker(cfg, rank, world_size, spec_factory, launcher_checked=True)  # (`aqpipe launch` started it)
         return 0
     except BaseException as e:  # noqa: BLE001 - every failure is reported, then the process ends
         if isinstance(e, KeyboardInterrupt):

@@ -13,7 +13,6 @@ measured on the meta device (`aqpipe.runtime.codec_graphs`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +94,11 @@ class LinkNeeds:
     store_side_bytes: int  # one side's m(ξ) values (0 unless the link runs AQ-SGD)
     first_fwd_bytes: int = 0  # a compressing step whose samples are all first sights (AQ-SGD: --first-sight)
 
+    def phase_bytes(self, phase: str) -> tuple[int, int]:
+        """Payload bytes (forward, backward) per step in a phase of the run (STEP_PHASES)."""
+        return {STEADY: (self.fwd_bytes, self.bwd_bytes), WARM_UP: (self.warmup_fwd_bytes, self.warmup_bwd_bytes),
+                FIRST_EPOCH: (self.first_fwd_bytes, self.bwd_bytes)}[phase]
+
     def run_bytes(self, steps: int, steps_per_epoch: int, warmup_epochs: int) -> tuple[int, int]:
         """Payload bytes (forward, backward) over a run of `steps`: the warm-up epochs lossless, then — when no
         warm-up seeded m(ξ) — a first epoch of first sights, then deltas."""
@@ -153,23 +157,19 @@ class CapacityPlan:
         without a bandwidth."""
         if self.bandwidth_bits is None:
             return None
-        fwd, bwd = {STEADY: (link.fwd_bytes, link.bwd_bytes), WARM_UP: (link.warmup_fwd_bytes, link.warmup_bwd_bytes),
-                    FIRST_EPOCH: (link.first_fwd_bytes, link.bwd_bytes)}[phase]
+        fwd, bwd = link.phase_bytes(phase)
         return 8 * fwd / self.bandwidth_bits, 8 * bwd / self.bandwidth_bits
 
     def link_bound_step_seconds(self, phase: str = STEADY) -> float | None:
         """The least step time the links alone allow (activations, gradients and a tied table's rows; every rank
-        behind a link of its own: `aqpipe.runtime.step_wire`); None without a bandwidth."""
+        behind a link of its own: `aqpipe.runtime.step_wire`); 0 for a single stage, None without a bandwidth."""
         if self.bandwidth_bits is None:
             return None
         return links_seconds(self.rank_traffic(phase), self.bandwidth_bits, self.cfg.schedule != "gpipe")
 
     def rank_traffic(self, phase: str = STEADY) -> list[RankTraffic]:
         """What each stage's rank (of one replica) sends and receives per step in a phase of the run."""
-        per_link = {STEADY: lambda link: (link.fwd_bytes, link.bwd_bytes),
-                    WARM_UP: lambda link: (link.warmup_fwd_bytes, link.warmup_bwd_bytes),
-                    FIRST_EPOCH: lambda link: (link.first_fwd_bytes, link.bwd_bytes)}[phase]
-        return rank_traffic([per_link(link) for link in self.links], self.tied.row_bytes // 2 if self.tied else 0)
+        return rank_traffic([link.phase_bytes(phase) for link in self.links], self.tied.row_bytes // 2 if self.tied else 0)
 
     def sync_seconds(self, costliest: bool = False) -> float | None:
         """Seconds on the wire at --bandwidth of the slowest stage's grad sync in a step (in its costliest step with
@@ -263,7 +263,7 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
     link_shapes = [link.activation_shape for link in links]
     for s, trace in enumerate(traced):
         (params, trainable), act, shapes = trace.counts, trace.activation_bytes, trace.synced_shapes
-        held = sum(math.prod(shape) for shape in shapes)  # what its optimizer and grad sync hold (not a row cache)
+        held = sum(numel(shape) for shape in shapes)  # what its optimizer and grad sync hold (not a row cache)
         sides = [links[k].store_side_bytes for k in (s - 1, s) if 0 <= k < cfg.pp - 1]
         stages.append(StageNeeds(
             s, (plan.bounds[s], plan.bounds[s + 1]), params, trainable, 4 * params, 4 * trainable,

@@ -275,9 +275,12 @@ def _read_checked(path: Path, rank: int, step: int, digest: str | None = None) -
     checksum = path.with_suffix(".sha256")
     if not checksum.is_file():
         raise CheckpointError(f"checkpoint file {path} has no checksum file {checksum.name} (interrupted write)")
-    fields = checksum.read_text().split()
-    with open(path, "rb") as f:
-        sha = _sha256_of(f)
+    try:
+        fields = checksum.read_text().split()
+        with open(path, "rb") as f:
+            sha = _sha256_of(f)
+    except (OSError, ValueError) as e:  # (a checksum line that is not text: UnicodeDecodeError)
+        raise CheckpointError(f"checkpoint file {path} or its {checksum.name} cannot be read: {e}") from None
     if not fields or sha != fields[0]:
         raise CheckpointError(f"checkpoint file {path} is damaged or truncated: its SHA-256 does not match {checksum.name}")
     tags = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
@@ -298,9 +301,10 @@ def _sha256_of(file: BinaryIO) -> str:
 
 
 def load_rank(out: str | Path, step: int, rank: int, settings: dict | None = None, checked: bool = False) -> dict:
-    """One rank's checkpointed state, checked (against `settings` too, when given; not again when this process has
-    just `checked` it with `check_rank`) and loaded with `weights_only=True`, each tensor read from the file into its
-    own memory (the file is not read whole first)."""
+    """One rank's checkpointed state, checked (against `settings` too, when given; not again when it was just
+    `checked`: by `check_rank` in this process, or by `verify` in the launcher that started it, holding the run
+    directory since) and loaded with `weights_only=True`, each tensor read from the file into its own memory (the file
+    is not read whole first)."""
     path = rank_file(step_dir(out, step), rank)
     if not checked:
         _read_checked(path, rank, step, settings_digest(settings) if settings is not None else None)

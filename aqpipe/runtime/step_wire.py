@@ -58,6 +58,8 @@ def least_step_seconds(traffic: list[RankTraffic], bits_per_second: float, overl
     backward pass then its stage's grad sync (`sync_bytes` per rank's link), or — with `pipeline_bytes` per rank for
     tied copies kept whole — every rank's backward passes, that exchange, and the slowest grad sync; or the links'
     traffic alone, whichever is longest."""
+    if len(sync_bytes) != len(traffic):
+        raise ValueError(f"{len(sync_bytes)} grad syncs for {len(traffic)} ranks' traffic")
     before = _before_sync(traffic, bits_per_second, overlapped)
     syncs = [8 * b / bits_per_second for b in sync_bytes]
     bound = (max(before, default=0.0), 0.0)

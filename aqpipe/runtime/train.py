@@ -45,11 +45,11 @@ from aqpipe.storage.lmdb_store import store_path
 from aqpipe.storage.memory import in_memory
 
 
-def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=None, launcher_checked: bool = True
+def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=None, launcher_checked: bool = False
                ) -> dict | None:
-    """Train this rank's stage for the whole run; returns the summary on rank 0 (None elsewhere). Without
-    `launcher_checked` (torchrun, DeepSpeed: no `aqpipe launch` checked the run's LMDB stores and its newest
-    checkpoint before a resume) each rank checks its own, on its own host."""
+    """Train this rank's stage for the whole run; returns the summary on rank 0 (None elsewhere). `launcher_checked`:
+    `aqpipe launch` started this rank after checking the run's LMDB stores and every rank's file of its newest
+    checkpoint; without it (torchrun, DeepSpeed) each rank checks its own, on its own host."""
     if world_size != cfg.world_size:
         raise ConfigError(f"the launcher started {world_size} processes but --pp {cfg.pp} x --dp {cfg.dp} needs "
                           f"{cfg.world_size}")
