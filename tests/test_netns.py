@@ -1,5 +1,6 @@
 """Throttled topologies: tc tbf really caps a link, runs slow down with the rate, and nothing is left behind."""
 
+import contextlib
 import json
 import os
 import re
@@ -39,6 +40,20 @@ def assert_nothing_left(before: dict[str, str], names: set[str]) -> None:
     assert left_of(names) == []
     now = network_state()
     assert (now["links"], now["qdiscs"]) == (before["links"], before["qdiscs"])
+
+
+@contextlib.contextmanager
+def raising_interrupts():
+    """SIGINT and SIGTERM raise KeyboardInterrupt inside the block, as in the launcher; the test's handlers after it."""
+    from aqpipe.launch.signals import interrupts_raise
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        interrupts_raise()
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def network_state() -> dict[str, str]:
@@ -408,8 +423,6 @@ def test_a_signal_during_setup_never_cuts_an_ip_command_short_and_the_build_stop
     command instead, it could leave its `ip` process running unattended (an interrupt while the child starts escapes
     `subprocess.run` without killing it), which went on to make a namespace after the cleanup had listed them: seen
     as a leftover bridge namespace in CI."""
-    from aqpipe.launch.signals import interrupts_raise
-
     monkeypatch.setenv("AQPIPE_NETNS_STATE", str(tmp_path))
     monkeypatch.setattr(netns, "can_throttle", lambda: None)
     monkeypatch.setattr(netns, "_namespaces", lambda: [])
@@ -423,14 +436,8 @@ def test_a_signal_during_setup_never_cuts_an_ip_command_short_and_the_build_stop
         return ""
 
     monkeypatch.setattr(netns, "_run", run)
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        interrupts_raise()
-        with pytest.raises(KeyboardInterrupt):
-            netns.create(2, 10**8, name="sig")
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with raising_interrupts(), pytest.raises(KeyboardInterrupt):
+        netns.create(2, 10**8, name="sig")
     assert ran == finished and len(ran) == at  # (2 ranks, one bridge: 22 commands in all)
     assert ran[0] == ("ip", "netns", "add", f"{netns.PREFIX}sig-br")
     assert not list(tmp_path.glob("*.json"))
@@ -493,8 +500,6 @@ def test_a_signal_as_the_state_file_is_written_leaves_no_state_file(tmp_path, mo
     """The state file is written first, so a build cut short can be cleaned up; an interrupt that came while it was
     being written (before the cleanup's `try`) left it behind with nothing built: seen in CI, where the test above
     it signals the launcher as soon as the file appears."""
-    from aqpipe.launch.signals import interrupts_raise
-
     monkeypatch.setenv("AQPIPE_NETNS_STATE", str(tmp_path))
     monkeypatch.setattr(netns, "can_throttle", lambda: None)
     monkeypatch.setattr(netns, "_namespaces", lambda: [])
@@ -509,14 +514,8 @@ def test_a_signal_as_the_state_file_is_written_leaves_no_state_file(tmp_path, mo
         return written
 
     monkeypatch.setattr(Path, "write_text", write_then_signal)
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        interrupts_raise()
-        with pytest.raises(KeyboardInterrupt):
-            netns.create(2, 10**8, name="sigfile")
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with raising_interrupts(), pytest.raises(KeyboardInterrupt):
+        netns.create(2, 10**8, name="sigfile")
     assert ran == []  # nothing built
     assert not list(tmp_path.glob("*.json"))
 
@@ -526,7 +525,6 @@ def test_a_signal_as_the_topology_is_handed_to_the_launcher_still_removes_it(tmp
     left the built topology behind until some later launch found it stale."""
     from aqpipe.config import build_config, resolve
     from aqpipe.launch import job
-    from aqpipe.launch.signals import interrupts_raise
 
     built, removed = [], []
 
@@ -538,13 +536,6 @@ def test_a_signal_as_the_topology_is_handed_to_the_launcher_still_removes_it(tmp
     monkeypatch.setattr(netns, "create", create)
     monkeypatch.setattr(netns, "destroy", lambda topo: removed.append(topo) or [])
     cfg = resolve(build_config({}, {"bandwidth": "100mbit", "pp": 2, "out": str(tmp_path / "run")}))
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        interrupts_raise()
-        with pytest.raises(KeyboardInterrupt):
-            with job._topology(cfg):
-                pytest.fail("the interrupt must be taken before the run starts")
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with raising_interrupts(), pytest.raises(KeyboardInterrupt), job._topology(cfg):
+        pytest.fail("the interrupt must be taken before the run starts")
     assert removed == built and len(built) == 1
