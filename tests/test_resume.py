@@ -86,3 +86,14 @@ def test_no_checkpoint_sound_on_every_host_is_an_error_naming_what_each_holds(tm
     for status, text in results:
         assert status == "error" and "no checkpoint is complete and sound on every host" in text, text
         assert "rank 0 on" in text and "4 (damaged)" in text, text
+
+
+def test_a_rank_that_cannot_load_its_file_stops_every_rank_with_its_reason(tmp_path):
+    """A file that passed its check but fails to load (damaged since the launcher hashed it) failed that rank alone;
+    the others went on into the resume's collectives and waited there for the time-out."""
+    _save(tmp_path, 4)
+    victim = ck.rank_file(ck.step_dir(tmp_path, 4), 1)
+    victim.write_bytes(victim.read_bytes()[:200])
+    results = run_ranks(_load_counting_reads, 2, str(tmp_path), True)
+    for status, text in results:
+        assert status == "error" and "rank 1 cannot resume" in text and "rank-1.pt cannot be loaded" in text, text

@@ -116,7 +116,19 @@ def load_agreed(run: str | Path, rank: int, settings: dict, launcher_checked: bo
     step = latest_step(run) if launcher_checked else agreed_step(run, rank, settings)
     if step is None:
         raise CheckpointError(f"--resume {run}: no complete checkpoint")
-    return step, load_rank(run, step, rank, settings, checked=True)  # (checked this very file, as said)
+    state, problem = None, None
+    try:
+        state = load_rank(run, step, rank, settings, checked=True)  # (checked this very file, as said)
+    except CheckpointError as e:
+        problem = str(e)
+    # every rank stops if one cannot load its part (rather than the others waiting in the resume's collectives)
+    problems: list = [None] * dist.get_world_size()
+    comm.all_gather_object(problems, problem, comm.SETUP)
+    failed = [(r, text) for r, text in enumerate(problems) if text is not None]
+    if failed:
+        raise CheckpointError(f"rank {failed[0][0]} cannot resume from step {step}: {failed[0][1]}")
+    assert state is not None
+    return step, state
 
 
 def agreed_step(run: str | Path, rank: int, settings: dict) -> int:
