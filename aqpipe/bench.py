@@ -9,8 +9,9 @@ For the run its flags describe (the same flags as `aqpipe launch`), it measures
   `--bandwidth` when the real links are slower than that (a shaped or wide-area link: this command cannot measure
   a link between hosts, so give its rate there);
 then recommends the highest `--fw aqsgd:B --bw directq:2B` (gradients at twice the bits, the AQ-SGD paper's
-pairing) whose wire time per micro-batch each way stays within the slowest stage's compute, so a 1F1B schedule
-keeps both link directions busy without making the link the bottleneck.
+pairing) whose wire time per micro-batch on the busiest rank's link (from three stages on, a middle stage's: its
+activations and its gradients) stays within the slowest stage's compute, so a 1F1B schedule keeps the links busy
+without making them the bottleneck.
 """
 
 from __future__ import annotations
@@ -158,8 +159,10 @@ def loopback_rate(nbytes: int = 64 << 20) -> float:
 
 def recommend(link: LinkNeeds, cfg: ResolvedConfig, rate: float, compute: float
               ) -> tuple[int, bool, dict[int, tuple[float, float]]]:
-    """The highest fw bits whose wire time per micro-batch, each way, fits within `compute` seconds; whether even
-    the fewest bits leave the link the bottleneck; and the wire times per candidate."""
+    """The highest fw bits whose wire time per micro-batch on the busiest rank's link fits within `compute` seconds;
+    whether even the fewest bits leave the link the bottleneck; and the wire times (forward, backward) per candidate.
+    Each rank is behind a link of its own: with two stages each sends one direction, but a middle stage sends its
+    activations forward and its gradients backward over its link (`aqpipe.runtime.step_wire`)."""
     options = QuantOptions.of(cfg)
     dtype = getattr(torch, link.activation_dtype)
     wire = {}
@@ -167,7 +170,8 @@ def recommend(link: LinkNeeds, cfg: ResolvedConfig, rate: float, compute: float
         fw = steady_payload_bytes(f"aqsgd:{bits}", "fw", link.activation_shape, dtype, options)
         bw = steady_payload_bytes(f"directq:{min(2 * bits, 8)}", "bw", link.activation_shape, torch.float32, options)
         wire[bits] = (fw / rate, bw / rate)
-    fitting = [b for b in FW_BITS if max(wire[b]) <= compute]
+    busiest = max if cfg.pp < 3 else sum
+    fitting = [b for b in FW_BITS if busiest(wire[b]) <= compute]
     return (fitting[0], False, wire) if fitting else (FW_BITS[-1], True, wire)
 
 

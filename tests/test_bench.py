@@ -1,6 +1,8 @@
 """`aqpipe bench` (aqpipe.bench): it measures the run's stages, codecs and link on this machine, and recommends the
 most faithful AQ-SGD bits whose wire time per micro-batch stays within the slowest stage's compute."""
 
+import pytest
+
 from aqpipe.bench import FW_BITS, loopback_rate, recommend
 from aqpipe.cli import main
 from aqpipe.config import RunConfig, resolve
@@ -13,12 +15,17 @@ def link() -> LinkNeeds:
     return LinkNeeds(0, SHAPE, "float32", 0, 0, 0, 0, 0)
 
 
-def test_the_recommendation_is_the_most_bits_whose_wire_time_fits_the_compute():
-    cfg = resolve(RunConfig(model="gpt2-tiny", device="cpu"))
+@pytest.mark.parametrize("pp", [2, 4])
+def test_the_recommendation_is_the_most_bits_whose_wire_time_fits_the_compute(pp):
+    """Each rank is behind a link of its own: with two stages each sends one direction of the one link, but from three
+    stages on a middle rank sends its activations forward and its gradients backward over its link, both per
+    micro-batch. The recommendation took the larger of the two for any pipeline, and so could leave a middle rank's
+    link the bottleneck (at 2x the compute)."""
+    cfg = resolve(RunConfig(model="gpt2-tiny", pp=pp, device="cpu"))
     compute = 0.05
     for rate in (1e3, 1e5, 3e5, 1e6, 1e7, 1e9):
         bits, bound, wire = recommend(link(), cfg, rate, compute)
-        fitting = [b for b in FW_BITS if max(wire[b]) <= compute]
+        fitting = [b for b in FW_BITS if (max(wire[b]) if pp == 2 else sum(wire[b])) <= compute]
         assert bits == (fitting[0] if fitting else 2) and bound == (not fitting)
         assert all(wire[a][0] > wire[b][0] for a, b in zip(FW_BITS, FW_BITS[1:]))  # fewer bits, fewer bytes
     assert recommend(link(), cfg, 1e3, compute)[:2] == (2, True)  # a link far too slow: the fewest bits, link-bound
