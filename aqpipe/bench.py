@@ -162,7 +162,8 @@ def recommend(link: LinkNeeds, cfg: ResolvedConfig, rate: float, compute: float
     """The highest fw bits whose wire time per micro-batch on the busiest rank's link fits within `compute` seconds;
     whether even the fewest bits leave the link the bottleneck; and the wire times (forward, backward) per candidate.
     Each rank is behind a link of its own: with two stages each sends one direction, but a middle stage sends its
-    activations forward and its gradients backward over its link (`aqpipe.runtime.step_wire`)."""
+    activations forward and its gradients backward over its link, at once under 1F1B, which the advice sets
+    (`aqpipe.runtime.step_wire`; a tied table's rows on the end stages' links are left out)."""
     options = QuantOptions.of(cfg)
     dtype = getattr(torch, link.activation_dtype)
     wire = {}

@@ -520,22 +520,32 @@ def test_a_signal_as_the_state_file_is_written_leaves_no_state_file(tmp_path, mo
     assert not list(tmp_path.glob("*.json"))
 
 
-def test_a_signal_as_the_topology_is_handed_to_the_launcher_still_removes_it(tmp_path, monkeypatch):
-    """Between `netns.create` returning (its own deferral over) and the launcher's clean-up taking charge, a signal
-    left the built topology behind until some later launch found it stale."""
-    from aqpipe.config import build_config, resolve
+@pytest.mark.parametrize("when", ["handed over", "before anything is built", "a name clash"])
+def test_the_launcher_removes_its_topology_whenever_a_signal_comes_and_only_its_own(tmp_path, monkeypatch, when):
+    """A signal between `netns.create` returning (its own clean-up over) and the launcher's clean-up taking charge
+    left the built topology behind until some later launch found it stale. A signal before anything is built (create
+    waiting for another launch's lock) stops the launch at once with nothing to remove; a name clash is another
+    launch's topology, a configuration error, and not removed."""
+    from aqpipe.config import ConfigError, build_config, resolve
     from aqpipe.launch import job
 
-    built, removed = [], []
+    registered, removed = set(), []
 
-    def create(ranks, rate_bits, **kwargs):
-        built.append(netns.Topology("handed", ranks, rate_bits, os.getpid()))
-        os.kill(os.getpid(), signal.SIGTERM)  # (a handler that raises runs at once, here)
-        return built[-1]
+    def create(ranks, rate_bits, name, **kwargs):
+        if when == "a name clash":
+            registered.add(name)  # (the other launch's)
+            raise netns.NetnsError(f"a topology named {name!r} exists already")
+        if when == "before anything is built":
+            os.kill(os.getpid(), signal.SIGTERM)  # (a handler that raises runs at once, here)
+        registered.add(name)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return netns.Topology(name, ranks, rate_bits, os.getpid())
 
     monkeypatch.setattr(netns, "create", create)
-    monkeypatch.setattr(netns, "destroy", lambda topo: removed.append(topo) or [])
+    monkeypatch.setattr(netns, "registered", lambda name: name in registered)
+    monkeypatch.setattr(netns, "destroy", lambda name: removed.append(name) or [])
     cfg = resolve(build_config({}, {"bandwidth": "100mbit", "pp": 2, "out": str(tmp_path / "run")}))
-    with raising_interrupts(), pytest.raises(KeyboardInterrupt), job._topology(cfg):
-        pytest.fail("the interrupt must be taken before the run starts")
-    assert removed == built and len(built) == 1
+    expected = ConfigError if when == "a name clash" else KeyboardInterrupt
+    with raising_interrupts(), pytest.raises(expected), job._topology(cfg):
+        pytest.fail("the run must not start")
+    assert removed == (list(registered) if when == "handed over" else [])

@@ -182,25 +182,24 @@ def _drop_damaged_stores(cfg: ResolvedConfig) -> None:
 @contextlib.contextmanager
 def _topology(cfg: ResolvedConfig):
     """The throttled namespaces of a --bandwidth run; a failure to build them is a configuration error."""
-    topology = None
+    # named here, so that a signal between the topology's being built and its being handed over (create's own
+    # clean-up over, ours not begun) still finds it to remove; a name clash (another launch's) is not ours to remove
+    name, ours = netns.new_name(), True
     try:
-        # a signal between the topology's being built and its being in our hands would leave it behind: it is
-        # taken once the topology is ours (and removed on the way out)
-        with deferred_interrupts() as received:
-            try:
-                topology = netns.create(cfg.world_size, netns.parse_rate(str(cfg.bandwidth)))
-            except netns.NetnsError as e:
-                raise ConfigError(f"--bandwidth {cfg.bandwidth}: {e}") from None
-        if received:
-            raise KeyboardInterrupt(f"signal {received[0]}")
+        try:
+            topology = netns.create(cfg.world_size, netns.parse_rate(str(cfg.bandwidth)), name=name)
+        except netns.NetnsError as e:
+            ours = False  # (create left nothing behind)
+            raise ConfigError(f"--bandwidth {cfg.bandwidth}: {e}") from None
         print(f"aqpipe: every rank in its own network namespace (aqpipe-{topology.name}-*), links shaped to "
               f"{format_rate(topology.rate_bits)} by tc tbf", file=sys.stderr, flush=True)
         yield topology
     finally:
-        if topology is not None:
+        if ours:
             with deferred_interrupts():  # a second Ctrl-C must not leave namespaces behind
                 start = time.monotonic()
-                netns.destroy(topology)
+                if netns.registered(name):
+                    netns.destroy(name)
                 if time.monotonic() - start > 2.0:  # the kernel can be slow to tear namespaces down; say so
                     print(f"aqpipe: removing the network namespaces took {time.monotonic() - start:.0f} s",
                           file=sys.stderr, flush=True)

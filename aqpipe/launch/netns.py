@@ -142,6 +142,16 @@ def _registry_lock() -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def new_name() -> str:
+    """A fresh topology name (six hex digits)."""
+    return secrets.token_hex(3)
+
+
+def registered(name: str) -> bool:
+    """Whether a topology of this name has its state file (written before anything is built, removed after all)."""
+    return _state_file(name).exists()
+
+
 def create(ranks: int, rate_bits: int, name: str | None = None, manual: bool = False,
            slow_link_bits: int = 0) -> Topology:
     """Build a topology (removing stale ones of dead launchers first); on any failure nothing is left behind.
@@ -152,7 +162,7 @@ def create(ranks: int, rate_bits: int, name: str | None = None, manual: bool = F
     problem = can_throttle()
     if problem:
         raise NetnsError(problem)
-    name = name or secrets.token_hex(3)
+    name = name or new_name()
     if not re.fullmatch(r"[a-z0-9]{1,12}", name):
         raise NetnsError(f"bad topology name {name!r}: use 1 to 12 lower-case letters or digits")
     topo = Topology(name, ranks, rate_bits, 0 if manual else os.getpid(), slow_link_bits)
