@@ -33,6 +33,7 @@ from aqpipe.pipeline.transport import Header
 from aqpipe.runtime.capacity import LinkNeeds, TiedNeeds, plan_capacity, steady_payload_bytes
 from aqpipe.runtime.capacity_table import format_tied
 from aqpipe.runtime.plan import RunPlan
+from aqpipe.runtime.step_wire import links_seconds, rank_traffic
 from aqpipe.storage import StoreView, memory_store
 
 FW_BITS = (8, 6, 4, 3, 2)  # the AQ-SGD widths the recommendation chooses among, most faithful first
@@ -166,13 +167,13 @@ def recommend(link: LinkNeeds, cfg: ResolvedConfig, rate: float, compute: float
     (`aqpipe.runtime.step_wire`; a tied table's rows on the end stages' links are left out)."""
     options = QuantOptions.of(cfg)
     dtype = getattr(torch, link.activation_dtype)
-    wire = {}
+    wire, busiest = {}, {}
     for bits in FW_BITS:
         fw = steady_payload_bytes(f"aqsgd:{bits}", "fw", link.activation_shape, dtype, options)
         bw = steady_payload_bytes(f"directq:{min(2 * bits, 8)}", "bw", link.activation_shape, torch.float32, options)
         wire[bits] = (fw / rate, bw / rate)
-    busiest = max if cfg.pp < 3 else sum
-    fitting = [b for b in FW_BITS if busiest(wire[b]) <= compute]
+        busiest[bits] = links_seconds(rank_traffic([(fw, bw)] * (cfg.pp - 1)), 8 * rate, overlapped=True)
+    fitting = [b for b in FW_BITS if busiest[b] <= compute]
     return (fitting[0], False, wire) if fitting else (FW_BITS[-1], True, wire)
 
 
