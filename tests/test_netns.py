@@ -1,10 +1,7 @@
 """Throttled topologies: tc tbf really caps a link, runs slow down with the rate, and nothing is left behind."""
 
-import contextlib
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,58 +10,14 @@ import pytest
 
 from aqpipe.cli import main
 from aqpipe.launch import netns
-from tests.processes import finish, none_left, start_run, tagged_processes
+from tests.netns_state import CANNOT, assert_nothing_left, needs_root, network_state, topologies_in
+from tests.processes import finish, tagged_processes
 
 REPO = Path(__file__).resolve().parent.parent
-CANNOT = netns.can_throttle()
 # One xdist worker runs these (their throttled transfers measure rates); but nothing here relies on it: a test checks
 # only the topologies it made and the machine's own namespace, which no topology touches, so another worker's
 # topologies may come and go meanwhile (pytest 9.2 broke xdist's loadgroup: pytest-dev/pytest-xdist#1386).
 pytestmark = pytest.mark.xdist_group("netns")
-needs_root = pytest.mark.skipif(CANNOT is not None, reason=f"cannot build namespaces here: {CANNOT}")
-
-
-def left_of(names: set[str]) -> list[str]:
-    """What is left of the topologies `names`: their namespaces and state files."""
-    namespaces = [ns for ns in netns._namespaces() if any(ns.startswith(f"{netns.PREFIX}{n}-") for n in names)]
-    return namespaces + [f"{n}.json" for n in sorted(names) if (netns.state_dir() / f"{n}.json").exists()]
-
-
-def topologies_in(stderr: str) -> set[str]:
-    """The topologies a launcher said it ran in ("aqpipe: every rank in its own network namespace (aqpipe-NAME-*)")."""
-    return set(re.findall(rf"\({netns.PREFIX}([a-z0-9]+)-\*\)", stderr))
-
-
-def assert_nothing_left(before: dict[str, str], names: set[str]) -> None:
-    """Nothing of the topologies `names` is left, and the machine's own namespace has the links and qdiscs it had."""
-    assert left_of(names) == []
-    now = network_state()
-    assert (now["links"], now["qdiscs"]) == (before["links"], before["qdiscs"])
-
-
-@contextlib.contextmanager
-def raising_interrupts():
-    """SIGINT and SIGTERM raise KeyboardInterrupt inside the block, as in the launcher; the test's handlers after it."""
-    from aqpipe.launch.signals import interrupts_raise
-
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        interrupts_raise()
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def network_state() -> dict[str, str]:
-    """What a topology could leak: namespaces, interfaces and qdiscs of the machine's own namespace, state files."""
-    def run(*args: str) -> str:
-        return subprocess.run(args, capture_output=True, text=True).stdout
-
-    links = "\n".join(line.split("@")[0] for line in run("ip", "-o", "link", "show").splitlines())
-    files = sorted(p.name for p in netns.state_dir().glob("*.json")) if netns.state_dir().is_dir() else []
-    return {"namespaces": run("ip", "netns", "list"), "links": links, "qdiscs": run("tc", "qdisc", "show"),
-            "state": " ".join(files)}
 
 
 @pytest.mark.parametrize("text, bits", [("100mbit", 100_000_000), ("1gbit", 10**9), ("1GBit", 10**9),
@@ -218,31 +171,6 @@ def test_an_fp32_run_is_held_to_its_link_rate_and_records_the_rate_it_achieved(t
 
 
 @needs_root
-def test_killed_worker_under_bandwidth_leaves_no_namespace_link_or_qdisc(tmp_path):
-    before = network_state()
-    proc, tag = start_run(tmp_path, "--bandwidth", "200mbit")
-    assert network_state()["namespaces"] != before["namespaces"]  # it really runs in namespaces
-    os.kill(tagged_processes(tag, rank="1")[0], signal.SIGKILL)
-    code, err, _ = finish(proc, timeout=60)
-    assert code == 1 and "rank 1 (stage 1, replica 0) died: killed by signal SIGKILL" in err
-    assert tagged_processes(tag) == []
-    assert len(topologies_in(err)) == 1
-    assert_nothing_left(before, topologies_in(err))
-
-
-@needs_root
-def test_interrupted_launcher_under_bandwidth_cleans_up(tmp_path):
-    before = network_state()
-    proc, tag = start_run(tmp_path, "--bandwidth", "200mbit")
-    proc.send_signal(signal.SIGINT)
-    code, err, _ = finish(proc, timeout=60)
-    assert code == 1 and "interrupted" in err
-    assert tagged_processes(tag) == []
-    assert len(topologies_in(err)) == 1
-    assert_nothing_left(before, topologies_in(err))
-
-
-@needs_root
 def test_netns_command_makes_shows_and_removes_a_topology(capsys):
     before = network_state()
     assert main(["netns", "up", "handmade", "--ranks", "2", "--bandwidth", "30mbit"]) == 0
@@ -347,36 +275,6 @@ def test_two_clusters_share_one_slow_link():
 
 
 @needs_root
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_an_interrupt_during_namespace_setup_leaves_nothing(tmp_path, sig):
-    """Ctrl-C or SIGTERM while the namespaces are being built (the state file is written first, so its appearance
-    means the build has begun): exit 1 with one line, and no namespace, link, qdisc, state file or rank left."""
-    import time
-    import uuid
-
-    before = network_state()
-    state = tmp_path / "state"
-    tag = uuid.uuid4().hex
-    env = dict(os.environ, AQPIPE_TEST_TAG=tag, AQPIPE_NETNS_STATE=str(state))
-    proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", "--bandwidth", "100mbit", "--pp", "4",
-                             "--seq-len", "16", "--max-samples", "64", "--steps", "50", "--no-progress",
-                             "--out", str(tmp_path / "run")], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (state.is_dir() and any(state.glob("*.json"))):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.005)
-    names = {p.stem for p in state.glob("*.json")}
-    proc.send_signal(sig)
-    code, err, _ = finish(proc, timeout=60)
-    assert code == 1 and "interrupted" in err and "Traceback" not in err, err
-    assert err.strip().splitlines()[-1].startswith("aqpipe: run failed: interrupted"), err
-    assert none_left(tag)
-    assert not list(state.glob("*.json"))
-    assert_nothing_left(before, names)
-
-
-@needs_root
 def test_a_topology_registered_elsewhere_is_not_taken_for_stale(tmp_path, monkeypatch):
     """A launcher keeping its state in another directory (or one seen between removing its namespaces and its state
     file) owns namespaces this registry has no file for: the next launch must not remove them under it."""
@@ -414,33 +312,6 @@ def test_two_throttled_launches_at_once_both_finish_and_leave_nothing(tmp_path):
     assert tagged_processes(tag) == []
     assert len(names) == 2
     assert_nothing_left(before, names)
-
-
-@pytest.mark.parametrize("at", [1, 22], ids=["first-command", "last-command"])
-def test_a_signal_during_setup_never_cuts_an_ip_command_short_and_the_build_stops_after_it(tmp_path, monkeypatch, at):
-    """An interrupt that arrives while an `ip` command runs is taken once that command is done, before the next one
-    (or, after the last, before the topology is handed out), and then everything built is removed. Raised inside the
-    command instead, it could leave its `ip` process running unattended (an interrupt while the child starts escapes
-    `subprocess.run` without killing it), which went on to make a namespace after the cleanup had listed them: seen
-    as a leftover bridge namespace in CI."""
-    monkeypatch.setenv("AQPIPE_NETNS_STATE", str(tmp_path))
-    monkeypatch.setattr(netns, "can_throttle", lambda: None)
-    monkeypatch.setattr(netns, "_namespaces", lambda: [])
-    ran, finished = [], []
-
-    def run(*args):
-        ran.append(args)
-        if len(ran) == at:
-            os.kill(os.getpid(), signal.SIGTERM)  # (a handler that raises runs at once, inside this command)
-        finished.append(args)
-        return ""
-
-    monkeypatch.setattr(netns, "_run", run)
-    with raising_interrupts(), pytest.raises(KeyboardInterrupt):
-        netns.create(2, 10**8, name="sig")
-    assert ran == finished and len(ran) == at  # (2 ranks, one bridge: 22 commands in all)
-    assert ran[0] == ("ip", "netns", "add", f"{netns.PREFIX}sig-br")
-    assert not list(tmp_path.glob("*.json"))
 
 
 @needs_root
@@ -495,57 +366,3 @@ def test_ranks_that_send_no_final_weights_do_not_wait_for_rank_0_to_receive_them
     assert (out / "export" / "model.safetensors").is_file()
     assert_nothing_left(before, topologies_in(proc.stderr))
 
-
-def test_a_signal_as_the_state_file_is_written_leaves_no_state_file(tmp_path, monkeypatch):
-    """The state file is written first, so a build cut short can be cleaned up; an interrupt that came while it was
-    being written (before the cleanup's `try`) left it behind with nothing built: seen in CI, where the test above
-    it signals the launcher as soon as the file appears."""
-    monkeypatch.setenv("AQPIPE_NETNS_STATE", str(tmp_path))
-    monkeypatch.setattr(netns, "can_throttle", lambda: None)
-    monkeypatch.setattr(netns, "_namespaces", lambda: [])
-    ran: list[tuple[str, ...]] = []
-    monkeypatch.setattr(netns, "_run", lambda *args: ran.append(args) or "")
-    write_text = Path.write_text
-
-    def write_then_signal(path, *args, **kwargs):
-        written = write_text(path, *args, **kwargs)
-        if path.suffix == ".json" and path.parent == tmp_path:
-            os.kill(os.getpid(), signal.SIGTERM)  # (a handler that raises runs at once, here)
-        return written
-
-    monkeypatch.setattr(Path, "write_text", write_then_signal)
-    with raising_interrupts(), pytest.raises(KeyboardInterrupt):
-        netns.create(2, 10**8, name="sigfile")
-    assert ran == []  # nothing built
-    assert not list(tmp_path.glob("*.json"))
-
-
-@pytest.mark.parametrize("when", ["handed over", "before anything is built", "a name clash"])
-def test_the_launcher_removes_its_topology_whenever_a_signal_comes_and_only_its_own(tmp_path, monkeypatch, when):
-    """A signal between `netns.create` returning (its own clean-up over) and the launcher's clean-up taking charge
-    left the built topology behind until some later launch found it stale. A signal before anything is built (create
-    waiting for another launch's lock) stops the launch at once with nothing to remove; a name clash is another
-    launch's topology, a configuration error, and not removed."""
-    from aqpipe.config import ConfigError, build_config, resolve
-    from aqpipe.launch import job
-
-    registered, removed = set(), []
-
-    def create(ranks, rate_bits, name, **kwargs):
-        if when == "a name clash":
-            registered.add(name)  # (the other launch's)
-            raise netns.NetnsError(f"a topology named {name!r} exists already")
-        if when == "before anything is built":
-            os.kill(os.getpid(), signal.SIGTERM)  # (a handler that raises runs at once, here)
-        registered.add(name)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return netns.Topology(name, ranks, rate_bits, os.getpid())
-
-    monkeypatch.setattr(netns, "create", create)
-    monkeypatch.setattr(netns, "registered", lambda name: name in registered)
-    monkeypatch.setattr(netns, "destroy", lambda name: removed.append(name) or [])
-    cfg = resolve(build_config({}, {"bandwidth": "100mbit", "pp": 2, "out": str(tmp_path / "run")}))
-    expected = ConfigError if when == "a name clash" else KeyboardInterrupt
-    with raising_interrupts(), pytest.raises(expected), job._topology(cfg):
-        pytest.fail("the run must not start")
-    assert removed == (list(registered) if when == "handed over" else [])
