@@ -29,7 +29,7 @@ def _check(rank: int, world: int, drift: bool):
         with torch.no_grad():
             module.bias[2] += 1e-6
     try:
-        check_replicas(module, grid, groups.data_parallel, 17, torch.device("cpu"))
+        check_replicas(module, grid, 17, torch.device("cpu"))
     except ReplicaDivergence as e:
         return str(e)
     return None
@@ -42,8 +42,7 @@ def test_replicas_that_drift_apart_are_named(drift):
     messages = [value for _, value in results]
     if not drift:
         assert messages == [None] * 4
-    else:  # ranks 1 and 3 hold stage 1 of replicas 0 and 1
-        assert messages[0] is None and messages[2] is None
-        for m in (messages[1], messages[3]):
-            assert m == "the data-parallel replicas of stage 1 hold different parameters after step 17: replica(s) 1 " \
-                        "differ from replica 0"
+    else:  # ranks 1 and 3 hold stage 1 of replicas 0 and 1; stage 0's ranks stop too, rather than go on and wait
+        # in the next collective for ranks that left (up to the 30-minute barrier after a checkpoint's writes)
+        assert messages == ["the data-parallel replicas of stage 1 hold different parameters after step 17: "
+                            "replica(s) 1 differ from replica 0"] * 4

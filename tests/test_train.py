@@ -84,3 +84,39 @@ def test_time_partition_is_resolved_before_the_workers_start(tmp_path):
     assert run_job(cfg, progress=False, starter=warm.ranks()) == 0
     bounds = json.loads((tmp_path / "run" / "config.json").read_text())["stage_bounds"]
     assert bounds[0] == 0 and bounds[-1] == 6 and len(bounds) == 4 and all(a < b for a, b in zip(bounds, bounds[1:]))
+
+
+def test_a_rank_that_fails_aborts_its_process_group_instead_of_waiting_on_it(tmp_path, monkeypatch):
+    """Under NCCL (torch >= 2.6) a graceful teardown waits for the work queued on the group: after a failure, a
+    collective the other ranks will never join, so the rank would hang until the watchdog killed it and its error
+    never reached the launcher. Simulated on gloo: a graceful teardown on the failure path fails the test."""
+    import socket
+
+    import torch.distributed as dist
+
+    from aqpipe.runtime import train
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    destroy, threads = dist.destroy_process_group, torch.get_num_threads()
+
+    def graceful_teardown_would_hang(*args, **kwargs):
+        raise AssertionError("a graceful teardown after a failure waits for peers that will never come")
+
+    def failing_plan(*args, **kwargs):
+        assert dist.is_initialized()
+        raise ValueError("the planning failed")
+
+    monkeypatch.setattr(dist, "destroy_process_group", graceful_teardown_would_hang)
+    monkeypatch.setattr(train, "make_plan", failing_plan)
+    try:
+        with pytest.raises(ValueError, match="the planning failed"):
+            train.run_worker(small_config(tmp_path / "run", pp=1), 0, 1)
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            destroy()
+        torch.set_num_threads(threads)

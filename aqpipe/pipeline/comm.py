@@ -154,6 +154,18 @@ def finish_queued(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def leave_process_groups(failed: bool) -> None:
+    """Tear this rank's process groups down: gracefully after a finished run, by abort after a failure. NCCL's graceful
+    teardown (torch >= 2.6) waits for the work queued on its communicators; after a failure that is a collective the
+    other ranks never join, so the rank would hang until the watchdog killed it and its error never reached anyone."""
+    if not dist.is_initialized():
+        return
+    if failed:
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+
+
 def broadcast_object_list(objects: list, traffic: str, src: int = 0) -> None:
     """`dist.broadcast_object_list` from global rank `src`, counted on the sender."""
     dist.broadcast_object_list(objects, src=src)

@@ -43,8 +43,7 @@ def checkpoint(stage: RankStage, step: int) -> None:
     cfg, grid = stage.plan.cfg, stage.grid
     if isinstance(stage.store, PrefetchingStore):
         stage.store.flush()
-    check_replicas(stage.worker.module, grid, stage.groups.data_parallel, step, stage.device,
-                   stage.worker.row_cache_names)
+    check_replicas(stage.worker.module, grid, step, stage.device, stage.worker.row_cache_names)
     # (the launcher hears of the bytes on disk: a large state on a slow disk may take longer than --stall-timeout)
     save_rank(cfg.out, step, grid.rank, collect_state(stage.worker, stage.store), cfg.fixed_settings(),
               lambda done, total: progress(f"checkpoint of rank {grid.rank}", done, total, "bytes"))

@@ -28,20 +28,26 @@ def parameter_digest(module: nn.Module, skip: frozenset[str] = frozenset()) -> i
     return int.from_bytes(digest.digest()[:8], "little") >> 1
 
 
-def check_replicas(module: nn.Module, grid: Grid, dp_group, step: int, device: torch.device,
+def check_replicas(module: nn.Module, grid: Grid, step: int, device: torch.device,
                    skip: frozenset[str] = frozenset()) -> None:
-    """All replicas of this stage must call this together; raises ReplicaDivergence on every one of them if any
-    replica's parameters differ from replica 0's (`skip`: names left out, such as a tied table's row cache, whose
-    unused rows differ by design)."""
+    """Every rank of the run must call this together; raises ReplicaDivergence on every one of them if any replica of
+    any stage holds parameters that differ from its stage's replica 0 (`skip`: names left out, such as a tied table's
+    row cache, whose unused rows differ by design). Every rank learns the verdict — one all-gather of a digest per
+    rank over the world — so none goes on into a collective that the stopped ranks would never join."""
     if grid.dp == 1:
         return
 
     where = collective_device(device)
     mine = torch.tensor([parameter_digest(module, skip)], dtype=torch.int64, device=where)
-    everyone = [torch.zeros_like(mine) for _ in range(grid.dp)]
-    comm.all_gather(everyone, mine, comm.CONTROL, group=dp_group)
+    everyone = [torch.zeros_like(mine) for _ in range(grid.world_size)]
+    comm.all_gather(everyone, mine, comm.CONTROL)
     digests = [int(d) for d in everyone]
-    differ = [replica for replica, d in enumerate(digests) if d != digests[0]]
-    if differ:
-        raise ReplicaDivergence(f"the data-parallel replicas of stage {grid.stage} hold different parameters after "
-                                f"step {step}: replica(s) {', '.join(map(str, differ))} differ from replica 0")
+    found = []
+    for stage in range(grid.pp):
+        ranks = grid.dp_ranks(stage)
+        differ = [replica for replica, rank in enumerate(ranks) if digests[rank] != digests[ranks[0]]]
+        if differ:
+            found.append(f"the data-parallel replicas of stage {stage} hold different parameters after step {step}: "
+                         f"replica(s) {', '.join(map(str, differ))} differ from replica 0")
+    if found:
+        raise ReplicaDivergence("; ".join(found))

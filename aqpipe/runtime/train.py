@@ -89,9 +89,12 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
         # what config.json records and checkpoints are checked against, as in a run `aqpipe launch` starts (under
         # torchrun nothing set it before)
         cfg.stage_bounds = plan.bounds
-        return _train(plan, grid, device, backend, launcher_checked, store)
-    finally:
-        dist.destroy_process_group()
+        summary = _train(plan, grid, device, backend, launcher_checked, store)
+    except BaseException:
+        comm.leave_process_groups(failed=True)
+        raise
+    comm.leave_process_groups(failed=False)
+    return summary
 
 
 def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launcher_checked: bool, store
@@ -115,8 +118,7 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
         raise
     stage.worker.links.close()
     if first_step >= stage.plan.total_steps:  # no step ran, so no checkpoint compared the replicas
-        check_replicas(stage.worker.module, grid, stage.groups.data_parallel, stage.plan.total_steps, stage.device,
-                       stage.worker.row_cache_names)
+        check_replicas(stage.worker.module, grid, stage.plan.total_steps, stage.device, stage.worker.row_cache_names)
     # before the final weights travel: over a slow link rank 0 may take longer than the time-out to receive them,
     # and no rank may wait for it in a collective meanwhile (a rank that sends none leaves at once)
     unrecorded = unrecorded_traffic(unrecorded_control, grid, device)
