@@ -144,6 +144,26 @@ def test_replicas_on_one_gpu_stay_identical(tmp_path, method, optimizer):
     assert records[-1]["grad_sync_bytes"] > 0
 
 
+# NCCL refuses two ranks of one communicator on one GPU: its paths need a GPU per rank, so a machine with four.
+needs_a_gpu_per_rank = pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.device_count() < 4,
+                                          reason="needs 4 GPUs: NCCL, a GPU per rank")
+
+
+@needs_a_gpu_per_rank
+@pytest.mark.parametrize("method,optimizer", [("powersgd:2", "adamw"), ("qadam:4", "adamw"), ("signsgd", "sgd")])
+def test_replicas_with_a_gpu_each_stay_identical_over_nccl(tmp_path, method, optimizer):
+    """pp 2 x dp 2, a GPU per rank: NCCL on device tensors for the grad sync (torch's PowerSGD hook, the batched
+    point-to-point of QuantizedAdam and the signSGD ring), the control collectives, the replicas' digests at a
+    checkpoint and at the end (which fail the run if they differ), and the final weights' pieces to rank 0."""
+    run = tmp_path / "run"
+    records = launch(run, "--model", "gpt2-tiny", "--pp", "2", "--dp", "2", "--steps", "6", "--grad-sync", method,
+                     "--optimizer", optimizer, "--fw", "aqsgd:4", "--bw", "directq:8", "--checkpoint-every", "3",
+                     env={"NCCL_DEBUG": "INFO"})
+    assert records[-1]["grad_sync_bytes"] > 0
+    assert all("NCCL INFO" in (run / "logs" / f"rank-{r}.log").read_text() for r in range(4))  # NCCL, not gloo
+    assert (run / "export" / "model.safetensors").stat().st_size > 0  # stage 1's weights reached rank 0
+
+
 @needs_cuda
 def test_what_a_runs_codec_graphs_hold_is_reported_and_within_the_capacity_plans_count(tmp_path):
     """Each step's record says what each stage's codec graphs hold on the GPU (`stage_codec_graph_bytes`); after a
