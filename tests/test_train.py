@@ -86,10 +86,12 @@ def test_time_partition_is_resolved_before_the_workers_start(tmp_path):
     assert bounds[0] == 0 and bounds[-1] == 6 and len(bounds) == 4 and all(a < b for a, b in zip(bounds, bounds[1:]))
 
 
-def test_a_rank_that_fails_aborts_its_process_group_instead_of_waiting_on_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("abort_fails", [False, True])
+def test_a_rank_that_fails_aborts_its_process_group_instead_of_waiting_on_it(tmp_path, monkeypatch, abort_fails):
     """Under NCCL (torch >= 2.6) a graceful teardown waits for the work queued on the group: after a failure, a
     collective the other ranks will never join, so the rank would hang until the watchdog killed it and its error
-    never reached the launcher. Simulated on gloo: a graceful teardown on the failure path fails the test."""
+    never reached the launcher. Simulated on gloo: a graceful teardown on the failure path fails the test. An abort
+    that fails itself does not hide the run's error."""
     import socket
 
     import torch.distributed as dist
@@ -110,12 +112,17 @@ def test_a_rank_that_fails_aborts_its_process_group_instead_of_waiting_on_it(tmp
         assert dist.is_initialized()
         raise ValueError("the planning failed")
 
+    def failing_abort(*args, **kwargs):
+        raise RuntimeError("this backend cannot abort")
+
     monkeypatch.setattr(dist, "destroy_process_group", graceful_teardown_would_hang)
     monkeypatch.setattr(train, "make_plan", failing_plan)
+    if abort_fails:
+        monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", failing_abort)
     try:
         with pytest.raises(ValueError, match="the planning failed"):
             train.run_worker(small_config(tmp_path / "run", pp=1), 0, 1)
-        assert not dist.is_initialized()
+        assert dist.is_initialized() == abort_fails
     finally:
         if dist.is_initialized():
             destroy()

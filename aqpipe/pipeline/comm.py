@@ -161,7 +161,10 @@ def leave_process_groups(failed: bool) -> None:
     if not dist.is_initialized():
         return
     if failed:
-        dist.distributed_c10d._abort_process_group()
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - the run's own error is the one to report, and the process ends anyway
+            pass
     else:
         dist.destroy_process_group()
 
