@@ -18,11 +18,10 @@ def test_the_digest_sees_every_bit_and_every_name():
 
 
 def _check(rank: int, world: int, drift: bool):
-    from aqpipe.pipeline.grid import Grid, create_groups
+    from aqpipe.pipeline.grid import Grid
     from aqpipe.runtime.replicas import ReplicaDivergence, check_replicas
 
     grid = Grid(2, world // 2, rank)
-    groups = create_groups(grid)
     torch.manual_seed(grid.stage)
     module = torch.nn.Linear(4, 4)
     if drift and grid.stage == 1 and grid.replica == 1:

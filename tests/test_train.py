@@ -92,17 +92,13 @@ def test_a_rank_that_fails_aborts_its_process_group_instead_of_waiting_on_it(tmp
     collective the other ranks will never join, so the rank would hang until the watchdog killed it and its error
     never reached the launcher. Simulated on gloo: a graceful teardown on the failure path fails the test. An abort
     that fails itself does not hide the run's error."""
-    import socket
-
     import torch.distributed as dist
 
     from aqpipe.runtime import train
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    # a store on a port the kernel picks as it binds (a port found free earlier may be taken by then)
+    monkeypatch.setattr(train, "rendezvous_store", lambda rank, world, timeout: dist.TCPStore(
+        "127.0.0.1", 0, world, True, timeout))
     destroy, threads = dist.destroy_process_group, torch.get_num_threads()
 
     def graceful_teardown_would_hang(*args, **kwargs):
@@ -120,7 +116,7 @@ def test_a_rank_that_fails_aborts_its_process_group_instead_of_waiting_on_it(tmp
     if abort_fails:
         monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", failing_abort)
     try:
-        with pytest.raises(ValueError, match="the planning failed"):
+        with pytest.raises(ValueError, match="the planning failed"), torch.random.fork_rng():  # (it seeds torch)
             train.run_worker(small_config(tmp_path / "run", pp=1), 0, 1)
         assert dist.is_initialized() == abort_fails
     finally:
