@@ -58,14 +58,7 @@ def kill_during_checkpoint(case: Case, attempts: int = 5) -> list[Row]:
         case.out = case.dir / f"run-{attempt}"
         proc = case.start(*LONG, "--checkpoint-every", "1", "--out", str(case.out))
         case.wait_steps(proc, 3)
-        caught, deadline = False, time.monotonic() + 60
-        while not caught and time.monotonic() < deadline:
-            for d in (case.out / "checkpoints").glob("step-*"):
-                if not (d / "COMPLETE").exists():
-                    proc.kill()
-                    caught = True
-                    break
-            time.sleep(0.001)
+        caught = _kill_mid_checkpoint(proc, case.out / "checkpoints")
         reached = case.steps_logged()
         code, err, seconds = finish(proc)
         incomplete = [d for d in (case.out / "checkpoints").glob("step-*") if not (d / "COMPLETE").exists()]
@@ -81,6 +74,17 @@ def kill_during_checkpoint(case: Case, attempts: int = 5) -> list[Row]:
     rows.append(case.row("  then --resume", 0, code, err, seconds, verified=removed,
                          note=f"the incomplete checkpoint and its partial files removed: {removed}"))
     return rows
+
+
+def _kill_mid_checkpoint(proc: subprocess.Popen, checkpoints: Path, timeout: float = 60) -> bool:
+    """SIGKILL `proc` as soon as a checkpoint directory under `checkpoints` lacks COMPLETE; whether one did in time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(not (d / "COMPLETE").exists() for d in checkpoints.glob("step-*")):
+            proc.kill()
+            return True
+        time.sleep(0.001)
+    return False
 
 
 def kill_launcher(case: Case) -> list[Row]:

@@ -41,7 +41,7 @@ def check_replicas(module: nn.Module, grid: Grid, step: int, device: torch.devic
     mine = torch.tensor([parameter_digest(module, skip)], dtype=torch.int64, device=where)
     everyone = [torch.zeros_like(mine) for _ in range(grid.world_size)]
     comm.all_gather(everyone, mine, comm.CONTROL)
-    digests = [int(d) for d in everyone]
+    digests = torch.cat(everyone).tolist()  # (one copy to the host, not one per rank)
     found = []
     for stage in range(grid.pp):
         ranks = grid.dp_ranks(stage)
