@@ -304,14 +304,19 @@ def _launch(args: argparse.Namespace) -> int:
     with fork_safe_environment():  # no CUDA driver initialised by asking whether there is a GPU
         cfg = _resolve(file_values, flags, resume)
     require_throttling(cfg.bandwidth)
-    RunDirectory(cfg.out).precheck(resuming=cfg.resume is not None, overwrite=args.overwrite)
+    from aqpipe.launch.job import continue_in_place
+
+    run_dir = RunDirectory(cfg.out)
+    run_dir.refuse_if_in_use()  # (before what the directory holds is read: another launch may be writing it)
+    overwrite = continue_in_place(cfg, args.overwrite)
+    run_dir.precheck(resuming=cfg.resume is not None, overwrite=overwrite)
     # Before anything else starts a thread: import what the ranks need here (planning needs the same modules), then
     # fork the server the ranks will be forked from.
     starter = ForkServer.forked_here(cfg.model, cfg.lora, cfg.store)
     try:
         from aqpipe.launch.job import run_job
 
-        return run_job(cfg, progress=not args.no_progress, overwrite=args.overwrite, starter=starter)
+        return run_job(cfg, progress=not args.no_progress, overwrite=overwrite, starter=starter)
     finally:
         starter.close()
 

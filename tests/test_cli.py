@@ -66,6 +66,7 @@ def run_cli(capsys, args, tmp_path):
     (["--model", "bert-tiny", "--data", "/no/such/table.csv"], "does not exist"),
     (["--model", "bert-tiny", "--seq-len", "600"], "exceeds bert-tiny's 512 positions"),
     (["--eval-every", "-1"], "--eval-every must be at least 0"),
+    (["--max-restarts", "-1"], "--max-restarts must be at least 0"),
     (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
     (["--task", "translate"], "not a task"),
     (["--schedule", "zigzag"], "not a schedule"),

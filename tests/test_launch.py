@@ -2,10 +2,12 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,28 @@ def test_a_lossy_codec_that_never_leaves_the_fp32_warm_up_is_pointed_out():
     assert note(lossy, total_steps=26) is None  # step 26 compresses
     assert note(RunConfig(fw="fp32", bw="fp32"), total_steps=5) is None
     assert note(RunConfig(fw="aqsgd:3", warmup_epochs=0), total_steps=5) is None
+
+
+def test_max_restarts_restarts_every_rank_from_the_newest_checkpoint(tmp_path):
+    """A rank killed mid-run: the launcher restarts every rank from the newest complete checkpoint, says so, and the
+    run finishes with every step recorded once and the restart counted."""
+    tag = uuid.uuid4().hex
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", "--steps", "40", "--seq-len", "16",
+                             "--max-samples", "64", "--pp", "2", "--no-progress", "--checkpoint-every", "2",
+                             "--max-restarts", "1", "--out", str(run)],
+                            env=dict(os.environ, AQPIPE_TEST_TAG=tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while not ((run / "checkpoints" / "latest").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    os.kill(tagged_processes(tag, rank="1")[0], signal.SIGKILL)
+    code, err, _ = finish(proc, timeout=300)
+    assert code == 0, err[-3000:]
+    assert "rank 1 (stage 1, replica 0) died: killed by signal SIGKILL" in err
+    assert re.search(r"; restart 1 of 1, every rank from the checkpoint of step \d+\n", err), err[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 41))
+    assert json.loads((run / "summary.json").read_text())["restarts"] == 1
+    assert none_left(tag)

@@ -1,5 +1,6 @@
-"""A run directory holds one run: a launch into a finished run is refused (or replaces it with --overwrite), a
-second launch into a running one gets exit 2 naming the holder, and workers never read another run's config."""
+"""A run directory holds one run: a launch into another run's directory is refused (or replaces it with
+--overwrite), the same command typed again continues its run, a second launch into a running one gets exit 2 naming
+the holder, and workers never read another run's config."""
 
 import json
 import os
@@ -26,7 +27,7 @@ def snapshot(run) -> dict[str, bytes]:
             and p.name != LOCK_NAME}
 
 
-def test_a_launch_into_a_finished_run_is_refused_and_changes_nothing(tmp_path):
+def test_a_launch_into_another_runs_directory_is_refused_and_changes_nothing(tmp_path):
     run = tmp_path / "run"
     first = launch(*QUICK, "--steps", "4", "--checkpoint-every", "1", "--out", str(run))
     assert first.returncode == 0, first.stderr[-2000:]
@@ -34,7 +35,8 @@ def test_a_launch_into_a_finished_run_is_refused_and_changes_nothing(tmp_path):
     again = launch(*QUICK, "--steps", "6", "--checkpoint-every", "2", "--seed", "1", "--out", str(run))
     assert again.returncode == 2
     assert again.stderr.strip().count("\n") == 0  # one line
-    assert "already holds a run" in again.stderr and "--resume" in again.stderr and "--overwrite" in again.stderr
+    assert "holds another run" in again.stderr and "seed = 0, this run has 1" in again.stderr
+    assert "--resume" in again.stderr and "--overwrite" in again.stderr
     assert snapshot(run) == before
 
     replaced = launch(*QUICK, "--steps", "2", "--seed", "1", "--overwrite", "--out", str(run))
@@ -45,6 +47,26 @@ def test_a_launch_into_a_finished_run_is_refused_and_changes_nothing(tmp_path):
     assert steps == ["step-00000002"]  # the old run's step-3/step-4 went with it, the new run's own stayed
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000002"
     assert json.loads((run / "config.json").read_text())["seed"] == 1
+
+
+def test_the_same_command_typed_again_continues_the_run_from_its_newest_checkpoint(tmp_path):
+    """Before, a launch into a directory holding the same run was refused; under torchrun it trained over it from
+    step 1. Now it continues, as --resume does: every step recorded once, the checkpoints before it kept."""
+    run = tmp_path / "run"
+    first = launch(*QUICK, "--steps", "4", "--checkpoint-every", "2", "--out", str(run))
+    assert first.returncode == 0, first.stderr[-2000:]
+    kept = ck_bytes(run, 4)
+    again = launch(*QUICK, "--steps", "6", "--checkpoint-every", "2", "--out", str(run))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "holds this run: it continues after step 4" in again.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6
+    assert ck_bytes(run, 4) == kept  # (trained from it, not over it)
+
+
+def ck_bytes(run, step: int) -> bytes:
+    return (run / "checkpoints" / f"step-{step:08d}" / "rank-0.pt").read_bytes()
 
 
 def test_a_refused_launch_leaves_no_directory_behind(tmp_path):

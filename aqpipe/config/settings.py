@@ -194,13 +194,18 @@ class RunConfig:
     epochs: int | None = setting("run", "epochs to train", shown="preset", metavar="N", resume=True)
     steps: int | None = setting("run", "optimizer steps to train (wins over --epochs)", shown="from --epochs",
                                 metavar="N", resume=True)
-    out: str | None = setting("run", "run directory (locked while a launch uses it; one that already holds a run is "
+    out: str | None = setting("run", "run directory (locked while a launch uses it; one that holds this run's state "
+                              "continues it from its newest complete checkpoint, one that holds another run's is "
                               "refused)", shown="runs/<timestamp>", metavar="DIR", resume=True)
     resume: str | None = setting(
         "run", "continue the run in DIR from its newest complete checkpoint, with its own config.json; only "
         "{resume_may_change} may change", metavar="DIR", resume=True)
     checkpoint_every: int | None = setting("run", "steps between resumable checkpoints", shown="one at the end",
                                            metavar="N", resume=True)
+    max_restarts: int = setting(
+        "run", "after a rank fails, restart every rank from the newest complete checkpoint, at most N times (a local "
+        "launch; under torchrun its own --max-restarts does this, and each restart continues the run the same way)",
+        0, metavar="N", resume=True)
     eval_every: int | None = setting(
         "run", "steps between evaluations on the held-out split, sent uncompressed and never through m(ξ) (0: never)",
         shown="at the end only", metavar="N", resume=True)
@@ -267,7 +272,8 @@ LAUNCH_SWITCHES: tuple[tuple[str, str, str], ...] = (
                        "under the schedule, m(ξ) store, the grad sync's bytes per step; per link: wire bytes per step; "
                        "the least step time the wire allows at --bandwidth) and exit without training; exit 2 if the "
                        "run would not fit"),
-    ("overwrite", "run", "--out already holds a run: delete it first (without this, such a launch is refused)"),
+    ("overwrite", "run", "--out holds another run (or this one): delete it first and start afresh (without this, another "
+     "run's directory is refused, and this run's continues from its newest checkpoint)"),
     ("no_progress", "run", "no progress bar"),
 )
 

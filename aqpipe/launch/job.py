@@ -18,12 +18,13 @@ from aqpipe.launch.forkserver import ForkServer
 from aqpipe.launch.gpu_sharing import local_sharing_note
 from aqpipe.launch.local import INTERRUPTED, CommandStarter, LaunchResult, RankStarter, launch_local
 from aqpipe.launch.netns import format_rate
-from aqpipe.launch.rundir import RunDirectory
+from aqpipe.launch.rundir import RunDirectory, existing_run
 from aqpipe.launch.signals import INTERRUPTS, deferred_interrupts, ignore_interrupts, interrupts_raise
 from aqpipe.metrics import write_json
 from aqpipe.pipeline.grid import Grid
 from aqpipe.runtime.capacity import refuse_if_unfit
 from aqpipe.runtime.plan import RunPlan, make_plan
+from aqpipe.runtime.restart import RESTARTS_ENV
 
 
 def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | None = None, progress: bool = True,
@@ -33,7 +34,7 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
     Inside torchrun or the DeepSpeed launcher this process is one rank. Otherwise the run directory is locked,
     every check runs here, then every rank starts: forked from a process that has imported what ranks need
     (launch/forkserver.py; `starter`, when the caller started one earlier, else one started here), or
-    `worker_command` run once per rank when given. A run directory that already holds a run is refused unless
+    `worker_command` run once per rank when given. A run directory that holds another run is refused unless
     `overwrite`. The starter is closed on return.
     """
     if in_distributed_env() and CONFIG_ENV not in os.environ:
@@ -51,12 +52,38 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
             raise ConfigError(str(e)) from None
         return 0
     netns.require_throttling(cfg.bandwidth)
+    overwrite = continue_in_place(cfg, overwrite)
     if starter is None:  # started before planning, so that its imports run while this process plans
         starter = CommandStarter(worker_command) if worker_command else ForkServer.for_run(cfg.model, cfg.lora, cfg.store)
     try:
         return _claim_and_run(cfg, spec_factory, starter, progress, overwrite)
     finally:
         starter.close()
+
+
+def continue_in_place(cfg: ResolvedConfig, overwrite: bool) -> bool:
+    """A local launch over an --out that holds a run: the same run continues from its newest complete checkpoint
+    (`cfg.resume` set, as with --resume), or starts again where it completed none (returns True: its state is
+    cleared, as --overwrite would); another run's state is refused (ConfigError, exit 2). Returns `overwrite`
+    otherwise; nothing to decide after --resume or --overwrite."""
+    if cfg.resume is not None or overwrite or not existing_run(Path(cfg.out)):
+        return overwrite
+    RunDirectory(cfg.out).refuse_if_in_use()  # (another launch may be writing what it holds)
+    from aqpipe.runtime.checkpoint import CheckpointError
+    from aqpipe.runtime.restart import choose_start, holding
+
+    settings = cfg.fixed_settings()
+    try:
+        start = choose_start([holding(cfg.out, rank, settings) for rank in range(cfg.world_size)], cfg.out,
+                             explicit=False)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    if start.note:
+        print(f"aqpipe: {start.note}", file=sys.stderr, flush=True)
+    if start.fresh:
+        return True  # (this run's own state, or only a plot and logs: nothing resumable to keep)
+    cfg.resume = cfg.out
+    return overwrite
 
 
 def _claim_and_run(cfg: ResolvedConfig, spec_factory, starter: RankStarter, progress: bool, overwrite: bool) -> int:
@@ -86,21 +113,23 @@ def _run_ranks(cfg: ResolvedConfig, plan, starter: RankStarter, progress: bool) 
     write_json(out / "config.json", cfg.to_dict())
     _announce(cfg, plan)
     grid = Grid(cfg.pp, cfg.dp, 0)
-    # The workers get the configuration from here, never from a file another process could rewrite meanwhile.
-    launch = functools.partial(
-        launch_local, starter, cfg.world_size, grid.describe, {CONFIG_ENV: json.dumps(cfg.to_dict())},
-        plan.total_steps, cfg.stall_timeout, cfg.port, progress, log_dir=out / "logs",
-    )
+
+    def launch(restarts: int, **topology) -> LaunchResult:
+        # The workers get the configuration from here, never from a file another process could rewrite meanwhile.
+        env = {CONFIG_ENV: json.dumps(cfg.to_dict()), RESTARTS_ENV: str(restarts)}
+        return launch_local(starter, cfg.world_size, grid.describe, env, plan.total_steps, cfg.stall_timeout, cfg.port,
+                            progress, log_dir=out / "logs", **topology)
+
     # SIGTERM, and SIGINT even when the parent ignores it (a shell's background job, nohup: Python then leaves
     # it ignored, and `kill -INT` would do nothing), take the interrupt path that stops the ranks and cleans up.
     previous = {sig: signal.getsignal(sig) for sig in INTERRUPTS}
     interrupts_raise()
     try:
         if cfg.bandwidth is None:
-            result = launch()
+            result = _restarting(cfg, launch)
         else:
             with _topology(cfg) as topology:
-                result = launch(topology=topology)
+                result = _restarting(cfg, functools.partial(launch, topology=topology))
     except KeyboardInterrupt:  # while the namespaces were being built or removed: nothing is left running
         result = LaunchResult(1, INTERRUPTED, interrupted=True)
     finally:
@@ -119,6 +148,43 @@ def _run_ranks(cfg: ResolvedConfig, plan, starter: RankStarter, progress: bool) 
     if summary.get("sample"):
         print(f"held-out prompt: {summary['sample']['question']!r} -> model: {summary['sample']['answer']!r}")
     return 0
+
+
+def _restarting(cfg: ResolvedConfig, launch) -> LaunchResult:
+    """`launch(restarts)` of every rank, then after a failure every rank again from the newest complete checkpoint
+    (from the first step where there is none), at most --max-restarts times; an interrupt, a full disk or a
+    checkpoint that cannot be resumed from ends the run instead."""
+    restarts = 0
+    while True:
+        result = launch(restarts)
+        if result.code == 0 or result.interrupted or result.disk_full or restarts >= cfg.max_restarts:
+            return result
+        restarts += 1
+        try:
+            step = _restart_point(cfg)
+        except ConfigError as e:
+            return LaunchResult(1, f"{result.message}; no restart: {e}")
+        print(f"aqpipe: {result.message}; restart {restarts} of {cfg.max_restarts}, every rank from "
+              f"{f'the checkpoint of step {step}' if step else 'the first step (no checkpoint was complete)'}",
+              file=sys.stderr, flush=True)
+
+
+def _restart_point(cfg: ResolvedConfig) -> int | None:
+    """Make the run directory ready for every rank to start again: the newest complete checkpoint checked (and
+    `cfg.resume` set), or, with none, this run's state removed; returns that checkpoint's step (None: none)."""
+    from aqpipe.runtime.checkpoint import latest_step
+    from aqpipe.runtime.restart import clear_run_state
+
+    step = latest_step(cfg.out)
+    if step is None:
+        cfg.resume = None
+        clear_run_state(cfg.out)
+        write_json(Path(cfg.out) / "config.json", cfg.to_dict())
+        return None
+    cfg.resume = cfg.out
+    _check_checkpoint(cfg)
+    _drop_damaged_stores(cfg)
+    return step
 
 
 def _continue_hint(cfg: ResolvedConfig) -> str:

@@ -57,12 +57,16 @@ class RunDirectory:
     def precheck(self, resuming: bool, overwrite: bool) -> None:
         """Raise the ConfigError `claim` would raise for a directory in use or holding another run, without creating
         or keeping anything: a refusal found before the launch spends seconds importing (`claim` decides)."""
-        holder = lock_holder(self.path / LOCK_NAME)
-        if holder is not None:
-            raise self._in_use(holder)
+        self.refuse_if_in_use()
         previous = [] if resuming else existing_run(self.path)
         if previous and not overwrite:
             raise self._holds_a_run(previous)
+
+    def refuse_if_in_use(self) -> None:
+        """Raise the ConfigError naming the launch that holds the directory's lock, if one does (nothing is taken)."""
+        holder = lock_holder(self.path / LOCK_NAME)
+        if holder is not None:
+            raise self._in_use(holder)
 
     def _lock(self, fd: int) -> None:
         """Lock `fd` without waiting, or close it and raise the ConfigError naming the launch that holds it."""

@@ -12,13 +12,13 @@ import torch.distributed as dist
 
 from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline import comm
+from aqpipe.pipeline.grid import host_leader
 from aqpipe.pipeline.optim import continue_schedule
 from aqpipe.pipeline.worker import StageWorker
 from aqpipe.runtime.checkpoint import (
     CheckpointError,
     check_model_state,
     check_rank,
-    complete_steps,
     latest_step,
     load_rank,
     rank_file,
@@ -26,6 +26,7 @@ from aqpipe.runtime.checkpoint import (
 )
 from aqpipe.runtime.events import emit
 from aqpipe.runtime.reconcile import reconcile
+from aqpipe.runtime.restart import Holding, choose_start, clear_run_state, holding
 from aqpipe.stages.lora import checkpointed_names, training_state
 from aqpipe.storage.memory import in_memory
 
@@ -94,28 +95,28 @@ def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
         setattr(store.stats, name, int(value))
 
 
-def resume_rank(cfg: ResolvedConfig, worker: StageWorker, store, launcher_checked: bool = False) -> int:
-    """Load this rank's part of the run's last checkpoint and make every link's two m(ξ) copies agree; returns
-    the step to continue from. Every rank calls it (reconciliation is collective). `launcher_checked`: as for
-    `load_agreed`."""
-    run = cfg.resume
-    if run is None:
-        raise CheckpointError("not a resumed run: there is no checkpoint to resume from")
-    step, state = load_agreed(run, worker.grid.rank, cfg.fixed_settings(), launcher_checked)
-    apply_state(state, worker, store, describe(run, step, worker.grid.rank))
+def resume_rank(cfg: ResolvedConfig, worker: StageWorker, store, step: int, state: dict) -> int:
+    """Apply this rank's `state` of the checkpoint of `step` (`load_agreed`'s) and make every link's two m(ξ) copies
+    agree; returns the step to continue from. Every rank calls it (reconciliation is collective)."""
+    assert cfg.resume is not None, "a resumed run names its run directory"
+    apply_state(state, worker, store, describe(cfg.resume, step, worker.grid.rank))
     reseeded = reconcile(store, worker.grid, worker.groups.pipeline)
     store.stats.reseeded += reseeded
     emit({"event": "resumed", "step": step, "rank": worker.grid.rank, "reseeded": reseeded})
     return step
 
 
-def load_agreed(run: str | Path, rank: int, settings: dict, launcher_checked: bool = False) -> tuple[int, dict]:
-    """This rank's state in the newest checkpoint every rank can resume from (`agreed_step`), and its step; with
-    `launcher_checked` (`aqpipe launch` checked every rank's file of the newest checkpoint before it started the
-    ranks, holding the run directory since) that one, read once as it loads."""
-    step = latest_step(run) if launcher_checked else agreed_step(run, rank, settings)
+def load_agreed(run: str | Path, rank: int, settings: dict, launcher_checked: bool = False, explicit: bool = True
+                ) -> tuple[int, dict] | None:
+    """This rank's state in the checkpoint every rank continues from, and its step; None when the run starts from its
+    first step (every rank calls this together). With `launcher_checked` (`aqpipe launch` checked every rank's file of
+    the newest checkpoint before it started the ranks, holding the run directory since) that one, read once as it
+    loads; else the ranks agree (`agreed_step`; `explicit`: `--resume` was given, see `choose_start`)."""
+    step = latest_step(run) if launcher_checked else agreed_step(run, rank, settings, explicit)
     if step is None:
-        raise CheckpointError(f"--resume {run}: no complete checkpoint")
+        if launcher_checked:
+            raise CheckpointError(f"--resume {run}: no complete checkpoint")
+        return None
     state, problem = None, None
     try:
         state = load_rank(run, step, rank, settings, checked=True)  # (checked this very file, as said)
@@ -131,40 +132,52 @@ def load_agreed(run: str | Path, rank: int, settings: dict, launcher_checked: bo
     return step, state
 
 
-def agreed_step(run: str | Path, rank: int, settings: dict) -> int:
-    """The newest checkpoint every rank can resume from, each reading its own host's disk (every rank calls this
-    together): the newest step complete on every host with every rank's own file sound. Only the candidates are
-    checked, newest first, until one is sound everywhere: a rank's state may be gigabytes (an in-memory m(ξ) store),
-    and the older checkpoints are seldom needed. CheckpointError naming the hosts and what each holds when there is
-    none."""
-    held = [step for step in complete_steps(run) if rank_file(step_dir(run, step), rank).is_file()]
-    everyone: list = [None] * dist.get_world_size()
-    comm.all_gather_object(everyone, (socket.gethostname(), held), comm.SETUP)
-    common = sorted(set(everyone[0][1]).intersection(*(set(steps) for _, steps in everyone[1:])), reverse=True)
+def agreed_step(run: str | Path, rank: int, settings: dict, explicit: bool = True) -> int | None:
+    """The checkpoint every rank continues from, each reading its own host's disk (every rank calls this together),
+    or None to start from the first step: each rank tells what its run directory holds, all choose alike
+    (`choose_start`), then the candidates are checked newest first until one is sound everywhere — a rank's state
+    may be gigabytes (an in-memory m(ξ) store), and the older checkpoints are seldom needed. Where this run's state
+    holds no complete checkpoint, it is removed first. CheckpointError when there is none to take (naming the hosts
+    and what each holds), or the state there is another run's."""
+    world = dist.get_world_size()
+    everyone: list = [None] * world
+    comm.all_gather_object(everyone, holding(run, rank, settings).to_json(), comm.SETUP)
+    holdings = [Holding.from_json(h) for h in everyone]
+    start = choose_start(holdings, run, explicit)
+    if start.note and rank == 0:
+        print(f"aqpipe: {start.note}", file=sys.stderr, flush=True)
+    if start.fresh:
+        if start.clear:
+            if host_leader():
+                clear_run_state(run)
+            comm.barrier(comm.SETUP)
+        return None
     damaged: list[int] = []
-    for step in common:
+    for step in start.candidates[:1] if start.strict else start.candidates:
+        problem = None
         try:
             check_rank(run, step, rank, settings)
-            sound = True
         except CheckpointError as e:
             print(f"aqpipe: rank {rank}: {e}", file=sys.stderr, flush=True)
             damaged.append(step)
-            sound = False
-        verdicts: list = [None] * dist.get_world_size()
-        comm.all_gather_object(verdicts, sound, comm.SETUP)
-        if all(verdicts):
-            newest = max(steps[0] for _, steps in everyone if steps)
+            problem = f"rank {rank} on {socket.gethostname()}: {e}"
+        verdicts: list = [None] * world
+        comm.all_gather_object(verdicts, problem, comm.SETUP)
+        if not any(verdicts):
+            newest = start.candidates[0]
             if rank == 0 and newest > step:
                 print(f"aqpipe: resuming after step {step}: the checkpoint of step {newest} is not complete and sound "
                       "on every host", file=sys.stderr, flush=True)
             return step
-    found: list = [None] * dist.get_world_size()
+        if start.strict:
+            raise start.damaged(step, next(v for v in verdicts if v))
+    found: list = [None] * world
     comm.all_gather_object(found, damaged, comm.SETUP)
-    holdings = "; ".join(
-        f"rank {r} on {host}: {', '.join(f'{s} (damaged)' if s in bad else str(s) for s in steps) or 'none'}"
-        for r, ((host, steps), bad) in enumerate(zip(everyone, found)))
+    holdings_text = "; ".join(
+        f"rank {h.rank} on {h.host}: {', '.join(f'{s} (damaged)' if s in bad else str(s) for s in h.files) or 'none'}"
+        for h, bad in zip(holdings, found))
     raise CheckpointError(f"--resume {run}: no checkpoint is complete and sound on every host (steps held: "
-                          f"{holdings})")
+                          f"{holdings_text})")
 
 
 def describe(out: str | Path, step: int, rank: int) -> str:

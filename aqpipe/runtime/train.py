@@ -39,7 +39,7 @@ from aqpipe.runtime.outputs import (
 )
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds
 from aqpipe.runtime.replicas import check_replicas
-from aqpipe.runtime.resume import resume_rank
+from aqpipe.runtime.resume import load_agreed, resume_rank
 from aqpipe.storage.health import drop_if_damaged
 from aqpipe.storage.lmdb_store import store_path
 from aqpipe.storage.memory import in_memory
@@ -101,11 +101,12 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
            ) -> dict | None:
     """Assemble, resume and train this rank's stage, then finish the run's outputs; `store`: the rendezvous store."""
     cfg = plan.cfg
-    if cfg.resume and cfg.store == "lmdb" and not launcher_checked:
+    resumed = _starting_point(cfg, grid, launcher_checked)
+    if resumed is not None and cfg.store == "lmdb" and not launcher_checked:
         drop_if_damaged(store_path(cfg.out, grid.rank), grid.rank)
     stage = assemble_stage(plan, grid, device, backend)
     try:
-        first_step = resume_rank(cfg, stage.worker, stage.store, launcher_checked) if cfg.resume else 0
+        first_step = resume_rank(cfg, stage.worker, stage.store, *resumed) if resumed is not None else 0
         log = open_outputs(cfg, plan, first_step) if grid.rank == 0 else None
         if log is None and host_leader():  # another host's copy, for a resume there
             write_config(cfg, plan)
@@ -129,6 +130,19 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
     summary = finish_outputs(plan, log, time.perf_counter() - wall_start, final, unrecorded)
     emit({"event": "done", "summary": summary})
     return summary
+
+
+def _starting_point(cfg: ResolvedConfig, grid: Grid, launcher_checked: bool) -> tuple[int, dict] | None:
+    """The checkpoint this rank continues from and its state in it, or None to start from the first step. A rank
+    `aqpipe launch` started takes what its launcher decided; otherwise (torchrun, DeepSpeed: every rank together)
+    the ranks agree from what each host's run directory holds, so that a restart — torchrun's elastic agent, or the
+    same command typed again — continues the run instead of training over it (`aqpipe.runtime.restart`)."""
+    if launcher_checked:
+        return load_agreed(cfg.resume, grid.rank, cfg.fixed_settings(), launcher_checked=True) if cfg.resume else None
+    resumed = load_agreed(cfg.resume or cfg.out, grid.rank, cfg.fixed_settings(), explicit=cfg.resume is not None)
+    if resumed is not None:
+        cfg.resume = cfg.out
+    return resumed
 
 
 def _finish_rank(stage: RankStage) -> FinalWeights | None:

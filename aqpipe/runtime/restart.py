@@ -1,0 +1,177 @@
+"""Where a start over a run directory begins: a restart (torchrun's elastic agent, `--max-restarts`, or the same
+command typed again) continues this run from its newest checkpoint complete everywhere, and a start never trains
+over another run's state or over a checkpoint newer than the one it would start from.
+
+Each rank reads what its own host's run directory holds (`holding`: no collective, no torch); `choose_start` decides
+from every rank's holding alike, on every rank or in a local launch's launcher. A checkpoint counts as complete
+everywhere when every rank's own file of it is on its host and some host marked it complete: a host marks a step
+only after the barrier that every rank passes once its file is written, so a mark anywhere proves every file was
+written, even where a host died before marking it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aqpipe.runtime.checkpoint import CheckpointError, rank_file, root, step_dir
+
+# The count of restarts so far, which `aqpipe launch --max-restarts` gives the ranks it restarts (torchrun's elastic
+# agent gives its own, TORCHELASTIC_RESTART_COUNT).
+RESTARTS_ENV = "AQPIPE_RESTART_COUNT"
+
+# What a run writes into its directory on a host that a restart must respect; any of them present means the directory
+# holds a run's state (`aqpipe.launch.rundir.RUN_OUTPUTS` adds what a local launch's launcher writes: the plot, logs).
+RUN_STATE = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "store", "export", "export-adapter")
+
+
+@dataclass
+class Holding:
+    """What one rank's run directory holds on its host."""
+
+    rank: int
+    host: str
+    outputs: list[str] = field(default_factory=list)  # the names of RUN_STATE present
+    files: list[int] = field(default_factory=list)  # steps whose file for this rank (with its checksum line) is here
+    marked: list[int] = field(default_factory=list)  # steps this host marked complete
+    other_run: str | None = None  # why the state here is another run's (a setting that differs); None: this run's
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+    @staticmethod
+    def from_json(value: dict) -> Holding:
+        return Holding(**value)
+
+
+def holding(out: str | Path, rank: int, settings: dict) -> Holding:
+    """What `out` holds for `rank` on this host, and whether it is the state of a run with these fixed `settings`
+    (compared with the newest checkpoint this host marked complete, else with its config.json)."""
+    out = Path(out)
+    found = Holding(rank, socket.gethostname(), [name for name in RUN_STATE if (out / name).exists()])
+    for directory in root(out).glob("step-*"):
+        digits = directory.name[len("step-"):]
+        if not digits.isdigit():
+            continue
+        step = int(digits)
+        if (directory / "COMPLETE").is_file():
+            found.marked.append(step)
+        path = rank_file(directory, rank)
+        if path.is_file() and path.with_suffix(".sha256").is_file():
+            found.files.append(step)
+    found.files.sort(reverse=True)
+    found.marked.sort(reverse=True)
+    if found.marked:
+        found.other_run = _differs(step_dir(out, found.marked[0]) / "run.json", settings, "config")
+    elif "config.json" in found.outputs:
+        found.other_run = _differs(out / "config.json", settings)
+    return found
+
+
+def _differs(path: Path, settings: dict, key: str | None = None) -> str | None:
+    """What says that the run recorded in `path` (a config.json; a checkpoint's run.json, its settings under `key`)
+    has other fixed settings than `settings`, or None. The stage boundaries count only where `settings` holds them:
+    a local launch compares before it plans, and its resume checks the checkpoint's record again after."""
+    try:
+        saved = json.loads(path.read_text())
+        saved = saved[key] if key else saved
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{path} cannot be read as an aqpipe record: {type(e).__name__}: {e}"
+    if not isinstance(saved, dict):
+        return f"{path} is not an aqpipe record"
+    for name in sorted(settings):
+        if settings[name] is None and (name == "stage_bounds" or name not in saved):
+            continue
+        if saved.get(name) != settings[name]:
+            return f"{path} records {name} = {saved.get(name)!r}, this run has {settings[name]!r}"
+    return None
+
+
+@dataclass
+class Start:
+    """Where a start over a run directory begins."""
+
+    candidates: list[int]  # checkpoints complete everywhere, newest first (none: the run starts from its first step)
+    strict: bool = True  # only the newest may be taken; else the newest sound on every rank
+    clear: bool = False  # this run's state without a complete checkpoint is there: removed, the run starts afresh
+    note: str | None = None  # what to tell the user
+
+    @property
+    def fresh(self) -> bool:
+        return not self.candidates
+
+    def damaged(self, step: int, problem: str) -> CheckpointError:
+        """The refusal of a strict start whose checkpoint of `step` is not sound (`problem` says where)."""
+        older = [s for s in self.candidates if s < step]
+        return CheckpointError(f"the checkpoint of step {step} is damaged ({problem})"
+                               + (f"; continue from step {older[0]} with --resume DIR" if older else ""))
+
+
+def choose_start(holdings: list[Holding], out: str | Path, explicit: bool) -> Start:
+    """Where every rank starts, from each rank's `holding` of run directory `out`. `explicit`: `--resume` was given,
+    and an older checkpoint may be taken where the newest is not sound everywhere (with a note); otherwise only the
+    newest checkpoint ever complete everywhere is (a restart never quietly throws work away). Raises CheckpointError
+    (exit 2, one line) for another run's state, or a newest checkpoint some rank no longer holds."""
+    other = next((h for h in holdings if h.other_run), None)
+    if other is not None:
+        where = f" on {other.host}" if len({h.host for h in holdings}) > 1 else ""
+        raise CheckpointError(f"--out {out}{where} holds another run ({other.other_run}): continue that run with "
+                              f"--resume {out}, choose another --out, or add --overwrite to delete it first")
+    if not any(h.outputs for h in holdings):
+        if explicit:
+            raise CheckpointError(f"--resume {out}: no run there to continue")
+        return Start([])
+    marked = set().union(*(h.marked for h in holdings))
+    held = set(holdings[0].files).intersection(*(h.files for h in holdings[1:]))
+    candidates = sorted(held & marked, reverse=True)
+    newest = max(marked, default=None)
+    if newest is None:
+        if explicit:
+            raise CheckpointError(f"--resume {out}: no complete checkpoint (the run stopped before its first "
+                                  "--checkpoint-every)")
+        return Start([], clear=True, note=f"{out} holds this run with no complete checkpoint yet: it starts again "
+                                          "from the first step")
+    if not candidates or candidates[0] < newest:
+        lacking = [h for h in holdings if newest not in h.files]
+        if not explicit or not candidates:
+            raise CheckpointError(
+                f"the checkpoint of step {newest} is complete, but {_who(lacking)} no longer "
+                f"hold{'s' if len(lacking) == 1 else ''} {'its' if len(lacking) == 1 else 'their'} part of it "
+                f"(a lost disk?); put the files back under {step_dir(out, newest)}"
+                + (f", or continue from step {candidates[0]} with --resume {out}" if candidates else
+                   ", or start again with --overwrite"))
+        return Start(candidates, strict=False, note=f"resuming after step {candidates[0]}: the checkpoint of step "
+                                                    f"{newest} is not held by {_who(lacking)}")
+    if explicit:
+        return Start(candidates, strict=False)
+    return Start(candidates, note=f"{out} holds this run: it continues after step {candidates[0]}")
+
+
+def _who(holdings: list[Holding]) -> str:
+    return ", ".join(f"rank {h.rank} on {h.host}" for h in holdings)
+
+
+def restart_count() -> int:
+    """How many times this run's ranks were restarted so far by `aqpipe launch --max-restarts` or torchrun."""
+    for name in (RESTARTS_ENV, "TORCHELASTIC_RESTART_COUNT"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def clear_run_state(out: str | Path) -> list[str]:
+    """Remove this run's state from `out` on this host (one rank per host, before any rank opens its store), for a
+    start afresh over a run that completed no checkpoint; returns the names removed."""
+    removed = [name for name in RUN_STATE if (Path(out) / name).exists()]
+    for name in removed:
+        path = Path(out) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    return removed
