@@ -1,7 +1,8 @@
 """Simulated hosts on one machine, for tests and benchmarks of real multi-host runs.
 
-Each host is a network namespace of a throttled topology, named `host-<h>` in a UTS namespace of its own (`aqpipe.launch.netns`: its link to the others shaped by
-`tc tbf` in both directions; the ranks of one host talk over that namespace's own addresses, unshaped), with a
+Each host is a network namespace of a throttled topology, named `host-<h>` in a UTS namespace of its own, a name
+every host resolves to its address (an /etc/hosts of their own) (`aqpipe.launch.netns`: its link to the others shaped
+by `tc tbf` in both directions; the ranks of one host talk over that namespace's own addresses, unshaped), with a
 private disk: a per-host directory bind-mounted, in a mount namespace of its own, at one path every host shares.
 So a run directory or `$AQPIPE_CACHE` has the same path on every host and different contents, as on separate
 machines. Each host runs one `torchrun … -m aqpipe launch …`, exactly the command the README's "Across hosts"
@@ -22,9 +23,10 @@ from pathlib import Path
 
 from aqpipe.launch import netns
 
-# `sh -c` inside the host's mount and UTS namespaces: take the host's name, bind its disk at the shared path, then
+# `sh -c` inside the host's mount and UTS namespaces: take the host's name, bind its disk at the shared path and the
+# hosts' /etc/hosts over the machine's (every host's name resolves to its address, as on a real cluster's DNS), then
 # become the command
-MOUNT_THEN_EXEC = 'hostname "$3" && mount --bind "$1" "$2" && shift 3 && exec "$@"'
+MOUNT_THEN_EXEC = 'hostname "$3" && mount --bind "$1" "$2" && mount --bind "$4" /etc/hosts && shift 4 && exec "$@"'
 
 
 @dataclass
@@ -59,7 +61,13 @@ class Hosts:
     def command(self, host: int, argv: list[str]) -> list[str]:
         """`argv` run on host `host`: in its network namespace, with its disk at the shared mount point."""
         return [*self.topology.exec_prefix(host), "unshare", "--mount", "--uts", "--propagation", "private",
-                "sh", "-c", MOUNT_THEN_EXEC, "sh", str(self.disk(host)), str(self.mount), self.name(host), *argv]
+                "sh", "-c", MOUNT_THEN_EXEC, "sh", str(self.disk(host)), str(self.mount), self.name(host),
+                str(self.hosts_file), *argv]
+
+    @property
+    def hosts_file(self) -> Path:
+        """The /etc/hosts every host sees: localhost, and each host's name at its address."""
+        return self.root / "etc-hosts"
 
     @staticmethod
     def name(host: int) -> str:
@@ -132,4 +140,7 @@ def simulated_hosts(root: Path, count: int, ranks_per_host: int, rate_bits: int,
     for host in range(count):
         (root / f"host-{host}").mkdir(parents=True, exist_ok=True)
     with netns.throttled(count, rate_bits) as topology:
-        yield Hosts(topology, root, mount, ranks_per_host, port)
+        hosts = Hosts(topology, root, mount, ranks_per_host, port)
+        names = "".join(f"{topology.address(h)} {hosts.name(h)}\n" for h in range(count))
+        hosts.hosts_file.write_text(f"127.0.0.1 localhost\n::1 localhost\n{names}")
+        yield hosts

@@ -146,14 +146,40 @@ def rendezvous_store(rank: int, world_size: int, timeout: timedelta):
 
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    return store
+    attempt = elastic_attempt(store)
+    return dist.PrefixStore(f"aqpipe/{attempt}", store) if attempt else store
+
+
+def elastic_attempt(store) -> str | None:
+    """What names this start of the ranks among a torchrun job's restarts, for keys in `store`, torchrun's agent's
+    (None: the store is this start's own, or no restart can come). Torch no longer keys a worker's entries by start,
+    so where torchrun keeps one store for every start of a job the ranks of a restart would read the dead start's (its
+    gloo addresses: they dial processes that are gone, and the job hangs). The static rendezvous keeps its agents'
+    store (where their role records lie), and every agent counts each restart — its ranks fail whenever one fails,
+    their links broken — so its count names the start. The c10d rendezvous keeps a store of its own for every round
+    under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; without it, one store for all rounds and nothing a rank can read to
+    name its round (an agent whose workers are healthy restarts them for another host's failure without counting it):
+    RendezvousConflict then, where restarts are allowed."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if store.check([f"{run_id}/torchelastic/role_info/0"]):  # (torch.distributed.elastic.agent.server.api's key)
+        return f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        raise RendezvousConflict(
+            "torchrun's c10d rendezvous shares one store among its rounds, where a restart's ranks would find the "
+            "dead ranks' addresses and hang: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every host")
+    return None
+
+
+class RendezvousConflict(ValueError):
+    """A torchrun set-up whose restarts cannot work (exit 2, before any collective)."""
 
 
 def exchange(store, rank: int, world_size: int, topic: str, value):
     """Every rank's `value` (JSON) on `topic`, in rank order: this rank's published in the store, everyone's read
-    (waiting for them), under keys of this launch attempt (an elastic restart publishes afresh)."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    key = f"aqpipe/{topic}/{attempt}/{{}}"
+    (waiting for them); the store is this launch attempt's (`rendezvous_store`)."""
+    key = f"aqpipe/{topic}/{{}}"
     store.set(key.format(rank), json.dumps(value, sort_keys=True))
     return [json.loads(store.get(key.format(r))) for r in range(world_size)]
 

@@ -15,6 +15,7 @@ from aqpipe.pipeline.grid import Grid, host_leader, local_rank, local_world_size
 from aqpipe.pipeline.rendezvous import (
     HOST_LOCAL_SETTINGS,
     HostDisagreement,
+    RendezvousConflict,
     agree,
     begin_training,
     collective_backend,
@@ -67,7 +68,10 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
     torch.manual_seed(cfg.seed)
 
     timeout = startup_timeout(cfg.stall_timeout)
-    store = rendezvous_store(rank, world_size, timeout)
+    try:
+        store = rendezvous_store(rank, world_size, timeout)
+    except RendezvousConflict as e:
+        raise ConfigError(str(e)) from None
     backend = collective_backend(store, rank, world_size, gpu_identity(device))
     pin_socket_interface(backend)
     try:
