@@ -10,7 +10,7 @@ import torch
 
 from aqpipe.runtime import checkpoint as ck
 from aqpipe.runtime.checkpoint import CheckpointError
-from aqpipe.runtime.restart import Holding, choose_start, clear_run_state, holding, restart_count
+from aqpipe.runtime.restart import Holding, choose_start, clear_run_state, holding, record_restart, restarts
 from tests.distributed import run_ranks
 
 SETTINGS = {"model": "gpt2-tiny", "seq_len": 16, "seed": 0, "stage_bounds": [0, 3, 6]}
@@ -104,14 +104,12 @@ def test_a_newest_checkpoint_a_rank_no_longer_holds_is_never_trained_over(tmp_pa
     assert chosen.candidates == [4] and not chosen.strict and "not held by rank 1" in chosen.note
 
 
-def test_the_restart_count_is_aqpipes_or_torchruns(monkeypatch):
-    monkeypatch.delenv("AQPIPE_RESTART_COUNT", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    assert restart_count() == 0
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    assert restart_count() == 2
-    monkeypatch.setenv("AQPIPE_RESTART_COUNT", "1")
-    assert restart_count() == 1
+def test_each_start_over_the_runs_own_state_is_counted(tmp_path):
+    assert restarts(tmp_path) == 0
+    record_restart(tmp_path, 8)
+    record_restart(tmp_path, None)
+    assert restarts(tmp_path) == 2
+    assert [json.loads(line)["from_step"] for line in (tmp_path / "restarts.jsonl").read_text().splitlines()] == [8, 0]
 
 
 def _agreed(rank: int, world: int, runs: list[str], explicit: bool):
@@ -141,4 +139,4 @@ def test_the_ranks_clear_this_runs_state_without_a_checkpoint_on_every_host(tmp_
         _save(host, 2, mark=False)
     results = run_ranks(_agreed, 2, [str(h) for h in hosts], False)
     assert [value for _, value in results] == [None, None], results
-    assert [sorted(p.name for p in h.iterdir()) for h in hosts] == [[], []]
+    assert [sorted(p.name for p in h.iterdir()) for h in hosts] == [["restarts.jsonl"], []]  # (rank 0's counts it)

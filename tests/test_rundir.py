@@ -61,7 +61,8 @@ def test_the_same_command_typed_again_continues_the_run_from_its_newest_checkpoi
     assert "holds this run: it continues after step 4" in again.stderr
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert json.loads((run / "summary.json").read_text())["steps"] == 6
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["restarts"] == 1
     assert ck_bytes(run, 4) == kept  # (trained from it, not over it)
 
 

@@ -24,18 +24,18 @@ from aqpipe.metrics import write_json
 from aqpipe.pipeline.grid import Grid
 from aqpipe.runtime.capacity import refuse_if_unfit
 from aqpipe.runtime.plan import RunPlan, make_plan
-from aqpipe.runtime.restart import RESTARTS_ENV
 
 
 def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | None = None, progress: bool = True,
-            overwrite: bool = False, starter: RankStarter | None = None) -> int:
+            overwrite: bool = False, starter: RankStarter | None = None, restarted: bool = False) -> int:
     """Run a resolved configuration; returns the exit code (0 done, 1 failed during the run).
 
     Inside torchrun or the DeepSpeed launcher this process is one rank. Otherwise the run directory is locked,
     every check runs here, then every rank starts: forked from a process that has imported what ranks need
     (launch/forkserver.py; `starter`, when the caller started one earlier, else one started here), or
     `worker_command` run once per rank when given. A run directory that holds another run is refused unless
-    `overwrite`. The starter is closed on return.
+    `overwrite`; one that holds this run continues it (`continue_in_place`: `restarted` when the caller found so).
+    The starter is closed on return.
     """
     if in_distributed_env() and CONFIG_ENV not in os.environ:
         from aqpipe.runtime.train import run_worker
@@ -52,22 +52,23 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
             raise ConfigError(str(e)) from None
         return 0
     netns.require_throttling(cfg.bandwidth)
-    overwrite = continue_in_place(cfg, overwrite)
+    overwrite, again = continue_in_place(cfg, overwrite)
     if starter is None:  # started before planning, so that its imports run while this process plans
         starter = CommandStarter(worker_command) if worker_command else ForkServer.for_run(cfg.model, cfg.lora, cfg.store)
     try:
-        return _claim_and_run(cfg, spec_factory, starter, progress, overwrite)
+        return _claim_and_run(cfg, spec_factory, starter, progress, overwrite, again or restarted)
     finally:
         starter.close()
 
 
-def continue_in_place(cfg: ResolvedConfig, overwrite: bool) -> bool:
+def continue_in_place(cfg: ResolvedConfig, overwrite: bool) -> tuple[bool, bool]:
     """A local launch over an --out that holds a run: the same run continues from its newest complete checkpoint
-    (`cfg.resume` set, as with --resume), or starts again where it completed none (returns True: its state is
-    cleared, as --overwrite would); another run's state is refused (ConfigError, exit 2). Returns `overwrite`
-    otherwise; nothing to decide after --resume or --overwrite."""
+    (`cfg.resume` set, as with --resume), or starts again where it completed none (its state is cleared, as
+    --overwrite would); another run's state is refused (ConfigError, exit 2). Returns `overwrite` (True where this
+    run's state is cleared) and whether the run starts again over its own state; nothing to decide after --resume
+    or --overwrite."""
     if cfg.resume is not None or overwrite or not existing_run(Path(cfg.out)):
-        return overwrite
+        return overwrite, False
     RunDirectory(cfg.out).refuse_if_in_use()  # (another launch may be writing what it holds)
     from aqpipe.runtime.checkpoint import CheckpointError
     from aqpipe.runtime.restart import choose_start, holding
@@ -81,13 +82,15 @@ def continue_in_place(cfg: ResolvedConfig, overwrite: bool) -> bool:
     if start.note:
         print(f"aqpipe: {start.note}", file=sys.stderr, flush=True)
     if start.fresh:
-        return True  # (this run's own state, or only a plot and logs: nothing resumable to keep)
+        return True, start.clear  # (this run's own state, or only a plot and logs: nothing resumable to keep)
     cfg.resume = cfg.out
-    return overwrite
+    return overwrite, True
 
 
-def _claim_and_run(cfg: ResolvedConfig, spec_factory, starter: RankStarter, progress: bool, overwrite: bool) -> int:
-    """Lock the run directory, plan and check the run, then run its ranks."""
+def _claim_and_run(cfg: ResolvedConfig, spec_factory, starter: RankStarter, progress: bool, overwrite: bool,
+                   again: bool) -> int:
+    """Lock the run directory, plan and check the run, then run its ranks (`again`: the run starts again over its
+    own state, and counts it)."""
     run_dir = RunDirectory(cfg.out)
     run_dir.claim(resuming=cfg.resume is not None, overwrite=overwrite)
     try:
@@ -102,6 +105,11 @@ def _claim_and_run(cfg: ResolvedConfig, spec_factory, starter: RankStarter, prog
         raise
     try:
         run_dir.clear_previous()
+        if again:
+            from aqpipe.runtime.checkpoint import latest_step
+            from aqpipe.runtime.restart import record_restart
+
+            record_restart(cfg.out, latest_step(cfg.out) if cfg.resume else None)
         return _run_ranks(cfg, plan, starter, progress)
     finally:
         run_dir.release()
@@ -114,9 +122,9 @@ def _run_ranks(cfg: ResolvedConfig, plan, starter: RankStarter, progress: bool) 
     _announce(cfg, plan)
     grid = Grid(cfg.pp, cfg.dp, 0)
 
-    def launch(restarts: int, **topology) -> LaunchResult:
+    def launch(**topology) -> LaunchResult:
         # The workers get the configuration from here, never from a file another process could rewrite meanwhile.
-        env = {CONFIG_ENV: json.dumps(cfg.to_dict()), RESTARTS_ENV: str(restarts)}
+        env = {CONFIG_ENV: json.dumps(cfg.to_dict())}
         return launch_local(starter, cfg.world_size, grid.describe, env, plan.total_steps, cfg.stall_timeout, cfg.port,
                             progress, log_dir=out / "logs", **topology)
 
@@ -151,12 +159,12 @@ def _run_ranks(cfg: ResolvedConfig, plan, starter: RankStarter, progress: bool) 
 
 
 def _restarting(cfg: ResolvedConfig, launch) -> LaunchResult:
-    """`launch(restarts)` of every rank, then after a failure every rank again from the newest complete checkpoint
+    """`launch()` of every rank, then after a failure every rank again from the newest complete checkpoint
     (from the first step where there is none), at most --max-restarts times; an interrupt, a full disk or a
     checkpoint that cannot be resumed from ends the run instead."""
     restarts = 0
     while True:
-        result = launch(restarts)
+        result = launch()
         if result.code == 0 or result.interrupted or result.disk_full or restarts >= cfg.max_restarts:
             return result
         restarts += 1
@@ -173,17 +181,18 @@ def _restart_point(cfg: ResolvedConfig) -> int | None:
     """Make the run directory ready for every rank to start again: the newest complete checkpoint checked (and
     `cfg.resume` set), or, with none, this run's state removed; returns that checkpoint's step (None: none)."""
     from aqpipe.runtime.checkpoint import latest_step
-    from aqpipe.runtime.restart import clear_run_state
+    from aqpipe.runtime.restart import clear_run_state, record_restart
 
     step = latest_step(cfg.out)
     if step is None:
         cfg.resume = None
         clear_run_state(cfg.out)
         write_json(Path(cfg.out) / "config.json", cfg.to_dict())
-        return None
-    cfg.resume = cfg.out
-    _check_checkpoint(cfg)
-    _drop_damaged_stores(cfg)
+    else:
+        cfg.resume = cfg.out
+        _check_checkpoint(cfg)
+        _drop_damaged_stores(cfg)
+    record_restart(cfg.out, step)
     return step
 
 

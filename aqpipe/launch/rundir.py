@@ -17,7 +17,8 @@ from aqpipe.disk import disk_full_error
 
 LOCK_NAME = ".aqpipe.lock"
 # What a run writes into its directory; any of them present means the directory holds a run.
-RUN_OUTPUTS = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "checkpoints", "export", "store", "logs")
+RUN_OUTPUTS = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "checkpoints", "export", "store", "logs",
+               "restarts.jsonl")
 
 
 class RunDirectory:

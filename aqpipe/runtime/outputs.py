@@ -24,7 +24,7 @@ from aqpipe.pipeline.grid import Grid, collective_device, gather_rows
 from aqpipe.pipeline.step_stats import COMBINED, INTEGER_FIELDS, STAT_FIELDS, StepStats
 from aqpipe.runtime.events import progress
 from aqpipe.runtime.plan import RunPlan
-from aqpipe.runtime.restart import restart_count
+from aqpipe.runtime.restart import restarts
 from aqpipe.stages.export import export_adapter, export_hf
 from aqpipe.stages.lora import adapter_state, merged_state
 from aqpipe.stages.models import tokenizer_directory
@@ -315,7 +315,7 @@ def _summary(plan: RunPlan, log: MetricsLog, wall_seconds: float, final: FinalWe
     summary["store"] = {"hits": last["store_hits"], "misses": last["store_misses"], "reseeded": last["store_reseeded"],
                         "overflow": last.get("store_overflow", 0)}
     summary["skipped_steps"] = sum(1 for r in log.records if r.get("skipped"))
-    summary["restarts"] = restart_count()
+    summary["restarts"] = restarts(cfg.out)
     summary.update(eval_summary(log.records))
     summary["export"] = export_model(plan, final)
     summary["final_weights_bytes"] = final.bytes_received if final is not None else 0

@@ -12,17 +12,17 @@ written, even where a host died before marking it too.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aqpipe.runtime.checkpoint import CheckpointError, rank_file, root, step_dir
 
-# The count of restarts so far, which `aqpipe launch --max-restarts` gives the ranks it restarts (torchrun's elastic
-# agent gives its own, TORCHELASTIC_RESTART_COUNT).
-RESTARTS_ENV = "AQPIPE_RESTART_COUNT"
+# Each time a run started again over its own state (a restart by torchrun or `--max-restarts`, or the same command
+# typed again), a line in this file of rank 0's run directory: summary.json counts them.
+RESTARTS_FILE = "restarts.jsonl"
 
 # What a run writes into its directory on a host that a restart must respect; any of them present means the directory
 # holds a run's state (`aqpipe.launch.rundir.RUN_OUTPUTS` adds what a local launch's launcher writes: the plot, logs).
@@ -155,13 +155,20 @@ def _who(holdings: list[Holding]) -> str:
     return ", ".join(f"rank {h.rank} on {h.host}" for h in holdings)
 
 
-def restart_count() -> int:
-    """How many times this run's ranks were restarted so far by `aqpipe launch --max-restarts` or torchrun."""
-    for name in (RESTARTS_ENV, "TORCHELASTIC_RESTART_COUNT"):
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+def record_restart(out: str | Path, step: int | None) -> None:
+    """Note in rank 0's run directory that the run started again over its own state, from the checkpoint of `step`
+    (None: from the first step, no checkpoint having been complete)."""
+    line = json.dumps({"time": time.time(), "from_step": step or 0}) + "\n"
+    with open(Path(out) / RESTARTS_FILE, "a") as f:
+        f.write(line)
+
+
+def restarts(out: str | Path) -> int:
+    """How many times the run in `out` started again over its own state."""
+    try:
+        return sum(1 for line in (Path(out) / RESTARTS_FILE).read_text().splitlines() if line.strip())
+    except OSError:
+        return 0
 
 
 def clear_run_state(out: str | Path) -> list[str]:

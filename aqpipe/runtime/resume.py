@@ -26,7 +26,7 @@ from aqpipe.runtime.checkpoint import (
 )
 from aqpipe.runtime.events import emit
 from aqpipe.runtime.reconcile import reconcile
-from aqpipe.runtime.restart import Holding, choose_start, clear_run_state, holding
+from aqpipe.runtime.restart import Holding, choose_start, clear_run_state, holding, record_restart
 from aqpipe.stages.lora import checkpointed_names, training_state
 from aqpipe.storage.memory import in_memory
 
@@ -151,6 +151,8 @@ def agreed_step(run: str | Path, rank: int, settings: dict, explicit: bool = Tru
             if host_leader():
                 clear_run_state(run)
             comm.barrier(comm.SETUP)
+            if rank == 0:
+                record_restart(run, None)
         return None
     damaged: list[int] = []
     for step in start.candidates[:1] if start.strict else start.candidates:
@@ -164,6 +166,8 @@ def agreed_step(run: str | Path, rank: int, settings: dict, explicit: bool = Tru
         verdicts: list = [None] * world
         comm.all_gather_object(verdicts, problem, comm.SETUP)
         if not any(verdicts):
+            if rank == 0 and not explicit:
+                record_restart(run, step)
             newest = start.candidates[0]
             if rank == 0 and newest > step:
                 print(f"aqpipe: resuming after step {step}: the checkpoint of step {newest} is not complete and sound "
