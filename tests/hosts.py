@@ -23,6 +23,10 @@ from pathlib import Path
 
 from aqpipe.launch import netns
 
+# What torchrun's elastic (c10d) rendezvous needs so that aqpipe's ranks can restart: a store of its own per round
+# (see aqpipe.pipeline.rendezvous.elastic_attempt)
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
 # `sh -c` inside the host's mount and UTS namespaces: take the host's name, bind its disk at the shared path and the
 # hosts' /etc/hosts over the machine's (every host's name resolves to its address, as on a real cluster's DNS), then
 # become the command
@@ -51,12 +55,17 @@ class Hosts:
         """Where a path under the shared mount point lives on host `host`'s disk."""
         return self.disk(host) / Path(path).relative_to(self.mount)
 
-    def torchrun(self, host: int, *aqpipe_args: str) -> list[str]:
-        """The command a user types on host `host` (the README's), for `aqpipe <aqpipe_args>`."""
+    def torchrun(self, host: int, *aqpipe_args: str, max_restarts: int | None = None) -> list[str]:
+        """The command a user types on host `host` (the README's), for `aqpipe <aqpipe_args>`: with `max_restarts`,
+        the elastic one (torchrun's c10d rendezvous at host 0, which restarts every rank after a failure; its
+        environment wants `ELASTIC_ENV`), else the static one."""
+        if max_restarts is None:
+            where = ["--node-rank", str(host), "--master-addr", self.topology.address(0), "--master-port", str(self.port)]
+        else:
+            where = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.name(0)}:{self.port}", "--rdzv-id", "aqpipe",
+                     "--max-restarts", str(max_restarts)]
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.count),
-                "--nproc-per-node", str(self.ranks_per_host), "--node-rank", str(host),
-                "--master-addr", self.topology.address(0), "--master-port", str(self.port),
-                "-m", "aqpipe", *aqpipe_args]
+                "--nproc-per-node", str(self.ranks_per_host), *where, "-m", "aqpipe", *aqpipe_args]
 
     def command(self, host: int, argv: list[str]) -> list[str]:
         """`argv` run on host `host`: in its network namespace, with its disk at the shared mount point."""
@@ -74,15 +83,29 @@ class Hosts:
         """Host `host`'s name (its UTS namespace's hostname)."""
         return f"host-{host}"
 
-    def start(self, host: int, *aqpipe_args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
-        """Start `torchrun … -m aqpipe <aqpipe_args>` on host `host` (its own session, output to `log`)."""
+    def start(self, host: int, *aqpipe_args: str, env: dict | None = None, log: Path | None = None,
+              max_restarts: int | None = None) -> subprocess.Popen:
+        """Start `torchrun … -m aqpipe <aqpipe_args>` on host `host` (its own session, output to `log`; elastic with
+        `max_restarts`, see `torchrun`)."""
         out = open(log or self.disk(host) / "torchrun.log", "ab")
+        elastic = ELASTIC_ENV if max_restarts is not None else {}
         try:
-            return subprocess.Popen(self.command(host, self.torchrun(host, *aqpipe_args)), stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env={**os.environ, **(env or {})})
+            return subprocess.Popen(self.command(host, self.torchrun(host, *aqpipe_args, max_restarts=max_restarts)),
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env={**os.environ, **elastic, **(env or {})})
         finally:
             out.close()
+
+    def kill_ranks(self, proc: subprocess.Popen) -> list[int]:
+        """SIGKILL the ranks of a host's torchrun `proc`, leaving torchrun itself (a process that crashed); returns
+        their pids."""
+        ranks = [pid for pid in descendants(proc.pid) if _is_rank(pid)]
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return ranks
 
     def kill(self, proc: subprocess.Popen) -> None:
         """SIGKILL a host's whole process tree (torchrun and every rank it started), as when a machine dies."""
@@ -92,6 +115,15 @@ class Hosts:
             except ProcessLookupError:
                 pass
         proc.wait()
+
+
+def _is_rank(pid: int) -> bool:
+    """Whether process `pid` is an aqpipe rank torchrun started (not torchrun itself)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"aqpipe" in argv and b"torch.distributed.run" not in argv
 
 
 def descendants(pid: int) -> list[int]:

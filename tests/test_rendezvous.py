@@ -260,3 +260,33 @@ def test_a_replica_ready_to_train_waits_for_one_still_starting_up():
     """Only a pipeline's ranks meet while they start up: a replica whose host loads fast must not begin training (and
     its short time-outs) while another replica's host is still loading, or its first gradient sync times out."""
     assert _late_rank(1, 2, "late to training", "data parallel") == ["data parallel joined"]
+
+
+def _store() -> dist.TCPStore:
+    from datetime import timedelta
+
+    return dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5))
+
+
+@pytest.mark.parametrize("max_restarts", ["0", "3"])
+def test_each_start_of_a_torchrun_job_keys_its_entries_apart(monkeypatch, max_restarts):
+    """torchrun keeps one store for every start of a job: the static rendezvous its agents' (where their role records
+    lie), and under c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. A restart's ranks read the dead start's gloo
+    addresses there and hung; now the static one's keys are the start's, and c10d's shared store is refused where a
+    restart may come."""
+    from aqpipe.pipeline.rendezvous import RendezvousConflict, elastic_attempt
+
+    store = _store()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", max_restarts)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # c10d with a store of its own per round
+    assert elastic_attempt(store) is None
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    if max_restarts == "0":
+        assert elastic_attempt(store) is None
+    else:
+        with pytest.raises(RendezvousConflict, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+            elastic_attempt(store)
+    store.set("job/torchelastic/role_info/0", b"agent")  # what the static rendezvous's agent records
+    assert elastic_attempt(store) == "attempt-2"

@@ -66,6 +66,21 @@ def test_the_same_command_typed_again_continues_the_run_from_its_newest_checkpoi
     assert ck_bytes(run, 4) == kept  # (trained from it, not over it)
 
 
+def test_a_start_that_would_train_over_a_newer_checkpoint_than_its_own_is_refused_and_changes_nothing(tmp_path):
+    """The newest checkpoint lacks rank 1's part (a lost or restored disk): continuing from the older one would
+    train over it, starting afresh over both. Refused with one line saying what to do."""
+    run = tmp_path / "run"
+    first = launch(*QUICK, "--steps", "4", "--checkpoint-every", "2", "--out", str(run))
+    assert first.returncode == 0, first.stderr[-2000:]
+    (run / "checkpoints" / "step-00000004" / "rank-1.pt").unlink()
+    before = snapshot(run)
+    again = launch(*QUICK, "--steps", "6", "--checkpoint-every", "2", "--out", str(run))
+    assert again.returncode == 2 and again.stderr.strip().count("\n") == 0, again.stderr
+    assert "the checkpoint of step 4 is complete, but rank 1" in again.stderr
+    assert "or continue from step 2 with --resume" in again.stderr
+    assert snapshot(run) == before
+
+
 def ck_bytes(run, step: int) -> bytes:
     return (run / "checkpoints" / f"step-{step:08d}" / "rank-0.pt").read_bytes()
 

@@ -1,0 +1,70 @@
+"""Runs that outlive a failed rank across hosts (tests/hosts.py): torchrun's elastic agent restarts every rank and
+the run continues from its newest checkpoint complete everywhere, with nothing trained twice past it and the same
+result as a run that never failed."""
+
+import json
+import os
+import re
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from aqpipe.launch import netns
+from tests import warm
+from tests.hosts import simulated_hosts, wait_all
+
+CANNOT = netns.can_throttle()
+pytestmark = [pytest.mark.xdist_group("netns"),
+              pytest.mark.skipif(CANNOT is not None, reason=f"cannot build namespaces here: {CANNOT}")]
+ENV = {"OMP_NUM_THREADS": "1"}  # the same arithmetic as the one-machine run's ranks (one thread each)
+RUN = ("--model", "llama-tiny", "--seq-len", "32", "--max-samples", "64", "--micro-batch-size", "2",
+       "--micro-batches", "3", "--eval-every", "0", "--no-progress", "--stall-timeout", "60", "--pp", "3",
+       "--steps", "16", "--checkpoint-every", "4")
+
+
+def records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def logs(hosts) -> str:
+    return "\n".join(f"--- host {h}\n" + (hosts.disk(h) / "torchrun.log").read_text(errors="replace")[-2500:]
+                     for h in range(hosts.count))
+
+
+def test_a_rank_killed_under_torchruns_restarts_continues_the_run_as_if_nothing_failed(tmp_path):
+    """3 hosts x 1 rank, AQ-SGD links, private disks, torchrun --max-restarts 3 (c10d): host 1's rank is SIGKILLed
+    after the first checkpoint and its torchrun lives on. Before, the restarted ranks trained from step 1 over the
+    run's own checkpoints (or hung dialling the dead ranks' addresses); now the run finishes with no further command,
+    every step recorded once, and its losses and export equal those of one machine's uninterrupted run bit for bit
+    (a resume is exact: m(ξ), the optimizer and the RNG come back as they were)."""
+    with simulated_hosts(tmp_path / "hosts", 3, 1, 200_000_000) as hosts:
+        run = hosts.mount / "run"
+        procs = [hosts.start(h, "launch", *RUN, "--out", str(run), env=ENV, max_restarts=3) for h in range(3)]
+        metrics = hosts.on_disk(0, run / "metrics.jsonl")
+        deadline = time.monotonic() + 180
+        while len(records(metrics)) < 6 and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.1)
+        assert 6 <= len(records(metrics)) < 16, logs(hosts)
+        assert hosts.kill_ranks(procs[1]), logs(hosts)
+        assert wait_all(procs, 240) == [0, 0, 0], logs(hosts)
+        said = (hosts.disk(0) / "torchrun.log").read_text(errors="replace")
+        resumed = re.findall(r"holds this run: it continues after step (\d+)", said)
+        assert len(resumed) == 1 and int(resumed[0]) >= 4, logs(hosts)
+        trained = [int(step) for step in re.findall(r"^step (\d+)/16 ", said, flags=re.M)]  # (host 0's progress)
+        assert sorted(set(trained)) == list(range(1, 17))
+        assert all(trained.count(step) == (1 if step <= int(resumed[0]) else trained.count(step)) <= 2
+                   for step in range(1, 17)), trained  # only the steps after the checkpoint trained again
+        done = records(metrics)
+        assert [r["step"] for r in done] == list(range(1, 17))
+        summary = json.loads(hosts.on_disk(0, run / "summary.json").read_text())
+        assert summary["steps"] == 16 and summary["restarts"] == 1
+        exported = load_file(next(hosts.on_disk(0, run / "export").glob("*.safetensors")))
+    local = tmp_path / "one-machine"
+    proc = warm.run("launch", *RUN, "--out", str(local), env={**os.environ, **ENV})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["loss"] for r in records(local / "metrics.jsonl")] == [r["loss"] for r in done]
+    reference = load_file(next((local / "export").glob("*.safetensors")))
+    assert reference.keys() == exported.keys()
+    assert all(torch.equal(reference[k], exported[k]) for k in reference)
