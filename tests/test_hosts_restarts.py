@@ -5,6 +5,7 @@ result as a run that never failed."""
 import json
 import os
 import re
+import shutil
 import time
 
 import pytest
@@ -68,3 +69,38 @@ def test_a_rank_killed_under_torchruns_restarts_continues_the_run_as_if_nothing_
     reference = load_file(next((local / "export").glob("*.safetensors")))
     assert reference.keys() == exported.keys()
     assert all(torch.equal(reference[k], exported[k]) for k in reference)
+
+
+def test_a_host_that_dies_whole_and_comes_back_rejoins_the_job_and_the_run_continues(tmp_path):
+    """Host 1's torchrun and rank die at once (a reboot); the same command started there again joins the job through
+    torchrun's c10d rendezvous, and every rank continues from the newest checkpoint: every step recorded once. With
+    its disk wiped instead, every rank stops with exit 2 naming the part it lost, after torchrun's restarts."""
+    with simulated_hosts(tmp_path / "hosts", 3, 1, 200_000_000) as hosts:
+        run = hosts.mount / "run"
+        command = ("launch", *RUN, "--out", str(run))
+        procs = [hosts.start(h, *command, env=ENV, max_restarts=3) for h in range(3)]
+        metrics = hosts.on_disk(0, run / "metrics.jsonl")
+        deadline = time.monotonic() + 180
+        while len(records(metrics)) < 6 and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.1)
+        assert 6 <= len(records(metrics)) < 16, logs(hosts)
+        hosts.kill(procs[1])
+        procs[1] = hosts.start(1, *command, env=ENV, max_restarts=3)
+        assert wait_all(procs, 240) == [0, 0, 0], logs(hosts)
+        assert [r["step"] for r in records(metrics)] == list(range(1, 17))
+        assert json.loads(hosts.on_disk(0, run / "summary.json").read_text())["restarts"] == 1
+
+        again = ("launch", *RUN, "--steps", "24", "--out", str(run))  # (--steps may grow: the same run, longer)
+        procs = [hosts.start(h, *again, env=ENV, max_restarts=1) for h in range(3)]
+        while len(records(metrics)) < 18 and time.monotonic() < deadline + 180 and procs[0].poll() is None:
+            time.sleep(0.1)
+        hosts.kill(procs[1])
+        for path in hosts.disk(1).iterdir():  # the disk comes back empty
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        procs[1] = hosts.start(1, *again, env=ENV, max_restarts=1)
+        codes = wait_all(procs, 240)
+        assert all(code != 0 for code in codes), logs(hosts)
+        said = (hosts.disk(1) / "torchrun.log").read_text(errors="replace")
+        assert re.search(r"aqpipe: error: the checkpoint of step \d+ is complete, but rank 1 on host-1 no longer holds "
+                         r"its part of it", said), logs(hosts)
+        assert 18 <= len(records(metrics)) < 24  # nothing trained over what host 1 lost
