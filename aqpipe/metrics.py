@@ -98,7 +98,7 @@ def run_bytes_per_element(records: list[dict]) -> dict:
 # Per-step record fields by traffic class: every byte a run's ranks send, by what it is for.
 TRAFFIC_FIELDS = {"link_payload": ("fwd_bytes", "bwd_bytes"), "link_framing": ("fwd_framing_bytes", "bwd_framing_bytes"),
                   "grad_sync": ("grad_sync_bytes",), "tied": ("tied_bytes",), "control": ("control_bytes",),
-                  "evaluation": ("eval_bytes",)}
+                  "evaluation": ("eval_bytes",), "checkpoint": ("checkpoint_bytes",)}
 
 
 def traffic_totals(records: list[dict]) -> dict:

@@ -30,6 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # (its harness, and the tests' helpers)
 from fault_harness import LONG, QUICK, Case, Row, finish, listening_ports, markdown  # noqa: E402 - its harness
+from fault_hosts import across_hosts  # noqa: E402 - the cases across hosts
 
 from tests.processes import small_disk  # noqa: E402 - the repository's own test helpers
 from tests.test_health import DAMAGE  # noqa: E402 - the three kinds of LMDB damage
@@ -296,12 +297,17 @@ def same_directory(case: Case) -> list[Row]:
                          killed_in=case.out))
     rows.append(case.row("  and with --overwrite", 2, *overwrite, says="in use by another", killed_in=case.out))
     before = sorted(p.name for p in case.out.iterdir())
-    code, err, seconds = case.run(*QUICK, "--steps", "4", "--out", str(case.out))
+    code, err, seconds = case.run(*QUICK, "--steps", "4", "--seed", "1", "--out", str(case.out))
     same = sorted(p.name for p in case.out.iterdir()) == before
-    rows.append(case.row("launch into a finished run", 2, code, err, seconds, says="already holds a run",
-                         lost="nothing" if same else "files changed", verified=same))
-    code, err, seconds = case.run(*QUICK, "--steps", "4", "--overwrite", "--out", str(case.out))
+    rows.append(case.row("launch of another run into a finished run", 2, code, err, seconds,
+                         says="holds another run", lost="nothing" if same else "files changed", verified=same))
+    code, err, seconds = case.run(*QUICK, "--steps", "4", "--seed", "1", "--overwrite", "--out", str(case.out))
     rows.append(case.row("  and with --overwrite", 0, code, err, seconds, lost="the old run (asked for)"))
+    code, err, seconds = case.run(*QUICK, "--steps", "6", "--seed", "1", "--out", str(case.out))
+    steps = [json.loads(line)["step"] for line in (case.out / "metrics.jsonl").read_text().splitlines()]
+    rows.append(case.row("  then the same run's command again, --steps 6", 0, code, err, seconds,
+                         verified=steps == [1, 2, 3, 4, 5, 6] and "continues after step 4" in err,
+                         note="continues from its checkpoint"))
     return rows
 
 
@@ -357,7 +363,7 @@ CASES = {
     "kill rank": kill_rank_mid_run, "kill checkpoint": kill_during_checkpoint, "kill launcher": kill_launcher,
     "stall": stall, "disk": disk_full, "disk lmdb": disk_filled_mid_run, "interrupts": lambda c: interrupts(c, False),
     "interrupts bandwidth": lambda c: interrupts(c, True), "stray": stray_connections, "resume": resume_abuse,
-    "same directory": same_directory, "bad data": bad_data, "lmdb": damaged_stores,
+    "same directory": same_directory, "bad data": bad_data, "lmdb": damaged_stores, "hosts": across_hosts,
 }
 
 

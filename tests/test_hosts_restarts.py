@@ -74,7 +74,8 @@ def test_a_rank_killed_under_torchruns_restarts_continues_the_run_as_if_nothing_
 def test_a_host_that_dies_whole_and_comes_back_rejoins_the_job_and_the_run_continues(tmp_path):
     """Host 1's torchrun and rank die at once (a reboot); the same command started there again joins the job through
     torchrun's c10d rendezvous, and every rank continues from the newest checkpoint: every step recorded once. With
-    its disk wiped instead, every rank stops with exit 2 naming the part it lost, after torchrun's restarts."""
+    its disk wiped instead and no copies kept (--checkpoint-replicas 0), every rank stops with exit 2 naming the part
+    it lost, after torchrun's restarts."""
     with simulated_hosts(tmp_path / "hosts", 3, 1, 200_000_000) as hosts:
         run = hosts.mount / "run"
         command = ("launch", *RUN, "--out", str(run))
@@ -90,17 +91,61 @@ def test_a_host_that_dies_whole_and_comes_back_rejoins_the_job_and_the_run_conti
         assert [r["step"] for r in records(metrics)] == list(range(1, 17))
         assert json.loads(hosts.on_disk(0, run / "summary.json").read_text())["restarts"] == 1
 
-        again = ("launch", *RUN, "--steps", "24", "--out", str(run))  # (--steps may grow: the same run, longer)
+        again = ("launch", *RUN, "--steps", "24", "--checkpoint-replicas", "0", "--out", str(run))
         procs = [hosts.start(h, *again, env=ENV, max_restarts=1) for h in range(3)]
-        while len(records(metrics)) < 18 and time.monotonic() < deadline + 180 and procs[0].poll() is None:
-            time.sleep(0.1)
+        step_20 = [hosts.on_disk(h, run / "checkpoints" / "step-00000020" / "COMPLETE") for h in range(3)]
+        while not all(p.is_file() for p in step_20) and time.monotonic() < deadline + 180 and procs[0].poll() is None:
+            time.sleep(0.1)  # (a checkpoint made without copies: host 1's part of it lives on host 1 alone)
         hosts.kill(procs[1])
-        for path in hosts.disk(1).iterdir():  # the disk comes back empty
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        wipe(hosts.disk(1))
         procs[1] = hosts.start(1, *again, env=ENV, max_restarts=1)
         codes = wait_all(procs, 240)
         assert all(code != 0 for code in codes), logs(hosts)
         said = (hosts.disk(1) / "torchrun.log").read_text(errors="replace")
         assert re.search(r"aqpipe: error: the checkpoint of step \d+ is complete, but rank 1 on host-1 no longer holds "
-                         r"its part of it", said), logs(hosts)
-        assert 18 <= len(records(metrics)) < 24  # nothing trained over what host 1 lost
+                         r"its part of it and no host keeps a copy", said), logs(hosts)
+        assert 20 <= len(records(metrics)) < 24  # nothing trained over what host 1 lost
+
+
+def wipe(disk) -> None:
+    """A disk that comes back empty."""
+    for path in disk.iterdir():
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def test_a_fresh_host_in_place_of_one_that_lost_its_disk_fetches_its_part_and_the_run_continues(tmp_path):
+    """Host 1 dies and a host with an empty disk starts in its place, with the same command: its rank fetches its
+    checkpoint part from the copy host 2 keeps (--checkpoint-replicas 1 by default across hosts, sent in the
+    background after each checkpoint), and the run finishes with the same losses and export as an uninterrupted run
+    on one machine, bit for bit (fp32 links), no step trained twice past the checkpoint it continued from."""
+    fp32 = (*RUN, "--fw", "fp32", "--bw", "fp32")
+    with simulated_hosts(tmp_path / "hosts", 3, 1, 200_000_000) as hosts:
+        run = hosts.mount / "run"
+        command = ("launch", *fp32, "--out", str(run))
+        procs = [hosts.start(h, *command, env=ENV, max_restarts=3) for h in range(3)]
+        metrics = hosts.on_disk(0, run / "metrics.jsonl")
+        deadline = time.monotonic() + 180
+        while not all(list(hosts.on_disk(h, run / "checkpoints").glob("step-*/REPLICATED")) for h in range(3)):
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs(hosts)
+            time.sleep(0.1)
+        assert len(records(metrics)) < 16, logs(hosts)
+        copied = hosts.on_disk(2, run / "checkpoints")
+        assert [p.name for p in copied.glob("step-*/rank-1.pt")], "host 2 keeps a copy of rank 1's part"
+        hosts.kill(procs[1])
+        wipe(hosts.disk(1))
+        procs[1] = hosts.start(1, *command, env=ENV, max_restarts=3)
+        assert wait_all(procs, 240) == [0, 0, 0], logs(hosts)
+        said = (hosts.disk(1) / "torchrun.log").read_text(errors="replace")
+        assert re.search(r"rank 1 on host-1: fetched its part of the checkpoint of step \d+ from rank 2's host", said)
+        done = records(metrics)
+        assert [r["step"] for r in done] == list(range(1, 17))
+        assert sum(r["checkpoint_bytes"] for r in done) > 0  # the copies' bytes, a traffic class of their own
+        summary = json.loads(hosts.on_disk(0, run / "summary.json").read_text())
+        assert summary["traffic"]["checkpoint"] >= sum(r["checkpoint_bytes"] for r in done)
+        exported = load_file(next(hosts.on_disk(0, run / "export").glob("*.safetensors")))
+    local = tmp_path / "one-machine"
+    proc = warm.run("launch", *fp32, "--out", str(local), env={**os.environ, **ENV})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["loss"] for r in records(local / "metrics.jsonl")] == [r["loss"] for r in done]
+    reference = load_file(next((local / "export").glob("*.safetensors")))
+    assert all(torch.equal(reference[k], exported[k]) for k in reference)

@@ -140,6 +140,8 @@ def _validate(cfg: RunConfig) -> None:
     for name in ("pp", "dp", "seq_len", "micro_batch_size", "micro_batches", "epochs", "steps", "max_samples",
                  "checkpoint_every"):
         positive(name)
+    if cfg.checkpoint_replicas is not None and cfg.checkpoint_replicas < 0:
+        raise ConfigError(f"--checkpoint-replicas must be at least 0 (0: no copies), got {cfg.checkpoint_replicas}")
     if cfg.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be at least 0 (0: a failed rank ends the run), got {cfg.max_restarts}")
     if cfg.eval_every is not None and cfg.eval_every < 0:

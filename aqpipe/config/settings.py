@@ -202,6 +202,10 @@ class RunConfig:
         "{resume_may_change} may change", metavar="DIR", resume=True)
     checkpoint_every: int | None = setting("run", "steps between resumable checkpoints", shown="one at the end",
                                            metavar="N", resume=True)
+    checkpoint_replicas: int | None = setting(
+        "run", "keep each rank's checkpoint part also on N other hosts (sent in the background, paced to a share of "
+        "the link), so that a host that loses its disk can be replaced", shown="1 when the ranks span several hosts, "
+        "else 0", metavar="N", resume=True)
     max_restarts: int = setting(
         "run", "after a rank fails, restart every rank from the newest complete checkpoint, at most N times (a local "
         "launch; under torchrun its own --max-restarts does this, and each restart continues the run the same way)",

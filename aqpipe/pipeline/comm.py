@@ -23,9 +23,9 @@ import torch.distributed as dist
 from aqpipe.compress.grad.base import ring_all_reduce_bytes
 
 # The traffic classes outside the links (one vocabulary: metrics fields are `<class>_bytes`).
-GRAD_SYNC, TIED, CONTROL, EVALUATION, FINAL_WEIGHTS, SETUP = (
-    "grad_sync", "tied", "control", "evaluation", "final_weights", "setup")
-CLASSES = (GRAD_SYNC, TIED, CONTROL, EVALUATION, FINAL_WEIGHTS, SETUP)
+GRAD_SYNC, TIED, CONTROL, EVALUATION, FINAL_WEIGHTS, SETUP, CHECKPOINT = (
+    "grad_sync", "tied", "control", "evaluation", "final_weights", "setup", "checkpoint")
+CLASSES = (GRAD_SYNC, TIED, CONTROL, EVALUATION, FINAL_WEIGHTS, SETUP, CHECKPOINT)
 
 
 @dataclass

@@ -40,6 +40,7 @@ class StepStats:
     tied_bytes: int = stat(0, "sum", "stage_sum")  # a tied table's rows and gradient rows (dense: all-reduce share)
     fwd_framing_bytes: int = stat(0, "sum")  # the rest of the messages whose payloads fwd_bytes/bwd_bytes count:
     bwd_framing_bytes: int = stat(0, "sum")  # headers, sample ids, attention masks
+    checkpoint_bytes: int = stat(0, "sum")  # copies of checkpoint parts sent to other hosts (in the background)
     control_bytes: int = stat(0)  # loss weights, overflow flags, norm all-reduces, re-seed requests… (+ the gather)
     fwd_recv_bytes: int = stat(0)  # activation message bodies received, and their time on the wire
     fwd_recv_seconds: float = stat(0.0)

@@ -275,16 +275,20 @@ def export_adapter_dir(plan: RunPlan, final: FinalWeights) -> str:
     return str(path)
 
 
-def unrecorded_traffic(control: int, grid: Grid, device: torch.device) -> dict[str, int] | None:
+def unrecorded_traffic(mark: dict[str, int], grid: Grid, device: torch.device) -> dict[str, int] | None:
     """What the ranks sent outside every step record, summed on rank 0 (None elsewhere; every rank calls this): the
-    start-up's (stream endpoints, the partition, a resume's agreement and m(ξ) reconciliation) as `setup`, and
-    `control` after the last record (its checkpoint's barrier and digests) plus this gather's own bytes."""
-    mine = torch.tensor([float(comm.TRAFFIC.sent[comm.SETUP]), float(control)], dtype=torch.float64)
+    start-up's (stream endpoints, the partition, a resume's agreement and m(ξ) reconciliation) as `setup`, and since
+    the last record (`mark`: the traffic counts then) `control` (its checkpoint's barrier and digests, plus this
+    gather's own bytes) and `checkpoint` (the copies of the last checkpoint)."""
+    sent = comm.TRAFFIC.sent
+    mine = torch.tensor([float(sent[comm.SETUP]), float(sent[comm.CONTROL] - mark[comm.CONTROL]),
+                         float(sent[comm.CHECKPOINT] - mark[comm.CHECKPOINT])], dtype=torch.float64)
     rows = gather_rows(mine, grid, device)
     if rows is None:
         return None
     total = rows.sum(dim=0)
-    return {comm.SETUP: int(total[0]), comm.CONTROL: int(total[1]) + (grid.world_size - 1) * mine.numel() * 8}
+    return {comm.SETUP: int(total[0]), comm.CONTROL: int(total[1]) + (grid.world_size - 1) * mine.numel() * 8,
+            comm.CHECKPOINT: int(total[2])}
 
 
 def finish_outputs(plan: RunPlan, log: MetricsLog, wall_seconds: float, final: FinalWeights | None = None,
@@ -323,6 +327,7 @@ def _summary(plan: RunPlan, log: MetricsLog, wall_seconds: float, final: FinalWe
     traffic["final_weights"] = summary["final_weights_bytes"]
     traffic["setup"] = unrecorded.get(comm.SETUP, 0)
     traffic["control"] += unrecorded.get(comm.CONTROL, 0)
+    traffic["checkpoint"] += unrecorded.get(comm.CHECKPOINT, 0)
     traffic["total"] = sum(v for k, v in traffic.items() if k != "total")
     if cfg.export_adapter and final is not None:
         summary["export_adapter"] = export_adapter_dir(plan, final)

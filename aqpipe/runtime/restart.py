@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aqpipe.runtime.checkpoint import CheckpointError, rank_file, root, step_dir
+from aqpipe.runtime.checkpoint import CheckpointError, root, step_dir
 
 # Each time a run started again over its own state (a restart by torchrun or `--max-restarts`, or the same command
 # typed again), a line in this file of rank 0's run directory: summary.json counts them.
@@ -38,6 +38,9 @@ class Holding:
     outputs: list[str] = field(default_factory=list)  # the names of RUN_STATE present
     files: list[int] = field(default_factory=list)  # steps whose file for this rank (with its checksum line) is here
     marked: list[int] = field(default_factory=list)  # steps this host marked complete
+    copying: list[int] = field(default_factory=list)  # steps whose parts this host began to copy to other hosts
+    replicated: list[int] = field(default_factory=list)  # steps this host marked REPLICATED (every part copied)
+    parts: dict[str, list[int]] = field(default_factory=dict)  # step -> the ranks whose part (or copy) is here
     other_run: str | None = None  # why the state here is another run's (a setting that differs); None: this run's
 
     def to_json(self) -> dict:
@@ -60,8 +63,15 @@ def holding(out: str | Path, rank: int, settings: dict) -> Holding:
         step = int(digits)
         if (directory / "COMPLETE").is_file():
             found.marked.append(step)
-        path = rank_file(directory, rank)
-        if path.is_file() and path.with_suffix(".sha256").is_file():
+        if (directory / "COPYING").is_file():
+            found.copying.append(step)
+        if (directory / "REPLICATED").is_file():
+            found.replicated.append(step)
+        here = sorted(int(p.stem[len("rank-"):]) for p in directory.glob("rank-*.pt")
+                      if p.stem[len("rank-"):].isdigit() and p.with_suffix(".sha256").is_file())
+        if here:
+            found.parts[str(step)] = here
+        if rank in here:
             found.files.append(step)
     found.files.sort(reverse=True)
     found.marked.sort(reverse=True)
@@ -126,9 +136,14 @@ def choose_start(holdings: list[Holding], out: str | Path, explicit: bool) -> St
             raise CheckpointError(f"--resume {out}: no run there to continue")
         return Start([])
     marked = set().union(*(h.marked for h in holdings))
-    held = set(holdings[0].files).intersection(*(h.files for h in holdings[1:]))
-    candidates = sorted(held & marked, reverse=True)
-    newest = max(marked, default=None)
+    candidates = sorted((s for s in marked if all(holders(holdings, s, h.rank) for h in holdings)), reverse=True)
+    # a step is complete once every rank wrote its part and, where copies are kept, every part has its copies (some
+    # host marked it replicated)
+    copying = set().union(*(h.copying for h in holdings))
+    replicated = set().union(*(h.replicated for h in holdings))
+    newest = max((s for s in marked if s not in copying or s in replicated), default=None)
+    if newest is None and candidates:  # (written, but its copies never finished: the parts are all still here)
+        newest = candidates[0]
     if newest is None:
         if explicit:
             raise CheckpointError(f"--resume {out}: no complete checkpoint (the run stopped before its first "
@@ -136,12 +151,12 @@ def choose_start(holdings: list[Holding], out: str | Path, explicit: bool) -> St
         return Start([], clear=True, note=f"{out} holds this run with no complete checkpoint yet: it starts again "
                                           "from the first step")
     if not candidates or candidates[0] < newest:
-        lacking = [h for h in holdings if newest not in h.files]
+        lacking = [h for h in holdings if not holders(holdings, newest, h.rank)]
         if not explicit or not candidates:
             raise CheckpointError(
                 f"the checkpoint of step {newest} is complete, but {_who(lacking)} no longer "
                 f"hold{'s' if len(lacking) == 1 else ''} {'its' if len(lacking) == 1 else 'their'} part of it "
-                f"(a lost disk?); put the files back under {step_dir(out, newest)}"
+                f"and no host keeps a copy (a lost disk?); put the files back under {step_dir(out, newest)}"
                 + (f", or continue from step {candidates[0]} with --resume {out}" if candidates else
                    ", or start again with --overwrite"))
         return Start(candidates, strict=False, note=f"resuming after step {candidates[0]}: the checkpoint of step "
@@ -149,6 +164,12 @@ def choose_start(holdings: list[Holding], out: str | Path, explicit: bool) -> St
     if explicit:
         return Start(candidates, strict=False)
     return Start(candidates, note=f"{out} holds this run: it continues after step {candidates[0]}")
+
+
+def holders(holdings: list[Holding], step: int, rank: int) -> list[int]:
+    """The ranks whose host keeps rank `rank`'s part of `step` (its own first, where its host still has it)."""
+    found = [h.rank for h in holdings if rank in h.parts.get(str(step), [])]
+    return sorted(found, key=lambda r: r != rank)
 
 
 def _who(holdings: list[Holding]) -> str:

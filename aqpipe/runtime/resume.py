@@ -24,9 +24,10 @@ from aqpipe.runtime.checkpoint import (
     rank_file,
     step_dir,
 )
+from aqpipe.runtime.checkpoint_copies import fetch_missing
 from aqpipe.runtime.events import emit
 from aqpipe.runtime.reconcile import reconcile
-from aqpipe.runtime.restart import Holding, choose_start, clear_run_state, holding, record_restart
+from aqpipe.runtime.restart import Holding, choose_start, clear_run_state, holders, holding, record_restart
 from aqpipe.stages.lora import checkpointed_names, training_state
 from aqpipe.storage.memory import in_memory
 
@@ -156,6 +157,9 @@ def agreed_step(run: str | Path, rank: int, settings: dict, explicit: bool = Tru
         return None
     damaged: list[int] = []
     for step in start.candidates[:1] if start.strict else start.candidates:
+        needs = [step not in h.files for h in holdings]
+        if any(needs):  # a host lost its part (a wiped disk, a new machine): from a copy on another host
+            fetch_missing(run, step, rank, needs, [holders(holdings, step, h.rank) for h in holdings])
         problem = None
         try:
             check_rank(run, step, rank, settings)

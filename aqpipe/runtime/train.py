@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from aqpipe.pipeline.rendezvous import (
 )
 from aqpipe.pipeline.tied_rows import LOOKUP, OWNER
 from aqpipe.runtime.assemble import RankStage, assemble_stage
+from aqpipe.runtime.checkpoint_copies import CheckpointCopier, copy_plan, default_copies
 from aqpipe.runtime.events import emit, start_heartbeat
 from aqpipe.runtime.loop import train_steps
 from aqpipe.runtime.outputs import (
@@ -109,6 +111,7 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
     if resumed is not None and cfg.store == "lmdb" and not launcher_checked:
         drop_if_damaged(store_path(cfg.out, grid.rank), grid.rank)
     stage = assemble_stage(plan, grid, device, backend)
+    stage.copier = _copier(cfg, grid)
     try:
         first_step = resume_rank(cfg, stage.worker, stage.store, *resumed) if resumed is not None else 0
         log = open_outputs(cfg, plan, first_step) if grid.rank == 0 else None
@@ -117,7 +120,7 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
         begin_training(store, stage.groups, cfg.stall_timeout)
         emit({"event": "start", "total_steps": plan.total_steps, "rank": grid.rank, "first_step": first_step})
         wall_start = time.perf_counter() - (log.records[-1]["elapsed_seconds"] if log is not None and log.records else 0.0)
-        unrecorded_control = train_steps(stage, first_step, log, wall_start)
+        unrecorded_since = train_steps(stage, first_step, log, wall_start)
     except BaseException:
         stage.worker.links.close(abort=True)
         raise
@@ -126,7 +129,9 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
         check_replicas(stage.worker.module, grid, stage.plan.total_steps, stage.device, stage.worker.row_cache_names)
     # before the final weights travel: over a slow link rank 0 may take longer than the time-out to receive them,
     # and no rank may wait for it in a collective meanwhile (a rank that sends none leaves at once)
-    unrecorded = unrecorded_traffic(unrecorded_control, grid, device)
+    if stage.copier is not None:
+        stage.copier.wait()  # (the last checkpoint's copies kept: the run may end)
+    unrecorded = unrecorded_traffic(unrecorded_since, grid, device)
     final = _finish_rank(stage)
     comm.finish_queued(device)
     if log is None:
@@ -134,6 +139,19 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
     summary = finish_outputs(plan, log, time.perf_counter() - wall_start, final, unrecorded)
     emit({"event": "done", "summary": summary})
     return summary
+
+
+def _copier(cfg: ResolvedConfig, grid: Grid) -> CheckpointCopier | None:
+    """What keeps copies of this rank's checkpoint parts on other hosts (every rank together: the ranks' host names
+    decide where), or None where no copy is kept (`--checkpoint-replicas 0`, or every rank on one host)."""
+    hosts: list = [None] * grid.world_size
+    comm.all_gather_object(hosts, socket.gethostname(), comm.SETUP)
+    try:
+        copies = default_copies(hosts, cfg.checkpoint_replicas)
+        copy_plan(hosts, copies)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return CheckpointCopier(cfg.out, grid.rank, hosts, copies, startup_timeout(cfg.stall_timeout)) if copies else None
 
 
 def _starting_point(cfg: ResolvedConfig, grid: Grid, launcher_checked: bool) -> tuple[int, dict] | None:
