@@ -1,8 +1,9 @@
 """The fault campaign's cases across hosts (benchmarks/faults.py --only hosts): three simulated hosts (tests/hosts.py),
 one rank each, run by torchrun's elastic agent (c10d rendezvous, --max-restarts 3) as the README's "Restarts across
-hosts" says; one fault each. A row is clean when every host's torchrun ends as expected, every step is recorded
-once in host 0's metrics.jsonl (or, for a fault nothing can survive, the run stopped before training over what was
-lost, saying what to do), and no process or namespace is left."""
+hosts" says, each rank's checkpoint part copied to the next host; one fault each, once a checkpoint's copies are
+kept (or, where the row says so, while they travel). A row is clean when every host's torchrun ends as expected,
+every step is recorded once in host 0's metrics.jsonl (or, for a fault nothing can survive, the run stopped before
+training over what was lost, saying what to do), and no process or namespace is left."""
 
 from __future__ import annotations
 
@@ -31,27 +32,41 @@ def _steps(metrics: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.is_file() else []
 
 
-def _one(case: Case, name: str, fault, expect: int = 0, says: str = "") -> Row:
-    """Start the job on three hosts, do `fault(hosts, procs, run)` once 6 steps are recorded (it may replace procs'
-    entries), wait for every host, and judge."""
+def _one(case: Case, name: str, fault, expect: int = 0, says: str = "", args: tuple[str, ...] = (),
+         when: str = "REPLICATED") -> Row:
+    """Start the job on three hosts, do `fault(hosts, procs, run)` once 6 steps are recorded and some checkpoint
+    directory on every host holds the marker `when` (it may replace procs' entries), wait for every host, and
+    judge."""
     namespaces_before = namespaces()
     with simulated_hosts(case.dir / name.replace(" ", "-"), 3, 1, 200_000_000, port=29611) as hosts:
         run = hosts.mount / "run"
-        procs = [hosts.start(h, "launch", *RUN, "--out", str(run), env=ENV, max_restarts=3) for h in range(3)]
+        command = ("launch", *RUN, *args, "--out", str(run))
+        procs = [hosts.start(h, *command, env=ENV, max_restarts=3) for h in range(3)]
         metrics = hosts.on_disk(0, run / "metrics.jsonl")
         deadline = time.monotonic() + 180
-        while len(_steps(metrics)) < 6 and time.monotonic() < deadline and procs[0].poll() is None:
-            time.sleep(0.1)
+
+        def ready() -> bool:
+            marked = [list(hosts.on_disk(h, run / "checkpoints").glob(f"step-*/{when}")) for h in range(3)]
+            if when == "COPYING":  # (a checkpoint whose copies are on their way)
+                marked = [[p for p in found if not (p.parent / "REPLICATED").exists()] for found in marked]
+            return len(_steps(metrics)) >= 6 and all(marked)
+
+        while not ready() and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.02)
         reached = len(_steps(metrics))
         start = time.monotonic()
-        fault(hosts, procs, run)
+        fault(hosts, procs, command)
         codes = wait_all(procs, 300)
         seconds = time.monotonic() - start
-        logs = [(hosts.disk(h) / "torchrun.log").read_text(errors="replace") for h in range(3)]
+        logs = [(hosts.disk(h) / name).read_text(errors="replace") for h in range(3)
+                for name in ("torchrun.log", "again.log") if (hosts.disk(h) / name).is_file()]
         left = [f"pid {p}" for proc in procs for p in descendants(proc.pid)]
         done = _steps(metrics)
         resumed = re.findall(r"it continues after step (\d+)", logs[0])
         errors = [line for log in logs for line in log.splitlines() if line.startswith("aqpipe: error:")]
+    settled = time.monotonic() + 10  # (the kernel may take a moment to let a namespace go)
+    while any(n not in namespaces_before for n in namespaces()) and time.monotonic() < settled:
+        time.sleep(0.5)
     left += [f"netns {n}" for n in namespaces() if n not in namespaces_before]
     if expect == 0:
         verified = codes == [0, 0, 0] and done == list(range(1, STEPS + 1))
@@ -65,31 +80,32 @@ def _one(case: Case, name: str, fault, expect: int = 0, says: str = "") -> Row:
                line[:400], 0, False, left, lost, note=f"torchrun exits {codes}", says=says, verified=verified)
 
 
-def _kill_rank(hosts, procs, run) -> None:
+def _kill_rank(hosts, procs, command) -> None:
     hosts.kill_ranks(procs[1])
 
 
-def _host_dies_and_returns(hosts, procs, run) -> None:
+def _host_dies_and_returns(hosts, procs, command) -> None:
     hosts.kill(procs[1])
     time.sleep(3)
-    procs[1] = hosts.start(1, "launch", *RUN, "--out", str(run), env=ENV, max_restarts=3, log=hosts.disk(1) / "again.log")
+    procs[1] = hosts.start(1, *command, env=ENV, max_restarts=3, log=hosts.disk(1) / "again.log")
 
 
-def _host_dies_with_its_disk(hosts, procs, run) -> None:
+def _host_dies_with_its_disk(hosts, procs, command) -> None:
+    """Host 1 dies; a host with an empty disk starts in its place, with the same command."""
     hosts.kill(procs[1])
     for path in hosts.disk(1).iterdir():
         shutil.rmtree(path) if path.is_dir() else path.unlink()
-    procs[1] = hosts.start(1, "launch", *RUN, "--out", str(run), env=ENV, max_restarts=3)
+    procs[1] = hosts.start(1, *command, env=ENV, max_restarts=3, log=hosts.disk(1) / "again.log")
 
 
-def _link_cut(hosts, procs, run) -> None:
+def _link_cut(hosts, procs, command) -> None:
     """Host 1's link down for 30 s (every packet to and from it lost), then up again."""
     subprocess.run([*hosts.topology.exec_prefix(1), "ip", "link", "set", netns.INTERFACE, "down"], check=True)
     time.sleep(30)
     subprocess.run([*hosts.topology.exec_prefix(1), "ip", "link", "set", netns.INTERFACE, "up"], check=True)
 
 
-def _frozen(hosts, procs, run) -> None:
+def _frozen(hosts, procs, command) -> None:
     """Host 1's torchrun and rank stopped for 45 s (past the 30 s stall time-out), then continued."""
     frozen = [procs[1].pid, *descendants(procs[1].pid)]
     for pid in frozen:
@@ -111,8 +127,10 @@ def across_hosts(case: Case) -> list[Row]:
     return [
         _one(case, "a rank SIGKILLed (torchrun restarts it)", _kill_rank),
         _one(case, "a host dies whole and starts again", _host_dies_and_returns),
-        _one(case, "a host dies, its disk wiped, started again", _host_dies_with_its_disk, expect=1,
-             says="no longer holds its part"),
+        _one(case, "a host dies, a fresh host (empty disk) in its place", _host_dies_with_its_disk),
+        _one(case, "the same without copies (--checkpoint-replicas 0)", _host_dies_with_its_disk, expect=1,
+             says="no longer holds its part", args=("--checkpoint-replicas", "0"), when="COMPLETE"),
+        _one(case, "a rank SIGKILLed while a checkpoint's copies travel", _kill_rank, when="COPYING"),
         _one(case, "the link to a host cut for 30 s", _link_cut),
         _one(case, "a host frozen (SIGSTOP) 45 s, past the stall time-out", _frozen),
     ]

@@ -67,6 +67,7 @@ def run_cli(capsys, args, tmp_path):
     (["--model", "bert-tiny", "--seq-len", "600"], "exceeds bert-tiny's 512 positions"),
     (["--eval-every", "-1"], "--eval-every must be at least 0"),
     (["--max-restarts", "-1"], "--max-restarts must be at least 0"),
+    (["--checkpoint-replicas", "-1"], "--checkpoint-replicas must be at least 0"),
     (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
     (["--task", "translate"], "not a task"),
     (["--schedule", "zigzag"], "not a schedule"),

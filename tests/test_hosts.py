@@ -151,8 +151,8 @@ def interface_bytes(hosts, host: int) -> int:
 def test_every_byte_on_the_wire_is_in_the_metrics(tmp_path):
     """A throttled tied llama-tiny run over 2 hosts, 3 epochs: what the hosts' interfaces transmitted (TCP/IP headers
     aside) is at least what metrics.jsonl and summary.json claim, and within 1.3x of it (everything is in the claim:
-    link payload and framing, tied rows, control, the final weights; outside it only the start-up rendezvous and
-    connections)."""
+    link payload and framing, tied rows, control, the final weights, the checkpoints' copies on the other host;
+    outside it only the start-up rendezvous and connections)."""
     with simulated_hosts(tmp_path, 2, 1, 100_000_000) as hosts:
         run = hosts.mount / "run"
         before = [interface_bytes(hosts, h) for h in range(2)]
@@ -169,8 +169,10 @@ def test_every_byte_on_the_wire_is_in_the_metrics(tmp_path):
     assert traffic["total"] == sum(v for k, v in traffic.items() if k != "total")
     assert traffic["total"] <= wire <= 1.3 * traffic["total"], (wire, traffic)
     # each host's own: stage 0 sends the activations and its tied gradient rows, stage 1 the gradients, the tied
-    # rows and the final weights; control, setup and evaluation traffic are claimed for the run, not per rank
-    shared = traffic["control"] + traffic["setup"] + traffic["evaluation"]
+    # rows and the final weights; control, setup, evaluation and the checkpoints' copies (each host sends its own
+    # part to the other) are claimed for the run, not per rank
+    assert traffic["checkpoint"] > 0
+    shared = traffic["control"] + traffic["setup"] + traffic["evaluation"] + traffic["checkpoint"]
     claims = [sum(r["fwd_bytes"] + r["fwd_framing_bytes"] + r["stage_tied_bytes"][0] for r in steps),
               sum(r["bwd_bytes"] + r["bwd_framing_bytes"] + r["stage_tied_bytes"][1] for r in steps)
               + traffic["final_weights"]]

@@ -142,8 +142,8 @@ def choose_start(holdings: list[Holding], out: str | Path, explicit: bool) -> St
     copying = set().union(*(h.copying for h in holdings))
     replicated = set().union(*(h.replicated for h in holdings))
     newest = max((s for s in marked if s not in copying or s in replicated), default=None)
-    if newest is None and candidates:  # (written, but its copies never finished: the parts are all still here)
-        newest = candidates[0]
+    if newest is None and marked:  # written, but its copies never finished: complete if every part is still here
+        newest = candidates[0] if candidates else max(marked)
     if newest is None:
         if explicit:
             raise CheckpointError(f"--resume {out}: no complete checkpoint (the run stopped before its first "

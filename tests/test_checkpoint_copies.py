@@ -1,0 +1,112 @@
+"""Copies of each rank's checkpoint part on other hosts (aqpipe.runtime.checkpoint_copies): where they go, that they
+arrive whole and checked, and that a host that lost its part gets it back from one."""
+
+import datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from aqpipe.runtime import checkpoint as ck
+from aqpipe.runtime.checkpoint_copies import copy_plan, default_copies, keep_copy
+from aqpipe.runtime.restart import choose_start, holding
+from tests.distributed import run_ranks
+
+SETTINGS = {"model": "llama-tiny", "seed": 0}
+
+
+def test_each_part_goes_to_the_first_rank_of_the_next_hosts():
+    assert copy_plan(["a", "b", "c"], 1) == {0: [1], 1: [2], 2: [0]}
+    assert copy_plan(["a", "a", "b", "b"], 1) == {0: [2], 1: [2], 2: [0], 3: [0]}  # never on its own host
+    assert copy_plan(["a", "b", "c"], 2) == {0: [1, 2], 1: [2, 0], 2: [0, 1]}
+    assert copy_plan(["a", "a"], 0) == {0: [], 1: []}
+    with pytest.raises(ValueError, match="--checkpoint-replicas 2 needs 3 hosts, the ranks span 2"):
+        copy_plan(["a", "b", "b"], 2)
+    assert [default_copies(hosts, None) for hosts in (["a", "a"], ["a", "b"])] == [0, 1]
+    assert default_copies(["a", "b"], 0) == 0
+
+
+def test_a_damaged_copy_is_refused_not_kept(tmp_path):
+    ck.save_rank(tmp_path / "source", 4, 1, {"model": {"w": torch.ones(8)}}, SETTINGS)
+    part = ck.rank_file(ck.step_dir(tmp_path / "source", 4), 1)
+    line = part.with_suffix(".sha256").read_text()
+    with pytest.raises(RuntimeError, match="arrived damaged"):
+        keep_copy(tmp_path / "holder", 4, 1, part.read_bytes()[:-1] + b"x", line)
+    assert not ck.step_dir(tmp_path / "holder", 4).exists()
+    keep_copy(tmp_path / "holder", 4, 1, part.read_bytes(), line)
+    ck.check_rank(tmp_path / "holder", 4, 1, SETTINGS)  # (whole, and checked as the rank's own would be)
+
+
+def _copy(rank: int, world: int, root: str, rate):
+    """On each of `world` hosts (one rank each, a directory each): a checkpoint of step 4, then its copies."""
+    from aqpipe.pipeline import comm
+    from aqpipe.runtime.checkpoint_copies import CheckpointCopier
+
+    out = Path(root) / f"host-{rank}"
+    ck.save_rank(out, 4, rank, {"model": {"w": torch.randn(100_000 * (rank + 1))}}, SETTINGS)
+    ck.mark_complete(out, 4, world, SETTINGS)
+    copier = CheckpointCopier(out, rank, [f"host-{r}" for r in range(world)], 1, datetime.timedelta(seconds=60))
+    copier.start(4, rate, leader=True)
+    copier.wait()
+    return comm.TRAFFIC.sent[comm.CHECKPOINT], sorted(p.name for p in ck.step_dir(out, 4).iterdir())
+
+
+def test_every_part_reaches_the_next_host_whole_and_the_step_is_marked_replicated(tmp_path):
+    results = run_ranks(_copy, 3, str(tmp_path), None)
+    for rank, (status, value) in enumerate(results):
+        assert status == "ok", value
+        sent, names = value
+        assert sent == ck.rank_file(ck.step_dir(tmp_path / f"host-{rank}", 4), rank).stat().st_size
+        copy = (rank - 1) % 3  # the part this host keeps for the host before it
+        assert names == sorted(["COMPLETE", "COPYING", "REPLICATED", "run.json", f"rank-{rank}.pt",
+                                f"rank-{rank}.sha256", f"rank-{copy}.pt", f"rank-{copy}.sha256"])
+        ck.check_rank(tmp_path / f"host-{rank}", 4, copy, SETTINGS)
+
+
+def test_copies_are_paced_to_the_rate_they_are_given(tmp_path):
+    """1.2 MB from the largest part at 10% of 4 MB/s (the share of the measured link a copy may take) takes 3 s."""
+    status, value = run_ranks(_timed_copy, 3, str(tmp_path))[2]
+    assert status == "ok", value
+    assert 2.5 <= value <= 6.0, value
+
+
+def _timed_copy(rank: int, world: int, root: str):
+    import time
+
+    start = time.monotonic()
+    _copy(rank, world, root, 4e6)
+    return time.monotonic() - start
+
+
+def _recover(rank: int, world: int, root: str):
+    from aqpipe.runtime import resume
+
+    return resume.agreed_step(str(Path(root) / f"host-{rank}"), rank, SETTINGS, explicit=False)
+
+
+def test_a_host_that_lost_its_part_fetches_it_from_a_copy_and_every_rank_continues(tmp_path):
+    assert all(status == "ok" for status, _ in run_ranks(_copy, 3, str(tmp_path), None))
+    lost = tmp_path / "host-1"
+    for path in sorted(lost.rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() else path.unlink()
+    start = choose_start([holding(tmp_path / f"host-{r}", r, SETTINGS) for r in range(3)], tmp_path, explicit=False)
+    assert start.candidates == [4]  # (rank 1's part is on host 2)
+    assert [value for _, value in run_ranks(_recover, 3, str(tmp_path))] == [4, 4, 4]
+    ck.check_rank(lost, 4, 1, SETTINGS)
+    assert (ck.step_dir(lost, 4) / "COMPLETE").is_file() and (ck.step_dir(lost, 4) / "run.json").is_file()
+
+
+def test_a_checkpoint_whose_copies_never_finished_counts_only_while_every_part_is_on_its_host(tmp_path):
+    """Step 8 was written everywhere but its copies were cut short (no REPLICATED): a restart continues from it while
+    every part is still there; once a host lost its part of it, from step 4, whose copies finished."""
+    assert all(status == "ok" for status, _ in run_ranks(_copy, 3, str(tmp_path), None))
+    hosts = [tmp_path / f"host-{r}" for r in range(3)]
+    for rank, host in enumerate(hosts):
+        ck.save_rank(host, 8, rank, {"model": {"w": torch.zeros(4)}}, SETTINGS)
+        ck.mark_complete(host, 8, 3, SETTINGS)
+        (ck.step_dir(host, 8) / "COPYING").write_bytes(b"")
+    holdings = [holding(h, r, SETTINGS) for r, h in enumerate(hosts)]
+    assert choose_start(holdings, tmp_path, explicit=False).candidates[0] == 8
+    ck.rank_file(ck.step_dir(hosts[1], 8), 1).unlink()
+    holdings = [holding(h, r, SETTINGS) for r, h in enumerate(hosts)]
+    assert choose_start(holdings, tmp_path, explicit=False).candidates == [4]
