@@ -34,6 +34,34 @@ def logs(hosts) -> str:
                      for h in range(hosts.count))
 
 
+def start_job(hosts, args: tuple[str, ...]):
+    """`aqpipe launch ARGS --out <run>` on every host under torchrun --max-restarts 3: the run directory, the
+    command, each host's torchrun and host 0's metrics.jsonl."""
+    run = hosts.mount / "run"
+    command = ("launch", *args, "--out", str(run))
+    procs = [hosts.start(h, *command, env=ENV, max_restarts=3) for h in range(hosts.count)]
+    return run, command, procs, hosts.on_disk(0, run / "metrics.jsonl")
+
+
+def wait_for_steps(hosts, procs, metrics, steps: int) -> None:
+    """Until host 0 has recorded `steps` steps (and fewer than the run's 16)."""
+    deadline = time.monotonic() + 180
+    while len(records(metrics)) < steps and time.monotonic() < deadline and procs[0].poll() is None:
+        time.sleep(0.1)
+    assert steps <= len(records(metrics)) < 16, logs(hosts)
+
+
+def assert_as_on_one_machine(local, args: tuple[str, ...], done: list[dict], exported: dict) -> None:
+    """An uninterrupted run of `args` on one machine records the losses `done` holds and exports `exported`, bit for
+    bit."""
+    proc = warm.run("launch", *args, "--out", str(local), env={**os.environ, **ENV})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["loss"] for r in records(local / "metrics.jsonl")] == [r["loss"] for r in done]
+    reference = load_file(next((local / "export").glob("*.safetensors")))
+    assert reference.keys() == exported.keys()
+    assert all(torch.equal(reference[k], exported[k]) for k in reference)
+
+
 def test_a_rank_killed_under_torchruns_restarts_continues_the_run_as_if_nothing_failed(tmp_path):
     """3 hosts x 1 rank, AQ-SGD links, private disks, torchrun --max-restarts 3 (c10d): host 1's rank is SIGKILLed
     after the first checkpoint and its torchrun lives on. Before, the restarted ranks trained from step 1 over the
@@ -41,13 +69,8 @@ def test_a_rank_killed_under_torchruns_restarts_continues_the_run_as_if_nothing_
     every step recorded once, and its losses and export equal those of one machine's uninterrupted run bit for bit
     (a resume is exact: m(ξ), the optimizer and the RNG come back as they were)."""
     with simulated_hosts(tmp_path / "hosts", 3, 1, 200_000_000) as hosts:
-        run = hosts.mount / "run"
-        procs = [hosts.start(h, "launch", *RUN, "--out", str(run), env=ENV, max_restarts=3) for h in range(3)]
-        metrics = hosts.on_disk(0, run / "metrics.jsonl")
-        deadline = time.monotonic() + 180
-        while len(records(metrics)) < 6 and time.monotonic() < deadline and procs[0].poll() is None:
-            time.sleep(0.1)
-        assert 6 <= len(records(metrics)) < 16, logs(hosts)
+        run, _, procs, metrics = start_job(hosts, RUN)
+        wait_for_steps(hosts, procs, metrics, 6)
         assert hosts.kill_ranks(procs[1]), logs(hosts)
         assert wait_all(procs, 240) == [0, 0, 0], logs(hosts)
         said = (hosts.disk(0) / "torchrun.log").read_text(errors="replace")
@@ -62,13 +85,7 @@ def test_a_rank_killed_under_torchruns_restarts_continues_the_run_as_if_nothing_
         summary = json.loads(hosts.on_disk(0, run / "summary.json").read_text())
         assert summary["steps"] == 16 and summary["restarts"] == 1
         exported = load_file(next(hosts.on_disk(0, run / "export").glob("*.safetensors")))
-    local = tmp_path / "one-machine"
-    proc = warm.run("launch", *RUN, "--out", str(local), env={**os.environ, **ENV})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["loss"] for r in records(local / "metrics.jsonl")] == [r["loss"] for r in done]
-    reference = load_file(next((local / "export").glob("*.safetensors")))
-    assert reference.keys() == exported.keys()
-    assert all(torch.equal(reference[k], exported[k]) for k in reference)
+    assert_as_on_one_machine(tmp_path / "one-machine", RUN, done, exported)
 
 
 def test_a_host_that_dies_whole_and_comes_back_rejoins_the_job_and_the_run_continues(tmp_path):
@@ -77,14 +94,8 @@ def test_a_host_that_dies_whole_and_comes_back_rejoins_the_job_and_the_run_conti
     its disk wiped instead and no copies kept (--checkpoint-replicas 0), every rank stops with exit 2 naming the part
     it lost, after torchrun's restarts."""
     with simulated_hosts(tmp_path / "hosts", 3, 1, 200_000_000) as hosts:
-        run = hosts.mount / "run"
-        command = ("launch", *RUN, "--out", str(run))
-        procs = [hosts.start(h, *command, env=ENV, max_restarts=3) for h in range(3)]
-        metrics = hosts.on_disk(0, run / "metrics.jsonl")
-        deadline = time.monotonic() + 180
-        while len(records(metrics)) < 6 and time.monotonic() < deadline and procs[0].poll() is None:
-            time.sleep(0.1)
-        assert 6 <= len(records(metrics)) < 16, logs(hosts)
+        run, command, procs, metrics = start_job(hosts, RUN)
+        wait_for_steps(hosts, procs, metrics, 6)
         hosts.kill(procs[1])
         procs[1] = hosts.start(1, *command, env=ENV, max_restarts=3)
         assert wait_all(procs, 240) == [0, 0, 0], logs(hosts)
@@ -94,7 +105,8 @@ def test_a_host_that_dies_whole_and_comes_back_rejoins_the_job_and_the_run_conti
         again = ("launch", *RUN, "--steps", "24", "--checkpoint-replicas", "0", "--out", str(run))
         procs = [hosts.start(h, *again, env=ENV, max_restarts=1) for h in range(3)]
         step_20 = [hosts.on_disk(h, run / "checkpoints" / "step-00000020" / "COMPLETE") for h in range(3)]
-        while not all(p.is_file() for p in step_20) and time.monotonic() < deadline + 180 and procs[0].poll() is None:
+        deadline = time.monotonic() + 180
+        while not all(p.is_file() for p in step_20) and time.monotonic() < deadline and procs[0].poll() is None:
             time.sleep(0.1)  # (a checkpoint made without copies: host 1's part of it lives on host 1 alone)
         hosts.kill(procs[1])
         wipe(hosts.disk(1))
@@ -120,10 +132,7 @@ def test_a_fresh_host_in_place_of_one_that_lost_its_disk_fetches_its_part_and_th
     on one machine, bit for bit (fp32 links), no step trained twice past the checkpoint it continued from."""
     fp32 = (*RUN, "--fw", "fp32", "--bw", "fp32")
     with simulated_hosts(tmp_path / "hosts", 3, 1, 200_000_000) as hosts:
-        run = hosts.mount / "run"
-        command = ("launch", *fp32, "--out", str(run))
-        procs = [hosts.start(h, *command, env=ENV, max_restarts=3) for h in range(3)]
-        metrics = hosts.on_disk(0, run / "metrics.jsonl")
+        run, command, procs, metrics = start_job(hosts, fp32)
         deadline = time.monotonic() + 180
         while not all(list(hosts.on_disk(h, run / "checkpoints").glob("step-*/REPLICATED")) for h in range(3)):
             assert time.monotonic() < deadline and procs[0].poll() is None, logs(hosts)
@@ -143,9 +152,4 @@ def test_a_fresh_host_in_place_of_one_that_lost_its_disk_fetches_its_part_and_th
         summary = json.loads(hosts.on_disk(0, run / "summary.json").read_text())
         assert summary["traffic"]["checkpoint"] >= sum(r["checkpoint_bytes"] for r in done)
         exported = load_file(next(hosts.on_disk(0, run / "export").glob("*.safetensors")))
-    local = tmp_path / "one-machine"
-    proc = warm.run("launch", *fp32, "--out", str(local), env={**os.environ, **ENV})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["loss"] for r in records(local / "metrics.jsonl")] == [r["loss"] for r in done]
-    reference = load_file(next((local / "export").glob("*.safetensors")))
-    assert all(torch.equal(reference[k], exported[k]) for k in reference)
+    assert_as_on_one_machine(tmp_path / "one-machine", fp32, done, exported)
