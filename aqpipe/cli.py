@@ -308,15 +308,15 @@ def _launch(args: argparse.Namespace) -> int:
 
     run_dir = RunDirectory(cfg.out)
     run_dir.refuse_if_in_use()  # (before what the directory holds is read: another launch may be writing it)
-    overwrite, again = continue_in_place(cfg, args.overwrite)
-    run_dir.precheck(resuming=cfg.resume is not None, overwrite=overwrite)
+    again = continue_in_place(cfg, args.overwrite)
+    run_dir.precheck(resuming=cfg.resume is not None or again, overwrite=args.overwrite)
     # Before anything else starts a thread: import what the ranks need here (planning needs the same modules), then
     # fork the server the ranks will be forked from.
     starter = ForkServer.forked_here(cfg.model, cfg.lora, cfg.store)
     try:
         from aqpipe.launch.job import run_job
 
-        return run_job(cfg, progress=not args.no_progress, overwrite=overwrite, starter=starter, restarted=again)
+        return run_job(cfg, progress=not args.no_progress, overwrite=args.overwrite, starter=starter, restarted=again)
     finally:
         starter.close()
 

@@ -53,7 +53,7 @@ def _one(case: Case, name: str, fault, expect: int = 0, says: str = "", args: tu
 
         while not ready() and time.monotonic() < deadline and procs[0].poll() is None:
             time.sleep(0.02)
-        reached = len(_steps(metrics))
+        reached, caught = len(_steps(metrics)), ready()
         start = time.monotonic()
         fault(hosts, procs, command)
         codes = wait_all(procs, 300)
@@ -69,15 +69,17 @@ def _one(case: Case, name: str, fault, expect: int = 0, says: str = "", args: tu
         time.sleep(0.5)
     left += [f"netns {n}" for n in namespaces() if n not in namespaces_before]
     if expect == 0:
-        verified = codes == [0, 0, 0] and done == list(range(1, STEPS + 1))
+        verified = caught and codes == [0, 0, 0] and done == list(range(1, STEPS + 1))
         line = f"finished: {len(done)} steps, each once; continued after step {', '.join(resumed) or '-'}"
         lost = f"steps {resumed[-1]}+1..{reached}+ trained again" if resumed else "nothing"
     else:
-        verified = all(code != 0 for code in codes) and len(done) < STEPS and any(says in e for e in errors)
+        verified = caught and codes == [expect] * 3 and len(done) < STEPS and any(says in e for e in errors)
         line = next((e for e in errors if says in e), errors[-1] if errors else "")
         lost = "the run stops: nothing trained over the lost part"
     return Row(f"3 hosts: {name}", expect, 0 if verified and expect == 0 else max(codes), round(seconds, 1),
-               line[:400], 0, False, left, lost, note=f"torchrun exits {codes}", says=says, verified=verified)
+               line[:400], 0, False, left, lost, note=f"torchrun exits {codes}; fault at step {reached}"
+               + ("" if caught else f" (before a checkpoint directory held {when} everywhere)"), says=says,
+               verified=verified)
 
 
 def _kill_rank(hosts, procs, command) -> None:

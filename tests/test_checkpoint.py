@@ -38,6 +38,28 @@ def test_latest_is_the_newest_complete_checkpoint_and_old_ones_are_pruned(tmp_pa
     assert ck.latest_step(tmp_path / "elsewhere") is None
 
 
+def test_the_newest_checkpoint_whose_copies_all_arrived_is_kept_until_a_newer_ones_have(tmp_path):
+    """Steps 8 and 12 written, their copies to other hosts never finished (no REPLICATED): pruning to the two newest
+    deleted step 4, the one a host that loses its disk could still come back from."""
+    _save(tmp_path, 4)
+    (ck.step_dir(tmp_path, 4) / "REPLICATED").write_bytes(b"")
+    for step in (8, 12):
+        _save(tmp_path, step)
+    assert sorted(p.name for p in ck.root(tmp_path).glob("step-*")) == ["step-00000004", "step-00000008",
+                                                                       "step-00000012"]
+    (ck.step_dir(tmp_path, 12) / "REPLICATED").write_bytes(b"")
+    _save(tmp_path, 16)
+    assert sorted(p.name for p in ck.root(tmp_path).glob("step-*")) == ["step-00000012", "step-00000016"]
+
+
+def test_latest_is_the_newest_step_marked_complete_even_where_the_pointer_lags(tmp_path):
+    """A run stopped between marking step 6 complete and pointing `latest` at it: step 6 is the newest."""
+    for step in (2, 4, 6):
+        _save(tmp_path, step)
+    (ck.root(tmp_path) / "latest").write_text("step-00000004\n")
+    assert ck.latest_step(tmp_path) == 6
+
+
 @pytest.mark.parametrize("damage,message", [
     (lambda f: f.write_bytes(f.read_bytes()[:-100]), "damaged or truncated"),
     (lambda f: f.write_bytes(f.read_bytes()[:50] + b"X" + f.read_bytes()[51:]), "damaged or truncated"),

@@ -32,27 +32,33 @@ def test_a_damaged_copy_is_refused_not_kept(tmp_path):
     line = part.with_suffix(".sha256").read_text()
     with pytest.raises(RuntimeError, match="arrived damaged"):
         keep_copy(tmp_path / "holder", 4, 1, part.read_bytes()[:-1] + b"x", line)
-    assert not ck.step_dir(tmp_path / "holder", 4).exists()
+    assert list(ck.step_dir(tmp_path / "holder", 4).iterdir()) == []  # (nor its piece-by-piece temporary file)
     keep_copy(tmp_path / "holder", 4, 1, part.read_bytes(), line)
     ck.check_rank(tmp_path / "holder", 4, 1, SETTINGS)  # (whole, and checked as the rank's own would be)
 
 
-def _copy(rank: int, world: int, root: str, rate):
-    """On each of `world` hosts (one rank each, a directory each): a checkpoint of step 4, then its copies."""
+def _copy(rank: int, world: int, root: str, link_rate: float = 1e9):
+    """On each of `world` hosts (one rank each, a directory each, a pipeline stage each): a checkpoint of step 4,
+    then its copies, paced by the link rate the stage measured from the host before it."""
     from aqpipe.pipeline import comm
+    from aqpipe.pipeline.grid import Grid
+    from aqpipe.pipeline.step_stats import StepStats
     from aqpipe.runtime.checkpoint_copies import CheckpointCopier
 
     out = Path(root) / f"host-{rank}"
     ck.save_rank(out, 4, rank, {"model": {"w": torch.randn(100_000 * (rank + 1))}}, SETTINGS)
     ck.mark_complete(out, 4, world, SETTINGS)
-    copier = CheckpointCopier(out, rank, [f"host-{r}" for r in range(world)], 1, datetime.timedelta(seconds=60))
-    copier.start(4, rate, leader=True)
+    copier = CheckpointCopier(out, Grid(world, 1, rank), [f"host-{r}" for r in range(world)], 1,
+                              datetime.timedelta(seconds=60))
+    copier.observe(StepStats(fwd_recv_bytes=int(link_rate), fwd_recv_seconds=1.0, bwd_recv_bytes=int(link_rate),
+                             bwd_recv_seconds=1.0))
+    copier.start(4, leader=True)
     copier.wait()
     return comm.TRAFFIC.sent[comm.CHECKPOINT], sorted(p.name for p in ck.step_dir(out, 4).iterdir())
 
 
 def test_every_part_reaches_the_next_host_whole_and_the_step_is_marked_replicated(tmp_path):
-    results = run_ranks(_copy, 3, str(tmp_path), None)
+    results = run_ranks(_copy, 3, str(tmp_path))
     for rank, (status, value) in enumerate(results):
         assert status == "ok", value
         sent, names = value
@@ -63,8 +69,8 @@ def test_every_part_reaches_the_next_host_whole_and_the_step_is_marked_replicate
         ck.check_rank(tmp_path / f"host-{rank}", 4, copy, SETTINGS)
 
 
-def test_copies_are_paced_to_the_rate_they_are_given(tmp_path):
-    """1.2 MB from the largest part at 10% of 4 MB/s (the share of the measured link a copy may take) takes 3 s."""
+def test_copies_are_paced_to_a_share_of_the_link_between_hosts(tmp_path):
+    """1.2 MB from the largest part at 10% of the 4 MB/s its links to other hosts measured takes 3 s."""
     status, value = run_ranks(_timed_copy, 3, str(tmp_path))[2]
     assert status == "ok", value
     assert 2.5 <= value <= 6.0, value
@@ -85,7 +91,7 @@ def _recover(rank: int, world: int, root: str):
 
 
 def test_a_host_that_lost_its_part_fetches_it_from_a_copy_and_every_rank_continues(tmp_path):
-    assert all(status == "ok" for status, _ in run_ranks(_copy, 3, str(tmp_path), None))
+    assert all(status == "ok" for status, _ in run_ranks(_copy, 3, str(tmp_path)))
     lost = tmp_path / "host-1"
     for path in sorted(lost.rglob("*"), reverse=True):
         path.rmdir() if path.is_dir() else path.unlink()
@@ -96,10 +102,24 @@ def test_a_host_that_lost_its_part_fetches_it_from_a_copy_and_every_rank_continu
     assert (ck.step_dir(lost, 4) / "COMPLETE").is_file() and (ck.step_dir(lost, 4) / "run.json").is_file()
 
 
+def test_the_rate_counts_only_links_to_other_hosts_and_is_split_among_a_hosts_ranks():
+    """Two stages on one host and one on another: the middle stage's fast link on its own host does not set the
+    pace; where no link to another host was measured, the least rate; a host's ranks share its pace."""
+    from aqpipe.pipeline.grid import Grid
+    from aqpipe.pipeline.step_stats import StepStats
+    from aqpipe.runtime.checkpoint_copies import LINK_SHARE, MIN_RATE, CheckpointCopier
+
+    copier = CheckpointCopier.__new__(CheckpointCopier)
+    copier.grid, copier.rank, copier.hosts, copier.peak = Grid(3, 1, 1), 1, ["a", "a", "b"], 0.0
+    assert copier.rate() == MIN_RATE / 2
+    copier.observe(StepStats(fwd_recv_bytes=10**9, fwd_recv_seconds=1.0, bwd_recv_bytes=10**7, bwd_recv_seconds=1.0))
+    assert copier.peak == 10**7 and copier.rate() == LINK_SHARE * 10**7 / 2
+
+
 def test_a_checkpoint_whose_copies_never_finished_counts_only_while_every_part_is_on_its_host(tmp_path):
     """Step 8 was written everywhere but its copies were cut short (no REPLICATED): a restart continues from it while
     every part is still there; once a host lost its part of it, from step 4, whose copies finished."""
-    assert all(status == "ok" for status, _ in run_ranks(_copy, 3, str(tmp_path), None))
+    assert all(status == "ok" for status, _ in run_ranks(_copy, 3, str(tmp_path)))
     hosts = [tmp_path / f"host-{r}" for r in range(3)]
     for rank, host in enumerate(hosts):
         ck.save_rank(host, 8, rank, {"model": {"w": torch.zeros(4)}}, SETTINGS)

@@ -177,3 +177,10 @@ def test_max_restarts_restarts_every_rank_from_the_newest_checkpoint(tmp_path):
     assert [r["step"] for r in records] == list(range(1, 41))
     assert json.loads((run / "summary.json").read_text())["restarts"] == 1
     assert none_left(tag)
+
+
+def test_a_local_launch_refuses_copies_it_has_no_other_host_for():
+    proc = warm.run("launch", "--pp", "2", "--steps", "2", "--checkpoint-replicas", "1", "--no-progress")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "--checkpoint-replicas 1 keeps copies" in proc.stderr and "a local launch runs every rank on this one" \
+        in proc.stderr

@@ -4,6 +4,7 @@ the holder, and workers never read another run's config."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -79,6 +80,23 @@ def test_a_start_that_would_train_over_a_newer_checkpoint_than_its_own_is_refuse
     assert "the checkpoint of step 4 is complete, but rank 1" in again.stderr
     assert "or continue from step 2 with --resume" in again.stderr
     assert snapshot(run) == before
+
+
+def test_the_same_command_over_its_run_without_a_checkpoint_starts_it_again_keeping_logs_and_count(tmp_path):
+    """A run stopped before its first checkpoint: the same command starts it again from the first step, clearing
+    its state but not its logs, and counts the restart."""
+    run = tmp_path / "run"
+    first = launch(*QUICK, "--steps", "2", "--out", str(run))
+    assert first.returncode == 0, first.stderr[-2000:]
+    shutil.rmtree(run / "checkpoints")
+    (run / "summary.json").unlink()
+    logged = [(run / "logs" / f"rank-{r}.log").stat().st_size for r in range(2)]
+    again = launch(*QUICK, "--steps", "2", "--out", str(run))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stderr.count("holds this run with no complete checkpoint yet: it starts again") == 1
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert all((run / "logs" / f"rank-{r}.log").stat().st_size > logged[r] for r in range(2))  # (appended to)
+    assert json.loads((run / "summary.json").read_text())["restarts"] == 1
 
 
 def ck_bytes(run, step: int) -> bytes:

@@ -52,23 +52,26 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
             raise ConfigError(str(e)) from None
         return 0
     netns.require_throttling(cfg.bandwidth)
-    overwrite, again = continue_in_place(cfg, overwrite)
+    if cfg.checkpoint_replicas:
+        raise ConfigError(f"--checkpoint-replicas {cfg.checkpoint_replicas} keeps copies of each rank's checkpoint "
+                          "part on other hosts, but a local launch runs every rank on this one; use it with torchrun "
+                          "across hosts")
+    again = restarted or continue_in_place(cfg, overwrite)
     if starter is None:  # started before planning, so that its imports run while this process plans
         starter = CommandStarter(worker_command) if worker_command else ForkServer.for_run(cfg.model, cfg.lora, cfg.store)
     try:
-        return _claim_and_run(cfg, spec_factory, starter, progress, overwrite, again or restarted)
+        return _claim_and_run(cfg, spec_factory, starter, progress, overwrite, again)
     finally:
         starter.close()
 
 
-def continue_in_place(cfg: ResolvedConfig, overwrite: bool) -> tuple[bool, bool]:
+def continue_in_place(cfg: ResolvedConfig, overwrite: bool) -> bool:
     """A local launch over an --out that holds a run: the same run continues from its newest complete checkpoint
-    (`cfg.resume` set, as with --resume), or starts again where it completed none (its state is cleared, as
-    --overwrite would); another run's state is refused (ConfigError, exit 2). Returns `overwrite` (True where this
-    run's state is cleared) and whether the run starts again over its own state; nothing to decide after --resume
-    or --overwrite."""
+    (`cfg.resume` set, as with --resume), or starts again where it completed none (its state is cleared once the
+    directory is locked, its logs and count of restarts kept); another run's state is refused (ConfigError, exit 2).
+    Returns whether the run starts again over its own state; nothing to decide after --resume or --overwrite."""
     if cfg.resume is not None or overwrite or not existing_run(Path(cfg.out)):
-        return overwrite, False
+        return False
     RunDirectory(cfg.out).refuse_if_in_use()  # (another launch may be writing what it holds)
     from aqpipe.runtime.checkpoint import CheckpointError
     from aqpipe.runtime.restart import choose_start, holding
@@ -79,12 +82,12 @@ def continue_in_place(cfg: ResolvedConfig, overwrite: bool) -> tuple[bool, bool]
                              explicit=False)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-    if start.note:
-        print(f"aqpipe: {start.note}", file=sys.stderr, flush=True)
     if start.fresh:
-        return True, start.clear  # (this run's own state, or only a plot and logs: nothing resumable to keep)
-    cfg.resume = cfg.out
-    return overwrite, True
+        print(f"aqpipe: {cfg.out} holds this run with no complete checkpoint yet: it starts again from the first step",
+              file=sys.stderr, flush=True)
+    else:
+        cfg.resume = cfg.out
+    return True
 
 
 def _claim_and_run(cfg: ResolvedConfig, spec_factory, starter: RankStarter, progress: bool, overwrite: bool,
@@ -92,13 +95,13 @@ def _claim_and_run(cfg: ResolvedConfig, spec_factory, starter: RankStarter, prog
     """Lock the run directory, plan and check the run, then run its ranks (`again`: the run starts again over its
     own state, and counts it)."""
     run_dir = RunDirectory(cfg.out)
-    run_dir.claim(resuming=cfg.resume is not None, overwrite=overwrite)
+    run_dir.claim(resuming=cfg.resume is not None or again, overwrite=overwrite)
     try:
         plan = make_plan(cfg, spec_factory)
         cfg.stage_bounds = plan.bounds
         refuse_if_unfit(plan)  # exit 2 with the plan's numbers rather than running out of memory mid-run
         if cfg.resume is not None:
-            _check_checkpoint(cfg)
+            _check_checkpoint(cfg, again)
             _drop_damaged_stores(cfg)
     except BaseException:
         run_dir.release(failed_before_start=True)
@@ -107,8 +110,10 @@ def _claim_and_run(cfg: ResolvedConfig, spec_factory, starter: RankStarter, prog
         run_dir.clear_previous()
         if again:
             from aqpipe.runtime.checkpoint import latest_step
-            from aqpipe.runtime.restart import record_restart
+            from aqpipe.runtime.restart import clear_run_state, record_restart
 
+            if cfg.resume is None:  # (this run's state with no checkpoint to continue from)
+                clear_run_state(cfg.out)
             record_restart(cfg.out, latest_step(cfg.out) if cfg.resume else None)
         return _run_ranks(cfg, plan, starter, progress)
     finally:
@@ -190,7 +195,7 @@ def _restart_point(cfg: ResolvedConfig) -> int | None:
         write_json(Path(cfg.out) / "config.json", cfg.to_dict())
     else:
         cfg.resume = cfg.out
-        _check_checkpoint(cfg)
+        _check_checkpoint(cfg, say=False)  # (the restart's own line says it)
         _drop_damaged_stores(cfg)
     record_restart(cfg.out, step)
     return step
@@ -206,9 +211,10 @@ def _continue_hint(cfg: ResolvedConfig) -> str:
     return f"; free some space, then `aqpipe launch --resume {cfg.out}` continues after step {step}"
 
 
-def _check_checkpoint(cfg: ResolvedConfig) -> None:
+def _check_checkpoint(cfg: ResolvedConfig, again: bool = False, say: bool = True) -> None:
     """The run to resume has a complete, undamaged checkpoint written with this configuration (checked before any
-    worker starts); when the newest is unusable, the message says which older one is and how to use it."""
+    worker starts); when the newest is unusable, the message says which older one is and how to use it. Says where
+    the run continues (`again`: over its own directory without --resume) unless not to `say`."""
     from aqpipe.runtime.checkpoint import (
         CheckpointError,
         complete_steps,
@@ -239,7 +245,9 @@ def _check_checkpoint(cfg: ResolvedConfig) -> None:
         raise ConfigError(f"--resume: {e}") from None
     for directory in remove_incomplete(run):  # nothing writes them now: the run directory is locked
         print(f"aqpipe: removed {directory}, a checkpoint its run did not finish writing", file=sys.stderr, flush=True)
-    print(f"aqpipe: resuming {run} after step {step}", file=sys.stderr, flush=True)
+    if say:
+        said = f"{run} holds this run: it continues after step {step}" if again else f"resuming {run} after step {step}"
+        print(f"aqpipe: {said}", file=sys.stderr, flush=True)
 
 
 def _drop_damaged_stores(cfg: ResolvedConfig) -> None:

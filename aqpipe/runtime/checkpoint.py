@@ -170,9 +170,24 @@ def mark_complete(out: str | Path, step: int, world_size: int, settings: dict) -
     write_atomic(directory / "COMPLETE", f"{world_size}\n".encode(), durable=True)
     write_atomic(root(out) / "latest", (directory.name + "\n").encode(), durable=True)
     complete = [d for d in sorted(root(out).glob("step-*")) if (d / "COMPLETE").is_file()]
-    for old in complete[:-KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
+    # where copies are kept, the newest step whose copies all arrived stays too: until a newer one's have, it is the
+    # one a host that loses its disk can come back from
+    replicated = [d for d in complete if (d / "REPLICATED").is_file()]
+    keep = set(complete[-KEEP:]) | set(replicated[-1:])
+    for old in complete:
+        if old not in keep:
+            shutil.rmtree(old, ignore_errors=True)
     remove_incomplete(out)
+
+
+def drop_steps_after(out: str | Path, step: int) -> list[Path]:
+    """Delete the step directories after `step` (a resume from `step` trains those steps again: their old files
+    must not mix with the new ones under their old markers); returns them."""
+    removed = [d for d in sorted(root(out).glob("step-*")) if d.name[len("step-"):].isdigit()
+               and int(d.name[len("step-"):]) > step]
+    for directory in removed:
+        shutil.rmtree(directory, ignore_errors=True)
+    return removed
 
 
 def remove_incomplete(out: str | Path) -> list[Path]:
@@ -185,19 +200,9 @@ def remove_incomplete(out: str | Path) -> list[Path]:
 
 
 def latest_step(out: str | Path) -> int | None:
-    """The step of the newest complete checkpoint of a run, or None when it has none."""
-    pointer = root(out) / "latest"
-    candidates = []
-    if pointer.is_file():
-        candidates.append(root(out) / pointer.read_text().strip())
-    candidates += sorted(root(out).glob("step-*"), reverse=True)
-    for directory in candidates:
-        if (directory / "COMPLETE").is_file() and directory.name.startswith("step-"):
-            try:
-                return int(directory.name[len("step-"):])
-            except ValueError:
-                continue
-    return None
+    """The step of the newest complete checkpoint of a run, or None when it has none (by the step directories'
+    markers: `latest` is written after COMPLETE, and a run stopped between the two has a newer one than it says)."""
+    return max(complete_steps(out), default=None)
 
 
 def complete_steps(out: str | Path) -> list[int]:

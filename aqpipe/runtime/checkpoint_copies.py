@@ -1,20 +1,21 @@
 """Copies of every rank's checkpoint part on other hosts, so that a run survives a host that loses its disk.
 
 After each checkpoint every rank sends its part (its file and checksum line) to the first rank of each of the next
-`--checkpoint-replicas` hosts, on a thread of its own and a process group of its own, paced to a share of the
-link, while training goes on; the receivers keep the copies in the same step directory, under the same names, and
-check them against the checksum line. Once every copy of a step is on its disk, every host marks the step
-REPLICATED. A rank whose host lost its part (a wiped disk, a new machine) fetches it from a copy before it resumes
-(`fetch_missing`).
+`--checkpoint-replicas` hosts, on a thread of its own and a process group of its own, paced to a share of the link
+between hosts, while training goes on; the receivers keep the copies in the same step directory, under the same
+names, once they match their checksum lines. A part travels and lands a piece at a time, never whole in memory.
+Once every copy of a step is kept, every host marks the step REPLICATED. A rank whose host lost its part (a wiped
+disk, a new machine) fetches it from a copy before it resumes (`fetch_missing`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
+import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,13 +23,14 @@ import torch.distributed as dist
 
 from aqpipe.disk import write_atomic
 from aqpipe.pipeline import comm
+from aqpipe.pipeline.grid import Grid
 from aqpipe.runtime.checkpoint import rank_file, step_dir
 
 COPYING = "COPYING"  # a step directory's marker: the step's parts are being copied (complete only once REPLICATED)
 REPLICATED = "REPLICATED"  # a step directory's marker: every part of the step is on its host and on its copies' hosts
 CHUNK_BYTES = 1 << 20  # a copy travels in pieces of this size, each paced
-LINK_SHARE = 0.1  # the share of a rank's link rate (the highest it measured) its copies may take
-MIN_RATE = 256 << 10  # bytes/s copies may always take (a link of small messages measures less than it carries)
+LINK_SHARE = 0.1  # the share of the link between hosts (the highest rate measured on it) a host's copies may take
+MIN_RATE = 256 << 10  # bytes/s a host's copies may take where no rate was measured, or a lower one (small messages)
 
 
 def host_order(hosts: list[str]) -> list[str]:
@@ -56,105 +58,156 @@ class CheckpointCopier:
     """One rank's side of the copies: sends its part of each checkpoint to its copies' ranks and keeps the parts
     other ranks send it, on a thread (`start`, then `wait` before the next checkpoint or the run's end)."""
 
-    def __init__(self, out: str | Path, rank: int, hosts: list[str], copies: int, timeout) -> None:
-        self.out, self.rank, self.hosts = Path(out), rank, hosts
+    def __init__(self, out: str | Path, grid: Grid, hosts: list[str], copies: int, timeout) -> None:
+        self.out, self.grid, self.hosts = Path(out), grid, hosts
+        self.rank = grid.rank
         self.plan = copy_plan(hosts, copies)
+        self.peak = 0.0  # the highest rate this rank measured on a link to another host (bytes/s)
         # every rank makes the group at once; only the copies' thread uses it (a communicator is never shared by
         # two threads)
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
 
-    @property
-    def active(self) -> bool:
-        return any(self.plan.values())
+    def observe(self, stats) -> None:
+        """Take a step's link measurements (`StepStats`): the links whose other end is on another host."""
+        for direction, peer_stage in (("fwd", self.grid.stage - 1), ("bwd", self.grid.stage + 1)):
+            if not 0 <= peer_stage < self.grid.pp:
+                continue
+            peer = self.grid.rank_of(peer_stage, self.grid.replica)
+            seconds = getattr(stats, f"{direction}_recv_seconds")
+            if self.hosts[peer] != self.hosts[self.rank] and seconds > 0:
+                self.peak = max(self.peak, getattr(stats, f"{direction}_recv_bytes") / seconds)
 
-    def start(self, step: int, link_bytes_per_second: float | None, leader: bool) -> None:
-        """Copy the parts of the checkpoint of `step` in the background (every rank calls it after the checkpoint is
-        marked complete); `link_bytes_per_second`: this rank's measured link rate (None: unpaced); `leader`: this
-        rank marks its host's step directory REPLICATED."""
+    def rate(self) -> float:
+        """Bytes/s this rank's copies may take: its host's share of the link between hosts, split among its ranks."""
+        host_ranks = self.hosts.count(self.hosts[self.rank])
+        return max(LINK_SHARE * self.peak, MIN_RATE) / host_ranks
+
+    def start(self, step: int, leader: bool) -> None:
+        """Copy the parts of the checkpoint of `step` in the background (every rank calls it, after the checkpoint is
+        marked complete on every host); `leader`: this rank marks its host's step directory."""
         self.wait()
         if leader:
             write_atomic(step_dir(self.out, step) / COPYING, b"", durable=True)
-        rate = max(LINK_SHARE * link_bytes_per_second, MIN_RATE) if link_bytes_per_second else None
-        self._thread = threading.Thread(target=self._run, args=(step, rate, leader), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(step, self.rate(), leader), daemon=True,
                                         name="aqpipe-checkpoint-copies")
         self._thread.start()
 
     def wait(self) -> None:
-        """Until the copies in flight are done; raises the error that stopped them."""
+        """Until the copies in flight are done."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"rank {self.rank}: copying a checkpoint to other hosts failed: {error}") from error
 
-    def _run(self, step: int, rate: float | None, leader: bool) -> None:
+    def _run(self, step: int, rate: float, leader: bool) -> None:
+        """One step's copies; a copy that cannot be kept (damaged on the way, a full disk) leaves the step without
+        REPLICATED on every host, said once on stderr, and training goes on (the step then counts as complete only
+        while every part is on its own host)."""
+        problem = ""
         try:
             copy_step(self.out, step, self.rank, self.plan, self.group, rate)
-            done = torch.ones(1)
-            dist.all_reduce(done, group=self.group)  # every copy of the step is on its disk
-            if leader:
-                write_atomic(step_dir(self.out, step) / REPLICATED, b"", durable=True)
-        except BaseException as e:  # noqa: BLE001 - raised by `wait`, on the rank's own thread
-            self._error = e
+        except Exception as e:  # noqa: BLE001 - told to every rank below
+            problem = f"rank {self.rank}: {type(e).__name__}: {e}"
+        verdicts: list = [None] * len(self.plan)
+        dist.all_gather_object(verdicts, problem, group=self.group)
+        failed = [v for v in verdicts if v]
+        if failed:
+            if self.rank == 0:
+                print(f"aqpipe: the copies of the checkpoint of step {step} to other hosts failed ({failed[0]}); it "
+                      "counts as complete only while every part is on its own host", file=sys.stderr, flush=True)
+        elif leader:
+            write_atomic(step_dir(self.out, step) / REPLICATED, b"", durable=True)
 
 
-def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group, rate: float | None,
-              progress: Callable[[int], None] | None = None) -> int:
+def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group, rate: float | None) -> int:
     """Send this rank's part of `step` to its copies' ranks and keep what the others send here, all pairs at once,
-    piece by piece (each rank's sending paced to `rate` bytes/s); returns the bytes this rank sent (counted as
-    checkpoint traffic). Every rank of `group` calls it."""
+    piece by piece (this rank's sending paced to `rate` bytes/s); returns the bytes this rank sent (counted as
+    checkpoint traffic as they go). Every rank of `group` calls it."""
     own = rank_file(step_dir(out, step), rank)
-    part = own.read_bytes()
-    line = own.with_suffix(".sha256").read_bytes()
+    line = own.with_suffix(".sha256").read_text()
     sizes: list = [None] * len(plan)
-    dist.all_gather_object(sizes, (len(part), line.decode()), group=group)
+    dist.all_gather_object(sizes, (own.stat().st_size, line), group=group)
     senders = [src for src, holders in plan.items() if rank in holders]
-    received = {src: bytearray() for src in senders}
+    landing = {src: _Landing(out, step, src, sizes[src][1]) for src in senders}
     pieces = max((size + CHUNK_BYTES - 1) // CHUNK_BYTES for size, _ in sizes)
     sent, start = 0, time.monotonic()
-    for piece in range(pieces):
-        lo = piece * CHUNK_BYTES
-        ops, inbound = [], {}
-        if lo < len(part):
-            outbound = torch.frombuffer(bytearray(part[lo:lo + CHUNK_BYTES]), dtype=torch.uint8)
-            ops += [dist.P2POp(dist.isend, outbound, holder, group) for holder in plan[rank]]
-            sent += outbound.numel() * len(plan[rank])
-            comm.TRAFFIC.add(comm.CHECKPOINT, outbound.numel() * len(plan[rank]))
-        for src in senders:
-            if lo < sizes[src][0]:
-                inbound[src] = torch.empty(min(CHUNK_BYTES, sizes[src][0] - lo), dtype=torch.uint8)
-                ops.append(dist.P2POp(dist.irecv, inbound[src], src, group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        for src, piece_in in inbound.items():
-            received[src] += piece_in.numpy().tobytes()
-        if progress is not None:
-            progress(sent)
-        if rate:  # (ahead of the pace: wait until the bytes sent so far fit it)
-            time.sleep(max(0.0, sent / rate - (time.monotonic() - start)))
-    for src, whole in received.items():
-        keep_copy(out, step, src, bytes(whole), sizes[src][1])
+    try:
+        with open(own, "rb") as part:
+            for piece in range(pieces):
+                lo = piece * CHUNK_BYTES
+                ops, inbound = [], {}
+                chunk = part.read(CHUNK_BYTES)
+                if chunk:
+                    outbound = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
+                    ops += [dist.P2POp(dist.isend, outbound, holder, group) for holder in plan[rank]]
+                for src in senders:
+                    if lo < sizes[src][0]:
+                        inbound[src] = torch.empty(min(CHUNK_BYTES, sizes[src][0] - lo), dtype=torch.uint8)
+                        ops.append(dist.P2POp(dist.irecv, inbound[src], src, group))
+                for work in dist.batch_isend_irecv(ops) if ops else []:
+                    work.wait()
+                if chunk:
+                    sent += len(chunk) * len(plan[rank])
+                    comm.TRAFFIC.add(comm.CHECKPOINT, len(chunk) * len(plan[rank]))
+                for src, received in inbound.items():
+                    landing[src].write(received.numpy().tobytes())
+                if rate:  # (ahead of the pace: wait until the bytes sent so far fit it)
+                    time.sleep(max(0.0, sent / rate - (time.monotonic() - start)))
+        for kept in landing.values():
+            kept.keep()
+    finally:
+        for kept in landing.values():
+            kept.discard()
     return sent
 
 
+class _Landing:
+    """A part arriving from another rank: written to a temporary file piece by piece and hashed as it comes, kept
+    under its own name (with its checksum line) only if it matches that line."""
+
+    def __init__(self, out: Path, step: int, rank: int, line: str) -> None:
+        self.step, self.rank, self.line = step, rank, line
+        self.path = rank_file(step_dir(out, step), rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.path.with_name(f".{self.path.name}.copy.tmp")
+        self.file = open(self.tmp, "wb")
+        self.sha = hashlib.sha256()
+
+    def write(self, data: bytes) -> None:
+        self.sha.update(data)
+        self.file.write(data)
+
+    def keep(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        if self.sha.hexdigest() != self.line.split()[0]:
+            raise RuntimeError(f"the copy of rank {self.rank}'s part of step {self.step} arrived damaged (its SHA-256 "
+                               "differs)")
+        os.replace(self.tmp, self.path)
+        write_atomic(self.path.with_suffix(".sha256"), self.line.encode(), durable=True)
+
+    def discard(self) -> None:
+        if not self.file.closed:
+            self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
 def keep_copy(out: Path, step: int, rank: int, part: bytes, line: str) -> None:
-    """Write rank `rank`'s part of `step`, received from elsewhere, under its own name, once it matches its
+    """Write rank `rank`'s part of `step`, received whole from elsewhere, under its own name, once it matches its
     checksum line (a RuntimeError otherwise)."""
-    if hashlib.sha256(part).hexdigest() != line.split()[0]:
-        raise RuntimeError(f"the copy of rank {rank}'s part of step {step} arrived damaged (its SHA-256 differs)")
-    path = rank_file(step_dir(out, step), rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, part, durable=True)
-    write_atomic(path.with_suffix(".sha256"), line.encode(), durable=True)
+    landing = _Landing(out, step, rank, line)
+    try:
+        landing.write(part)
+        landing.keep()
+    finally:
+        landing.discard()
 
 
 def fetch_missing(out: str | Path, step: int, rank: int, needs: list[bool], holders: list[list[int]]) -> None:
     """Before a resume from `step` (every rank together): each rank that `needs` its part receives it — its file,
-    checksum line and the step's record — from the first rank `holders` names for it, whose host keeps a copy,
-    and writes them to its own disk, marking the step complete there."""
+    a piece at a time, its checksum line and the step's record — from the first rank `holders` names for it, whose
+    host keeps a copy, and writes them to its own disk, marking the step complete there."""
     out = Path(out)
     directory = step_dir(out, step)
     for needy, need in enumerate(needs):
@@ -162,17 +215,30 @@ def fetch_missing(out: str | Path, step: int, rank: int, needs: list[bool], hold
             continue
         source = holders[needy][0]
         if rank == source:
-            files = [rank_file(directory, needy), rank_file(directory, needy).with_suffix(".sha256"),
-                     directory / "run.json"]
-            contents = [path.read_bytes() for path in files]
-            dist.send_object_list([contents], dst=needy)
-            comm.TRAFFIC.add(comm.SETUP, sum(len(b) for b in contents))
+            part = rank_file(directory, needy)
+            record = directory / "run.json"
+            size, line = part.stat().st_size, part.with_suffix(".sha256").read_text()
+            record_bytes = record.read_bytes() if record.is_file() else b""
+            dist.send_object_list([(size, line, record_bytes)], dst=needy)
+            with open(part, "rb") as f:
+                for chunk in iter(lambda: f.read(CHUNK_BYTES), b""):
+                    dist.send(torch.frombuffer(bytearray(chunk), dtype=torch.uint8), dst=needy)
+            comm.TRAFFIC.add(comm.SETUP, size + len(line) + len(record_bytes))
         elif rank == needy:
             box: list = [None]
             dist.recv_object_list(box, src=source)
-            part, line, record = box[0]
-            keep_copy(out, step, needy, part, line.decode())
-            write_atomic(directory / "run.json", record, durable=True)
+            size, line, record = box[0]
+            landing = _Landing(out, step, needy, line)
+            try:
+                for lo in range(0, size, CHUNK_BYTES):
+                    piece = torch.empty(min(CHUNK_BYTES, size - lo), dtype=torch.uint8)
+                    dist.recv(piece, src=source)
+                    landing.write(piece.numpy().tobytes())
+                landing.keep()
+            finally:
+                landing.discard()
+            if record:
+                write_atomic(directory / "run.json", record, durable=True)
             write_atomic(directory / "COMPLETE", f"{len(needs)}\n".encode(), durable=True)
             print(f"aqpipe: rank {needy} on {socket.gethostname()}: fetched its part of the checkpoint of step {step} "
                   f"from rank {source}'s host", flush=True)

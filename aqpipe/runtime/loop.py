@@ -37,10 +37,10 @@ def evaluate(stage: RankStage, step: int) -> dict:
     return {f"eval_{k}": v for k, v in result.items()}
 
 
-def checkpoint(stage: RankStage, step: int, link_bytes_per_second: float | None = None) -> None:
+def checkpoint(stage: RankStage, step: int) -> None:
     """Every rank writes its state after `step` steps (once the replicas of its stage agree on their parameters);
     then the first rank of every host marks the checkpoint complete on that host's disk, and every rank's part
-    starts on its way to its copies' hosts (in the background, paced to a share of `link_bytes_per_second`)."""
+    starts on its way to its copies' hosts (in the background)."""
     cfg, grid = stage.plan.cfg, stage.grid
     if stage.copier is not None:
         stage.copier.wait()  # (the previous checkpoint's copies are all kept before this one's files replace any)
@@ -56,14 +56,7 @@ def checkpoint(stage: RankStage, step: int, link_bytes_per_second: float | None 
     if host_leader():
         mark_complete(cfg.out, step, grid.world_size, cfg.fixed_settings())
     if stage.copier is not None:
-        stage.copier.start(step, link_bytes_per_second, host_leader())
-
-
-def link_rate(stats) -> float | None:
-    """This rank's link rate as the step measured it (bytes/s while its inbound messages were on the wire), or
-    None where it received none."""
-    seconds = stats.fwd_recv_seconds + stats.bwd_recv_seconds
-    return (stats.fwd_recv_bytes + stats.bwd_recv_bytes) / seconds if seconds > 0 else None
+        stage.copier.start(step, host_leader())
 
 
 def prefetch(stage: RankStage, step: int, first_step: int) -> None:
@@ -89,7 +82,6 @@ def train_steps(stage: RankStage, first_step: int, log: MetricsLog | None, wall_
     epochs = plan.epoch_plan(grid.replica)
     evaluating = len(plan.dataset.valid) > 0 and cfg.eval_every != 0
     mark = comm.TRAFFIC.snapshot()  # control traffic since the last record (checkpoints', metrics' gathers…)
-    link_peak = 0.0  # the highest link rate this rank measured: what paces its checkpoints' copies
     for step in range(first_step, plan.total_steps):
         step_start = time.perf_counter()
         lr = float(worker.lr_schedule.get_last_lr()[0])
@@ -101,14 +93,16 @@ def train_steps(stage: RankStage, first_step: int, log: MetricsLog | None, wall_
         stats = worker.run_step(step, epochs.micro_batches_of(step), compress=plan.compresses(step),
                                 next_ids=next_ids)
         stats.control_bytes += comm.TRAFFIC.sent[comm.CONTROL] - mark[comm.CONTROL]
-        stats.checkpoint_bytes = comm.TRAFFIC.sent[comm.CHECKPOINT] - mark[comm.CHECKPOINT]  # (sent in the background)
-        link_peak = max(link_peak, link_rate(stats) or 0.0)
+        copied = comm.TRAFFIC.sent[comm.CHECKPOINT]  # (sent in the background: what this record holds, and no more)
+        stats.checkpoint_bytes = copied - mark[comm.CHECKPOINT]
+        if stage.copier is not None:
+            stage.copier.observe(stats)
         counts = store.stats
         stats.store_hits, stats.store_misses, stats.store_reseeded, stats.store_overflow = (
             counts.hits, counts.misses, counts.reseeded, counts.overflow)
         record = step_record(stats, grid, cfg, step, plan.steps_per_epoch, lr, time.perf_counter() - step_start,
                              stage.device)
-        mark = comm.TRAFFIC.snapshot()  # the record counts its own gather
+        mark = {**comm.TRAFFIC.snapshot(), comm.CHECKPOINT: copied}  # the record counts its own gather
         if evaluating and (done == plan.total_steps or (cfg.eval_every and done % cfg.eval_every == 0)):
             record.update(evaluate(stage, done))
         if log is not None:
@@ -118,5 +112,5 @@ def train_steps(stage: RankStage, first_step: int, log: MetricsLog | None, wall_
                   "samples_per_second": record["samples_per_second"]})
             print_progress(record, plan.total_steps)
         if done == plan.total_steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-            checkpoint(stage, done, link_peak or None)
+            checkpoint(stage, done)
     return mark

@@ -3,6 +3,7 @@ grad-sync (error feedback) and, for an in-memory store, m(ξ) itself; and resumi
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from aqpipe.runtime.checkpoint import (
     CheckpointError,
     check_model_state,
     check_rank,
+    drop_steps_after,
     latest_step,
     load_rank,
     rank_file,
@@ -142,8 +144,12 @@ def agreed_step(run: str | Path, rank: int, settings: dict, explicit: bool = Tru
     and what each holds), or the state there is another run's."""
     world = dist.get_world_size()
     everyone: list = [None] * world
-    comm.all_gather_object(everyone, holding(run, rank, settings).to_json(), comm.SETUP)
-    holdings = [Holding.from_json(h) for h in everyone]
+    mine = (holding(run, rank, settings).to_json(), explicit, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    comm.all_gather_object(everyone, mine, comm.SETUP)
+    holdings = [Holding.from_json(h) for h, _, _ in everyone]
+    # (every rank decides alike: --resume is a host's own setting, and one host may have been given it alone)
+    explicit = all(given for _, given, _ in everyone)
+    restarted = not explicit or any(count != "0" for _, _, count in everyone)
     start = choose_start(holdings, run, explicit)
     if start.note and rank == 0:
         print(f"aqpipe: {start.note}", file=sys.stderr, flush=True)
@@ -152,7 +158,7 @@ def agreed_step(run: str | Path, rank: int, settings: dict, explicit: bool = Tru
             if host_leader():
                 clear_run_state(run)
             comm.barrier(comm.SETUP)
-            if rank == 0:
+            if rank == 0 and restarted:
                 record_restart(run, None)
         return None
     damaged: list[int] = []
@@ -170,12 +176,15 @@ def agreed_step(run: str | Path, rank: int, settings: dict, explicit: bool = Tru
         verdicts: list = [None] * world
         comm.all_gather_object(verdicts, problem, comm.SETUP)
         if not any(verdicts):
-            if rank == 0 and not explicit:
+            if rank == 0 and restarted:
                 record_restart(run, step)
             newest = start.candidates[0]
             if rank == 0 and newest > step:
                 print(f"aqpipe: resuming after step {step}: the checkpoint of step {newest} is not complete and sound "
                       "on every host", file=sys.stderr, flush=True)
+            if host_leader():  # the steps after it are trained again: what is left of them goes (never mixed with)
+                drop_steps_after(run, step)
+            comm.barrier(comm.SETUP)
             return step
         if start.strict:
             raise start.damaged(step, next(v for v in verdicts if v))

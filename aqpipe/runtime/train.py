@@ -28,7 +28,8 @@ from aqpipe.pipeline.rendezvous import (
 )
 from aqpipe.pipeline.tied_rows import LOOKUP, OWNER
 from aqpipe.runtime.assemble import RankStage, assemble_stage
-from aqpipe.runtime.checkpoint_copies import CheckpointCopier, copy_plan, default_copies
+from aqpipe.runtime.checkpoint import step_dir
+from aqpipe.runtime.checkpoint_copies import REPLICATED, CheckpointCopier, copy_plan, default_copies
 from aqpipe.runtime.events import emit, start_heartbeat
 from aqpipe.runtime.loop import train_steps
 from aqpipe.runtime.outputs import (
@@ -114,6 +115,8 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
     stage.copier = _copier(cfg, grid)
     try:
         first_step = resume_rank(cfg, stage.worker, stage.store, *resumed) if resumed is not None else 0
+        if stage.copier is not None and first_step:
+            _copy_again(stage.copier, cfg.out, first_step)
         log = open_outputs(cfg, plan, first_step) if grid.rank == 0 else None
         if log is None and host_leader():  # another host's copy, for a resume there
             write_config(cfg, plan)
@@ -151,7 +154,17 @@ def _copier(cfg: ResolvedConfig, grid: Grid) -> CheckpointCopier | None:
         copy_plan(hosts, copies)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return CheckpointCopier(cfg.out, grid.rank, hosts, copies, startup_timeout(cfg.stall_timeout)) if copies else None
+    return CheckpointCopier(cfg.out, grid, hosts, copies, startup_timeout(cfg.stall_timeout)) if copies else None
+
+
+def _copy_again(copier: CheckpointCopier, out: str, step: int) -> None:
+    """After a resume from `step`, its copies sent again unless every host kept them (a host whose disk was wiped
+    lost the copies it held for others; a restart may come before its copies arrived): every rank together."""
+    here = (step_dir(out, step) / REPLICATED).is_file()
+    everyone: list = [None] * dist.get_world_size()
+    comm.all_gather_object(everyone, here, comm.SETUP)
+    if not all(everyone):
+        copier.start(step, host_leader())
 
 
 def _starting_point(cfg: ResolvedConfig, grid: Grid, launcher_checked: bool) -> tuple[int, dict] | None:
