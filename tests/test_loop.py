@@ -30,7 +30,8 @@ def _checkpoint_with_one_slow_writer(rank: int, world: int, out: str) -> str:
     loop.mark_complete = lambda *args: None
     cfg = SimpleNamespace(out=out, stall_timeout=STALL, fixed_settings=lambda: {})
     stage = SimpleNamespace(plan=SimpleNamespace(cfg=cfg), grid=Grid(world, 1, rank), groups=groups, store=None,
-                            worker=SimpleNamespace(module=None, row_cache_names=frozenset()), device=torch.device("cpu"))
+                            worker=SimpleNamespace(module=None, row_cache_names=frozenset()), device=torch.device("cpu"),
+                            copier=None)
     loop.checkpoint(stage, 4)
     # once everyone has written, a step's collectives time out after --stall-timeout again
     if rank == 1:
