@@ -3,10 +3,11 @@ command typed again) continues this run from its newest checkpoint complete ever
 over another run's state or over a checkpoint newer than the one it would start from.
 
 Each rank reads what its own host's run directory holds (`holding`: no collective, no torch); `choose_start` decides
-from every rank's holding alike, on every rank or in a local launch's launcher. A checkpoint counts as complete
-everywhere when every rank's own file of it is on its host and some host marked it complete: a host marks a step
-only after the barrier that every rank passes once its file is written, so a mark anywhere proves every file was
-written, even where a host died before marking it too.
+from every rank's holding alike, on every rank or in a local launch's launcher. A checkpoint can be continued from
+when every rank's part of it is on its host or kept as a copy on another (`checkpoint_copies`) and some host marked
+it complete: a host marks a step only after the barrier that every rank passes once its file is written, so a mark
+anywhere proves every file was written, even where a host died before marking it too. Where copies are kept, a step
+counts as complete (one a start may not pass over) once they all are (REPLICATED).
 """
 
 from __future__ import annotations
