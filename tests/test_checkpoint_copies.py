@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from aqpipe.runtime import checkpoint as ck
-from aqpipe.runtime.checkpoint_copies import copy_plan, default_copies, keep_copy
+from aqpipe.runtime.checkpoint_copies import Landing, copy_plan, default_copies
 from aqpipe.runtime.restart import choose_start, holding
 from tests.distributed import run_ranks
 
@@ -31,10 +31,21 @@ def test_a_damaged_copy_is_refused_not_kept(tmp_path):
     part = ck.rank_file(ck.step_dir(tmp_path / "source", 4), 1)
     line = part.with_suffix(".sha256").read_text()
     with pytest.raises(RuntimeError, match="arrived damaged"):
-        keep_copy(tmp_path / "holder", 4, 1, part.read_bytes()[:-1] + b"x", line)
+        land(tmp_path / "holder", part.read_bytes()[:-1] + b"x", line)
     assert list(ck.step_dir(tmp_path / "holder", 4).iterdir()) == []  # (nor its piece-by-piece temporary file)
-    keep_copy(tmp_path / "holder", 4, 1, part.read_bytes(), line)
+    land(tmp_path / "holder", part.read_bytes(), line)
     ck.check_rank(tmp_path / "holder", 4, 1, SETTINGS)  # (whole, and checked as the rank's own would be)
+
+
+def land(out: Path, part: bytes, line: str) -> None:
+    """Rank 1's part of step 4 arriving at `out` in pieces of 100 kB, then kept (or refused) and tidied."""
+    landing = Landing(out, 4, 1, line)
+    try:
+        for lo in range(0, len(part), 100_000):
+            landing.write(part[lo:lo + 100_000])
+        landing.keep()
+    finally:
+        landing.discard()
 
 
 def _copy(rank: int, world: int, root: str, link_rate: float = 1e9):

@@ -109,12 +109,7 @@ def _claim_and_run(cfg: ResolvedConfig, spec_factory, starter: RankStarter, prog
     try:
         run_dir.clear_previous()
         if again:
-            from aqpipe.runtime.checkpoint import latest_step
-            from aqpipe.runtime.restart import clear_run_state, record_restart
-
-            if cfg.resume is None:  # (this run's state with no checkpoint to continue from)
-                clear_run_state(cfg.out)
-            record_restart(cfg.out, latest_step(cfg.out) if cfg.resume else None)
+            _start_again(cfg)
         return _run_ranks(cfg, plan, starter, progress)
     finally:
         run_dir.release()
@@ -186,19 +181,26 @@ def _restart_point(cfg: ResolvedConfig) -> int | None:
     """Make the run directory ready for every rank to start again: the newest complete checkpoint checked (and
     `cfg.resume` set), or, with none, this run's state removed; returns that checkpoint's step (None: none)."""
     from aqpipe.runtime.checkpoint import latest_step
-    from aqpipe.runtime.restart import clear_run_state, record_restart
 
     step = latest_step(cfg.out)
-    if step is None:
-        cfg.resume = None
-        clear_run_state(cfg.out)
-        write_json(Path(cfg.out) / "config.json", cfg.to_dict())
-    else:
-        cfg.resume = cfg.out
+    cfg.resume = cfg.out if step is not None else None
+    if step is not None:
         _check_checkpoint(cfg, say=False)  # (the restart's own line says it)
         _drop_damaged_stores(cfg)
-    record_restart(cfg.out, step)
+    _start_again(cfg)
+    write_json(Path(cfg.out) / "config.json", cfg.to_dict())
     return step
+
+
+def _start_again(cfg: ResolvedConfig) -> None:
+    """A start over the run's own state, counted in restarts.jsonl: from its newest checkpoint (`cfg.resume` set),
+    or, with none, from the first step over that state cleared (its logs and count kept)."""
+    from aqpipe.runtime.checkpoint import latest_step
+    from aqpipe.runtime.restart import clear_run_state, record_restart
+
+    if cfg.resume is None:
+        clear_run_state(cfg.out)
+    record_restart(cfg.out, latest_step(cfg.out) if cfg.resume else None)
 
 
 def _continue_hint(cfg: ResolvedConfig) -> str:

@@ -128,7 +128,7 @@ def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group
     sizes: list = [None] * len(plan)
     dist.all_gather_object(sizes, (own.stat().st_size, line), group=group)
     senders = [src for src, holders in plan.items() if rank in holders]
-    landing = {src: _Landing(out, step, src, sizes[src][1]) for src in senders}
+    landing = {src: Landing(out, step, src, sizes[src][1]) for src in senders}
     pieces = max((size + CHUNK_BYTES - 1) // CHUNK_BYTES for size, _ in sizes)
     sent, start = 0, time.monotonic()
     try:
@@ -161,9 +161,10 @@ def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group
     return sent
 
 
-class _Landing:
-    """A part arriving from another rank: written to a temporary file piece by piece and hashed as it comes, kept
-    under its own name (with its checksum line) only if it matches that line."""
+class Landing:
+    """A part arriving from another rank: written to a temporary file piece by piece (`write`) and hashed as it
+    comes, kept under its own name with its checksum line (`keep`) only if it matches that line; `discard` removes
+    what is left of one not kept."""
 
     def __init__(self, out: Path, step: int, rank: int, line: str) -> None:
         self.step, self.rank, self.line = step, rank, line
@@ -193,17 +194,6 @@ class _Landing:
         self.tmp.unlink(missing_ok=True)
 
 
-def keep_copy(out: Path, step: int, rank: int, part: bytes, line: str) -> None:
-    """Write rank `rank`'s part of `step`, received whole from elsewhere, under its own name, once it matches its
-    checksum line (a RuntimeError otherwise)."""
-    landing = _Landing(out, step, rank, line)
-    try:
-        landing.write(part)
-        landing.keep()
-    finally:
-        landing.discard()
-
-
 def fetch_missing(out: str | Path, step: int, rank: int, needs: list[bool], holders: list[list[int]]) -> None:
     """Before a resume from `step` (every rank together): each rank that `needs` its part receives it — its file,
     a piece at a time, its checksum line and the step's record — from the first rank `holders` names for it, whose
@@ -228,7 +218,7 @@ def fetch_missing(out: str | Path, step: int, rank: int, needs: list[bool], hold
             box: list = [None]
             dist.recv_object_list(box, src=source)
             size, line, record = box[0]
-            landing = _Landing(out, step, needy, line)
+            landing = Landing(out, step, needy, line)
             try:
                 for lo in range(0, size, CHUNK_BYTES):
                     piece = torch.empty(min(CHUNK_BYTES, size - lo), dtype=torch.uint8)

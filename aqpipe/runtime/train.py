@@ -29,7 +29,7 @@ from aqpipe.pipeline.rendezvous import (
 from aqpipe.pipeline.tied_rows import LOOKUP, OWNER
 from aqpipe.runtime.assemble import RankStage, assemble_stage
 from aqpipe.runtime.checkpoint import step_dir
-from aqpipe.runtime.checkpoint_copies import REPLICATED, CheckpointCopier, copy_plan, default_copies
+from aqpipe.runtime.checkpoint_copies import REPLICATED, CheckpointCopier, default_copies
 from aqpipe.runtime.events import emit, start_heartbeat
 from aqpipe.runtime.loop import train_steps
 from aqpipe.runtime.outputs import (
@@ -149,12 +149,11 @@ def _copier(cfg: ResolvedConfig, grid: Grid) -> CheckpointCopier | None:
     decide where), or None where no copy is kept (`--checkpoint-replicas 0`, or every rank on one host)."""
     hosts: list = [None] * grid.world_size
     comm.all_gather_object(hosts, socket.gethostname(), comm.SETUP)
-    try:
-        copies = default_copies(hosts, cfg.checkpoint_replicas)
-        copy_plan(hosts, copies)
+    copies = default_copies(hosts, cfg.checkpoint_replicas)
+    try:  # (every rank sees the same hosts: all refuse alike, before any makes the copies' group)
+        return CheckpointCopier(cfg.out, grid, hosts, copies, startup_timeout(cfg.stall_timeout)) if copies else None
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return CheckpointCopier(cfg.out, grid, hosts, copies, startup_timeout(cfg.stall_timeout)) if copies else None
 
 
 def _copy_again(copier: CheckpointCopier, out: str, step: int) -> None:
