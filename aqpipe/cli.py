@@ -270,7 +270,7 @@ def _refuse_an_edited_config(run: str, values: dict) -> None:
     import json
 
     from aqpipe.config.settings import RESUME_MAY_CHANGE
-    from aqpipe.runtime.checkpoint import CheckpointError, changed_setting, latest_step
+    from aqpipe.runtime.checkpoints.parts import CheckpointError, changed_setting, latest_step
 
     step = latest_step(run)
     if step is None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from aqpipe.runtime import checkpoint
+from aqpipe.runtime.checkpoints import parts as checkpoint
 
 
 def main() -> None:

@@ -365,7 +365,7 @@ def test_a_resume_is_refused_only_while_the_grad_sync_still_has_fp32_first_steps
     import dataclasses
 
     from aqpipe.compress.grad.qadam import freeze_step
-    from aqpipe.runtime import checkpoint as ck
+    from aqpipe.runtime.checkpoints import parts as ck
 
     cfg = flags_to_config(["--model", "gpt2-tiny", "--pp", "2", "--dp", "2", "--grad-sync", method, "--optimizer",
                            "adamw" if method.startswith("qadam") else "sgd", "--bandwidth", "1mbit", "--stall-timeout",
@@ -391,7 +391,7 @@ def test_a_resume_counts_the_fp16_steps_that_skipped_the_grad_sync(tmp_path):
     import dataclasses
     import json
 
-    from aqpipe.runtime import checkpoint as ck
+    from aqpipe.runtime.checkpoints import parts as ck
 
     cfg = flags_to_config(["--model", "gpt2-tiny", "--pp", "2", "--dp", "2", "--grad-sync", "powersgd:2", "--optimizer",
                            "sgd", "--precision", "fp16", "--bandwidth", "1mbit", "--stall-timeout", "10", "--steps", "40"],

@@ -1,4 +1,4 @@
-"""Copies of each rank's checkpoint part on other hosts (aqpipe.runtime.checkpoint_copies): where they go, that they
+"""Copies of each rank's checkpoint part on other hosts (aqpipe.runtime.checkpoints.copies): where they go, that they
 arrive whole and checked, and that a host that lost its part gets it back from one."""
 
 import datetime
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from aqpipe.runtime import checkpoint as ck
-from aqpipe.runtime.checkpoint_copies import Landing, copy_plan, default_copies
-from aqpipe.runtime.restart import choose_start, holding
+from aqpipe.runtime.checkpoints import parts as ck
+from aqpipe.runtime.checkpoints.copies import Landing, copy_plan, default_copies
+from aqpipe.runtime.checkpoints.restart import choose_start, holding
 from tests.distributed import run_ranks
 
 SETTINGS = {"model": "llama-tiny", "seed": 0}
@@ -54,7 +54,7 @@ def _copy(rank: int, world: int, root: str, link_rate: float = 1e9):
     from aqpipe.pipeline import comm
     from aqpipe.pipeline.grid import Grid
     from aqpipe.pipeline.step_stats import StepStats
-    from aqpipe.runtime.checkpoint_copies import CheckpointCopier
+    from aqpipe.runtime.checkpoints.copies import CheckpointCopier
 
     out = Path(root) / f"host-{rank}"
     ck.save_rank(out, 4, rank, {"model": {"w": torch.randn(100_000 * (rank + 1))}}, SETTINGS)
@@ -96,7 +96,7 @@ def _timed_copy(rank: int, world: int, root: str):
 
 
 def _recover(rank: int, world: int, root: str):
-    from aqpipe.runtime import resume
+    from aqpipe.runtime.checkpoints import resume
 
     return resume.agreed_step(str(Path(root) / f"host-{rank}"), rank, SETTINGS, explicit=False)
 
@@ -118,7 +118,7 @@ def test_the_rate_counts_only_links_to_other_hosts_and_is_split_among_a_hosts_ra
     pace; where no link to another host was measured, the least rate; a host's ranks share its pace."""
     from aqpipe.pipeline.grid import Grid
     from aqpipe.pipeline.step_stats import StepStats
-    from aqpipe.runtime.checkpoint_copies import LINK_SHARE, MIN_RATE, CheckpointCopier
+    from aqpipe.runtime.checkpoints.copies import LINK_SHARE, MIN_RATE, CheckpointCopier
 
     copier = CheckpointCopier.__new__(CheckpointCopier)
     copier.grid, copier.rank, copier.hosts, copier.peak = Grid(3, 1, 1), 1, ["a", "a", "b"], 0.0

@@ -55,7 +55,7 @@ def test_a_checkpoint_on_a_full_disk_names_about_what_it_needed(tmp_path):
     the message said it "needed an unknown amount"; the state's tensors say about how much."""
     import torch
 
-    from aqpipe.runtime.checkpoint import save_rank
+    from aqpipe.runtime.checkpoints.parts import save_rank
 
     with small_disk(tmp_path / "disk", "4m") as disk:
         fill(disk, 1_000_000)

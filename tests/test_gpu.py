@@ -210,7 +210,7 @@ def test_a_grad_sync_state_moved_to_the_collectives_device_loads_back(method):
     still load: a generator's state is host bytes, and numpy reads only host tensors."""
     from aqpipe.compress.grad.base import DPGroup
     from aqpipe.compress.grad.registry import build_grad_sync
-    from aqpipe.runtime.resume import to_device
+    from aqpipe.runtime.checkpoints.resume import to_device
 
     dp = DPGroup(None, (0,), 0, torch.device(DEVICE))
     saved = build_grad_sync(method, dp, seed=5).state_dict()

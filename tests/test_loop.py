@@ -20,19 +20,21 @@ def _checkpoint_with_one_slow_writer(rank: int, world: int, out: str) -> str:
 
     from aqpipe.pipeline.grid import Grid, create_groups
     from aqpipe.runtime import loop
+    from aqpipe.runtime.checkpoints import store
 
     groups = create_groups(Grid(world, 1, rank))
     for group in (distributed_c10d._get_default_group(), groups.pipeline, groups.data_parallel):
         distributed_c10d._set_pg_timeout(timedelta(seconds=STALL), group)  # as begin_training leaves them
     loop.check_replicas = lambda *args, **kwargs: None
     loop.collect_state = lambda worker, store: {"rank": rank}
-    loop.save_rank = lambda out, step, rank, state, settings, progress: time.sleep(SLOW_WRITE if rank == 1 else 0.0)
-    loop.mark_complete = lambda *args: None
-    cfg = SimpleNamespace(out=out, stall_timeout=STALL, fixed_settings=lambda: {})
-    stage = SimpleNamespace(plan=SimpleNamespace(cfg=cfg), grid=Grid(world, 1, rank), groups=groups, store=None,
+    store.save_rank = lambda out, step, rank, state, settings, progress: time.sleep(SLOW_WRITE if rank == 1 else 0.0)
+    store.mark_complete = lambda *args, **kwargs: None
+    cfg = SimpleNamespace(out=out, stall_timeout=STALL, fixed_settings=lambda: {}, checkpoint_replicas=None)
+    grid = Grid(world, 1, rank)
+    stage = SimpleNamespace(plan=SimpleNamespace(cfg=cfg, total_steps=8), grid=grid, groups=groups, store=None,
                             worker=SimpleNamespace(module=None, row_cache_names=frozenset()), device=torch.device("cpu"),
-                            copier=None)
-    loop.checkpoint(stage, 4)
+                            checkpoints=store.Checkpoints(cfg, grid))  # (one host: no copies)
+    loop.checkpoint(stage, 4, None)
     # once everyone has written, a step's collectives time out after --stall-timeout again
     if rank == 1:
         time.sleep(SLOW_WRITE)

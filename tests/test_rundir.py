@@ -67,6 +67,44 @@ def test_the_same_command_typed_again_continues_the_run_from_its_newest_checkpoi
     assert ck_bytes(run, 4) == kept  # (trained from it, not over it)
 
 
+def test_a_run_whose_log_was_lost_gets_it_back_from_rank_0s_checkpoint_part(tmp_path):
+    """Rank 0's host lost metrics.jsonl and restarts.jsonl (a new machine in its place holds only the checkpoint
+    part fetched from a copy): the run continues with every step recorded once and every restart counted, from the
+    log rank 0's part carries. Before, the log restarted at the checkpoint: steps 7–8 alone, one restart."""
+    run = tmp_path / "run"
+    for steps in (4, 6):
+        done = launch(*QUICK, "--steps", str(steps), "--checkpoint-every", "2", "--out", str(run))
+        assert done.returncode == 0, done.stderr[-2000:]
+    (run / "metrics.jsonl").unlink()
+    (run / "restarts.jsonl").unlink()
+    again = launch(*QUICK, "--steps", "8", "--checkpoint-every", "2", "--out", str(run))
+    assert again.returncode == 0, again.stderr[-2000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert json.loads((run / "summary.json").read_text())["restarts"] == 2
+
+
+def test_a_part_without_its_m_xi_resumes_and_the_samples_are_re_seeded_on_both_sides(tmp_path):
+    """An in-memory m(ξ) is kept in a file of its own that no copy carries: a rank whose part came from a copy (here:
+    its store file gone) resumes with an empty store, and the samples are re-seeded on both sides of its links —
+    counted, and with both copies identical again (every AQ-SGD message is checked against m(ξ)'s checksum; a
+    mismatch would stop the run). Before, such a part was refused ("has no m(xi) store")."""
+    run = tmp_path / "run"
+    args = (*QUICK, "--pp", "3", "--fw", "aqsgd:4", "--warmup-epochs", "0", "--checkpoint-every", "2", "--out", str(run))
+    first = launch(*args, "--steps", "4")
+    assert first.returncode == 0, first.stderr[-2000:]
+    step4 = run / "checkpoints" / "step-00000004"
+    assert sorted(p.name for p in step4.glob("rank-1*")) == ["rank-1.pt", "rank-1.sha256", "rank-1.store.pt",
+                                                             "rank-1.store.sha256"]
+    before = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]["store_reseeded"]
+    for name in ("rank-1.store.pt", "rank-1.store.sha256"):
+        (step4 / name).unlink()
+    again = launch(*args, "--steps", "6")
+    assert again.returncode == 0, again.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["store"]["reseeded"] > before, summary["store"]
+
+
 def test_a_start_that_would_train_over_a_newer_checkpoint_than_its_own_is_refused_and_changes_nothing(tmp_path):
     """The newest checkpoint lacks rank 1's part (a lost or restored disk): continuing from the older one would
     train over it, starting afresh over both. Refused with one line saying what to do."""

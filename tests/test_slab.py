@@ -151,7 +151,7 @@ def test_m_xi_on_a_gpu_is_kept_as_slabs_and_both_memory_stores_are_checkpointed(
 
 def test_a_checkpoint_keeps_a_slab_stores_m_xi():
     """`collect_state` kept m(ξ) only from the per-sample store: a GPU run's m(ξ) would have been lost on resume."""
-    from aqpipe.runtime.resume import collect_state
+    from aqpipe.runtime.checkpoints.resume import collect_state
 
     module = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)

@@ -43,7 +43,7 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
         if cfg.bandwidth is not None:
             raise ConfigError("--bandwidth works only when aqpipe launch starts the ranks itself, not under torchrun "
                               "or the DeepSpeed launcher; shape the hosts' links with tc instead")
-        from aqpipe.runtime.checkpoint import CheckpointError
+        from aqpipe.runtime.checkpoints.parts import CheckpointError
 
         rank, world_size = rank_from_env()
         try:
@@ -73,8 +73,8 @@ def continue_in_place(cfg: ResolvedConfig, overwrite: bool) -> bool:
     if cfg.resume is not None or overwrite or not existing_run(Path(cfg.out)):
         return False
     RunDirectory(cfg.out).refuse_if_in_use()  # (another launch may be writing what it holds)
-    from aqpipe.runtime.checkpoint import CheckpointError
-    from aqpipe.runtime.restart import choose_start, holding
+    from aqpipe.runtime.checkpoints.parts import CheckpointError
+    from aqpipe.runtime.checkpoints.restart import choose_start, holding
 
     settings = cfg.fixed_settings()
     try:
@@ -180,7 +180,7 @@ def _restarting(cfg: ResolvedConfig, launch) -> LaunchResult:
 def _restart_point(cfg: ResolvedConfig) -> int | None:
     """Make the run directory ready for every rank to start again: the newest complete checkpoint checked (and
     `cfg.resume` set), or, with none, this run's state removed; returns that checkpoint's step (None: none)."""
-    from aqpipe.runtime.checkpoint import latest_step
+    from aqpipe.runtime.checkpoints.parts import latest_step
 
     step = latest_step(cfg.out)
     cfg.resume = cfg.out if step is not None else None
@@ -195,8 +195,8 @@ def _restart_point(cfg: ResolvedConfig) -> int | None:
 def _start_again(cfg: ResolvedConfig) -> None:
     """A start over the run's own state, counted in restarts.jsonl: from its newest checkpoint (`cfg.resume` set),
     or, with none, from the first step over that state cleared (its logs and count kept)."""
-    from aqpipe.runtime.checkpoint import latest_step
-    from aqpipe.runtime.restart import clear_run_state, record_restart
+    from aqpipe.runtime.checkpoints.parts import latest_step
+    from aqpipe.runtime.checkpoints.restart import clear_run_state, record_restart
 
     if cfg.resume is None:
         clear_run_state(cfg.out)
@@ -205,7 +205,7 @@ def _start_again(cfg: ResolvedConfig) -> None:
 
 def _continue_hint(cfg: ResolvedConfig) -> str:
     """What to do after a run stopped on a full disk: resume from its last complete checkpoint, or start again."""
-    from aqpipe.runtime.checkpoint import latest_step
+    from aqpipe.runtime.checkpoints.parts import latest_step
 
     step = latest_step(cfg.out)
     if step is None:
@@ -217,7 +217,7 @@ def _check_checkpoint(cfg: ResolvedConfig, again: bool = False, say: bool = True
     """The run to resume has a complete, undamaged checkpoint written with this configuration (checked before any
     worker starts); when the newest is unusable, the message says which older one is and how to use it. Says where
     the run continues (`again`: over its own directory without --resume) unless not to `say`."""
-    from aqpipe.runtime.checkpoint import (
+    from aqpipe.runtime.checkpoints.parts import (
         CheckpointError,
         complete_steps,
         latest_step,

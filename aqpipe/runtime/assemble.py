@@ -23,7 +23,7 @@ from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
 from aqpipe.pipeline.tied_rows import LOOKUP, OWNER, RowExchange, table_parameter
 from aqpipe.pipeline.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
 from aqpipe.pipeline.worker import StageWorker
-from aqpipe.runtime.checkpoint_copies import CheckpointCopier
+from aqpipe.runtime.checkpoints.store import Checkpoints
 from aqpipe.runtime.plan import RunPlan, store_bytes_per_rank
 from aqpipe.storage import MemoryStore, SlabStore, StoreView, memory_store
 from aqpipe.storage.encoding import value_dtype
@@ -41,7 +41,7 @@ class RankStage:
     device: torch.device
     store: MemoryStore | SlabStore | PrefetchingStore
     worker: StageWorker
-    copier: CheckpointCopier | None = None  # where the ranks span hosts: the copies of its checkpoint parts
+    checkpoints: Checkpoints | None = None  # its checkpoints: written here, copied to other hosts
 
 
 def open_store(cfg: ResolvedConfig, rank: int, estimate: int | None = None, device: torch.device | None = None,

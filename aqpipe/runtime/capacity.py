@@ -32,7 +32,7 @@ from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
 from aqpipe.pipeline.tied_rows import step_rows
 from aqpipe.pipeline.transport import HEADER_SIZE
 from aqpipe.runtime import plan as run_plan
-from aqpipe.runtime.checkpoint import latest_step
+from aqpipe.runtime.checkpoints.parts import latest_step
 from aqpipe.runtime.codec_graphs import stage_graph_bytes
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan
 from aqpipe.runtime.stage_trace import TraceError, micro_batches_held, state_copies, trace_stages

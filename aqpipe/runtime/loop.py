@@ -9,14 +9,12 @@ import torch
 from aqpipe.metrics import MetricsLog
 from aqpipe.pipeline import comm
 from aqpipe.pipeline.evaluate import eval_batches, evaluate_stage, gather_eval
-from aqpipe.pipeline.grid import host_leader
-from aqpipe.pipeline.rendezvous import barrier_after_slow_work
 from aqpipe.runtime.assemble import RankStage
-from aqpipe.runtime.checkpoint import mark_complete, save_rank
+from aqpipe.runtime.checkpoints.resume import collect_state
+from aqpipe.runtime.checkpoints.store import RUN_LOG, run_log
 from aqpipe.runtime.events import emit, progress
 from aqpipe.runtime.outputs import print_eval, print_progress, step_record
 from aqpipe.runtime.replicas import check_replicas
-from aqpipe.runtime.resume import collect_state
 from aqpipe.storage.prefetch import PrefetchingStore
 
 
@@ -37,26 +35,21 @@ def evaluate(stage: RankStage, step: int) -> dict:
     return {f"eval_{k}": v for k, v in result.items()}
 
 
-def checkpoint(stage: RankStage, step: int) -> None:
-    """Every rank writes its state after `step` steps (once the replicas of its stage agree on their parameters);
-    then the first rank of every host marks the checkpoint complete on that host's disk, and every rank's part
-    starts on its way to its copies' hosts (in the background)."""
-    cfg, grid = stage.plan.cfg, stage.grid
-    if stage.copier is not None:
-        stage.copier.wait()  # (the previous checkpoint's copies are all kept before this one's files replace any)
+def checkpoint(stage: RankStage, step: int, log: MetricsLog | None) -> None:
+    """Every rank writes its state after `step` steps, once the replicas of its stage agree on their parameters (rank
+    0's with the run's log); the checkpoints' store marks it complete and copies it to other hosts."""
     if isinstance(stage.store, PrefetchingStore):
         stage.store.flush()
-    check_replicas(stage.worker.module, grid, step, stage.device, stage.worker.row_cache_names)
-    # (the launcher hears of the bytes on disk: a large state on a slow disk may take longer than --stall-timeout)
-    save_rank(cfg.out, step, grid.rank, collect_state(stage.worker, stage.store), cfg.fixed_settings(),
-              lambda done, total: progress(f"checkpoint of rank {grid.rank}", done, total, "bytes"))
-    # every rank has written its part (the slowest may take far longer than a step): each host marks the step complete
-    # on its own disk
-    barrier_after_slow_work(cfg.stall_timeout)
-    if host_leader():
-        mark_complete(cfg.out, step, grid.world_size, cfg.fixed_settings())
-    if stage.copier is not None:
-        stage.copier.start(step, host_leader())
+    check_replicas(stage.worker.module, stage.grid, step, stage.device, stage.worker.row_cache_names)
+
+    def state() -> dict:
+        state = collect_state(stage.worker, stage.store)
+        if log is not None:
+            state[RUN_LOG] = run_log(stage.plan.cfg.out, log.records)
+        return state
+
+    assert stage.checkpoints is not None, "a rank that trains has its checkpoints' store"
+    stage.checkpoints.save(step, state, last=step == stage.plan.total_steps)
 
 
 def prefetch(stage: RankStage, step: int, first_step: int) -> None:
@@ -95,8 +88,8 @@ def train_steps(stage: RankStage, first_step: int, log: MetricsLog | None, wall_
         stats.control_bytes += comm.TRAFFIC.sent[comm.CONTROL] - mark[comm.CONTROL]
         copied = comm.TRAFFIC.sent[comm.CHECKPOINT]  # (sent in the background: what this record holds, and no more)
         stats.checkpoint_bytes = copied - mark[comm.CHECKPOINT]
-        if stage.copier is not None:
-            stage.copier.observe(stats)
+        if stage.checkpoints is not None:
+            stage.checkpoints.observe(stats)
         counts = store.stats
         stats.store_hits, stats.store_misses, stats.store_reseeded, stats.store_overflow = (
             counts.hits, counts.misses, counts.reseeded, counts.overflow)
@@ -112,5 +105,5 @@ def train_steps(stage: RankStage, first_step: int, log: MetricsLog | None, wall_
                   "samples_per_second": record["samples_per_second"]})
             print_progress(record, plan.total_steps)
         if done == plan.total_steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-            checkpoint(stage, done)
+            checkpoint(stage, done, log)
     return mark

@@ -22,9 +22,10 @@ from aqpipe.metrics import MetricsLog, kept_records, plot_loss, summarize, write
 from aqpipe.pipeline import comm, present
 from aqpipe.pipeline.grid import Grid, collective_device, gather_rows
 from aqpipe.pipeline.step_stats import COMBINED, INTEGER_FIELDS, STAT_FIELDS, StepStats
+from aqpipe.runtime.checkpoints.restart import restarts
+from aqpipe.runtime.checkpoints.store import restored_records
 from aqpipe.runtime.events import progress
 from aqpipe.runtime.plan import RunPlan
-from aqpipe.runtime.restart import restarts
 from aqpipe.stages.export import export_adapter, export_hf
 from aqpipe.stages.lora import adapter_state, merged_state
 from aqpipe.stages.models import tokenizer_directory
@@ -40,11 +41,13 @@ def write_config(cfg: ResolvedConfig, plan: RunPlan) -> None:
     write_json(out / "config.json", resolved)
 
 
-def open_outputs(cfg: ResolvedConfig, plan: RunPlan, first_step: int) -> MetricsLog:
-    """config.json, and the metrics log (a resumed run keeps the records up to its checkpoint)."""
+def open_outputs(cfg: ResolvedConfig, plan: RunPlan, first_step: int, saved_log: dict | None = None) -> MetricsLog:
+    """config.json, and the metrics log (a resumed run keeps the records up to its checkpoint: this host's, or those
+    rank 0's part saved in `saved_log` where this host lost them)."""
     write_config(cfg, plan)
     out = Path(cfg.out)
-    return MetricsLog(out, kept_records(out, first_step) if first_step else [])
+    return MetricsLog(out, restored_records(out, saved_log, first_step, kept_records(out, first_step))
+                      if first_step else [])
 
 
 def step_record(stats: StepStats, grid: Grid, cfg: ResolvedConfig, step: int, steps_per_epoch: int, lr: float,

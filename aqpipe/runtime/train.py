@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -28,8 +27,8 @@ from aqpipe.pipeline.rendezvous import (
 )
 from aqpipe.pipeline.tied_rows import LOOKUP, OWNER
 from aqpipe.runtime.assemble import RankStage, assemble_stage
-from aqpipe.runtime.checkpoint import step_dir
-from aqpipe.runtime.checkpoint_copies import REPLICATED, CheckpointCopier, default_copies
+from aqpipe.runtime.checkpoints.resume import resume_rank, starting_point
+from aqpipe.runtime.checkpoints.store import RUN_LOG, Checkpoints
 from aqpipe.runtime.events import emit, start_heartbeat
 from aqpipe.runtime.loop import train_steps
 from aqpipe.runtime.outputs import (
@@ -43,7 +42,6 @@ from aqpipe.runtime.outputs import (
 )
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds
 from aqpipe.runtime.replicas import check_replicas
-from aqpipe.runtime.resume import load_agreed, resume_rank
 from aqpipe.storage.health import drop_if_damaged
 from aqpipe.storage.lmdb_store import store_path
 from aqpipe.storage.memory import in_memory
@@ -108,16 +106,17 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
            ) -> dict | None:
     """Assemble, resume and train this rank's stage, then finish the run's outputs; `store`: the rendezvous store."""
     cfg = plan.cfg
-    resumed = _starting_point(cfg, grid, launcher_checked)
+    resumed = starting_point(cfg, grid.rank, launcher_checked)
     if resumed is not None and cfg.store == "lmdb" and not launcher_checked:
         drop_if_damaged(store_path(cfg.out, grid.rank), grid.rank)
     stage = assemble_stage(plan, grid, device, backend)
-    stage.copier = _copier(cfg, grid)
+    checkpoints = stage.checkpoints = Checkpoints(cfg, grid)
     try:
         first_step = resume_rank(cfg, stage.worker, stage.store, *resumed) if resumed is not None else 0
-        if stage.copier is not None and first_step:
-            _copy_again(stage.copier, cfg.out, first_step)
-        log = open_outputs(cfg, plan, first_step) if grid.rank == 0 else None
+        if first_step:
+            checkpoints.resumed(first_step)
+        log = (open_outputs(cfg, plan, first_step, resumed[1].get(RUN_LOG) if resumed is not None else None)
+               if grid.rank == 0 else None)
         if log is None and host_leader():  # another host's copy, for a resume there
             write_config(cfg, plan)
         begin_training(store, stage.groups, cfg.stall_timeout)
@@ -132,8 +131,7 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
         check_replicas(stage.worker.module, grid, stage.plan.total_steps, stage.device, stage.worker.row_cache_names)
     # before the final weights travel: over a slow link rank 0 may take longer than the time-out to receive them,
     # and no rank may wait for it in a collective meanwhile (a rank that sends none leaves at once)
-    if stage.copier is not None:
-        stage.copier.wait()  # (the last checkpoint's copies kept: the run may end)
+    checkpoints.finish()  # (the last checkpoint's copies kept: the run may end)
     unrecorded = unrecorded_traffic(unrecorded_since, grid, device)
     final = _finish_rank(stage)
     comm.finish_queued(device)
@@ -142,41 +140,6 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
     summary = finish_outputs(plan, log, time.perf_counter() - wall_start, final, unrecorded)
     emit({"event": "done", "summary": summary})
     return summary
-
-
-def _copier(cfg: ResolvedConfig, grid: Grid) -> CheckpointCopier | None:
-    """What keeps copies of this rank's checkpoint parts on other hosts (every rank together: the ranks' host names
-    decide where), or None where no copy is kept (`--checkpoint-replicas 0`, or every rank on one host)."""
-    hosts: list = [None] * grid.world_size
-    comm.all_gather_object(hosts, socket.gethostname(), comm.SETUP)
-    copies = default_copies(hosts, cfg.checkpoint_replicas)
-    try:  # (every rank sees the same hosts: all refuse alike, before any makes the copies' group)
-        return CheckpointCopier(cfg.out, grid, hosts, copies, startup_timeout(cfg.stall_timeout)) if copies else None
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _copy_again(copier: CheckpointCopier, out: str, step: int) -> None:
-    """After a resume from `step`, its copies sent again unless every host kept them (a host whose disk was wiped
-    lost the copies it held for others; a restart may come before its copies arrived): every rank together."""
-    here = (step_dir(out, step) / REPLICATED).is_file()
-    everyone: list = [None] * dist.get_world_size()
-    comm.all_gather_object(everyone, here, comm.SETUP)
-    if not all(everyone):
-        copier.start(step, host_leader())
-
-
-def _starting_point(cfg: ResolvedConfig, grid: Grid, launcher_checked: bool) -> tuple[int, dict] | None:
-    """The checkpoint this rank continues from and its state in it, or None to start from the first step. A rank
-    `aqpipe launch` started takes what its launcher decided; otherwise (torchrun, DeepSpeed: every rank together)
-    the ranks agree from what each host's run directory holds, so that a restart — torchrun's elastic agent, or the
-    same command typed again — continues the run instead of training over it (`aqpipe.runtime.restart`)."""
-    if launcher_checked:
-        return load_agreed(cfg.resume, grid.rank, cfg.fixed_settings(), launcher_checked=True) if cfg.resume else None
-    resumed = load_agreed(cfg.resume or cfg.out, grid.rank, cfg.fixed_settings(), explicit=cfg.resume is not None)
-    if resumed is not None:
-        cfg.resume = cfg.out
-    return resumed
 
 
 def _finish_rank(stage: RankStage) -> FinalWeights | None:

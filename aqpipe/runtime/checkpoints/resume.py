@@ -16,7 +16,9 @@ from aqpipe.pipeline import comm
 from aqpipe.pipeline.grid import host_leader
 from aqpipe.pipeline.optim import continue_schedule
 from aqpipe.pipeline.worker import StageWorker
-from aqpipe.runtime.checkpoint import (
+from aqpipe.runtime.checkpoints.copies import fetch_missing
+from aqpipe.runtime.checkpoints.parts import (
+    STORE,
     CheckpointError,
     check_model_state,
     check_rank,
@@ -26,10 +28,9 @@ from aqpipe.runtime.checkpoint import (
     rank_file,
     step_dir,
 )
-from aqpipe.runtime.checkpoint_copies import fetch_missing
+from aqpipe.runtime.checkpoints.reconcile import reconcile
+from aqpipe.runtime.checkpoints.restart import Holding, choose_start, clear_run_state, holders, holding, record_restart
 from aqpipe.runtime.events import emit
-from aqpipe.runtime.reconcile import reconcile
-from aqpipe.runtime.restart import Holding, choose_start, clear_run_state, holders, holding, record_restart
 from aqpipe.stages.lora import checkpointed_names, training_state
 from aqpipe.storage.memory import in_memory
 
@@ -48,7 +49,7 @@ def collect_state(worker: StageWorker, store) -> dict:
     if torch.cuda.is_available() and worker.device.type == "cuda":
         state["rng"]["cuda"] = torch.cuda.get_rng_state(worker.device)
     if in_memory(store):
-        state["store"] = store.entries()
+        state[STORE] = store.entries()
     if worker.scaler is not None:
         state["loss_scaler"] = worker.scaler.state_dict()
     return state
@@ -71,8 +72,6 @@ def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
         if key not in state:
             raise CheckpointError(f"checkpoint {where} lacks its {key!r} part")
     check_model_state(where, worker.module, state["model"], checkpointed_names(worker.module))
-    if in_memory(store) and "store" not in state:
-        raise CheckpointError(f"checkpoint {where} has no m(xi) store, but this run keeps it in memory")
     worker.module.load_state_dict(state["model"], strict=checkpointed_names(worker.module) is None)
     try:
         worker.optimizer.load_state_dict(state["optimizer"])
@@ -92,21 +91,36 @@ def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and worker.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], worker.device)
-    if in_memory(store):
-        store.load(state["store"])
+    if in_memory(store) and STORE in state:  # (else re-seeded: see `resume_rank`)
+        store.load(state[STORE])
     for name, value in state["store_stats"].items():
         setattr(store.stats, name, int(value))
 
 
 def resume_rank(cfg: ResolvedConfig, worker: StageWorker, store, step: int, state: dict) -> int:
     """Apply this rank's `state` of the checkpoint of `step` (`load_agreed`'s) and make every link's two m(ξ) copies
-    agree; returns the step to continue from. Every rank calls it (reconciliation is collective)."""
+    agree; returns the step to continue from. Every rank calls it (reconciliation is collective). An in-memory store
+    the state lacks (its host lost it: the part came from a copy, or its file was damaged) starts empty, and the
+    reconciliation re-seeds its samples on both sides of each link."""
     assert cfg.resume is not None, "a resumed run names its run directory"
     apply_state(state, worker, store, describe(cfg.resume, step, worker.grid.rank))
     reseeded = reconcile(store, worker.grid, worker.groups.pipeline)
     store.stats.reseeded += reseeded
     emit({"event": "resumed", "step": step, "rank": worker.grid.rank, "reseeded": reseeded})
     return step
+
+
+def starting_point(cfg: ResolvedConfig, rank: int, launcher_checked: bool) -> tuple[int, dict] | None:
+    """The checkpoint this rank continues from and its state in it, or None to start from the first step. A rank
+    `aqpipe launch` started takes what its launcher decided; otherwise (torchrun, DeepSpeed: every rank together)
+    the ranks agree from what each host's run directory holds, so that a restart — torchrun's elastic agent, or the
+    same command typed again — continues the run instead of training over it (`restart`)."""
+    if launcher_checked:
+        return load_agreed(cfg.resume, rank, cfg.fixed_settings(), launcher_checked=True) if cfg.resume else None
+    resumed = load_agreed(cfg.resume or cfg.out, rank, cfg.fixed_settings(), explicit=cfg.resume is not None)
+    if resumed is not None:
+        cfg.resume = cfg.out
+    return resumed
 
 
 def load_agreed(run: str | Path, rank: int, settings: dict, launcher_checked: bool = False, explicit: bool = True
@@ -132,6 +146,12 @@ def load_agreed(run: str | Path, rank: int, settings: dict, launcher_checked: bo
     if failed:
         raise CheckpointError(f"rank {failed[0][0]} cannot resume from step {step}: {failed[0][1]}")
     assert state is not None
+    store = rank_file(step_dir(run, step), rank, STORE)
+    if store.is_file():  # an in-memory m(ξ), kept on this rank's host (not where its part came from a copy)
+        try:
+            state[STORE] = load_rank(run, step, rank, settings, kind=STORE)[STORE]
+        except CheckpointError as e:
+            print(f"aqpipe: rank {rank}: {e}; its m(xi) is re-seeded", file=sys.stderr, flush=True)
     return step, state
 
 

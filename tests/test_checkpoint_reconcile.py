@@ -3,7 +3,7 @@
 import torch
 
 from aqpipe.pipeline.grid import Grid
-from aqpipe.runtime.reconcile import checksum, disagreeing, reconcile
+from aqpipe.runtime.checkpoints.reconcile import checksum, disagreeing, reconcile
 from aqpipe.storage import MemoryStore
 from tests.distributed import run_ranks
 

@@ -1,4 +1,4 @@
-"""Resuming (aqpipe.runtime.resume): the ranks agree on the newest checkpoint complete and sound on every host, each
+"""Resuming (aqpipe.runtime.checkpoints.resume): the ranks agree on the newest checkpoint complete and sound on every host, each
 reading only its own host's files, and each reads its file as few times as that takes."""
 
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aqpipe.runtime import checkpoint as ck
+from aqpipe.runtime.checkpoints import parts as ck
 from tests.distributed import run_ranks
 
 SETTINGS = {"model": "gpt2-tiny", "seq_len": 16}
@@ -20,7 +20,7 @@ def _save(run: Path, step: int, world: int = 2) -> None:
 
 def _load_counting_reads(rank: int, world: int, run: str, launcher_checked: bool = False):
     """On a rank: the step it resumes from, the value it loaded, and every checkpoint file it hashed."""
-    from aqpipe.runtime import resume
+    from aqpipe.runtime.checkpoints import resume
 
     hashed: list[str] = []
     original = ck._sha256_of

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from aqpipe.disk import write_atomic
 from aqpipe.pipeline import comm
 from aqpipe.pipeline.grid import Grid
-from aqpipe.runtime.checkpoint import rank_file, step_dir
+from aqpipe.runtime.checkpoints.parts import rank_file, step_dir
 
 COPYING = "COPYING"  # a step directory's marker: the step's parts are being copied (complete only once REPLICATED)
 REPLICATED = "REPLICATED"  # a step directory's marker: every part of the step is on its host and on its copies' hosts
@@ -67,6 +67,7 @@ class CheckpointCopier:
         # two threads)
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self._thread: threading.Thread | None = None
+        self.step: int | None = None  # the checkpoint whose parts were copied last (or are being copied)
 
     def observe(self, stats) -> None:
         """Take a step's link measurements (`StepStats`): the links whose other end is on another host."""
@@ -87,11 +88,17 @@ class CheckpointCopier:
         """Copy the parts of the checkpoint of `step` in the background (every rank calls it, after the checkpoint is
         marked complete on every host); `leader`: this rank marks its host's step directory."""
         self.wait()
+        self.step = step
         if leader:
             write_atomic(step_dir(self.out, step) / COPYING, b"", durable=True)
         self._thread = threading.Thread(target=self._run, args=(step, self.rate(), leader), daemon=True,
                                         name="aqpipe-checkpoint-copies")
         self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        """Whether copies are in flight."""
+        return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
         """Until the copies in flight are done."""

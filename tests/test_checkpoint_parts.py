@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from aqpipe.runtime import checkpoint as ck
+from aqpipe.runtime.checkpoints import parts as ck
 
 
 def _state(seed=0):
@@ -154,7 +154,7 @@ def test_a_rank_state_is_neither_saved_nor_loaded_whole_in_memory_a_second_time(
     weights: serializing the state into memory (then reading the file back whole on resume) held it twice."""
     import tracemalloc
 
-    from aqpipe.runtime.checkpoint import load_rank, save_rank
+    from aqpipe.runtime.checkpoints.parts import load_rank, save_rank
 
     store = {i: torch.full((64 * 1024,), float(i)) for i in range(128)}  # 32 MiB in 256 KiB samples
     size = sum(t.numel() * t.element_size() for t in store.values())

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aqpipe.runtime.checkpoint import CheckpointError, root, step_dir
+from aqpipe.runtime.checkpoints.parts import CheckpointError, root, step_dir
 
 # Each time a run started again over its own state (a restart by torchrun or `--max-restarts`, or the same command
 # typed again), a line in this file of rank 0's run directory: summary.json counts them.

