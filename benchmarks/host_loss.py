@@ -4,9 +4,9 @@ across hosts" says, each rank's checkpoint part copied to the next host. For ful
 
 - the copies of one checkpoint: bytes on the link (the run's `checkpoint_bytes`, against the parts' sizes on disk)
   and seconds (from the step directory's COMPLETE mark to its REPLICATED mark, on every host);
-- the training slowdown while they travel: the median step time of the steps trained during the copies, against the
-  same steps of a run that keeps no copies (`--checkpoint-replicas 0`), and against the steps after the copies in the
-  same run;
+- the training slowdown while they travel: the median step time of the steps that ran (in part) while some
+  checkpoint's copies travelled (a step ends when its record appears in host 0's metrics.jsonl), against the same
+  steps of a run that keeps no copies (`--checkpoint-replicas 0`), and the other steps of both runs;
 - the time from a host's loss to the first step trained after recovery: once the copies are kept and some steps
   more are trained, host 2 dies whole (torchrun and rank SIGKILLed), its disk is wiped, and a host with an empty disk
   starts in its place with the same command (and an empty model cache: it converts the weights again); the others'
@@ -144,6 +144,8 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int) -> dic
             records = list(watch.records)
             parts = {h: hosts.on_disk(h, run / "checkpoints" / f"step-{every:08d}" / f"rank-{h}.pt").stat().st_size
                      for h in range(HOSTS)}
+            windows = copy_windows(hosts, run)
+            appeared = dict(watch.appeared)
             lost_at = time.time()
             hosts.kill(procs[LOST])
             shutil.rmtree(hosts.disk(LOST))
@@ -168,28 +170,59 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int) -> dic
     copied = sum(r.get("checkpoint_bytes", 0) for r in records if r["step"] <= last_during + 1)
     return {"records": records, "start": started, "complete": complete, "replicated": replicated,
             "copy_seconds": [r - c for r, c in zip(replicated, complete)], "part_bytes": parts,
-            "checkpoint_bytes": copied, "during": [every + 1, last_during], "recovery": recovered,
+            "checkpoint_bytes": copied, "windows": windows, "appeared": appeared, "recovery": recovered,
             "replacement_log_tail": log[-2000:], "codes": codes}
+
+
+def copy_windows(hosts, run: Path) -> dict[int, tuple[float, float]]:
+    """Each checkpoint whose copies were all kept: (its COMPLETE mark, its REPLICATED mark), the latest host's each."""
+    windows = {}
+    for replicated in hosts.on_disk(0, run / "checkpoints").glob("step-*/REPLICATED"):
+        step = int(replicated.parent.name[len("step-"):])
+        complete, kept = marks(hosts, run, step, "COMPLETE"), marks(hosts, run, step, "REPLICATED")
+        if complete and kept:
+            windows[step] = (max(complete), max(kept))
+    return windows
+
+
+def overlapping(records: list[dict], appeared: dict[int, float], windows: dict[int, tuple[float, float]]
+                ) -> list[int]:
+    """The steps that ran (in part) while some checkpoint's copies travelled: a step ends when its record appears and
+    began its `step_seconds` before."""
+    return [r["step"] for r in records if r["step"] in appeared and any(
+        appeared[r["step"]] - r["step_seconds"] < end and appeared[r["step"]] > begin for begin, end in windows.values())]
 
 
 def measure(work: Path, name: str, every: int, after: int) -> dict:
     extra = VARIANTS[name]
     copies = with_loss(work / name, extra, every, after)
-    lo, hi = copies["during"]
-    reference = baseline(work / name, extra, every, hi + 1)
-    during = step_seconds(copies["records"], lo, hi)
-    same_steps = step_seconds(reference, lo, hi)
-    after_copies = step_seconds(copies["records"], hi + 1, hi + after)
+    records = copies["records"]
+    during = overlapping(records, copies["appeared"], copies["windows"])
+    others = [r["step"] for r in records if r["step"] > every and r["step"] not in during]
+    reference = {r["step"]: r["step_seconds"] for r in baseline(work / name, extra, every, records[-1]["step"])}
+    seconds = {r["step"]: r["step_seconds"] for r in records}
     return {
         "variant": name, "checkpoint_every": every,
         "part_bytes": copies["part_bytes"], "copied_bytes": copies["checkpoint_bytes"],
-        "copy_seconds": copies["copy_seconds"], "steps_during_copies": [lo, hi],
-        "step_seconds_during": statistics.median(during) if during else None,
-        "step_seconds_no_copies_same_steps": statistics.median(same_steps) if same_steps else None,
-        "step_seconds_after_copies": statistics.median(after_copies) if after_copies else None,
+        "copy_seconds": copies["copy_seconds"], "copied_checkpoints": sorted(copies["windows"]),
+        "steps_during_copies": during,
+        "step_seconds_during": statistics.median(seconds[s] for s in during) if during else None,
+        "step_seconds_no_copies_same_steps": (statistics.median(reference[s] for s in during if s in reference)
+                                              if during else None),
+        "step_seconds_after_copies": statistics.median(seconds[s] for s in others) if others else None,
+        "step_seconds_no_copies_same_other_steps": (statistics.median(reference[s] for s in others if s in reference)
+                                                    if others else None),
+        "records": records, "appeared": copies["appeared"], "windows": copies["windows"],
         "recovery": copies["recovery"], "codes_when_stopped": copies["codes"],
         "replacement_log_tail": copies["replacement_log_tail"],
     }
+
+
+def steps(numbers: list[int]) -> str:
+    """5, 9, 13 or 5–20 (a run of consecutive steps)."""
+    if numbers and numbers == list(range(numbers[0], numbers[-1] + 1)) and len(numbers) > 2:
+        return f"{numbers[0]}–{numbers[-1]}"
+    return ", ".join(map(str, numbers))
 
 
 def write_markdown(results: list[dict], path: Path) -> None:
@@ -203,8 +236,8 @@ def write_markdown(results: list[dict], path: Path) -> None:
         slowdown = f"{(during / same - 1) * 100:+.1f}%" if during and same else "-"
         lines.append(
             f"| {r['variant']} | {parts} | {r['copied_bytes'] / 1e6:.1f} ({sum(r['part_bytes'].values()) / 1e6:.1f}) | "
-            f"{', '.join(f'{s:.0f}' for s in r['copy_seconds'])} | {r['steps_during_copies'][0]}–"
-            f"{r['steps_during_copies'][1]} | {during:.2f} / {same:.2f} / {after:.2f} | {slowdown} | "
+            f"{', '.join(f'{s:.0f}' for s in r['copy_seconds'])} | {steps(r['steps_during_copies'])} | "
+            f"{during:.2f} / {same:.2f} / {after:.2f} | {slowdown} | "
             f"{r['recovery']['seconds']:.0f} s (fetched {r['recovery']['fetched_bytes'] / 1e6:.1f} MB; "
             f"{r['recovery']['steps_lost']} steps trained again) |")
     path.write_text("\n".join(lines) + "\n")

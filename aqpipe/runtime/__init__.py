@@ -1,1 +1,2 @@
-"""The pipeline runtime: rank grid, schedules, framed transport, stage worker, training loop."""
+"""One rank's run: planning and the capacity plan, assembling its stage, the step loop, checkpoints (`checkpoints/`),
+replica checks and the run's outputs."""

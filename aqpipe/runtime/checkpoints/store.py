@@ -69,13 +69,11 @@ class Checkpoints:
         copying = self._copies_now(last)
         if copying and self.copier is not None:
             self.copier.wait()  # (nothing in flight, or the run's last checkpoint: it waits)
-        # (the launcher hears of the bytes on disk: a large state on a slow disk may take longer than --stall-timeout)
-        told = lambda done, total: progress(f"checkpoint of rank {self.rank}", done, total, "bytes")  # noqa: E731
         part = state()
         # an in-memory m(ξ) goes in a file of its own, which stays on this host: what a copy lacks is re-seeded
         if STORE in part:
-            save_rank(self.out, step, self.rank, {STORE: part.pop(STORE)}, self.settings, told, kind=STORE)
-        save_rank(self.out, step, self.rank, part, self.settings, told)
+            save_rank(self.out, step, self.rank, {STORE: part.pop(STORE)}, self.settings, self._told, kind=STORE)
+        save_rank(self.out, step, self.rank, part, self.settings, self._told)
         barrier_after_slow_work(self.stall_timeout)
         leader = host_leader()
         if leader:
@@ -102,6 +100,11 @@ class Checkpoints:
         """Until the copies in flight are kept (the run may end)."""
         if self.copier is not None:
             self.copier.wait()
+
+    def _told(self, done: int, total: int) -> None:
+        """The bytes of a part on disk, told to the launcher (a large state on a slow disk may take longer than
+        --stall-timeout)."""
+        progress(f"checkpoint of rank {self.rank}", done, total, "bytes")
 
     def _copies_now(self, last: bool) -> bool:
         """Whether this checkpoint's parts are copied: no rank's copies are in flight, or it is the run's last (every
