@@ -135,7 +135,8 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int) -> dic
         watch = Watch(hosts.on_disk(0, run / "metrics.jsonl"))
         try:
             started = time.time()
-            complete = wait_for(lambda: marks(hosts, run, every, "COMPLETE"), 3600, "the first checkpoint")
+            complete = wait_for(lambda: (watch.poll(), marks(hosts, run, every, "COMPLETE"))[1], 3600,
+                                "the first checkpoint")
             replicated = wait_for(lambda: (watch.poll(), marks(hosts, run, every, "REPLICATED"))[1], 7200,
                                   "the first checkpoint's copies")
             during = [r["step"] for r in watch.records if r["step"] > every]
@@ -190,7 +191,8 @@ def overlapping(records: list[dict], appeared: dict[int, float], windows: dict[i
     """The steps that ran (in part) while some checkpoint's copies travelled: a step ends when its record appears and
     began its `step_seconds` before."""
     return [r["step"] for r in records if r["step"] in appeared and any(
-        appeared[r["step"]] - r["step_seconds"] < end and appeared[r["step"]] > begin for begin, end in windows.values())]
+        r["step"] > step and appeared[r["step"]] - r["step_seconds"] < end and appeared[r["step"]] > begin
+        for step, (begin, end) in windows.items())]
 
 
 def measure(work: Path, name: str, every: int, after: int) -> dict:
@@ -213,6 +215,7 @@ def measure(work: Path, name: str, every: int, after: int) -> dict:
         "step_seconds_no_copies_same_other_steps": (statistics.median(reference[s] for s in others if s in reference)
                                                     if others else None),
         "records": records, "appeared": copies["appeared"], "windows": copies["windows"],
+        "no_copies_step_seconds": reference,
         "recovery": copies["recovery"], "codes_when_stopped": copies["codes"],
         "replacement_log_tail": copies["replacement_log_tail"],
     }

@@ -34,6 +34,7 @@ MIN_PIECE_BYTES = 64 << 10
 # twentieth of that (a tenth of the link): a step's messages queued behind one on a shaped link wait milliseconds.
 # 1 MiB pieces made a SmolLM2 step over 100 Mbit/s links 15% slower while copies travelled.
 PIECE_SECONDS = 0.05
+NICE = 19  # the copies' thread's nice value
 LINK_SHARE = 0.1  # the share of the link between hosts (the highest rate measured on it) a host's copies may take
 MIN_RATE = 256 << 10  # bytes/s a host's copies may take where no rate was measured, or a lower one (small messages)
 
@@ -116,6 +117,7 @@ class CheckpointCopier:
         REPLICATED on every host, said once on stderr, and training goes on (the step then counts as complete only
         while every part is on its own host)."""
         problem = ""
+        yield_to_training()
         try:
             copy_step(self.out, step, self.rank, self.plan, self.group, rate)
         except Exception as e:  # noqa: BLE001 - told to every rank below
@@ -129,6 +131,15 @@ class CheckpointCopier:
                       "counts as complete only while every part is on its own host", file=sys.stderr, flush=True)
         elif leader:
             write_atomic(step_dir(self.out, step) / REPLICATED, b"", durable=True)
+
+
+def yield_to_training() -> None:
+    """Run the calling thread (the copies') at the lowest CPU priority: where a host's cores are all busy training,
+    the copies wait instead of the step (their pace is what is left over); elsewhere it changes nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)  # (Linux: one thread's own nice value)
+    except (AttributeError, OSError):
+        pass
 
 
 def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group, rate: float | None) -> int:
