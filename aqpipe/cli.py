@@ -351,7 +351,7 @@ def _dry_run(cfg: ResolvedConfig) -> int:
     from aqpipe.runtime.capacity_table import format_plan
     from aqpipe.runtime.plan import check_store_capacity, make_plan
 
-    plan = make_plan(cfg, check_store=False)  # a store that does not fit is one of the plan's findings
+    plan = make_plan(cfg, check_store=False, planning=True)  # a store that does not fit is one of the plan's findings
     try:
         capacity = plan_capacity(plan)
     except TraceError as e:

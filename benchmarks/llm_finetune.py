@@ -50,6 +50,7 @@ VARIANTS = {
     "first rtq4 fw4 bw8": ("--fw", "aqsgd:4", "--bw", "directq:8", "--first-sight", "rtq:4", "--warmup-epochs", "0"),
     "defaults": (),  # no link flags: whatever this commit's defaults are
 }
+TITLES = {"smollm2-135m": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma 3 270M"}
 # Layers per stage: the embedding costs nothing, the tied LM head about 8 decoder layers (576 × 49152 per token).
 PARTITION = "11,10,8,3"
 
@@ -62,9 +63,9 @@ def train(name: str, links: tuple[str, ...], args, work: Path, extra: tuple[str,
         return {"run": f"fp32 of {args.fp32_from}", "summary": earlier, "records": []}
     if args.reuse and (out / "summary.json").is_file():
         return load(out)
-    cmd = [sys.executable, "-m", "aqpipe", "launch", "--overwrite", "--model", "smollm2-135m", "--data", "builtin-instruct",
-           "--pp", "4", "--partition", PARTITION, "--seq-len", str(args.seq_len), "--max-samples", str(args.samples),
-           "--micro-batch-size", "4", "--micro-batches", "4", "--epochs", str(args.epochs), "--lr", str(args.lr),
+    cmd = [sys.executable, "-m", "aqpipe", "launch", "--overwrite", "--model", args.model, "--data", "builtin-instruct",
+           "--pp", "4", "--partition", args.partition, "--seq-len", str(args.seq_len), "--max-samples", str(args.samples),
+           "--micro-batch-size", str(args.micro_batch_size), "--micro-batches", "4", "--epochs", str(args.epochs), "--lr", str(args.lr),
            "--warmup-steps", "5", *links, "--eval-every", str(args.eval_every), "--seed", str(args.seed),
            "--device", "cpu", "--out", str(out), "--no-progress", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -83,6 +84,10 @@ def load(out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/llm-finetune")
+    parser.add_argument("--model", default="smollm2-135m", help="the pretrained LLM (smollm2-135m, gemma3-270m, a "
+                        "checkpoint directory or a GGUF)")
+    parser.add_argument("--partition", default=PARTITION, help=f"--partition (default {PARTITION}, SmolLM2's)")
+    parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--samples", type=int, default=480, help="training conversations (--max-samples)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=96)
@@ -122,8 +127,8 @@ def main() -> None:
     summaries = {"pretrained": pretrained["summary"], **{n: r["summary"] for n, r in results.items()}}
     out.with_suffix(".json").write_text(json.dumps(summaries, indent=2) + "\n")
     out.with_suffix(".md").write_text(table + "\n")
-    plot(results, start, out.with_suffix(".png"))
-    plot_bytes(results, out.parent / (out.name + "-bytes.png"), args.epochs)
+    plot(results, start, out.with_suffix(".png"), TITLES.get(args.model, args.model))
+    plot_bytes(results, out.parent / (out.name + "-bytes.png"), args.epochs, TITLES.get(args.model, args.model))
     print(table)
 
 
@@ -167,7 +172,7 @@ def summarize(results: dict[str, dict], start: float) -> str:
             + f"\n\nHeld-out question answered: {question!r}")
 
 
-def plot(results: dict[str, dict], start: float, path: Path) -> None:
+def plot(results: dict[str, dict], start: float, path: Path, model: str = TITLES["smollm2-135m"]) -> None:
     """Held-out loss per step of every variant, from the pretrained model's at step 0."""
     import matplotlib
 
@@ -182,13 +187,13 @@ def plot(results: dict[str, dict], start: float, path: Path) -> None:
         ax.plot(*zip(*points), marker="o", label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("held-out loss (response tokens)")
-    ax.set_title("SmolLM2-135M-Instruct, 4 stages, built-in instruction set")
+    ax.set_title(f"{model}, 4 stages, built-in instruction set")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def plot_bytes(results: dict[str, dict], path: Path, epochs: int) -> None:
+def plot_bytes(results: dict[str, dict], path: Path, epochs: int, model: str = TITLES["smollm2-135m"]) -> None:
     """Held-out loss at the end against the run's total link bytes, one point per variant."""
     import matplotlib
 
@@ -202,7 +207,7 @@ def plot_bytes(results: dict[str, dict], path: Path, epochs: int) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("link bytes of the whole run, both directions (MB, log)")
     ax.set_ylabel("held-out loss at the end")
-    ax.set_title(f"SmolLM2-135M-Instruct, 4 stages, {epochs} epoch{'s' if epochs > 1 else ''}")
+    ax.set_title(f"{model}, 4 stages, {epochs} epoch{'s' if epochs > 1 else ''}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

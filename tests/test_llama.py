@@ -221,11 +221,12 @@ def test_a_checkpoint_of_an_uncovered_architecture_exits_2_naming_it(tmp_path, c
 
     (tmp_path / "t5").mkdir()
     (tmp_path / "t5" / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    with pytest.raises(SpecError, match="t5.*llama, qwen2, mistral"):
+    with pytest.raises(SpecError, match="t5.*llama, qwen2, qwen3, mistral, gemma3_text, phi3, olmo2, gpt_neox"):
         classify_model(str(tmp_path / "t5"))
     assert main(["launch", "--model", str(tmp_path / "t5"), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert "is a t5 checkpoint" in err and "llama, qwen2, mistral" in err and "Traceback" not in err
+    assert "is a t5 checkpoint" in err and "llama, qwen2, qwen3, mistral" in err and "Traceback" not in err
+    assert "module:function" in err
 
 
 def test_a_gguf_of_an_uncovered_architecture_exits_2_naming_it(tmp_path, capsys):
@@ -242,7 +243,8 @@ def test_a_gguf_of_an_uncovered_architecture_exits_2_naming_it(tmp_path, capsys)
 
     assert main(["launch", "--model", str(path), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert "'phi2'" in err and "llama, qwen2, mistral" in err and "Traceback" not in err
+    assert "'phi2'" in err and "llama, qwen2, qwen3, mistral, gemma3, phi3" in err and "Traceback" not in err
+    assert "module:function" in err
 
 
 def test_seq_len_beyond_the_context_exits_2(tmp_path, capsys):

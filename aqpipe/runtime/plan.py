@@ -14,7 +14,14 @@ from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.data import DataError, EpochPlan, TaskDataset, prepare_dataset, shard
 from aqpipe.stages import PipelineSpec, SpecError, partition
 from aqpipe.stages.lora import LoraSettings, apply_lora, check_targets, lora_settings
-from aqpipe.stages.models import build_spec, check_context, check_task, classify_model, tokenizer_directory
+from aqpipe.stages.models import (
+    build_spec,
+    check_context,
+    check_task,
+    check_weights,
+    classify_model,
+    tokenizer_directory,
+)
 from aqpipe.stages.spec import Stage
 from aqpipe.storage.dtypes import STORE_DTYPES
 
@@ -58,15 +65,19 @@ class RunPlan:
                          self.cfg.micro_batch_size, self.cfg.micro_batches)
 
 
-def make_plan(cfg: ResolvedConfig, spec_factory=None, profile: bool = True, check_store: bool = True) -> RunPlan:
+def make_plan(cfg: ResolvedConfig, spec_factory=None, profile: bool = True, check_store: bool = True,
+              planning: bool = False) -> RunPlan:
     """Prepare data and model spec and resolve the partition; raises ConfigError for anything the user must fix.
 
     With `profile=False`, a time-based partition not yet resolved is left to the caller; with `check_store=False`
-    the m(ξ) stores' room is not checked (the capacity plan reports it instead).
+    the m(ξ) stores' room is not checked (the capacity plan reports it instead); with `planning` nothing will run
+    (`--dry-run`: a checkpoint directory may hold its config alone).
     """
     try:
         if spec_factory is None:
             classify_model(cfg.model)
+            if not planning:
+                check_weights(cfg.model)
             check_task(cfg.model, cfg.task)
             check_context(cfg.model, cfg.seq_len)
         tok_dir = None if spec_factory is not None else tokenizer_directory(cfg.model)

@@ -8,12 +8,14 @@ the pipeline kept the two copies one tensor) or `AutoModelForSequenceClassificat
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from aqpipe.stages.llama import FAMILIES
+from aqpipe.stages.llama import FAMILIES, Family
 
 if TYPE_CHECKING:  # importing transformers' modeling code costs every rank seconds; only an export needs it
     from transformers import PreTrainedModel
@@ -51,16 +53,18 @@ def _deberta_key(layer: int, last: int, key: str) -> str:
     return f"deberta.encoder.layer.{layer - 1}." + key.removeprefix("layer.")
 
 
-def _decoder_key(layer: int, last: int, key: str) -> str:
+def _decoder_key(family: Family, layer: int, last: int, key: str) -> str:
     if layer == 0:
-        return "model." + key
+        return family.key("embedding") + key.removeprefix("embed_tokens.")
     if layer == last:
-        return key if key.startswith("lm_head.") else "model." + key
-    return f"model.layers.{layer - 1}." + key.removeprefix("layer.")
+        if key.startswith("lm_head."):
+            return family.key("head") + key.removeprefix("lm_head.")
+        return family.key("final_norm") + key.removeprefix("norm.")
+    return f"{family.key('layers')}{layer - 1}." + key.removeprefix("layer.")
 
 
-_KEYS = {"gpt2": _gpt2_key, "bert": _bert_key, "deberta-v2": _deberta_key,
-         **{kind: _decoder_key for kind in FAMILIES}}
+_KEYS: dict[str, Callable[[int, int, str], str]] = {"gpt2": _gpt2_key, "bert": _bert_key, "deberta-v2": _deberta_key,
+         **{kind: partial(_decoder_key, family) for kind, family in FAMILIES.items()}}
 
 
 def merged_state(stage_states: list[dict[str, torch.Tensor]], bounds: list[int], architecture: str) -> dict:
@@ -96,10 +100,16 @@ def build_hf_model(hf_config: dict, architecture: str, state: dict):
         model = DebertaV2ForSequenceClassification(DebertaV2Config.from_dict(hf_config))
     elif architecture in FAMILIES:
         family = FAMILIES[architecture]
-        config = family.cls("Config").from_dict(hf_config)
-        if config.tie_word_embeddings and not torch.equal(state["model.embed_tokens.weight"], state["lm_head.weight"]):
+        config = family.config_class().from_dict(hf_config)
+        if config.tie_word_embeddings and not torch.equal(state[family.key("embedding") + "weight"],
+                                                          state[family.key("head") + "weight"]):
             raise ExportError("the tied input embedding and LM head differ between the first and the last stage")
         model = family.cls("ForCausalLM")(config)
+        # a checkpoint may name the head otherwise than the model does (GPT-NeoX's embed_out is transformers'
+        # lm_head, renamed as it loads and back as it saves)
+        head = family.key("head") + "weight"
+        if head in state and head not in model.state_dict() and "lm_head.weight" in model.state_dict():
+            state = {("lm_head.weight" if k == head else k): v for k, v in state.items()}
     else:
         raise ExportError(f"cannot export a {architecture!r} model as an HF checkpoint ({', '.join(_KEYS)} can be)")
     missing, unexpected = model.load_state_dict(state, strict=False)

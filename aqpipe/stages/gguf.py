@@ -14,7 +14,8 @@ from pathlib import Path
 from aqpipe.stages.spec import SpecError
 
 # GGUF's `general.architecture` -> the transformers model type the decoder adapter reads (Mistral GGUFs say llama).
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3": "gemma3_text",
+                      "phi3": "phi3"}
 FINGERPRINT_BYTES = 8 << 20  # read from each end of the file for the cache key (a 7B GGUF is several GB)
 
 
@@ -54,7 +55,7 @@ def converted_directory(path: str) -> str:
     architecture = gguf_architecture(path)
     if architecture not in GGUF_ARCHITECTURES:
         raise SpecError(f"--model {path} is a GGUF of architecture {architecture!r}; aqpipe's decoder adapter covers "
-                        f"{', '.join(GGUF_ARCHITECTURES)}")
+                        f"{', '.join(GGUF_ARCHITECTURES)} GGUFs (or give module:function returning a PipelineSpec)")
     with open(cache_dir() / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks and launches converting the same file wait for the first one
         if not (target / "config.json").is_file():

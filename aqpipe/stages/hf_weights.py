@@ -21,12 +21,18 @@ def model_type(directory: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def holds_weights(directory: str | Path) -> bool:
+    """Whether an HF checkpoint directory holds weights (safetensors, or pytorch_model*.bin), not a config alone."""
+    return any(Path(directory).glob("*.safetensors")) or any(Path(directory).glob("pytorch_model*.bin"))
+
+
 class CheckpointWeights:
     """The tensors of an HF checkpoint directory (safetensors, or pytorch_model*.bin) under a key prefix.
 
     `normalise` maps each stored key to one naming scheme (checkpoints of the bare and the task model name the
     same tensor differently); `weights(prefix)` returns the tensors under a normalised prefix, prefix stripped.
-    Safetensors files are read tensor by tensor, so a stage never materialises another stage's weights.
+    Safetensors files are read tensor by tensor, so a stage never materialises another stage's weights. A directory
+    holding a config alone fails on the first read (a stage sized on the meta device reads none: `--dry-run` plans it).
     """
 
     def __init__(self, directory: str, normalise: Callable[[str], str] = lambda key: key) -> None:
@@ -35,8 +41,6 @@ class CheckpointWeights:
         self._bin_state: dict | None = None
         self._key_map: dict[str, tuple[str, str]] | None = None
         self.safetensor_files = sorted(self.directory.glob("*.safetensors"))
-        if not self.safetensor_files and not list(self.directory.glob("pytorch_model*.bin")):
-            raise FileNotFoundError(f"{directory} holds no model.safetensors or pytorch_model.bin")
 
     def _keys(self) -> dict[str, tuple[str, str]]:
         """Normalised key → (file, key as stored)."""
@@ -51,6 +55,9 @@ class CheckpointWeights:
         return self._key_map
 
     def __call__(self, prefix: str) -> dict[str, torch.Tensor]:
+        if not holds_weights(self.directory):
+            raise FileNotFoundError(f"{self.directory} holds no model.safetensors or pytorch_model.bin (a config.json "
+                                    "alone can be planned with --dry-run, not trained)")
         if self.safetensor_files:
             from safetensors import safe_open
 

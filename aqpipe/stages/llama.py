@@ -1,11 +1,13 @@
-"""Llama-family decoders (Llama, Qwen2, Mistral, SmolLM) as pipeline layers, through `transformers`' own classes.
+"""Decoder-only LMs as pipeline layers, through `transformers`' own classes: one adapter for every family whose
+model is an embedding, a stack of decoder layers fed rotary tables, a final norm and an LM head (Llama, Qwen2, Qwen3,
+Mistral, Gemma 3, Phi-3, OLMo 2, GPT-NeoX, SmolLM), each family one row of `FAMILIES`.
 
-Layers: token embedding, each decoder layer (RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP), and
-final norm + LM head. Each decoder layer computes its rotary cos/sin from the sequence length on its own stage (no
-positions cross a link) and builds the causal mask from the padding mask that travels losslessly beside the
-activations. When the model ties its input embedding and LM head (SmolLM2, Qwen2.5-0.5B, Llama 3.2 1B) the two live
-on the first and the last stage: each declares the tensor as a tied copy, so the runtime sums their gradients and they
-stay one tensor.
+Layers: token embedding, each decoder layer, and final norm + LM head. Each decoder layer computes its rotary cos/sin
+from the sequence length on its own stage (no positions cross a link; one table per layer type where the family has
+local and global ones) and builds its causal mask (sliding-window where the layer slides) from the padding mask that
+travels losslessly beside the activations. When the model ties its input embedding and LM head (SmolLM2,
+Qwen2.5-0.5B, Llama 3.2 1B, Gemma 3) the two live on the first and the last stage: each declares the tensor as a tied
+copy, so the runtime sums their gradients and they stay one tensor.
 """
 
 from __future__ import annotations
@@ -27,23 +29,58 @@ from aqpipe.stages.spec import PipelineSpec, SpecError, host_rng
 TIE_NAME = "embed_tokens"  # the tied group of the input embedding and the LM head
 
 
+_DECODER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass(frozen=True)
 class Family:
-    """One `transformers` model family this adapter drives: where its classes live and their name prefix."""
+    """One `transformers` decoder family this adapter drives: where its classes live, what a checkpoint calls its
+    parts, and what its layers need beyond hidden states and the padding mask."""
 
     module: str
-    prefix: str
+    prefix: str  # its classes' name prefix (LlamaDecoderLayer, LlamaConfig, …)
+    config: str = "Config"  # its config class, after the prefix
+    layer: str = "DecoderLayer"  # its decoder layer class, after the prefix
+    base: str = "model"  # the base model's key prefix in a checkpoint
+    embedding: str = "embed_tokens"  # the token embedding's name in the base model
+    final_norm: str = "norm"  # the final norm's name in the base model
+    head: str = "lm_head"  # the LM head's name beside the base model
+    norm: str = "RMSNorm"  # the final norm's class after the prefix ("LayerNorm": torch's, with a bias)
+    norm_init: float = 1.0  # a norm weight's random init (Gemma's norms scale by 1 + weight: 0)
+    scaled_embedding: bool = False  # the embedding's output is multiplied by √hidden (Gemma)
+    rotary_by_layer_type: bool = False  # one rotary table per layer type (Gemma 3: sliding layers have their own)
+    slides_when_configured: bool = False  # every layer slides when config.sliding_window is set (Mistral, Phi-3)
+    lora_targets: tuple[str, ...] = _DECODER_TARGETS  # the module names `--lora` adapts by default
 
     def cls(self, suffix: str):
         """The family's class `<prefix><suffix>` (e.g. LlamaDecoderLayer)."""
         return getattr(importlib.import_module(self.module), self.prefix + suffix)
 
+    def config_class(self):
+        """The family's config class."""
+        return self.cls(self.config)
 
-# model_type (config.json, GGUF architecture) -> family. Everything else reads this table.
+    def key(self, part: str) -> str:
+        """The checkpoint key prefix of a part: "embedding", "final_norm", "head" or "layers"."""
+        if part == "head":
+            return f"{self.head}."
+        return f"{self.base}.{dict(embedding=self.embedding, final_norm=self.final_norm, layers='layers')[part]}."
+
+
+# model_type (config.json, GGUF architecture) -> family. Everything else reads this table: a new family is a row.
 FAMILIES: dict[str, Family] = {
     "llama": Family("transformers.models.llama.modeling_llama", "Llama"),
     "qwen2": Family("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
-    "mistral": Family("transformers.models.mistral.modeling_mistral", "Mistral"),
+    "qwen3": Family("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
+    "mistral": Family("transformers.models.mistral.modeling_mistral", "Mistral", slides_when_configured=True),
+    "gemma3_text": Family("transformers.models.gemma3.modeling_gemma3", "Gemma3", config="TextConfig", norm_init=0.0,
+                          scaled_embedding=True, rotary_by_layer_type=True),
+    "phi3": Family("transformers.models.phi3.modeling_phi3", "Phi3", slides_when_configured=True,
+                   lora_targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    "olmo2": Family("transformers.models.olmo2.modeling_olmo2", "Olmo2"),
+    "gpt_neox": Family("transformers.models.gpt_neox.modeling_gpt_neox", "GPTNeoX", layer="Layer", base="gpt_neox",
+                       embedding="embed_in", final_norm="final_layer_norm", head="embed_out", norm="LayerNorm",
+                       lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")),
 }
 
 # Architectures by name, randomly initialised (pretrained weights come from a directory, a GGUF file or the hub).
@@ -81,7 +118,8 @@ def family_of(kind: str | None, where: str) -> Family:
     """The family of a model type, or SpecError naming it and the supported ones."""
     if kind not in FAMILIES:
         raise SpecError(f"{where} is a {kind or 'unknown'} model; the decoder adapter covers "
-                        f"{', '.join(FAMILIES)} (and aqpipe adapts gpt2, bert and deberta-v2 checkpoints)")
+                        f"{', '.join(FAMILIES)} (and aqpipe adapts gpt2, bert and deberta-v2 checkpoints); for "
+                        "another, give --model module:function returning a PipelineSpec")
     return FAMILIES[kind]
 
 
@@ -91,7 +129,7 @@ def llama_config(preset: str, vocab_size: int, dropout: float | None = None):
     kind = settings.pop("model_type")
     vocab_size = max(vocab_size, settings.pop("vocab_size", 0))
     theta = settings.pop("rope_theta", 10000.0)
-    config = family_of(kind, f"preset {preset}").cls("Config")(vocab_size=vocab_size, pad_token_id=0, bos_token_id=0,
+    config = family_of(kind, f"preset {preset}").config_class()(vocab_size=vocab_size, pad_token_id=0, bos_token_id=0,
                                                               eos_token_id=0, **settings)
     config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
     if dropout is not None:
@@ -107,17 +145,22 @@ def _prepare(config) -> None:
 class DecoderEmbedding(nn.Module):
     """The token embedding: token ids [B, T] → hidden states [B, T, H]."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, family: Family) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.tied = bool(config.tie_word_embeddings)
+        # (as the family's own scaled embedding does: √hidden in fp32, cast to the weight's dtype)
+        self.scale = config.hidden_size ** 0.5 if family.scaled_embedding else None
 
     def tied_parameters(self) -> dict[str, list[nn.Parameter]]:
         """The embedding is the LM head's weight too when the model ties them."""
         return {TIE_NAME: [self.embed_tokens.weight]} if self.tied else {}  # type: ignore[list-item]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
+        if self.scale is not None:
+            hidden = hidden * torch.tensor(self.scale).to(hidden.dtype)
+        return hidden
 
 
 class DecoderLayer(nn.Module):
@@ -132,11 +175,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, index: int, family: Family) -> None:
         super().__init__()
         self.config = config
-        self.layer = family.cls("DecoderLayer")(config, layer_idx=index)
+        self.layer = family.cls(family.layer)(config, layer_idx=index)
         self.rotary = family.cls("RotaryEmbedding")(config)
         layer_types = getattr(config, "layer_types", None)
-        kind = layer_types[index] if layer_types else "full_attention"
-        self.sliding = kind == "sliding_attention" or bool(config.model_type == "mistral" and config.sliding_window)
+        self.kind = layer_types[index] if layer_types else "full_attention"
+        self.rotary_args = (self.kind,) if family.rotary_by_layer_type else ()
+        self.sliding = self.kind == "sliding_attention" or bool(
+            family.slides_when_configured and getattr(config, "sliding_window", None))
 
     # The last causal mask built, per kind (full / sliding): the layers of one stage get the same padding-mask tensor,
     # so they share one [B, 1, T, T] mask (and SDPA keeps it for backward once, not once per layer).
@@ -160,37 +205,47 @@ class DecoderLayer(nn.Module):
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         attention = self._attention_mask(hidden, mask, positions)
         out = self.layer(hidden, attention_mask=attention, position_ids=positions,
-                         position_embeddings=self.rotary(hidden, positions))
+                         position_embeddings=self.rotary(hidden, positions, *self.rotary_args))
         return out[0] if isinstance(out, tuple) else out
 
 
 class DecoderHead(nn.Module):
-    """The final RMSNorm and the LM head: hidden states → logits [B, T, V]."""
+    """The final norm and the LM head: hidden states → logits [B, T, V] (soft-capped where the family caps them)."""
 
     def __init__(self, config, family: Family) -> None:
         super().__init__()
-        self.norm = family.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+        if family.norm == "LayerNorm":
+            self.norm: nn.Module = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        else:
+            self.norm = family.cls(family.norm)(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tied = bool(config.tie_word_embeddings)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
 
     def tied_parameters(self) -> dict[str, list[nn.Parameter]]:
         """The LM head is the input embedding's weight too when the model ties them."""
         return {TIE_NAME: [self.lm_head.weight]} if self.tied else {}  # type: ignore[list-item]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        logits = self.lm_head(self.norm(hidden))
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
-def init_like_hf(module: nn.Module, std: float) -> None:
-    """The Llama family's initialisation: normal(0, initializer_range) weights, zero biases, unit norms."""
+def init_like_hf(module: nn.Module, std: float, norm_init: float = 1.0) -> None:
+    """The decoder families' initialisation: normal(0, initializer_range) weights, zero biases, norms at `norm_init`
+    (a LayerNorm at 1 with a zero bias)."""
     for sub in module.modules():
         if isinstance(sub, (nn.Linear, nn.Embedding)):
             sub.weight.data.normal_(0.0, std)
             bias = getattr(sub, "bias", None)
             if bias is not None:
                 bias.data.zero_()
+        elif isinstance(sub, nn.LayerNorm):
+            sub.reset_parameters()
         elif type(sub).__name__.endswith("RMSNorm"):
-            sub.weight.data.fill_(1.0)  # type: ignore[operator]
+            sub.weight.data.fill_(norm_init)  # type: ignore[operator]
 
 
 def _tied_init(weight: torch.Tensor, std: float) -> None:
@@ -204,7 +259,7 @@ def _build(kind: str, config, index: int, weights: Callable[[str], dict] | None)
     family = FAMILIES[config.model_type]
     layer: nn.Module
     if kind == "embed":
-        layer = DecoderEmbedding(config)
+        layer = DecoderEmbedding(config, family)
     elif kind == "layer":
         layer = DecoderLayer(config, index, family)
     else:
@@ -212,21 +267,21 @@ def _build(kind: str, config, index: int, weights: Callable[[str], dict] | None)
     if torch.empty(0).is_meta:  # being sized on the meta device (partitioning): nothing to initialise or load
         return layer
     if weights is None:
-        init_like_hf(layer, config.initializer_range)
+        init_like_hf(layer, config.initializer_range, family.norm_init)
         if isinstance(layer, DecoderEmbedding) and layer.tied:
             _tied_init(layer.embed_tokens.weight, config.initializer_range)
         elif isinstance(layer, DecoderHead) and layer.tied:
             _tied_init(layer.lm_head.weight, config.initializer_range)
         return layer
     if kind == "embed":  # each weights(prefix) call reads only the tensors under that prefix
-        state = {"embed_tokens." + k: v for k, v in weights("model.embed_tokens.").items()}
+        state = {"embed_tokens." + k: v for k, v in weights(family.key("embedding")).items()}
     elif kind == "layer":
-        state = {"layer." + k: v for k, v in weights(f"model.layers.{index}.").items()}
+        state = {"layer." + k: v for k, v in weights(f"{family.key('layers')}{index}.").items()}
     else:
-        state = {"norm." + k: v for k, v in weights("model.norm.").items()}
-        head = None if config.tie_word_embeddings else weights("lm_head.").get("weight")
+        state = {"norm." + k: v for k, v in weights(family.key("final_norm")).items()}
+        head = None if config.tie_word_embeddings else weights(family.key("head")).get("weight")
         if head is None:  # a tied checkpoint stores the shared tensor once, as the embedding
-            head = weights("model.embed_tokens.").get("weight")
+            head = weights(family.key("embedding")).get("weight")
         if head is not None:
             state["lm_head.weight"] = head
     missing, _unexpected = layer.load_state_dict(state, strict=False)
@@ -251,18 +306,19 @@ def decoder_spec(config, weights: Callable[[str], dict] | None = None, name: str
     return PipelineSpec(layers=layers, loss=lm_loss, name=name, extras=extras)
 
 
-def _normalise(key: str) -> str:
-    """Every key under `model.` or `lm_head.`, whether the checkpoint saved the bare or the causal-LM model."""
-    if key.startswith(("model.", "lm_head.")):
+def _normalise(family: Family, key: str) -> str:
+    """Every key under the base model's prefix or the head's, whether the checkpoint saved the bare or the causal-LM
+    model."""
+    if key.startswith((f"{family.base}.", f"{family.head}.")):
         return key
-    return "model." + key
+    return f"{family.base}.{key}"
 
 
 def pretrained_decoder_spec(directory: str, dropout: float | None = None) -> PipelineSpec:
     """A Llama-family spec whose layers load their own weights from a local HF checkpoint directory."""
     family = family_of(model_type(directory), f"--model {directory!r}")
-    config = family.cls("Config").from_pretrained(directory)
+    config = family.config_class().from_pretrained(directory)
     if dropout is not None:
         config.attention_dropout = dropout
-    return decoder_spec(config, CheckpointWeights(directory, normalise=_normalise),
+    return decoder_spec(config, CheckpointWeights(directory, normalise=partial(_normalise, family)),
                         name=os.path.basename(os.path.normpath(directory)))

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from aqpipe.stages.llama import FAMILIES
 from aqpipe.stages.spec import PipelineSpec, SpecError, Stage, host_rng
 
 # the module names adapted by default, per architecture (spec.extras["architecture"])
-_DECODER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
-    "llama": _DECODER, "qwen2": _DECODER, "mistral": _DECODER,
+    **{kind: family.lora_targets for kind, family in FAMILIES.items()},
     "gpt2": ("c_attn", "c_proj", "c_fc"),
     "bert": ("query", "key", "value", "dense"),
     "deberta-v2": ("query_proj", "key_proj", "value_proj", "dense"),

