@@ -145,8 +145,9 @@ def _prepare(config) -> None:
 class DecoderEmbedding(nn.Module):
     """The token embedding: token ids [B, T] → hidden states [B, T, H]."""
 
-    def __init__(self, config, family: Family) -> None:
+    def __init__(self, config, family: Family | None = None) -> None:
         super().__init__()
+        family = family or FAMILIES[config.model_type]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.tied = bool(config.tie_word_embeddings)
         # (as the family's own scaled embedding does: √hidden in fp32, cast to the weight's dtype)
