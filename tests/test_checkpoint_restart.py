@@ -3,6 +3,7 @@ checkpoint complete everywhere, starts it again where it completed none, and nev
 or over a checkpoint newer than the one it would start from."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,23 @@ def test_a_newest_checkpoint_a_rank_no_longer_holds_is_never_trained_over(tmp_pa
         choose_start(_holdings(*hosts), tmp_path, explicit=False)
     chosen = choose_start(_holdings(*hosts), tmp_path, explicit=True)
     assert chosen.candidates == [4] and not chosen.strict and "not held by rank 1" in chosen.note
+
+
+def test_a_restart_past_a_lost_checkpoint_that_had_no_copies_says_what_is_trained_again(tmp_path):
+    """Step 4's parts were copied to the other host (REPLICATED); step 8 came while copies travelled, so it was kept
+    without copies (COPYING alone), and host 1 has since lost its part of it: the restart continues after step 4 and
+    says that steps 5–8 are trained again. Before, it said only "continues after step 4"."""
+    hosts = [tmp_path / "host-0", tmp_path / "host-1"]
+    for host, rank in zip(hosts, (0, 1)):
+        _save(host, 4, ranks=(0, 1))  # (its own part and the copy of the other's)
+        for marker in ("COPYING", "REPLICATED"):
+            (ck.step_dir(host, 4) / marker).write_bytes(b"")
+    _save(hosts[0], 8, ranks=(0,))
+    (ck.step_dir(hosts[0], 8) / "COPYING").write_bytes(b"")
+    start = choose_start(_holdings(*hosts), tmp_path, explicit=False)
+    assert start.candidates == [4] and start.strict
+    assert re.search(r"continues after step 4.*step 8 had no copies on other hosts and rank 1 on \S+ no longer "
+                     r"holds its part: steps 5–8 are trained again", start.note), start.note
 
 
 def test_each_start_over_the_runs_own_state_is_counted(tmp_path):

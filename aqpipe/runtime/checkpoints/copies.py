@@ -26,7 +26,8 @@ from aqpipe.pipeline import comm
 from aqpipe.pipeline.grid import Grid
 from aqpipe.runtime.checkpoints.parts import rank_file, step_dir
 
-COPYING = "COPYING"  # a step directory's marker: the step's parts are being copied (complete only once REPLICATED)
+COPYING = "COPYING"  # a step directory's marker: copies of its parts are kept (written before COMPLETE); the step
+# counts as copied only once REPLICATED, and one never copied (its predecessor's copies were travelling) keeps COPYING alone
 REPLICATED = "REPLICATED"  # a step directory's marker: every part of the step is on its host and on its copies' hosts
 CHUNK_BYTES = 1 << 20  # a copy travels in pieces of at most this size, each paced (a fetch, unpaced, in these)
 MIN_PIECE_BYTES = 64 << 10
@@ -62,7 +63,7 @@ def default_copies(hosts: list[str], asked: int | None) -> int:
 
 class CheckpointCopier:
     """One rank's side of the copies: sends its part of each checkpoint to its copies' ranks and keeps the parts
-    other ranks send it, on a thread (`start`, then `wait` before the next checkpoint or the run's end)."""
+    other ranks send it, on a thread (`start`; `busy` while it runs; `wait` for it)."""
 
     def __init__(self, out: str | Path, grid: Grid, hosts: list[str], copies: int, timeout) -> None:
         self.out, self.grid, self.hosts = Path(out), grid, hosts

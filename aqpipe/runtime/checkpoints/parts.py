@@ -34,7 +34,7 @@ import torch
 from aqpipe.disk import save_atomic, write_atomic
 
 FORMAT = 2  # 2: checksum lines name rank, step and configuration digest; run.json records the settings
-KEEP = 2  # complete checkpoints kept; older ones are removed once a newer one is complete
+KEEP = 2  # complete checkpoints kept (besides the newest copied one and one being copied; see mark_complete)
 # A rank's file goes to the disk in pieces of this size as it is written, so that the progress it reports follows the
 # disk (not the page cache, with the whole state's fsync still to come) and the final fsync is short.
 SYNC_EVERY_BYTES = 256 << 20

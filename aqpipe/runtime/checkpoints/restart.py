@@ -4,7 +4,7 @@ over another run's state or over a checkpoint newer than the one it would start 
 
 Each rank reads what its own host's run directory holds (`holding`: no collective, no torch); `choose_start` decides
 from every rank's holding alike, on every rank or in a local launch's launcher. A checkpoint can be continued from
-when every rank's part of it is on its host or kept as a copy on another (`checkpoint_copies`) and some host marked
+when every rank's part of it is on its host or kept as a copy on another (`copies`) and some host marked
 it complete: a host marks a step only after the barrier that every rank passes once its file is written, so a mark
 anywhere proves every file was written, even where a host died before marking it too. Where copies are kept, a step
 counts as complete (one a start may not pass over) once they all are (REPLICATED).
@@ -39,7 +39,7 @@ class Holding:
     outputs: list[str] = field(default_factory=list)  # the names of RUN_STATE present
     files: list[int] = field(default_factory=list)  # steps whose file for this rank (with its checksum line) is here
     marked: list[int] = field(default_factory=list)  # steps this host marked complete
-    copying: list[int] = field(default_factory=list)  # steps whose parts this host began to copy to other hosts
+    copying: list[int] = field(default_factory=list)  # steps marked COPYING here (copies kept: copied or not)
     replicated: list[int] = field(default_factory=list)  # steps this host marked REPLICATED (every part copied)
     parts: dict[str, list[int]] = field(default_factory=dict)  # step -> the ranks whose part (or copy) is here
     other_run: str | None = None  # why the state here is another run's (a setting that differs); None: this run's
@@ -164,7 +164,15 @@ def choose_start(holdings: list[Holding], out: str | Path, explicit: bool) -> St
                                                     f"{newest} is not held by {_who(lacking)}")
     if explicit:
         return Start(candidates, strict=False)
-    return Start(candidates, note=f"{out} holds this run: it continues after step {candidates[0]}")
+    note = f"{out} holds this run: it continues after step {candidates[0]}"
+    newer = max(marked)
+    if newer > candidates[0]:  # checkpoints kept without copies (their predecessor's were travelling), since lost
+        lacking = [h for h in holdings if not holders(holdings, newer, h.rank)]
+        note += (f", the newest checkpoint whose parts are all held; the checkpoint of step {newer} had no copies "
+                 f"on other hosts and {_who(lacking)} no longer hold{'s' if len(lacking) == 1 else ''} "
+                 f"{'its part' if len(lacking) == 1 else 'their parts'}: steps {candidates[0] + 1}–{newer} are trained "
+                 "again")
+    return Start(candidates, note=note)
 
 
 def holders(holdings: list[Holding], step: int, rank: int) -> list[int]:

@@ -150,7 +150,7 @@ def load_agreed(run: str | Path, rank: int, settings: dict, launcher_checked: bo
     if store.is_file():  # an in-memory m(ξ), kept on this rank's host (not where its part came from a copy)
         try:
             state[STORE] = load_rank(run, step, rank, settings, kind=STORE)[STORE]
-        except CheckpointError as e:
+        except (CheckpointError, KeyError) as e:
             print(f"aqpipe: rank {rank}: {e}; its m(xi) is re-seeded", file=sys.stderr, flush=True)
     return step, state
 

@@ -15,7 +15,10 @@ Copies hold what cannot be had again: trained parameters (under LoRA the adapter
 state, data position and RNG, and rank 0's run log. Frozen base weights come from the model source, and an in-memory
 m(ξ) store is written in a file of its own that is never copied: a rank whose part came from a copy starts with an
 empty store, and the reconciliation after the resume re-seeds those samples on both sides of its links by first
-sights (an epoch's first-sight bytes once, against the store's bytes at every checkpoint).
+sights. Measured by the capacity plan for the SmolLM2 benchmark's links: a first sight (rtq:4) is as large as the
+delta it replaces (157 kB a step either way), so re-seeding costs no bytes beyond the epoch's messages, where fetching
+a neighbour's copy of a link's m(ξ) would send 140 MB (about four epochs of that link's messages) before training
+could go on, and copying it with every part would send it at every checkpoint.
 """
 
 from __future__ import annotations
@@ -76,14 +79,14 @@ class Checkpoints:
         save_rank(self.out, step, self.rank, part, self.settings, self._told)
         barrier_after_slow_work(self.stall_timeout)
         leader = host_leader()
+        if leader and self.copier is not None:
+            # before COMPLETE: a step marked complete is never mistaken for one kept without copies (a run killed
+            # between the two marks); copied or not, it counts as copied only once REPLICATED
+            write_atomic(step_dir(self.out, step) / COPYING, b"", durable=True)
         if leader:
             mark_complete(self.out, step, self.world, self.settings, keep=self._in_flight())
-        if self.copier is None:
-            return
-        if copying:
+        if self.copier is not None and copying:
             self.copier.start(step, leader)
-        elif leader:  # (complete while every part is on its own host; never counted as copied)
-            write_atomic(step_dir(self.out, step) / COPYING, b"", durable=True)
 
     def resumed(self, step: int) -> None:
         """After a resume from `step`: its copies sent again unless every host kept them (a host whose disk was wiped
