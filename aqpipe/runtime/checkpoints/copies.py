@@ -96,8 +96,9 @@ class CheckpointCopier:
         marked complete on every host); `leader`: this rank marks its host's step directory."""
         self.wait()
         self.step = step
-        if leader:
-            write_atomic(step_dir(self.out, step) / COPYING, b"", durable=True)
+        marker = step_dir(self.out, step) / COPYING
+        if leader and not marker.is_file():  # (a checkpoint's is written with it; a resumed one's may predate that)
+            write_atomic(marker, b"", durable=True)
         self._thread = threading.Thread(target=self._run, args=(step, self.rate(), leader), daemon=True,
                                         name="aqpipe-checkpoint-copies")
         self._thread.start()
@@ -135,8 +136,8 @@ class CheckpointCopier:
 
 
 def yield_to_training() -> None:
-    """Run the calling thread (the copies') at the lowest CPU priority: where a host's cores are all busy training,
-    the copies wait instead of the step (their pace is what is left over); elsewhere it changes nothing."""
+    """Run the calling thread (the copies') at the lowest CPU priority: where a host's cores are all busy training, its
+    own work (reading, hashing, writing the pieces) waits for the step's; gloo's transport threads keep theirs."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)  # (Linux: one thread's own nice value)
     except (AttributeError, OSError):
