@@ -157,3 +157,26 @@ def test_a_config_alone_is_planned_by_dry_run_and_refused_for_training(tmp_path,
     err = capsys.readouterr().err
     assert "holds a config.json but no weights" in err and "--dry-run" in err and err.strip().count("\n") == 0
     assert not (tmp_path / "run").exists()
+
+
+def test_a_chunked_gguf_package_is_assembled_and_hashed_once(tmp_path, monkeypatch):
+    """Its assemble() hashes the whole file (240 MB for Gemma 3 270M) on every call, and every process asks for the
+    model several times: once assembled and checked under $AQPIPE_CACHE, the file is taken as it is."""
+    import sys
+    import types
+
+    from aqpipe.stages import models
+
+    calls = []
+
+    def assemble(path):
+        calls.append(path)
+        path.write_bytes(b"GGUF")
+        return path
+
+    monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(sys.modules, "chunked_gguf_x", types.SimpleNamespace(assemble=assemble))
+    monkeypatch.setitem(models.PACKAGED_GGUF, "chunked-x", models.PackagedGGUF("chunked_gguf_x", "pip install x"))
+    first = models.packaged_gguf("chunked-x")
+    assert models.packaged_gguf("chunked-x") == first and len(calls) == 1
+    assert open(first, "rb").read() == b"GGUF"

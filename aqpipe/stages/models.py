@@ -124,18 +124,23 @@ def _assembled(name: str, package: str, hint: str) -> str:
 
     from aqpipe.data.tokenizer import cache_dir
 
+    target = cache_dir() / f"{name}.gguf"
+    checked = target.with_name(f".{target.name}.checked")  # (assemble() hashes the whole file each call: once only)
+    if checked.is_file() and target.is_file():
+        return str(target)
     try:
         module = importlib.import_module(package)
     except ImportError:
         raise SpecError(f"--model {name} needs its package: {hint}") from None
-    target = cache_dir() / f"{name}.gguf"
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(cache_dir() / f".{name}.gguf.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            return str(module.assemble(target))
+            assembled = str(module.assemble(target))
         except (OSError, ValueError) as e:  # a chunk missing, a damaged file (its SHA-256)
             raise SpecError(f"--model {name}: its package cannot assemble the GGUF ({e}); reinstall it: {hint}") from None
+        checked.touch()
+        return assembled
 
 
 def ensure_chat_template(directory: str, template: str) -> None:
