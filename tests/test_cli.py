@@ -97,7 +97,13 @@ def run_cli(capsys, args, tmp_path):
     (["--first-sight", "tahq"], "is not a first-sight coder"),
     (["--first-sight", "rtq:0"], "is not a first-sight coder"),
     (["--fw", "directq:4", "--first-sight", "rtq:4"], "codes the first sight of a sample on an AQ-SGD link"),
-    (["--tied-exchange", "rows:fp8"], "--tied-exchange 'rows:fp8' is not one of rows, rows:bf16, dense"),
+    (["--eval-codec", "aqsgd:4"], "--eval-codec 'aqsgd:4' is not an evaluation codec (one that codes each sample"),
+    (["--eval-codec", "topk:0.1:4"], "is not an evaluation codec"),
+    (["--eval-codec", "rtq:9"], "is not an evaluation codec"),
+    (["--eval-samples", "0"], "--eval-samples must be at least 1"),
+    (["--tied-exchange", "rows:fp8"],
+     "--tied-exchange 'rows:fp8' is not one of rows, rows:bf16, rows:delta:B (B = 2..8 bits), dense"),
+    (["--tied-exchange", "rows:delta:1"], "is not one of rows, rows:bf16, rows:delta:B"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, tmp_path, args, needle):
     code, err = run_cli(capsys, [*FAST, *args], tmp_path)

@@ -1,11 +1,16 @@
-"""Evaluation metrics and which held-out samples each replica evaluates."""
+"""Evaluation metrics, which held-out samples each replica evaluates, and held-out activations through the
+evaluation codec."""
 
+import json
 import math
 
 import pytest
 import torch
 
-from aqpipe.pipeline.evaluate import classification_metrics, eval_batches
+from aqpipe.config import RunConfig, resolve
+from aqpipe.launch.job import run_job
+from aqpipe.pipeline.evaluate import classification_metrics, eval_batches, held_out_samples
+from tests import warm
 
 
 def test_binary_mcc_matches_its_textbook_formula():
@@ -36,3 +41,47 @@ def test_replicas_evaluate_every_held_out_sample_exactly_once():
     assert sorted(seen.tolist()) == list(range(103))
     batches = eval_batches(10, 0, 1, 4)
     assert [b.numel() for b in batches] == [4, 4, 2]  # the last micro-batch may be short, never dropped
+
+
+def test_a_pass_runs_on_the_first_eval_samples_of_the_split():
+    assert held_out_samples(50, None) == 50 and held_out_samples(50, 8) == 8 and held_out_samples(5, 8) == 5
+
+
+def eval_config(out, **kw) -> RunConfig:
+    settings = dict(model="llama-tiny", pp=3, seq_len=32, micro_batch_size=2, micro_batches=2, steps=6, lr=3e-3,
+                    warmup_steps=1, seed=3, max_samples=96, device="cpu", out=str(out), fw="aqsgd:4", eval_every=3)
+    settings.update(kw)
+    return resolve(RunConfig(**settings))
+
+
+def eval_records(out) -> list[dict]:
+    return [r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
+            if "eval_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def fp32_and_compressed_evaluations(tmp_path_factory):
+    """The same training run twice: its held-out activations sent in fp32, and with the default evaluation codec."""
+    runs = {}
+    for name, codec in (("fp32", "fp32"), ("default", RunConfig().eval_codec)):
+        out = tmp_path_factory.mktemp(name) / "run"
+        assert run_job(eval_config(out, eval_codec=codec), progress=False, starter=warm.ranks()) == 0
+        runs[name] = out
+    return runs
+
+
+def test_evaluation_through_the_default_codec_is_within_0_3_percent_of_fp32_links(fp32_and_compressed_evaluations):
+    fp32, default = (eval_records(fp32_and_compressed_evaluations[k]) for k in ("fp32", "default"))
+    assert [r["step"] for r in fp32] == [r["step"] for r in default] == [3, 6]
+    for exact, coded in zip(fp32, default):
+        assert exact["loss"] == coded["loss"]  # evaluation never touches training
+        assert exact["eval_samples"] == coded["eval_samples"] > 0
+        assert coded["eval_loss"] != exact["eval_loss"]  # the held-out activations really were coded
+        assert abs(coded["eval_loss"] - exact["eval_loss"]) <= 0.003 * exact["eval_loss"]
+        assert coded["eval_bytes"] * 4 < exact["eval_bytes"]  # (the tied rows it looks up travel in fp32)
+
+
+def test_eval_samples_caps_every_pass(tmp_path):
+    out = tmp_path / "run"
+    assert run_job(eval_config(out, steps=2, eval_every=1, eval_samples=5), progress=False, starter=warm.ranks()) == 0
+    assert [r["eval_samples"] for r in eval_records(out)] == [5, 5]

@@ -290,7 +290,7 @@ def test_a_resumed_run_fetches_its_rows_before_its_first_step(rows_and_dense, tm
 def test_an_unknown_tied_exchange_is_refused():
     from aqpipe.config import ConfigError
 
-    with pytest.raises(ConfigError, match="--tied-exchange 'sparse' is not one of rows, rows:bf16, dense"):
+    with pytest.raises(ConfigError, match="--tied-exchange 'sparse' is not one of rows, rows:bf16, rows:delta:B"):
         tied_config("x", "sparse")
 
 

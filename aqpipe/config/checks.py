@@ -16,6 +16,7 @@ from aqpipe.config.rates import parse_rate
 from aqpipe.config.settings import ResolvedConfig, RunConfig
 from aqpipe.config.values import ConfigError
 from aqpipe.pipeline.tied_exchanges import TIED_EXCHANGES
+from aqpipe.pipeline.tied_exchanges import USAGE as TIED_EXCHANGE_USAGE
 from aqpipe.storage.dtypes import MEMORY_DTYPES, STORE_DTYPES
 
 # Training defaults per model preset; a model that is not a preset takes the "default" row.
@@ -69,13 +70,14 @@ def _cuda_available() -> bool:
 
 def _check_choices(cfg: RunConfig) -> None:
     """Codec specs and named choices are known."""
-    from aqpipe.compress.link.specs import CODEC_KINDS, CodecError, check_first_sight, parse_spec
+    from aqpipe.compress.link.specs import CODEC_KINDS, CodecError, check_eval_codec, check_first_sight, parse_spec
 
     try:
         fw = parse_spec(cfg.fw, "fw")
         parse_spec(cfg.bw, "bw")
         if cfg.first_sight is not None:
             check_first_sight(cfg.first_sight)
+        check_eval_codec(cfg.eval_codec)
     except CodecError as e:
         raise ConfigError(str(e)) from None
     if cfg.first_sight not in (None, "fp32") and not CODEC_KINDS[fw.kind].keeps_messages:
@@ -85,10 +87,11 @@ def _check_choices(cfg: RunConfig) -> None:
                                  ("quant-rounding", cfg.quant_rounding, ("nearest", "stochastic")),
                                  ("quant-grid", cfg.quant_grid, GRIDS),
                                  ("store-check", cfg.store_check, ("on", "off")),
-                                 ("tied-exchange", cfg.tied_exchange, TIED_EXCHANGES),
                                  ("store-dump", cfg.store_dump, ("on", "off"))):
         if value not in allowed:
             raise ConfigError(f"--{name} {value!r} is not one of {', '.join(allowed)}")
+    if cfg.tied_exchange not in TIED_EXCHANGES:
+        raise ConfigError(f"--tied-exchange {cfg.tied_exchange!r} is not one of {TIED_EXCHANGE_USAGE}")
     from aqpipe.compress.grad.methods import GradSpecError, check_pairing, parse_grad_spec
 
     try:
@@ -146,6 +149,9 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"--max-restarts must be at least 0 (0: a failed rank ends the run), got {cfg.max_restarts}")
     if cfg.eval_every is not None and cfg.eval_every < 0:
         raise ConfigError(f"--eval-every must be at least 0 (0: never evaluate), got {cfg.eval_every}")
+    if cfg.eval_samples is not None and cfg.eval_samples < 1:
+        raise ConfigError(f"--eval-samples must be at least 1 (leave it out to evaluate every held-out sample), got "
+                          f"{cfg.eval_samples}")
     if cfg.lr is not None and cfg.lr < 0:
         raise ConfigError(f"--lr must not be negative, got {cfg.lr}")
     if cfg.weight_decay < 0:

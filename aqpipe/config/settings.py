@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aqpipe.compress.grids import DEFAULT_GRID
-from aqpipe.compress.link.specs import DEFAULT_FIRST_SIGHT
+from aqpipe.compress.link.specs import DEFAULT_EVAL_CODEC, DEFAULT_FIRST_SIGHT
 
 # The sections, in the order --help and the README show them: (name, title).
 SECTIONS: dict[str, str] = {
@@ -136,6 +136,10 @@ class RunConfig:
         "with bf16, fp16, directq:B, rtq:B or rtqo:B, both sides seeding m(ξ) from exactly the values sent",
         shown=f"{DEFAULT_FIRST_SIGHT} on an AQ-SGD link (measured: benchmarks/README.md)",
         metavar="SPEC")
+    eval_codec: str = setting(
+        "links", "how held-out activations cross the links: fp32, bf16, fp16, directq:B, rtq:B or rtqo:B; coded each "
+        "sample alone, never through m(ξ), so training's codecs and stores are untouched", DEFAULT_EVAL_CODEC,
+        metavar="SPEC", resume=True)
     quant_scales: str = setting("links", "quantization scales per sample and channel, or per sample and token",
                                 "channel", metavar="channel|token")
     quant_rounding: str = setting("links", "deterministic, or unbiased stochastic rounding", "nearest",
@@ -157,7 +161,9 @@ class RunConfig:
         "gradient's rows (bytes scale with the distinct tokens of a step); `dense` all-reduces the whole table's "
         "gradient over the pipeline every step, as Megatron and DeepSpeed do (for comparison: the same run, bit for "
         "bit, with fp32 links); `rows:bf16` sends the rows and gradient rows in bf16, half the bytes, the embedding "
-        "then computing on bf16-rounded rows", "rows", metavar="rows|rows:bf16|dense")
+        "then computing on bf16-rounded rows; `rows:delta:B` sends each row as a B-bit change against the copy both "
+        "stages hold (kept bit-identical, compared by digest) and the gradient rows in B bits with error feedback",
+        "rows", metavar="rows|rows:bf16|rows:delta:B|dense")
     bandwidth: str | None = setting(
         "links", "run each rank in its own network namespace, joined by a bridge, with its link shaped in both "
         "directions by a `tc tbf` qdisc at RATE (30mbit, 100mbit, 1gbit, or bytes/s as 12.5mbps); needs root and "
@@ -214,8 +220,11 @@ class RunConfig:
         "launch; under torchrun its own --max-restarts does this, and each restart continues the run the same way)",
         0, metavar="N", resume=True)
     eval_every: int | None = setting(
-        "run", "steps between evaluations on the held-out split, sent uncompressed and never through m(ξ) (0: never)",
+        "run", "steps between evaluations on the held-out split, its activations sent with --eval-codec (0: never)",
         shown="at the end only", metavar="N", resume=True)
+    eval_samples: int | None = setting(
+        "run", "held-out samples an evaluation runs on: the first N of the split, the same in every pass",
+        shown="all", metavar="N", resume=True)
     seed: int = setting("run", "seed of all randomness (initialisation, data order)", 0, metavar="N")
     stall_timeout: float = setting(
         "run", "seconds without progress (a step, a held-out batch, a piece of the final weights or of a checkpoint) "

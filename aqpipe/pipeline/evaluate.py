@@ -1,7 +1,8 @@
-"""Evaluation on the held-out split: a forward-only pass through the pipeline with fp32 links.
+"""Evaluation on the held-out split: a forward-only pass through the pipeline.
 
-As in the AQ-SGD authors' code, evaluation activations are sent uncompressed and never touch m(ξ): they use
-their own message kind and a stateless fp32 codec, so training's codecs and stores are left exactly as they were.
+Held-out activations cross the links through the evaluation codec (`--eval-codec`), one that codes each sample
+alone and keeps nothing, under a message kind of their own: they never touch m(ξ), so training's codecs and stores
+are left exactly as they were (the AQ-SGD authors' code sends them uncompressed, as `--eval-codec fp32` does).
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from aqpipe.pipeline.grid import Grid, gather_rows
 from aqpipe.pipeline.mixed_precision import autocast
 from aqpipe.pipeline.tied_rows import FOR_EVALUATION
 from aqpipe.pipeline.worker import StageWorker
+
+
+def held_out_samples(available: int, cap: int | None) -> int:
+    """How many held-out samples an evaluation pass runs on: the first `cap` of the `available` (all without one)."""
+    return available if cap is None else min(available, cap)
 
 
 def eval_batches(num_samples: int, replica: int, replicas: int, micro_batch_size: int) -> list[torch.Tensor]:

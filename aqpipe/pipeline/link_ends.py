@@ -39,6 +39,8 @@ from aqpipe.pipeline.transport import (
     TransportError,
 )
 
+FP32: LinkCodec = build_codec("fp32", "fw")  # an evaluation codec where none is given: lossless
+
 
 @dataclass
 class LinkCounters:
@@ -126,8 +128,12 @@ class RecvEnd:
         self.inbox.close()
 
 
+@dataclass
 class ActivationOut(SendEnd):
-    """Stage k's end of link k, forward: the sender side of link k's m(ξ)."""
+    """Stage k's end of link k, forward: the sender side of link k's m(ξ); held-out activations go through
+    `eval_codec` (one that codes each sample alone: evaluation never touches the training codec or m(ξ))."""
+
+    eval_codec: LinkCodec = field(default_factory=lambda: FP32)
 
     def send(self, step: int, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None,
              compress: bool) -> None:
@@ -137,10 +143,10 @@ class ActivationOut(SendEnd):
 
     def send_eval(self, step: int, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None
                   ) -> int:
-        """Send an evaluation activation in fp32, never through the link's codec or m(ξ); returns its bytes (all of
-        the message: evaluation traffic is counted whole, not in the training counters)."""
+        """Send an evaluation activation through the evaluation codec, never the link's training codec or m(ξ);
+        returns its bytes (all of the message: evaluation traffic is counted whole, not in the training counters)."""
         framing, control = self.counters.framing_bytes, self.counters.control_bytes
-        payload = self._send(step, mb, activation, ids, False, mask, SIDE_MASK, KIND_EVAL, EVAL_CODEC)
+        payload = self._send(step, mb, activation, ids, True, mask, SIDE_MASK, KIND_EVAL, self.eval_codec)
         sent = payload + self.counters.framing_bytes - framing
         self.counters.framing_bytes, self.counters.control_bytes = framing, control
         return sent
@@ -151,8 +157,12 @@ class ActivationOut(SendEnd):
             self.codec.forget(ids)
 
 
+@dataclass
 class ActivationIn(RecvEnd):
-    """Stage k + 1's end of link k, forward: the receiver side of link k's m(ξ)."""
+    """Stage k + 1's end of link k, forward: the receiver side of link k's m(ξ); held-out activations are decoded
+    by `eval_codec`."""
+
+    eval_codec: LinkCodec = field(default_factory=lambda: FP32)
 
     def receive(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The next activation (on the stage's device, requiring grad), its sample ids and its mask."""
@@ -161,11 +171,12 @@ class ActivationIn(RecvEnd):
 
     def post_eval(self, step: int, mb: int, n_ids: int) -> None:
         """Announce an evaluation activation of `n_ids` samples."""
-        self.inbox.expect(Expect(KIND_EVAL, step, mb, n_ids, check=EVAL_CODEC.check_header, side_kinds=(SIDE_MASK,)))
+        self.inbox.expect(Expect(KIND_EVAL, step, mb, n_ids, check=self.eval_codec.check_header,
+                                 side_kinds=(SIDE_MASK,)))
 
     def receive_eval(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The next evaluation activation, its sample ids and its mask."""
-        x, msg = self._receive(EVAL_CODEC)
+        x, msg = self._receive(self.eval_codec)
         return x, msg.ids, per_sample(msg.side, msg.ids)
 
     def missing(self, next_ids: list[int] | None) -> list[int]:
@@ -193,7 +204,6 @@ class GradientIn(RecvEnd):
         return grad, ([] if msg.side is None else msg.side.view(torch.int64).tolist())
 
 
-EVAL_CODEC = build_codec("fp32", "fw")  # stateless: evaluation never touches a training codec or m(ξ)
 
 
 def per_sample(side: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor | None:

@@ -39,11 +39,13 @@ from torch import nn
 
 from aqpipe.compress.link.codecs import to_device
 from aqpipe.pipeline.tied import local_copies
+from aqpipe.pipeline.tied_deltas import RowDeltas, table_digest
 from aqpipe.pipeline.transport import HEADER_SIZE, KIND_TIED_GRADS, KIND_TIED_ROWS, Expect, Header, Inbox, Outbox, TransportError
 
 # The micro-batch field of an evaluation pass's rows message (one message, every row); a training step's messages
 # carry the index of the micro-batch (rows) or of the backward (gradient rows) they belong to.
 EVALUATION_PART = -1
+HANDSHAKE_PART = -2  # the lookup side's digest of its cache, before delta-coded rows first travel (`tied_deltas`)
 FOR_TRAINING, FOR_EVALUATION = "training", "evaluation"
 
 OWNER, LOOKUP = "owner", "lookup"
@@ -107,7 +109,9 @@ class RowExchange:
     outbox: Outbox
     inbox: Inbox
     wire_dtype: torch.dtype = torch.float32  # what rows and gradient rows travel in (--tied-exchange rows:bf16)
+    deltas: RowDeltas | None = None  # rows as B-bit changes, gradient rows B-bit with error feedback (rows:delta:B)
     bytes_sent: int = 0
+    _compared: bool = False  # delta-coded rows: the two ends have compared their copies of the table
     _parts: StepParts | None = None  # the current step's
     _received: int = 0  # lookup side: micro-batches whose rows have arrived this step
     _backwards: int = 0  # lookup side: backwards run this step
@@ -121,6 +125,7 @@ class RowExchange:
         """Start a step (`backward_order`: the lookup side's, default ascending) or an evaluation pass over `tokens`,
         one tensor per micro-batch. The owner sends the rows and returns at once. For a step, the lookup side only
         announces what it expects (`ready` waits); for an evaluation it waits for every row and writes them."""
+        self._compare(step)
         if purpose == FOR_EVALUATION:
             rows = step_rows(tokens)
             if self.role == OWNER:
@@ -156,6 +161,8 @@ class RowExchange:
         grad = self.table.grad
         values = torch.zeros(len(rows), self.table.shape[1], dtype=self.table.dtype) if grad is None \
             else grad.detach()[to_device(rows, grad.device)]
+        if self.deltas is not None:
+            values = self.deltas.encode_grads(rows, values, self.table.shape[0])
         self._send(KIND_TIED_GRADS, step, self._backwards, rows, values)
         self._backwards += 1
 
@@ -172,6 +179,8 @@ class RowExchange:
             self.table.grad = None
             return
         received = [self._receive(rows) for rows in parts.grads]
+        if self.deltas is not None:
+            received = [self.deltas.decode_grads(rows, payload) for rows, payload in zip(parts.grads, received)]
         if drop:
             return
         if self.table.grad is None:
@@ -204,16 +213,44 @@ class RowExchange:
             raise RuntimeError("the tied rows of a step used before begin: the step's rows are not known")
         return self._parts
 
+    def _compare(self, step: int) -> None:
+        """Before delta-coded rows first travel in this process: the lookup side sends the digest of its cache, the
+        owner compares it with its mirror's and vouches for the rows (all or none)."""
+        if self.deltas is None or self._compared:
+            return
+        self._compared = True
+        nothing = torch.zeros(0, dtype=torch.int64)
+        if self.role == LOOKUP:
+            self._send(KIND_TIED_GRADS, step, HANDSHAKE_PART, nothing, table_digest(self.table))
+            return
+        self._expect(KIND_TIED_GRADS, step, HANDSHAKE_PART, nothing)
+        self.deltas.start_owner(self.table, self._receive(nothing))
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this end (the delta coding's mirror or errors; nothing for exact rows)."""
+        return {} if self.deltas is None else self.deltas.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict`'s output; the two ends compare their copies again before rows next travel."""
+        if self.deltas is not None:
+            self.deltas.load_state_dict(state, self.table.device)
+            self._compared = False
+
     def _current(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.table.detach()[to_device(rows, self.table.device)]
+        values = self.table.detach()[to_device(rows, self.table.device)]
+        return values if self.deltas is None else self.deltas.encode_rows(rows, values)
 
     def _write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        if self.deltas is not None:
+            values = self.deltas.decode_rows(rows, values, self.table)
         with torch.no_grad():
             self.table.index_copy_(0, to_device(rows, self.table.device),
                                    to_device(values, self.table.device).to(self.table.dtype))
 
     def _send(self, kind: int, step: int, part: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        values = values.to(self.wire_dtype).contiguous()  # (a GPU's rows reach the host in the outbox's own time)
+        if values.dtype != torch.uint8:  # (coded payloads and digests go as they are)
+            values = values.to(self.wire_dtype)
+        values = values.contiguous()  # (a GPU's rows reach the host in the outbox's own time)
         header = Header(kind, step, part, tuple(values.shape), values.dtype, len(rows), 0)
         self.outbox.send(header, rows, values)
         self.bytes_sent += HEADER_SIZE + values.numel() * values.element_size() + 8 * len(rows)
@@ -227,6 +264,11 @@ class RowExchange:
         if not torch.equal(message.ids, rows):
             raise TransportError(f"{self.inbox.peer_name} sent the rows of other tokens for tied table {self.name} "
                                  f"at step {message.header.step + 1} (the two stages disagree on the step's samples)")
+        if self.deltas is not None:  # (coded rows, gradient rows and the digest: flat bytes)
+            if message.header.dtype != torch.uint8 or len(message.header.shape) != 1:
+                raise TransportError(f"{self.inbox.peer_name} sent rows of shape {message.header.shape} "
+                                     f"{message.header.dtype} for tied table {self.name}, expected coded bytes")
+            return message.payload
         width = self.table.shape[1]
         if message.header.shape != (len(rows), width) or message.header.dtype != self.wire_dtype \
                 or message.payload.numel() != len(rows) * width * self.wire_dtype.itemsize:

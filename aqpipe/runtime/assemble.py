@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 from aqpipe.compress.grad import DPGroup, build_grad_sync
 from aqpipe.compress.grad.methods import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
-from aqpipe.compress.link.codecs import QuantOptions, build_codec
+from aqpipe.compress.link.codecs import LinkCodec, QuantOptions, build_codec
 from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device, create_groups
 from aqpipe.pipeline.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
@@ -19,7 +20,8 @@ from aqpipe.pipeline.optim import build_optimizer, momenta
 from aqpipe.pipeline.rendezvous import startup_timeout
 from aqpipe.pipeline.streams import open_streams
 from aqpipe.pipeline.tied import row_tables, tied_groups
-from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
+from aqpipe.pipeline.tied_deltas import RowDeltas
+from aqpipe.pipeline.tied_exchanges import delta_bits, wire_dtype_name
 from aqpipe.pipeline.tied_rows import LOOKUP, OWNER, RowExchange, table_parameter
 from aqpipe.pipeline.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
 from aqpipe.pipeline.worker import StageWorker
@@ -92,30 +94,41 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
             raise ValueError(f"one tied table can be exchanged by rows, the model declares {len(row_names)}: {row_names}")
         first = grid.is_first_stage
         peer = grid.describe(grid.rank_of(grid.pp - 1 if first else 0, grid.replica))
+        name, table = table_parameter(module, row_names[0])
+        bits = delta_bits(cfg.tied_exchange)
         links.tied_rows = RowExchange(
-            LOOKUP if first else OWNER, *table_parameter(module, row_names[0]),
+            LOOKUP if first else OWNER, name, table,
             # a step's messages all queue at once (one per micro-batch), so neither end waits on the link to go on
             outbox=Outbox(streams[tied_names["grads" if first else "rows"]], peer, cfg.stall_timeout,
                           queue_size=cfg.micro_batches + 1),
             inbox=Inbox(streams[tied_names["rows" if first else "grads"]], peer, cfg.stall_timeout, device),
-            wire_dtype=getattr(torch, ROW_EXCHANGES[cfg.tied_exchange]))
+            wire_dtype=getattr(torch, wire_dtype_name(cfg.tied_exchange)),
+            deltas=RowDeltas(bits, table.shape[1]) if bits else None)
     if before is not None:  # link stage - 1: activations in, gradients out
         peer = grid.describe(grid.prev_rank)
         links.act_in = ActivationIn(before, KIND_ACTIVATION,
                                     build_codec(cfg.fw, "fw", views["recv"], options, check, device, cfg.first_sight),
                                     Inbox(streams[names[(before, "activation")]], peer, cfg.stall_timeout, device), device,
-                                    cfg.micro_batch_size, (SIDE_MASK,))
+                                    cfg.micro_batch_size, (SIDE_MASK,),
+                                    eval_codec=evaluation_codec(cfg.eval_codec, options, device))
         links.grad_out = GradientOut(before, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options, device=device),
                                      Outbox(streams[names[(before, "gradient")]], peer, cfg.stall_timeout))
     if after is not None:  # link stage: activations out, gradients in
         peer = grid.describe(grid.next_rank)
         links.act_out = ActivationOut(after, KIND_ACTIVATION,
                                       build_codec(cfg.fw, "fw", views["send"], options, check, device, cfg.first_sight),
-                                      Outbox(streams[names[(after, "activation")]], peer, cfg.stall_timeout))
+                                      Outbox(streams[names[(after, "activation")]], peer, cfg.stall_timeout),
+                                      eval_codec=evaluation_codec(cfg.eval_codec, options, device))
         links.grad_in = GradientIn(after, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options, device=device),
                                    Inbox(streams[names[(after, "gradient")]], peer, cfg.stall_timeout, device), device,
                                    cfg.micro_batch_size, (SIDE_RESEED,))
     return links
+
+
+def evaluation_codec(spec: str, options: QuantOptions, device: torch.device) -> LinkCodec:
+    """The codec of one end of a link's held-out activations: `spec` rounding to nearest, so an evaluation's numbers
+    depend on the weights alone (never on random draws a checkpoint does not keep)."""
+    return build_codec(spec, "fw", options=dataclasses.replace(options, stochastic=False), device=device)
 
 
 def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str) -> RankStage:

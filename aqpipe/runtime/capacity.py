@@ -28,7 +28,8 @@ from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.metrics import kept_records
 from aqpipe.pipeline.grid import Grid
 from aqpipe.pipeline.tied import added_in_order, row_tables, tied_groups
-from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
+from aqpipe.pipeline.tied_deltas import RowDeltas
+from aqpipe.pipeline.tied_exchanges import delta_bits, wire_dtype_name
 from aqpipe.pipeline.tied_rows import step_rows
 from aqpipe.pipeline.transport import HEADER_SIZE
 from aqpipe.runtime import plan as run_plan
@@ -299,9 +300,18 @@ def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
     distinct = sum(counts) / max(1, len(counts))
     widths = [g.shapes[0][1] for g in groups if g.name in by_rows]
     # the rows and the gradient's rows, `distinct` each with their indices, streamed as a message per micro-batch
-    value_bytes = getattr(torch, ROW_EXCHANGES[cfg.tied_exchange]).itemsize
-    rows = sum(2 * (round(distinct) * (value_bytes * width + 8) + cfg.micro_batches * HEADER_SIZE) for width in widths)
+    rows = sum(2 * (round(distinct) * (row_wire_bytes(cfg.tied_exchange, width) + 8) + cfg.micro_batches * HEADER_SIZE)
+               for width in widths)
     return TiedNeeds("rows", rows + dense, sum(table_bytes.values()), distinct, rows)
+
+
+def row_wire_bytes(exchange: str, width: int) -> int:
+    """Bytes one row of `width` takes on the wire under a row exchange (a delta-coded one: a change the copies
+    already vouch for, with its mode byte)."""
+    bits = delta_bits(exchange)
+    if bits:
+        return RowDeltas(bits, width).row_bytes() + 1
+    return getattr(torch, wire_dtype_name(exchange)).itemsize * width
 
 
 def dense_tied_bytes(table_bytes: int, pp: int, dp: int, in_order: bool = False) -> int:

@@ -8,7 +8,7 @@ import torch
 
 from aqpipe.metrics import MetricsLog
 from aqpipe.pipeline import comm
-from aqpipe.pipeline.evaluate import eval_batches, evaluate_stage, gather_eval
+from aqpipe.pipeline.evaluate import eval_batches, evaluate_stage, gather_eval, held_out_samples
 from aqpipe.runtime.assemble import RankStage
 from aqpipe.runtime.checkpoints.resume import collect_state
 from aqpipe.runtime.checkpoints.store import RUN_LOG, run_log
@@ -22,7 +22,8 @@ def evaluate(stage: RankStage, step: int) -> dict:
     """One pass over the held-out split (all ranks); on rank 0 its numbers as `eval_*` record fields."""
     plan, grid = stage.plan, stage.grid
     cfg, ends = plan.cfg, grid.is_first_stage or grid.is_last_stage
-    batches = eval_batches(len(plan.dataset.valid), grid.replica, cfg.dp, cfg.micro_batch_size)
+    batches = eval_batches(held_out_samples(len(plan.dataset.valid), cfg.eval_samples), grid.replica, cfg.dp,
+                           cfg.micro_batch_size)
     # the pass's progress as its last stage sees it (replica 0's: one report among the replicas)
     reporting = grid.is_last_stage and grid.replica == 0
     totals = evaluate_stage(stage.worker, step, batches, plan.dataset.valid if ends else None, plan.dataset.num_labels,

@@ -54,6 +54,10 @@ FIRST_SIGHT_KINDS = tuple(name for name, kind in CODEC_KINDS.items() if kind.fir
 # of fp32's at 1 and 2 epochs and moved 5.15x and 5.17x fewer bytes than fp32, where an fp32 first epoch moved 1.0x
 # and 1.7x. A link that keeps no messages has no first sights: fp32 (nothing to code).
 DEFAULT_FIRST_SIGHT = "rtq:4"
+# How held-out activations cross the links when --eval-codec is not given: chosen by the SmolLM2 fine-tuning benchmark
+# (benchmarks/README.md, "Evaluation through the codecs"), the fewest bytes whose held-out loss stays within 0.3% of
+# the same weights' loss over fp32 links.
+DEFAULT_EVAL_CODEC = "rtq:4"
 
 
 @dataclass(frozen=True)
@@ -114,12 +118,23 @@ def parse_spec(spec: str, direction: str) -> CodecSpec:
 
 def check_first_sight(spec: str) -> CodecSpec:
     """Parse a --first-sight spec (a CodecError naming the choices if it is not one)."""
+    return check_sample_coder(spec, "--first-sight", "a first-sight coder")
+
+
+def check_eval_codec(spec: str) -> CodecSpec:
+    """Parse an --eval-codec spec (a CodecError naming the choices if it is not one)."""
+    return check_sample_coder(spec, "--eval-codec", "an evaluation codec (one that codes each sample alone)")
+
+
+def check_sample_coder(spec: str, flag: str, what: str) -> CodecSpec:
+    """Parse the spec of a codec that codes each sample alone and keeps nothing (FIRST_SIGHT_KINDS) given to `flag`
+    (a CodecError naming the choices if it is not `what`)."""
     try:
         parsed: CodecSpec | None = parse_spec(spec, "fw")
     except CodecError:
         parsed = None
     if parsed is None or parsed.kind not in FIRST_SIGHT_KINDS:
-        raise CodecError(f"--first-sight {spec!r} is not a first-sight coder; use "
+        raise CodecError(f"{flag} {spec!r} is not {what}; use "
                          f"{', '.join(usage(kind) for kind in FIRST_SIGHT_KINDS)} (B = 1..8 bits)")
     return parsed
 

@@ -52,6 +52,8 @@ def collect_state(worker: StageWorker, store) -> dict:
         state[STORE] = store.entries()
     if worker.scaler is not None:
         state["loss_scaler"] = worker.scaler.state_dict()
+    if worker.links.tied_rows is not None:
+        state["tied_rows"] = worker.links.tied_rows.state_dict()
     return state
 
 
@@ -88,6 +90,8 @@ def apply_state(state: dict, worker: StageWorker, store, where: str) -> None:
             codecs[slot].load_state_dict(codec_state)
     if worker.scaler is not None and "loss_scaler" in state:
         worker.scaler.load_state_dict(state["loss_scaler"])
+    if worker.links.tied_rows is not None and "tied_rows" in state:
+        worker.links.tied_rows.load_state_dict(state["tied_rows"])
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and worker.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], worker.device)

@@ -1,0 +1,167 @@
+"""A tied table's rows as B-bit changes, and its gradient rows as B bits with error feedback (`--tied-exchange
+rows:delta:B`): the row exchange of `aqpipe.pipeline.tied_rows` with AQ-SGD's idea applied to parameters.
+
+The lookup side's table is a cache of the owner's rows. The owner keeps a *mirror*, bit for bit what the lookup side
+holds of every row, and sends a row as the rotated-tile quantization (`aqpipe.compress.rotated`, B bits) of its
+change since the mirror, not the row: both ends add the same decoded change to the same old values, so the mirror
+and the cache stay one tensor (a digest of the two is compared whenever an exchange starts), and the owner's next
+change of the row carries what this one left out. A row the mirror does not vouch for (the digests differed) goes
+exactly, in fp32, once. Between two looks at a row the owner's update moves it by a learning rate's worth, which B
+bits code finely; the embedding computes on rows within one quantization step of a small change of the head's.
+
+The gradient rows go as B bits too, each row's error kept on the lookup side and added to its next gradient (error
+feedback), so nothing is lost, only delayed. A step whose gradient is not finite (an fp16 loss-scale overflow, which
+the owner drops) goes exactly and leaves the errors as they were.
+
+Payload of a rows message: one mode byte per row (1: exact), the exact rows in fp32, then the coded changes; of a
+gradient message: one mode byte (1: exact), then the exact rows or the coded rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from aqpipe.compress.link.codecs import QuantOptions, bytes_as, to_device
+from aqpipe.compress.link.sample_coders import RotatedCoder
+from aqpipe.pipeline.transport import TransportError
+
+EXACT, CODED = 1, 0
+
+
+def table_digest(table: torch.Tensor) -> torch.Tensor:
+    """SHA-256 of a table's bytes, as 32 uint8 (on the host)."""
+    data = table.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy().tobytes()
+    return torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8)
+
+
+@dataclass
+class RowDeltas:
+    """One end's side of delta-coded rows for a table of `width` columns: on the owner the mirror of the lookup
+    side's cache (`mirror`, `known`), on the lookup side the gradient rows' errors (`residual`)."""
+
+    bits: int
+    width: int
+    coder: RotatedCoder = field(init=False)
+    mirror: torch.Tensor | None = None  # owner: what the lookup side holds of each row
+    known: torch.Tensor | None = None  # owner: the rows whose mirror is the lookup side's, bit for bit
+    residual: torch.Tensor | None = None  # lookup: what each row's coded gradients have left out so far
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.bits <= 8:
+            raise ValueError(f"delta-coded rows take 2..8 bits, got {self.bits}")
+        self.coder = RotatedCoder(self.bits, QuantOptions())
+
+    def row_bytes(self) -> int:
+        """Bytes one coded row takes."""
+        return self.coder.sample_bytes((1, 1, self.width))
+
+    # -- the owner ------------------------------------------------------------------------------------------------
+
+    def start_owner(self, table: torch.Tensor, lookup_digest: torch.Tensor) -> None:
+        """Vouch for every row where the lookup side's cache is the mirror (a fresh start: the mirror is the table
+        both sides began with; a resume: the checkpoint's mirror), for none otherwise."""
+        if self.mirror is None:
+            self.mirror = table.detach().clone()
+        same = torch.equal(table_digest(self.mirror), lookup_digest.cpu())
+        self.known = torch.full((self.mirror.shape[0],), same, dtype=torch.bool, device=self.mirror.device)
+
+    def encode_rows(self, rows: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        """The payload of `rows` whose values are now `current`; the mirror takes what the lookup side will hold."""
+        mirror, known = self._mirror()
+        rows = to_device(rows, mirror.device)
+        exact = ~known[rows]
+        coded_rows = rows[~exact]
+        change = current[~exact].to(torch.float32) - mirror[coded_rows].to(torch.float32)
+        codes, decoded = self._code(change)
+        new = mirror[coded_rows] + decoded.to(mirror.dtype)
+        mirror[coded_rows] = new
+        mirror[rows[exact]] = current[exact].to(mirror.dtype)
+        known[rows] = True
+        exact_values = current[exact].to(torch.float32).contiguous()
+        return torch.cat([exact.to(torch.uint8), exact_values.view(torch.uint8).reshape(-1), codes.reshape(-1)])
+
+    def decode_grads(self, rows: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
+        """The gradient rows a payload stands for (float32 [len(rows), width])."""
+        n = len(rows)
+        if payload.numel() < 1:
+            raise TransportError("a tied table's gradient rows arrived without their mode byte")
+        mode, body = int(payload[0]), payload[1:]
+        if mode == EXACT:
+            _expect_length(body, n * self.width * 4, "exact gradient rows")
+            return bytes_as(body.view(1, -1), torch.float32).view(n, self.width)
+        _expect_length(body, n * self.row_bytes(), "coded gradient rows")
+        return self.coder.decode(body.view(n, -1), (n, 1, self.width)).view(n, self.width)
+
+    # -- the lookup side --------------------------------------------------------------------------------------------
+
+    def decode_rows(self, rows: torch.Tensor, payload: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """The new values of `rows` (in the cache's dtype) a rows payload stands for, against the `cache` table."""
+        n = len(rows)
+        if payload.numel() < n:
+            raise TransportError(f"a tied table's rows payload of {payload.numel()} bytes lacks its {n} mode bytes")
+        exact = to_device(payload[:n], cache.device) == EXACT
+        n_exact = int(exact.sum())
+        body = payload[n:]
+        _expect_length(body, n_exact * self.width * 4 + (n - n_exact) * self.row_bytes(), "rows")
+        split = n_exact * self.width * 4
+        exact_values = bytes_as(body[:split].view(1, -1), torch.float32).view(n_exact, self.width) if n_exact \
+            else torch.zeros(0, self.width)
+        rows = to_device(rows, cache.device)
+        values = torch.empty(n, self.width, dtype=cache.dtype, device=cache.device)
+        values[exact] = to_device(exact_values, cache.device).to(cache.dtype)
+        if n_exact < n:
+            decoded = self.coder.decode(to_device(body[split:], cache.device).view(n - n_exact, -1),
+                                        (n - n_exact, 1, self.width)).view(n - n_exact, self.width)
+            values[~exact] = cache.detach()[rows[~exact]] + decoded.to(cache.dtype)
+        return values
+
+    def encode_grads(self, rows: torch.Tensor, grads: torch.Tensor, height: int) -> torch.Tensor:
+        """The payload of the gradient rows `grads` of `rows` (a table of `height` rows): coded with each row's error
+        added, the new errors kept; exactly, errors untouched, when they are not finite."""
+        if not bool(torch.isfinite(grads).all()):
+            return torch.cat([torch.tensor([EXACT], dtype=torch.uint8),
+                              grads.to(torch.float32).contiguous().cpu().view(torch.uint8).reshape(-1)])
+        if self.residual is None:
+            self.residual = torch.zeros(height, self.width, dtype=torch.float32, device=grads.device)
+        rows = to_device(rows, self.residual.device)
+        target = grads.to(torch.float32) + self.residual[rows]
+        codes, decoded = self._code(target)
+        self.residual[rows] = target - decoded
+        return torch.cat([torch.tensor([CODED], dtype=torch.uint8), codes.reshape(-1).cpu()])
+
+    # -- both -------------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the owner's mirror, the lookup side's errors (on the host)."""
+        return {k: None if v is None else v.detach().cpu() for k, v in (("mirror", self.mirror),
+                                                                       ("residual", self.residual))}
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        """Restore `state_dict`'s output (the owner vouches for rows again once the digests are compared)."""
+        self.mirror = None if state.get("mirror") is None else state["mirror"].to(device)
+        self.residual = None if state.get("residual") is None else state["residual"].to(device)
+        self.known = None
+
+    def _mirror(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mirror is None or self.known is None:
+            raise RuntimeError("delta-coded rows sent before the two ends compared their copies of the table")
+        return self.mirror, self.known
+
+    def _code(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Coded rows of float32 `values` [n, width] (on the host) and what they decode to (on the values' device),
+        decoded from the bytes themselves, as the other end decodes them."""
+        n = values.shape[0]
+        if n == 0:
+            return torch.zeros(0, dtype=torch.uint8), values
+        shape = (n, 1, self.width)
+        codes, _ = self.coder.encode(values.reshape(shape))
+        decoded = self.coder.decode(codes, shape).view(n, self.width)
+        return codes.cpu(), decoded
+
+
+def _expect_length(body: torch.Tensor, expected: int, what: str) -> None:
+    if body.numel() != expected:
+        raise TransportError(f"a tied table's {what} arrived as {body.numel()} bytes, {expected} expected")
