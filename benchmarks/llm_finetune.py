@@ -48,6 +48,10 @@ VARIANTS = {
     # before issue 29, and with rotated 4-bit first sights from the first step
     "aqsgd fw4 bw8": ("--fw", "aqsgd:4", "--bw", "directq:8", "--first-sight", "fp32", "--warmup-epochs", "1"),
     "first rtq4 fw4 bw8": ("--fw", "aqsgd:4", "--bw", "directq:8", "--first-sight", "rtq:4", "--warmup-epochs", "0"),
+    # the tied embedding's rows as 4-bit changes against the copy both stages hold, its gradient rows 4-bit with
+    # error feedback
+    "first rtq4 fw3 bw rtq4 tied delta4": ("--fw", "aqsgd:3", "--bw", "rtq:4", "--first-sight", "rtq:4",
+                                           "--warmup-epochs", "0", "--tied-exchange", "rows:delta:4"),
     "defaults": (),  # no link flags: whatever this commit's defaults are
 }
 TITLES = {"smollm2-135m": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma 3 270M"}

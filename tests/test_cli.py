@@ -163,13 +163,14 @@ def test_missing_and_unreadable_config_files(capsys, tmp_path):
 
 
 def test_config_file_values_and_flag_overrides(tmp_path):
+    from aqpipe.compress.link.specs import DEFAULT_BW, DEFAULT_FW
     from aqpipe.config import build_config, load_config_file, resolve
 
     path = tmp_path / "cfg.yaml"
     path.write_text("pp: 2\nmicro-batches: 3\nlr: 0.01\n")
     cfg = resolve(build_config(load_config_file(str(path)), {"lr": "0.5", "pp": None}))
     assert (cfg.pp, cfg.micro_batches, cfg.lr) == (2, 3, 0.5)
-    assert cfg.seq_len == 64 and (cfg.fw, cfg.bw) == ("aqsgd:4", "directq:8")  # preset and contract defaults
+    assert cfg.seq_len == 64 and (cfg.fw, cfg.bw) == (DEFAULT_FW, DEFAULT_BW)  # the preset's and the measured defaults
 
 
 def test_unknown_flag_is_one_line_through_the_real_command(tmp_path):

@@ -159,7 +159,7 @@ def finished_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--fw", "fp16"], "--fw cannot change on --resume: the run used 'aqsgd:4', got 'fp16'"),
+    (["--fw", "fp16"], "--fw cannot change on --resume: the run used 'aqsgd:3', got 'fp16'"),
     (["--pp", "3"], "--pp cannot change on --resume"),
     (["--out", "/elsewhere"], "differs from --resume"),
 ])

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aqpipe.compress.grids import DEFAULT_GRID
-from aqpipe.compress.link.specs import DEFAULT_EVAL_CODEC, DEFAULT_FIRST_SIGHT
+from aqpipe.compress.link.specs import DEFAULT_BW, DEFAULT_EVAL_CODEC, DEFAULT_FIRST_SIGHT, DEFAULT_FW
 
 # The sections, in the order --help and the README show them: (name, title).
 SECTIONS: dict[str, str] = {
@@ -124,8 +124,10 @@ class RunConfig:
         resume=True)
 
     # Links
-    fw: str = setting("links", "forward activation codec: {fw_codecs}; B = 1..8 bits", "aqsgd:4", metavar="SPEC")
-    bw: str = setting("links", "backward gradient codec: {bw_codecs}; B = 1..8 bits", "directq:8", metavar="SPEC")
+    fw: str = setting("links", "forward activation codec: {fw_codecs}; B = 1..8 bits", DEFAULT_FW, metavar="SPEC",
+                      shown=f"{DEFAULT_FW} (measured: benchmarks/README.md)")
+    bw: str = setting("links", "backward gradient codec: {bw_codecs}; B = 1..8 bits", DEFAULT_BW, metavar="SPEC",
+                      shown=f"{DEFAULT_BW} (measured: benchmarks/README.md)")
     warmup_epochs: int = setting(
         "links", "epochs sent uncompressed in both directions while AQ-SGD fills m(ξ) with exact values (0: compress "
         "from the first step, an AQ-SGD link's first sights coded by --first-sight); also where `samples_per_second` "
