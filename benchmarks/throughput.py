@@ -40,13 +40,15 @@ DATA = Path("/work/shared/data/wikitext-2/valid.txt")
 BANDWIDTHS = ["unthrottled", "1gbit", "500mbit", "300mbit", "100mbit", "30mbit", "25mbit"]
 VARIANTS = {"fp32": ("fp32", "fp32"), "fp16": ("fp16", "fp16"), "directq fw3 bw6": ("directq:3", "directq:6"),
             "aqsgd fw3 bw6": ("aqsgd:3", "directq:6"), "aqsgd fw4 bw8": ("aqsgd:4", "directq:8")}
-# not in the default grid: 4-bit gradients, the remedy for the backward link being the bottleneck at 25 Mbit; the
-# contract's link codecs as they start a run (issue 29, with --whole-run): the paper's fp32 first epoch (the defaults
-# before), and rotated 4-bit first sights from step 1 (the defaults since; launch_args asks for fp32 first sights,
-# so this variant names its own)
+# not in the default grid: 4-bit gradients, the remedy for the backward link being the bottleneck at 25 Mbit; link
+# codecs as they start a run (with --whole-run): the paper's fp32 first epoch with aqsgd:4 / directq:8 ("defaults
+# before"), the same codecs with rotated 4-bit first sights from step 1 ("first rtq4 fw4 bw8"), and today's defaults,
+# 3-bit deltas and rotated 4-bit gradients from step 1 (launch_args asks for fp32 first sights, so each variant
+# names its own)
 EXTRA = {"aqsgd fw3 bw4": ("aqsgd:3", "directq:4"),
          "defaults before": ("aqsgd:4", "directq:8", ("--warmup-epochs", "1")),
-         "defaults": ("aqsgd:4", "directq:8", ("--first-sight", "rtq:4", "--warmup-epochs", "0"))}
+         "first rtq4 fw4 bw8": ("aqsgd:4", "directq:8", ("--first-sight", "rtq:4", "--warmup-epochs", "0")),
+         "defaults": ("aqsgd:3", "rtq:4", ("--first-sight", "rtq:4", "--warmup-epochs", "0"))}
 DEEPSPEED = "DeepSpeed fp32"
 MODELS = {2: ("benchmarks.models:gpt2_2x128", "parameters"), 4: ("benchmarks.models:gpt2_4x128", "2,1,1,2")}
 

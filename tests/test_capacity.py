@@ -447,3 +447,27 @@ def test_the_least_step_time_counts_a_middle_ranks_two_links_and_the_tied_rows_o
     assert capacity.link_bound_step_seconds() >= 8 * max(middle_out, first_in) / 4e6
     if schedule == "1f1b":
         assert capacity.link_bound_step_seconds() == pytest.approx(8 * middle_out / 4e6)
+
+
+def test_evaluations_over_a_run_are_every_n_steps_and_after_the_last():
+    from aqpipe.runtime.capacity_eval import eval_passes
+
+    assert [eval_passes(10, every) for every in (0, None, 1, 3, 5, 20)] == [0, 1, 10, 4, 2, 1]
+
+
+def test_the_plan_counts_the_held_out_passes_through_the_evaluation_codec(tmp_path, capsys):
+    from aqpipe.compress.link.codecs import QuantOptions, message_bytes
+
+    flags = [*SMALL, "--model", "gpt2-tiny", "--steps", "6", "--eval-every", "4", "--eval-samples", "10"]
+    plans = {codec: cap.plan_capacity(make_plan(flags_to_config([*flags, "--eval-codec", codec], tmp_path / codec)))
+             for codec in ("fp32", "rtqo:7")}
+    exact, coded = plans["fp32"].evaluation, plans["rtqo:7"].evaluation
+    assert exact.samples == coded.samples == 10 and exact.passes == coded.passes == 2  # after steps 4 and 6
+    assert exact.pass_bytes == exact.lossless_pass_bytes
+    per_sample = sum(message_bytes("rtqo:7", "fw", (1, *link.activation_shape[1:]), torch.float32, QuantOptions())
+                     for link in plans["rtqo:7"].links)
+    assert coded.pass_bytes == 10 * per_sample and coded.run_bytes == 2 * coded.pass_bytes
+    assert 3.5 < exact.pass_bytes / coded.pass_bytes < 4.6
+    assert "evaluation (--eval-codec rtqo:7, 10 held-out samples)" in format_plan(plans["rtqo:7"])
+    never = cap.plan_capacity(make_plan(flags_to_config([*SMALL, "--model", "gpt2-tiny"], tmp_path / "never")))
+    assert never.evaluation is None  # (SMALL says --eval-every 0)

@@ -33,6 +33,7 @@ from aqpipe.pipeline.tied_exchanges import delta_bits, wire_dtype_name
 from aqpipe.pipeline.tied_rows import step_rows
 from aqpipe.pipeline.transport import HEADER_SIZE
 from aqpipe.runtime import plan as run_plan
+from aqpipe.runtime.capacity_eval import EvalNeeds, eval_needs
 from aqpipe.runtime.checkpoints.parts import latest_step
 from aqpipe.runtime.codec_graphs import stage_graph_bytes
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan
@@ -145,6 +146,7 @@ class CapacityPlan:
     problems: list[str] = field(default_factory=list)
     steps: int = 0  # the run's optimizer steps, and its epochs' length
     steps_per_epoch: int = 1
+    evaluation: EvalNeeds | None = None  # the held-out passes' link bytes (None: the run never evaluates)
 
     def run_link_bytes(self) -> tuple[int, int]:
         """Payload bytes over the whole run on every link of one replica: (sent, what lossless links would send —
@@ -273,7 +275,8 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
             int(4 * kept * held), int(4 * peak * held), sync_where, shapes,
             sync_step_bytes(cfg.grad_sync, cfg.dp, shapes, freeze_step(plan.total_steps, cfg.warmup_steps))))
     capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None,
-                            tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch)
+                            tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
+                            evaluation=eval_needs(plan, links, options))
     check_fits(capacity)
     return capacity
 

@@ -6,6 +6,7 @@ from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ResolvedConfig
 from aqpipe.runtime.capacity import WARM_UP, CapacityPlan, TiedNeeds, dense_tied_bytes, human_bytes
+from aqpipe.runtime.capacity_eval import EvalNeeds
 
 
 def format_plan(capacity: CapacityPlan) -> str:
@@ -41,6 +42,8 @@ def format_plan(capacity: CapacityPlan) -> str:
                          f"{fp32 / sent:.2f}x fewer than lossless links ({human_bytes(fp32)})")
         if capacity.tied is not None:
             lines.append(format_tied(capacity.tied, cfg))
+        if capacity.evaluation is not None:
+            lines.append(format_evaluation(capacity.evaluation, cfg))
         step = capacity.link_bound_step_seconds()
         if step is not None:
             warmup = (f" ({capacity.link_bound_step_seconds(WARM_UP):.2f} s during the fp32 warm-up)"
@@ -86,6 +89,14 @@ def format_sync_wire(capacity: CapacityPlan) -> str:
                  + f": the links and the grad sync alone need at least {step:.2f} s per step"
                  + (f" ({capacity.step_wire_seconds(costliest_sync=True):.2f} s in those)" if costliest > steady else ""))
     return text
+
+
+def format_evaluation(evaluation: EvalNeeds, cfg: ResolvedConfig) -> str:
+    """The plan's line about the held-out passes."""
+    e = evaluation
+    return (f"evaluation (--eval-codec {cfg.eval_codec}, {e.samples:,} held-out samples): {human_bytes(e.pass_bytes)} "
+            f"per pass on the links, {e.lossless_pass_bytes / e.pass_bytes:.2f}x fewer than lossless; {e.passes} "
+            f"pass{'es' if e.passes > 1 else ''} over the run: {human_bytes(e.run_bytes)}")
 
 
 def format_tied(tied: TiedNeeds, cfg: ResolvedConfig) -> str:
