@@ -85,3 +85,36 @@ def test_eval_samples_caps_every_pass(tmp_path):
     out = tmp_path / "run"
     assert run_job(eval_config(out, steps=2, eval_every=1, eval_samples=5), progress=False, starter=warm.ranks()) == 0
     assert [r["eval_samples"] for r in eval_records(out)] == [5, 5]
+
+
+@pytest.mark.parametrize("codec", ["rtqo:7", "rtq:4", "directq:8"])
+def test_a_held_out_activation_is_coded_alike_inside_a_stages_autocast(codec):
+    """Evaluation sends and receives inside the stage's autocast (bf16/fp16 runs): the codec must code and decode
+    there exactly as outside it, in fp32 (a Hadamard rotation run in half precision would lose what it rotates)."""
+    import socket
+
+    from aqpipe.compress.link.codecs import QuantOptions
+    from aqpipe.pipeline.link_ends import ActivationIn, ActivationOut
+    from aqpipe.pipeline.transport import KIND_ACTIVATION, SIDE_MASK, Inbox, Outbox
+    from aqpipe.runtime.assemble import evaluation_codec
+
+    ours, theirs = socket.socketpair()
+    cpu = torch.device("cpu")
+    out = ActivationOut(0, KIND_ACTIVATION, evaluation_codec("fp32", QuantOptions(), cpu), Outbox(ours, "next", 5.0),
+                        eval_codec=evaluation_codec(codec, QuantOptions(), cpu))
+    inn = ActivationIn(0, KIND_ACTIVATION, evaluation_codec("fp32", QuantOptions(), cpu), Inbox(theirs, "prev", 5.0,
+                       cpu), cpu, 2, (SIDE_MASK,), eval_codec=evaluation_codec(codec, QuantOptions(), cpu))
+    try:
+        x = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(0)) * 3
+        x[:, 0, 5] = 3000.0  # a massive activation, as an attention sink's
+        ids = torch.tensor([4, 9])
+        received = []
+        for mb, autocasting in enumerate((False, True)):
+            inn.post_eval(0, mb, 2)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocasting):
+                out.send_eval(0, mb, x, ids, None)
+                received.append(inn.receive_eval()[0])
+        assert received[1].dtype == torch.float32 and torch.equal(received[0], received[1])
+    finally:
+        out.close(abort=True)
+        inn.close()

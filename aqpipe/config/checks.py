@@ -15,7 +15,7 @@ from aqpipe.compress.link.specs import DEFAULT_FIRST_SIGHT, keeps_messages
 from aqpipe.config.rates import parse_rate
 from aqpipe.config.settings import ResolvedConfig, RunConfig
 from aqpipe.config.values import ConfigError
-from aqpipe.pipeline.tied_exchanges import TIED_EXCHANGES
+from aqpipe.pipeline.tied_exchanges import TIED_EXCHANGES, default_exchange
 from aqpipe.pipeline.tied_exchanges import USAGE as TIED_EXCHANGE_USAGE
 from aqpipe.storage.dtypes import MEMORY_DTYPES, STORE_DTYPES
 
@@ -54,6 +54,8 @@ def resolve(cfg: RunConfig) -> ResolvedConfig:
         cfg.out = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     if cfg.first_sight is None:
         cfg.first_sight = DEFAULT_FIRST_SIGHT if keeps_messages(cfg.fw) else "fp32"
+    if cfg.tied_exchange is None:
+        cfg.tied_exchange = default_exchange(cfg.fw, cfg.bw)
     if cfg.task is None:
         from aqpipe.stages.models import model_task
 
@@ -90,7 +92,7 @@ def _check_choices(cfg: RunConfig) -> None:
                                  ("store-dump", cfg.store_dump, ("on", "off"))):
         if value not in allowed:
             raise ConfigError(f"--{name} {value!r} is not one of {', '.join(allowed)}")
-    if cfg.tied_exchange not in TIED_EXCHANGES:
+    if cfg.tied_exchange is not None and cfg.tied_exchange not in TIED_EXCHANGES:
         raise ConfigError(f"--tied-exchange {cfg.tied_exchange!r} is not one of {TIED_EXCHANGE_USAGE}")
     from aqpipe.compress.grad.methods import GradSpecError, check_pairing, parse_grad_spec
 

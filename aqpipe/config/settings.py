@@ -15,6 +15,7 @@ from typing import Any
 
 from aqpipe.compress.grids import DEFAULT_GRID
 from aqpipe.compress.link.specs import DEFAULT_BW, DEFAULT_EVAL_CODEC, DEFAULT_FIRST_SIGHT, DEFAULT_FW
+from aqpipe.pipeline.tied_exchanges import DEFAULT_TIED_EXCHANGE
 
 # The sections, in the order --help and the README show them: (name, title).
 SECTIONS: dict[str, str] = {
@@ -157,7 +158,7 @@ class RunConfig:
         "the vote, and rows that are zero on every replica (unused embedding rows) do not move. Whatever the method, "
         "the replicas compare a digest of their parameters at every checkpoint and at the end", "none",
         metavar="SPEC")
-    tied_exchange: str = setting(
+    tied_exchange: str | None = setting(
         "links", "how a tied input embedding (first stage) and LM head (last stage) stay one tensor (SmolLM2, "
         "Qwen2.5, Llama 3.2): `rows` sends, between those two stages only, the rows of the step's tokens and their "
         "gradient's rows (bytes scale with the distinct tokens of a step); `dense` all-reduces the whole table's "
@@ -165,7 +166,8 @@ class RunConfig:
         "bit, with fp32 links); `rows:bf16` sends the rows and gradient rows in bf16, half the bytes, the embedding "
         "then computing on bf16-rounded rows; `rows:delta:B` sends each row as a B-bit change against the copy both "
         "stages hold (kept bit-identical, compared by digest) and the gradient rows in B bits with error feedback",
-        "rows", metavar="rows|rows:bf16|rows:delta:B|dense")
+        shown=f"{DEFAULT_TIED_EXCHANGE} (measured: benchmarks/README.md); rows when --fw and --bw are both fp32",
+        metavar="rows|rows:bf16|rows:delta:B|dense")
     bandwidth: str | None = setting(
         "links", "run each rank in its own network namespace, joined by a bridge, with its link shaped in both "
         "directions by a `tc tbf` qdisc at RATE (30mbit, 100mbit, 1gbit, or bytes/s as 12.5mbps); needs root and "
@@ -276,6 +278,7 @@ class ResolvedConfig(RunConfig):
     lr: float
     warmup_steps: int
     first_sight: str
+    tied_exchange: str
 
 
 @functools.cache  # read once per flag while the CLI builds its parser

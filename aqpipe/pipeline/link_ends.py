@@ -71,7 +71,8 @@ class SendEnd:
         """Encode `tensor` and queue it with its side information; returns the payload bytes (the rest of the message
         is counted here: framing, or control for a re-seed request)."""
         codec = codec or self.codec
-        encoded = codec.encode(tensor.detach(), ids, compress)
+        with torch.autocast(tensor.device.type, enabled=False):  # (a stage's autocast must not reach the codec)
+            encoded = codec.encode(tensor.detach(), ids, compress)
         header = Header.for_encoded(encoded, codec.code, kind or self.kind, step, mb, ids.numel(),
                                     side_kind if side is not None else SIDE_NONE)
         self.outbox.send(header, ids, encoded.host, side, encoded.ready)
@@ -120,7 +121,8 @@ class RecvEnd:
         if codec is None:
             self.counters.body_bytes += msg.wire_bytes - HEADER_SIZE
             self.counters.wire_seconds += msg.transfer_seconds
-        value = (codec or self.codec).decode(msg.header, msg.payload, msg.ids)
+        with torch.autocast(self.device.type, enabled=False):  # (evaluation receives inside the stage's autocast)
+            value = (codec or self.codec).decode(msg.header, msg.payload, msg.ids)
         return value.to(self.device), msg
 
     def close(self) -> None:
