@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# What a lent GPU machine needs beside the checkout, to run benchmarks/gpu_check.sh. That machine reaches no network,
-# and its image lacked lmdb, zstandard and iproute2 (benchmarks/README.md, "On the lent machine"). This script makes
-# them here, into git-ignored folders that the device tool carries, and installs them there:
+# What a GPU machine without network access needs beside the checkout to run benchmarks/gpu_check.sh, where its
+# image lacks lmdb, zstandard or iproute2 (`tc`, for the throttled links). This script makes them on a machine that
+# has a network, into git-ignored folders to copy along with the checkout, and installs them on the GPU machine:
 #
-#     bash benchmarks/device_carry.sh                       # here: .whl, .deb, .data
-#     # the device tool: run(carry=[".whl", ".deb", ".data"],
-#     #                      command="source benchmarks/device_carry.sh --setup && bash benchmarks/gpu_check.sh OUT")
+#     bash benchmarks/offline_gpu.sh                        # with a network: .whl, .deb, .data
+#     # copy the checkout with .whl .deb .data to the GPU machine, then there:
+#     source benchmarks/offline_gpu.sh --setup && bash benchmarks/gpu_check.sh OUT
 #
-# .whl  lmdb and zstandard wheels for the device's CPython (DEVICE_PYTHON, default 3.12: its image's)
+# .whl  lmdb and zstandard wheels for the GPU machine's CPython (DEVICE_PYTHON, default 3.12)
 # .deb  Debian's iproute2 (ip, tc: the throttled links) and the libraries it links to
 # .data WikiText-2's valid.txt (AQPIPE_BENCH_DATA for the throughput parts)
 #
-# --setup (sourced, on the device) installs what the image lacks under /tmp/aqpipe-carry:
+# --setup (sourced, on the GPU machine) installs what its image lacks under /tmp/aqpipe-carry:
 # - the wheels with pip --target, on PYTHONPATH;
 # - the .debs unpacked with dpkg-deb;
 # - ip and tc wrapped so that they find only the libraries the image lacks (its own glibc and the rest stay its own);

@@ -1,34 +1,31 @@
 #!/usr/bin/env bash
-# A lent GPU machine's whole session of measurements in one device call (issue 30): the codec's A/B against a
-# baseline tree, every GPU check, then the fused kernels' tile sweep in the time left. Made here first:
+# Every GPU measurement in one command under one time budget: the codec's A/B against a baseline tree, every GPU
+# check, then the fused kernels' tile sweep in the time left, its results in at most 8 files under OUT. Prepared on a
+# machine with a network (for a GPU machine without one, with benchmarks/offline_gpu.sh):
 #
-#     bash benchmarks/device_carry.sh                                   # .whl .deb .data: what the image lacks
+#     bash benchmarks/offline_gpu.sh                                    # .whl .deb .data: what the image lacks
 #     mkdir -p .ab && git archive REV --prefix=base/ | tar -x -C .ab     # the A/B's baseline tree (optional)
-#     git rev-parse --short HEAD                                        # the commit, written into the command:
-#     # the device tool: run(carry=[".whl", ".deb", ".data", ".ab"], timeout_s=600,
-#     #                      command="AQPIPE_COMMIT=<that commit> bash benchmarks/device_session.sh")
-#     # (the device's copy of the checkout has a stale git: its rev-parse names some other commit)
+#     # on the GPU machine, with the checkout and those folders:
+#     AQPIPE_COMMIT=$(git rev-parse --short HEAD) OUT=results bash benchmarks/gpu_all.sh
 #
-# Steps, in this order, each given what is left of AQPIPE_SESSION_SECONDS (default 560, under the tool's 600):
+# Steps, in this order, each given what is left of AQPIPE_GPU_ALL_SECONDS (default 560):
 #   ab        benchmarks/codec_ab.py against .ab/base, where it exists (AQPIPE_AB_ROUNDS rounds, default 3)
 #   gpu-check benchmarks/gpu_check.sh (AQPIPE_GPU_CHECK_PARTS picks its parts)
-#   tiles     benchmarks/fused_tiles.py, with AQPIPE_SESSION_TILES=1 and at least 240 s left (its sweep took 200 s on
-#             an H200, and writes its results only at its end; last run on an H200 at 0651fb8's kernels)
-# The device tool brings back at most 8 files from OUT (the first such session lost every file of gpu_check.sh's
-# but what it printed): session.log (the set-up and the GPU), ab.log and ab.json, gpu-check.log (which ends with
-# gpu_check.sh's results.md), gpu_check.tar.gz (its whole folder: logs, JSON, rank logs), tiles.log, tiles.json and
-# tiles.md. A step that leaves no files leaves room for none else.
+#   tiles     benchmarks/fused_tiles.py, with AQPIPE_GPU_ALL_TILES=1 and at least 240 s left (its sweep took 200 s on
+#             an H200, and writes its results only at its end)
+# The files: gpu_all.log (the set-up and the GPU), ab.log and ab.json, gpu-check.log (which ends with gpu_check.sh's
+# results.md), gpu_check.tar.gz (its whole folder: logs, JSON, rank logs), tiles.log, tiles.json and tiles.md.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-benchmarks/results/device_session}
+out=${OUT:-benchmarks/results/gpu_all}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-deadline=$(($(date +%s) + ${AQPIPE_SESSION_SECONDS:-560}))
+deadline=$(($(date +%s) + ${AQPIPE_GPU_ALL_SECONDS:-560}))
 left() { echo $((deadline - $(date +%s))); }
 
-log="$out/session.log"
-# shellcheck source=benchmarks/device_carry.sh
-source benchmarks/device_carry.sh --setup >"$log" 2>&1 || { cat "$log"; exit 1; }
+log="$out/gpu_all.log"
+# shellcheck source=benchmarks/offline_gpu.sh
+source benchmarks/offline_gpu.sh --setup >"$log" 2>&1 || { cat "$log"; exit 1; }
 # (as gpu_check.sh does: bytecode and Triton's kernels kept under /tmp, for every process of every step)
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/aqpipe-pycache}
@@ -64,9 +61,9 @@ step gpu-check $(($(left) - 10)) bash benchmarks/gpu_check.sh "$checks"
 command -v nvidia-cuda-mps-control >/dev/null && echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
 tar -czf "$out/gpu_check.tar.gz" -C "$(dirname "$checks")" "$(basename "$checks")"
 grep -s -E "^\| |^- (PASSED|FAILED|ERROR)" "$checks/results.md"
-if [ "${AQPIPE_SESSION_TILES:-0}" = 1 ] && [ "$(left)" -ge 240 ]; then
+if [ "${AQPIPE_GPU_ALL_TILES:-0}" = 1 ] && [ "$(left)" -ge 240 ]; then
   step tiles $(($(left) - 5)) python benchmarks/fused_tiles.py --out "$out/tiles"
 fi
-echo "== done, $(left) s of the session's time left" | tee -a "$log"
+echo "== done, $(left) s of the time budget left" | tee -a "$log"
 files=$(find "$out" -type f | wc -l)
-[ "$files" -le 8 ] || echo "warning: $files files in $out; the device tool brings back 8" | tee -a "$log"
+[ "$files" -le 8 ] || echo "warning: $files files in $out, more than the 8 this script promises" | tee -a "$log"
