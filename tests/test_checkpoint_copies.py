@@ -152,3 +152,36 @@ def test_a_paced_copy_travels_in_pieces_that_cross_the_link_in_milliseconds():
     assert piece_bytes(None) == CHUNK_BYTES == 1 << 20
     assert piece_bytes(2e6) == 100_000
     assert piece_bytes(1e5) == MIN_PIECE_BYTES and piece_bytes(1e9) == CHUNK_BYTES
+
+
+def _copy_with_a_full_disk_on_host_1(rank: int, world: int, root: str):
+    """`_copy`, with host 1's disk full: writing the copy it keeps fails at its second piece."""
+    import time
+
+    from aqpipe.runtime.checkpoints import copies
+
+    if rank == 1:
+        written = []
+
+        def full(self, data):
+            written.append(len(data))
+            if len(written) > 1:
+                raise OSError(28, "No space left on device")
+
+        copies.Landing.write = full
+    start = time.monotonic()
+    _, names = _copy(rank, world, root, 4e7)
+    return time.monotonic() - start, names
+
+
+def test_a_copy_that_fails_on_one_host_ends_every_ranks_copies_at_once_unreplicated(tmp_path):
+    """Every rank goes on exchanging its pieces after one failed to keep what it received, so none waits for a
+    message that never comes (the copies' group time-out is 60 s here)."""
+    results = run_ranks(_copy_with_a_full_disk_on_host_1, 3, str(tmp_path))
+    for rank, (status, value) in enumerate(results):
+        assert status == "ok", value
+        seconds, names = value
+        assert seconds < 20, (rank, seconds)
+        assert "REPLICATED" not in names and "COPYING" in names
+        assert not [n for n in names if n.startswith(".")]  # (no temporary file left)
+    assert "rank-0.pt" not in results[1][1][1]  # host 1 kept nothing of rank 0's part

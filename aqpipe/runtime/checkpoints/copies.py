@@ -156,35 +156,79 @@ def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group
     landing = {src: Landing(out, step, src, sizes[src][1]) for src in senders}
     chunk_bytes = min(piece for _, _, piece in sizes)  # (every rank's pieces line up)
     pieces = max((size + chunk_bytes - 1) // chunk_bytes for size, _, _ in sizes)
+    # A rank whose own disk fails it (its part unreadable, a copy it cannot write) goes on exchanging every piece, so
+    # that no other rank waits for one that never comes; it keeps nothing and raises once the pieces are through.
+    problems: list[str] = []
+    own_size = sizes[rank][0]
     sent, start = 0, time.monotonic()
+    part = _OwnPart(own, problems)
     try:
-        with open(own, "rb") as part:
-            for piece in range(pieces):
-                lo = piece * chunk_bytes
-                ops, inbound = [], {}
-                chunk = part.read(chunk_bytes)
-                if chunk:
-                    outbound = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
-                    ops += [dist.P2POp(dist.isend, outbound, holder, group) for holder in plan[rank]]
-                for src in senders:
-                    if lo < sizes[src][0]:
-                        inbound[src] = torch.empty(min(chunk_bytes, sizes[src][0] - lo), dtype=torch.uint8)
-                        ops.append(dist.P2POp(dist.irecv, inbound[src], src, group))
-                for work in dist.batch_isend_irecv(ops) if ops else []:
-                    work.wait()
-                if chunk:
-                    sent += len(chunk) * len(plan[rank])
-                    comm.TRAFFIC.add(comm.CHECKPOINT, len(chunk) * len(plan[rank]))
-                for src, received in inbound.items():
-                    landing[src].write(received.numpy().tobytes())
-                if rate:  # (ahead of the pace: wait until the bytes sent so far fit it)
-                    time.sleep(max(0.0, sent / rate - (time.monotonic() - start)))
+        for piece in range(pieces):
+            lo = piece * chunk_bytes
+            ops, inbound = [], {}
+            length = max(0, min(chunk_bytes, own_size - lo))
+            if length:
+                chunk = part.read(length)
+                outbound = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
+                ops += [dist.P2POp(dist.isend, outbound, holder, group) for holder in plan[rank]]
+            for src in senders:
+                if lo < sizes[src][0]:
+                    inbound[src] = torch.empty(min(chunk_bytes, sizes[src][0] - lo), dtype=torch.uint8)
+                    ops.append(dist.P2POp(dist.irecv, inbound[src], src, group))
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+            if length:
+                sent += length * len(plan[rank])
+                comm.TRAFFIC.add(comm.CHECKPOINT, length * len(plan[rank]))
+            if not problems:
+                try:
+                    for src, received in inbound.items():
+                        landing[src].write(received.numpy().tobytes())
+                except OSError as e:
+                    problems.append(f"keeping a copy: {e}")
+            if rate:  # (ahead of the pace: wait until the bytes sent so far fit it)
+                time.sleep(max(0.0, sent / rate - (time.monotonic() - start)))
+        if problems:
+            raise RuntimeError(problems[0])
         for kept in landing.values():
             kept.keep()
     finally:
+        part.close()
         for kept in landing.values():
             kept.discard()
     return sent
+
+
+class _OwnPart:
+    """This rank's part, read a piece at a time; once it cannot be read (noted in `problems`), zeros of the length
+    asked, so the pieces keep their sizes."""
+
+    def __init__(self, path: Path, problems: list[str]) -> None:
+        self.problems, self.file = problems, None
+        try:
+            self.file = open(path, "rb")
+        except OSError as e:
+            self._fail(str(e))
+
+    def read(self, length: int) -> bytes:
+        if self.file is not None:
+            try:
+                chunk = self.file.read(length)
+                if len(chunk) == length:
+                    return chunk
+                self._fail(f"it ended {length - len(chunk)} bytes early")
+            except OSError as e:
+                self._fail(str(e))
+        return bytes(length)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+    def _fail(self, why: str) -> None:
+        self.problems.append(f"reading its part: {why}")
+        self.close()
+        self.file = None
 
 
 def piece_bytes(rate: float | None) -> int:
