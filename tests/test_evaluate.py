@@ -78,7 +78,7 @@ def test_evaluation_through_the_default_codec_is_within_0_3_percent_of_fp32_link
         assert exact["eval_samples"] == coded["eval_samples"] > 0
         assert coded["eval_loss"] != exact["eval_loss"]  # the held-out activations really were coded
         assert abs(coded["eval_loss"] - exact["eval_loss"]) <= 0.003 * exact["eval_loss"]
-        assert coded["eval_bytes"] * 3 < exact["eval_bytes"]  # (7-bit tiles; the tied rows it looks up: fp32)
+        assert coded["eval_bytes"] * 3 < exact["eval_bytes"]  # (7-bit tiles, and the tied rows it looks up)
 
 
 def test_eval_samples_caps_every_pass(tmp_path):

@@ -173,3 +173,77 @@ def test_a_delta_coded_run_sends_a_quarter_of_the_exact_rows_bytes_and_resumes_b
     assert [r["loss"] for r in records(resumed)] == [r["loss"] for r in records(whole)]
     exported = [load_file(next((run / "export").glob("*.safetensors"))) for run in (whole, resumed)]
     assert all(torch.equal(exported[0][key], exported[1][key]) for key in exported[0])
+
+
+def test_a_skipped_step_leaves_the_gradient_errors_as_they_were_and_a_scaled_gradient_goes_unscaled():
+    generator = torch.Generator().manual_seed(3)
+    table = torch.randn(VOCAB, WIDTH, generator=generator)
+    owner, lookup = pair(table, table)
+    tokens = [torch.tensor([[1, 2]]), torch.tensor([[7, 8]])]
+
+    def grads(scale: float, overflow_in: int | None = None) -> list[torch.Tensor]:
+        out = [torch.zeros(VOCAB, WIDTH) for _ in tokens]
+        for mb, batch in enumerate(tokens):
+            out[mb][batch.unique()] = torch.randn(len(batch.unique()), WIDTH, generator=generator) * scale
+        if overflow_in is not None:
+            out[overflow_in][tokens[overflow_in].unique()[0], 0] = float("inf")
+        return out
+
+    def run(index: int, embed: list[torch.Tensor], scale: float, drop: bool) -> None:
+        for end in (lookup, owner):
+            end.begin(index, tokens)
+        for mb in range(len(tokens)):
+            lookup.ready(mb)
+        lookup.table.grad = None
+        for mb in range(len(tokens)):
+            lookup.table.grad = embed[mb].clone() if lookup.table.grad is None else lookup.table.grad + embed[mb]
+            lookup.backward_done(index, scale)
+        owner.table.grad = torch.zeros(VOCAB, WIDTH)
+        lookup.exchange_gradients(drop=drop)
+        owner.exchange_gradients(unscale=1.0 / scale, drop=drop)
+
+    try:
+        first = grads(1024.0)
+        run(0, first, 1024.0, drop=False)
+        # the owner's gradient is the unscaled one, within a 4-bit code of it; the errors are in unscaled units
+        sent = (first[0] + first[1]) / 1024.0
+        used = torch.tensor([1, 2, 7, 8])
+        assert torch.allclose(owner.table.grad[used] + lookup.deltas.residual[used], sent[used], atol=1e-5)
+        assert float(lookup.deltas.residual.abs().max()) < 0.5
+        before = lookup.deltas.residual.clone()
+        run(1, grads(2048.0, overflow_in=1), 2048.0, drop=True)  # micro-batch 0's rows were coded, then skipped
+        assert torch.equal(lookup.deltas.residual, before)
+    finally:
+        for end in (owner, lookup):
+            end.close(abort=True)
+
+
+def test_an_evaluation_changes_nothing_in_a_delta_coded_runs_training(tmp_path):
+    runs = {}
+    for every in (0, 2):
+        runs[every] = tmp_path / f"every-{every}"
+        assert run_job(tied_config(runs[every], "rows:delta:4", fw="aqsgd:4", bw="rtq:4", eval_every=every),
+                       progress=False, starter=warm.ranks()) == 0
+    assert [r["loss"] for r in records(runs[0])] == [r["loss"] for r in records(runs[2])]
+    assert sum("eval_loss" in r for r in records(runs[2])) == 3  # (after steps 2, 4 and 6)
+    exported = [load_file(next((run / "export").glob("*.safetensors"))) for run in runs.values()]
+    assert all(torch.equal(exported[0][key], exported[1][key]) for key in exported[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_delta_coded_rows_on_a_gpu_keep_the_mirror_and_the_cache_one_tensor():
+    device = torch.device("cuda")
+    table = torch.randn(VOCAB, WIDTH, device=device)
+    owner, lookup = RowDeltas(4, WIDTH), RowDeltas(4, WIDTH)
+    owner.start_owner(table, table_digest(table))
+    cache = table.clone()
+    rows = torch.tensor([3, 9, 11])
+    current = table[rows.to(device)] + 0.01
+    payload = owner.encode_rows(rows, current)
+    assert payload.device.type == "cpu"
+    cache[rows.to(device)] = lookup.decode_rows(rows, payload, cache)
+    assert torch.equal(owner.mirror, cache)
+    grads = torch.randn(len(rows), WIDTH, device=device)
+    decoded = owner.decode_grads(rows, lookup.encode_grads(rows, grads, VOCAB))
+    assert torch.allclose(decoded.to(device) + lookup.residual[rows.to(device)], grads, atol=1e-5)

@@ -78,6 +78,8 @@ def evaluate_stage(worker: StageWorker, step: int, batches: list[torch.Tensor], 
                 links.act_out.flush()
     finally:
         worker.module.train(was_training)
+        if links.tied_rows is not None:
+            links.tied_rows.end_evaluation()
     return totals
 
 

@@ -4,14 +4,18 @@ rows:delta:B`): the row exchange of `aqpipe.pipeline.tied_rows` with AQ-SGD's id
 The lookup side's table is a cache of the owner's rows. The owner keeps a *mirror*, bit for bit what the lookup side
 holds of every row, and sends a row as the rotated-tile quantization (`aqpipe.compress.rotated`, B bits) of its
 change since the mirror, not the row: both ends add the same decoded change to the same old values, so the mirror
-and the cache stay one tensor (a digest of the two is compared whenever an exchange starts), and the owner's next
-change of the row carries what this one left out. A row the mirror does not vouch for (the digests differed) goes
-exactly, in fp32, once. Between two looks at a row the owner's update moves it by a learning rate's worth, which B
-bits code finely; the embedding computes on rows within one quantization step of a small change of the head's.
+and the cache stay one tensor (a digest of the two is compared once per process, at a launch or a resume, before
+rows first travel), and the owner's next change of the row carries what this one left out. A row the mirror does
+not vouch for (the digests differed) goes exactly, in fp32, once. Between two looks at a row the owner's update
+moves it by a learning rate's worth, which B bits code finely; the embedding computes on rows within one
+quantization step of a small change of the head's.
 
-The gradient rows go as B bits too, each row's error kept on the lookup side and added to its next gradient (error
-feedback), so nothing is lost, only delayed. A step whose gradient is not finite (an fp16 loss-scale overflow, which
-the owner drops) goes exactly and leaves the errors as they were.
+The gradient rows go as B bits too, unscaled, each row's error kept on the lookup side and added to its next
+gradient (error feedback): what a code leaves out is delayed, not dropped. A message whose gradient is not finite
+(an fp16 loss-scale overflow) goes exactly; a step that is skipped (an overflow on any rank) leaves the errors as they
+were before it. An evaluation's rows are coded against the mirror without the mirror taking them, and the lookup
+side puts the rows they overwrote back after the pass: evaluating changes nothing in training. The coder runs op by
+op, never from CUDA graphs (the row counts differ from message to message).
 
 Payload of a rows message: one mode byte per row (1: exact), the exact rows in fp32, then the coded changes; of a
 gradient message: one mode byte (1: exact), then the exact rows or the coded rows.
@@ -48,6 +52,7 @@ class RowDeltas:
     mirror: torch.Tensor | None = None  # owner: what the lookup side holds of each row
     known: torch.Tensor | None = None  # owner: the rows whose mirror is the lookup side's, bit for bit
     residual: torch.Tensor | None = None  # lookup: what each row's coded gradients have left out so far
+    _undo: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # lookup: this step's errors before
 
     def __post_init__(self) -> None:
         if not 2 <= self.bits <= 8:
@@ -68,20 +73,21 @@ class RowDeltas:
         same = torch.equal(table_digest(self.mirror), lookup_digest.cpu())
         self.known = torch.full((self.mirror.shape[0],), same, dtype=torch.bool, device=self.mirror.device)
 
-    def encode_rows(self, rows: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        """The payload of `rows` whose values are now `current`; the mirror takes what the lookup side will hold."""
+    def encode_rows(self, rows: torch.Tensor, current: torch.Tensor, keep: bool = True) -> torch.Tensor:
+        """The payload (on the host) of `rows` whose values are now `current`; with `keep` the mirror takes what the
+        lookup side will hold (an evaluation's rows: not)."""
         mirror, known = self._mirror()
         rows = to_device(rows, mirror.device)
         exact = ~known[rows]
         coded_rows = rows[~exact]
         change = current[~exact].to(torch.float32) - mirror[coded_rows].to(torch.float32)
         codes, decoded = self._code(change)
-        new = mirror[coded_rows] + decoded.to(mirror.dtype)
-        mirror[coded_rows] = new
-        mirror[rows[exact]] = current[exact].to(mirror.dtype)
-        known[rows] = True
-        exact_values = current[exact].to(torch.float32).contiguous()
-        return torch.cat([exact.to(torch.uint8), exact_values.view(torch.uint8).reshape(-1), codes.reshape(-1)])
+        if keep:
+            mirror[coded_rows] = mirror[coded_rows] + decoded.to(mirror.dtype)
+            mirror[rows[exact]] = current[exact].to(mirror.dtype)
+            known[rows] = True
+        exact_values = current[exact].to(torch.float32).contiguous().cpu()
+        return torch.cat([exact.to(torch.uint8).cpu(), exact_values.view(torch.uint8).reshape(-1), codes.reshape(-1)])
 
     def decode_grads(self, rows: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
         """The gradient rows a payload stands for (float32 [len(rows), width])."""
@@ -93,7 +99,7 @@ class RowDeltas:
             _expect_length(body, n * self.width * 4, "exact gradient rows")
             return bytes_as(body.view(1, -1), torch.float32).view(n, self.width)
         _expect_length(body, n * self.row_bytes(), "coded gradient rows")
-        return self.coder.decode(body.view(n, -1), (n, 1, self.width)).view(n, self.width)
+        return self.coder._decode(body.view(n, -1), (n, 1, self.width)).view(n, self.width)
 
     # -- the lookup side --------------------------------------------------------------------------------------------
 
@@ -113,14 +119,15 @@ class RowDeltas:
         values = torch.empty(n, self.width, dtype=cache.dtype, device=cache.device)
         values[exact] = to_device(exact_values, cache.device).to(cache.dtype)
         if n_exact < n:
-            decoded = self.coder.decode(to_device(body[split:], cache.device).view(n - n_exact, -1),
-                                        (n - n_exact, 1, self.width)).view(n - n_exact, self.width)
+            decoded = self.coder._decode(to_device(body[split:], cache.device).view(n - n_exact, -1),
+                                         (n - n_exact, 1, self.width)).view(n - n_exact, self.width)
             values[~exact] = cache.detach()[rows[~exact]] + decoded.to(cache.dtype)
         return values
 
     def encode_grads(self, rows: torch.Tensor, grads: torch.Tensor, height: int) -> torch.Tensor:
-        """The payload of the gradient rows `grads` of `rows` (a table of `height` rows): coded with each row's error
-        added, the new errors kept; exactly, errors untouched, when they are not finite."""
+        """The payload (on the host) of the unscaled gradient rows `grads` of `rows` (a table of `height` rows): coded
+        with each row's error added, the new errors kept (`undo_step` puts the step's back); exactly, errors
+        untouched, when they are not finite."""
         if not bool(torch.isfinite(grads).all()):
             return torch.cat([torch.tensor([EXACT], dtype=torch.uint8),
                               grads.to(torch.float32).contiguous().cpu().view(torch.uint8).reshape(-1)])
@@ -129,8 +136,20 @@ class RowDeltas:
         rows = to_device(rows, self.residual.device)
         target = grads.to(torch.float32) + self.residual[rows]
         codes, decoded = self._code(target)
+        self._undo.append((rows, self.residual[rows].clone()))
         self.residual[rows] = target - decoded
         return torch.cat([torch.tensor([CODED], dtype=torch.uint8), codes.reshape(-1).cpu()])
+
+    def begin_step(self) -> None:
+        """A step begins: the errors it changes are remembered from here (`undo_step`)."""
+        self._undo.clear()
+
+    def undo_step(self) -> None:
+        """The step is skipped: every error it changed goes back to what it was before the step."""
+        assert self.residual is not None or not self._undo, "errors changed before they existed"
+        for rows, before in reversed(self._undo):
+            self.residual[rows] = before  # type: ignore[index]
+        self._undo.clear()
 
     # -- both -------------------------------------------------------------------------------------------------------
 
@@ -157,8 +176,8 @@ class RowDeltas:
         if n == 0:
             return torch.zeros(0, dtype=torch.uint8), values
         shape = (n, 1, self.width)
-        codes, _ = self.coder.encode(values.reshape(shape))
-        decoded = self.coder.decode(codes, shape).view(n, self.width)
+        codes, _ = self.coder._encode(values.reshape(shape), False)
+        decoded = self.coder._decode(codes, shape).view(n, self.width)
         return codes.cpu(), decoded
 
 

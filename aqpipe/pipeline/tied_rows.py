@@ -115,6 +115,8 @@ class RowExchange:
     _parts: StepParts | None = None  # the current step's
     _received: int = 0  # lookup side: micro-batches whose rows have arrived this step
     _backwards: int = 0  # lookup side: backwards run this step
+    _before_evaluation: tuple[torch.Tensor, torch.Tensor] | None = None  # lookup, delta-coded: the cache's rows an
+    # evaluation overwrote (put back by `end_evaluation`, so that evaluating changes nothing in training)
 
     def __post_init__(self) -> None:
         if self.role not in (OWNER, LOOKUP):
@@ -126,16 +128,20 @@ class RowExchange:
         one tensor per micro-batch. The owner sends the rows and returns at once. For a step, the lookup side only
         announces what it expects (`ready` waits); for an evaluation it waits for every row and writes them."""
         self._compare(step)
-        if purpose == FOR_EVALUATION:
+        if purpose == FOR_EVALUATION:  # (delta-coded: coded against the mirror, which does not take them)
             rows = step_rows(tokens)
             if self.role == OWNER:
-                self._send(KIND_TIED_ROWS, step, EVALUATION_PART, rows, self._current(rows))
+                self._send(KIND_TIED_ROWS, step, EVALUATION_PART, rows, self._current(rows, keep=False))
                 return
             self._expect(KIND_TIED_ROWS, step, EVALUATION_PART, rows)
+            if self.deltas is not None:
+                self._before_evaluation = rows, self.table.detach()[to_device(rows, self.table.device)].clone()
             self._write(rows, self._receive(rows))
             return
         parts = self._parts = step_parts(tokens, list(range(len(tokens))) if backward_order is None else backward_order)
         self._received = self._backwards = 0
+        if self.deltas is not None:
+            self.deltas.begin_step()
         if self.role == OWNER:
             for index, rows in enumerate(parts.values):
                 self._send(KIND_TIED_ROWS, step, index, rows, self._current(rows))
@@ -153,16 +159,26 @@ class RowExchange:
             self._write(rows, self._receive(rows))
             self._received += 1
 
-    def backward_done(self, step: int) -> None:
-        """Lookup side, after each backward (any loss scale still in the gradient; the owner unscales): send the
-        gradient rows no later backward of the step touches."""
+    def end_evaluation(self) -> None:
+        """Lookup side, after an evaluation pass: a delta-coded cache takes back the rows the pass overwrote (the
+        mirror never took them)."""
+        if self._before_evaluation is not None:
+            rows, values = self._before_evaluation
+            self._before_evaluation = None
+            with torch.no_grad():
+                self.table.index_copy_(0, to_device(rows, self.table.device), values)
+
+    def backward_done(self, step: int, loss_scale: float = 1.0) -> None:
+        """Lookup side, after each backward: send the gradient rows no later backward of the step touches (with the
+        loss scale `loss_scale` still in them, which the owner takes out; delta-coded rows go unscaled, as their
+        errors are kept)."""
         parts = self._step_parts()
         rows = parts.grads[self._backwards]
         grad = self.table.grad
         values = torch.zeros(len(rows), self.table.shape[1], dtype=self.table.dtype) if grad is None \
             else grad.detach()[to_device(rows, grad.device)]
         if self.deltas is not None:
-            values = self.deltas.encode_grads(rows, values, self.table.shape[0])
+            values = self.deltas.encode_grads(rows, values / loss_scale, self.table.shape[0])
         self._send(KIND_TIED_GRADS, step, self._backwards, rows, values)
         self._backwards += 1
 
@@ -173,14 +189,17 @@ class RowExchange:
         overflowed step) receives and discards them."""
         parts = self._step_parts()
         if self.role == LOOKUP:
+            if drop and self.deltas is not None:  # (the step is skipped: its gradients' errors are not kept)
+                self.deltas.undo_step()
             if self._backwards != len(parts.grads):
                 raise RuntimeError(f"the step ran {self._backwards} backwards of {len(parts.grads)} on the tied table "
                                    f"{self.name}'s lookup side")
             self.table.grad = None
             return
         received = [self._receive(rows) for rows in parts.grads]
-        if self.deltas is not None:
+        if self.deltas is not None:  # (sent unscaled)
             received = [self.deltas.decode_grads(rows, payload) for rows, payload in zip(parts.grads, received)]
+            unscale = 1.0
         if drop:
             return
         if self.table.grad is None:
@@ -236,9 +255,10 @@ class RowExchange:
             self.deltas.load_state_dict(state, self.table.device)
             self._compared = False
 
-    def _current(self, rows: torch.Tensor) -> torch.Tensor:
+    def _current(self, rows: torch.Tensor, keep: bool = True) -> torch.Tensor:
+        """The payload of `rows`' current values (delta-coded: the mirror takes them unless not `keep`)."""
         values = self.table.detach()[to_device(rows, self.table.device)]
-        return values if self.deltas is None else self.deltas.encode_rows(rows, values)
+        return values if self.deltas is None else self.deltas.encode_rows(rows, values, keep)
 
     def _write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         if self.deltas is not None:

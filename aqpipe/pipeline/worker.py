@@ -234,7 +234,8 @@ class StageWorker:
             elif (outputs := present(mb.outputs, "outputs")).requires_grad:  # (not when nothing up to here trains)
                 outputs.backward(mb.output_grad)
         if self._looks_rows_up:  # the tied table's gradient rows no later backward touches go to the head now
-            present(self.links.tied_rows, "tied rows").backward_done(self._step)
+            present(self.links.tied_rows, "tied rows").backward_done(
+                self._step, self.scaler.scale if self.scaler is not None else 1.0)
         if self.grid.is_first_stage:
             self._release(index)
 
