@@ -316,11 +316,11 @@ def test_two_throttled_launches_at_once_both_finish_and_leave_nothing(tmp_path):
 
 @needs_root
 def test_a_held_out_pass_and_an_export_that_outlast_the_stall_timeout_finish(tmp_path):
-    """At 2 Mbit/s the held-out pass (~4 MB of fp32 activations per link) and the final weights' way to rank 0
-    (5.3 MB from stages 1–3 into rank 0's one shaped link) each take longer than a 10 s --stall-timeout, as an LLM's do
-    at the default 300 s over a 10 Mbit/s link. A run that had trained to its end failed there ("no progress for 10 s
-    (stalled)"): neither phase told the launcher it moved on, and rank 3's weights waited for ranks 1's and 2's to
-    arrive whole, past the process group's time-out. Now both phases report progress, and rank 0 takes every stage's
+    """At 2 Mbit/s the held-out pass (~4 MB of fp32 activations per link, `--eval-codec fp32`) and the final weights'
+    way to rank 0 (5.3 MB from stages 1–3 into rank 0's one shaped link) each take longer than a 10 s --stall-timeout,
+    as an LLM's do at the default 300 s over a 10 Mbit/s link. A run that had trained to its end failed there ("no
+    progress for 10 s (stalled)"): neither phase told the launcher it moved on, and rank 3's weights waited for ranks
+    1's and 2's to arrive whole, past the process group's time-out. Now both phases report progress, and rank 0 takes every stage's
     weights at once, in pieces sized so that no piece waits longer than the time-out allows."""
     from pydoc_data.topics import topics
 
@@ -332,7 +332,7 @@ def test_a_held_out_pass_and_an_export_that_outlast_the_stall_timeout_finish(tmp
     before, out = network_state(), tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "aqpipe", "launch", "--data", str(data), "--steps", "3", "--max-samples", "64",
-         "--bandwidth", "2mbit", "--stall-timeout", "10", "--out", str(out), "--no-progress"],
+         "--bandwidth", "2mbit", "--stall-timeout", "10", "--eval-codec", "fp32", "--out", str(out), "--no-progress"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

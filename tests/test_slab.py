@@ -157,7 +157,8 @@ def test_a_checkpoint_keeps_a_slab_stores_m_xi():
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     worker = SimpleNamespace(module=module, optimizer=optimizer,
                              lr_schedule=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
-                             grad_sync=SimpleNamespace(state_dict=dict), links=SimpleNamespace(codecs=dict),
+                             grad_sync=SimpleNamespace(state_dict=dict),
+                             links=SimpleNamespace(codecs=dict, tied_rows=None),
                              device=torch.device("cpu"), scaler=None)
     store = SlabStore(torch.float16, "cpu")
     store.scatter(0, "send", [3], _batch(1, 0))
