@@ -3,7 +3,6 @@ tensor bit for bit, rows the digests do not vouch for go exactly once, gradient 
 feedback), bad payloads are refused, and a whole run sends a quarter of the exact rows' bytes or less, trains close to
 them and resumes bit for bit."""
 
-import json
 import shutil
 import socket
 
@@ -12,12 +11,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from aqpipe.config import RunConfig, resolve
 from aqpipe.launch.job import run_job
 from aqpipe.pipeline.tied_deltas import RowDeltas, table_digest
 from aqpipe.pipeline.tied_rows import LOOKUP, OWNER, RowExchange
 from aqpipe.pipeline.transport import Inbox, Outbox, TransportError
 from tests import warm
+from tests.test_tied_rows import records, tied_config
 
 VOCAB, WIDTH = 50, 96
 
@@ -130,18 +129,6 @@ def test_a_payload_of_the_wrong_length_is_refused():
         deltas.decode_grads(rows, torch.zeros(7, dtype=torch.uint8))
     with pytest.raises(ValueError, match="2..8 bits"):
         RowDeltas(1, WIDTH)
-
-
-def tied_config(out, exchange: str, **kw) -> RunConfig:
-    settings = dict(model="llama-tiny", pp=3, seq_len=32, micro_batch_size=2, micro_batches=3, steps=6, lr=2e-3,
-                    warmup_steps=2, seed=1, max_samples=96, device="cpu", out=str(out), clip=0.5, fw="fp32", bw="fp32",
-                    eval_every=3, tied_exchange=exchange)
-    settings.update(kw)
-    return resolve(RunConfig(**settings))
-
-
-def records(run) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_a_delta_coded_run_sends_a_quarter_of_the_exact_rows_bytes_and_resumes_bit_for_bit(tmp_path):
