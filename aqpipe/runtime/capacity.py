@@ -276,7 +276,8 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
             sync_step_bytes(cfg.grad_sync, cfg.dp, shapes, freeze_step(plan.total_steps, cfg.warmup_steps))))
     capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None,
                             tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
-                            evaluation=eval_needs(plan, links, options))
+                            evaluation=eval_needs(plan, [(link.activation_shape, link.activation_dtype)
+                                                         for link in links], options))
     check_fits(capacity)
     return capacity
 

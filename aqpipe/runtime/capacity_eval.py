@@ -11,7 +11,6 @@ from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_by
 from aqpipe.pipeline.evaluate import held_out_samples
 
 if TYPE_CHECKING:
-    from aqpipe.runtime.capacity import LinkNeeds
     from aqpipe.runtime.plan import RunPlan
 
 
@@ -40,15 +39,16 @@ def eval_passes(steps: int, eval_every: int | None) -> int:
     return steps // eval_every + (1 if steps % eval_every else 0)
 
 
-def eval_needs(plan: RunPlan, links: list[LinkNeeds], options: QuantOptions) -> EvalNeeds | None:
-    """The held-out passes' link bytes: each sample's activation on every link, as --eval-codec codes it (a sample's
-    bytes never depend on the others of its micro-batch)."""
+def eval_needs(plan: RunPlan, links: list[tuple[tuple[int, ...], str]], options: QuantOptions) -> EvalNeeds | None:
+    """The held-out passes' link bytes, given each link's micro-batch activation (shape, dtype name): each sample's
+    activation on every link, as --eval-codec codes it (a sample's bytes never depend on the others of its
+    micro-batch)."""
     cfg = plan.cfg
     samples = held_out_samples(len(plan.dataset.valid), cfg.eval_samples)
     passes = eval_passes(plan.total_steps, cfg.eval_every)
     if not samples or not passes or not links:
         return None
-    one = [((1, *link.activation_shape[1:]), getattr(torch, link.activation_dtype)) for link in links]
+    one = [((1, *shape[1:]), getattr(torch, dtype)) for shape, dtype in links]
     coded = sum(message_bytes(cfg.eval_codec, "fw", shape, dtype, options) for shape, dtype in one)
     lossless = sum(numel(shape) * lossless_dtype(dtype).itemsize for shape, dtype in one)
     return EvalNeeds(samples, samples * coded, samples * lossless, passes)
