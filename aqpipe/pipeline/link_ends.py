@@ -135,7 +135,7 @@ class ActivationOut(SendEnd):
     """Stage k's end of link k, forward: the sender side of link k's m(ξ); held-out activations go through
     `eval_codec` (one that codes each sample alone: evaluation never touches the training codec or m(ξ))."""
 
-    eval_codec: LinkCodec = field(default_factory=lambda: FP32)
+    eval_codec: LinkCodec = FP32
 
     def send(self, step: int, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None,
              compress: bool) -> None:
@@ -164,7 +164,7 @@ class ActivationIn(RecvEnd):
     """Stage k + 1's end of link k, forward: the receiver side of link k's m(ξ); held-out activations are decoded
     by `eval_codec`."""
 
-    eval_codec: LinkCodec = field(default_factory=lambda: FP32)
+    eval_codec: LinkCodec = FP32
 
     def receive(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The next activation (on the stage's device, requiring grad), its sample ids and its mask."""
@@ -204,8 +204,6 @@ class GradientIn(RecvEnd):
         """The next output gradient (on the stage's device) and the re-seed request it carried (often empty)."""
         grad, msg = self._receive()
         return grad, ([] if msg.side is None else msg.side.view(torch.int64).tolist())
-
-
 
 
 def per_sample(side: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor | None:

@@ -37,8 +37,8 @@ EXACT, CODED = 1, 0
 
 def table_digest(table: torch.Tensor) -> torch.Tensor:
     """SHA-256 of a table's bytes, as 32 uint8 (on the host)."""
-    data = table.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy().tobytes()
-    return torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8)
+    data = table.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
+    return torch.frombuffer(bytearray(hashlib.sha256(data.data).digest()), dtype=torch.uint8)  # (no copy)
 
 
 @dataclass
