@@ -130,14 +130,15 @@ def test_a_fresh_host_in_place_of_one_that_lost_its_disk_fetches_its_part_and_th
     checkpoint part from the copy host 2 keeps (--checkpoint-replicas 1 by default across hosts, sent in the
     background after each checkpoint), and the run finishes with the same losses and export as an uninterrupted run
     on one machine, bit for bit (fp32 links), no step trained twice past the checkpoint it continued from."""
-    fp32 = (*RUN, "--fw", "fp32", "--bw", "fp32")
+    # (32 steps: a run's first copies wait for the copies' processes to start, a second or two of a run this short)
+    fp32 = (*RUN, "--fw", "fp32", "--bw", "fp32", "--steps", "32")
     with simulated_hosts(tmp_path / "hosts", 3, 1, 200_000_000) as hosts:
         run, command, procs, metrics = start_job(hosts, fp32)
         deadline = time.monotonic() + 180
         while not all(list(hosts.on_disk(h, run / "checkpoints").glob("step-*/REPLICATED")) for h in range(3)):
             assert time.monotonic() < deadline and procs[0].poll() is None, logs(hosts)
             time.sleep(0.1)
-        assert len(records(metrics)) < 16, logs(hosts)
+        assert len(records(metrics)) < 32, logs(hosts)
         copied = hosts.on_disk(2, run / "checkpoints")
         assert [p.name for p in copied.glob("step-*/rank-1.pt")], "host 2 keeps a copy of rank 1's part"
         hosts.kill(procs[1])
@@ -147,9 +148,9 @@ def test_a_fresh_host_in_place_of_one_that_lost_its_disk_fetches_its_part_and_th
         said = (hosts.disk(1) / "torchrun.log").read_text(errors="replace")
         assert re.search(r"rank 1 on host-1: fetched its part of the checkpoint of step \d+ from rank 2's host", said)
         done = records(metrics)
-        assert [r["step"] for r in done] == list(range(1, 17))
-        assert sum(r["checkpoint_bytes"] for r in done) > 0  # the copies' bytes, a traffic class of their own
+        assert [r["step"] for r in done] == list(range(1, 33))
         summary = json.loads(hosts.on_disk(0, run / "summary.json").read_text())
-        assert summary["traffic"]["checkpoint"] >= sum(r["checkpoint_bytes"] for r in done)
+        # the copies' bytes, a traffic class of their own (in the step records as they travel, the rest after them)
+        assert summary["traffic"]["checkpoint"] >= max(1, sum(r["checkpoint_bytes"] for r in done))
         exported = load_file(next(hosts.on_disk(0, run / "export").glob("*.safetensors")))
     assert_as_on_one_machine(tmp_path / "one-machine", fp32, done, exported)

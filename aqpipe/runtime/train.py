@@ -106,11 +106,13 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
            ) -> dict | None:
     """Assemble, resume and train this rank's stage, then finish the run's outputs; `store`: the rendezvous store."""
     cfg = plan.cfg
+    # (first: where copies go to other hosts, their process starts while the stage loads)
+    checkpoints = Checkpoints(cfg, grid)
     resumed = starting_point(cfg, grid.rank, launcher_checked)
     if resumed is not None and cfg.store == "lmdb" and not launcher_checked:
         drop_if_damaged(store_path(cfg.out, grid.rank), grid.rank)
     stage = assemble_stage(plan, grid, device, backend)
-    checkpoints = stage.checkpoints = Checkpoints(cfg, grid)
+    stage.checkpoints = checkpoints
     try:
         first_step = resume_rank(cfg, stage.worker, stage.store, *resumed) if resumed is not None else 0
         if first_step:

@@ -35,7 +35,8 @@ from aqpipe.disk import write_atomic
 from aqpipe.pipeline import comm
 from aqpipe.pipeline.grid import Grid, host_leader
 from aqpipe.pipeline.rendezvous import barrier_after_slow_work, startup_timeout
-from aqpipe.runtime.checkpoints.copies import COPYING, REPLICATED, CheckpointCopier, default_copies
+from aqpipe.runtime.checkpoints.copier import CheckpointCopier
+from aqpipe.runtime.checkpoints.copies import COPYING, REPLICATED, default_copies
 from aqpipe.runtime.checkpoints.parts import STORE, mark_complete, save_rank, step_dir
 from aqpipe.runtime.checkpoints.restart import RESTARTS_FILE
 from aqpipe.runtime.events import progress
@@ -100,9 +101,10 @@ class Checkpoints:
             self.copier.start(step, host_leader())
 
     def finish(self) -> None:
-        """Until the copies in flight are kept (the run may end)."""
+        """Until the copies in flight are kept (the run may end); the copies' process ends."""
         if self.copier is not None:
             self.copier.wait()
+            self.copier.close()
 
     def _told(self, done: int, total: int) -> None:
         """The bytes of a part on disk, told to the launcher (a large state on a slow disk may take longer than

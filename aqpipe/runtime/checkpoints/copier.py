@@ -1,0 +1,212 @@
+"""The process that copies a rank's checkpoint parts to other hosts while training goes on.
+
+Each rank starts, as the run begins, a process of its own (`python -m aqpipe.runtime.checkpoints.copier`), which
+copies at the lowest CPU priority. These processes meet at the run's rendezvous store, form a gloo group of their own
+and copy every rank's part of each checkpoint (`copies.copy_step`) when their ranks ask. Why a process, not a thread
+of the rank: a thread that reads, hashes and writes pieces takes Python's lock many times a second, and the step's
+own Python waits for it each time (at 2 MB/s such a thread made SmolLM2's steps 12% slower on a host whose cores were
+all busy); a process of its own shares no lock with the step. The rank tells its process which step to copy and at
+what pace (one JSON line on its stdin); the process reports the bytes it sent and each step's end (JSON lines on its
+stdout), and dies with its rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+from aqpipe.disk import write_atomic
+from aqpipe.launch.env import die_with
+from aqpipe.pipeline import comm
+from aqpipe.pipeline.grid import Grid
+from aqpipe.pipeline.rendezvous import LOOPBACK_ENV
+from aqpipe.runtime.checkpoints.copies import COPYING, LINK_SHARE, MIN_RATE, REPLICATED, copy_plan, copy_step
+from aqpipe.runtime.checkpoints.parts import step_dir
+
+NICE = 19  # the copies' process's nice value: on a host whose cores are all busy training, its work waits
+REPORT_SECONDS = 0.5  # the copies' process tells its rank the bytes it sent at most this often
+
+
+class CheckpointCopier:
+    """One rank's side of the copies: asks its copies' process to send its part of a checkpoint to its copies' ranks
+    and keep the parts other ranks send it (`start`; `busy` while it runs; `wait` for it). Every rank makes one,
+    together."""
+
+    def __init__(self, out: str | Path, grid: Grid, hosts: list[str], copies: int, timeout: timedelta) -> None:
+        self.out, self.grid, self.hosts = Path(out), grid, hosts
+        self.rank = grid.rank
+        self.plan = copy_plan(hosts, copies)
+        self.timeout = timeout
+        self.peak = 0.0  # the highest rate this rank measured on a link to another host (bytes/s)
+        self.step: int | None = None  # the checkpoint whose parts were copied last (or are being copied)
+        self._process: subprocess.Popen | None = None
+        self._pending = False  # a step asked of the process, its end not yet read
+        self._unread = b""
+        self.problem = ""  # why the last step's copies failed ("" where they were kept everywhere)
+        # the store keys of these ranks' copies' processes: one name for every rank of this start, another for each
+        # start (the store outlives a restart's ranks)
+        names = [uuid.uuid4().hex]
+        comm.broadcast_object_list(names, src=0, traffic=comm.SETUP)
+        self.name = names[0]
+        # started now, at the lowest priority, so that it has imported torch and met the others before the first
+        # checkpoint (the copies of a run's first checkpoints are the ones a short run most needs)
+        self._process = self._spawn()
+
+    def observe(self, stats) -> None:
+        """Take a step's link measurements (`StepStats`): the links whose other end is on another host; and count
+        the bytes the copies sent since the last step."""
+        for direction, peer_stage in (("fwd", self.grid.stage - 1), ("bwd", self.grid.stage + 1)):
+            if not 0 <= peer_stage < self.grid.pp:
+                continue
+            peer = self.grid.rank_of(peer_stage, self.grid.replica)
+            seconds = getattr(stats, f"{direction}_recv_seconds")
+            if self.hosts[peer] != self.hosts[self.rank] and seconds > 0:
+                self.peak = max(self.peak, getattr(stats, f"{direction}_recv_bytes") / seconds)
+        self._read(block=False)
+
+    def rate(self) -> float:
+        """Bytes/s this rank's copies may take: its host's share of the link between hosts, split among its ranks."""
+        host_ranks = self.hosts.count(self.hosts[self.rank])
+        return max(LINK_SHARE * self.peak, MIN_RATE) / host_ranks
+
+    def start(self, step: int, leader: bool) -> None:
+        """Copy the parts of the checkpoint of `step` in the background (every rank calls it, after the checkpoint is
+        marked complete on every host); `leader`: this rank marks its host's step directory."""
+        self.wait()
+        self.step, self.problem = step, ""
+        marker = step_dir(self.out, step) / COPYING
+        if leader and not marker.is_file():  # (a checkpoint's is written with it; a resumed one's may predate that)
+            write_atomic(marker, b"", durable=True)
+        if self._process is None:  # (it died, said on stderr: the others' copies fail at their time-out)
+            self.problem = "the copies' process ended"
+            return
+        order = {"step": step, "rate": self.rate(), "leader": leader}
+        try:
+            assert self._process.stdin is not None
+            self._process.stdin.write(json.dumps(order).encode() + b"\n")
+            self._process.stdin.flush()
+            self._pending = True
+        except OSError:  # (it died: its exit was told on stderr)
+            self.problem = "the copies' process ended"
+
+    @property
+    def busy(self) -> bool:
+        """Whether copies are in flight."""
+        self._read(block=False)
+        return self._pending
+
+    def wait(self) -> None:
+        """Until the copies in flight are done."""
+        while self._pending:
+            self._read(block=True)
+
+    def close(self) -> None:
+        """End the copies' process (once its copies are done: `wait` first)."""
+        if self._process is not None:
+            assert self._process.stdin is not None
+            self._process.stdin.close()  # (its orders end: it exits)
+            self._process.wait()
+            self._process, self._pending = None, False
+
+    def _spawn(self) -> subprocess.Popen:
+        """Start this rank's copies' process (it joins the others' at the rendezvous store)."""
+        where = {"out": str(self.out), "rank": self.rank, "plan": self.plan, "name": self.name,
+                 "timeout": self.timeout.total_seconds(), "parent": os.getpid()}
+        package_root = str(Path(__file__).resolve().parents[3])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        return subprocess.Popen([sys.executable, "-m", "aqpipe.runtime.checkpoints.copier", json.dumps(where)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+
+    def _read(self, block: bool) -> None:
+        """Take what the copies' process reported: bytes sent (counted as checkpoint traffic), a step's end. `block`:
+        wait for one report at least."""
+        if self._process is None or self._process.stdout is None:
+            return
+        fd = self._process.stdout.fileno()
+        while True:
+            ready, _, _ = select.select([fd], [], [], None if block else 0)
+            if not ready:
+                return
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:  # it ended: nothing more will come
+                if self._pending:
+                    self.problem = "the copies' process ended"
+                self._pending = False
+                self._process.wait()
+                self._process = None
+                return
+            self._unread += chunk
+            *lines, self._unread = self._unread.split(b"\n")
+            for line in lines:
+                report = json.loads(line)
+                comm.TRAFFIC.add(comm.CHECKPOINT, report.get("sent", 0))
+                if "done" in report:
+                    self._pending, self.problem = False, report["problem"]
+            block = False
+
+
+def run_copies(where: dict, orders, reports) -> None:
+    """The copies' process: join the other ranks' at the rendezvous store, then copy each step `orders` names (JSON
+    lines), writing to `reports` the bytes sent (at most every REPORT_SECONDS) and each step's end."""
+    import time
+
+    import torch.distributed as dist
+
+    rank, plan = where["rank"], {int(src): holders for src, holders in where["plan"].items()}
+    timeout = timedelta(seconds=where["timeout"])
+    address = "127.0.0.1" if os.environ.get(LOOPBACK_ENV) == "1" else os.environ["MASTER_ADDR"]
+    store = dist.TCPStore(address, int(os.environ["MASTER_PORT"]), None, False, timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"aqpipe/copies/{where['name']}", store), rank=rank,
+                            world_size=len(plan), timeout=timeout)
+    for line in orders:
+        order = json.loads(line)
+        step, unsent, told = order["step"], 0, time.monotonic()
+
+        def sent(nbytes: int) -> None:
+            nonlocal unsent, told
+            unsent += nbytes
+            if time.monotonic() - told >= REPORT_SECONDS:
+                _report(reports, {"sent": unsent})
+                unsent, told = 0, time.monotonic()
+
+        problem = ""
+        try:
+            copy_step(Path(where["out"]), step, rank, plan, None, order["rate"], sent)
+        except Exception as e:  # noqa: BLE001 - told to every rank below
+            problem = f"rank {rank}: {type(e).__name__}: {e}"
+        verdicts: list = [None] * len(plan)
+        dist.all_gather_object(verdicts, problem)
+        failed = [v for v in verdicts if v]
+        if failed and rank == 0:
+            print(f"aqpipe: the copies of the checkpoint of step {step} to other hosts failed ({failed[0]}); it counts "
+                  "as complete only while every part is on its own host", file=sys.stderr, flush=True)
+        elif not failed and order["leader"]:
+            write_atomic(step_dir(where["out"], step) / REPLICATED, b"", durable=True)
+        _report(reports, {"sent": unsent, "done": step, "problem": failed[0] if failed else ""})
+
+
+def _report(reports, report: dict) -> None:
+    reports.write(json.dumps(report).encode() + b"\n")
+    reports.flush()
+
+
+def main() -> None:
+    """Entry point of the copies' process (its rank starts it)."""
+    where = json.loads(sys.argv[1])
+    die_with(where["parent"])
+    import torch.distributed  # noqa: F401 - at the rank's priority: once, and the first copies wait for it
+
+    os.setpriority(os.PRIO_PROCESS, 0, NICE)  # (before gloo starts its threads: they take it too)
+    reports = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # (anything else printed goes to the rank's stderr, never into the reports)
+    run_copies(where, sys.stdin.buffer, reports)
+
+
+if __name__ == "__main__":
+    main()
