@@ -267,3 +267,37 @@ def test_the_copies_run_in_a_process_of_their_own_at_the_lowest_priority_that_en
         while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def _copy_with_host_1s_part_gone(rank: int, world: int, root: str):
+    """Each host's part of step 4 exchanged (`copy_step`), host 1's part gone from its disk (its checksum line too)."""
+    import time
+
+    from aqpipe.runtime.checkpoints import copies
+
+    out = Path(root) / f"host-{rank}"
+    ck.save_rank(out, 4, rank, {"model": {"w": torch.randn(100_000)}}, SETTINGS)
+    if rank == 1:
+        for path in ck.step_dir(out, 4).glob("rank-1.*"):
+            path.unlink()
+    start = time.monotonic()
+    try:
+        copies.copy_step(out, 4, rank, copies.copy_plan([f"host-{r}" for r in range(world)], 1), None, 4e6)
+        problem = ""
+    except (RuntimeError, OSError) as e:
+        problem = f"{type(e).__name__}: {e}"
+    return time.monotonic() - start, problem
+
+
+def test_a_part_its_rank_cannot_read_ends_the_exchange_on_every_rank_at_once(tmp_path):
+    """Before, the rank raised before the copies' first collective and the others' collectives met its next one (a
+    hang or garbage); now it takes part with nothing to send and fails, its holder keeps nothing of it and fails, and
+    the third host keeps the copy it received."""
+    results = run_ranks(_copy_with_host_1s_part_gone, 3, str(tmp_path))
+    assert all(status == "ok" for status, _ in results), results
+    seconds, problems = zip(*(value for _, value in results))
+    assert problems[0] == "" and "reading its part" in problems[1]
+    assert "rank 1 could not read its part" in problems[2]
+    assert max(seconds) < 20, seconds
+    assert not ck.rank_file(ck.step_dir(tmp_path / "host-2", 4), 1).exists()
+    ck.check_rank(tmp_path / "host-0", 4, 2, SETTINGS)  # (host 2's part, kept on host 0)

@@ -31,6 +31,7 @@ from aqpipe.runtime.checkpoints.parts import step_dir
 
 NICE = 19  # the copies' process's nice value: on a host whose cores are all busy training, its work waits
 REPORT_SECONDS = 0.5  # the copies' process tells its rank the bytes it sent at most this often
+CLOSE_SECONDS = 30.0  # how long a rank that is done waits for its copies' process to exit before it kills it
 
 
 class CheckpointCopier:
@@ -111,7 +112,11 @@ class CheckpointCopier:
         if self._process is not None:
             assert self._process.stdin is not None
             self._process.stdin.close()  # (its orders end: it exits)
-            self._process.wait()
+            try:
+                self._process.wait(timeout=CLOSE_SECONDS)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
             self._process, self._pending = None, False
 
     def _spawn(self) -> subprocess.Popen:
@@ -206,6 +211,10 @@ def main() -> None:
     reports = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # (anything else printed goes to the rank's stderr, never into the reports)
     run_copies(where, sys.stdin.buffer, reports)
+    reports.close()
+    # no tear-down of the group: the other ranks' copies' processes end at the same moment, and a gloo group
+    # destroyed while its peers close theirs can wait on them
+    os._exit(0)
 
 
 if __name__ == "__main__":
