@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aqpipe.cli import main
-from aqpipe.compress.grad.wire import sync_step_bytes
+from aqpipe.compress.grad.registry import sync_step_bytes
 from aqpipe.config import resolve
 from aqpipe.runtime import capacity as cap
 from aqpipe.runtime.capacity_table import format_plan
@@ -225,7 +225,7 @@ def test_the_plan_counts_the_grad_syncs_copies_where_its_collectives_run(tmp_pat
     at its first grad sync."""
     import dataclasses
 
-    from aqpipe.compress.grad.methods import sync_copies
+    from aqpipe.compress.grad.registry import sync_copies
 
     monkeypatch.setattr(cap, "check_fits", lambda capacity: None)  # (the numbers alone: no machine to fit)
     cfg = flags_to_config([*SMALL, "--dp", "2"], tmp_path)
@@ -335,7 +335,7 @@ def test_a_tied_row_cache_holds_no_optimizer_state_or_grad_sync_memory(tmp_path,
     """The first stage's row cache (--tied-exchange rows) is not in its optimizer nor its grad sync
     (`runtime.assemble`), so it holds no AdamW moments and no error-feedback copies there: the plan counted them
     (SmolLM2-135M's table: ~226 MB of moments and ~1 GB of ef peak on stage 0), and could refuse a run that fits."""
-    from aqpipe.compress.grad.methods import sync_copies
+    from aqpipe.compress.grad.registry import sync_copies
     from aqpipe.pipeline.tied import row_tables
     from aqpipe.pipeline.tied_rows import table_parameter
     from aqpipe.runtime.stage_trace import state_copies

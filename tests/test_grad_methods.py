@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from aqpipe.compress.grad.methods import sync_copies
+from aqpipe.compress.grad.registry import sync_copies
 from tests.distributed import run_ranks
 
 METHODS = ["none", "fp16", "bf16", "powersgd:4", "ef:4", "qadam:4", "topk:0.01", "sidco:exp:0.01", "fft:0.5:8",
@@ -134,7 +134,8 @@ def test_the_plan_counts_what_each_grad_sync_sends(dp, shapes):
     """The bytes per step the capacity plan counts for a replica's grad sync (its step-time bound at --bandwidth) are
     what the code sends, once compressing and in its costliest step (fp32 first steps, Marsit's full-precision
     steps), within 1% (qadam's server chunks round apart from its estimate); sidco at most its target fraction's."""
-    from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC, sync_step_bytes
+    from aqpipe.compress.grad.registry import sync_step_bytes
+    from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC
 
     results = run_ranks(_sent_per_step, dp, WIRE_METHODS, shapes)
     assert all(status == "ok" for status, _ in results), results
@@ -156,6 +157,6 @@ def test_the_plan_counts_what_each_grad_sync_sends(dp, shapes):
 
 
 def test_one_replica_sends_nothing():
-    from aqpipe.compress.grad.wire import sync_step_bytes
+    from aqpipe.compress.grad.registry import sync_step_bytes
 
     assert all(sync_step_bytes(method, 1, SHAPES[1]).costliest == 0 for method in WIRE_METHODS)

@@ -3,10 +3,12 @@
 import re
 
 import pytest
+import torch
 
 from aqpipe.compress.grad import GradSpecError, build_grad_sync, check_pairing, parse_grad_spec
-from aqpipe.compress.grad.base import PATTERNS, DPGroup
+from aqpipe.compress.grad.base import PATTERNS, Compressor, DPGroup
 from aqpipe.compress.grad.methods import METHODS
+from aqpipe.compress.grad.wire import ring_all_reduce_bytes
 
 EXAMPLES = ["none", "fp16", "bf16", "powersgd:2", "ef:4", "topk:0.01", "signsgd", "marsit:0", "marsit:100", "fft:0.9:10", "fft:0:32", "sidco:exp:0.01", "sidco:gamma:0.001", "sidco:gpareto:0.1", "qadam:4"]
 
@@ -41,3 +43,88 @@ def test_sign_methods_need_sgd(text):
     check_pairing(parse_grad_spec(text), "sgd")
     with pytest.raises(GradSpecError, match="use --optimizer sgd"):
         check_pairing(parse_grad_spec(text), "adamw")
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_each_rows_capabilities_are_what_its_class_does(method):
+    """A row says what its class is (the configuration reads the row, before torch loads): sign-based, clippable,
+    and whether the optimizer it needs is its own."""
+    from aqpipe.compress.grad.registry import method_class
+
+    kind, implementation = METHODS[method], method_class(method)
+    assert issubclass(implementation, Compressor)
+    assert (implementation.sign_based, implementation.clippable) == (kind.sign_based, kind.clippable)
+    assert (implementation.own_optimizer is not Compressor.own_optimizer) == kind.own_optimizer
+    assert kind.optimizer in ("", "sgd", "adamw")
+
+
+# A method of this test's own, added the way a new one is added: one row and its class, nothing else anywhere
+class ClampedMean(Compressor):
+    """Each gradient clamped to ±C, then the fp32 mean."""
+
+    pattern = "all-reduce"
+    peak_copies = 2.0
+
+    def __init__(self, dp: DPGroup, bound: float) -> None:
+        super().__init__(dp)
+        self.bound, self.name = bound, f"clampmean:{bound:g}"
+
+    def combine(self, flat: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        flat = flat.clamp(-self.bound, self.bound)
+        dist.all_reduce(flat, group=self.dp.group)
+        self.bytes_sent += ring_all_reduce_bytes(4 * flat.numel(), self.dp.size)
+        return flat.div_(self.dp.size)
+
+
+def _fixture_row():
+    from aqpipe.compress.grad.methods import MethodKind, Param
+
+    return MethodKind((Param("C", float, lambda bound: bound > 0, "the bound C must be positive"),),
+                      "each gradient clamped to ±C, then the fp32 mean", f"{__name__}:ClampedMean")
+
+
+def _two_replicas_run_the_new_method(rank: int, world: int) -> list[float]:
+    METHODS["clampmean"] = _fixture_row()
+    sync = build_grad_sync("clampmean:0.5", DPGroup(None, tuple(range(world)), rank))
+    param = torch.nn.Parameter(torch.zeros(3))
+    param.grad = torch.tensor([1.0, -0.2, 0.1]) * (rank + 1)  # rank 1: [2, -0.4, 0.2]
+    sync.synchronize([param])
+    return [*param.grad.tolist(), sync.bytes_sent]
+
+
+def test_a_new_method_is_one_row_and_its_class(monkeypatch, tmp_path):
+    """Added as a user adds one (a row naming its class), a method parses with its argument checked, is in the help,
+    passes the configuration, is sized by the capacity plan from its class, and runs on two replicas."""
+    import dataclasses
+
+    from aqpipe.compress.grad.methods import describe_methods_help
+    from aqpipe.compress.grad.registry import sync_copies, sync_step_bytes
+    from aqpipe.compress.grad.wire import SyncBytes
+    from aqpipe.runtime import capacity as cap
+    from aqpipe.runtime.plan import make_plan
+    from tests.distributed import run_ranks
+    from tests.test_capacity import SMALL, flags_to_config
+
+    monkeypatch.setitem(METHODS, "clampmean", _fixture_row())
+    assert parse_grad_spec("clampmean:0.5").args == (0.5,)
+    with pytest.raises(GradSpecError, match="the bound C must be positive"):
+        parse_grad_spec("clampmean:0")
+    with pytest.raises(GradSpecError, match="write it as clampmean:C"):
+        parse_grad_spec("clampmean")
+    assert "clampmean:C (each gradient clamped" in describe_methods_help()
+    check_pairing(parse_grad_spec("clampmean:1"), "sgd")
+
+    shapes = [(10, 4), (4,)]
+    assert sync_step_bytes("clampmean:0.5", 2, shapes) == SyncBytes.every_step(ring_all_reduce_bytes(4 * 44, 2))
+    assert sync_copies("clampmean:0.5", 2) == (0.0, 2.0) and sync_copies("clampmean:0.5", 1) == (0.0, 0.0)
+    monkeypatch.setattr(cap, "check_fits", lambda capacity: None)
+    cfg = flags_to_config([*SMALL, "--dp", "2", "--grad-sync", "clampmean:0.5"], tmp_path)
+    plan = cap.plan_capacity(make_plan(dataclasses.replace(cfg)))
+    assert all(s.sync_peak_bytes == int(4 * 2.0 * s.trainable) for s in plan.stages if s.trainable)
+
+    results = run_ranks(_two_replicas_run_the_new_method, 2)
+    assert all(status == "ok" for status, _ in results), results
+    for _, (*grad, sent) in results:
+        assert grad == pytest.approx([0.5, -0.3, 0.15]) and sent == ring_all_reduce_bytes(12, 2)

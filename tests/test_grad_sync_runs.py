@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from aqpipe.compress.bitpack import packed_bytes
-from aqpipe.compress.grad.base import all_gather_bytes, ring_all_reduce_bytes
 from aqpipe.compress.grad.fft import CALIBRATION
 from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.compress.grad.quantized import CHUNK
 from aqpipe.compress.grad.ring import chunk_size
 from aqpipe.compress.grad.signsgd import count_bits
+from aqpipe.compress.grad.wire import all_gather_bytes, ring_all_reduce_bytes
 from tests import warm
 from tests.distributed import run_ranks
 

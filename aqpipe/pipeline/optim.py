@@ -24,14 +24,13 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW or SGD (with `momentum`) with a linear warm-up over `warmup_steps`, then linear decay to 0 at
     `total_steps`. With the qadam grad sync, AdamW is its QuantizedAdam, which exchanges the momentum through that
-    sync."""
-    from aqpipe.compress.grad.qadam import QAdamSync, QuantizedAdam
-
+    sync (`GradSync.own_optimizer`)."""
     # one group, given as a group so that a stage with nothing to train (an embedding-only stage under LoRA) still
     # gets an optimizer: torch refuses an empty parameter list, not an empty group
     params = [{"params": list(params)}]  # type: ignore[list-item]
-    if name == "adamw" and isinstance(grad_sync, QAdamSync):
-        optimizer: torch.optim.Optimizer = QuantizedAdam(params, grad_sync, lr=lr, weight_decay=weight_decay)
+    own = grad_sync.own_optimizer(params, name, lr, weight_decay) if grad_sync is not None else None
+    if own is not None:
+        optimizer: torch.optim.Optimizer = own
     elif name == "adamw":
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     elif name == "sgd":

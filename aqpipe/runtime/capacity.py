@@ -19,9 +19,9 @@ import torch
 
 from aqpipe.compress import cuda_graphs
 from aqpipe.compress.grad.base import ring_all_reduce_bytes
-from aqpipe.compress.grad.methods import gloo_gpu_copies, sync_copies
 from aqpipe.compress.grad.qadam import freeze_step
-from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC, SyncBytes, sync_step_bytes
+from aqpipe.compress.grad.registry import gloo_gpu_copies, sync_copies, sync_step_bytes
+from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC, SyncBytes
 from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_bytes, numel
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ConfigError, ResolvedConfig
@@ -58,7 +58,7 @@ class StageNeeds:
     store_bytes: int = 0  # the m(ξ) sides this rank keeps (bytes of values; on disk under lmdb, with its headroom)
     store_where: str = "RAM"  # RAM (--store memory), GPU (--store-device cuda) or disk (--store lmdb)
     codec_bytes: int = 0  # what its codecs' CUDA graphs hold on its GPU for the run (`aqpipe.runtime.codec_graphs`)
-    # what the replicas' grad sync holds in the stage's device memory (`methods.sync_copies`): from step to step, and
+    # what the replicas' grad sync holds in the stage's device memory (`registry.sync_copies`): from step to step, and
     # at its peak while it runs after the step's backward passes (activations freed); under gloo on a GPU only the
     # flat gradient and its result, the rest staged in host RAM ("RAM")
     sync_kept_bytes: int = 0

@@ -14,11 +14,15 @@ momentum β·m + (1−β)·g instead of its gradient (Signum).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
+
+from aqpipe.compress.grad.methods import GradSpec
+from aqpipe.compress.grad.wire import SyncBytes, ring_all_reduce_bytes
 
 PATTERNS = ("all-reduce", "all-gather", "ring", "two-phase", "multi-round")
 
@@ -59,6 +63,9 @@ class GradSync(Protocol):
     clippable: bool  # the result is in gradient units, so the global-norm clip applies to it
 
     def synchronize(self, params: Sequence[torch.nn.Parameter]) -> None: ...
+
+    def own_optimizer(self, params: list, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer | None:
+        ...
 
     def state_dict(self) -> dict: ...
 
@@ -108,12 +115,50 @@ def write_back(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
 
 
 class Compressor:
-    """Shared plumbing: the group, the byte counter, and state that is just a dict of tensors and numbers."""
+    """Shared plumbing: the group, the byte counter, and state that is just a dict of tensors and numbers; and what a
+    method's class tells before it is built (`from_spec`, `step_bytes`, `memory_copies`), read through
+    `aqpipe.compress.grad.registry`."""
 
     name = "none"
     pattern = "all-reduce"
     sign_based = False
     clippable = True
+    # fp32 copies of a stage's trained parameters the method keeps from step to step where the replicas' collectives
+    # run (a GPU under NCCL, else the host), and the most it holds at once while it runs, kept state included: measured
+    # on gloo ranks with every storage its ops make counted and every buffer a collective sends held to the end, at
+    # 1-4 replicas (tests/test_grad_methods.py holds them to what the code does); the messages a method gathers add
+    # their share per replica (`memory_copies`)
+    kept_copies: ClassVar[float] = 0.0
+    peak_copies: ClassVar[float] = 1.0
+    # what it holds on the GPU when its collectives are staged through the host (gloo, ranks sharing a GPU): the flat
+    # gradient and its result
+    gloo_gpu_copies: ClassVar[float] = 2.0
+
+    @classmethod
+    def from_spec(cls, spec: GradSpec, dp: DPGroup, seed: int, freeze_after: int, momentum: float) -> Compressor:
+        """The sync of a parsed --grad-sync value for `dp` (seed: its random choices; freeze_after: the steps of an
+        fp32 warm-up; momentum: a sign method's local momentum)."""
+        return cls(dp, *spec.args)
+
+    @classmethod
+    def step_bytes(cls, spec: GradSpec, dp: int, shapes: Sequence[tuple[int, ...]], freeze_after: int) -> SyncBytes:
+        """What one replica of `dp` (at least 2) hands to the network in a step for parameters of `shapes`."""
+        values = sum(math.prod(shape) for shape in shapes)
+        return SyncBytes.every_step(ring_all_reduce_bytes(4 * values, dp))
+
+    @classmethod
+    def memory_copies(cls, spec: GradSpec, dp: int) -> tuple[float, float]:
+        """fp32 copies of the trained parameters one replica of `dp` holds where its collectives run: (kept from step
+        to step, the most at once, that included). Without replicas there is nothing to exchange, so nothing held,
+        but for a sign method's vote."""
+        if dp < 2 and not cls.sign_based:
+            return 0.0, 0.0
+        return cls.kept_copies, cls.peak_copies
+
+    def own_optimizer(self, params: list, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer | None:
+        """The optimizer --optimizer `name` is under this method where it is the method's own (it exchanges the
+        optimizer's state through the sync); else None."""
+        return None
 
     def __init__(self, dp: DPGroup, momentum: float = 0.0) -> None:
         self.dp = dp
@@ -192,13 +237,3 @@ class AllReduceMean(Compressor):
         dist.all_reduce(flat, group=self.dp.group)
         self.bytes_sent += ring_all_reduce_bytes(flat.numel() * 4, self.dp.size)
         return flat.div_(self.dp.size)
-
-
-def ring_all_reduce_bytes(nbytes: int, n: int) -> int:
-    """What one member of a ring all-reduce of `nbytes` sends: 2·(n−1)/n of it (reduce-scatter, then all-gather)."""
-    return 2 * (n - 1) * nbytes // n
-
-
-def all_gather_bytes(nbytes: int, n: int) -> int:
-    """What one member sends in an all-gather of its `nbytes` over a ring: its part, passed on n−1 times."""
-    return (n - 1) * nbytes

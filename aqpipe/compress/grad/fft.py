@@ -15,13 +15,16 @@ width that reconstructs the calibration values best.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
 from aqpipe.compress.grad.base import Compressor, DPGroup, ring_all_reduce_bytes
 from aqpipe.compress.grad.gather import all_gather_bytes_payloads
+from aqpipe.compress.grad.methods import GradSpec
 from aqpipe.compress.grad.wire import FFT_CALIBRATION_STEPS as CALIBRATION
+from aqpipe.compress.grad.wire import FIRST_STEPS, SyncBytes, gathered_message_bytes
 
 
 class OffsetFloat:
@@ -116,6 +119,7 @@ class FFTSparsifier(Compressor):
     """Top-(1−θ) frequency components, bitmap + N-bit offset floats, all-gathered."""
 
     pattern = "all-gather"
+    peak_copies = 8.2
 
     def __init__(self, dp: DPGroup, theta: float, bits: int) -> None:
         super().__init__(dp)
@@ -123,6 +127,26 @@ class FFTSparsifier(Compressor):
         self.name = f"fft:{theta:g}:{bits}"
         self.calibration: list[float] = []
         self.format: OffsetFloat | None = None
+
+    @classmethod
+    def step_bytes(cls, spec: GradSpec, dp: int, shapes: Sequence[tuple[int, ...]], freeze_after: int) -> SyncBytes:
+        """A bitmap of the real FFT's components and the kept ones' parts: fp32 while it calibrates its format."""
+        theta, bits = spec.args
+        length = sum(math.prod(shape) for shape in shapes) // 2 + 1
+        kept, bitmap = kept_count(length, theta), packed_bytes(length, 1)
+        calibrating = gathered_message_bytes(bitmap + 1 + 8 * kept, dp)
+        if bits == 32:
+            return SyncBytes.every_step(calibrating)
+        steady = gathered_message_bytes(bitmap + 1 + -(-2 * kept * bits // 8), dp)
+        return SyncBytes(steady, calibrating, FIRST_STEPS, CALIBRATION)
+
+    @classmethod
+    def memory_copies(cls, spec: GradSpec, dp: int) -> tuple[float, float]:
+        """Every replica's spectrum, a fraction 1 − THETA of a copy while sent in fp32."""
+        if dp < 2:
+            return 0.0, 0.0
+        theta, bits = spec.args
+        return 0.0, max(cls.peak_copies if bits < 32 else 0.0, 4.3 + (dp + 1) * (1 - theta))
 
     def encode(self, flat: torch.Tensor) -> torch.Tensor:
         """This replica's message: [bitmap of kept components | their real, imaginary parts]."""

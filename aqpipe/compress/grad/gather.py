@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from aqpipe.compress.grad.base import DPGroup, all_gather_bytes
-from aqpipe.compress.grad.wire import GATHER_HEADER
+from aqpipe.compress.grad.base import DPGroup
+from aqpipe.compress.grad.wire import gathered_message_bytes
 
 
 def all_gather_bytes_payloads(dp: DPGroup, payload: torch.Tensor) -> tuple[list[torch.Tensor], int]:
@@ -26,5 +26,5 @@ def all_gather_bytes_payloads(dp: DPGroup, payload: torch.Tensor) -> tuple[list[
     padded[: payload.numel()] = payload
     out = [torch.empty_like(padded) for _ in range(n)]
     dist.all_gather(out, padded, group=dp.group)
-    sent = all_gather_bytes(GATHER_HEADER + longest, n)
+    sent = gathered_message_bytes(longest, n)
     return [o[:size] for o, size in zip(out, sizes)], sent

@@ -19,10 +19,15 @@ momentum 0; `--momentum` makes each replica compensate its local momentum instea
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 from aqpipe.compress.grad import ring
-from aqpipe.compress.grad.base import Compressor, DPGroup, ring_all_reduce_bytes
+from aqpipe.compress.grad.base import Compressor, DPGroup
+from aqpipe.compress.grad.methods import GradSpec
+from aqpipe.compress.grad.wire import PERIODIC, SyncBytes, active_rows_bytes, ring_all_reduce_bytes
 
 
 def fold(received: torch.Tensor, own: torch.Tensor, m: int, generator: torch.Generator) -> torch.Tensor:
@@ -38,6 +43,7 @@ class Marsit(Compressor):
 
     pattern = "ring"
     sign_based = True
+    kept_copies, peak_copies = 1.0, 11.1
 
     def __init__(self, dp: DPGroup, period: int, seed: int = 0, momentum: float = 0.0) -> None:
         super().__init__(dp, momentum)
@@ -45,6 +51,23 @@ class Marsit(Compressor):
         self.name = f"marsit:{period}"
         self.compensation: torch.Tensor | None = None
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + dp.ranks[dp.index])
+
+    @classmethod
+    def from_spec(cls, spec: GradSpec, dp: DPGroup, seed: int, freeze_after: int, momentum: float) -> Marsit:
+        return cls(dp, spec.args[0], seed=seed, momentum=momentum)
+
+    @classmethod
+    def step_bytes(cls, spec: GradSpec, dp: int, shapes: Sequence[tuple[int, ...]], freeze_after: int) -> SyncBytes:
+        """With every row active: at most what it sends. Sign bits over a ring and a step size per tensor; every K-th
+        step the fp32 average instead."""
+        values = sum(math.prod(shape) for shape in shapes)
+        active, chunk = active_rows_bytes(shapes, dp), -(-values // dp)
+        signs = active + 2 * (dp - 1) * -(-chunk // 8) + ring_all_reduce_bytes(4 * len(shapes), dp)
+        period = spec.args[0]
+        if period == 0:
+            return SyncBytes.every_step(signs)
+        full = active + ring_all_reduce_bytes(4 * values, dp)
+        return SyncBytes(full if period == 1 else signs, full, PERIODIC)
 
     def full_precision_now(self) -> bool:
         """Whether this step (the `calls`-th, from 0) is a full-precision round."""

@@ -8,6 +8,7 @@ interface. The first two steps are plain all-reduces (torch's hook compresses fr
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import cast
 
@@ -16,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-from aqpipe.compress.grad.base import Compressor, DPGroup, flatten, gradients, ring_all_reduce_bytes
-from aqpipe.compress.grad.wire import POWERSGD_PLAIN_STEPS
+from aqpipe.compress.grad.base import Compressor, DPGroup, flatten, gradients
+from aqpipe.compress.grad.methods import GradSpec
+from aqpipe.compress.grad.wire import FIRST_STEPS, POWERSGD_PLAIN_STEPS, SyncBytes, ring_all_reduce_bytes
 
 
 class _Bucket:
@@ -69,6 +71,8 @@ class PowerSGD(Compressor):
     """Low-rank gradient approximation P·Qᵀ per weight matrix; vectors and small matrices go uncompressed."""
 
     pattern = "multi-round"  # two all-reduces (P, then Q) per step
+    # its error and its factors (R·(m + n) values of an m × n matrix, factored only where that is at most half of it)
+    kept_copies, peak_copies = 1.5, 4.1
 
     def __init__(self, dp: DPGroup, rank: int, seed: int = 0) -> None:
         super().__init__(dp)
@@ -77,6 +81,17 @@ class PowerSGD(Compressor):
                                         start_powerSGD_iter=POWERSGD_PLAIN_STEPS,
                                         min_compression_rate=2, use_error_feedback=True, warm_start=True,
                                         random_seed=seed)
+
+    @classmethod
+    def from_spec(cls, spec: GradSpec, dp: DPGroup, seed: int, freeze_after: int, momentum: float) -> PowerSGD:
+        return cls(dp, spec.args[0], seed=seed)
+
+    @classmethod
+    def step_bytes(cls, spec: GradSpec, dp: int, shapes: Sequence[tuple[int, ...]], freeze_after: int) -> SyncBytes:
+        """The factors, after the hook's first steps of plain fp32 all-reduces."""
+        factored = ring_all_reduce_bytes(4 * sum(factored_values(shape, spec.args[0]) for shape in shapes), dp)
+        fp32 = ring_all_reduce_bytes(4 * sum(math.prod(shape) for shape in shapes), dp)
+        return SyncBytes(factored, max(factored, fp32), FIRST_STEPS, POWERSGD_PLAIN_STEPS)
 
     def synchronize(self, params: Sequence[torch.nn.Parameter]) -> None:
         if self.dp.size == 1:
@@ -111,3 +126,15 @@ class PowerSGD(Compressor):
         self.state.p_memory_dict, self.state.q_memory_dict = dict(state["p"]), dict(state["q"])
         keys, pos, has_gauss, gauss = state["rng"]
         self.state.rng.set_state(("MT19937", keys.cpu().numpy().astype(np.uint32), int(pos), int(has_gauss), float(gauss)))
+
+
+def factored_values(shape: tuple[int, ...], rank: int) -> int:
+    """Values torch's PowerSGD hook all-reduces for one tensor: its factors P and Q where they are less than half of
+    it (the hook's min_compression_rate of 2, on the tensor viewed as shape[0] rows), else the tensor."""
+    size = math.prod(shape)
+    if len(shape) < 2:
+        return size
+    rows = shape[0]
+    cols = size // rows if rows else 0
+    factors = (rows + cols) * min(rows, cols, rank)
+    return factors if 2 * factors < size else size

@@ -18,8 +18,10 @@ import torch
 
 from aqpipe.compress.grad.base import AllReduceMean, DPGroup, gradients
 from aqpipe.compress.grad.feedback import ErrorFeedback
+from aqpipe.compress.grad.methods import GradSpec
 from aqpipe.compress.grad.quantized import decode, encode
 from aqpipe.compress.grad.ring import chunk_size
+from aqpipe.compress.grad.wire import FIRST_STEPS, SyncBytes, quantized_bytes, ring_all_reduce_bytes
 
 
 class QAdamSync(AllReduceMean):
@@ -27,6 +29,11 @@ class QAdamSync(AllReduceMean):
 
     name = "qadam"
     pattern = "two-phase"
+    # its worker residual (its server residual, a 1/dp chunk, comes on top); at its peak the optimizer's momentum
+    # exchange included
+    kept_copies, peak_copies = 1.0, 9.1
+    ALONE_PEAK = 3.1  # its step at dp 1
+    gloo_gpu_copies = 3.0  # the flat gradient, its momentum, the averaged one and the step's denominator
 
     def __init__(self, dp: DPGroup, bits: int, warmup_steps: int) -> None:
         super().__init__(dp)
@@ -34,6 +41,27 @@ class QAdamSync(AllReduceMean):
         self.name = f"qadam:{bits}"
         self.worker_feedback, self.server_feedback = ErrorFeedback(), ErrorFeedback()
         self.momentum_round = False
+
+    @classmethod
+    def from_spec(cls, spec: GradSpec, dp: DPGroup, seed: int, freeze_after: int, momentum: float) -> QAdamSync:
+        return cls(dp, spec.args[0], warmup_steps=freeze_after)
+
+    @classmethod
+    def step_bytes(cls, spec: GradSpec, dp: int, shapes: Sequence[tuple[int, ...]], freeze_after: int) -> SyncBytes:
+        """fp32 averages until v freezes after `freeze_after` steps; then each replica's chunk of 1/dp of the
+        momentum to its server, and the server's back to all."""
+        values = sum(math.prod(shape) for shape in shapes)
+        chunks = 2 * (dp - 1) * quantized_bytes(-(-values // dp), spec.args[0])
+        return SyncBytes(chunks, max(chunks, ring_all_reduce_bytes(4 * values, dp)), FIRST_STEPS, freeze_after)
+
+    @classmethod
+    def memory_copies(cls, spec: GradSpec, dp: int) -> tuple[float, float]:
+        """Its step runs alone too (AdamW with a frozen v)."""
+        return (0.0, cls.ALONE_PEAK) if dp < 2 else (cls.kept_copies + 1 / dp, cls.peak_copies)
+
+    def own_optimizer(self, params: list, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer | None:
+        """AdamW (the only optimizer qadam runs under) is its QuantizedAdam."""
+        return QuantizedAdam(params, self, lr=lr, weight_decay=weight_decay) if name == "adamw" else None
 
     @property
     def frozen(self) -> bool:

@@ -7,13 +7,18 @@ replica's message and averages. What quantization lost stays in the error-feedba
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
 from aqpipe.compress.grad.base import DPGroup
 from aqpipe.compress.grad.feedback import FeedbackCompressor
 from aqpipe.compress.grad.gather import all_gather_bytes_payloads
+from aqpipe.compress.grad.methods import GradSpec
 from aqpipe.compress.grad.wire import QUANTIZED_CHUNK as CHUNK
+from aqpipe.compress.grad.wire import SyncBytes, gathered_message_bytes, quantized_bytes
 from aqpipe.compress.quantize import Quantized, dequantize, quantize
 
 
@@ -39,11 +44,24 @@ class ErrorFeedbackQuantized(FeedbackCompressor):
     """EF + B-bit quantization; all-gather pattern (quantized codes cannot be summed on the wire)."""
 
     pattern = "all-gather"
+    kept_copies, peak_copies = 1.0, 8.6
 
     def __init__(self, dp: DPGroup, bits: int) -> None:
         super().__init__(dp)
         self.bits = bits
         self.name = f"ef:{bits}"
+
+    @classmethod
+    def step_bytes(cls, spec: GradSpec, dp: int, shapes: Sequence[tuple[int, ...]], freeze_after: int) -> SyncBytes:
+        values = sum(math.prod(shape) for shape in shapes)
+        return SyncBytes.every_step(gathered_message_bytes(quantized_bytes(values, spec.args[0]), dp))
+
+    @classmethod
+    def memory_copies(cls, spec: GradSpec, dp: int) -> tuple[float, float]:
+        """Its residual, and every replica's B-bit message on top of the peak."""
+        if dp < 2:
+            return 0.0, 0.0
+        return cls.kept_copies, cls.peak_copies + dp * spec.args[0] / 32
 
     def combine(self, flat: torch.Tensor) -> torch.Tensor:
         compensated = self.feedback.compensate(flat)

@@ -1,38 +1,48 @@
-"""Building the compressor of one DP group from a `--grad-sync` value (the names: `aqpipe.compress.grad.methods`)."""
+"""Where a --grad-sync value becomes its method's class (the table: `aqpipe.compress.grad.methods`): the sync of one
+DP group, and what the capacity plan reads before anything runs — a replica's bytes per step and its memory."""
 
 from __future__ import annotations
 
-import torch
+import importlib
+import math
+from collections.abc import Sequence
 
-from aqpipe.compress.grad.base import AllReduceMean, DPGroup, GradSync
-from aqpipe.compress.grad.methods import parse_grad_spec
+from aqpipe.compress.grad.base import Compressor, DPGroup, GradSync
+from aqpipe.compress.grad.methods import METHODS, parse_grad_spec
+from aqpipe.compress.grad.wire import SyncBytes
+
+
+def method_class(method: str) -> type[Compressor]:
+    """The class that implements a --grad-sync method (its row's `implementation`, imported on first use)."""
+    module, _, name = METHODS[method].implementation.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def build_grad_sync(text: str, dp: DPGroup, seed: int = 0, freeze_after: int = 1, momentum: float = 0.0) -> GradSync:
     """The compressor of one stage's DP group for a --grad-sync value (qadam freezes v after `freeze_after` steps; the
     sign-based methods vote on a local momentum when `momentum` > 0)."""
-    from aqpipe.compress.grad.cast import CastAllReduce
-    from aqpipe.compress.grad.fft import FFTSparsifier
-    from aqpipe.compress.grad.marsit import Marsit
-    from aqpipe.compress.grad.powersgd import PowerSGD
-    from aqpipe.compress.grad.qadam import QAdamSync
-    from aqpipe.compress.grad.quantized import ErrorFeedbackQuantized
-    from aqpipe.compress.grad.sidco import SIDCo
-    from aqpipe.compress.grad.signsgd import SignSGD
-    from aqpipe.compress.grad.topk import TopK
-
     spec = parse_grad_spec(text)
-    builders = {
-        "none": lambda: AllReduceMean(dp),
-        "fp16": lambda: CastAllReduce(dp, torch.float16),
-        "bf16": lambda: CastAllReduce(dp, torch.bfloat16),
-        "powersgd": lambda: PowerSGD(dp, int(spec.args[0]), seed=seed),
-        "ef": lambda: ErrorFeedbackQuantized(dp, *spec.args),
-        "qadam": lambda: QAdamSync(dp, int(spec.args[0]), warmup_steps=freeze_after),
-        "topk": lambda: TopK(dp, *spec.args),
-        "sidco": lambda: SIDCo(dp, *spec.args),
-        "fft": lambda: FFTSparsifier(dp, *spec.args),
-        "signsgd": lambda: SignSGD(dp, seed=seed, momentum=momentum),
-        "marsit": lambda: Marsit(dp, int(spec.args[0]), seed=seed, momentum=momentum),
-    }
-    return builders[spec.method]()
+    return method_class(spec.method).from_spec(spec, dp, seed, freeze_after, momentum)
+
+
+def sync_step_bytes(text: str, dp: int, shapes: Sequence[tuple[int, ...]], qadam_warmup_steps: int = 1) -> SyncBytes:
+    """What one replica of `dp` hands to the network in an optimizer step for synchronized parameters of `shapes`
+    (qadam exchanging fp32 averages for `qadam_warmup_steps` steps): exact for the formats' fixed sizes, sidco's at
+    its target fraction, the sign-based methods' with every row active (at most what they send). Nothing without
+    replicas. tests/test_grad_methods.py holds it to the bytes the code counts."""
+    spec = parse_grad_spec(text)
+    if dp < 2 or sum(math.prod(shape) for shape in shapes) == 0:
+        return SyncBytes(0, 0)
+    return method_class(spec.method).step_bytes(spec, dp, shapes, qadam_warmup_steps)
+
+
+def sync_copies(text: str, dp: int) -> tuple[float, float]:
+    """fp32 copies of a stage's trained parameters one replica's grad sync holds where its collectives run: (what it
+    keeps from step to step, the most it holds at once while it runs, that included)."""
+    spec = parse_grad_spec(text)
+    return method_class(spec.method).memory_copies(spec, dp)
+
+
+def gloo_gpu_copies(text: str) -> float:
+    """fp32 copies of the trained parameters a grad sync staged through the host holds on the GPU at its peak."""
+    return method_class(parse_grad_spec(text).method).gloo_gpu_copies

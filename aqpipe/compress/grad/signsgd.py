@@ -14,11 +14,15 @@ the paper's "otherwise negative" would push every tied coordinate the same way.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 from aqpipe.compress.grad import ring
 from aqpipe.compress.grad.base import Compressor, DPGroup
-from aqpipe.compress.grad.wire import count_bits
+from aqpipe.compress.grad.methods import GradSpec
+from aqpipe.compress.grad.wire import SyncBytes, active_rows_bytes, count_bits
 
 
 def bits_per_element(members: int) -> float:
@@ -40,10 +44,23 @@ class SignSGD(Compressor):
     pattern = "ring"
     sign_based = True
     clippable = False  # ±1 per coordinate is the update itself; clipping its norm would only shrink every step
+    peak_copies = 5.8
 
     def __init__(self, dp: DPGroup, seed: int = 0, momentum: float = 0.0) -> None:
         super().__init__(dp, momentum)
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + dp.ranks[dp.index])
+
+    @classmethod
+    def from_spec(cls, spec: GradSpec, dp: DPGroup, seed: int, freeze_after: int, momentum: float) -> SignSGD:
+        return cls(dp, seed=seed, momentum=momentum)
+
+    @classmethod
+    def step_bytes(cls, spec: GradSpec, dp: int, shapes: Sequence[tuple[int, ...]], freeze_after: int) -> SyncBytes:
+        """With every row active (unused rows of a table vote on nothing): at most what it sends. Counts of +1 votes
+        growing a bit wider as they pass replicas, then the majority's bits."""
+        chunk = -(-sum(math.prod(shape) for shape in shapes) // dp)
+        counts = sum(-(-chunk * count_bits(hop + 1) // 8) for hop in range(dp - 1))
+        return SyncBytes.every_step(active_rows_bytes(shapes, dp) + counts + (dp - 1) * -(-chunk // 8))
 
     def combine(self, flat: torch.Tensor) -> torch.Tensor:
         n = self.dp.size

@@ -4,12 +4,15 @@ the rest; replicas all-gather (value, index) pairs and average the scattered sum
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from aqpipe.compress.grad.base import DPGroup
 from aqpipe.compress.grad.feedback import FeedbackCompressor
 from aqpipe.compress.grad.gather import all_gather_bytes_payloads
+from aqpipe.compress.grad.methods import GradSpec
+from aqpipe.compress.grad.wire import SyncBytes, gathered_message_bytes
 
 
 def sparse_payload(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -30,15 +33,36 @@ def scatter_payloads(payloads: list[torch.Tensor], numel: int) -> torch.Tensor:
     return total.div_(len(payloads))
 
 
+def sparse_step_bytes(fraction: float, dp: int, shapes: Sequence[tuple[int, ...]]) -> SyncBytes:
+    """A replica's step of sparse messages keeping `fraction` of the values: fp32 values and int32 indices."""
+    kept = max(1, math.ceil(fraction * sum(math.prod(shape) for shape in shapes)))
+    return SyncBytes.every_step(gathered_message_bytes(8 * kept, dp))
+
+
+def sparse_copies(fraction: float, dp: int, kept: float, peak: float) -> tuple[float, float]:
+    """(kept, peak) copies of a sparsifier's sync: its own, with the kept fraction's values and indices, and every
+    replica's, on top of the peak."""
+    return kept, peak + 9 * fraction + 2.5 * fraction * dp
+
+
 class TopK(FeedbackCompressor):
     """Top-k sparsification with error feedback, all-gather pattern."""
 
     pattern = "all-gather"
+    kept_copies, peak_copies = 1.0, 5.1
 
     def __init__(self, dp: DPGroup, fraction: float) -> None:
         super().__init__(dp)
         self.fraction = fraction
         self.name = f"topk:{fraction:g}"
+
+    @classmethod
+    def step_bytes(cls, spec: GradSpec, dp: int, shapes: Sequence[tuple[int, ...]], freeze_after: int) -> SyncBytes:
+        return sparse_step_bytes(spec.args[0], dp, shapes)
+
+    @classmethod
+    def memory_copies(cls, spec: GradSpec, dp: int) -> tuple[float, float]:
+        return (0.0, 0.0) if dp < 2 else sparse_copies(spec.args[0], dp, cls.kept_copies, cls.peak_copies)
 
     def combine(self, flat: torch.Tensor) -> torch.Tensor:
         compensated = self.feedback.compensate(flat)
