@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from aqpipe.compress.link.codecs import QuantOptions, build_codec
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.options import QuantOptions
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ResolvedConfig
 from aqpipe.launch.gpu_sharing import local_sharing_note
-from aqpipe.pipeline.mixed_precision import autocast
-from aqpipe.pipeline.transport import Header
+from aqpipe.pipeline.links.transport import Header
+from aqpipe.pipeline.numerics.mixed_precision import autocast
 from aqpipe.runtime.capacity import LinkNeeds, TiedNeeds, plan_capacity, steady_payload_bytes
 from aqpipe.runtime.capacity_table import format_tied
 from aqpipe.runtime.plan import RunPlan

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,21 @@ class MetricsLog:
         self._file.close()
 
 
-def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall_seconds: float) -> dict:
-    """The run summary of CONTRACT.md from the per-step records.
+@dataclass(frozen=True)
+class RunTotals:
+    """What a run's summary counts beyond its step records: its restarts, the bytes that travelled outside every
+    record (`setup`, and since the last record `control` and `checkpoint`, by traffic class) and the final weights'
+    gather."""
+
+    restarts: int = 0
+    unrecorded: dict[str, int] = field(default_factory=dict)
+    final_weights_bytes: int = 0
+
+
+def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall_seconds: float,
+              totals: RunTotals = RunTotals()) -> dict:
+    """The run summary of CONTRACT.md from the per-step records and the run's `totals` (the exports' paths and the
+    data's description are the run's to add).
 
     final_loss: mean loss of the last epoch (of the last 10% of steps when the run was sized by --steps);
     samples_per_second: median over the steps after the warm-up epochs (over all steps if none are after).
@@ -53,10 +67,11 @@ def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall
         last_epoch = records[-1]["epoch"]
         tail = [r for r in records if r["epoch"] == last_epoch]
     after_warmup = [r for r in records if r["epoch"] >= warmup_epochs] or records
+    last = records[-1]
     return {
         "final_loss": statistics.fmean(r["loss"] for r in tail),
         "steps": len(records),
-        "epochs": records[-1]["epoch"] + 1,
+        "epochs": last["epoch"] + 1,
         "samples_per_second": statistics.median(r["samples_per_second"] for r in after_warmup),
         "link_bytes": {
             "fwd": sum(r["fwd_bytes"] for r in records),
@@ -71,13 +86,27 @@ def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall
         },
         "grad_sync_bytes": sum(r["grad_sync_bytes"] for r in records),
         "tied_bytes": sum(r.get("tied_bytes", 0) for r in records),
-        "traffic": traffic_totals(records),
+        "traffic": traffic_totals(records, totals),
+        "final_weights_bytes": totals.final_weights_bytes,
         "wall_seconds": wall_seconds,
         "compute_seconds": sum(r["compute_seconds"] for r in records),
         "comm_wait_seconds": sum(r["comm_wait_seconds"] for r in records),
-        "store": {"hits": 0, "misses": 0, "reseeded": 0, "overflow": 0},
+        # the store's counters are running totals: the last record's are the run's
+        "store": {name: last.get(f"store_{name}", 0) for name in ("hits", "misses", "reseeded", "overflow")},
+        "skipped_steps": sum(1 for r in records if r.get("skipped")),
+        "restarts": totals.restarts,
         **_aqsgd_fidelity(tail),
+        **_last_evaluation(records),
     }
+
+
+def _last_evaluation(records: list[dict]) -> dict:
+    """The last evaluation's numbers as summary fields (eval_loss, eval_accuracy, …), with the step it ran at."""
+    evaluated = [r for r in records if "eval_loss" in r]
+    if not evaluated:
+        return {}
+    final = evaluated[-1]
+    return {**{k: v for k, v in final.items() if k.startswith("eval_")}, "eval_step": final["step"]}
 
 
 def run_bytes_per_element(records: list[dict]) -> dict:
@@ -101,9 +130,13 @@ TRAFFIC_FIELDS = {"link_payload": ("fwd_bytes", "bwd_bytes"), "link_framing": ("
                   "evaluation": ("eval_bytes",), "checkpoint": ("checkpoint_bytes",)}
 
 
-def traffic_totals(records: list[dict]) -> dict:
-    """Bytes the whole run sent, by traffic class, and in all (the final weights' gather is added by the run)."""
-    totals = {name: sum(r.get(f, 0) for r in records for f in fields) for name, fields in TRAFFIC_FIELDS.items()}
+def traffic_totals(records: list[dict], run: RunTotals = RunTotals()) -> dict:
+    """Bytes the whole run sent, by traffic class (the records' classes, with what travelled outside them: `setup`,
+    `final_weights`), and in all."""
+    totals = {name: sum(r.get(f, 0) for r in records for f in fields) + run.unrecorded.get(name, 0)
+              for name, fields in TRAFFIC_FIELDS.items()}
+    totals["setup"] = run.unrecorded.get("setup", 0)
+    totals["final_weights"] = run.final_weights_bytes
     totals["total"] = sum(totals.values())
     return totals
 

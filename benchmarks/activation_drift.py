@@ -24,7 +24,7 @@ import torch
 from aqpipe.data.corpus import file_corpus
 from aqpipe.data.samples import chunk
 from aqpipe.data.tokenizer import train_bpe
-from aqpipe.pipeline.optim import lr_factor
+from aqpipe.pipeline.numerics.optim import lr_factor
 from aqpipe.stages.partition import partition
 from benchmarks.models import gpt2_6x128
 

@@ -4,7 +4,7 @@ pair: encode, decode, both ends together, the device's busy time), each round a 
 are measured by this tree's `codec_profile.py`, each with its own package (so that only the package differs: the
 script's warm-up changed, and with it what a tree's own script read); `--own-scripts` runs each tree's own.
 
-On a lent GPU machine git may not know the commits (its copy of the checkout is not a clone), so the baseline can be
+Where git does not know the commits (a copy of the checkout that is not a clone), the baseline can be
 a directory: made here, git-ignored under `.ab/`, and carried with the checkout.
 
     git archive 19b02cc --prefix=base/ | tar -x -C .ab            # (mkdir -p .ab first) a baseline tree to carry

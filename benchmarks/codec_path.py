@@ -13,7 +13,7 @@ def codec_path() -> dict:
     captured and why the fused kernels are off (None: they were not). A figure timed after either fell back is the
     fallback's: one H100 run (89a45ef) read AQ-SGD at 54 / 61 GB/s a side at 8 × 1024 × 576, then 8–9 / 12–16 in
     the slab rows after a failed capture."""
-    from aqpipe.compress import cuda_graphs, fused
+    from aqpipe.compress.gpu import cuda_graphs, fused
 
     return {"graphs_held": cuda_graphs.captured(),
             "graphs_stopped": cuda_graphs.stopped() if hasattr(cuda_graphs, "stopped") else UNKNOWN,

@@ -26,10 +26,11 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aqpipe.compress import cuda_graphs
-from aqpipe.compress.graph_memory import held_bytes as graph_bytes
+from aqpipe.compress.gpu import cuda_graphs
+from aqpipe.compress.gpu.graph_memory import held_bytes as graph_bytes
 from aqpipe.compress.link import aqsgd, aqsgd_fused, sample_coders
-from aqpipe.compress.link.codecs import QuantOptions, build_codec
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.options import QuantOptions
 from aqpipe.storage import MemoryStore, SlabStore, StoreView, memory_store
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from aqpipe.compress.link.codecs import QuantOptions
 from aqpipe.compress.link.directq import decode_samples, encode_samples
+from aqpipe.compress.link.options import QuantOptions
 from aqpipe.compress.quantize import quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -79,7 +79,7 @@ def time_pair(sender, receiver, x: torch.Tensor, ids: torch.Tensor, device: torc
     """Seconds of one AQ-SGD encode and of the decode of what it sent (the GPU synchronized around each). The
     decoder gets the bytes as a GPU's inbox receives them, page-locked (the encoder's own pinned copy), or with
     `pageable` as it received them before (ordinary host memory)."""
-    from aqpipe.pipeline.transport import Header
+    from aqpipe.pipeline.links.transport import Header
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
@@ -121,7 +121,7 @@ def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) ->
     sample (the store before slabs), and on a GPU decoded from pageable bytes (as received before inboxes pinned),
     kept in host RAM (the default `--store-device cpu`), and sent as a bf16 activation (what a `--precision bf16`
     stage sends; MB/s of its own bytes, half the fp32 rows')."""
-    from aqpipe.compress.link.codecs import build_codec
+    from aqpipe.compress.link.factory import build_codec
     from aqpipe.storage import MemoryStore, StoreView, memory_store
 
     ids = torch.arange(x.shape[0])
@@ -158,7 +158,7 @@ def stream_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, pairs: in
     """Seconds per encode+decode pair, `pairs` queued back to back as a pipeline's two ends would run them: the
     sender still waits once per message for its verdicts (which samples go as deltas), the receiver never (its
     checksum checks are made as their sums arrive, and all of them before the clock stops)."""
-    from aqpipe.pipeline.transport import Header
+    from aqpipe.pipeline.links.transport import Header
 
     sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
     sync()
@@ -173,8 +173,8 @@ def stream_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, pairs: in
 
 def link_codec_rows(x: torch.Tensor, specs: list[str], repeats: int, device: torch.device) -> list[dict]:
     """Each stateless link codec's whole encode and decode, by spec."""
-    from aqpipe.compress.link.codecs import build_codec
-    from aqpipe.pipeline.transport import Header
+    from aqpipe.compress.link.factory import build_codec
+    from aqpipe.pipeline.links.transport import Header
 
     mb = x.numel() * 4 / 1e6
     ids = torch.arange(x.shape[0])

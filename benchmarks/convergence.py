@@ -33,12 +33,12 @@ EXTRA = {
     # end-to-end compression (the paper's Figure 5): AQ-SGD activations, quantized gradients, QuantizedAdam
     # across replicas; run with --dp 2
     "e2e aqsgd fw3 bw6 qadam4": ("aqsgd:3", "directq:6", "qadam:4"),
-    # rotated tile quantization (issue 29): on AQ-SGD's deltas, on the gradients, and on the activations themselves
+    # rotated tile quantization: on AQ-SGD's deltas, on the gradients, and on the activations themselves
     "aqsgd-rtq fw2 bw4": ("aqsgd-rtq:2", "directq:4"),
     "aqsgd-rtq fw2 rtq bw4": ("aqsgd-rtq:2", "rtq:4"),
     "rtq fw2 bw4": ("rtq:2", "rtq:4"),
-    # the contract's link codecs: with this script's fp32 warm-up epoch (the defaults before issue 29), and
-    # compressed from the first step with rotated 4-bit first sights (the defaults since)
+    # the contract's link codecs: with this script's fp32 warm-up epoch (the paper's schedule), and
+    # compressed from the first step with rotated 4-bit first sights
     "aqsgd fw4 bw8": ("aqsgd:4", "directq:8"),
     "first rtq4 fw4 bw8": ("aqsgd:4", "directq:8", "none", ("--first-sight", "rtq:4", "--warmup-epochs", "0")),
 }

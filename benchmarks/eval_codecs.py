@@ -26,9 +26,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from aqpipe.compress.link.codecs import build_codec  # noqa: E402
+from aqpipe.compress.link.factory import build_codec  # noqa: E402
 from aqpipe.config import RunConfig, resolve  # noqa: E402
-from aqpipe.pipeline.transport import HEADER_SIZE, KIND_EVAL, Header  # noqa: E402
+from aqpipe.pipeline.links.transport import HEADER_SIZE, KIND_EVAL, Header  # noqa: E402
 from aqpipe.runtime.plan import make_plan  # noqa: E402
 
 CODECS = ("fp32", "bf16", "directq:8", "rtq:4", "rtqo:4", "rtq:3", "rtqo:3", "rtq:2")

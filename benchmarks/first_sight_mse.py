@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from aqpipe.compress.link.codecs import build_codec
-from aqpipe.pipeline.transport import Header
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.pipeline.links.transport import Header
 
 BOUNDARIES = (10, 20, 28)  # hidden_states index after the embedding and this many decoder layers
 

@@ -5,8 +5,7 @@ which a run fuses it by default, was set from. aqsgd:3, m(ξ) fp16 kept as a run
     python benchmarks/fused_delta_sizes.py --out benchmarks/results/fused_delta_sizes_h200     # on a GPU
 
 Each row: median µs of an encode and of its decode (each timed with the GPU synchronized around it, after the
-link's first four pairs and `codec_speed.WARM_SECONDS` of pairs — from the fourteenth session on; before, after
-four pairs alone), and "both": the input's bytes (fp32) over the two. A message's fixed cost — launches, a wait on
+link's first four pairs and `codec_speed.WARM_SECONDS` of pairs), and "both": the input's bytes (fp32) over the two. A message's fixed cost — launches, a wait on
 each side, the copies to and from the host — is most of a pair's time below a million values, so there the two
 steps tie.
 """

@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from aqpipe.compress import fused  # noqa: E402
+from aqpipe.compress.gpu import fused  # noqa: E402
 from aqpipe.compress.link.aqsgd_rows import MODE_DELTA  # noqa: E402
 from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS  # noqa: E402
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one command (issue 30), on a machine with one CUDA GPU, as root (tc for the throttled links):
+# Every GPU check in one command, on a machine with one CUDA GPU, as root (tc for the throttled links):
 #
 #     bash benchmarks/gpu_check.sh [OUT]          # OUT defaults to benchmarks/results/gpu_check
 #
@@ -19,8 +19,8 @@
 # About 4 minutes on an H200 (codec speed, then the GPU tests beside the sync audit, then the two throughput runs;
 # each part stops at its own limit: 8.7 minutes in all at most). AQPIPE_BENCH_DATA names the WikiText-2 file the
 # throughput parts train on; AQPIPE_GPU_CHECK_PARTS picks a subset; AQPIPE_COMMIT names the commit the results
-# files record, where the tree is a copy whose git is not the checkout's (on the lent GPU machines git reported
-# the session's first commit whatever tree it ran). The switches of the codecs' GPU paths pass through
+# files record, where the tree is a copy whose git is not the checkout's (whose git may report another
+# commit than the tree's). The switches of the codecs' GPU paths pass through
 # to every part: AQPIPE_FUSED_AQSGD=1 bash benchmarks/gpu_check.sh measures AQ-SGD's fused delta step throughout.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -31,11 +31,11 @@ data=${AQPIPE_BENCH_DATA:-/work/shared/data/wikitext-2/valid.txt}
 results="$out/results.md"
 # (an earlier run's logs in a reused OUT would be reported as this run's)
 rm -rf "$out"/{gpu-tests,sync-audit,codec-speed,throughput,throughput-mps}.log "$out"/audit-fp32 "$out"/audit-bf16 "$out"/audit-lmdb
-parts=${AQPIPE_GPU_CHECK_PARTS:-gpu-tests sync-audit throughput codec-speed throughput-mps}  # a subset, for a short lease
+parts=${AQPIPE_GPU_CHECK_PARTS:-gpu-tests sync-audit throughput codec-speed throughput-mps}  # a subset, where time is short
 export PYTHONUNBUFFERED=1
-# The lent H200's image could not keep bytecode (its site-packages read-only, or PYTHONDONTWRITEBYTECODE set), so
-# every process compiled transformers and torch._dynamo from source at import: 15-30 s per launcher, fork server and
-# fresh rank, which ran a 3-launch GPU test past its time limit. Bytecode goes under /tmp here instead.
+# An image that cannot keep bytecode (its site-packages read-only, or PYTHONDONTWRITEBYTECODE set)
+# makes every process compile transformers and torch._dynamo from source at import: 15-30 s per launcher, fork server and
+# fresh rank, enough to run a 3-launch GPU test past its time limit. Bytecode goes under /tmp here instead.
 bytecode_before=$(python -c "import os, sys, sysconfig; purelib = sysconfig.get_paths()['purelib']; \
 print('writes bytecode:', not sys.flags.dont_write_bytecode, '; site-packages writable:', os.access(purelib, os.W_OK))" 2>&1)
 unset PYTHONDONTWRITEBYTECODE

@@ -33,10 +33,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from aqpipe.compress.link.codecs import QuantOptions  # noqa: E402
+from aqpipe.compress.link.options import QuantOptions  # noqa: E402
 from aqpipe.compress.link.sample_coders import RotatedCoder  # noqa: E402
 from aqpipe.config import RunConfig, resolve  # noqa: E402
-from aqpipe.pipeline.optim import lr_factor  # noqa: E402
+from aqpipe.pipeline.numerics.optim import lr_factor  # noqa: E402
 from aqpipe.runtime.plan import make_plan  # noqa: E402
 
 BITS = (2, 3, 4)

@@ -3,7 +3,7 @@ receiver run per message in a GPU run's steady state (m(ξ) as rows of a slab, t
 its CUDA graph), with the device's work taken out.
 
 On a GPU a message's time at a real run's shape is mostly its host's calls (benchmarks/README.md: ~250 of ~460 µs a
-pair on an H100), and a session without a GPU can still cut the Python among them. Here the codec takes the same
+pair on an H100), and a machine without a GPU can still cut the Python among them. Here the codec takes the same
 branches as on a GPU: the graphs are the tests' host stand-ins (tests/graph_stand_ins.py) whose replays do nothing,
 and the fused kernels are launchers that do nothing but write "every sample may go as a delta, checksum sum 0". So
 the time per pair (the garbage collector off while timed) is the orchestration alone: the store's lookups, the
@@ -43,11 +43,12 @@ def steady_pairs(pairs: int, shape: tuple[int, ...], profile: str | None) -> dic
     os.environ.update(TRITON_INTERPRET="1", AQPIPE_FUSED_AQSGD="1")  # (the fused step's branches, on the host)
     import torch
 
-    from aqpipe.compress import fused
+    from aqpipe.compress.gpu import fused
     from aqpipe.compress.link.aqsgd import refuse_divergence
-    from aqpipe.compress.link.codecs import QuantOptions, build_codec
+    from aqpipe.compress.link.factory import build_codec
     from aqpipe.compress.link.late_checks import LateChecks
-    from aqpipe.pipeline.transport import Header
+    from aqpipe.compress.link.options import QuantOptions
+    from aqpipe.pipeline.links.transport import Header
     from aqpipe.storage import StoreView
     from aqpipe.storage.slab import SlabStore
     from tests import graph_stand_ins

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
     "fp32": ("--fw", "fp32", "--bw", "fp32"),
     "bf16": ("--fw", "bf16", "--bw", "bf16", "--warmup-epochs", "0"),  # codecs that keep nothing: from step 1
-    # an fp32 first epoch (the warm-up of the paper and of the defaults before issue 29)
+    # an fp32 first epoch (the paper's warm-up)
     "aqsgd fw3 bw6": ("--fw", "aqsgd:3", "--bw", "directq:6", "--first-sight", "fp32", "--warmup-epochs", "1"),
     "aqsgd fw2 bw4": ("--fw", "aqsgd:2", "--bw", "directq:4", "--first-sight", "fp32", "--warmup-epochs", "1"),
     "directq fw2 bw4": ("--fw", "directq:2", "--bw", "directq:4", "--warmup-epochs", "1"),
@@ -44,8 +44,8 @@ VARIANTS = {
     "first rtqo4 fw3 bw rtqo4": ("--fw", "aqsgd:3", "--bw", "rtqo:4", "--first-sight", "rtqo:4",
                                  "--warmup-epochs", "0"),
     "first rtq3 fw2 bw4": ("--fw", "aqsgd:2", "--bw", "directq:4", "--first-sight", "rtq:3", "--warmup-epochs", "0"),
-    # the contract's link codecs (aqsgd:4 forward, directq:8 backward) with an fp32 warm-up epoch: the defaults
-    # before issue 29, and with rotated 4-bit first sights from the first step
+    # aqsgd:4 forward, directq:8 backward with an fp32 warm-up epoch, and with rotated 4-bit first sights from the
+    # first step
     "aqsgd fw4 bw8": ("--fw", "aqsgd:4", "--bw", "directq:8", "--first-sight", "fp32", "--warmup-epochs", "1"),
     "first rtq4 fw4 bw8": ("--fw", "aqsgd:4", "--bw", "directq:8", "--first-sight", "rtq:4", "--warmup-epochs", "0"),
     # the tied embedding's rows as 4-bit changes against the copy both stages hold, its gradient rows 4-bit with

@@ -4,8 +4,9 @@ import threading
 
 import torch
 
-from aqpipe.compress.link.codecs import QuantOptions, build_codec
-from aqpipe.pipeline.transport import KIND_ACTIVATION, Header
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.options import QuantOptions
+from aqpipe.pipeline.links.transport import KIND_ACTIVATION, Header
 from aqpipe.storage import MemoryStore, StoreView
 
 
@@ -46,17 +47,18 @@ def device_reads(monkeypatch) -> list[tuple[str, int]]:
 
 
 def device_moves(monkeypatch, reads: list, module) -> list[int]:
-    """Each time a codec hands values to the device (`to_device`, from the codecs module or `module`'s own import),
-    how many reads `device_reads` had seen by then."""
-    from aqpipe.compress.link import codecs
+    """Each time a codec hands values to the device (`to_device`, from the codec base class's module or `module`'s
+    own import), how many reads `device_reads` had seen by then."""
+    from aqpipe.compress.gpu import copies
+    from aqpipe.compress.link import base
 
     moved: list[int] = []
-    real = codecs.to_device
+    real = copies.to_device
 
     def spy(values, device):
         moved.append(len(reads))
         return real(values, device)
 
-    for where in (codecs, module):
+    for where in (base, module):
         monkeypatch.setattr(where, "to_device", spy, raising=False)
     return moved

@@ -2,7 +2,7 @@
 
 import pytest
 
-from aqpipe.compress import cuda_graphs
+from aqpipe.compress.gpu import cuda_graphs
 from tests.graph_stand_ins import install
 
 

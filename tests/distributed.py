@@ -13,9 +13,10 @@ import torch.multiprocessing as mp
 
 # What the ranks of these tests import, the models' transformers code and peft included (5-9 s of CPU each on these
 # machines); the forkserver imports it once, and each rank is a fork of it.
-PRELOAD = ["torch", "torch.distributed", "aqpipe.pipeline.worker", "aqpipe.compress.grad.methods", "aqpipe.runtime.assemble",
-           "aqpipe.runtime.plan", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
-           "transformers.models.bert.modeling_bert", "peft", "tests.distributed"]
+PRELOAD = ["torch", "torch.distributed", "aqpipe.pipeline.execution.worker", "aqpipe.compress.grad.methods",
+           "aqpipe.runtime.assemble", "aqpipe.runtime.plan", "transformers.models.gpt2.modeling_gpt2",
+           "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert", "peft",
+           "tests.distributed"]
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
@@ -112,10 +113,10 @@ def worker_step(grid, module, method: str, lr: float = 1.0, clip: float = 0.0, t
     import torch
 
     from aqpipe.compress.grad import DPGroup, build_grad_sync
-    from aqpipe.pipeline.grid import create_groups
-    from aqpipe.pipeline.link_ends import StageLinks
-    from aqpipe.pipeline.optim import build_optimizer
-    from aqpipe.pipeline.worker import StageWorker, StepStats
+    from aqpipe.pipeline.execution.worker import StageWorker, StepStats
+    from aqpipe.pipeline.links.link_ends import StageLinks
+    from aqpipe.pipeline.numerics.optim import build_optimizer
+    from aqpipe.pipeline.world.grid import create_groups
 
     groups = create_groups(grid)
     sync = build_grad_sync(method, DPGroup(groups.data_parallel, tuple(grid.dp_ranks(grid.stage)), grid.rank), seed=3)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aqpipe.compress import fused
+from aqpipe.compress.gpu import fused
 
 ROOT = Path(__file__).resolve().parent.parent  # (the scripts import tests.fused_cases)
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -57,7 +57,7 @@ def aqsgd_kernels_at_smollm2() -> dict[str, tuple]:
     (3 bits on the signed grid, m(ξ) fp16 in a slab's rows, written in place): name → (kernel, its arguments — each
     one's type or constexpr value, and `num_warps` — and the flags that move a pointer to an address in the slots,
     left for the caller to set), for `compiled_for_an_h100`."""
-    from aqpipe.compress import fused_kernels as k
+    from aqpipe.compress.gpu import fused_kernels as k
 
     def typed(kind: str, *names: str) -> dict[str, str]:
         return dict.fromkeys(names, kind)

@@ -5,7 +5,7 @@ under Triton's interpreter install it in their own process)."""
 import inspect
 import weakref
 
-from aqpipe.compress import cuda_graphs
+from aqpipe.compress.gpu import cuda_graphs
 
 
 class StandInGraph:

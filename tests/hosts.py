@@ -24,7 +24,7 @@ from pathlib import Path
 from aqpipe.launch import netns
 
 # What torchrun's elastic (c10d) rendezvous needs so that aqpipe's ranks can restart: a store of its own per round
-# (see aqpipe.pipeline.rendezvous.elastic_attempt)
+# (see aqpipe.pipeline.links.rendezvous.elastic_attempt)
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 # `sh -c` inside the host's mount and UTS namespaces: take the host's name, bind its disk at the shared path and the

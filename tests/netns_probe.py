@@ -11,8 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from aqpipe.pipeline.streams import open_streams
-from aqpipe.pipeline.transport import KIND_ACTIVATION, Expect, Header, Inbox, Outbox
+from aqpipe.pipeline.links.streams import open_streams
+from aqpipe.pipeline.links.transport import KIND_ACTIVATION, Expect, Header, Inbox, Outbox
 
 
 def send(box: Outbox, message_bytes: int, count: int) -> None:

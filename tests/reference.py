@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from aqpipe.config import RunConfig
-from aqpipe.pipeline.optim import build_optimizer
-from aqpipe.pipeline.tied import local_copies
+from aqpipe.pipeline.numerics.optim import build_optimizer
+from aqpipe.pipeline.numerics.tied import local_copies
 from aqpipe.runtime.plan import make_plan
 from aqpipe.stages.lora import apply_lora
 from aqpipe.stages.spec import Stage

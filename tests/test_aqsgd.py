@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from aqpipe.compress.link.aqsgd import MODE_DELTA, MODE_FIRST, MODE_FULL, MODE_FULL_BF16
-from aqpipe.compress.link.codecs import CodecError, QuantOptions, build_codec
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.options import QuantOptions
 from aqpipe.compress.link.sample_coders import sample_coder
-from aqpipe.pipeline.transport import KIND_ACTIVATION, Header
+from aqpipe.compress.link.specs import CodecError
+from aqpipe.pipeline.links.transport import KIND_ACTIVATION, Header
 from aqpipe.storage import MemoryStore, StoreView
 from tests.codec_cases import aqsgd_pair, device_reads, send, wire
 

@@ -79,7 +79,7 @@ def test_a_payloads_segments_are_grouped_by_mode_in_sample_order():
                                             ([MODE_DELTA, MODE_FIRST, 0, 0], "no --first-sight coder"),
                                             ([MODE_DELTA, MODE_DELTA, 0, 0, 0], "does not match its sample modes")])
 def test_mode_bytes_that_do_not_fit_the_payload_are_refused_by_name(payload, needle):
-    from aqpipe.compress.link.codecs import CodecError
+    from aqpipe.compress.link.specs import CodecError
 
     with pytest.raises(CodecError, match=re.escape(needle)):
         read_modes(torch.tensor(payload, dtype=torch.uint8), 2, {MODE_DELTA: 1})

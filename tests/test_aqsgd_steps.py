@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from aqpipe.compress.link.aqsgd import MODE_DELTA
-from aqpipe.compress.link.codecs import QuantOptions, build_codec
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.options import QuantOptions
 from aqpipe.storage import MemoryStore, StoreView
 
 

@@ -108,7 +108,8 @@ def test_a_run_that_does_not_fit_is_refused_with_its_numbers(tmp_path, capsys, m
 
 
 def test_wire_bytes_of_each_codec_equal_a_real_message():
-    from aqpipe.compress.link.codecs import QuantOptions, build_codec
+    from aqpipe.compress.link.factory import build_codec
+    from aqpipe.compress.link.options import QuantOptions
 
     options = QuantOptions()
     x = torch.randn(3, 7, 20)
@@ -200,7 +201,7 @@ def test_a_gpu_plan_counts_the_fused_delta_steps_graphs_where_m_lies_in_gpu_slab
     ungraphed and holds nothing (its torch-ops graphs are not made either)."""
     import dataclasses
 
-    from aqpipe.compress import fused
+    from aqpipe.compress.gpu import fused
 
     if fused._kernels() is None:
         pytest.skip("Triton is not installed")
@@ -336,8 +337,8 @@ def test_a_tied_row_cache_holds_no_optimizer_state_or_grad_sync_memory(tmp_path,
     (`runtime.assemble`), so it holds no AdamW moments and no error-feedback copies there: the plan counted them
     (SmolLM2-135M's table: ~226 MB of moments and ~1 GB of ef peak on stage 0), and could refuse a run that fits."""
     from aqpipe.compress.grad.registry import sync_copies
-    from aqpipe.pipeline.tied import row_tables
-    from aqpipe.pipeline.tied_rows import table_parameter
+    from aqpipe.pipeline.links.tied_rows import table_parameter
+    from aqpipe.pipeline.numerics.tied import row_tables
     from aqpipe.runtime.stage_trace import state_copies
 
     monkeypatch.setattr(cap, "check_fits", lambda capacity: None)  # (the numbers alone)
@@ -456,7 +457,8 @@ def test_evaluations_over_a_run_are_every_n_steps_and_after_the_last():
 
 
 def test_the_plan_counts_the_held_out_passes_through_the_evaluation_codec(tmp_path, capsys):
-    from aqpipe.compress.link.codecs import QuantOptions, message_bytes
+    from aqpipe.compress.link.factory import message_bytes
+    from aqpipe.compress.link.options import QuantOptions
 
     flags = [*SMALL, "--model", "gpt2-tiny", "--steps", "6", "--eval-every", "4", "--eval-samples", "10"]
     plans = {codec: cap.plan_capacity(make_plan(flags_to_config([*flags, "--eval-codec", codec], tmp_path / codec)))
@@ -471,3 +473,22 @@ def test_the_plan_counts_the_held_out_passes_through_the_evaluation_codec(tmp_pa
     assert "evaluation (--eval-codec rtqo:7, 10 held-out samples)" in format_plan(plans["rtqo:7"])
     never = cap.plan_capacity(make_plan(flags_to_config([*SMALL, "--model", "gpt2-tiny"], tmp_path / "never")))
     assert never.evaluation is None  # (SMALL says --eval-every 0)
+
+
+def narrow_lm(vocab_size: int):
+    """The Python API's example model, 48 channels wide (not a multiple of TAH-Quant's 64-channel tiles)."""
+    from examples.custom_model import tiny_lm
+
+    return tiny_lm(vocab_size, width=48)
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_codec_that_cannot_code_the_models_activations_is_refused_with_one_line(tmp_path, capsys, dry_run):
+    """Before, `--fw tahq` on a model 48 channels wide ended the plan (and the launch) with a CodecError's
+    traceback, exit 1."""
+    flags = ["--model", "tests.test_capacity:narrow_lm", "--pp", "2", "--fw", "tahq", "--steps", "1",
+             "--seq-len", "16", "--max-samples", "16", "--out", str(tmp_path / "run")]
+    assert main(["launch", *flags, *(["--dry-run"] if dry_run else [])]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "tahq" in lines[0] and "hidden size of 48" in lines[0], lines
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

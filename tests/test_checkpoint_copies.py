@@ -53,9 +53,9 @@ def _copy(rank: int, world: int, root: str, link_rate: float = 1e9, keep_part: b
     """On each of `world` hosts (one rank each, a directory each, a pipeline stage each): a checkpoint of step 4
     (`keep_part`: the one already there), then its copies, paced by the link rate the stage measured from the host
     before it."""
-    from aqpipe.pipeline import comm
-    from aqpipe.pipeline.grid import Grid
     from aqpipe.pipeline.step_stats import StepStats
+    from aqpipe.pipeline.world import comm
+    from aqpipe.pipeline.world.grid import Grid
     from aqpipe.runtime.checkpoints.copier import CheckpointCopier
 
     out = Path(root) / f"host-{rank}"
@@ -125,8 +125,8 @@ def test_a_host_that_lost_its_part_fetches_it_from_a_copy_and_every_rank_continu
 def test_the_rate_counts_only_links_to_other_hosts_and_is_split_among_a_hosts_ranks():
     """Two stages on one host and one on another: the middle stage's fast link on its own host does not set the
     pace; where no link to another host was measured, the least rate; a host's ranks share its pace."""
-    from aqpipe.pipeline.grid import Grid
     from aqpipe.pipeline.step_stats import StepStats
+    from aqpipe.pipeline.world.grid import Grid
     from aqpipe.runtime.checkpoints.copier import CheckpointCopier
     from aqpipe.runtime.checkpoints.copies import LINK_SHARE, MIN_RATE
 
@@ -237,7 +237,7 @@ def _copies_process(rank: int, world: int, root: str):
     rank's process before and after."""
     import threading
 
-    from aqpipe.pipeline.grid import Grid
+    from aqpipe.pipeline.world.grid import Grid
     from aqpipe.runtime.checkpoints.copier import NICE, CheckpointCopier
 
     out = Path(root) / f"host-{rank}"

@@ -2,7 +2,7 @@
 
 import torch
 
-from aqpipe.pipeline.grid import Grid
+from aqpipe.pipeline.world.grid import Grid
 from aqpipe.runtime.checkpoints.reconcile import checksum, disagreeing, reconcile
 from aqpipe.storage import MemoryStore
 from tests.distributed import run_ranks

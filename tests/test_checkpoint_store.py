@@ -19,7 +19,7 @@ def _checkpoints_while_copies_travel(rank: int, world: int, root: str):
 
     import torch
 
-    from aqpipe.pipeline.grid import Grid
+    from aqpipe.pipeline.world.grid import Grid
     from aqpipe.runtime.checkpoints import parts
     from aqpipe.runtime.checkpoints.store import Checkpoints
 

@@ -35,7 +35,7 @@ def test_a_large_batchs_sums_hold_a_bounded_transient_whatever_its_rows():
     """The int64 words and products are formed a slice at a time, sized by the batch's elements, not its columns
     alone: a micro-batch of 8 SmolLM2 activations (8 x 1024 x 576, fp16) once held 75 MB of them at the peak, and a
     codec's CUDA graph keeps its peak for the run."""
-    from aqpipe.compress import graph_memory as gm
+    from aqpipe.compress.gpu import graph_memory as gm
 
     values = gm.stand_in((8, 1024, 576), torch.float16)
     transient = gm.held_bytes(gm.GraphCall("sums", lambda v: (row_sums(v),), (values,))) - values.numel() * 2

@@ -5,11 +5,13 @@ own: tests/test_aqsgd.py)."""
 import pytest
 import torch
 
-from aqpipe.compress.link.codecs import FLAG_RAW, CodecError, QuantOptions, build_codec, parse_spec
-from aqpipe.compress.link.specs import CODEC_KINDS
+from aqpipe.compress.link.codes import FLAG_RAW
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.options import QuantOptions
+from aqpipe.compress.link.specs import CODEC_KINDS, CodecError, parse_spec
 from aqpipe.compress.quantize import dequantize, quantize
 from aqpipe.compress.rotated import ROTATED_GRID, rotated_dequantize, rotated_quantize
-from aqpipe.pipeline.transport import KIND_ACTIVATION, Header
+from aqpipe.pipeline.links.transport import KIND_ACTIVATION, Header
 from aqpipe.storage import MemoryStore, StoreView
 from tests.codec_cases import aqsgd_pair, device_moves, device_reads, send, wire
 
@@ -125,7 +127,7 @@ def test_topk_position_format_is_the_smaller_one():
 
 
 def test_a_non_finite_activation_is_reported_naming_step_stage_and_sample(capsys):
-    from aqpipe.pipeline.worker import finite_rows, report_nonfinite
+    from aqpipe.pipeline.execution.worker import finite_rows, report_nonfinite
 
     x = torch.randn(3, 4)
     assert report_nonfinite([(finite_rows(x), torch.tensor([10, 11, 12]))], 4, 1) == []
@@ -142,7 +144,8 @@ def test_a_non_finite_activation_is_reported_naming_step_stage_and_sample(capsys
 def test_a_generator_state_from_another_device_type_is_not_forced_on_the_codec():
     """A resume may move a run between the host and a GPU: a saved stochastic-rounding state of another kind (another
     size) leaves the codec on its own seed; one of the same kind is restored."""
-    from aqpipe.compress.link.codecs import QuantOptions, build_codec
+    from aqpipe.compress.link.factory import build_codec
+    from aqpipe.compress.link.options import QuantOptions
 
     codec = build_codec("directq:4", "fw", options=QuantOptions(stochastic=True, seed=1))
     same = build_codec("directq:4", "fw", options=QuantOptions(stochastic=True, seed=2))
@@ -157,7 +160,7 @@ def test_a_generator_state_from_another_device_type_is_not_forced_on_the_codec()
 def test_every_codec_of_the_table_builds_round_trips_and_sizes_its_messages(kind):
     """The name table is all a codec needs: its entry builds it, sizes its messages exactly and says what it can
     do."""
-    from aqpipe.compress.link.codecs import message_bytes
+    from aqpipe.compress.link.factory import message_bytes
     from aqpipe.compress.link.specs import check_first_sight, usage
 
     entry = CODEC_KINDS[kind]

@@ -2,7 +2,7 @@
 
 import torch
 
-from aqpipe.pipeline import comm
+from aqpipe.pipeline.world import comm
 from tests.distributed import run_ranks
 
 PIECE = 1000

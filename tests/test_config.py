@@ -72,3 +72,15 @@ def test_the_documented_reference_is_generated_from_the_definition():
         "regenerate: python -m aqpipe.config.reference --update docs/configuration.md")
     out = subprocess.run([sys.executable, "-m", "aqpipe.config.reference"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == between
+
+
+@pytest.mark.parametrize("bounds", [[0, "x"], [0, 2.5], "0,2", [0, True]])
+def test_a_config_files_stage_bounds_that_are_not_integers_exit_2_with_one_line(tmp_path, capsys, bounds):
+    """Before, `[0, "x"]` in a config file ended the launch with a ValueError's traceback (exit 1)."""
+    from aqpipe.cli import main
+
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"stage_bounds": bounds}))
+    assert main(["launch", str(config), "--out", str(tmp_path / "run"), "--dry-run"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "stage_bounds" in lines[0] and "a list of integers" in lines[0], lines

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aqpipe.compress import cuda_graphs
-from aqpipe.compress.cuda_graphs import graphed
+from aqpipe.compress.gpu import cuda_graphs
+from aqpipe.compress.gpu.cuda_graphs import graphed
 
 
 class Counted:
@@ -94,7 +94,7 @@ def test_a_capture_that_fails_turns_graphs_off_for_the_process_with_one_warning(
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(cuda_graphs, "_capture", failing)
-    with caplog.at_level(logging.WARNING, logger="aqpipe.compress.cuda_graphs"):
+    with caplog.at_level(logging.WARNING, logger="aqpipe.compress.gpu.cuda_graphs"):
         results = [graphed(key, fn, x, x) for key in ("k", "k", "k", "other", "other", "kept")]
     assert len(stand_in) == 1 and stand_in[0].replays == replays  # the earlier graph is not replayed again either
     assert cuda_graphs.stopped() == "a capture failed: every graphed call runs op by op"
@@ -127,7 +127,7 @@ def test_a_graphed_call_inside_a_capture_becomes_part_of_it(stand_in):
 def test_past_the_limit_new_signatures_run_op_by_op_with_one_warning(stand_in, monkeypatch, caplog):
     monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 2)
     fn = Counted()
-    with caplog.at_level(logging.WARNING, logger="aqpipe.compress.cuda_graphs"):
+    with caplog.at_level(logging.WARNING, logger="aqpipe.compress.gpu.cuda_graphs"):
         for n in range(1, 3):
             for _ in range(3):
                 graphed("k", fn, torch.ones(n, 2), torch.ones(n, 2))
@@ -166,7 +166,7 @@ def test_forget_drops_the_graphs_of_one_owner(stand_in):
 
 
 def _aqsgd_link(options):
-    from aqpipe.compress.link.codecs import build_codec
+    from aqpipe.compress.link.factory import build_codec
     from aqpipe.storage import MemoryStore, StoreView
 
     return (build_codec("aqsgd:3", "fw", StoreView(MemoryStore(torch.float16), 0, "send"), options,
@@ -176,7 +176,7 @@ def _aqsgd_link(options):
 
 
 def _visit(sender, receiver, x, ids):
-    from aqpipe.pipeline.transport import Header
+    from aqpipe.pipeline.links.transport import Header
 
     encoded = sender.encode(x, ids, compress=True)
     return encoded, receiver.decode(Header.for_encoded(encoded, sender.code), encoded.payload, ids)
@@ -187,7 +187,7 @@ def test_aqsgd_captures_its_cores_but_never_with_stochastic_rounding(stand_in):
     graphed (a replay would repeat the random draws); a codec that is dropped takes its graphs with it."""
     import gc
 
-    from aqpipe.compress.link.codecs import QuantOptions
+    from aqpipe.compress.link.options import QuantOptions
 
     x = torch.randn(4, 8, 16)
     ids = torch.arange(4)
@@ -295,14 +295,15 @@ def test_aqsgd_uses_lent_graph_outputs_before_its_next_replay_or_keeps_copies(st
     message after message (each new m(ξ) one row, which a per-sample store would keep as it is), then steady deltas,
     then new samples alone, then new samples of which one must go losslessly (and is kept, in bf16): payloads,
     activations, fidelity sums and both copies of m(ξ) as op by op (where nothing is lent)."""
-    from aqpipe.compress.link import aqsgd, aqsgd_rows, codecs
-    from aqpipe.compress.link.codecs import QuantOptions, build_codec
+    from aqpipe.compress.link import aqsgd, aqsgd_rows, base
+    from aqpipe.compress.link.factory import build_codec
+    from aqpipe.compress.link.options import QuantOptions
     from aqpipe.storage import MemoryStore, SlabStore, StoreView
 
     # a GPU's payload crosses to the host in a copy: the stand-in's host "device" must copy too (where a message's
     # copy is queued: a steady-state AQ-SGD message's before its verdicts are read, any other's after), and a steady
     # message's verdicts in a copy of their own, queued before the payload's and waited for when read
-    for module in (codecs, aqsgd):
+    for module in (base, aqsgd):
         monkeypatch.setattr(module, "to_host", lambda payload, spin=False: (payload.clone(), None))
     waits = []
     landing = SimpleNamespace(device=torch.device("cpu"), synchronize=lambda: waits.append(1))

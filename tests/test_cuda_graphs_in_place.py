@@ -5,8 +5,8 @@ tests/conftest.py); tests/test_cuda_graphs.py has the cache's other rules."""
 
 import torch
 
-from aqpipe.compress import cuda_graphs
-from aqpipe.compress.cuda_graphs import graphed
+from aqpipe.compress.gpu import cuda_graphs
+from aqpipe.compress.gpu.cuda_graphs import graphed
 
 
 def test_held_tensors_are_read_and_written_where_they_lie_once_a_call_and_a_moved_one_gets_a_new_graph(stand_in):

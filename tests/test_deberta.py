@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from aqpipe.pipeline.tied import TiedGroup, sum_tied_grads, tied_sq_norm
+from aqpipe.pipeline.numerics.tied import TiedGroup, sum_tied_grads, tied_sq_norm
 from aqpipe.stages import deberta
 from tests import warm
 

@@ -9,7 +9,7 @@ import torch
 
 from aqpipe.config import RunConfig, resolve
 from aqpipe.launch.job import run_job
-from aqpipe.pipeline.evaluate import classification_metrics, eval_batches, held_out_samples
+from aqpipe.pipeline.execution.evaluate import classification_metrics, eval_batches, held_out_samples
 from tests import warm
 
 
@@ -93,9 +93,9 @@ def test_a_held_out_activation_is_coded_alike_inside_a_stages_autocast(codec):
     there exactly as outside it, in fp32 (a Hadamard rotation run in half precision would lose what it rotates)."""
     import socket
 
-    from aqpipe.compress.link.codecs import QuantOptions
-    from aqpipe.pipeline.link_ends import ActivationIn, ActivationOut
-    from aqpipe.pipeline.transport import KIND_ACTIVATION, SIDE_MASK, Inbox, Outbox
+    from aqpipe.compress.link.options import QuantOptions
+    from aqpipe.pipeline.links.link_ends import ActivationIn, ActivationOut
+    from aqpipe.pipeline.links.transport import KIND_ACTIVATION, SIDE_MASK, Inbox, Outbox
     from aqpipe.runtime.assemble import evaluation_codec
 
     ours, theirs = socket.socketpair()

@@ -1,4 +1,4 @@
-"""The fused quantization kernels (aqpipe.compress.fused): where they apply, and — under Triton's interpreter, on
+"""The fused quantization kernels (aqpipe.compress.gpu.fused): where they apply, and — under Triton's interpreter, on
 CPU tensors with numpy's IEEE float32 — that they write the bytes and values of the torch ops they replace.
 tests/test_gpu_codecs.py checks the same bits on a GPU."""
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aqpipe.compress import fused
+from aqpipe.compress.gpu import fused
 from tests.fused_cases import INTERPRETER_PATCH, ROOT, interpret, needs_triton
 
 
@@ -22,7 +22,7 @@ def test_the_kernels_write_the_bytes_and_values_of_the_torch_ops():
     and values whose scale is an fp16 subnormal: rows, dequantized values and decoded values all bit-identical."""
     interpret("""
         import torch
-        from aqpipe.compress import fused
+        from aqpipe.compress.gpu import fused
         from aqpipe.compress.link.directq import decode_samples, encode_samples
         from aqpipe.compress.quantize import dequantize, quantize
         from tests.fused_cases import edge_case_batch
@@ -73,8 +73,9 @@ def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
     interpret("""
         import os
         import torch
-        from aqpipe.compress.link.codecs import QuantOptions, build_codec
-        from aqpipe.pipeline.transport import Header
+        from aqpipe.compress.link.options import QuantOptions
+        from aqpipe.compress.link.factory import build_codec
+        from aqpipe.pipeline.links.transport import Header
         from aqpipe.storage import MemoryStore, StoreView
         from aqpipe.storage.slab import SlabStore
 
@@ -109,7 +110,7 @@ def test_directq_and_aqsgd_send_the_same_bytes_with_the_kernels_as_without():
                 out.append(torch.stack(kept.get(0, side, held)))
             return out
 
-        from aqpipe.compress import fused as kernels
+        from aqpipe.compress.gpu import fused as kernels
         calls, fidelity = [], []
         for name in ("encode", "decode", "delta_encode", "delta_decode"):
             def counted(*args, _name=name, _f=getattr(kernels, name), **kw):
@@ -152,7 +153,7 @@ def test_the_verdicts_kernel_writes_each_samples_verdicts_and_the_batch_squares_
     the same float64 bits."""
     interpret("""
         import torch
-        from aqpipe.compress import fused
+        from aqpipe.compress.gpu import fused
         from aqpipe.compress.link.aqsgd_rows import delta_fidelity
         from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS
 
@@ -180,7 +181,7 @@ def test_the_kernels_checksum_sums_are_the_stores_over_many_ragged_tiles():
     positions), is the sum `checksum.row_sums` forms over the new m(ξ); a sample twice in a slab's slots too."""
     interpret("""
         import torch
-        from aqpipe.compress import fused
+        from aqpipe.compress.gpu import fused
         from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS, row_sums
 
         torch.manual_seed(4)
@@ -228,7 +229,7 @@ def test_a_pipeline_through_the_fused_kernels_trains_bit_for_bit_as_through_the_
 
 
 _NOTE_KERNEL_CALLS = """
-from aqpipe.compress import fused as _fused
+from aqpipe.compress.gpu import fused as _fused
 for _name in ("encode", "decode", "delta_encode", "delta_decode"):
     def _noted(*args, _call=getattr(_fused, _name), _name=_name, **kwargs):
         out = _call(*args, **kwargs)
@@ -260,7 +261,7 @@ def test_the_kernels_apply_only_where_they_code_the_same_bits(monkeypatch, devic
 
 
 def test_on_the_meta_device_the_kernels_outputs_are_made_as_on_a_gpu_and_nothing_runs(monkeypatch):
-    """What a GPU's codec graphs hold is measured on the meta device (`aqpipe.compress.graph_memory`): there the
+    """What a GPU's codec graphs hold is measured on the meta device (`aqpipe.compress.gpu.graph_memory`): there the
     kernels apply where they would on a GPU, and make their outputs without launching."""
     if fused._kernels() is None:
         pytest.skip("Triton is not installed")
@@ -362,14 +363,14 @@ def _unlaunchable_kernels(monkeypatch) -> None:
 
 
 def test_kernels_that_fail_to_launch_turn_off_with_one_warning_and_the_torch_ops_code(monkeypatch, caplog):
-    from aqpipe.compress.link.codecs import QuantOptions
+    from aqpipe.compress.link.options import QuantOptions
     from aqpipe.compress.link.sample_coders import QuantCoder
 
     _unlaunchable_kernels(monkeypatch)
     coder = QuantCoder(4, QuantOptions())
     x = torch.randn(2, 8, 16)
     assert fused.failure() is None
-    with caplog.at_level("WARNING", logger="aqpipe.compress.fused"):
+    with caplog.at_level("WARNING", logger="aqpipe.compress.gpu.fused"):
         rows, values = coder._encode(x, values=True)
         decoded = coder._decode(rows, tuple(x.shape))
         coder._encode(x, values=False)
@@ -388,8 +389,9 @@ def test_aqsgds_delta_step_falls_back_to_the_torch_ops_when_its_kernels_fail_to_
     and the same m(ξ) on both sides as a link that never tried them, and so does every message after it — whether
     the kernels would have written m(ξ) apart or (having run in the process before, say for another shape) in place
     over a slab's rows, from the step's graph (a failure before anything is written is no divergence)."""
-    from aqpipe.compress.link.codecs import QuantOptions, build_codec
-    from aqpipe.pipeline.transport import Header
+    from aqpipe.compress.link.factory import build_codec
+    from aqpipe.compress.link.options import QuantOptions
+    from aqpipe.pipeline.links.transport import Header
     from aqpipe.storage import StoreView
     from aqpipe.storage.slab import SlabStore
 
@@ -402,7 +404,7 @@ def test_aqsgds_delta_step_falls_back_to_the_torch_ops_when_its_kernels_fail_to_
         links.append([build_codec("aqsgd:3", "fw", StoreView(store, 0, side), QuantOptions())
                       for store, side in zip(stores, ("send", "recv"))] + list(stores))
     x, ids = torch.randn(3, 4, 16), torch.tensor([2, 0, 1])
-    with caplog.at_level("WARNING", logger="aqpipe.compress.fused"):
+    with caplog.at_level("WARNING", logger="aqpipe.compress.gpu.fused"):
         for visit in range(3):
             sent = []
             for switch, (sender, receiver, _, _) in zip(("1", "0"), links):

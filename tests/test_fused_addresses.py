@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from aqpipe.compress import fused
+from aqpipe.compress.gpu import fused
 from tests.fused_cases import aqsgd_kernels_at_smollm2, compiled_for_an_h100, interpret, needs_triton
 
 
@@ -20,7 +20,7 @@ def test_the_kernels_read_and_write_the_activation_at_the_address_their_slots_ca
     into the tensor that stood for the activation."""
     interpret("""
         import torch
-        from aqpipe.compress import fused
+        from aqpipe.compress.gpu import fused
         from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS
 
         torch.manual_seed(5)

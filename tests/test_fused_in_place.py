@@ -1,4 +1,4 @@
-"""AQ-SGD's fused delta step writing m(ξ) over the old in a slab's rows (aqpipe.compress.fused, `in_place`): which
+"""AQ-SGD's fused delta step writing m(ξ) over the old in a slab's rows (aqpipe.compress.gpu.fused, `in_place`): which
 messages it writes so, that the bits stay the torch ops' (under Triton's interpreter), and what a failure after an
 in-place write does. tests/test_gpu_codecs.py checks the same bits on a GPU."""
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aqpipe.compress import fused
+from aqpipe.compress.gpu import fused
 from tests.fused_cases import interpret, needs_triton
 
 
@@ -21,9 +21,10 @@ def test_a_slabs_m_is_written_in_place_once_the_kernels_have_run():
     interpret("""
         import os
         import torch
-        from aqpipe.compress import fused
-        from aqpipe.compress.link.codecs import QuantOptions, build_codec
-        from aqpipe.pipeline.transport import Header
+        from aqpipe.compress.gpu import fused
+        from aqpipe.compress.link.options import QuantOptions
+        from aqpipe.compress.link.factory import build_codec
+        from aqpipe.pipeline.links.transport import Header
         from aqpipe.storage import StoreView
         from aqpipe.storage.slab import SlabStore
 
@@ -84,10 +85,11 @@ def test_a_receiver_checking_late_keeps_the_bits_with_m_written_in_place():
     interpret("""
         import os
         import torch
-        from aqpipe.compress import fused
-        from aqpipe.compress.link.codecs import QuantOptions, build_codec
+        from aqpipe.compress.gpu import fused
+        from aqpipe.compress.link.options import QuantOptions
+        from aqpipe.compress.link.factory import build_codec
         from aqpipe.compress.link.late_checks import LateChecks
-        from aqpipe.pipeline.transport import Header
+        from aqpipe.pipeline.links.transport import Header
         from aqpipe.storage import StoreView
         from aqpipe.storage.slab import SlabStore
 
@@ -182,18 +184,19 @@ def test_the_steady_delta_step_replayed_from_a_graph_over_a_slab_keeps_the_bits(
     interpret("""
         import os
         import torch
-        from aqpipe.compress import cuda_graphs
-        from aqpipe.compress.link import aqsgd, codecs
-        from aqpipe.compress.link.codecs import QuantOptions, build_codec
+        from aqpipe.compress.gpu import cuda_graphs
+        from aqpipe.compress.link import aqsgd, base
+        from aqpipe.compress.link.options import QuantOptions
+        from aqpipe.compress.link.factory import build_codec
         from aqpipe.compress.link.late_checks import LateChecks
-        from aqpipe.pipeline.transport import Header
+        from aqpipe.pipeline.links.transport import Header
         from aqpipe.storage import StoreView
         from aqpipe.storage.slab import SlabStore
         from tests.graph_stand_ins import install
 
         captures = []
         install(captures)
-        for module in (codecs, aqsgd):  # (a GPU's payload crosses to the host in a copy: the stand-in's must too)
+        for module in (base, aqsgd):  # (a GPU's payload crosses to the host in a copy: the stand-in's must too)
             module.to_host = lambda payload: (payload.clone(), None)
 
         def run(switch):

@@ -1,4 +1,4 @@
-"""The fused kernels' source (aqpipe.compress.fused_kernels) as a GPU compiles it and as it reads the codes: each
+"""The fused kernels' source (aqpipe.compress.gpu.fused_kernels) as a GPU compiles it and as it reads the codes: each
 tile's arithmetic in the layout its loads give (compiled for an H100 by Triton's own compiler, no GPU needed), its
 levels divided with IEEE rounding, codes past a grid's top decoded as the top (under Triton's interpreter), and the
 tile sweep's check of other tiles' bits. tests/test_fused.py checks the kernels' bytes against the torch ops'."""
@@ -19,7 +19,7 @@ def test_the_decode_kernel_reads_codes_past_the_grids_top_as_the_top_as_the_torc
     to the top level, as the torch ops' table says."""
     interpret("""
         import torch
-        from aqpipe.compress import fused
+        from aqpipe.compress.gpu import fused
         from aqpipe.compress.link.directq import decode_samples
 
         for bits in (2, 3, 5, 8):
@@ -45,7 +45,7 @@ def test_the_codes_and_decode_kernels_keep_their_tiles_arithmetic_in_the_layout_
 
     if triton.__version__ != "3.6.0":
         pytest.skip(f"the layouts counted are Triton 3.6.0's, not {triton.__version__}'s")
-    from aqpipe.compress import fused_kernels as k
+    from aqpipe.compress.gpu import fused_kernels as k
 
     tile = f"tensor<{k.TILE_T}x{k.TILE_C}x"
     moves = {}

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from aqpipe.compress.link.checksum import store_checksum
-from aqpipe.compress.link.codecs import QuantOptions, build_codec
-from aqpipe.pipeline.transport import Header
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.options import QuantOptions
+from aqpipe.pipeline.links.transport import Header
 from aqpipe.storage import MemoryStore, StoreView, memory_store
 
 DEVICE = os.environ.get("AQPIPE_TEST_DEVICE", "cuda")
@@ -44,7 +45,7 @@ needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="a check of CUDA itself
 # AQ-SGD message's verdicts and checksum sums, and the step's gradient norm, which crosses to the host for the
 # collectives staged through it and for the clipping decision. (A message's new m(ξ) reaches a store in host RAM or
 # on disk as a queued copy, which the store's next call waits for on its event: no synchronizing call.)
-EXPECTED_SYNCS = {("aqpipe/compress/link/aqsgd_rows.py", "read_all"), ("aqpipe/pipeline/optimizer_phase.py", "_clip")}
+EXPECTED_SYNCS = {("aqpipe/compress/link/aqsgd_rows.py", "read_all"), ("aqpipe/pipeline/execution/optimizer_phase.py", "_clip")}
 
 
 @pytest.mark.parametrize("spec,direction,per", [("fp32", "fw", "channel"), ("fp16", "fw", "channel"),

@@ -10,13 +10,14 @@ import sys
 import pytest
 import torch
 
-from aqpipe.compress.link.codecs import QuantOptions, build_codec
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.options import QuantOptions
 from aqpipe.storage import StoreView, memory_store
 from tests.test_gpu import DEVICE, _header, needs_cuda, pytestmark  # noqa: F401 - pytestmark marks these tests too
 
 
 def _has_triton() -> bool:
-    from aqpipe.compress import fused
+    from aqpipe.compress.gpu import fused
 
     return fused._kernels() is not None
 
@@ -36,7 +37,7 @@ needs_triton = pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.is_available()
 def test_a_codecs_cuda_graph_replays_the_bits_of_its_ops(monkeypatch, spec, direction, per, grid):
     """A stateless codec's encode and decode replayed from CUDA graphs (from the third call of a shape) give the
     bytes and values the same calls give op by op (AQPIPE_CUDA_GRAPHS=0), call after call."""
-    from aqpipe.compress import cuda_graphs
+    from aqpipe.compress.gpu import cuda_graphs
 
     options = QuantOptions(per=per, grid=grid)
     codec = build_codec(spec, direction, options=options, device=DEVICE)
@@ -64,7 +65,7 @@ def test_aqsgd_replayed_from_cuda_graphs_sends_and_keeps_the_bits_of_its_ops(mon
     """Two AQ-SGD links fed the same activations, one replaying its kernels from CUDA graphs and one op by op: every
     message's bytes, every decoded activation and every m(ξ) agree bit for bit, first sights (three batches of new
     samples: the third replays) and deltas alike."""
-    from aqpipe.compress import cuda_graphs
+    from aqpipe.compress.gpu import cuda_graphs
 
     cuda_graphs.clear()
     options = QuantOptions()
@@ -107,7 +108,7 @@ def test_a_steady_aqsgd_message_on_slabs_waits_for_the_gpu_once_a_side(monkeypat
     same link sends and keeps op by op (no graphs, nothing lent)."""
     import warnings
 
-    from aqpipe.compress import cuda_graphs
+    from aqpipe.compress.gpu import cuda_graphs
 
     cuda_graphs.clear()
     links = []
@@ -155,9 +156,9 @@ def test_a_gpu_receiver_refuses_a_divergence_once_the_checksum_sums_reach_the_ho
     """A GPU receiver's delta messages leave their checksum checks for later: each is made at the receiver's next
     message, once its sums have arrived, or when the step settles; a divergence planted in its m(ξ) is refused
     then, naming the message. The delta step in torch ops and fused (AQPIPE_FUSED_AQSGD=1)."""
-    from aqpipe.compress import fused
-    from aqpipe.compress.link.codecs import CodecError
-    from aqpipe.pipeline.transport import Header
+    from aqpipe.compress.gpu import fused
+    from aqpipe.compress.link.specs import CodecError
+    from aqpipe.pipeline.links.transport import Header
 
     monkeypatch.setenv(fused.DELTA_SWITCH, "1" if shape[1] == 128 else "0")
     stores = memory_store(torch.float16, DEVICE, 16), memory_store(torch.float16, DEVICE, 16)
@@ -181,9 +182,10 @@ def test_a_gpu_receiver_refuses_a_divergence_once_the_checksum_sums_reach_the_ho
 
 _FRESH_FUSED_GRAPHS = """
 import torch
-from aqpipe.compress import cuda_graphs, fused
-from aqpipe.compress.link.codecs import QuantOptions, build_codec
-from aqpipe.pipeline.transport import Header
+from aqpipe.compress.gpu import cuda_graphs, fused
+from aqpipe.compress.link.options import QuantOptions
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.pipeline.links.transport import Header
 from aqpipe.storage import StoreView, memory_store
 ends = [build_codec("aqsgd:3", "fw", StoreView(memory_store(torch.float16, "cuda"), 0, side), QuantOptions(),
                     device=torch.device("cuda")) for side in ("send", "recv")]
@@ -217,10 +219,10 @@ def test_a_fresh_process_captures_the_fused_steps_graphs_over_rows_at_an_odd_off
 @needs_triton
 @pytest.mark.parametrize("bits", range(2, 9))
 def test_the_fused_kernels_write_the_bits_of_the_torch_ops_on_the_gpu(bits):
-    """DirectQ's fused kernels (aqpipe.compress.fused) against the torch ops on the same GPU — rows, the values AQ-SGD
+    """DirectQ's fused kernels (aqpipe.compress.gpu.fused) against the torch ops on the same GPU — rows, the values AQ-SGD
     keeps as m(ξ) and decoded values bit for bit — and the host's decode of the GPU's rows against the GPU's: real-run
     shapes and ragged tiles, every grid they take, an all-zero channel, −0, values past fp16, fp16-subnormal scales."""
-    from aqpipe.compress import fused
+    from aqpipe.compress.gpu import fused
     from aqpipe.compress.link.directq import decode_samples, encode_samples
     from aqpipe.compress.quantize import dequantize, quantize
     from tests.fused_cases import edge_case_batch
@@ -253,7 +255,7 @@ def test_aqsgd_through_the_fused_kernels_keeps_the_bits_of_the_torch_ops(monkeyp
     visits put out of order, and a bf16 activation as it is), one through the torch ops op by op: every message's
     bytes and checksum, decoded activation and m(ξ) agree (the fidelity norms, summed in another order, to float
     tolerance). m(ξ) in fp16, bf16 (both fused) and fp32 (the torch ops update it)."""
-    from aqpipe.compress import cuda_graphs, fused
+    from aqpipe.compress.gpu import cuda_graphs, fused
     from aqpipe.compress.link import aqsgd_fused
 
     cuda_graphs.clear()
@@ -335,7 +337,7 @@ def test_a_replayed_fused_step_reads_and_writes_activations_wherever_they_lie(mo
     their index carries (`fused.addressable`), not copies: fed fresh activations that all stay alive (each lies
     elsewhere), the link replaying graphs sends, decodes and keeps the bits of the same kernels launched one by
     one, and every decoded activation keeps its values after later messages (the caller's own tensor)."""
-    from aqpipe.compress import cuda_graphs, fused
+    from aqpipe.compress.gpu import cuda_graphs, fused
 
     cuda_graphs.clear()
     monkeypatch.setenv("AQPIPE_FUSED_KERNELS", "1")
@@ -369,7 +371,7 @@ def test_a_gpu_receivers_messages_land_in_page_locked_memory_and_decode_as_from_
     decode, which the end compares with the decode of pageable copies."""
     import socket
 
-    from aqpipe.pipeline import transport as t
+    from aqpipe.pipeline.links import transport as t
 
     sender, receiver = socket.socketpair()
     box = t.Outbox(sender, "rank 1", timeout=30)
@@ -405,8 +407,8 @@ def test_the_capacity_plans_count_of_a_links_graphs_matches_what_they_hold_on_th
     """`graph_calls` measured on the meta device (AQ-SGD's delta step fused, as by default at this size, and in torch
     ops; DirectQ's fused kernels) against each graph's pool segments and input copies as the caching allocator
     reports them: not above the count with the allocator's headroom and 2 MiB, not below half of it."""
-    from aqpipe.compress import cuda_graphs, fused
-    from aqpipe.compress.graph_memory import held_bytes
+    from aqpipe.compress.gpu import cuda_graphs, fused
+    from aqpipe.compress.gpu.graph_memory import held_bytes
     from aqpipe.runtime.capacity import ALLOCATOR_HEADROOM
 
     monkeypatch.setenv(fused.DELTA_SWITCH, fused_delta)

@@ -1,4 +1,4 @@
-"""CUDA graphs themselves on a GPU (`pytest -m gpu`; aqpipe.compress.cuda_graphs): a held tensor written once a
+"""CUDA graphs themselves on a GPU (`pytest -m gpu`; aqpipe.compress.gpu.cuda_graphs): a held tensor written once a
 replay where it lies, host tensors fed straight into a graph's buffers, and a capture that fails — graphs off from
 then on, the GPU still right. tests/test_cuda_graphs.py and tests/test_cuda_graphs_in_place.py check the same
 bookkeeping with stand-in graphs on the host; tests/test_gpu_codecs.py, the codecs' graphs."""
@@ -14,7 +14,7 @@ from tests.test_gpu import DEVICE, needs_cuda, pytestmark  # noqa: F401 - pytest
 
 _FAILED_CAPTURE = """
 import logging, torch
-from aqpipe.compress.cuda_graphs import captured, graphed
+from aqpipe.compress.gpu.cuda_graphs import captured, graphed
 
 def waits(x):
     return (x * float(x.sum()),)  # float() reads the GPU: not allowed inside a capture
@@ -22,7 +22,7 @@ def waits(x):
 warnings = []
 handler = logging.Handler()
 handler.emit = lambda record: warnings.append(record.getMessage())
-logging.getLogger("aqpipe.compress.cuda_graphs").addHandler(handler)
+logging.getLogger("aqpipe.compress.gpu.cuda_graphs").addHandler(handler)
 x = torch.randn(64, device="cuda")
 results = [graphed("test-waits", waits, x)[0] for _ in range(4)]
 doubled = [graphed("test-pure", lambda t: (t * 2,), x)[0] for _ in range(3)]
@@ -61,8 +61,8 @@ def test_a_real_graph_writes_a_held_tensor_once_a_call_where_it_lies():
     """A CUDA graph over a held tensor (a slab of m(ξ) that a step writes in place): the capture does not run the
     step first (which would write it twice), each replay writes it once where it lies, and a slab that moved gets a
     graph of its own that replaces the old one."""
-    from aqpipe.compress import cuda_graphs
-    from aqpipe.compress.cuda_graphs import graphed
+    from aqpipe.compress.gpu import cuda_graphs
+    from aqpipe.compress.gpu.cuda_graphs import graphed
 
     def bump(x, slab):
         slab.add_(x)
@@ -89,8 +89,8 @@ def test_a_real_graph_fed_from_the_host_gives_what_device_inputs_give():
     """Host tensors given beside GPU tensors (rows in pinned memory; a slab's slots in pageable memory, as AQ-SGD's
     fused step feeds them) are copied straight into the graph's buffers: every replay computes on the values given
     at its call, as op by op on the GPU, and the host may write a pageable tensor again at once."""
-    from aqpipe.compress import cuda_graphs
-    from aqpipe.compress.cuda_graphs import graphed
+    from aqpipe.compress.gpu import cuda_graphs
+    from aqpipe.compress.gpu.cuda_graphs import graphed
 
     def step(rows, slots, scale):
         return (rows.float() * scale + slots.float().sum(),)

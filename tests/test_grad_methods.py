@@ -22,10 +22,10 @@ def _held(rank: int, world: int, methods: list[str]) -> dict[str, tuple[float, f
     which its optimizer's step runs, included, from its second step: the first makes the optimizer's moments)."""
     from torch.utils._pytree import tree_leaves
 
+    from aqpipe.compress.gpu.graph_memory import LiveBytes
     from aqpipe.compress.grad import DPGroup
     from aqpipe.compress.grad.qadam import QuantizedAdam
     from aqpipe.compress.grad.registry import build_grad_sync
-    from aqpipe.compress.graph_memory import LiveBytes
 
     sent = _hold_what_collectives_send()
     held = {}

@@ -149,7 +149,7 @@ def _train_replicas(rank: int, world: int):
     own data; returns, per method, the final parameters and whether the unused rows kept their initial values."""
     from aqpipe.compress.grad import DPGroup, build_grad_sync
     from aqpipe.compress.grad.qadam import freeze_step
-    from aqpipe.pipeline.optim import build_optimizer, momenta
+    from aqpipe.pipeline.numerics.optim import build_optimizer, momenta
 
     out = {}
     for method, optimizer_name in METHODS:

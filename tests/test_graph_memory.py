@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from aqpipe.compress import fused
-from aqpipe.compress import graph_memory as gm
+from aqpipe.compress.gpu import fused
+from aqpipe.compress.gpu import graph_memory as gm
 from aqpipe.compress.link import aqsgd, sample_coders
-from aqpipe.compress.link.codecs import QuantOptions, build_codec
-from aqpipe.pipeline.transport import Header
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.options import QuantOptions
+from aqpipe.pipeline.links.transport import Header
 from aqpipe.storage import MemoryStore, SlabStore, StoreView
 
 MB = 1 << 20

@@ -2,7 +2,7 @@
 
 import pytest
 
-from aqpipe.pipeline.grid import Grid
+from aqpipe.pipeline.world.grid import Grid
 from aqpipe.storage.base import stage_holding
 
 
@@ -43,7 +43,7 @@ def test_ranks_share_gpus_round_robin(monkeypatch):
     """A rank computes on GPU local rank mod the GPUs its host shows."""
     import torch
 
-    from aqpipe.pipeline.grid import rank_device
+    from aqpipe.pipeline.world.grid import rank_device
 
     assert rank_device("cpu", 3) == torch.device("cpu")
     for gpus, local_world in ((1, 4), (2, 4), (4, 4), (8, 4)):

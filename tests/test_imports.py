@@ -1,5 +1,6 @@
-"""The package's rooms import each other one way: no cycle between packages (or top-level modules), function-level
-imports included."""
+"""The package's rooms import each other one way, at every level: no cycle between the sub-packages and modules of
+any one package (the top-level packages and modules of `aqpipe`, the rooms of `pipeline/` and of `compress/`, ...),
+function-level imports included."""
 
 import ast
 from collections import defaultdict
@@ -8,23 +9,49 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "aqpipe"
 
 
-def room_of(module: str) -> str:
-    """aqpipe.pipeline.worker -> pipeline; aqpipe.cli -> cli."""
-    return module.split(".")[1] if "." in module else "aqpipe"
-
-
-def import_arrows() -> dict[tuple[str, str], set[str]]:
-    """(room, room it imports) -> the files that import it."""
-    arrows: dict[tuple[str, str], set[str]] = defaultdict(set)
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name: aqpipe.pipeline -> its __init__.py)."""
+    found = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        source = parts[1] if len(parts) > 1 and parts[1] not in ("__init__", "__main__") else "aqpipe"
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported(node: ast.AST, known: dict[str, Path]) -> list[str]:
+    """The modules of the package an import statement loads (`from a.b import c` loads a.b.c where that is a
+    module, else a.b)."""
+    if isinstance(node, ast.ImportFrom) and node.module:
+        names = [f"{node.module}.{alias.name}" for alias in node.names]
+        return [name if name in known else node.module for name in names]
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    return []
+
+
+def room_of(module: str, within: str) -> str | None:
+    """The child of package `within` that holds `module` (aqpipe.pipeline.execution.worker within aqpipe ->
+    pipeline, within aqpipe.pipeline -> execution); None where `module` is not below `within`. The package's own
+    __init__ and __main__ are one room, named after the package (aqpipe.cli within aqpipe -> cli; aqpipe -> aqpipe)."""
+    if not module.startswith(within + "."):
+        return within.rsplit(".", 1)[-1] if module == within else None
+    child = module[len(within) + 1:].split(".")[0]
+    return within.rsplit(".", 1)[-1] if child == "__main__" else child
+
+
+def import_arrows(within: str = "aqpipe") -> dict[tuple[str, str], set[str]]:
+    """(room, room it imports) -> the files that import it, the rooms being the children of package `within`."""
+    known = modules()
+    arrows: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for module, path in known.items():
+        source = room_of(module, within)
+        if source is None:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            for name in names:
-                if name.startswith("aqpipe.") and room_of(name) != source:
-                    arrows[(source, room_of(name))].add(str(path.relative_to(PACKAGE.parent)))
+            for name in imported(node, known):
+                target = room_of(name, within)
+                if target is not None and target != source:
+                    arrows[(source, target)].add(str(path.relative_to(PACKAGE.parent)))
     return arrows
 
 
@@ -63,11 +90,18 @@ def cycles(arrows) -> list[list[str]]:
 
 
 def test_no_two_rooms_import_each_other():
-    arrows = import_arrows()
-    found = cycles(arrows)
-    detail = [f"{a} -> {b}: {sorted(files)}" for group in found for (a, b), files in arrows.items()
-              if a in group and b in group]
-    assert not found, detail
+    detail = []
+    for package in sorted(name for name, path in modules().items() if path.name == "__init__.py"):
+        arrows = import_arrows(package)
+        detail += [f"{package}: {a} -> {b}: {sorted(files)}" for group in cycles(arrows)
+                   for (a, b), files in arrows.items() if a in group and b in group]
+    assert not detail, detail
+
+
+def test_the_check_sees_rooms_inside_a_package():
+    arrows = import_arrows("aqpipe.pipeline")
+    assert ("execution", "links") in arrows and ("links", "world") in arrows
+    assert not {b for a, b in arrows if a == "world"} & {"links", "numerics", "execution"}
 
 
 def test_the_check_sees_a_cycle():

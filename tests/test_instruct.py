@@ -13,7 +13,7 @@ from aqpipe.data.chat import bpe_chat_tokenizer, encode_conversations
 from aqpipe.data.corpus import Corpus, DataError
 from aqpipe.data.instruct import IGNORE, is_instruction_data, load_instructions, read_table
 from aqpipe.data.tokenizer import train_bpe
-from aqpipe.pipeline.worker import StageWorker
+from aqpipe.pipeline.execution.worker import StageWorker
 from aqpipe.stages.gpt2 import lm_loss
 
 

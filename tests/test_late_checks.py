@@ -98,7 +98,8 @@ def test_a_gpu_receiver_that_is_dropped_goes_at_once_with_its_graphs(monkeypatch
     import weakref
 
     from aqpipe.compress.link import aqsgd
-    from aqpipe.compress.link.codecs import QuantOptions, build_codec
+    from aqpipe.compress.link.factory import build_codec
+    from aqpipe.compress.link.options import QuantOptions
     from aqpipe.storage import SlabStore, StoreView
 
     monkeypatch.setattr(aqsgd, "generator_on", lambda device, seed: torch.Generator().manual_seed(seed))

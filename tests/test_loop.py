@@ -18,7 +18,7 @@ def _checkpoint_with_one_slow_writer(rank: int, world: int, out: str) -> str:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from aqpipe.pipeline.grid import Grid, create_groups
+    from aqpipe.pipeline.world.grid import Grid, create_groups
     from aqpipe.runtime import loop
     from aqpipe.runtime.checkpoints import store
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from aqpipe.pipeline.optim import SGD_MOMENTUM, build_optimizer, momenta
+from aqpipe.pipeline.numerics.optim import SGD_MOMENTUM, build_optimizer, momenta
 
 
 def test_sign_methods_run_plain_sgd_by_default_and_signum_when_asked():
@@ -25,7 +25,7 @@ def test_plain_sgd_moves_by_exactly_lr_times_the_gradient():
 def test_a_resumed_schedule_gives_this_runs_rate_at_the_step_reached():
     """A finished 12-step run extended to 13 steps: its first new step gets the 13-step schedule's rate, not the
     12-step schedule's final 0."""
-    from aqpipe.pipeline.optim import continue_schedule
+    from aqpipe.pipeline.numerics.optim import continue_schedule
 
     param = torch.nn.Parameter(torch.ones(3))
     optimizer, schedule = build_optimizer([param], "adamw", 1e-3, 0.0, 2, 12)

@@ -1,4 +1,4 @@
-"""Mixed precision (aqpipe.pipeline.mixed_precision) and recomputation: bf16 through a pipeline computes what one stage
+"""Mixed precision (aqpipe.pipeline.numerics.mixed_precision) and recomputation: bf16 through a pipeline computes what one stage
 computes, bit for bit (lossless links carry the activation's own dtype); fp16's loss scale is one decision for the
 whole world — a gradient that overflows on one rank skips the step on every rank; --recompute changes no bit of
 the losses or weights and holds fewer activation bytes."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aqpipe.config import RunConfig, resolve
-from aqpipe.pipeline.mixed_precision import LossScaler
+from aqpipe.pipeline.numerics.mixed_precision import LossScaler
 from tests import warm
 from tests.distributed import run_ranks
 
@@ -27,7 +27,7 @@ def config(out: Path, pp: int, **extra) -> RunConfig:
 
 def _train(rank: int, world: int, pp: int, out: str, extra: dict, poison: tuple[int, int] | None = None) -> dict:
     """Train STEPS steps on this rank; `poison` = (rank, step): that rank's gradients become inf at that step."""
-    from aqpipe.pipeline.grid import Grid
+    from aqpipe.pipeline.world.grid import Grid
     from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.runtime.plan import make_plan
 

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from aqpipe.launch.local import reserved_port
-from aqpipe.pipeline.rendezvous import HostDisagreement, agree, interface_of, pin_socket_interface
+from aqpipe.pipeline.links.rendezvous import HostDisagreement, agree, interface_of, pin_socket_interface
 
 FACTS = {"device": "cuda", "backend": "nccl", "world": [2, 1, 2], "config": {"lr": 0.001, "pp": 2}}
 
@@ -63,7 +63,7 @@ def test_powersgd_replicas_on_different_gpu_models_are_refused_before_they_diver
     would fail the replica digest at the first checkpoint. The hosts now say so before any collective."""
     import torch
 
-    from aqpipe.pipeline.rendezvous import GPU_MODEL, replica_gpu_facts
+    from aqpipe.pipeline.links.rendezvous import GPU_MODEL, replica_gpu_facts
 
     cuda = torch.device("cuda", 0)
     assert replica_gpu_facts("powersgd:4", 1, cuda) == {} and replica_gpu_facts("signsgd", 2, cuda) == {}
@@ -82,7 +82,7 @@ def test_fft_replicas_on_different_gpu_models_are_refused_too(monkeypatch):
     algorithms differ between GPU models: the replicas' weights would drift apart bit by bit."""
     import torch
 
-    from aqpipe.pipeline.rendezvous import GPU_MODEL, replica_gpu_facts
+    from aqpipe.pipeline.links.rendezvous import GPU_MODEL, replica_gpu_facts
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA L4")
@@ -111,8 +111,8 @@ def test_the_backend_is_pinned_to_the_interface_that_reaches_the_master(monkeypa
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert pin_socket_interface(backend) is None  # loopback: nothing to choose
     assert interface_of("127.0.0.1") == "lo" and interface_of("203.0.113.250") is None
-    monkeypatch.setattr("aqpipe.pipeline.streams.local_address", lambda: "10.9.9.9")
-    monkeypatch.setattr("aqpipe.pipeline.rendezvous.interface_of", lambda address: "eth7")
+    monkeypatch.setattr("aqpipe.pipeline.links.streams.local_address", lambda: "10.9.9.9")
+    monkeypatch.setattr("aqpipe.pipeline.links.rendezvous.interface_of", lambda address: "eth7")
     assert pin_socket_interface(backend) == value and os.environ[variable] == value
     assert [v for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if v in os.environ] == [variable]  # its own only
     monkeypatch.setenv(variable, "mine")
@@ -142,7 +142,7 @@ def test_two_torchrun_hosts_given_different_flags_stop_with_one_line_each(tmp_pa
 
 @pytest.mark.parametrize("variables, size", [({"LOCAL_WORLD_SIZE": "2"}, 2), ({"LOCAL_SIZE": "3"}, 3), ({}, 8)])
 def test_the_ranks_of_a_host_are_counted_under_torchrun_and_deepspeed(monkeypatch, variables, size):
-    from aqpipe.pipeline.grid import local_world_size
+    from aqpipe.pipeline.world.grid import local_world_size
 
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -153,7 +153,7 @@ def test_the_ranks_of_a_host_are_counted_under_torchrun_and_deepspeed(monkeypatc
 
 def _backends(gpus: list) -> list[str]:
     """Every rank of one store choosing its collective backend, each on a thread, rank r on GPU `gpus[r]`."""
-    from aqpipe.pipeline.rendezvous import collective_backend
+    from aqpipe.pipeline.links.rendezvous import collective_backend
 
     return on_threads(len(gpus), lambda store, rank: collective_backend(store, rank, len(gpus), gpus[rank]))
 
@@ -178,7 +178,7 @@ def test_a_gpu_is_known_as_nccl_knows_it_by_its_host_and_pci_address(monkeypatch
 
     import torch
 
-    from aqpipe.pipeline.rendezvous import gpu_identity
+    from aqpipe.pipeline.links.rendezvous import gpu_identity
 
     slices = iter([SimpleNamespace(uuid="MIG-1", pci_domain_id=0, pci_bus_id=0x41, pci_device_id=0),
                    SimpleNamespace(uuid="MIG-2", pci_domain_id=0, pci_bus_id=0x41, pci_device_id=0)])
@@ -199,8 +199,8 @@ _LATE_RANK = """
 import sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
-from aqpipe.pipeline.grid import Grid, create_groups
-from aqpipe.pipeline.rendezvous import begin_training, startup_timeout
+from aqpipe.pipeline.world.grid import Grid, create_groups
+from aqpipe.pipeline.links.rendezvous import begin_training, startup_timeout
 rank, port, pp, dp, phase, names = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6:]
 stall, late = 1.5, 5.0
 timeout = startup_timeout(stall)
@@ -274,7 +274,7 @@ def test_each_start_of_a_torchrun_job_keys_its_entries_apart(monkeypatch, max_re
     lie), and under c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. A restart's ranks read the dead start's gloo
     addresses there and hung; now the static one's keys are the start's, and c10d's shared store is refused where a
     restart may come."""
-    from aqpipe.pipeline.rendezvous import RendezvousConflict, elastic_attempt
+    from aqpipe.pipeline.links.rendezvous import RendezvousConflict, elastic_attempt
 
     store = _store()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")

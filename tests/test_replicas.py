@@ -18,7 +18,7 @@ def test_the_digest_sees_every_bit_and_every_name():
 
 
 def _check(rank: int, world: int, drift: bool):
-    from aqpipe.pipeline.grid import Grid
+    from aqpipe.pipeline.world.grid import Grid
     from aqpipe.runtime.replicas import ReplicaDivergence, check_replicas
 
     grid = Grid(2, world // 2, rank)

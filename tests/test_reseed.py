@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from aqpipe.compress.link.aqsgd import MODE_FULL, AQSGDCodec
-from aqpipe.compress.link.codecs import QuantOptions
-from aqpipe.pipeline.transport import KIND_ACTIVATION, Header
+from aqpipe.compress.link.options import QuantOptions
+from aqpipe.pipeline.links.transport import KIND_ACTIVATION, Header
 from aqpipe.storage import StoreView
 from aqpipe.storage.lmdb_store import LMDBStore, pack_key, unpack_key
 from aqpipe.storage.prefetch import PrefetchingStore

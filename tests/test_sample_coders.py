@@ -4,8 +4,9 @@ largest values set apart, and the coders' CUDA graphs told apart by class."""
 import pytest
 import torch
 
-from aqpipe.compress.link.codecs import CodecError, build_codec
-from aqpipe.pipeline.transport import KIND_ACTIVATION, Header
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.specs import CodecError
+from aqpipe.pipeline.links.transport import KIND_ACTIVATION, Header
 from tests.codec_cases import send
 
 
@@ -80,7 +81,7 @@ def test_rtqo_leaves_a_value_fp16_cannot_hold_in_its_tile_as_rtq_carries_it():
 def test_rtq_and_rtqo_never_share_a_cuda_graph(monkeypatch):
     """The two coders' graphs are told apart by class: a replay of one coder's graph for the other would send rtq's
     bytes as rtqo's."""
-    from aqpipe.compress import cuda_graphs
+    from aqpipe.compress.gpu import cuda_graphs
 
     captured = []
 

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aqpipe.compress.link.codecs import QuantOptions, build_codec
-from aqpipe.pipeline.transport import Header
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.options import QuantOptions
+from aqpipe.pipeline.links.transport import Header
 from aqpipe.storage import MemoryStore, SlabStore, StoreView, in_memory, memory_store
 
 

@@ -25,7 +25,7 @@ def test_optimizer_state_counts_what_the_optimizer_keeps(tmp_path, optimizer, mo
     """The plan's optimizer bytes per trained parameter equal what AdamW/SGD (default momentum 0.9, or none) keeps
     after a real step, plus a sign-based grad sync's vote momentum."""
     from aqpipe.compress.grad.methods import parse_grad_spec
-    from aqpipe.pipeline.optim import build_optimizer, momenta
+    from aqpipe.pipeline.numerics.optim import build_optimizer, momenta
 
     flags = [*SMALL, "--model", "gpt2-tiny", "--optimizer", optimizer, "--grad-sync", grad_sync]
     flags += ["--momentum", momentum] if momentum is not None else []

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from aqpipe.pipeline import streams as s
-from aqpipe.pipeline import transport as t
+from aqpipe.pipeline.links import streams as s
+from aqpipe.pipeline.links import transport as t
 
 
 def test_a_stray_connection_is_turned_away_and_the_right_sender_accepted():

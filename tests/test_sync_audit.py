@@ -1,4 +1,4 @@
-"""The CUDA sync audit's bookkeeping (aqpipe.pipeline.sync_audit), with CUDA's sync debug mode stood in for: which
+"""The CUDA sync audit's bookkeeping (aqpipe.pipeline.execution.sync_audit), with CUDA's sync debug mode stood in for: which
 steps it audits, how it counts and places the warnings, and that other warnings still reach the user."""
 
 import threading
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from aqpipe.compress.link.aqsgd_rows import Candidates, verdicts_of
-from aqpipe.pipeline import sync_audit
+from aqpipe.pipeline.execution import sync_audit
 from aqpipe.storage.base import on_device
 
 

@@ -4,9 +4,11 @@ low-entropy tokens, rotated outlier tiles, per-sample rows of varying length, an
 import pytest
 import torch
 
-from aqpipe.compress.link.codecs import CodecError, QuantOptions, build_codec
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.options import QuantOptions
+from aqpipe.compress.link.specs import CodecError
 from aqpipe.compress.link.tahq import LOW_SHARE, tahq_bits_per_value
-from aqpipe.pipeline.transport import KIND_ACTIVATION, Header
+from aqpipe.pipeline.links.transport import KIND_ACTIVATION, Header
 
 
 def round_trip(x: torch.Tensor):

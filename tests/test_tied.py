@@ -21,8 +21,8 @@ class Copy(nn.Module):
 def _step(rank: int, world: int, method: str):
     """One stage (pp=1) of `world` replicas whose module holds two copies of a tied table; run the worker's grad
     reduction and optimizer step with per-copy gradients that differ, and return both copies after the step."""
-    from aqpipe.pipeline.grid import Grid
-    from aqpipe.pipeline.tied import TiedGroup
+    from aqpipe.pipeline.numerics.tied import TiedGroup
+    from aqpipe.pipeline.world.grid import Grid
 
     module = nn.Sequential(Copy(), Copy())
     generator = torch.Generator().manual_seed(rank)
@@ -55,8 +55,8 @@ def test_a_randomized_sync_leaves_the_copies_one_tensor():
 def _two_stages(rank: int, world: int):
     """pp=2: stage 0 holds both copies of a tied table, stage 1 (a custom stage) has no parameters at all; both run
     the grad reduction and the optimizer step; returns stage 0's copies (None on stage 1)."""
-    from aqpipe.pipeline.grid import Grid
-    from aqpipe.pipeline.tied import TiedGroup
+    from aqpipe.pipeline.numerics.tied import TiedGroup
+    from aqpipe.pipeline.world.grid import Grid
 
     module = nn.Sequential(Copy(), Copy()) if rank == 0 else nn.Sequential(nn.ReLU())
     for k, layer in enumerate(module if rank == 0 else []):
@@ -83,8 +83,8 @@ def _replicas_reduce_in_orders_of_their_own(rank: int, world: int):
     it sent."""
     import torch.distributed as dist
 
-    from aqpipe.pipeline.grid import Grid
-    from aqpipe.pipeline.tied import TiedGroup
+    from aqpipe.pipeline.numerics.tied import TiedGroup
+    from aqpipe.pipeline.world.grid import Grid
 
     grid = Grid(3, 2, rank)
     original = dist.all_reduce
@@ -114,7 +114,7 @@ def _replicas_reduce_in_orders_of_their_own(rank: int, world: int):
     def before_sync(params):  # float32: (1 + 1e8) - 1e8 = 0, but (-1e8 + 1e8) + 1 = 1
         module.copy.table.grad.fill_([1.0, 1e8, -1e8][grid.stage])
 
-    from aqpipe.pipeline import comm
+    from aqpipe.pipeline.world import comm
 
     before = comm.TRAFFIC.snapshot()[comm.TIED]
     stats = worker_step(grid, module, "none", tied=[TiedGroup("table", ((4, 3),), 3)], before_sync=before_sync)
@@ -128,7 +128,7 @@ def test_replicas_keep_one_tied_table_and_one_norm_whatever_order_the_backend_ad
     check at the next checkpoint ends the run). The clip's norm is such a sum too: every replica must clip on the
     same number (a last bit apart rarely reaches the float32 coefficient — no case in 2 million random ones — but
     the replicas then report different norms)."""
-    from aqpipe.pipeline.tied import TiedGroup, added_in_order
+    from aqpipe.pipeline.numerics.tied import TiedGroup, added_in_order
     from aqpipe.runtime.capacity import dense_tied_bytes
 
     results = run_ranks(_replicas_reduce_in_orders_of_their_own, 6)

@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from aqpipe.launch.job import run_job
-from aqpipe.pipeline.tied_deltas import RowDeltas, table_digest
-from aqpipe.pipeline.tied_rows import LOOKUP, OWNER, RowExchange
-from aqpipe.pipeline.transport import Inbox, Outbox, TransportError
+from aqpipe.pipeline.links.tied_deltas import RowDeltas, table_digest
+from aqpipe.pipeline.links.tied_rows import LOOKUP, OWNER, RowExchange
+from aqpipe.pipeline.links.transport import Inbox, Outbox, TransportError
 from tests import warm
 from tests.test_tied_rows import records, tied_config
 

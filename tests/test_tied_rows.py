@@ -13,9 +13,8 @@ from torch import nn
 
 from aqpipe.config import RunConfig, resolve
 from aqpipe.launch.job import run_job
-from aqpipe.pipeline.tied_rows import (FOR_EVALUATION, LOOKUP, OWNER, RowExchange, step_parts, step_rows,
-                                       table_parameter)
-from aqpipe.pipeline.transport import HEADER_SIZE, Inbox, Outbox, TransportError
+from aqpipe.pipeline.links.tied_rows import FOR_EVALUATION, LOOKUP, OWNER, RowExchange, step_parts, step_rows, table_parameter
+from aqpipe.pipeline.links.transport import HEADER_SIZE, Inbox, Outbox, TransportError
 from tests import warm
 
 VOCAB, WIDTH = 40, 6

@@ -5,7 +5,7 @@ import struct
 import pytest
 import torch
 
-from aqpipe.pipeline import transport as t
+from aqpipe.pipeline.links import transport as t
 from tests.distributed import run_ranks
 
 PEER = "rank 1 (stage 1, replica 0)"
@@ -82,7 +82,7 @@ def test_malformed_headers_are_rejected_naming_the_peer(mutate, needle):
 
 
 def test_the_link_codec_checks_the_header_before_allocation():
-    from aqpipe.compress.link.codecs import build_codec
+    from aqpipe.compress.link.factory import build_codec
 
     codec = build_codec("fp32")
     checked = expect(check=codec.check_header)
@@ -96,7 +96,7 @@ def test_the_link_codec_checks_the_header_before_allocation():
 
 def _stream_from_rank_1(rank):
     """A stream from rank 1 (the sender) to rank 0 (the receiver), opened as the links open theirs."""
-    from aqpipe.pipeline.streams import open_streams
+    from aqpipe.pipeline.links.streams import open_streams
 
     name = "test stream"
     return open_streams([name] if rank == 0 else [], [name] if rank == 1 else [], None, 20)[name]
@@ -186,7 +186,7 @@ def test_side_information_behind_an_odd_payload_reads_as_int64(payload_len):
 
 
 def test_an_activations_side_information_is_one_row_per_sample_or_an_error():
-    from aqpipe.pipeline.link_ends import per_sample
+    from aqpipe.pipeline.links.link_ends import per_sample
 
     assert torch.equal(per_sample(SIDE.reshape(-1), torch.tensor([5, 9])), SIDE)
     assert per_sample(None, torch.tensor([5, 9])) is None
@@ -266,7 +266,7 @@ def test_the_writer_waits_for_a_queued_copy_before_it_checksums_and_sends_the_by
 
 
 def test_an_encoded_messages_payload_is_read_only_after_its_copy_lands():
-    from aqpipe.compress.link.codecs import Encoded
+    from aqpipe.compress.link.base import Encoded
 
     host = torch.zeros(8, dtype=torch.uint8)
     encoded = Encoded(host, (8,), torch.uint8, ready=_LandsWhenWaited(host, 3))

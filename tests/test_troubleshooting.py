@@ -57,11 +57,12 @@ RELAYS = {
     ("aqpipe/launch/job.py", "str(e)"),  # CheckpointError
     ("aqpipe/launch/netns.py", "problem"),  # can_throttle()
     ("aqpipe/runtime/capacity.py", "problem"),  # steps_outlasting_the_stall_timeout()
+    ("aqpipe/runtime/capacity.py", "str(e)"),  # CodecError: a codec that cannot code the stages' activations
     ("aqpipe/runtime/checkpoints/parts.py", "changed"),  # changed_setting()
     ("aqpipe/runtime/checkpoints/store.py", "str(e)"),  # copy_plan()
     ("aqpipe/cli.py", "slow"),  # --dry-run: steps_outlasting_the_stall_timeout()
     # internal (see INTERNAL): a rank's decoder refusing a message
-    ("aqpipe/compress/link/codecs.py", "self._raw_refusal()"),
+    ("aqpipe/compress/link/base.py", "self._raw_refusal()"),
     ("aqpipe/compress/link/sample_coders.py", "problem"),
 }
 
@@ -78,8 +79,8 @@ INTERNAL = {
     ("aqpipe/compress/link/aqsgd_rows.py", "aqsgd payload has unknown sample"),
     ("aqpipe/compress/link/aqsgd_rows.py", "aqsgd payload of bytes does"),
     ("aqpipe/compress/link/aqsgd_rows.py", "the peer sends quantized first"),
-    ("aqpipe/compress/link/codecs.py", "payload arrived as"),
-    ("aqpipe/compress/link/codecs.py", "the codec needs a message"),
+    ("aqpipe/compress/link/floats.py", "payload arrived as"),
+    ("aqpipe/compress/link/factory.py", "the codec needs a message"),
     ("aqpipe/compress/link/tahq.py", "a tahq payload of bytes"),
     ("aqpipe/compress/link/tahq.py", "a tahq payload ends inside"),
     ("aqpipe/compress/link/tahq.py", "a tahq sample marks of"),

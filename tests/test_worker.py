@@ -24,7 +24,7 @@ def config(out: Path, pp: int, dp: int, micro_batches: int, schedule: str = "gpi
 def _train_each(rank: int, world: int, pp: int, dp: int, micro_batch_counts: list[int], out: str) -> dict:
     """On one rank: for each micro-batch count and schedule, assemble the stage afresh and train STEPS steps;
     returns {(m, schedule): (per-step loss sums, final state, peak activation bytes per step)}."""
-    from aqpipe.pipeline.grid import Grid
+    from aqpipe.pipeline.world.grid import Grid
     from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.runtime.plan import make_plan
 
@@ -100,8 +100,8 @@ def test_1f1b_holds_pp_over_m_of_gpipes_activations_on_the_first_stage(tmp_path)
 
 def _evaluate_between_steps(rank: int, world: int, out: str) -> tuple[int, int]:
     """pp=2: train a step, evaluate, train another; returns what rank 1 counted as received in each step."""
-    from aqpipe.pipeline.evaluate import eval_batches, evaluate_stage
-    from aqpipe.pipeline.grid import Grid
+    from aqpipe.pipeline.execution.evaluate import eval_batches, evaluate_stage
+    from aqpipe.pipeline.world.grid import Grid
     from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.runtime.plan import make_plan
 
@@ -130,7 +130,7 @@ def _norm_the_sign_sync_sees(rank: int, world: int) -> float:
     norm the sync was handed (the input its compensation is formed from)."""
     from torch import nn
 
-    from aqpipe.pipeline.grid import Grid
+    from aqpipe.pipeline.world.grid import Grid
 
     module = nn.Linear(4, 4)
     for p in module.parameters():
@@ -156,7 +156,7 @@ def test_a_receive_waits_for_its_peer_only_until_the_message_arrives(monkeypatch
     by the next receive — read as time lost to the link. (A stand-in clock: 2 s for the message, 3 s to decode.)"""
     from types import SimpleNamespace
 
-    from aqpipe.pipeline import link_ends
+    from aqpipe.pipeline.links import link_ends
 
     clock = [0.0]
     monkeypatch.setattr(link_ends.time, "perf_counter", lambda: clock[0])
@@ -178,7 +178,7 @@ def test_a_receive_waits_for_its_peer_only_until_the_message_arrives(monkeypatch
 
 
 def test_a_gpu_timer_times_nothing_on_the_host():
-    from aqpipe.pipeline.gpu_timing import GpuTimer
+    from aqpipe.pipeline.execution.gpu_timing import GpuTimer
 
     timer = GpuTimer(torch.device("cpu"))
     with timer.span("forward_seconds"):
@@ -191,7 +191,7 @@ def test_a_step_settles_what_its_receiving_codecs_left_for_later():
     makes the checks still left, on each receiving end (a sending end's codec leaves nothing)."""
     from types import SimpleNamespace
 
-    from aqpipe.pipeline.link_ends import StageLinks
+    from aqpipe.pipeline.links.link_ends import StageLinks
 
     settled = []
 
@@ -207,8 +207,8 @@ def test_a_step_settles_what_its_receiving_codecs_left_for_later():
 def test_a_step_that_failed_names_a_divergence_its_late_checks_find_as_the_failures_cause():
     from types import SimpleNamespace
 
-    from aqpipe.compress.link.codecs import CodecError
-    from aqpipe.pipeline.link_ends import StageLinks
+    from aqpipe.compress.link.specs import CodecError
+    from aqpipe.pipeline.links.link_ends import StageLinks
 
     def links(trouble):
         def settle():
@@ -228,9 +228,9 @@ def _aqsgd_steps(rank: int, world: int, out: str, late: bool, plant: bool) -> di
     checking late (`late`, as on a GPU); with `plant`, a divergence planted in its m(ξ) of a sample of the last
     step's last micro-batch. Returns the step losses, how many checks were left after each step, and the error a
     step raised."""
-    from aqpipe.compress.link.codecs import CodecError
     from aqpipe.compress.link.late_checks import LateChecks
-    from aqpipe.pipeline.grid import Grid
+    from aqpipe.compress.link.specs import CodecError
+    from aqpipe.pipeline.world.grid import Grid
     from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.runtime.plan import make_plan
 
@@ -282,7 +282,8 @@ def test_a_rank_reports_its_own_peak_memory_not_its_parents(tmp_path):
     import subprocess
     import sys
 
-    child = "from aqpipe.pipeline.worker import peak_memory_bytes\nimport torch\nprint(peak_memory_bytes(torch.device('cpu')))"
+    child = ("from aqpipe.pipeline.execution.worker import peak_memory_bytes\nimport torch\n"
+             "print(peak_memory_bytes(torch.device('cpu')))")
     parent = ("import subprocess, sys\n"
               "big = bytearray(800_000_000)\n"
               "big[::4096] = b'x' * len(range(0, len(big), 4096))\n"  # touch every page: 800 MB resident

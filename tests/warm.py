@@ -45,7 +45,7 @@ PRELOAD = ["aqpipe.cli", "aqpipe.launch.job", "aqpipe.launch.forkserver", "aqpip
 # The zygote's side.
 
 def _zygote(sock: socket.socket, parent: int) -> None:
-    from aqpipe.launch.env import die_with
+    from aqpipe.lifetime import die_with
 
     die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the terminal is pytest's
@@ -102,7 +102,7 @@ def _become_command(request: dict, fds: list[int]) -> None:
     """In the forked child: run `aqpipe ARGV` as `python -m aqpipe ARGV` would; never returns."""
     code = 1
     try:
-        from aqpipe.launch.env import die_with
+        from aqpipe.lifetime import die_with
 
         die_with(os.getppid())  # a command never outlives its zygote (nor, through it, its test worker)
         signal.signal(signal.SIGINT, signal.default_int_handler)

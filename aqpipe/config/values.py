@@ -78,6 +78,11 @@ def value_type(name: str) -> Any:
     return annotation
 
 
+def _is_integer(value: Any) -> bool:
+    """Whether a file's or a flag's value is an integer (a number, or its digits as text; not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, str)) and bool(re.fullmatch(r"-?\d+", str(value).strip()))
+
+
 def _coerce(name: str, value: Any) -> Any:
     """`value` (from a file or a flag's text) as field `name`'s type, or ConfigError naming the flag."""
     kind = value_type(name)
@@ -90,7 +95,7 @@ def _coerce(name: str, value: Any) -> Any:
             raise ConfigError(f"{flag} must be true or false, got {value!r}")
         return BOOLEAN_WORDS[text]
     if kind is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)) or not re.fullmatch(r"-?\d+", str(value).strip()):
+        if not _is_integer(value):
             raise ConfigError(f"{flag} must be an integer, got {value!r}")
         return int(value)
     if kind is float:
@@ -102,8 +107,8 @@ def _coerce(name: str, value: Any) -> Any:
             raise ConfigError(f"{flag} must be a finite number, got {value!r}")
         return out
     if typing.get_origin(kind) is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{name} must be a list of integers")
+        if not isinstance(value, list) or not all(_is_integer(v) for v in value):
+            raise ConfigError(f"{name} must be a list of integers, got {value!r}")
         return [int(v) for v in value]
     return str(value)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
+
+from aqpipe.lifetime import die_with
 
 # The resolved configuration (JSON) `aqpipe launch` hands each rank it starts; its presence marks such a rank.
 CONFIG_ENV = "AQPIPE_CONFIG_JSON"
@@ -28,14 +28,3 @@ def die_with_parent() -> None:
     parent = os.environ.get("AQPIPE_PARENT_PID")
     if parent is not None:
         die_with(int(parent))
-
-
-def die_with(parent: int) -> None:
-    """Be killed (SIGKILL) when process `parent`, which started this one, dies; exit at once if it already has."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != parent:  # it died before prctl took effect
-        os._exit(1)

@@ -40,10 +40,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from aqpipe.launch.env import die_with
 from aqpipe.launch.fork_safety import fork, unsafe_to_fork
 from aqpipe.launch.local import CommandStarter, RankProcess
 from aqpipe.launch.signals import deferred_interrupts
+from aqpipe.lifetime import die_with
 
 WORKER_COMMAND = [sys.executable, "-m", "aqpipe.launch.worker_entry"]  # a rank as a fresh process
 RANK_TARGET = "aqpipe.launch.worker_entry:run_rank"  # what a forked rank runs

@@ -21,7 +21,7 @@ from aqpipe.launch.netns import format_rate
 from aqpipe.launch.rundir import RunDirectory, existing_run
 from aqpipe.launch.signals import INTERRUPTS, deferred_interrupts, ignore_interrupts, interrupts_raise
 from aqpipe.metrics import write_json
-from aqpipe.pipeline.grid import Grid
+from aqpipe.pipeline.world.grid import Grid
 from aqpipe.runtime.capacity import refuse_if_unfit
 from aqpipe.runtime.plan import RunPlan, make_plan
 

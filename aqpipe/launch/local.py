@@ -25,7 +25,7 @@ from typing import Protocol, TextIO
 
 from aqpipe.launch.netns import INTERFACE, THROTTLED_NCCL, Topology, exec_prefix
 from aqpipe.launch.signals import deferred_interrupts
-from aqpipe.pipeline.rendezvous import LOOPBACK_ENV
+from aqpipe.pipeline.links.rendezvous import LOOPBACK_ENV
 from aqpipe.runtime.events import EVENT_PREFIX, HEARTBEAT_SECONDS
 
 # A worker whose error only says a peer went away is a consequence, not the cause.

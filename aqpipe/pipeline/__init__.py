@@ -1,6 +1,17 @@
-"""The pipeline engine: schedules as instruction streams, the stage worker that interprets them, the links between
-stages (framed streams, codecs at both ends), the rank grid, and the numerics of a stage's step (mixed precision,
-optimizer, tied parameters, evaluation). Knows nothing of configuration files or launching."""
+"""The pipeline engine, in four rooms that import one way (execution -> links -> numerics -> world):
+
+- `execution/`: one stage's work, step by step: the stage worker that interprets its instruction stream, the
+  optimizer phase, evaluation, and what a step measures of itself (activations held, GPU times, CUDA syncs);
+- `links/`: how the stages reach each other: rendezvous, TCP streams, framed messages, a rank's link ends with their
+  codecs, and the row exchange that keeps a tied embedding and LM head one tensor;
+- `numerics/`: the arithmetic of a stage's step: the optimizer and its schedule, clipping, mixed precision and loss
+  scaling, the gradients of tied parameters;
+- `world/`: the rank grid and its process groups, and every collective counted by traffic class.
+
+At the top, what the configuration and the runtime read without torch: the schedules as instruction streams
+(`schedule`), a step's statistics and how the ranks' values combine (`step_stats`), the `--precision` and
+`--tied-exchange` vocabularies (`precisions`, `tied_exchanges`), and `present`. Knows nothing of configuration files
+or launching."""
 
 from typing import TypeVar
 

@@ -1,11 +1,11 @@
 """The `--tied-exchange` vocabulary (no torch import, so the configuration can check a name cheaply): how a tied input
-embedding and LM head on different stages stay one tensor (`aqpipe.pipeline.tied_rows`, `aqpipe.pipeline.tied`)."""
+embedding and LM head on different stages stay one tensor (`aqpipe.pipeline.links.tied_rows`, `aqpipe.pipeline.numerics.tied`)."""
 
 # the exact row exchanges, by the dtype their rows and gradient rows travel in (fp32: the dense all-reduce's run, bit
 # for bit; bf16: half the bytes, the embedding computing on bf16-rounded rows and the head adding bf16-rounded
 # gradients)
 EXACT_ROWS = {"rows": "float32", "rows:bf16": "bfloat16"}
-# the delta-coded row exchanges, by their bits (`aqpipe.pipeline.tied_deltas`): rows as B-bit changes against the copy
+# the delta-coded row exchanges, by their bits (`aqpipe.pipeline.links.tied_deltas`): rows as B-bit changes against the copy
 # both ends hold, gradient rows B-bit with error feedback
 DELTA_ROWS = {f"rows:delta:{bits}": bits for bits in range(2, 9)}
 ROW_EXCHANGES = (*EXACT_ROWS, *DELTA_ROWS)

@@ -11,20 +11,22 @@ from torch import nn
 from aqpipe.compress.grad import DPGroup, build_grad_sync
 from aqpipe.compress.grad.methods import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
-from aqpipe.compress.link.codecs import LinkCodec, QuantOptions, build_codec
+from aqpipe.compress.link.base import LinkCodec
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.options import QuantOptions
 from aqpipe.config import ResolvedConfig
-from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device, create_groups
-from aqpipe.pipeline.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
-from aqpipe.pipeline.mixed_precision import LossScaler, needs_loss_scaling
-from aqpipe.pipeline.optim import build_optimizer, momenta
-from aqpipe.pipeline.rendezvous import startup_timeout
-from aqpipe.pipeline.streams import open_streams
-from aqpipe.pipeline.tied import row_tables, tied_groups
-from aqpipe.pipeline.tied_deltas import RowDeltas
+from aqpipe.pipeline.execution.worker import StageWorker
+from aqpipe.pipeline.links.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
+from aqpipe.pipeline.links.rendezvous import startup_timeout
+from aqpipe.pipeline.links.streams import open_streams
+from aqpipe.pipeline.links.tied_deltas import RowDeltas
+from aqpipe.pipeline.links.tied_rows import LOOKUP, OWNER, RowExchange, table_parameter
+from aqpipe.pipeline.links.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
+from aqpipe.pipeline.numerics.mixed_precision import LossScaler, needs_loss_scaling
+from aqpipe.pipeline.numerics.optim import build_optimizer, momenta
+from aqpipe.pipeline.numerics.tied import row_tables, tied_groups
 from aqpipe.pipeline.tied_exchanges import delta_bits, wire_dtype_name
-from aqpipe.pipeline.tied_rows import LOOKUP, OWNER, RowExchange, table_parameter
-from aqpipe.pipeline.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE_MASK, SIDE_RESEED, Inbox, Outbox
-from aqpipe.pipeline.worker import StageWorker
+from aqpipe.pipeline.world.grid import Grid, ProcessGroups, collective_device, create_groups
 from aqpipe.runtime.checkpoints.store import Checkpoints
 from aqpipe.runtime.plan import RunPlan, store_bytes_per_rank
 from aqpipe.storage import MemoryStore, SlabStore, StoreView, memory_store

@@ -17,21 +17,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aqpipe.compress import cuda_graphs
+from aqpipe.compress.gpu import cuda_graphs
 from aqpipe.compress.grad.base import ring_all_reduce_bytes
 from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.compress.grad.registry import gloo_gpu_copies, sync_copies, sync_step_bytes
 from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC, SyncBytes
-from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_bytes, numel
-from aqpipe.compress.link.specs import keeps_messages
+from aqpipe.compress.link.base import numel
+from aqpipe.compress.link.codes import lossless_dtype
+from aqpipe.compress.link.factory import message_bytes
+from aqpipe.compress.link.options import QuantOptions
+from aqpipe.compress.link.specs import CodecError, keeps_messages
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.metrics import kept_records
-from aqpipe.pipeline.grid import Grid
-from aqpipe.pipeline.tied import added_in_order, row_tables, tied_groups
-from aqpipe.pipeline.tied_deltas import RowDeltas
+from aqpipe.pipeline.links.tied_deltas import RowDeltas
+from aqpipe.pipeline.links.tied_rows import step_rows
+from aqpipe.pipeline.links.transport import HEADER_SIZE
+from aqpipe.pipeline.numerics.tied import added_in_order, row_tables, tied_groups
 from aqpipe.pipeline.tied_exchanges import delta_bits, wire_dtype_name
-from aqpipe.pipeline.tied_rows import step_rows
-from aqpipe.pipeline.transport import HEADER_SIZE
+from aqpipe.pipeline.world.grid import Grid
 from aqpipe.runtime import plan as run_plan
 from aqpipe.runtime.capacity_eval import EvalNeeds, eval_needs
 from aqpipe.runtime.checkpoints.parts import latest_step
@@ -234,7 +237,15 @@ def first_sight_payload_bytes(spec: str, first_sight: str, shape: tuple[int, ...
 
 
 def plan_capacity(plan: RunPlan) -> CapacityPlan:
-    """The capacity plan of a resolved run (bounds known)."""
+    """The capacity plan of a resolved run (bounds known); a ConfigError where a link's codec cannot code the
+    stages' activations (TAH-Quant's 64-channel tiles on another width)."""
+    try:
+        return _plan_capacity(plan)
+    except CodecError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _plan_capacity(plan: RunPlan) -> CapacityPlan:
     from aqpipe.config.rates import parse_rate
 
     cfg = plan.cfg
@@ -284,7 +295,7 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
 
 def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
     """Bytes per step one replica sends for its tied tables: with `--tied-exchange rows`, a table's looked-up rows
-    and their gradient (`aqpipe.pipeline.tied_rows`), counted on the first `sampled_steps` steps of the real data
+    and their gradient (`aqpipe.pipeline.links.tied_rows`), counted on the first `sampled_steps` steps of the real data
     order; otherwise a ring all-reduce of every table over the pipeline (every rank sends 2·(pp−1)/pp of it), and
     with replicas a second after the sync, where the copies re-agree (an all-gather, (pp−1) times the table from
     every rank, where three copies or more are added in stage order: `tied.added_in_order`)."""

@@ -7,8 +7,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from aqpipe.compress.link.codecs import QuantOptions, lossless_dtype, message_bytes, numel
-from aqpipe.pipeline.evaluate import held_out_samples
+from aqpipe.compress.link.base import numel
+from aqpipe.compress.link.codes import lossless_dtype
+from aqpipe.compress.link.factory import message_bytes
+from aqpipe.compress.link.options import QuantOptions
+from aqpipe.pipeline.execution.evaluate import held_out_samples
 
 if TYPE_CHECKING:
     from aqpipe.runtime.plan import RunPlan

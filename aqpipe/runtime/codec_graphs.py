@@ -2,16 +2,17 @@
 
 A rank of stage s runs four link ends at most: it sends activations down link s and receives their gradients back,
 and receives activations from link s − 1 and sends their gradients up. On a GPU each end's codec replays CUDA
-graphs (`aqpipe.compress.cuda_graphs`), and each graph keeps its inputs' copies and its memory pool for the run —
+graphs (`aqpipe.compress.gpu.cuda_graphs`), and each graph keeps its inputs' copies and its memory pool for the run —
 for AQ-SGD at a micro-batch of 8 × 1024 × 576 a few hundred MB a rank, the same order as a stage's weights. Each
-end's graphs are measured on the meta device (`aqpipe.compress.graph_memory`) at its link's micro-batch shape.
+end's graphs are measured on the meta device (`aqpipe.compress.gpu.graph_memory`) at its link's micro-batch shape.
 """
 
 from __future__ import annotations
 
-from aqpipe.compress import cuda_graphs
-from aqpipe.compress.graph_memory import graphs_bytes
-from aqpipe.compress.link.codecs import QuantOptions, build_codec
+from aqpipe.compress.gpu import cuda_graphs
+from aqpipe.compress.gpu.graph_memory import graphs_bytes
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.options import QuantOptions
 from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ResolvedConfig
 from aqpipe.storage import MemoryStore, SlabStore, StoreView

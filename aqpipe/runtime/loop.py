@@ -7,14 +7,15 @@ import time
 import torch
 
 from aqpipe.metrics import MetricsLog
-from aqpipe.pipeline import comm
-from aqpipe.pipeline.evaluate import eval_batches, evaluate_stage, gather_eval, held_out_samples
+from aqpipe.pipeline.execution.evaluate import eval_batches, evaluate_stage, gather_eval, held_out_samples
+from aqpipe.pipeline.world import comm
 from aqpipe.runtime.assemble import RankStage
 from aqpipe.runtime.checkpoints.resume import collect_state
 from aqpipe.runtime.checkpoints.store import RUN_LOG, run_log
+from aqpipe.runtime.console import print_eval, print_progress
 from aqpipe.runtime.events import emit, progress
-from aqpipe.runtime.outputs import print_eval, print_progress, step_record
 from aqpipe.runtime.replicas import check_replicas
+from aqpipe.runtime.step_record import step_record
 from aqpipe.storage.prefetch import PrefetchingStore
 
 

@@ -8,8 +8,8 @@ import hashlib
 import torch
 from torch import nn
 
-from aqpipe.pipeline import comm
-from aqpipe.pipeline.grid import Grid, collective_device
+from aqpipe.pipeline.world import comm
+from aqpipe.pipeline.world.grid import Grid, collective_device
 
 
 class ReplicaDivergence(RuntimeError):

@@ -16,10 +16,10 @@ import torch
 
 from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline import schedule as sch
-from aqpipe.pipeline.held import ActivationMeter
-from aqpipe.pipeline.mixed_precision import autocast
-from aqpipe.pipeline.tied import row_tables
-from aqpipe.pipeline.tied_rows import table_parameter
+from aqpipe.pipeline.execution.held import ActivationMeter
+from aqpipe.pipeline.links.tied_rows import table_parameter
+from aqpipe.pipeline.numerics.mixed_precision import autocast
+from aqpipe.pipeline.numerics.tied import row_tables
 from aqpipe.runtime.plan import RunPlan
 
 # optimizer -> fp32 copies of each trained parameter it keeps (AdamW: both moments; SGD: its momentum buffer, when
@@ -44,7 +44,7 @@ class StageTrace(NamedTuple):
 def state_copies(cfg: ResolvedConfig) -> int:
     """fp32 copies per trained parameter the optimizer keeps, plus a sign-based grad sync's vote momentum."""
     from aqpipe.compress.grad.methods import parse_grad_spec
-    from aqpipe.pipeline.optim import momenta
+    from aqpipe.pipeline.numerics.optim import momenta
 
     optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)
     copies = OPTIMIZER_STATE_COPIES[cfg.optimizer] if cfg.optimizer == "adamw" or optimizer_momentum > 0 else 0
@@ -97,7 +97,7 @@ def trace_stages(plan: RunPlan) -> list[StageTrace]:
                     plan.spec.loss(out, mode.from_tensor(_given(batch["targets"])))
             meter.keep(0, out if s < cfg.pp - 1 else None)
         traced.append(StageTrace(counts, meter.peak_bytes, tuple(out.shape), out.dtype, synced))
-        x = out.detach().requires_grad_(True)  # as a received activation is (aqpipe.pipeline.link_ends)
+        x = out.detach().requires_grad_(True)  # as a received activation is (aqpipe.pipeline.links.link_ends)
     return traced
 
 

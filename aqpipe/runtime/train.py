@@ -10,9 +10,7 @@ import torch
 import torch.distributed as dist
 
 from aqpipe.config import ConfigError, ResolvedConfig
-from aqpipe.pipeline import comm
-from aqpipe.pipeline.grid import Grid, host_leader, local_rank, local_world_size, rank_device
-from aqpipe.pipeline.rendezvous import (
+from aqpipe.pipeline.links.rendezvous import (
     HOST_LOCAL_SETTINGS,
     HostDisagreement,
     RendezvousConflict,
@@ -25,21 +23,16 @@ from aqpipe.pipeline.rendezvous import (
     replica_gpu_facts,
     startup_timeout,
 )
-from aqpipe.pipeline.tied_rows import LOOKUP, OWNER
+from aqpipe.pipeline.links.tied_rows import LOOKUP, OWNER
+from aqpipe.pipeline.world import comm
+from aqpipe.pipeline.world.grid import Grid, host_leader, local_rank, local_world_size, rank_device
 from aqpipe.runtime.assemble import RankStage, assemble_stage
 from aqpipe.runtime.checkpoints.resume import resume_rank, starting_point
 from aqpipe.runtime.checkpoints.store import RUN_LOG, Checkpoints
 from aqpipe.runtime.events import emit, start_heartbeat
+from aqpipe.runtime.final_weights import FinalWeights, gather_final_weights, save_stage_weights
 from aqpipe.runtime.loop import train_steps
-from aqpipe.runtime.outputs import (
-    FinalWeights,
-    finish_outputs,
-    gather_final_weights,
-    open_outputs,
-    save_stage_weights,
-    unrecorded_traffic,
-    write_config,
-)
+from aqpipe.runtime.outputs import finish_outputs, open_outputs, unrecorded_traffic, write_config
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds
 from aqpipe.runtime.replicas import check_replicas
 from aqpipe.storage.health import drop_if_damaged

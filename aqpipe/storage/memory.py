@@ -8,7 +8,7 @@ from typing import TypeGuard
 
 import torch
 
-from aqpipe.compress.link.codecs import Landing, to_host
+from aqpipe.compress.gpu.copies import Landing, to_host
 from aqpipe.disk import save_atomic
 from aqpipe.storage.base import StoreStats, on_device
 from aqpipe.storage.encoding import storable_rows

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from aqpipe.compress.link.codecs import Landing, to_host
+from aqpipe.compress.gpu.copies import Landing, to_host
 from aqpipe.storage.base import on_device
 from aqpipe.storage.memory import crosses_to_the_host, from_a_gpu
 

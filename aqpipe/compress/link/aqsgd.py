@@ -11,7 +11,7 @@ the latest: `late_checks`).
 
 The arithmetic runs on the activation's device (a GPU's m(ξ) update never visits the host); m(ξ) is kept wherever
 the store keeps it, and moved to the device for the update. On a GPU each kind of row is coded by one replayed CUDA
-graph whose outputs the codec borrows (`aqpipe.compress.cuda_graphs`), and a message of one kind of sample — the
+graph whose outputs the codec borrows (`aqpipe.compress.gpu.cuda_graphs`), and a message of one kind of sample — the
 steady state — goes as that graph's payload, its m(ξ) read and written in one gather and one scatter. A large
 message's deltas (`fused.delta_fusable`) go through fused kernels instead (`aqsgd_fused`), which read m(ξ) in place
 from a slab store's rows and write the payload whole: m(ξ) is never gathered, and (once the kernels have run in the
@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from aqpipe.compress.cuda_graphs import forget, graphed, may_replay
-from aqpipe.compress.graph_memory import GraphCall, stand_in
+from aqpipe.compress.gpu.copies import HOST, to_device, to_host
+from aqpipe.compress.gpu.cuda_graphs import forget, graphed, may_replay
+from aqpipe.compress.gpu.graph_memory import GraphCall, stand_in
 from aqpipe.compress.link.aqsgd_fused import FusedDelta, fused_delta
 from aqpipe.compress.link.aqsgd_rows import (
     LOSSLESS_MODES,
@@ -53,25 +54,11 @@ from aqpipe.compress.link.aqsgd_rows import (
     segments_by_mode,
 )
 from aqpipe.compress.link.aqsgd_steps import RowSteps
+from aqpipe.compress.link.base import CodecParts, DeltaFidelity, Encoded, LinkCodec, bytes_as, generator_on, numel
 from aqpipe.compress.link.checksum import fold_checksum, store_checksum
-from aqpipe.compress.link.codecs import (
-    CODE_AQSGD,
-    CODE_AQSGD_RTQ,
-    FLAG_NO_CHECK,
-    HOST,
-    CodecError,
-    CodecParts,
-    DeltaFidelity,
-    Encoded,
-    LinkCodec,
-    QuantOptions,
-    bytes_as,
-    generator_on,
-    numel,
-    to_device,
-    to_host,
-)
+from aqpipe.compress.link.codes import CODE_AQSGD, CODE_AQSGD_RTQ, FLAG_NO_CHECK
 from aqpipe.compress.link.late_checks import LateChecks
+from aqpipe.compress.link.options import QuantOptions
 from aqpipe.compress.link.sample_coders import (
     CastCoder,
     QuantCoder,
@@ -81,7 +68,7 @@ from aqpipe.compress.link.sample_coders import (
     coder_calls,
     sample_coder,
 )
-from aqpipe.compress.link.specs import CodecSpec
+from aqpipe.compress.link.specs import CodecError, CodecSpec
 
 __all__ = ["AQSGDCodec", "MODE_DELTA", "MODE_FIRST", "MODE_FULL", "MODE_FULL_BF16", "MODE_FULL_FP16", "SampleMemory",
            "store_checksum"]

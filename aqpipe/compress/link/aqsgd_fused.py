@@ -1,8 +1,8 @@
-"""AQ-SGD's delta rows through the fused kernels (`aqpipe.compress.fused`): which rows they take, and how they run.
+"""AQ-SGD's delta rows through the fused kernels (`aqpipe.compress.gpu.fused`): which rows they take, and how they run.
 
 In the steady state of a GPU run — m(ξ) a slab's rows on the GPU (`--store-device cuda`), a batch of distinct
 samples, the kernels proven in the process so they write m(ξ) in place — each end replays its step from one CUDA
-graph (`aqpipe.compress.cuda_graphs`, the slab held where it lies): the kernels' launches, their buffers'
+graph (`aqpipe.compress.gpu.cuda_graphs`, the slab held where it lies): the kernels' launches, their buffers'
 allocations and the mode bytes' fill become one replay, for one copy into the graph from the host: the step's
 index — the slots, where the store's index made them, then the addresses of the activation (or of the received
 rows and of the decoded activation). The kernels read and write those where the caller has them (`fused.addressable`):
@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from aqpipe.compress import fused
-from aqpipe.compress.cuda_graphs import graphed
-from aqpipe.compress.graph_memory import GraphCall, stand_in
+from aqpipe.compress.gpu import fused
+from aqpipe.compress.gpu.copies import to_device
+from aqpipe.compress.gpu.cuda_graphs import graphed
+from aqpipe.compress.gpu.graph_memory import GraphCall, stand_in
 from aqpipe.compress.link.aqsgd_rows import MODE_DELTA
 from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS
-from aqpipe.compress.link.codecs import to_device
 from aqpipe.compress.link.sample_coders import QuantCoder, SampleCoder
 
 Step = Callable[..., tuple[torch.Tensor, ...]]

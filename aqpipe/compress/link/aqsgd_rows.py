@@ -9,7 +9,9 @@ from typing import Any, Protocol
 
 import torch
 
-from aqpipe.compress.link.codecs import CodecError, DeltaFidelity, Landing, to_device, to_host
+from aqpipe.compress.gpu.copies import Landing, to_device, to_host
+from aqpipe.compress.link.base import DeltaFidelity
+from aqpipe.compress.link.specs import CodecError
 
 # A sample's mode byte: what its segment holds.
 MODE_FULL, MODE_DELTA, MODE_FIRST, MODE_FULL_BF16, MODE_FULL_FP16 = 0, 1, 2, 3, 4

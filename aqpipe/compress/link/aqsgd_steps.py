@@ -1,11 +1,11 @@
 """The arithmetic of each kind of AQ-SGD row, in torch ops: pure functions of a message's tensors, which a CUDA graph
-captures and replays (`aqpipe.compress.cuda_graphs`).
+captures and replays (`aqpipe.compress.gpu.cuda_graphs`).
 
 A sender codes known samples as deltas against their m(ξ) (`delta_rows`), first sights through a first-sight coder
 (`first_rows`) and lossless values as seeds (`seeds`); a receiver decodes deltas (`delta_values`) and seeds first
 sights and lossless values alike. Each step returns what m(ξ) would become and its verdicts (`aqsgd_rows.verdicts_of`:
 whether each row can go its way, and its checksum sum), for the codec (`aqsgd.AQSGDCodec`) to read in one wait and
-decide the message by. The fused kernels (`aqpipe.compress.fused`) give the delta steps' bits in fewer passes.
+decide the message by. The fused kernels (`aqpipe.compress.gpu.fused`) give the delta steps' bits in fewer passes.
 """
 
 from __future__ import annotations

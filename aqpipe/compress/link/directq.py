@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
-from aqpipe.compress.link.codecs import bytes_as, numel
+from aqpipe.compress.link.base import bytes_as, numel
 from aqpipe.compress.quantize import DEFAULT_GRID, Quantized, dequantize, scale_count
 
 

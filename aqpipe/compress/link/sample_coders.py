@@ -15,27 +15,16 @@ from typing import Any, Protocol
 
 import torch
 
-from aqpipe.compress import fused
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
-from aqpipe.compress.cuda_graphs import graphed
-from aqpipe.compress.graph_memory import GraphCall, stand_in
-from aqpipe.compress.link.codecs import (
-    CODE_DIRECTQ,
-    CODE_RTQ,
-    CODE_RTQO,
-    FLOAT_CODECS,
-    HOST,
-    CodecError,
-    CodecParts,
-    Encoded,
-    LinkCodec,
-    QuantOptions,
-    bytes_as,
-    generator_on,
-    numel,
-)
+from aqpipe.compress.gpu import fused
+from aqpipe.compress.gpu.copies import HOST
+from aqpipe.compress.gpu.cuda_graphs import graphed
+from aqpipe.compress.gpu.graph_memory import GraphCall, stand_in
+from aqpipe.compress.link.base import CodecParts, Encoded, LinkCodec, bytes_as, generator_on, numel
+from aqpipe.compress.link.codes import CODE_DIRECTQ, CODE_RTQ, CODE_RTQO, FLOAT_CODECS
 from aqpipe.compress.link.directq import decode_samples, encode_samples, join_rows, sample_bytes, split_rows
-from aqpipe.compress.link.specs import CodecSpec, check_first_sight
+from aqpipe.compress.link.options import QuantOptions
+from aqpipe.compress.link.specs import CodecError, CodecSpec, check_first_sight
 from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize, scale_count
 from aqpipe.compress.rotated import (
     DEFAULT_TILE,
@@ -259,7 +248,7 @@ def _decode_graph(coder: ReplayedCoder, shape: tuple[int, ...]
 
 
 def _replayed_encode(coder: ReplayedCoder, x: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`coder._encode(x, values)`, replayed from a CUDA graph on a GPU (`aqpipe.compress.cuda_graphs`) unless it
+    """`coder._encode(x, values)`, replayed from a CUDA graph on a GPU (`aqpipe.compress.gpu.cuda_graphs`) unless it
     rounds stochastically, whose random draws a replay would repeat."""
     if coder.options.stochastic:
         return coder._encode(x, values)

@@ -27,9 +27,9 @@ class CodecKind:
 
 _CODECS = "aqpipe.compress.link"
 CODEC_KINDS: dict[str, CodecKind] = {
-    "fp32": CodecKind((), ("fw", "bw"), "lossless", f"{_CODECS}.codecs:FloatCodec", first_sight=True),
-    "fp16": CodecKind((), ("fw", "bw"), "half precision", f"{_CODECS}.codecs:FloatCodec", first_sight=True),
-    "bf16": CodecKind((), ("fw", "bw"), "bfloat16", f"{_CODECS}.codecs:FloatCodec", first_sight=True),
+    "fp32": CodecKind((), ("fw", "bw"), "lossless", f"{_CODECS}.floats:FloatCodec", first_sight=True),
+    "fp16": CodecKind((), ("fw", "bw"), "half precision", f"{_CODECS}.floats:FloatCodec", first_sight=True),
+    "bf16": CodecKind((), ("fw", "bw"), "bfloat16", f"{_CODECS}.floats:FloatCodec", first_sight=True),
     "directq": CodecKind(("B",), ("fw", "bw"), "B-bit quantization of the tensor itself",
                          f"{_CODECS}.sample_coders:CoderCodec", first_sight=True),
     "rtq": CodecKind(("B",), ("fw", "bw"), "B-bit rotated tile quantization: a 64-channel Hadamard rotation, "

@@ -24,19 +24,11 @@ from typing import Any
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
-from aqpipe.compress.link.codecs import (
-    CODE_TAHQ,
-    HOST,
-    CodecError,
-    CodecParts,
-    Encoded,
-    LinkCodec,
-    QuantOptions,
-    bytes_as,
-    numel,
-    to_device,
-)
-from aqpipe.compress.link.specs import CodecSpec
+from aqpipe.compress.gpu.copies import HOST, to_device
+from aqpipe.compress.link.base import CodecParts, Encoded, LinkCodec, bytes_as, numel
+from aqpipe.compress.link.codes import CODE_TAHQ
+from aqpipe.compress.link.options import QuantOptions
+from aqpipe.compress.link.specs import CodecError, CodecSpec
 from aqpipe.compress.rotated import hadamard, token_rows
 
 TILE, HIGH_BITS, LOW_BITS, LOW_SHARE = 64, 4, 3, 0.2

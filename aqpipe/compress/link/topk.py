@@ -14,20 +14,11 @@ from typing import Any
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
-from aqpipe.compress.link.codecs import (
-    CODE_TOPK,
-    HOST,
-    CodecError,
-    CodecParts,
-    Encoded,
-    LinkCodec,
-    QuantOptions,
-    bytes_as,
-    generator_on,
-    numel,
-    to_device,
-)
-from aqpipe.compress.link.specs import CodecSpec
+from aqpipe.compress.gpu.copies import HOST, to_device
+from aqpipe.compress.link.base import CodecParts, Encoded, LinkCodec, bytes_as, generator_on, numel
+from aqpipe.compress.link.codes import CODE_TOPK
+from aqpipe.compress.link.options import QuantOptions
+from aqpipe.compress.link.specs import CodecError, CodecSpec
 from aqpipe.compress.quantize import Quantized, dequantize, quantize
 
 

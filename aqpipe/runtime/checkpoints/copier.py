@@ -22,10 +22,10 @@ from datetime import timedelta
 from pathlib import Path
 
 from aqpipe.disk import write_atomic
-from aqpipe.launch.env import die_with
-from aqpipe.pipeline import comm
-from aqpipe.pipeline.grid import Grid
-from aqpipe.pipeline.rendezvous import LOOPBACK_ENV
+from aqpipe.lifetime import die_with
+from aqpipe.pipeline.links.rendezvous import LOOPBACK_ENV
+from aqpipe.pipeline.world import comm
+from aqpipe.pipeline.world.grid import Grid
 from aqpipe.runtime.checkpoints.copies import COPYING, LINK_SHARE, MIN_RATE, REPLICATED, copy_plan, copy_step
 from aqpipe.runtime.checkpoints.parts import step_dir
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from aqpipe.disk import write_atomic
-from aqpipe.pipeline import comm
+from aqpipe.pipeline.world import comm
 from aqpipe.runtime.checkpoints.parts import rank_file, step_dir
 
 COPYING = "COPYING"  # a step directory's marker: copies of its parts are kept (written before COMPLETE); the step

@@ -13,8 +13,8 @@ import zlib
 
 import torch
 
-from aqpipe.pipeline import comm
-from aqpipe.pipeline.grid import Grid
+from aqpipe.pipeline.world import comm
+from aqpipe.pipeline.world.grid import Grid
 from aqpipe.storage.base import stage_holding
 
 

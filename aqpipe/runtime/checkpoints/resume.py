@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from aqpipe.config import ResolvedConfig
-from aqpipe.pipeline import comm
-from aqpipe.pipeline.grid import host_leader
-from aqpipe.pipeline.optim import continue_schedule
-from aqpipe.pipeline.worker import StageWorker
+from aqpipe.pipeline.execution.worker import StageWorker
+from aqpipe.pipeline.numerics.optim import continue_schedule
+from aqpipe.pipeline.world import comm
+from aqpipe.pipeline.world.grid import host_leader
 from aqpipe.runtime.checkpoints.copies import fetch_missing
 from aqpipe.runtime.checkpoints.parts import (
     STORE,

@@ -32,9 +32,9 @@ import torch.distributed as dist
 
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.disk import write_atomic
-from aqpipe.pipeline import comm
-from aqpipe.pipeline.grid import Grid, host_leader
-from aqpipe.pipeline.rendezvous import barrier_after_slow_work, startup_timeout
+from aqpipe.pipeline.links.rendezvous import barrier_after_slow_work, startup_timeout
+from aqpipe.pipeline.world import comm
+from aqpipe.pipeline.world.grid import Grid, host_leader
 from aqpipe.runtime.checkpoints.copier import CheckpointCopier
 from aqpipe.runtime.checkpoints.copies import COPYING, REPLICATED, default_copies
 from aqpipe.runtime.checkpoints.parts import STORE, mark_complete, save_rank, step_dir

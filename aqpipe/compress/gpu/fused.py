@@ -74,7 +74,7 @@ def fusable(device: torch.device, shape: tuple[int, ...], bits: int, per: str, g
     if os.environ.get("AQPIPE_FUSED_KERNELS", "1") == "0" or _failed:
         return False
     # (on the meta device the kernels' outputs are made and nothing runs: what a GPU's graphs hold, measured for the
-    # capacity plan by `aqpipe.compress.graph_memory`)
+    # capacity plan by `aqpipe.compress.gpu.graph_memory`)
     if not (device.type in ("cuda", "meta") or interpreted()) or len(shape) < 3 or shape[-1] % GROUP or 0 in shape:
         return False
     if not (per == "channel" and 2 <= bits <= 8 and grid in _SCALE_KINDS):
@@ -417,9 +417,9 @@ def _triton_present() -> bool:
 
 @functools.cache
 def _kernels():
-    """`aqpipe.compress.fused_kernels` (compiled on first use), or None where Triton does not import."""
+    """`aqpipe.compress.gpu.fused_kernels` (compiled on first use), or None where Triton does not import."""
     try:
-        from aqpipe.compress import fused_kernels
+        from aqpipe.compress.gpu import fused_kernels
     except Exception:  # (an absent or broken Triton: the torch ops run)
         return None
     return fused_kernels

@@ -1,12 +1,12 @@
 """What the codecs' CUDA graphs hold on a GPU, worked out on the meta device, for the capacity plan.
 
-A captured call (`aqpipe.compress.cuda_graphs`) keeps, for its codec's life, copies of its inputs and a memory pool
+A captured call (`aqpipe.compress.gpu.cuda_graphs`) keeps, for its codec's life, copies of its inputs and a memory pool
 of its own, which holds every block the call had allocated at the moment it held the most — its outputs included —
 since a pool lends its blocks to no other graph and no other tensor. A codec names the calls a message of a given
 shape may replay (`LinkCodec.graph_calls`); each runs here on meta tensors, once to make the caches it reads (as the
 first, uncaptured call does on a GPU), then once more while every storage its ops create is counted from its first
 op to the death of its last tensor, block and segment sizes as CUDA's caching allocator makes them. The fused
-Triton kernels take the meta device as a GPU and make their outputs there without running (`aqpipe.compress.fused`),
+Triton kernels take the meta device as a GPU and make their outputs there without running (`aqpipe.compress.gpu.fused`),
 so the count follows the path a GPU takes. It is an estimate: a kernel's own workspace and the allocator's
 fragmentation are not seen.
 """

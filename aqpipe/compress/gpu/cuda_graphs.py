@@ -327,7 +327,7 @@ def forget(owner: Hashable) -> None:
 
 def device_bytes() -> dict[Hashable, int]:
     """Device bytes the graphs of each key hold (their memory pools' segments and their inputs' copies), as the CUDA
-    caching allocator reports them: what `aqpipe.compress.graph_memory` predicts, measured."""
+    caching allocator reports them: what `aqpipe.compress.gpu.graph_memory` predicts, measured."""
     pools: dict[tuple[int, ...], int] = {}
     for segment in torch.cuda.memory_snapshot():
         pool = tuple(segment.get("segment_pool_id", (0, 0)))

@@ -25,7 +25,7 @@ import torch
 
 ENV = "AQPIPE_CUDA_SYNC_AUDIT"
 FIRST_AUDITED_STEP = 2
-_PACKAGE = str(Path(__file__).resolve().parent.parent)
+_PACKAGE = str(Path(__file__).resolve().parents[2])  # aqpipe/ (this file: aqpipe/pipeline/execution/)
 
 
 def enabled(device: torch.device) -> bool:

@@ -11,20 +11,22 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from aqpipe.compress import cuda_graphs
+from aqpipe.compress.gpu import cuda_graphs
 from aqpipe.compress.grad import GradSync
 from aqpipe.data import ClassifySamples, InstructSamples, TokenSamples
-from aqpipe.pipeline import comm, present, sync_audit
+from aqpipe.pipeline import present
 from aqpipe.pipeline import schedule as sch
-from aqpipe.pipeline.gpu_timing import GpuTimer
-from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device
-from aqpipe.pipeline.held import ActivationMeter
-from aqpipe.pipeline.link_ends import StageLinks
-from aqpipe.pipeline.mixed_precision import LossScaler, autocast
-from aqpipe.pipeline.optimizer_phase import OptimizerPhase
+from aqpipe.pipeline.execution import sync_audit
+from aqpipe.pipeline.execution.gpu_timing import GpuTimer
+from aqpipe.pipeline.execution.held import ActivationMeter
+from aqpipe.pipeline.execution.optimizer_phase import OptimizerPhase
+from aqpipe.pipeline.links.link_ends import StageLinks
+from aqpipe.pipeline.links.tied_rows import LOOKUP
+from aqpipe.pipeline.numerics.mixed_precision import LossScaler, autocast
+from aqpipe.pipeline.numerics.tied import TiedGroup
 from aqpipe.pipeline.step_stats import StepStats
-from aqpipe.pipeline.tied import TiedGroup
-from aqpipe.pipeline.tied_rows import LOOKUP
+from aqpipe.pipeline.world import comm
+from aqpipe.pipeline.world.grid import Grid, ProcessGroups, collective_device
 from aqpipe.stages.spec import Stage
 
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from aqpipe.pipeline import comm, present
-from aqpipe.pipeline.grid import Grid, gather_rows
-from aqpipe.pipeline.mixed_precision import autocast
-from aqpipe.pipeline.tied_rows import FOR_EVALUATION
-from aqpipe.pipeline.worker import StageWorker
+from aqpipe.pipeline import present
+from aqpipe.pipeline.execution.worker import StageWorker
+from aqpipe.pipeline.links.tied_rows import FOR_EVALUATION
+from aqpipe.pipeline.numerics.mixed_precision import autocast
+from aqpipe.pipeline.world import comm
+from aqpipe.pipeline.world.grid import Grid, gather_rows
 
 
 def held_out_samples(available: int, cap: int | None) -> int:

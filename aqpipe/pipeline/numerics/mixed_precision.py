@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from aqpipe.pipeline import comm
 from aqpipe.pipeline.precisions import PRECISIONS
+from aqpipe.pipeline.world import comm
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

@@ -151,7 +151,7 @@ def open_streams(inbound: list[str], outbound: list[str], group, timeout: float)
     rank of the group and outbound on exactly one."""
     import torch.distributed as dist
 
-    from aqpipe.pipeline import comm
+    from aqpipe.pipeline.world import comm
 
     address = local_address()
     listeners = {name: Listener(address) for name in inbound}

@@ -1,10 +1,10 @@
-"""The Triton source of `aqpipe.compress.fused`'s kernels (imported only where Triton is): see that module for what
+"""The Triton source of `aqpipe.compress.gpu.fused`'s kernels (imported only where Triton is): see that module for what
 each computes and why its float operations are torch's own."""
+
+import os
 
 import triton
 import triton.language as tl
-
-from aqpipe.compress.fused import interpreted
 
 
 @triton.jit
@@ -292,4 +292,5 @@ TILE_T, TILE_C = 16, 64  # the codes and decode kernels' tile
 WARPS = {"scales": 4, "codes": 4, "decode": 4, "delta_decode": 2, "verdicts": 4}  # each kernel's warps a program
 VERDICT_P, VERDICT_C = 256, 256  # the verdicts kernel's strides over a sample's tile parts and scales
 # no fused multiply-add: torch rounds x/s·steps and then +offset (and level·scale) separately
-OPTIONS: dict = {} if interpreted() else {"enable_fp_fusion": False}
+# (Triton's interpreter, TRITON_INTERPRET=1 as `fused.interpreted` reads it, takes no compiler options)
+OPTIONS: dict = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import torch
 
-from aqpipe.pipeline import comm
+from aqpipe.pipeline.world import comm
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Framed point-to-point messages between stages: a fixed, validated header, then sample ids and the payload.
 
-A message on a link's stream (`aqpipe.pipeline.streams`) is the 128-byte header, then a body of `n_ids` int64 sample
+A message on a link's stream (`aqpipe.pipeline.links.streams`) is the 128-byte header, then a body of `n_ids` int64 sample
 ids, `payload_len` payload bytes, and `side_len` bytes of lossless side information (last, so the payload stays
 aligned for its dtype). The header's `side_kind` says what the side information is: an activation's attention
 mask (one row per sample), or a gradient's re-seed request (int64 sample ids); a receiver accepts only the kinds
@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from aqpipe.compress.link.codecs import to_host
-from aqpipe.pipeline.streams import read_exactly
+from aqpipe.compress.gpu.copies import to_host
+from aqpipe.pipeline.links.streams import read_exactly
 
 if TYPE_CHECKING:
-    from aqpipe.compress.link.codecs import Encoded, Landing
+    from aqpipe.compress.gpu.copies import Landing
+    from aqpipe.compress.link.base import Encoded
 
 MAGIC = b"AQP1"
 HEADER_SIZE = 128
@@ -202,7 +203,7 @@ class Message:
 
 
 class Outbox:
-    """Sends messages to one peer over a stream (`aqpipe.pipeline.streams`) from a writer thread: `send` returns at
+    """Sends messages to one peer over a stream (`aqpipe.pipeline.links.streams`) from a writer thread: `send` returns at
     once unless `queue_size` (SEND_QUEUE) messages already wait (backpressure), `flush` waits until everything
     queued has been handed to the kernel."""
 

@@ -3,8 +3,8 @@
 1. fp16: one overflow flag for the whole world; on overflow every rank drops its gradients and skips the update;
    otherwise the gradients are unscaled.
 2. Tied tables: the head that owns a looked-up table adds the gradient rows the lookup side streamed during the
-   backward (`aqpipe.pipeline.tied_rows`), and copies kept whole sum their gradients over the pipeline
-   (`aqpipe.pipeline.tied`).
+   backward (`aqpipe.pipeline.links.tied_rows`), and copies kept whole sum their gradients over the pipeline
+   (`aqpipe.pipeline.numerics.tied`).
 3. A sign-based grad sync clips before its vote; then the replicas combine gradients (`aqpipe.compress.grad`), and
    tied copies re-agree on the mean when a compressor may have treated them differently.
 4. Clipping on the whole model's norm (tied tables counted once), the optimizer, the learning-rate schedule.
@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from aqpipe.compress.grad import GradSync
-from aqpipe.pipeline import comm
-from aqpipe.pipeline.grid import Grid, ProcessGroups, collective_device
-from aqpipe.pipeline.mixed_precision import LossScaler
-from aqpipe.pipeline.optim import clip_by_global_norm, local_grad_sq_norm
-from aqpipe.pipeline.tied import TiedGroup, agree_tied_grads, sum_tied_grads, tied_ids, tied_sq_norm
-from aqpipe.pipeline.tied_rows import LOOKUP, RowExchange
+from aqpipe.pipeline.links.tied_rows import LOOKUP, RowExchange
+from aqpipe.pipeline.numerics.mixed_precision import LossScaler
+from aqpipe.pipeline.numerics.optim import clip_by_global_norm, local_grad_sq_norm
+from aqpipe.pipeline.numerics.tied import TiedGroup, agree_tied_grads, sum_tied_grads, tied_ids, tied_sq_norm
+from aqpipe.pipeline.world import comm
+from aqpipe.pipeline.world.grid import Grid, ProcessGroups, collective_device
 
 if TYPE_CHECKING:
     from aqpipe.pipeline.step_stats import StepStats

@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # (the launcher imports this module before it may import torch: see launch/fork_safety)
-    from aqpipe.pipeline.grid import ProcessGroups
+    from aqpipe.pipeline.world.grid import ProcessGroups
 
 # Set by `aqpipe launch` when every rank runs on this machine's loopback: the rendezvous binds to 127.0.0.1 only.
 LOOPBACK_ENV = "AQPIPE_LOOPBACK"
@@ -34,7 +34,7 @@ def begin_training(store, groups: ProcessGroups, stall_timeout: float) -> None:
     there), time out after `stall_timeout` seconds. Every rank calls it."""
     from torch.distributed import distributed_c10d
 
-    from aqpipe.pipeline import comm
+    from aqpipe.pipeline.world import comm
 
     comm.barrier(comm.SETUP)
     timeout = timedelta(seconds=stall_timeout)
@@ -52,7 +52,7 @@ def barrier_after_slow_work(stall_timeout: float) -> None:
     calls it."""
     from torch.distributed import distributed_c10d
 
-    from aqpipe.pipeline import comm
+    from aqpipe.pipeline.world import comm
 
     world = distributed_c10d._get_default_group()
     distributed_c10d._set_pg_timeout(startup_timeout(stall_timeout), world)
@@ -96,7 +96,7 @@ def pin_socket_interface(backend: str) -> str | None:
     variable, exactly = SOCKET_INTERFACE[backend]
     if os.environ.get(variable) or os.environ.get(LOOPBACK_ENV) == "1":
         return None
-    from aqpipe.pipeline.streams import StreamError, local_address
+    from aqpipe.pipeline.links.streams import StreamError, local_address
 
     try:
         address = local_address()

@@ -37,10 +37,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from aqpipe.compress.link.codecs import to_device
-from aqpipe.pipeline.tied import local_copies
-from aqpipe.pipeline.tied_deltas import RowDeltas, table_digest
-from aqpipe.pipeline.transport import HEADER_SIZE, KIND_TIED_GRADS, KIND_TIED_ROWS, Expect, Header, Inbox, Outbox, TransportError
+from aqpipe.compress.gpu.copies import to_device
+from aqpipe.pipeline.links.tied_deltas import RowDeltas, table_digest
+from aqpipe.pipeline.links.transport import (
+    HEADER_SIZE,
+    KIND_TIED_GRADS,
+    KIND_TIED_ROWS,
+    Expect,
+    Header,
+    Inbox,
+    Outbox,
+    TransportError,
+)
+from aqpipe.pipeline.numerics.tied import local_copies
 
 # The micro-batch field of an evaluation pass's rows message (one message, every row); a training step's messages
 # carry the index of the micro-batch (rows) or of the backward (gradient rows) they belong to.

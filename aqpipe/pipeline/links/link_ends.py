@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aqpipe.compress.link.codecs import CodecError, DeltaFidelity, LinkCodec, build_codec
+from aqpipe.compress.link.base import DeltaFidelity, LinkCodec
+from aqpipe.compress.link.factory import build_codec
+from aqpipe.compress.link.specs import CodecError
 from aqpipe.pipeline import present
 from aqpipe.pipeline import schedule as sch
-from aqpipe.pipeline.tied_rows import RowExchange
-from aqpipe.pipeline.transport import (
+from aqpipe.pipeline.links.tied_rows import RowExchange
+from aqpipe.pipeline.links.transport import (
     HEADER_SIZE,
     KIND_EVAL,
     SIDE_MASK,

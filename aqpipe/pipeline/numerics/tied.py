@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from aqpipe.pipeline import comm
 from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
+from aqpipe.pipeline.world import comm
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ def tied_groups(extras: dict) -> list[TiedGroup]:
 
 
 def row_tables(extras: dict, pp: int, exchange: str) -> list[str]:
-    """The tied groups kept equal by exchanging rows (`aqpipe.pipeline.tied_rows`) rather than by summing whole
+    """The tied groups kept equal by exchanging rows (`aqpipe.pipeline.links.tied_rows`) rather than by summing whole
     gradients: those a spec declares as an input embedding on the first stage and a head on the last
     (`extras["tied_rows"]`), when those are two stages and `--tied-exchange rows` asks for it."""
     if exchange not in ROW_EXCHANGES or pp < 2:

@@ -1,5 +1,5 @@
 """A tied table's rows as B-bit changes, and its gradient rows as B bits with error feedback (`--tied-exchange
-rows:delta:B`): the row exchange of `aqpipe.pipeline.tied_rows` with AQ-SGD's idea applied to parameters.
+rows:delta:B`): the row exchange of `aqpipe.pipeline.links.tied_rows` with AQ-SGD's idea applied to parameters.
 
 The lookup side's table is a cache of the owner's rows. The owner keeps a *mirror*, bit for bit what the lookup side
 holds of every row, and sends a row as the rotated-tile quantization (`aqpipe.compress.rotated`, B bits) of its
@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aqpipe.compress.link.codecs import QuantOptions, bytes_as, to_device
+from aqpipe.compress.gpu.copies import to_device
+from aqpipe.compress.link.base import bytes_as
+from aqpipe.compress.link.options import QuantOptions
 from aqpipe.compress.link.sample_coders import RotatedCoder
-from aqpipe.pipeline.transport import TransportError
+from aqpipe.pipeline.links.transport import TransportError
 
 EXACT, CODED = 1, 0
 
