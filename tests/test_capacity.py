@@ -218,7 +218,7 @@ def test_a_gpu_plan_counts_the_fused_delta_steps_graphs_where_m_lies_in_gpu_slab
 
 
 def test_the_plan_counts_the_grad_syncs_copies_where_its_collectives_run(tmp_path, monkeypatch):
-    """With replicas, the grad sync holds fp32 copies of a stage's trained parameters (`methods.sync_copies`): what
+    """With replicas, the grad sync holds fp32 copies of a stage's trained parameters (`registry.sync_copies`): what
     its method keeps from step to step (error feedback's residual), beside the activations, and at its peak after
     the backward passes, when the activations are gone. They live where the collectives run: on the host for a CPU
     run, on each rank's GPU under NCCL (a GPU per rank); under gloo (ranks sharing a GPU) only the flat gradient and

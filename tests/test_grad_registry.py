@@ -128,3 +128,27 @@ def test_a_new_method_is_one_row_and_its_class(monkeypatch, tmp_path):
     assert all(status == "ok" for status, _ in results), results
     for _, (*grad, sent) in results:
         assert grad == pytest.approx([0.5, -0.3, 0.15]) and sent == ring_all_reduce_bytes(12, 2)
+
+
+def test_a_row_that_misdescribes_its_class_is_refused_when_the_class_loads(monkeypatch):
+    """The configuration reads a row's capabilities before torch loads, the run its class's: they cannot disagree."""
+    from aqpipe.compress.grad.methods import MethodKind
+    from aqpipe.compress.grad.registry import build_grad_sync
+
+    monkeypatch.setitem(METHODS, "clampmean", MethodKind(
+        _fixture_row().params, "claims to be a sign method", f"{__name__}:ClampedMean", sign_based=True))
+    with pytest.raises(TypeError, match="its row says .* its class"):
+        build_grad_sync("clampmean:1", DPGroup(None, (0,), 0))
+
+
+def test_a_rows_optimizer_and_reason_refuse_the_others(monkeypatch):
+    from aqpipe.compress.grad.methods import MethodKind
+
+    monkeypatch.setitem(METHODS, "clampmean", MethodKind(
+        _fixture_row().params, "clamped", f"{__name__}:ClampedMean", optimizer="sgd",
+        needs_optimizer_because="clamps what SGD steps by; --optimizer {given} rescales it"))
+    check_pairing(parse_grad_spec("clampmean:1"), "sgd")
+    with pytest.raises(GradSpecError, match=r"clampmean clamps what SGD steps by; --optimizer adamw rescales it — use "
+                                            r"--optimizer sgd"):
+        check_pairing(parse_grad_spec("clampmean:1"), "adamw")
+

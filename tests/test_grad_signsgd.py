@@ -7,9 +7,9 @@ import torch
 
 from aqpipe.compress.bitpack import packed_bytes
 from aqpipe.compress.grad import DPGroup
-from aqpipe.compress.grad.base import ring_all_reduce_bytes
 from aqpipe.compress.grad.ring import chunk_size
 from aqpipe.compress.grad.signsgd import SignSGD, bits_per_element, count_bits, majority
+from aqpipe.compress.grad.wire import ring_all_reduce_bytes
 from tests.distributed import record_unbatched_point_to_point, run_ranks
 
 SHAPES = [(13, 31), (701,), (5,)]

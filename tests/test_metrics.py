@@ -48,3 +48,22 @@ def test_summary_of_aqsgd_fidelity_is_the_last_epochs_mean_per_link():
         r.update(link_aqsgd_change=[i / 10], link_aqsgd_error=[i / 100])
     s = summarize(by_steps, used_steps=True, warmup_epochs=0, wall_seconds=1.0)
     assert s["aqsgd"]["change"] == pytest.approx([1.85]) and s["aqsgd"]["error"] == pytest.approx([0.185])
+
+
+def test_the_summary_counts_what_travelled_outside_the_records_once():
+    """The run's totals beyond its records: restarts, start-up bytes, the last checkpoint's control and copies after
+    the last record, and the final weights' gather, each in its traffic class and in the total."""
+    from aqpipe.metrics import RunTotals
+
+    records = [dict(record(1, 0, 2.0), control_bytes=5, checkpoint_bytes=100, store_hits=3, skipped=True),
+               dict(record(2, 0, 1.0), control_bytes=5, store_hits=8, store_misses=2, eval_loss=1.5)]
+    totals = RunTotals(restarts=2, unrecorded={"setup": 40, "control": 7, "checkpoint": 1000}, final_weights_bytes=900)
+    s = summarize(records, used_steps=False, warmup_epochs=0, wall_seconds=1.0, totals=totals)
+    traffic = s["traffic"]
+    assert (traffic["control"], traffic["checkpoint"], traffic["setup"], traffic["final_weights"]) == (17, 1100, 40, 900)
+    assert traffic["link_payload"] == 300 and traffic["grad_sync"] == 14
+    assert traffic["total"] == sum(v for k, v in traffic.items() if k != "total") == 300 + 14 + 17 + 1100 + 40 + 900
+    assert (s["restarts"], s["final_weights_bytes"], s["skipped_steps"]) == (2, 900, 1)
+    assert s["store"] == {"hits": 8, "misses": 2, "reseeded": 0, "overflow": 0}  # running counts: the last record's
+    assert (s["eval_loss"], s["eval_step"]) == (1.5, 2)
+

@@ -49,22 +49,42 @@ def test_each_rule_combines_the_ranks_values_as_it_says():
     assert record_names(statistics[column]) == ["widgets", "stage_widgets", "link_widgets"]
 
 
-def _record_of_a_step(rank: int, world: int) -> dict:
+def _record_of_a_step(rank: int, world: int, deltas: bool) -> dict:
     from aqpipe.pipeline.world.grid import Grid
     from aqpipe.runtime.step_record import step_record
 
     stats = WithWidgets(widgets=rank + 3, loss_sum=6.0 * rank, fwd_bytes=100 * (rank + 1), fwd_elements=50,
-                        fwd_recv_bytes=400 * rank, fwd_recv_seconds=2.0 * rank, overflow=0)
+                        fwd_recv_bytes=400 * rank, fwd_recv_seconds=2.0 * rank, overflow=0, control_bytes=10 + rank)
+    if deltas and rank == 0:  # the send side of the one link: ‖a‖², ‖a − m_old‖², ‖a − m_new‖² of its deltas
+        stats.aqsgd_signal, stats.aqsgd_change, stats.aqsgd_error = 4.0, 1.0, 0.25
     cfg = SimpleNamespace(micro_batches=4, dp=1, samples_per_step=8)
     return step_record(stats, Grid(2, 1, rank), cfg, 4, 10, 0.01, 0.5 + rank, torch.device("cpu"))
 
 
-def test_a_new_statistic_reaches_the_record_with_no_other_change():
-    """Two ranks (pp 2): rank 0's record holds the new field as it declares, beside the derived fields."""
-    results = run_ranks(_record_of_a_step, 2)
+# Every field a record holds (with the fixture's statistic), as the record before the statistics declared their
+# combining held them: nothing combined only to derive another field leaks into metrics.jsonl
+RECORD_FIELDS = {
+    "step", "epoch", "lr", "loss", "samples_per_second", "step_seconds", "fwd_bytes", "bwd_bytes", "grad_sync_bytes",
+    "tied_bytes", "stage_tied_bytes", "fwd_framing_bytes", "bwd_framing_bytes", "checkpoint_bytes", "control_bytes",
+    "compute_seconds", "stage_compute_seconds", "comm_wait_seconds", "stage_comm_wait_seconds", "stage_forward_seconds",
+    "stage_backward_seconds", "grad_norm", "stage_peak_activation_bytes", "stage_peak_memory_bytes",
+    "stage_codec_graph_bytes", "loss_scale", "store_hits", "store_misses", "store_reseeded", "store_overflow",
+    "link_fwd_bytes", "link_bwd_bytes", "link_fwd_wire_seconds", "link_bwd_wire_seconds", "link_fwd_bytes_per_second",
+    "link_bwd_bytes_per_second", "fwd_bytes_per_element", "bwd_bytes_per_element", "skipped",
+    "widgets", "stage_widgets", "link_widgets",
+}
+
+
+@pytest.mark.parametrize("deltas", [False, True], ids=["no-deltas", "aqsgd-deltas"])
+def test_a_new_statistic_reaches_the_record_with_no_other_change(deltas):
+    """Two ranks (pp 2): rank 0's record holds the new field as it declares, beside the derived fields, and nothing
+    else."""
+    results = run_ranks(_record_of_a_step, 2, deltas)
     assert all(status == "ok" for status, _ in results), results
     record, elsewhere = results[0][1], results[1][1]
     assert elsewhere == {}
+    aqsgd = {"link_aqsgd_change", "link_aqsgd_error"} if deltas else set()
+    assert set(record) == RECORD_FIELDS | aqsgd
     assert (record["widgets"], record["stage_widgets"], record["link_widgets"]) == (3 + 4, [3, 4], [4])
     assert (record["step"], record["epoch"], record["lr"]) == (5, 0, 0.01)
     assert record["loss"] == 6.0 / 4  # the last stage's loss sum over its micro-batches
@@ -72,5 +92,8 @@ def test_a_new_statistic_reaches_the_record_with_no_other_change():
     assert record["link_fwd_bytes"] == [100] and record["fwd_bytes"] == 300
     assert record["fwd_bytes_per_element"] == 300 / 100
     assert record["link_fwd_bytes_per_second"] == [200.0] and record["link_fwd_wire_seconds"] == [2.0]
-    assert record["skipped"] is False and "link_aqsgd_change" not in record
-    assert "loss_sum" not in record and "fwd_recv_bytes" not in record  # (read by derived fields only)
+    assert record["skipped"] is False
+    row_bytes = 8 * len(statistics_of(WithWidgets))  # rank 1's row to rank 0, float64s: control traffic too
+    assert record["control_bytes"] == 10 + 11 + row_bytes
+    if deltas:
+        assert record["link_aqsgd_change"] == [0.5] and record["link_aqsgd_error"] == [0.25]

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from aqpipe.compress.gpu import cuda_graphs
-from aqpipe.compress.grad.base import ring_all_reduce_bytes
+from aqpipe.compress.grad.methods import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.compress.grad.registry import gloo_gpu_copies, sync_copies, sync_step_bytes
-from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC, SyncBytes
+from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC, SyncBytes, ring_all_reduce_bytes
 from aqpipe.compress.link.base import numel
 from aqpipe.compress.link.codes import lossless_dtype
 from aqpipe.compress.link.factory import message_bytes
@@ -467,4 +467,5 @@ def steps_outlasting_the_stall_timeout(capacity: CapacityPlan) -> str | None:
     return (f"at --bandwidth {cfg.bandwidth} {what} at least {seconds:.1f} s per step{STEP_PHASES[phase]}{part}, but a "
             f"step must take less than --stall-timeout ({cfg.stall_timeout:g} s: the launcher's stall clock, and every "
             "collective's time-out while training): raise --stall-timeout well above it"
-            + (", or compress the grad sync (--grad-sync)" if sync and cfg.grad_sync in ("none", "fp16", "bf16") else ""))
+            + (", or compress the grad sync (--grad-sync)" if sync and not parse_grad_spec(cfg.grad_sync).kind.compresses
+               else ""))

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 import torch
 
 from aqpipe.compress.bitpack import pack, packed_bytes, unpack
-from aqpipe.compress.grad.base import Compressor, DPGroup, ring_all_reduce_bytes
+from aqpipe.compress.grad.base import Compressor, DPGroup
 from aqpipe.compress.grad.gather import all_gather_bytes_payloads
 from aqpipe.compress.grad.methods import GradSpec
 from aqpipe.compress.grad.wire import FFT_CALIBRATION_STEPS as CALIBRATION
-from aqpipe.compress.grad.wire import FIRST_STEPS, SyncBytes, gathered_message_bytes
+from aqpipe.compress.grad.wire import FIRST_STEPS, SyncBytes, gathered_message_bytes, ring_all_reduce_bytes
 
 
 class OffsetFloat:

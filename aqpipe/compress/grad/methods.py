@@ -31,8 +31,11 @@ class Param:
 class MethodKind:
     """One --grad-sync method: its arguments, its help, the class that implements it (`module:Class`, imported only
     when a sync is built or sized), and what it is: sign-based (the update is lr·sign, so it runs without replicas
-    too, and clipping its norm would only shrink it where `clippable` is false), the only `--optimizer` it runs under,
-    and whether that optimizer is its own (it exchanges state through the sync)."""
+    too, and clipping its norm would only shrink it where `clippable` is false), the only `--optimizer` it runs under
+    and why, whether that optimizer is its own (it exchanges state through the sync), whether it compresses (sends
+    well under the fp32 average's bytes), and whether every replica computes its result with GPU arithmetic that
+    agrees bit for bit only on one GPU model, CUDA and torch (`replica_computed`). `registry.method_class` holds the
+    class to the row."""
 
     params: tuple[Param, ...]
     summary: str
@@ -40,24 +43,29 @@ class MethodKind:
     sign_based: bool = False
     clippable: bool = True
     optimizer: str = ""  # the --optimizer it needs ("": any)
+    needs_optimizer_because: str = ""  # why, with {given} for the --optimizer refused
     own_optimizer: bool = False  # its class builds that optimizer (`GradSync.own_optimizer`)
+    compresses: bool = True
+    replica_computed: bool = False
 
 
 BITS = Param("B", int, lambda bits: 1 <= bits <= 8, "B must be 1..8 bits")
+SIGN_NEEDS_SGD = "makes the update lr*sign, an optimizer in itself; --optimizer {given} would rescale the signs"
 _GRAD = "aqpipe.compress.grad"
 METHODS: dict[str, MethodKind] = {
-    "none": MethodKind((), "fp32 all-reduce average", f"{_GRAD}.base:AllReduceMean"),
-    "fp16": MethodKind((), "average all-reduced in fp16", f"{_GRAD}.cast:CastAllReduce"),
-    "bf16": MethodKind((), "average all-reduced in bf16", f"{_GRAD}.cast:CastAllReduce"),
+    "none": MethodKind((), "fp32 all-reduce average", f"{_GRAD}.base:AllReduceMean", compresses=False),
+    "fp16": MethodKind((), "average all-reduced in fp16", f"{_GRAD}.cast:CastAllReduce", compresses=False),
+    "bf16": MethodKind((), "average all-reduced in bf16", f"{_GRAD}.cast:CastAllReduce", compresses=False),
+    # (PowerSGD orthogonalizes its factor on every replica: QR and P·Qᵀ)
     "powersgd": MethodKind(
         (Param("R", int, lambda rank: rank >= 1, "the rank R must be at least 1"),),
-        "rank-R PowerSGD with error feedback (torch's own hook)", f"{_GRAD}.powersgd:PowerSGD"),
+        "rank-R PowerSGD with error feedback (torch's own hook)", f"{_GRAD}.powersgd:PowerSGD", replica_computed=True),
     "ef": MethodKind((BITS,), "B-bit quantized gradients with error feedback, all-gathered",
                      f"{_GRAD}.quantized:ErrorFeedbackQuantized"),
     "qadam": MethodKind(
         (BITS,), "QuantizedAdam: AdamW warm-up on fp32 averages, then frozen v and the momentum exchanged B-bit with "
         "worker and server error feedback (use AdamW)", f"{_GRAD}.qadam:QAdamSync", optimizer="adamw",
-        own_optimizer=True),
+        needs_optimizer_because="is a compressed Adam; --optimizer {given} cannot run it", own_optimizer=True),
     "topk": MethodKind(
         (Param("F", float, lambda fraction: 0 < fraction <= 1, "the kept fraction F must be in (0, 1]"),),
         "largest fraction F of the gradient with error feedback, values and indices all-gathered",
@@ -72,20 +80,16 @@ METHODS: dict[str, MethodKind] = {
                "THETA, the fraction of frequencies dropped, must be in [0, 1)"),
          Param("N", int, lambda bits: 2 <= bits <= 16 or bits == 32, "N must be 2..16 bits, or 32 for fp32 values")),
         "drop the fraction THETA of the gradient's frequency components, send the rest as N-bit offset floats "
-        "(N = 2..16, or 32 for fp32)", f"{_GRAD}.fft:FFTSparsifier"),
+        "(N = 2..16, or 32 for fp32)", f"{_GRAD}.fft:FFTSparsifier",
+        replica_computed=True),  # (every replica inverts the mean spectrum: cuFFT)
     "signsgd": MethodKind(
         (), "majority-vote signSGD on a ring of packed vote counts; the update is lr*sign (use SGD; --momentum votes "
         "on the local momentum: Signum)", f"{_GRAD}.signsgd:SignSGD", sign_based=True, clippable=False,
-        optimizer="sgd"),
+        optimizer="sgd", needs_optimizer_because=SIGN_NEEDS_SGD),
     "marsit": MethodKind(
         (Param("K", int, lambda period: period >= 0, "K must be 0 (never) or a positive number of steps"),),
         "Marsit 1-bit ring with global compensation in update units, full precision every K steps (0: never; use SGD)",
-        f"{_GRAD}.marsit:Marsit", sign_based=True, optimizer="sgd"),
-}
-# Why a method needs its --optimizer, for the error that refuses another
-NEEDS_OPTIMIZER = {
-    "sgd": "makes the update lr*sign, an optimizer in itself; --optimizer {given} would rescale the signs",
-    "adamw": "is a compressed Adam; --optimizer {given} cannot run it",
+        f"{_GRAD}.marsit:Marsit", sign_based=True, optimizer="sgd", needs_optimizer_because=SIGN_NEEDS_SGD),
 }
 
 
@@ -145,5 +149,5 @@ def check_pairing(spec: GradSpec, optimizer: str) -> None:
     is a sign) and only make sense under SGD; qadam is Adam itself."""
     needed = spec.kind.optimizer
     if needed and optimizer != needed:
-        why = NEEDS_OPTIMIZER[needed].format(given=optimizer)
+        why = spec.kind.needs_optimizer_because.format(given=optimizer)
         raise GradSpecError(f"--grad-sync {spec.method} {why} — use --optimizer {needed}")

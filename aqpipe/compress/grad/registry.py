@@ -13,9 +13,18 @@ from aqpipe.compress.grad.wire import SyncBytes
 
 
 def method_class(method: str) -> type[Compressor]:
-    """The class that implements a --grad-sync method (its row's `implementation`, imported on first use)."""
-    module, _, name = METHODS[method].implementation.partition(":")
-    return getattr(importlib.import_module(module), name)
+    """The class that implements a --grad-sync method (its row's `implementation`, imported on first use); a
+    TypeError where the class is not what its row says it is."""
+    kind = METHODS[method]
+    module, _, name = kind.implementation.partition(":")
+    implementation = getattr(importlib.import_module(module), name)
+    says = (kind.sign_based, kind.clippable, kind.own_optimizer)
+    does = (implementation.sign_based, implementation.clippable,
+            implementation.own_optimizer is not Compressor.own_optimizer)
+    if not issubclass(implementation, Compressor) or says != does:
+        raise TypeError(f"--grad-sync {method}: its row says (sign-based, clippable, own optimizer) = {says}, its "
+                        f"class {kind.implementation} does {does}")
+    return implementation
 
 
 def build_grad_sync(text: str, dp: DPGroup, seed: int = 0, freeze_after: int = 1, momentum: float = 0.0) -> GradSync:
@@ -25,15 +34,15 @@ def build_grad_sync(text: str, dp: DPGroup, seed: int = 0, freeze_after: int = 1
     return method_class(spec.method).from_spec(spec, dp, seed, freeze_after, momentum)
 
 
-def sync_step_bytes(text: str, dp: int, shapes: Sequence[tuple[int, ...]], qadam_warmup_steps: int = 1) -> SyncBytes:
+def sync_step_bytes(text: str, dp: int, shapes: Sequence[tuple[int, ...]], freeze_after: int = 1) -> SyncBytes:
     """What one replica of `dp` hands to the network in an optimizer step for synchronized parameters of `shapes`
-    (qadam exchanging fp32 averages for `qadam_warmup_steps` steps): exact for the formats' fixed sizes, sidco's at
+    (qadam exchanging fp32 averages for `freeze_after` steps): exact for the formats' fixed sizes, sidco's at
     its target fraction, the sign-based methods' with every row active (at most what they send). Nothing without
     replicas. tests/test_grad_methods.py holds it to the bytes the code counts."""
     spec = parse_grad_spec(text)
     if dp < 2 or sum(math.prod(shape) for shape in shapes) == 0:
         return SyncBytes(0, 0)
-    return method_class(spec.method).step_bytes(spec, dp, shapes, qadam_warmup_steps)
+    return method_class(spec.method).step_bytes(spec, dp, shapes, freeze_after)
 
 
 def sync_copies(text: str, dp: int) -> tuple[float, float]:

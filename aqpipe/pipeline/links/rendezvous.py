@@ -9,6 +9,8 @@ import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from aqpipe.compress.grad.methods import METHODS
+
 if TYPE_CHECKING:  # (the launcher imports this module before it may import torch: see launch/fork_safety)
     from aqpipe.pipeline.world.grid import ProcessGroups
 
@@ -226,18 +228,18 @@ def collective_backend(store, rank: int, world_size: int, gpu: str | None) -> st
     return "nccl" if all(gpus) and len(set(gpus)) == len(gpus) else "gloo"
 
 
-# The fact a run whose replicas must compute bit for bit alike on their GPUs adds: PowerSGD orthogonalizes its factor
-# on every replica (QR and P·Qᵀ), and fft inverts the mean spectrum on every replica (cuFFT); each agrees bit for bit
-# only on the same GPU model, CUDA and torch.
-GPU_MODEL = "GPU model (--grad-sync powersgd and fft compute on every replica)"
-REPLICA_COMPUTED = ("powersgd", "fft")  # the --grad-sync methods that do
+# The fact a run whose replicas must compute bit for bit alike on their GPUs adds (the --grad-sync methods whose every
+# replica computes the result, `MethodKind.replica_computed`: it agrees bit for bit only on the same GPU model, CUDA
+# and torch).
+REPLICA_COMPUTED = tuple(name for name, kind in METHODS.items() if kind.replica_computed)
+GPU_MODEL = f"GPU model (--grad-sync {' and '.join(REPLICA_COMPUTED)} compute on every replica)"
 
 
 def replica_gpu_facts(grad_sync: str, dp: int, device) -> dict:
-    """What the replicas' GPUs must share for `grad_sync` to keep them bit-identical: with a method of
-    `REPLICA_COMPUTED` and dp > 1 on CUDA, the GPU model with the CUDA and torch versions (mismatched GPUs would fail
-    the replica digest only at the first checkpoint, as diverged weights); nothing otherwise."""
-    if dp < 2 or device.type != "cuda" or grad_sync.split(":")[0] not in REPLICA_COMPUTED:
+    """What the replicas' GPUs must share for `grad_sync` to keep them bit-identical: with a method whose every
+    replica computes the result and dp > 1 on CUDA, the GPU model with the CUDA and torch versions (mismatched GPUs
+    would fail the replica digest only at the first checkpoint, as diverged weights); nothing otherwise."""
+    if dp < 2 or device.type != "cuda" or not METHODS[grad_sync.split(":")[0]].replica_computed:
         return {}
     import torch
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from aqpipe.compress.grad.base import ring_all_reduce_bytes
+from aqpipe.compress.grad.wire import ring_all_reduce_bytes
 
 # The traffic classes outside the links (one vocabulary: metrics fields are `<class>_bytes`).
 GRAD_SYNC, TIED, CONTROL, EVALUATION, FINAL_WEIGHTS, SETUP, CHECKPOINT = (
