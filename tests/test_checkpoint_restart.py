@@ -145,7 +145,8 @@ def test_the_ranks_refuse_together_when_the_newest_checkpoint_is_damaged_on_a_re
     newest.write_bytes(newest.read_bytes()[:-10])
     results = run_ranks(_agreed, 2, [str(tmp_path)] * 2, False)
     for status, text in results:
-        assert status == "error" and "step 8 is damaged (rank 1 on" in text and "from step 4 with --resume" in text
+        assert status == "error" and "step 8 is damaged (rank 1 on" in text
+        assert f"continue from step 4 with --resume {tmp_path}" in text  # (the run directory itself, to paste)
     assert [value for _, value in run_ranks(_agreed, 2, [str(tmp_path)] * 2, True)] == [4, 4]
 
 

@@ -109,7 +109,7 @@ def _check_choices(cfg: RunConfig) -> None:
     if cfg.store_dtype not in STORE_DTYPES:
         raise ConfigError(f"--store-dtype {cfg.store_dtype!r} is not one of {', '.join(STORE_DTYPES)}")
     if cfg.store_dtype not in MEMORY_DTYPES and cfg.store != "lmdb":
-        raise ConfigError(f"--store-dtype {cfg.store_dtype} (low-bit m) needs --store lmdb; in memory use "
+        raise ConfigError(f"--store-dtype {cfg.store_dtype} (a low-bit m(ξ)) needs --store lmdb; in memory use "
                           f"{', '.join(MEMORY_DTYPES)}")
     if cfg.store_device not in ("cpu", "cuda"):
         raise ConfigError(f"--store-device {cfg.store_device!r} is not one of cpu, cuda")

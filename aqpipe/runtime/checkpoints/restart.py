@@ -115,11 +115,12 @@ class Start:
     def fresh(self) -> bool:
         return not self.candidates
 
-    def damaged(self, step: int, problem: str) -> CheckpointError:
-        """The refusal of a strict start whose checkpoint of `step` is not sound (`problem` says where)."""
+    def damaged(self, step: int, problem: str, out: str | Path) -> CheckpointError:
+        """The refusal of a strict start over run directory `out` whose checkpoint of `step` is not sound (`problem`
+        says where)."""
         older = [s for s in self.candidates if s < step]
         return CheckpointError(f"the checkpoint of step {step} is damaged ({problem})"
-                               + (f"; continue from step {older[0]} with --resume DIR" if older else ""))
+                               + (f"; continue from step {older[0]} with --resume {out}" if older else ""))
 
 
 def choose_start(holdings: list[Holding], out: str | Path, explicit: bool) -> Start:

@@ -211,7 +211,7 @@ def agreed_step(run: str | Path, rank: int, settings: dict, explicit: bool = Tru
             comm.barrier(comm.SETUP)
             return step
         if start.strict:
-            raise start.damaged(step, next(v for v in verdicts if v))
+            raise start.damaged(step, next(v for v in verdicts if v), run)
     found: list = [None] * world
     comm.all_gather_object(found, damaged, comm.SETUP)
     holdings_text = "; ".join(
