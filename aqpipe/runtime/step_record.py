@@ -34,10 +34,13 @@ def step_record(stats: StepStats, grid: Grid, cfg: ResolvedConfig, step: int, st
             **{name: value for name, value in derived.items() if value is not None}}
 
 
+# What a combined value's name starts with, by how it combines (the rest: the statistic's name alone)
+NAME_PREFIX = {"per_stage": "stage_", "stage_sum": "stage_", "link_send": "link_", "link_recv": "link_"}
+
+
 def record_names(statistic: Statistic) -> list[str]:
     """The names a statistic's combined values go by, one per way it combines."""
-    prefix = {"per_stage": "stage_", "stage_sum": "stage_", "link_send": "link_", "link_recv": "link_"}
-    return [prefix.get(how, "") + statistic.name for how in statistic.combine]
+    return [NAME_PREFIX.get(how, "") + statistic.name for how in statistic.combine]
 
 
 def combine_rows(rows: torch.Tensor, grid: Grid, statistics: tuple[Statistic, ...]) -> dict:

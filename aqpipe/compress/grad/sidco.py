@@ -22,16 +22,12 @@ Closed forms (δ the stage ratio; μ, σ² mean and variance of the fitted magni
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
 from aqpipe.compress.grad.base import DPGroup
-from aqpipe.compress.grad.feedback import FeedbackCompressor
 from aqpipe.compress.grad.gather import all_gather_bytes_payloads
-from aqpipe.compress.grad.methods import GradSpec
-from aqpipe.compress.grad.topk import scatter_payloads, sparse_copies, sparse_payload, sparse_step_bytes
-from aqpipe.compress.grad.wire import SyncBytes
+from aqpipe.compress.grad.topk import SparseFeedback, scatter_payloads, sparse_payload
 
 DISTRIBUTIONS = ("exp", "gamma", "gpareto")
 FIRST_STAGE_RATIO = 0.25
@@ -120,11 +116,8 @@ def estimate_threshold(flat: torch.Tensor, target: float, distribution: str, sta
     return threshold
 
 
-class SIDCo(FeedbackCompressor):
+class SIDCo(SparseFeedback):
     """Statistical threshold sparsification with adaptive stages and error feedback; all-gather pattern."""
-
-    pattern = "all-gather"
-    kept_copies, peak_copies = 1.0, 5.1
 
     def __init__(self, dp: DPGroup, distribution: str, ratio: float) -> None:
         super().__init__(dp)
@@ -136,15 +129,6 @@ class SIDCo(FeedbackCompressor):
         self.direction = 1
         self.last_error: float | None = None
         self.selected_since_adapt: list[int] = []
-
-    @classmethod
-    def step_bytes(cls, spec: GradSpec, dp: int, shapes: Sequence[tuple[int, ...]], freeze_after: int) -> SyncBytes:
-        """At its target fraction, which it approaches from below."""
-        return sparse_step_bytes(spec.args[1], dp, shapes)
-
-    @classmethod
-    def memory_copies(cls, spec: GradSpec, dp: int) -> tuple[float, float]:
-        return (0.0, 0.0) if dp < 2 else sparse_copies(spec.args[1], dp, cls.kept_copies, cls.peak_copies)
 
     def select(self, flat: torch.Tensor) -> torch.Tensor:
         """Indices of the values at or above the estimated threshold; adapts the stage count every Q calls."""

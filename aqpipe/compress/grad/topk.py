@@ -33,36 +33,35 @@ def scatter_payloads(payloads: list[torch.Tensor], numel: int) -> torch.Tensor:
     return total.div_(len(payloads))
 
 
-def sparse_step_bytes(fraction: float, dp: int, shapes: Sequence[tuple[int, ...]]) -> SyncBytes:
-    """A replica's step of sparse messages keeping `fraction` of the values: fp32 values and int32 indices."""
-    kept = max(1, math.ceil(fraction * sum(math.prod(shape) for shape in shapes)))
-    return SyncBytes.every_step(gathered_message_bytes(8 * kept, dp))
-
-
-def sparse_copies(fraction: float, dp: int, kept: float, peak: float) -> tuple[float, float]:
-    """(kept, peak) copies of a sparsifier's sync: its own, with the kept fraction's values and indices, and every
-    replica's, on top of the peak."""
-    return kept, peak + 9 * fraction + 2.5 * fraction * dp
-
-
-class TopK(FeedbackCompressor):
-    """Top-k sparsification with error feedback, all-gather pattern."""
+class SparseFeedback(FeedbackCompressor):
+    """A sparsifier with error feedback whose replicas all-gather (value, index) pairs, keeping about the fraction of
+    the gradient its spec's last argument gives (topk: exactly; sidco: its target, approached from below)."""
 
     pattern = "all-gather"
     kept_copies, peak_copies = 1.0, 5.1
+
+    @classmethod
+    def step_bytes(cls, spec: GradSpec, dp: int, shapes: Sequence[tuple[int, ...]], freeze_after: int) -> SyncBytes:
+        """fp32 values and int32 indices of the kept fraction."""
+        kept = max(1, math.ceil(spec.args[-1] * sum(math.prod(shape) for shape in shapes)))
+        return SyncBytes.every_step(gathered_message_bytes(8 * kept, dp))
+
+    @classmethod
+    def memory_copies(cls, spec: GradSpec, dp: int) -> tuple[float, float]:
+        """Its residual, and the kept fraction's values and indices, its own and every replica's, on top of the peak."""
+        if dp < 2:
+            return 0.0, 0.0
+        fraction = spec.args[-1]
+        return cls.kept_copies, cls.peak_copies + 9 * fraction + 2.5 * fraction * dp
+
+
+class TopK(SparseFeedback):
+    """Top-k sparsification with error feedback, all-gather pattern."""
 
     def __init__(self, dp: DPGroup, fraction: float) -> None:
         super().__init__(dp)
         self.fraction = fraction
         self.name = f"topk:{fraction:g}"
-
-    @classmethod
-    def step_bytes(cls, spec: GradSpec, dp: int, shapes: Sequence[tuple[int, ...]], freeze_after: int) -> SyncBytes:
-        return sparse_step_bytes(spec.args[0], dp, shapes)
-
-    @classmethod
-    def memory_copies(cls, spec: GradSpec, dp: int) -> tuple[float, float]:
-        return (0.0, 0.0) if dp < 2 else sparse_copies(spec.args[0], dp, cls.kept_copies, cls.peak_copies)
 
     def combine(self, flat: torch.Tensor) -> torch.Tensor:
         compensated = self.feedback.compensate(flat)
