@@ -15,6 +15,7 @@ from aqpipe.compress.link.specs import DEFAULT_FIRST_SIGHT, keeps_messages
 from aqpipe.config.rates import parse_rate
 from aqpipe.config.settings import ResolvedConfig, RunConfig
 from aqpipe.config.values import ConfigError
+from aqpipe.pipeline.link_rows import LINK_ROWS
 from aqpipe.pipeline.tied_exchanges import TIED_EXCHANGES, default_exchange
 from aqpipe.pipeline.tied_exchanges import USAGE as TIED_EXCHANGE_USAGE
 from aqpipe.storage.dtypes import MEMORY_DTYPES, STORE_DTYPES
@@ -88,6 +89,7 @@ def _check_choices(cfg: RunConfig) -> None:
     for name, value, allowed in (("quant-scales", cfg.quant_scales, ("channel", "token")),
                                  ("quant-rounding", cfg.quant_rounding, ("nearest", "stochastic")),
                                  ("quant-grid", cfg.quant_grid, GRIDS),
+                                 ("link-rows", cfg.link_rows, tuple(LINK_ROWS)),
                                  ("store-check", cfg.store_check, ("on", "off")),
                                  ("store-dump", cfg.store_dump, ("on", "off"))):
         if value not in allowed:

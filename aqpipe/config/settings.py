@@ -15,6 +15,7 @@ from typing import Any
 
 from aqpipe.compress.grids import DEFAULT_GRID
 from aqpipe.compress.link.specs import DEFAULT_BW, DEFAULT_EVAL_CODEC, DEFAULT_FIRST_SIGHT, DEFAULT_FW
+from aqpipe.pipeline.link_rows import DEFAULT_LINK_ROWS
 from aqpipe.pipeline.tied_exchanges import DEFAULT_TIED_EXCHANGE
 
 # The sections, in the order --help and the README show them: (name, title).
@@ -168,6 +169,12 @@ class RunConfig:
         "stages hold (kept bit-identical, compared by digest) and the gradient rows in B bits with error feedback",
         shown=f"{DEFAULT_TIED_EXCHANGE} (measured: benchmarks/README.md); rows when --fw and --bw are both fp32",
         metavar="rows|rows:bf16|rows:delta:B|dense")
+    link_rows: str = setting(
+        "links", "which positions of a padded batch (instruction or classification data) cross a link: `real` sends "
+        "only each sample's real tokens, in both directions, through every codec, m(ξ) keeping only them (the same "
+        "training as `padded`, bit for bit with fp32 links: nothing downstream reads a padded position, and its "
+        "gradient is zero); `padded` sends every position, as fixed-shape pipelines do", DEFAULT_LINK_ROWS,
+        metavar="real|padded")
     bandwidth: str | None = setting(
         "links", "run each rank in its own network namespace, joined by a bridge, with its link shaped in both "
         "directions by a `tc tbf` qdisc at RATE (30mbit, 100mbit, 1gbit, or bytes/s as 12.5mbps); needs root and "

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from aqpipe.config.settings import FIELD_NAMES, RESUME_MAY_CHANGE, RunConfig
+from aqpipe.pipeline.link_rows import recorded
 
 
 class ConfigError(ValueError):
@@ -133,12 +134,12 @@ def resume_values(run_dir: str, file_values: dict[str, Any], flag_values: dict[s
     given = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
     if given.get("out") is not None and Path(str(given["out"])).resolve() != Path(run_dir).resolve():
         raise ConfigError(f"--out {given['out']!r} differs from --resume {run_dir!r}; a resumed run writes to its own directory")
-    values = dict(saved)
+    values = recorded(saved)
     for key, value in given.items():
         if key in RESUME_MAY_CHANGE:
             values[key] = value
             continue
-        before = build_config({}, {key: saved.get(key)}) if saved.get(key) is not None else RunConfig()
+        before = build_config({}, {key: values.get(key)}) if values.get(key) is not None else RunConfig()
         after = build_config({}, {key: value})
         if getattr(before, key) != getattr(after, key):
             raise ConfigError(f"--{key.replace('_', '-')} cannot change on --resume: the run used "

@@ -114,12 +114,14 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
                                     cfg.micro_batch_size, (SIDE_MASK,),
                                     eval_codec=evaluation_codec(cfg.eval_codec, options, device))
         links.grad_out = GradientOut(before, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options, device=device),
-                                     Outbox(streams[names[(before, "gradient")]], peer, cfg.stall_timeout))
+                                     Outbox(streams[names[(before, "gradient")]], peer, cfg.stall_timeout),
+                                     real_rows=cfg.link_rows == "real")
     if after is not None:  # link stage: activations out, gradients in
         peer = grid.describe(grid.next_rank)
         links.act_out = ActivationOut(after, KIND_ACTIVATION,
                                       build_codec(cfg.fw, "fw", views["send"], options, check, device, cfg.first_sight),
                                       Outbox(streams[names[(after, "activation")]], peer, cfg.stall_timeout),
+                                      real_rows=cfg.link_rows == "real",
                                       eval_codec=evaluation_codec(cfg.eval_codec, options, device))
         links.grad_in = GradientIn(after, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options, device=device),
                                    Inbox(streams[names[(after, "gradient")]], peer, cfg.stall_timeout, device), device,

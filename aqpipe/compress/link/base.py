@@ -184,8 +184,8 @@ class LinkCodec:
 
     def check_header(self, header) -> str | None:
         """Why a header cannot belong to this codec (None if it can); called before the payload is allocated."""
-        if header.codec != self.code or (header.flags >> 8) != self.bits:
-            return f"the peer sends codec {header.codec}/{header.flags >> 8} bits but this side decodes {self.name}"
+        if problem := self.identity_problem(header):
+            return problem
         if header.flags & FLAG_RAW:
             if not self.raw_messages:
                 return self._raw_refusal()
@@ -193,6 +193,12 @@ class LinkCodec:
                 return f"a raw message must be one of {LOSSLESS_DTYPES}, not {header.dtype}"
             return _length_problem(header, numel(header.shape) * header.dtype.itemsize)
         return self._payload_problem(header)
+
+    def identity_problem(self, header) -> str | None:
+        """Why a header names another codec, or another bit width, than this one (None: it names this one)."""
+        if header.codec != self.code or (header.flags >> 8) != self.bits:
+            return f"the peer sends codec {header.codec}/{header.flags >> 8} bits but this side decodes {self.name}"
+        return None
 
     def _raw_refusal(self) -> str:
         return (f"the peer sends a raw message, which {self.name} never does (the two sides of a link must be given "

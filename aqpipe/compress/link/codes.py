@@ -7,6 +7,7 @@ import torch
 
 FLAG_RAW = 1  # the payload is the tensor, lossless (LOSSLESS_DTYPES): warm-up, or a codec asked not to compress
 FLAG_NO_CHECK = 2  # AQ-SGD: the sender did not checksum m(ξ)
+FLAG_REAL_ROWS = 4  # the payload is a batch's real rows, in groups (`aqpipe.pipeline.links.real_rows`)
 (CODE_FP32, CODE_FP16, CODE_BF16, CODE_DIRECTQ, CODE_AQSGD, CODE_TOPK, CODE_RTQ, CODE_TAHQ,
  CODE_AQSGD_RTQ, CODE_RTQO) = range(1, 11)
 # The float codecs by name: the dtype they send and their header code.

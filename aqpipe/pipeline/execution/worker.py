@@ -224,7 +224,7 @@ class StageWorker:
         self.links.send_activation(index, outputs, ids, mb.mask)
 
     def _recv_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
-        mb.output_grad = self.links.receive_gradient()
+        mb.output_grad = self.links.receive_gradient(mb.mask)
 
     def _backward(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         scale = self.scaler.scale if self.scaler is not None else 1.0
@@ -243,7 +243,7 @@ class StageWorker:
 
     def _send_grad(self, mb: _MicroBatch, index: int, stats: StepStats) -> None:
         grad = present(present(mb.inputs, "inputs").grad, "the gradient of the inputs")
-        self.links.send_gradient(index, grad, present(mb.ids, "sample ids"))
+        self.links.send_gradient(index, grad, present(mb.ids, "sample ids"), mb.mask)
         self._release(index)
 
     def _release(self, index: int) -> None:

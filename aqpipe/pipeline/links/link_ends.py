@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 import torch
 
 from aqpipe.compress.link.base import DeltaFidelity, LinkCodec
+from aqpipe.compress.link.codes import FLAG_REAL_ROWS
 from aqpipe.compress.link.factory import build_codec
 from aqpipe.compress.link.specs import CodecError
 from aqpipe.pipeline import present
 from aqpipe.pipeline import schedule as sch
+from aqpipe.pipeline.links import real_rows
 from aqpipe.pipeline.links.tied_rows import RowExchange
 from aqpipe.pipeline.links.transport import (
     HEADER_SIZE,
@@ -66,25 +68,40 @@ class SendEnd:
     codec: LinkCodec
     outbox: Outbox
     counters: LinkCounters = field(default_factory=LinkCounters)
+    real_rows: bool = False  # a masked batch sends only its real rows (`aqpipe.pipeline.links.real_rows`)
 
     def _send(self, step: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor, compress: bool,
               side: torch.Tensor | None = None, side_kind: int = SIDE_NONE, kind: int | None = None,
-              codec: LinkCodec | None = None) -> int:
-        """Encode `tensor` and queue it with its side information; returns the payload bytes (the rest of the message
-        is counted here: framing, or control for a re-seed request)."""
+              codec: LinkCodec | None = None, mask: torch.Tensor | None = None) -> int:
+        """Encode `tensor` (with `real_rows`, only the rows its batch's `mask` marks real) and queue it with its side
+        information; returns the payload bytes (the rest of the message is counted here: framing, or control for a
+        re-seed request)."""
         codec = codec or self.codec
+        side_kind = side_kind if side is not None else SIDE_NONE
+        kind = kind or self.kind
+        rows = real_rows.RealRows.of(mask, tuple(tensor.shape)) if self.real_rows else None
         with torch.autocast(tensor.device.type, enabled=False):  # (a stage's autocast must not reach the codec)
-            encoded = codec.encode(tensor.detach(), ids, compress)
-        header = Header.for_encoded(encoded, codec.code, kind or self.kind, step, mb, ids.numel(),
-                                    side_kind if side is not None else SIDE_NONE)
-        self.outbox.send(header, ids, encoded.host, side, encoded.ready)
+            if rows is None:
+                encoded = codec.encode(tensor.detach(), ids, compress)
+            else:
+                grouped = real_rows.encode(codec, tensor.detach(), ids, compress, rows)
+        if rows is None:
+            header = Header.for_encoded(encoded, codec.code, kind, step, mb, ids.numel(), side_kind)
+            self.outbox.send(header, ids, encoded.host, side, encoded.ready)
+            payload, fidelity, directory = encoded.payload_len, encoded.fidelity, 0
+        else:
+            header = real_rows.header_of(grouped, codec, kind, step, mb, tuple(tensor.shape), ids.numel(), side_kind)
+            self.outbox.send(header, ids, [grouped.directory, *(part.host for part in grouped.parts)], side,
+                             [None, *(part.ready for part in grouped.parts)])
+            payload, fidelity, directory = grouped.payload_len, grouped.fidelity, grouped.directory.numel()
         side_bytes = 0 if side is None else side.numel() * side.element_size()
-        self.counters.framing_bytes += HEADER_SIZE + 8 * ids.numel() + (0 if side_kind == SIDE_RESEED else side_bytes)
+        self.counters.framing_bytes += HEADER_SIZE + 8 * ids.numel() + directory + (
+            0 if side_kind == SIDE_RESEED else side_bytes)
         self.counters.control_bytes += side_bytes if side_kind == SIDE_RESEED else 0
-        if encoded.fidelity is not None:
+        if fidelity is not None:
             sofar = self.counters.fidelity
-            self.counters.fidelity = encoded.fidelity if sofar is None else sofar + encoded.fidelity
-        return encoded.payload_len
+            self.counters.fidelity = fidelity if sofar is None else sofar + fidelity
+        return payload
 
     def flush(self) -> None:
         """Wait until everything queued has left."""
@@ -111,20 +128,28 @@ class RecvEnd:
 
     def post(self, step: int, mb: int) -> None:
         """Announce micro-batch `mb` of `step`; the inbox thread starts receiving it at once."""
-        self.inbox.expect(Expect(self.kind, step, mb, self.micro_batch_size, check=self.codec.check_header,
+        self.inbox.expect(Expect(self.kind, step, mb, self.micro_batch_size, check=real_rows.accepting(self.codec),
                                  side_kinds=self.side_kinds))
 
-    def _receive(self, codec: LinkCodec | None = None) -> tuple[torch.Tensor, Message]:
+    def _receive(self, codec: LinkCodec | None = None, mask: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, Message]:
         """The next message, decoded on the stage's device, and the message itself; a training message (no
-        `codec` given) is counted, an evaluation message is not (evaluation runs between steps)."""
+        `codec` given) is counted, an evaluation message is not (evaluation runs between steps). A message of real
+        rows is rebuilt where `mask` [B, T] says they lie."""
         start = time.perf_counter()
         msg = self.inbox.get()
         self.blocked_seconds += time.perf_counter() - start
         if codec is None:
             self.counters.body_bytes += msg.wire_bytes - HEADER_SIZE
             self.counters.wire_seconds += msg.transfer_seconds
+        codec = codec or self.codec
         with torch.autocast(self.device.type, enabled=False):  # (evaluation receives inside the stage's autocast)
-            value = (codec or self.codec).decode(msg.header, msg.payload, msg.ids)
+            if msg.header.flags & FLAG_REAL_ROWS:
+                if mask is None and msg.header.side_kind == SIDE_MASK:  # (an activation carries its mask)
+                    mask = per_sample(msg.side, msg.ids)
+                value = real_rows.decode(codec, msg.header, msg.payload, msg.ids, mask, self.inbox.peer_name)
+            else:
+                value = codec.decode(msg.header, msg.payload, msg.ids)
         return value.to(self.device), msg
 
     def close(self) -> None:
@@ -142,7 +167,7 @@ class ActivationOut(SendEnd):
     def send(self, step: int, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None,
              compress: bool) -> None:
         """Send micro-batch `mb`'s output (with its attention mask, losslessly)."""
-        self.counters.payload_bytes += self._send(step, mb, activation, ids, compress, mask, SIDE_MASK)
+        self.counters.payload_bytes += self._send(step, mb, activation, ids, compress, mask, SIDE_MASK, mask=mask)
         self.counters.elements += activation.numel()
 
     def send_eval(self, step: int, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None
@@ -150,7 +175,7 @@ class ActivationOut(SendEnd):
         """Send an evaluation activation through the evaluation codec, never the link's training codec or m(ξ);
         returns its bytes (all of the message: evaluation traffic is counted whole, not in the training counters)."""
         framing, control = self.counters.framing_bytes, self.counters.control_bytes
-        payload = self._send(step, mb, activation, ids, True, mask, SIDE_MASK, KIND_EVAL, self.eval_codec)
+        payload = self._send(step, mb, activation, ids, True, mask, SIDE_MASK, KIND_EVAL, self.eval_codec, mask)
         sent = payload + self.counters.framing_bytes - framing
         self.counters.framing_bytes, self.counters.control_bytes = framing, control
         return sent
@@ -175,7 +200,7 @@ class ActivationIn(RecvEnd):
 
     def post_eval(self, step: int, mb: int, n_ids: int) -> None:
         """Announce an evaluation activation of `n_ids` samples."""
-        self.inbox.expect(Expect(KIND_EVAL, step, mb, n_ids, check=self.eval_codec.check_header,
+        self.inbox.expect(Expect(KIND_EVAL, step, mb, n_ids, check=real_rows.accepting(self.eval_codec),
                                  side_kinds=(SIDE_MASK,)))
 
     def receive_eval(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -192,19 +217,21 @@ class GradientOut(SendEnd):
     """Stage k + 1's end of link k, backward."""
 
     def send(self, step: int, mb: int, grad: torch.Tensor, ids: torch.Tensor, compress: bool,
-             reseed: list[int] | None = None) -> None:
-        """Send micro-batch `mb`'s input gradient, with a re-seed request when there is one."""
+             reseed: list[int] | None = None, mask: torch.Tensor | None = None) -> None:
+        """Send micro-batch `mb`'s input gradient (of a batch padded as `mask` says), with a re-seed request when
+        there is one."""
         request = torch.tensor(reseed, dtype=torch.int64) if reseed else None
-        self.counters.payload_bytes += self._send(step, mb, grad, ids, compress, request, SIDE_RESEED)
+        self.counters.payload_bytes += self._send(step, mb, grad, ids, compress, request, SIDE_RESEED, mask=mask)
         self.counters.elements += grad.numel()
 
 
 class GradientIn(RecvEnd):
     """Stage k's end of link k, backward."""
 
-    def receive(self) -> tuple[torch.Tensor, list[int]]:
-        """The next output gradient (on the stage's device) and the re-seed request it carried (often empty)."""
-        grad, msg = self._receive()
+    def receive(self, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+        """The next output gradient (on the stage's device; of a batch padded as `mask`, the one its activation
+        went with, says) and the re-seed request it carried (often empty)."""
+        grad, msg = self._receive(mask=mask)
         return grad, ([] if msg.side is None else msg.side.view(torch.int64).tolist())
 
 
@@ -261,16 +288,18 @@ class StageLinks:
         """The next micro-batch's input from the previous stage: (activation, sample ids, mask)."""
         return present(self.act_in, "the incoming activation link").receive()
 
-    def send_gradient(self, mb: int, grad: torch.Tensor, ids: torch.Tensor) -> None:
+    def send_gradient(self, mb: int, grad: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None = None
+                      ) -> None:
         """Send micro-batch `mb`'s input gradient to the previous stage; the step's last one carries the re-seed
         request."""
         last = mb == self._request_with
         reseed = self.act_in.missing(self._next_ids) if last and self.act_in is not None else None
-        present(self.grad_out, "the outgoing gradient link").send(self._step, mb, grad, ids, self._compress, reseed)
+        present(self.grad_out, "the outgoing gradient link").send(self._step, mb, grad, ids, self._compress, reseed,
+                                                                 mask)
 
-    def receive_gradient(self) -> torch.Tensor:
+    def receive_gradient(self, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The next micro-batch's output gradient from the next stage (applying any re-seed request it carried)."""
-        grad, reseed = present(self.grad_in, "the incoming gradient link").receive()
+        grad, reseed = present(self.grad_in, "the incoming gradient link").receive(mask)
         present(self.act_out, "the outgoing activation link").forget(reseed)
         return grad
 

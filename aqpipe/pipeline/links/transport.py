@@ -178,10 +178,12 @@ def _check_side(side_kind: int, side_len: int, peer: str, expect: Expect) -> Non
                              "int64 sample ids")
 
 
-def body_checksum(ids: torch.Tensor, payload: torch.Tensor, side: torch.Tensor | None = None) -> int:
-    """CRC32 of the sample ids, the payload bytes, then the side information."""
+def body_checksum(ids: torch.Tensor, payload: torch.Tensor | list[torch.Tensor], side: torch.Tensor | None = None
+                  ) -> int:
+    """CRC32 of the sample ids, the payload bytes (of each of its parts in turn), then the side information."""
     crc = zlib.crc32(ids.numpy().tobytes())
-    crc = zlib.crc32(payload.numpy().data, crc)
+    for part in payload if isinstance(payload, list) else [payload]:
+        crc = zlib.crc32(part.numpy().data, crc)
     if side is not None and side.numel():
         crc = zlib.crc32(side.numpy().tobytes(), crc)
     return crc & 0xFFFFFFFF
@@ -216,23 +218,27 @@ class Outbox:
         self._thread = threading.Thread(target=self._run, name=f"outbox-{peer_name}", daemon=True)
         self._thread.start()
 
-    def send(self, header: Header, ids: torch.Tensor, payload: torch.Tensor, side: torch.Tensor | None = None,
-             ready: Landing | None = None) -> None:
+    def send(self, header: Header, ids: torch.Tensor, payload: torch.Tensor | list[torch.Tensor],
+             side: torch.Tensor | None = None, ready: Landing | None | list[Landing | None] = None) -> None:
         """Queue one message (header.checksum is filled by the writer thread); `side` is lossless extra data sent as
         raw bytes, of the kind header.side_kind names. With `ready`, the payload is host memory a device copy is still
-        filling: the writer thread waits on the event before it reads the bytes, so the caller never waits."""
+        filling: the writer thread waits on the event before it reads the bytes, so the caller never waits. A payload
+        given as parts (each with its own `ready`) goes as their concatenation, never joined in memory."""
         self._raise_error()
         # the writer thread reads the bytes later: the small parts are copied now (the caller may reuse its tensors);
         # the payload is a codec's own bytes (a codec never hands over a tensor it will change)
         ids = ids.to(torch.int64).cpu().clone()
-        payload = payload.contiguous().view(torch.uint8).reshape(-1)
-        if payload.device.type != "cpu":
-            payload, ready = to_host(payload)
+        parts = list(payload) if isinstance(payload, list) else [payload]
+        landings = list(ready) if isinstance(ready, list) else [ready] * len(parts)
+        for i, part in enumerate(parts):
+            parts[i] = part.contiguous().view(torch.uint8).reshape(-1)
+            if parts[i].device.type != "cpu":
+                parts[i], landings[i] = to_host(parts[i])
         side = torch.empty(0, dtype=torch.uint8) if side is None else side.cpu().clone().view(torch.uint8).reshape(-1)
-        header.n_ids, header.payload_len, header.side_len = ids.numel(), payload.numel(), side.numel()
+        header.n_ids, header.payload_len, header.side_len = ids.numel(), sum(p.numel() for p in parts), side.numel()
         if (header.side_kind == SIDE_NONE) != (side.numel() == 0):
             raise ValueError(f"side information of {side.numel()} bytes with side_kind {header.side_kind}")
-        self._queue.put((header, ids, payload, side, ready))
+        self._queue.put((header, ids, parts, side, landings))
 
     def flush(self) -> None:
         """Block until every queued message has been handed to the kernel (or raise why it could not be)."""
@@ -265,12 +271,13 @@ class Outbox:
                 if item is None:
                     return
                 if self._error is None:
-                    header, ids, payload, side, ready = item
-                    if ready is not None:
-                        ready.synchronize()  # the payload's device-to-host copy has landed
+                    header, ids, payload, side, landings = item
+                    for ready in landings:
+                        if ready is not None:
+                            ready.synchronize()  # the payload's device-to-host copy has landed
                     header.checksum = body_checksum(ids, payload, side)
                     # the parts go as they are (no joined copy): the header, then the body the checksum covers
-                    for part in (header.pack(), *(_bytes(t) for t in (ids, payload, side) if t.numel())):
+                    for part in (header.pack(), *(_bytes(t) for t in (ids, *payload, side) if t.numel())):
                         self._write(memoryview(part))
             except BaseException as e:  # noqa: BLE001 - the stream is broken: later sends and flushes raise this
                 what = "stopped reading" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {_first_line(e)}"

@@ -32,6 +32,7 @@ from typing import BinaryIO, cast
 import torch
 
 from aqpipe.disk import save_atomic, write_atomic
+from aqpipe.pipeline.link_rows import recorded
 
 FORMAT = 2  # 2: checksum lines name rank, step and configuration digest; run.json records the settings
 KEEP = 2  # complete checkpoints kept (besides the newest copied one and one being copied; see mark_complete)
@@ -254,7 +255,7 @@ def changed_setting(out: str | Path, step: int, settings: dict, record: dict | N
     """What says that `settings` differ from those the checkpoint of `step` was written with (the first that does,
     by name), or None; a CheckpointError if its record cannot be read."""
     directory = step_dir(out, step)
-    saved = (record or _read_record(directory))["config"]
+    saved, settings = recorded((record or _read_record(directory))["config"]), recorded(settings)
     for key in sorted(set(saved) | set(settings)):
         if saved.get(key) != settings.get(key):
             return (f"checkpoint {directory} was written with {key} = {saved.get(key)!r}, but the run's configuration "
