@@ -53,6 +53,9 @@ VARIANTS = {
     "first rtq4 fw3 bw rtq4 tied delta4": ("--fw", "aqsgd:3", "--bw", "rtq:4", "--first-sight", "rtq:4",
                                            "--warmup-epochs", "0", "--tied-exchange", "rows:delta:4"),
     "defaults": (),  # no link flags: whatever this commit's defaults are
+    # every padded position on the links, as a fixed-shape pipeline sends them (the defaults send real tokens only)
+    "fp32 padded": ("--fw", "fp32", "--bw", "fp32", "--link-rows", "padded"),
+    "defaults padded": ("--link-rows", "padded"),
 }
 TITLES = {"smollm2-135m": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma 3 270M"}
 # Layers per stage: the embedding costs nothing, the tied LM head about 8 decoder layers (576 × 49152 per token).
@@ -127,7 +130,7 @@ def main() -> None:
         s = results[name]["summary"]
         print(f"{name}: eval loss {s['eval_loss']:.4f} train loss {s['final_loss']:.4f} "
               f"{s['samples_per_second']:.2f} samples/s link MB {total_bytes(s) / 1e6:.1f}", flush=True)
-    table = summarize(results, start)
+    table = summarize(results, start) + "\n\n" + every_byte(results, args, work)
     summaries = {"pretrained": pretrained["summary"], **{n: r["summary"] for n, r in results.items()}}
     out.with_suffix(".json").write_text(json.dumps(summaries, indent=2) + "\n")
     out.with_suffix(".md").write_text(table + "\n")
@@ -174,6 +177,42 @@ def summarize(results: dict[str, dict], start: float) -> str:
     question = next(iter(results.values()))["summary"].get("sample", {}).get("question", "")
     return (f"Pretrained model's held-out loss: {start:.4f}\n\n" + "\n".join(rows)
             + f"\n\nHeld-out question answered: {question!r}")
+
+
+def fixed_shape_bytes(summary: dict, args, hidden: int, links: int = 3) -> int:
+    """What a fixed-shape fp32 pipeline (DeepSpeed's pipeline engine, torch's pipelining) sends over the links for the
+    same run: every position of every micro-batch, forward and back, on each link, and every position of each
+    held-out sample forward at every evaluation the run made (its tied all-reduce not counted)."""
+    from aqpipe.runtime.capacity_eval import eval_passes
+
+    position = links * hidden * 4 * args.seq_len
+    train = 2 * summary["steps"] * 4 * args.micro_batch_size * position
+    return train + eval_passes(summary["steps"], args.eval_every) * summary["eval_samples"] * position
+
+
+def every_byte(results: dict[str, dict], args, work: Path) -> str:
+    """Every traffic class of each variant's run (its final weights' gather to rank 0 aside) against fp32's, and
+    against what a fixed-shape fp32 pipeline sends for the same run, counted from the run's shapes."""
+    configs = [work / name.replace(" ", "_") / "export" / "config.json" for name in results]
+    hidden = next(json.loads(c.read_text())["hidden_size"] for c in configs if c.is_file())
+    rows = ["| variant | held-out loss | vs fp32 | links (payload + framing) | tied | evaluation | control | all | "
+            "fixed-shape fp32 | fewer than it |", "|---|---|---|---|---|---|---|---|---|---|"]
+    base = results["fp32"]["summary"]["eval_loss"]
+    for name, result in results.items():
+        s = result["summary"]
+        t = s.get("traffic")
+        if t is None:
+            continue
+        links = t["link_payload"] + t["link_framing"]
+        control = t["control"] + t["setup"] + t["grad_sync"] + t.get("checkpoint", 0)
+        total = links + t["tied"] + t["evaluation"] + control
+        fixed = fixed_shape_bytes(s, args, hidden)
+        rows.append(f"| {name} | {s['eval_loss']:.4f} | {100 * (s['eval_loss'] / base - 1):+.2f}% | "
+                    f"{links / 1e6:.1f} MB | {t['tied'] / 1e6:.1f} MB | {t['evaluation'] / 1e6:.1f} MB | "
+                    f"{control / 1e6:.2f} MB | {total / 1e6:.1f} MB | {fixed / 1e6:.1f} MB | {fixed / total:.2f}x |")
+    return ("Every byte (`summary.json`'s traffic, the final weights' gather aside; fixed-shape fp32: every position "
+            f"both ways on 3 links, and each held-out sample's at every evaluation, hidden {hidden}, 4 bytes a "
+            "value):\n\n" + "\n".join(rows))
 
 
 def plot(results: dict[str, dict], start: float, path: Path, model: str = TITLES["smollm2-135m"]) -> None:

@@ -253,3 +253,38 @@ def test_a_bad_link_rows_value_exits_2_with_one_line(tmp_path, capsys):
     assert main(["launch", "--model", "llama-tiny", "--link-rows", "some", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["aqpipe: error: --link-rows 'some' is not one of real, padded"], err
+
+
+def test_real_rows_resume_bit_exact_and_both_lmdb_copies_of_m_hold_each_samples_real_rows(tmp_path, monkeypatch):
+    """AQ-SGD over real rows with m(ξ) on disk: a run stopped at its checkpoint and resumed ends with the uninterrupted
+    run's weights bit for bit; `store verify` finds both copies identical, and each kept m(ξ) is its sample's real
+    rows (the store holds no padded position)."""
+    from safetensors.torch import load_file
+
+    from aqpipe.data.dataset import prepare_instruct_dataset
+    from aqpipe.storage.lmdb_store import LMDBStore, store_path
+
+    monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
+    common = ["--model", "llama-tiny", "--data", "builtin-instruct", "--pp", "3", "--max-samples", "32", "--seq-len",
+              "64", "--micro-batch-size", "4", "--micro-batches", "2", "--fw", "aqsgd:3", "--store", "lmdb",
+              "--checkpoint-every", "4", "--eval-every", "0", "--no-progress"]
+    straight = warm.run("launch", *common, "--steps", "8", "--out", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    first = warm.run("launch", *common, "--steps", "4", "--out", str(tmp_path / "run"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = warm.run("launch", "--resume", str(tmp_path / "run"), "--steps", "8", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    weights = [load_file(tmp_path / name / "export" / "model.safetensors") for name in ("straight", "run")]
+    for key in weights[0]:
+        assert torch.equal(weights[0][key], weights[1][key]), key
+    verify = warm.run("store", "verify", str(tmp_path / "run"))
+    assert verify.returncode == 0 and "0 mismatch(es) in 64 m(xi) entries" in verify.stdout, verify.stdout
+    lengths = prepare_instruct_dataset("builtin-instruct", 64, max_samples=32).train.attention.sum(dim=1)
+    assert int(lengths.min()) < 64  # (the run's samples are padded)
+    for rank in range(3):
+        store = LMDBStore(store_path(tmp_path / "run", rank), readonly=True)
+        try:
+            kept = list(store.items())
+        finally:
+            store.close()
+        assert kept and all(value.shape == (int(lengths[sample]), 64) for (_, _, sample), value in kept)

@@ -140,7 +140,11 @@ def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str
     cfg = plan.cfg
     groups = create_groups(grid, backend, startup_timeout(cfg.stall_timeout))
     samples = len(plan.dataset.train)
-    store = open_store(cfg, grid.rank, store_bytes_per_rank(cfg, plan.spec, samples), device, samples // cfg.dp)
+    # (over real rows a padded sample's m(ξ) is its own length, each length a slab of its own: none is sized for
+    # every sample up front, each grows with the samples it holds)
+    padded = cfg.link_rows == "padded" or plan.dataset.train.mask(torch.arange(min(1, samples))) is None
+    store = open_store(cfg, grid.rank, store_bytes_per_rank(cfg, plan.spec, samples), device,
+                       samples // cfg.dp if padded else None)
     module = plan.build_stage(grid.stage).to(device)
     dp_group = DPGroup(groups.data_parallel, tuple(grid.dp_ranks(grid.stage)), grid.replica, collective_device(device))
     optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)

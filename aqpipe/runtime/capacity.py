@@ -13,6 +13,7 @@ measured on the meta device (`aqpipe.runtime.codec_graphs`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,7 @@ from aqpipe.pipeline.tied_exchanges import delta_bits, wire_dtype_name
 from aqpipe.pipeline.world.grid import Grid
 from aqpipe.runtime import plan as run_plan
 from aqpipe.runtime.capacity_eval import EvalNeeds, eval_needs
+from aqpipe.runtime.capacity_rows import row_shapes
 from aqpipe.runtime.checkpoints.parts import latest_step
 from aqpipe.runtime.codec_graphs import stage_graph_bytes
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan
@@ -98,6 +100,7 @@ class LinkNeeds:
     warmup_bwd_bytes: int
     store_side_bytes: int  # one side's m(ξ) values (0 unless the link runs AQ-SGD)
     first_fwd_bytes: int = 0  # a compressing step whose samples are all first sights (AQ-SGD: --first-sight)
+    padded_bytes: int = 0  # both directions per step, every padded position lossless (0: the link sends them all)
 
     def phase_bytes(self, phase: str) -> tuple[int, int]:
         """Payload bytes (forward, backward) per step in a phase of the run (STEP_PHASES)."""
@@ -157,6 +160,11 @@ class CapacityPlan:
         sent = sum(sum(link.run_bytes(self.steps, self.steps_per_epoch, self.cfg.warmup_epochs)) for link in self.links)
         lossless = sum(self.steps * (link.warmup_fwd_bytes + link.warmup_bwd_bytes) for link in self.links)
         return sent, lossless
+
+    def fixed_shape_bytes(self) -> int:
+        """What lossless links sending every padded position (a fixed-shape pipeline's) would move over the run on
+        the links of one replica; 0 where the links send every position anyway."""
+        return self.steps * sum(link.padded_bytes for link in self.links)
 
     def link_seconds(self, link: LinkNeeds, phase: str = STEADY) -> tuple[float, float] | None:
         """Seconds on the wire per step (forward, backward) at --bandwidth in a phase of the run (STEP_PHASES); None
@@ -257,17 +265,24 @@ def _plan_capacity(plan: RunPlan) -> CapacityPlan:
     m = cfg.micro_batches
     samples_per_replica = -(-len(plan.dataset.train) // cfg.dp)
     store = STORE_DTYPES[cfg.store_dtype]
+    rows = row_shapes(plan)
     links = []
     for k in range(cfg.pp - 1):
         shape, dtype = traced[k].output_shape, traced[k].output_dtype
-        per_sample = numel(shape[1:])
-        side = int(samples_per_replica * per_sample * store.value_bytes) if keeps_messages(cfg.fw) else 0
+
+        def per_step(message_bytes: Callable[[tuple[int, ...]], int], shape: tuple[int, ...] = shape) -> int:
+            return rows.step_bytes(message_bytes, shape, m) if rows is not None else m * message_bytes(shape)
+
+        real = rows.train_fraction if rows is not None and rows.applies_to(shape) else 1.0
+        side = int(samples_per_replica * numel(shape[1:]) * real * store.value_bytes) if keeps_messages(cfg.fw) else 0
         links.append(LinkNeeds(
             k, shape, str(dtype).removeprefix("torch."),
-            m * steady_payload_bytes(cfg.fw, "fw", shape, dtype, options),
-            m * steady_payload_bytes(cfg.bw, "bw", shape, torch.float32, options),
-            m * raw_payload_bytes(cfg.fw, "fw", shape, dtype), m * raw_payload_bytes(cfg.bw, "bw", shape, torch.float32),
-            side, m * first_sight_payload_bytes(cfg.fw, cfg.first_sight, shape, dtype, options)))
+            per_step(lambda s, dtype=dtype: steady_payload_bytes(cfg.fw, "fw", s, dtype, options)),
+            per_step(lambda s: steady_payload_bytes(cfg.bw, "bw", s, torch.float32, options)),
+            per_step(lambda s, dtype=dtype: raw_payload_bytes(cfg.fw, "fw", s, dtype)),
+            per_step(lambda s: raw_payload_bytes(cfg.bw, "bw", s, torch.float32)),
+            side, per_step(lambda s, dtype=dtype: first_sight_payload_bytes(cfg.fw, cfg.first_sight, s, dtype, options)),
+            m * numel(shape) * (lossless_dtype(dtype).itemsize + 4) if real < 1.0 else 0))
     copies, (kept, peak) = state_copies(cfg), sync_copies(cfg.grad_sync, cfg.dp)
     sync_where = "RAM" if cfg.device == "cuda" and not gpu_each(cfg) else "device"
     if sync_where == "RAM" and peak:  # staged through the host: on the GPU, the flat gradient and its result
@@ -288,7 +303,7 @@ def _plan_capacity(plan: RunPlan) -> CapacityPlan:
     capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None,
                             tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
                             evaluation=eval_needs(plan, [(link.activation_shape, link.activation_dtype)
-                                                         for link in links], options))
+                                                         for link in links], options, rows))
     check_fits(capacity)
     return capacity
 

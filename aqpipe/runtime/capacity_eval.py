@@ -14,6 +14,7 @@ from aqpipe.compress.link.options import QuantOptions
 from aqpipe.pipeline.execution.evaluate import held_out_samples
 
 if TYPE_CHECKING:
+    from aqpipe.runtime.capacity_rows import RowShapes
     from aqpipe.runtime.plan import RunPlan
 
 
@@ -42,16 +43,30 @@ def eval_passes(steps: int, eval_every: int | None) -> int:
     return steps // eval_every + (1 if steps % eval_every else 0)
 
 
-def eval_needs(plan: RunPlan, links: list[tuple[tuple[int, ...], str]], options: QuantOptions) -> EvalNeeds | None:
+def eval_needs(plan: RunPlan, links: list[tuple[tuple[int, ...], str]], options: QuantOptions,
+               rows: RowShapes | None = None) -> EvalNeeds | None:
     """The held-out passes' link bytes, given each link's micro-batch activation (shape, dtype name): each sample's
-    activation on every link, as --eval-codec codes it (a sample's bytes never depend on the others of its
-    micro-batch)."""
+    activation on every link — only its real rows, given their counts (`rows`) — as --eval-codec codes it (a
+    sample's bytes never depend on the others of its micro-batch)."""
     cfg = plan.cfg
     samples = held_out_samples(len(plan.dataset.valid), cfg.eval_samples)
     passes = eval_passes(plan.total_steps, cfg.eval_every)
     if not samples or not passes or not links:
         return None
-    one = [((1, *shape[1:]), getattr(torch, dtype)) for shape, dtype in links]
-    coded = sum(message_bytes(cfg.eval_codec, "fw", shape, dtype, options) for shape, dtype in one)
-    lossless = sum(numel(shape) * lossless_dtype(dtype).itemsize for shape, dtype in one)
-    return EvalNeeds(samples, samples * coded, samples * lossless, passes)
+    coded = lossless = 0
+    for shape, name in links:
+        dtype = getattr(torch, name)
+
+        def codec_bytes(one: tuple[int, ...], dtype: torch.dtype = dtype) -> int:
+            return message_bytes(cfg.eval_codec, "fw", one, dtype, options)
+
+        def lossless_bytes(one: tuple[int, ...], dtype: torch.dtype = dtype) -> int:
+            return numel(one) * lossless_dtype(dtype).itemsize
+
+        if rows is not None:
+            coded, lossless = coded + rows.held_out_bytes(codec_bytes, shape), lossless + rows.held_out_bytes(
+                lossless_bytes, shape)
+        else:
+            one = (1, *shape[1:])
+            coded, lossless = coded + samples * codec_bytes(one), lossless + samples * lossless_bytes(one)
+    return EvalNeeds(samples, coded, lossless, passes)

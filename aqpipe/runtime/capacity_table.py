@@ -38,8 +38,11 @@ def format_plan(capacity: CapacityPlan) -> str:
                                      for link in capacity.links))
         sent, fp32 = capacity.run_link_bytes()
         if sent:
+            padded = capacity.fixed_shape_bytes()
+            every = (f"; only real tokens cross them: {padded / sent:.2f}x fewer than lossless links sending every "
+                     f"padded position, {human_bytes(padded)}") if padded else ""
             lines.append(f"over the run ({capacity.steps} steps): {human_bytes(sent)} on the links of a replica, "
-                         f"{fp32 / sent:.2f}x fewer than lossless links ({human_bytes(fp32)})")
+                         f"{fp32 / sent:.2f}x fewer than lossless links ({human_bytes(fp32)}){every}")
         if capacity.tied is not None:
             lines.append(format_tied(capacity.tied, cfg))
         if capacity.evaluation is not None:
