@@ -111,7 +111,7 @@ def codec_speeds(cfg: ResolvedConfig, shape: tuple[int, ...], device: torch.devi
     x = torch.randn(shape, device=device)
     ids = torch.arange(shape[0])
     speeds = {}
-    coded_first = [cfg.first_sight] if cfg.first_sight != "fp32" else []
+    coded_first = [] if cfg.first_sight_spec.lossless else [str(cfg.first_sight_spec)]
     for spec in ["fp32", *[f"aqsgd:{b}" for b in FW_BITS], *[f"directq:{min(2 * b, 8)}" for b in FW_BITS], "rtq:4",
                  *coded_first]:
         if spec in speeds:
@@ -228,7 +228,7 @@ def format_bench(result: BenchResult, cfg: ResolvedConfig) -> str:
                   f"{codec_ms(f'aqsgd:{b}'):7.1f} / {codec_ms(f'directq:{min(2 * b, 8)}'):<6.1f} ms"
                   f"{'   <- recommended' if b == result.recommended_bits else ''}"
                   for b, (f, w) in result.wire_seconds.items()]
-        if result.first_sight_bytes and keeps_messages(cfg.fw) and cfg.warmup_epochs == 0:
+        if result.first_sight_bytes and cfg.keeps_messages and cfg.warmup_epochs == 0:
             lines.append(f"first sights (--first-sight {cfg.first_sight}, --warmup-epochs 0): "
                          f"{result.first_sight_bytes / 1e6:.3g} MB, "
                          f"{result.first_sight_bytes / result.link_bytes_per_second * 1e3:.1f} ms per micro-batch fwd")

@@ -120,7 +120,10 @@ def test_wire_bytes_of_each_codec_equal_a_real_message():
                             ("rtq:4", "bw")]:
         encoded = build_codec(spec, direction, options=options).encode(x, torch.arange(3))
         assert encoded.payload.numel() == cap.steady_payload_bytes(spec, direction, tuple(x.shape), x.dtype, options)
-    assert cap.raw_payload_bytes("fp32", "fw", (3, 7, 20), torch.bfloat16) == 3 * 7 * 20 * 2
+    from aqpipe.compress.link.specs import parse_spec
+
+    assert cap.raw_payload_bytes(parse_spec("fp32", "fw"), (3, 7, 20), torch.bfloat16) == 3 * 7 * 20 * 2
+    assert cap.raw_payload_bytes(parse_spec("aqsgd:3", "fw"), (3, 7, 20), torch.float32) == 3 + 3 * 7 * 20 * 4
 
 
 def test_dry_run_reports_a_store_that_does_not_fit_beside_the_plan(tmp_path, capsys, monkeypatch):

@@ -50,3 +50,18 @@ def test_the_checksum_folds_the_kept_values_in_sample_order():
     assert store_checksum([a, None, b]) != store_checksum([a, b, None])  # kept by other samples
     assert store_checksum([None, None]) == 0
     assert 0 <= store_checksum([a, b]) < 2**32
+
+
+def test_weight_tables_for_many_lengths_are_prefixes_of_a_few_power_of_two_tables():
+    """Over real rows a link's m(ξ) values have as many lengths as its samples have real tokens: each length's
+    weights are the first n of one table per power of two, so every length weighs alike and the tables of 300
+    lengths take at most twice the longest."""
+    from aqpipe.compress.link import checksum
+
+    multiplier, modulus = checksum.CHECKSUM_WEIGHTS
+    before = set(checksum._position_weights)
+    for n in range(1, 301):
+        expected = 1 + (torch.arange(n, dtype=torch.int64) * multiplier) % modulus
+        assert torch.equal(checksum._weights(n, torch.device("cpu")), expected)
+    new = [key for key in checksum._position_weights if key not in before and key[1] == "cpu"]
+    assert sum(size for size, _ in new) <= 2 * 512

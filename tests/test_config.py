@@ -84,3 +84,35 @@ def test_a_config_files_stage_bounds_that_are_not_integers_exit_2_with_one_line(
     assert main(["launch", str(config), "--out", str(tmp_path / "run"), "--dry-run"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "stage_bounds" in lines[0] and "a list of integers" in lines[0], lines
+
+
+def test_the_resolved_configuration_hands_out_parsed_codec_specs_that_nothing_parses_again(monkeypatch):
+    """--fw, --bw, --first-sight and --eval-codec are parsed where the configuration is resolved; building the run's
+    codecs from what it hands out (an AQ-SGD link with a coded first sight, the evaluation codec) and sizing their
+    messages parse no spec again."""
+    import torch
+
+    from aqpipe.compress.link import factory, specs
+    from aqpipe.compress.link.factory import build_codec, message_bytes
+    from aqpipe.config import resolve
+    from aqpipe.compress.link.options import QuantOptions
+    from aqpipe.storage import MemoryStore, StoreView
+
+    cfg = resolve(RunConfig(fw="aqsgd:3", bw="rtq:4", first_sight="rtqo:3", eval_codec="rtqo:7"))
+    assert (cfg.fw_spec, cfg.bw_spec) == (specs.CodecSpec("aqsgd", 3), specs.CodecSpec("rtq", 4))
+    assert (cfg.first_sight_spec, cfg.eval_spec) == (specs.CodecSpec("rtqo", 3), specs.CodecSpec("rtqo", 7))
+    assert cfg.keeps_messages and not resolve(RunConfig(fw="directq:4")).keeps_messages
+
+    def parsed_again(*args, **kwargs):
+        raise AssertionError(f"a spec parsed again: {args}")
+
+    for name in ("parse_spec", "check_sample_coder", "check_first_sight", "check_eval_codec"):
+        monkeypatch.setattr(specs, name, parsed_again)
+    monkeypatch.setattr(factory, "parse_spec", parsed_again)
+    view = StoreView(MemoryStore(torch.float16), 0, "send")
+    codec = build_codec(cfg.fw_spec, "fw", view, QuantOptions(), first_sight=cfg.first_sight_spec)
+    assert codec.first_sight is not None and codec.first_sight.name == "rtqo:3"
+    build_codec(cfg.eval_spec, "fw")
+    shape = (4, 8, 64)
+    assert message_bytes(cfg.fw_spec, "fw", shape, torch.float32, QuantOptions(), cfg.first_sight_spec, True) == \
+        4 + 4 * codec.first_sight.sample_bytes(shape)

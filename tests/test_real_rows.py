@@ -105,6 +105,14 @@ class Link:
             end.close()
 
 
+def coded_alone(codec, rows: torch.Tensor) -> torch.Tensor:
+    """What a stateless `codec` makes of one sample's rows [1, L, H] sent on their own."""
+    from aqpipe.pipeline.links.transport import Header
+
+    encoded = codec.encode(rows, torch.tensor([0]))
+    return codec.decode(Header.for_encoded(encoded, codec.code, n_ids=1), encoded.payload, torch.tensor([0]))
+
+
 @pytest.mark.parametrize("spec", CODECS)
 @pytest.mark.parametrize("name", list(masks()))
 def test_every_codec_sends_only_the_real_rows_and_the_receiver_rebuilds_the_padded_batch(spec, name):
@@ -125,6 +133,11 @@ def test_every_codec_sends_only_the_real_rows_and_the_receiver_rebuilds_the_padd
             assert error < (1e-6 if spec == "fp32" else 0.3), error
             if spec == "fp32":
                 assert torch.equal(got[mask != 0], full[mask != 0])
+            if not spec.startswith("aqsgd"):  # a stateless codec: each real row is its sample's real rows coded alone
+                for i in range(4):
+                    if mask[i].any():
+                        coded = coded_alone(real.out.codec, x[i][mask[i] != 0][None])
+                        assert torch.equal(got[i][mask[i] != 0], coded[0]), (spec, i)
         counters = real.out.counters, padded.out.counters
         assert counters[0].payload_bytes < counters[1].payload_bytes * (int(mask.sum()) / mask.numel() + 0.15)
         if spec.startswith("aqsgd"):
@@ -147,8 +160,9 @@ def test_a_gradient_is_rebuilt_where_the_mask_its_activation_went_with_says():
         link.grad_in.post(0, 0)
         link.grad_out.send(0, 0, grad, torch.arange(4), True, [7, 9], mask=mask)
         assert link.grad_out.counters.payload_bytes == int(mask.sum()) * 16 * 4
-        got = link.grad_in._receive(mask=mask)[0]
-        assert torch.equal(got, grad)
+        assert link.grad_out.counters.elements == int(mask.sum()) * 16
+        got, reseed = link.grad_in.receive(mask)
+        assert torch.equal(got, grad) and reseed == [7, 9]
     finally:
         link.close()
 
@@ -182,8 +196,12 @@ def test_a_group_whose_directory_entry_disagrees_with_the_codec_is_refused():
     grouped = real_rows.encode(codec, torch.randn(4, 8, 16), torch.arange(4), True, rows)
     header = real_rows.header_of(grouped, codec, KIND_ACTIVATION, 0, 0, (4, 8, 16), 4, SIDE_MASK)
     payload = torch.cat([grouped.directory, *(part.host for part in grouped.parts)])
-    assert torch.equal(real_rows.decode(codec, header, payload, torch.arange(4), mask, "p")[mask == 0],
-                       torch.zeros(int((mask == 0).sum()), 16))
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(5))
+    grouped = real_rows.encode(codec, x, torch.arange(4), True, rows)
+    payload = torch.cat([grouped.directory, *(part.host for part in grouped.parts)])
+    decoded = real_rows.decode(codec, header, payload, torch.arange(4), mask, "p")
+    assert torch.equal(decoded[mask == 0], torch.zeros(int((mask == 0).sum()), 16))
+    assert (decoded - x)[mask != 0].norm() < 0.02 * x[mask != 0].norm()
     bad = payload.clone()
     bad[: real_rows.ENTRY.size] = torch.frombuffer(bytearray(real_rows.ENTRY.pack(
         grouped.parts[0].payload_len, 0, 3 << 8, 4)), dtype=torch.uint8)  # 3 bits: another codec
@@ -216,6 +234,7 @@ def test_real_rows_train_the_padded_links_model_bit_for_bit_with_fp32_links(tmp_
     real = run(tmp_path, "real", link_rows="real", **common)
     padded = run(tmp_path, "padded", link_rows="padded", **common)
     assert [r["loss"] for r in real[0]] == [r["loss"] for r in padded[0]]
+    assert real[0][-1]["eval_loss"] == padded[0][-1]["eval_loss"]  # (the held-out pass after the last step)
     assert [r.get("eval_loss") for r in real[0]] == [r.get("eval_loss") for r in padded[0]]
     assert real[1].keys() == padded[1].keys()
     for key in real[1]:
@@ -242,9 +261,10 @@ def test_a_stage_computes_the_same_real_rows_and_gradients_from_zeros_at_left_pa
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)) * (mask != 0)[:, :, None]
         out.backward(grad)
         results.append((out[mask != 0], {n: p.grad.clone() for n, p in stage.named_parameters()},
-                        x.grad[mask != 0]))
+                        x.grad[mask != 0], x.grad[mask == 0]))
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][2], results[1][2])
+    assert not bool(results[0][3].any())  # what padded links carry back at padded positions: exact zeros
     for name, g in results[0][1].items():
         assert torch.equal(g, results[1][1][name]), name
 
@@ -288,3 +308,35 @@ def test_real_rows_resume_bit_exact_and_both_lmdb_copies_of_m_hold_each_samples_
         finally:
             store.close()
         assert kept and all(value.shape == (int(lengths[sample]), 64) for (_, _, sample), value in kept)
+
+
+def test_a_run_recorded_before_link_rows_existed_resumes_padded_bit_for_bit(tmp_path, monkeypatch):
+    """A run directory written before `--link-rows` (no such key in its config.json or its checkpoint's record; its
+    rank files' digests made without it) is a padded run: `--resume` and the same command typed again continue it
+    with padded links, its in-memory m(ξ) restored, to the weights of an uninterrupted padded run bit for bit."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
+    common = ["--model", "llama-tiny", "--data", "builtin-instruct", "--pp", "3", "--max-samples", "32", "--seq-len",
+              "64", "--micro-batch-size", "4", "--micro-batches", "2", "--checkpoint-every", "4", "--eval-every", "0",
+              "--no-progress"]
+    straight = warm.run("launch", *common, "--link-rows", "padded", "--steps", "8", "--out", str(tmp_path / "ref"))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    for name in ("resumed", "again"):
+        run = tmp_path / name
+        first = warm.run("launch", *common, "--link-rows", "padded", "--steps", "4", "--out", str(run))
+        assert first.returncode == 0, first.stderr[-2000:]
+        for record, key in ((run / "config.json", None), (run / "checkpoints" / "step-00000004" / "run.json", "config")):
+            data = json.loads(record.read_text())
+            (data[key] if key else data).pop("link_rows")
+            record.write_text(json.dumps(data, indent=2))
+    resumed = warm.run("launch", "--resume", str(tmp_path / "resumed"), "--steps", "8", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    again = warm.run("launch", *common, "--link-rows", "padded", "--steps", "8", "--out", str(tmp_path / "again"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "re-seed" not in resumed.stderr + again.stderr, resumed.stderr + again.stderr
+    reference = load_file(tmp_path / "ref" / "export" / "model.safetensors")
+    for name in ("resumed", "again"):
+        weights = load_file(tmp_path / name / "export" / "model.safetensors")
+        for key in reference:
+            assert torch.equal(weights[key], reference[key]), (name, key)

@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aqpipe.compress.grids import DEFAULT_GRID
-from aqpipe.compress.link.specs import DEFAULT_BW, DEFAULT_EVAL_CODEC, DEFAULT_FIRST_SIGHT, DEFAULT_FW
+from aqpipe.compress.link.specs import (
+    DEFAULT_BW,
+    DEFAULT_EVAL_CODEC,
+    DEFAULT_FIRST_SIGHT,
+    DEFAULT_FW,
+    CodecSpec,
+    check_eval_codec,
+    check_first_sight,
+    parse_spec,
+)
 from aqpipe.pipeline.link_rows import DEFAULT_LINK_ROWS
 from aqpipe.pipeline.tied_exchanges import DEFAULT_TIED_EXCHANGE
 
@@ -286,6 +295,32 @@ class ResolvedConfig(RunConfig):
     warmup_steps: int
     first_sight: str
     tied_exchange: str
+
+    # The codec settings parsed, for what runs the run (each string is parsed once, here: checked by `resolve`).
+    @functools.cached_property
+    def fw_spec(self) -> CodecSpec:
+        """`--fw`, parsed."""
+        return parse_spec(self.fw, "fw")
+
+    @functools.cached_property
+    def bw_spec(self) -> CodecSpec:
+        """`--bw`, parsed."""
+        return parse_spec(self.bw, "bw")
+
+    @functools.cached_property
+    def first_sight_spec(self) -> CodecSpec:
+        """`--first-sight`, parsed (`fp32` where the forward links keep no m(ξ))."""
+        return check_first_sight(self.first_sight)
+
+    @functools.cached_property
+    def eval_spec(self) -> CodecSpec:
+        """`--eval-codec`, parsed."""
+        return check_eval_codec(self.eval_codec)
+
+    @property
+    def keeps_messages(self) -> bool:
+        """Whether the forward links keep a per-sample m(ξ) on both sides (AQ-SGD)."""
+        return self.fw_spec.keeps_messages
 
 
 @functools.cache  # read once per flag while the CLI builds its parser

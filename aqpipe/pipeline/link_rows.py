@@ -15,3 +15,9 @@ def recorded(config: dict) -> dict:
     """A run's recorded settings (its config.json, a checkpoint's record) with `--link-rows` as the run used it:
     `padded` where the record is older than the setting."""
     return {"link_rows": LINK_ROWS_BEFORE, **config}
+
+
+def canonical(config: dict) -> dict:
+    """A run's settings as their digest reads them: `--link-rows padded` left out, so that a run recorded before the
+    setting existed and one that says `padded` have the same digest."""
+    return {k: v for k, v in config.items() if not (k == "link_rows" and v == LINK_ROWS_BEFORE)}

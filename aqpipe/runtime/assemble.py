@@ -14,6 +14,7 @@ from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.compress.link.base import LinkCodec
 from aqpipe.compress.link.factory import build_codec
 from aqpipe.compress.link.options import QuantOptions
+from aqpipe.compress.link.specs import CodecSpec
 from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.execution.worker import StageWorker
 from aqpipe.pipeline.links.link_ends import ActivationIn, ActivationOut, GradientIn, GradientOut, StageLinks
@@ -109,27 +110,29 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
     if before is not None:  # link stage - 1: activations in, gradients out
         peer = grid.describe(grid.prev_rank)
         links.act_in = ActivationIn(before, KIND_ACTIVATION,
-                                    build_codec(cfg.fw, "fw", views["recv"], options, check, device, cfg.first_sight),
+                                    build_codec(cfg.fw_spec, "fw", views["recv"], options, check, device,
+                                                cfg.first_sight_spec),
                                     Inbox(streams[names[(before, "activation")]], peer, cfg.stall_timeout, device), device,
                                     cfg.micro_batch_size, (SIDE_MASK,),
-                                    eval_codec=evaluation_codec(cfg.eval_codec, options, device))
-        links.grad_out = GradientOut(before, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options, device=device),
+                                    eval_codec=evaluation_codec(cfg.eval_spec, options, device))
+        links.grad_out = GradientOut(before, KIND_GRADIENT, build_codec(cfg.bw_spec, "bw", options=options, device=device),
                                      Outbox(streams[names[(before, "gradient")]], peer, cfg.stall_timeout),
                                      real_rows=cfg.link_rows == "real")
     if after is not None:  # link stage: activations out, gradients in
         peer = grid.describe(grid.next_rank)
         links.act_out = ActivationOut(after, KIND_ACTIVATION,
-                                      build_codec(cfg.fw, "fw", views["send"], options, check, device, cfg.first_sight),
+                                      build_codec(cfg.fw_spec, "fw", views["send"], options, check, device,
+                                                  cfg.first_sight_spec),
                                       Outbox(streams[names[(after, "activation")]], peer, cfg.stall_timeout),
                                       real_rows=cfg.link_rows == "real",
-                                      eval_codec=evaluation_codec(cfg.eval_codec, options, device))
-        links.grad_in = GradientIn(after, KIND_GRADIENT, build_codec(cfg.bw, "bw", options=options, device=device),
+                                      eval_codec=evaluation_codec(cfg.eval_spec, options, device))
+        links.grad_in = GradientIn(after, KIND_GRADIENT, build_codec(cfg.bw_spec, "bw", options=options, device=device),
                                    Inbox(streams[names[(after, "gradient")]], peer, cfg.stall_timeout, device), device,
                                    cfg.micro_batch_size, (SIDE_RESEED,))
     return links
 
 
-def evaluation_codec(spec: str, options: QuantOptions, device: torch.device) -> LinkCodec:
+def evaluation_codec(spec: str | CodecSpec, options: QuantOptions, device: torch.device) -> LinkCodec:
     """The codec of one end of a link's held-out activations: `spec` rounding to nearest, so an evaluation's numbers
     depend on the weights alone (never on random draws a checkpoint does not keep)."""
     return build_codec(spec, "fw", options=dataclasses.replace(options, stochastic=False), device=device)

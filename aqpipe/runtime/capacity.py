@@ -27,7 +27,7 @@ from aqpipe.compress.link.base import numel
 from aqpipe.compress.link.codes import lossless_dtype
 from aqpipe.compress.link.factory import message_bytes
 from aqpipe.compress.link.options import QuantOptions
-from aqpipe.compress.link.specs import CodecError, keeps_messages
+from aqpipe.compress.link.specs import CodecError, CodecSpec
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.metrics import kept_records
 from aqpipe.pipeline.links.tied_deltas import RowDeltas
@@ -38,7 +38,7 @@ from aqpipe.pipeline.tied_exchanges import delta_bits, wire_dtype_name
 from aqpipe.pipeline.world.grid import Grid
 from aqpipe.runtime import plan as run_plan
 from aqpipe.runtime.capacity_eval import EvalNeeds, eval_needs
-from aqpipe.runtime.capacity_rows import row_shapes
+from aqpipe.runtime.capacity_rows import RowShapes, row_shapes
 from aqpipe.runtime.checkpoints.parts import latest_step
 from aqpipe.runtime.codec_graphs import stage_graph_bytes
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan
@@ -218,30 +218,61 @@ class CapacityPlan:
         warm = cfg.warmup_epochs * per_epoch
         ahead = [WARM_UP] if first_step < min(warm, self.steps) else []
         lossy_from = max(first_step, warm)
-        if lossy_from < self.steps and cfg.warmup_epochs == 0 and keeps_messages(cfg.fw) and lossy_from < per_epoch:
+        if lossy_from < self.steps and cfg.warmup_epochs == 0 and cfg.keeps_messages and lossy_from < per_epoch:
             ahead.append(FIRST_EPOCH)  # every sample a first sight (a warm-up seeds m(xi) instead)
             lossy_from = per_epoch
         return ahead + ([STEADY] if lossy_from < self.steps else [])
 
 
-def steady_payload_bytes(spec: str, direction: str, shape: tuple[int, ...], dtype: torch.dtype,
+def steady_payload_bytes(spec: str | CodecSpec, direction: str, shape: tuple[int, ...], dtype: torch.dtype,
                          options: QuantOptions) -> int:
     """Payload bytes of one compressed message of `shape` with a --fw/--bw spec (AQ-SGD: every sample a delta)."""
     return message_bytes(spec, direction, shape, dtype, options)
 
 
-def raw_payload_bytes(spec: str, direction: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def raw_payload_bytes(spec: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Payload bytes of one warm-up message (lossless, in the activation's own dtype; a codec keeping m(ξ) sends a
     mode byte per sample too)."""
     values = numel(shape) * lossless_dtype(dtype).itemsize
-    return shape[0] + values if keeps_messages(spec, direction) else values
+    return shape[0] + values if spec.keeps_messages else values
 
 
-def first_sight_payload_bytes(spec: str, first_sight: str, shape: tuple[int, ...], dtype: torch.dtype,
+def first_sight_payload_bytes(spec: CodecSpec, first_sight: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype,
                               options: QuantOptions) -> int:
     """Payload bytes of one compressed forward message whose samples are all first sights: AQ-SGD codes them with
     `first_sight` (fp32: losslessly); any other codec sends them as it sends every sample."""
     return message_bytes(spec, "fw", shape, dtype, options, first_sight, first_sights=True)
+
+
+def link_needs(cfg: ResolvedConfig, k: int, shape: tuple[int, ...], dtype: torch.dtype, rows: RowShapes | None,
+               options: QuantOptions, store_bytes_per_value: float) -> LinkNeeds:
+    """What link k carries per step, its micro-batch activation of `shape` in `dtype` (only its real rows, given
+    `rows`), and what one side of its m(ξ) keeps (`store_bytes_per_value`: every sample's share of one value)."""
+    m, fw, bw = cfg.micro_batches, cfg.fw_spec, cfg.bw_spec
+
+    def per_step(message_bytes: Callable[[tuple[int, ...]], int]) -> int:
+        return rows.step_bytes(message_bytes, shape, m) if rows is not None else m * message_bytes(shape)
+
+    def fwd(s: tuple[int, ...]) -> int:
+        return steady_payload_bytes(fw, "fw", s, dtype, options)
+
+    def bwd(s: tuple[int, ...]) -> int:
+        return steady_payload_bytes(bw, "bw", s, torch.float32, options)
+
+    def fwd_raw(s: tuple[int, ...]) -> int:
+        return raw_payload_bytes(fw, s, dtype)
+
+    def bwd_raw(s: tuple[int, ...]) -> int:
+        return raw_payload_bytes(bw, s, torch.float32)
+
+    def fwd_first(s: tuple[int, ...]) -> int:
+        return first_sight_payload_bytes(fw, cfg.first_sight_spec, s, dtype, options)
+
+    real = rows.train_fraction if rows is not None and rows.applies_to(shape) else 1.0
+    side = int(store_bytes_per_value * numel(shape[1:]) * real) if cfg.keeps_messages else 0
+    padded = m * numel(shape) * (lossless_dtype(dtype).itemsize + 4) if real < 1.0 else 0
+    return LinkNeeds(k, shape, str(dtype).removeprefix("torch."), per_step(fwd), per_step(bwd), per_step(fwd_raw),
+                     per_step(bwd_raw), side, per_step(fwd_first), padded)
 
 
 def plan_capacity(plan: RunPlan) -> CapacityPlan:
@@ -266,23 +297,8 @@ def _plan_capacity(plan: RunPlan) -> CapacityPlan:
     samples_per_replica = -(-len(plan.dataset.train) // cfg.dp)
     store = STORE_DTYPES[cfg.store_dtype]
     rows = row_shapes(plan)
-    links = []
-    for k in range(cfg.pp - 1):
-        shape, dtype = traced[k].output_shape, traced[k].output_dtype
-
-        def per_step(message_bytes: Callable[[tuple[int, ...]], int], shape: tuple[int, ...] = shape) -> int:
-            return rows.step_bytes(message_bytes, shape, m) if rows is not None else m * message_bytes(shape)
-
-        real = rows.train_fraction if rows is not None and rows.applies_to(shape) else 1.0
-        side = int(samples_per_replica * numel(shape[1:]) * real * store.value_bytes) if keeps_messages(cfg.fw) else 0
-        links.append(LinkNeeds(
-            k, shape, str(dtype).removeprefix("torch."),
-            per_step(lambda s, dtype=dtype: steady_payload_bytes(cfg.fw, "fw", s, dtype, options)),
-            per_step(lambda s: steady_payload_bytes(cfg.bw, "bw", s, torch.float32, options)),
-            per_step(lambda s, dtype=dtype: raw_payload_bytes(cfg.fw, "fw", s, dtype)),
-            per_step(lambda s: raw_payload_bytes(cfg.bw, "bw", s, torch.float32)),
-            side, per_step(lambda s, dtype=dtype: first_sight_payload_bytes(cfg.fw, cfg.first_sight, s, dtype, options)),
-            m * numel(shape) * (lossless_dtype(dtype).itemsize + 4) if real < 1.0 else 0))
+    links = [link_needs(cfg, k, traced[k].output_shape, traced[k].output_dtype, rows, options,
+                        samples_per_replica * store.value_bytes) for k in range(cfg.pp - 1)]
     copies, (kept, peak) = state_copies(cfg), sync_copies(cfg.grad_sync, cfg.dp)
     sync_where = "RAM" if cfg.device == "cuda" and not gpu_each(cfg) else "device"
     if sync_where == "RAM" and peak:  # staged through the host: on the GPU, the flat gradient and its result

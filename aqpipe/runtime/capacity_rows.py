@@ -62,11 +62,18 @@ def row_shapes(plan: RunPlan, sampled_steps: int = 8) -> RowShapes | None:
     groups = []
     for step in range(min(sampled_steps, plan.total_steps)):
         for ids in epochs.micro_batches_of(step):
-            mask = train.mask(ids)
+            mask = _mask(train, ids)
             rows = RealRows.of(mask, (*mask.shape, 1))
             groups.append([(len(ids), mask.shape[1])] if rows is None else
                           [(positions.shape[0], positions.shape[1]) for _, positions in rows.groups])
-    every = train.mask(torch.arange(len(train)))
+    every = _mask(train, torch.arange(len(train)))
     held = held_out_samples(len(valid), cfg.eval_samples)
-    lengths = (valid.mask(torch.arange(held)) != 0).sum(dim=1).tolist() if held else []
+    lengths = (_mask(valid, torch.arange(held)) != 0).sum(dim=1).tolist() if held else []
     return RowShapes(every.shape[1], groups, float((every != 0).float().mean()), lengths)
+
+
+def _mask(samples, ids: torch.Tensor) -> torch.Tensor:
+    """The attention masks of `ids` among samples that have them."""
+    mask = samples.mask(ids)
+    assert mask is not None, "only masked samples have real rows"
+    return mask

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC
-from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ResolvedConfig
 from aqpipe.runtime.capacity import WARM_UP, CapacityPlan, TiedNeeds, dense_tied_bytes, human_bytes
 from aqpipe.runtime.capacity_eval import EvalNeeds
@@ -32,7 +31,7 @@ def format_plan(capacity: CapacityPlan) -> str:
             lines.append(f"{link.link}->{link.link + 1}   {'x'.join(map(str, link.activation_shape)):<12} "
                          f"{link.activation_dtype:<6} {human_bytes(link.fwd_bytes):>12} {human_bytes(link.bwd_bytes):>14}   "
                          f"{warmup}{human_bytes(link.store_side_bytes) if link.store_side_bytes else '-':>14}")
-        if cfg.warmup_epochs == 0 and keeps_messages(cfg.fw):
+        if cfg.warmup_epochs == 0 and cfg.keeps_messages:
             lines.append(f"first epoch (every sample a first sight, --first-sight {cfg.first_sight}): "
                          + ", ".join(f"{link.link}->{link.link + 1} {human_bytes(link.first_fwd_bytes)} fwd per step"
                                      for link in capacity.links))

@@ -13,7 +13,6 @@ from aqpipe.compress.gpu import cuda_graphs
 from aqpipe.compress.gpu.graph_memory import graphs_bytes
 from aqpipe.compress.link.factory import build_codec
 from aqpipe.compress.link.options import QuantOptions
-from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ResolvedConfig
 from aqpipe.storage import MemoryStore, SlabStore, StoreView
 from aqpipe.storage.encoding import value_dtype
@@ -26,17 +25,17 @@ def stage_graph_bytes(cfg: ResolvedConfig, stage: int, link_shapes: list[tuple[i
         return 0
     ends = []  # (link, spec, direction, sending)
     if stage < len(link_shapes):
-        ends += [(stage, cfg.fw, "fw", True), (stage, cfg.bw, "bw", False)]
+        ends += [(stage, cfg.fw_spec, "fw", True), (stage, cfg.bw_spec, "bw", False)]
     if stage > 0:
-        ends += [(stage - 1, cfg.fw, "fw", False), (stage - 1, cfg.bw, "bw", True)]
+        ends += [(stage - 1, cfg.fw_spec, "fw", False), (stage - 1, cfg.bw_spec, "bw", True)]
     options = QuantOptions.of(cfg)
     calls = []
     for link, spec, direction, sending in ends:
         view = None
-        if keeps_messages(spec, direction):
+        if spec.keeps_messages:
             dtype = value_dtype(cfg.store_dtype)  # (kept as a GPU's slabs, a codec's fused step replays a graph)
             store = SlabStore(dtype, "meta") if cfg.store_device == "cuda" else MemoryStore(dtype)
             view = StoreView(store, link, "send" if sending else "recv")
-        codec = build_codec(spec, direction, view, options, first_sight=cfg.first_sight)
+        codec = build_codec(spec, direction, view, options, first_sight=cfg.first_sight_spec)
         calls += codec.graph_calls(link_shapes[link], sending, warmup=cfg.warmup_epochs > 0)
     return graphs_bytes(calls)  # (a graph two ends share counted once)

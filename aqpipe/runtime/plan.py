@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from aqpipe.compress.link.specs import keeps_messages
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.data import DataError, EpochPlan, TaskDataset, prepare_dataset, shard
 from aqpipe.stages import PipelineSpec, SpecError, partition
@@ -140,7 +139,7 @@ def store_bytes_per_rank(cfg: ResolvedConfig, spec: PipelineSpec, num_samples: i
     """
     config = spec.extras.get("hf_config", {})
     hidden = config.get("n_embd", config.get("hidden_size"))
-    if hidden is None or not keeps_messages(cfg.fw):
+    if hidden is None or not cfg.keeps_messages:
         return None
     samples = -(-num_samples // cfg.dp)
     sides = 2 if cfg.pp > 2 else 1

@@ -68,7 +68,7 @@ from aqpipe.compress.link.sample_coders import (
     coder_calls,
     sample_coder,
 )
-from aqpipe.compress.link.specs import CodecError, CodecSpec
+from aqpipe.compress.link.specs import LOSSLESS, CodecError, CodecSpec
 
 __all__ = ["AQSGDCodec", "MODE_DELTA", "MODE_FIRST", "MODE_FULL", "MODE_FULL_BF16", "MODE_FULL_FP16", "SampleMemory",
            "store_checksum"]
@@ -86,18 +86,18 @@ class AQSGDCodec(LinkCodec):
 
     @classmethod
     def from_spec(cls, spec: CodecSpec, parts: CodecParts) -> AQSGDCodec:
-        first = None if parts.first_sight == "fp32" else sample_coder(parts.first_sight, parts.options)
+        first = None if parts.first_sight.lossless else sample_coder(parts.first_sight, parts.options)
         return cls(spec.bits, parts.store_view, parts.options, parts.check, parts.device,
                    delta=_delta_coder(spec, parts.options), first_sight=first)
 
     @classmethod
     def message_bytes(cls, spec: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype, options: QuantOptions,
-                      first_sight: str = "fp32", first_sights: bool = False) -> int:
+                      first_sight: CodecSpec = LOSSLESS, first_sights: bool = False) -> int:
         """A mode byte per sample, then every sample's delta — or, with `first_sights`, its first sight: the
         `first_sight` coder's row, or (fp32) its values in the activation's own lossless dtype."""
         if not first_sights:
             coder: SampleCoder = _delta_coder(spec, options)
-        elif first_sight == "fp32":
+        elif first_sight.lossless:
             coder = CastCoder("fp32", dtype if dtype in LOSSLESS_MODES else torch.float32)
         else:
             coder = sample_coder(first_sight, options)

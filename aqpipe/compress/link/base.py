@@ -26,7 +26,7 @@ from aqpipe.compress.gpu.copies import HOST, Landing, to_device, to_host
 from aqpipe.compress.gpu.graph_memory import GraphCall
 from aqpipe.compress.link.codes import CODE_FP32, FLAG_RAW, LOSSLESS_DTYPES, lossless, lossless_dtype
 from aqpipe.compress.link.options import QuantOptions
-from aqpipe.compress.link.specs import CODEC_KINDS, CodecError, CodecSpec
+from aqpipe.compress.link.specs import CODEC_KINDS, LOSSLESS, CodecError, CodecSpec
 
 
 def owned(wire: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -134,7 +134,7 @@ class LinkCodec:
 
     @classmethod
     def message_bytes(cls, spec: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype, options: QuantOptions,
-                      first_sight: str = "fp32", first_sights: bool = False) -> int:
+                      first_sight: CodecSpec = LOSSLESS, first_sights: bool = False) -> int:
         """Payload bytes of one compressed message of `shape` (a codec keeping m(ξ): every sample a known one, or
         with `first_sights` every sample a first sight coded by `first_sight`)."""
         codec = cls.from_spec(spec, CodecParts("fw" if "fw" in CODEC_KINDS[spec.kind].directions else "bw",
@@ -253,7 +253,7 @@ class CodecParts:
     options: QuantOptions
     check: bool  # AQ-SGD: checksum m(ξ) in every message
     device: torch.device
-    first_sight: str  # AQ-SGD: the coder of a sample without m(ξ) (fp32: lossless)
+    first_sight: CodecSpec  # AQ-SGD: the coder of a sample without m(ξ) (fp32: lossless)
 
 
 def generator_on(device: torch.device, seed: int) -> torch.Generator:

@@ -15,13 +15,16 @@ CHECKSUM_WEIGHTS = (40503, 65521)  # word i of a value weighs 1 + (i · 40503) m
 
 
 def _weights(n: int, device: torch.device) -> torch.Tensor:
-    """Pseudo-random weights 1 … 65521 for the n 16-bit words of a value (cached per length and device, for the
-    process's life: a codec's CUDA graph reads the table it was captured with; a run has a few lengths)."""
-    key = (n, str(device))
+    """Pseudo-random weights 1 … 65521 for the n 16-bit words of a value: the first n of a table cached per device
+    and power-of-two length, for the process's life (a codec's CUDA graph reads the table it was captured with; over
+    real rows a link's values have as many lengths as its samples have real tokens, and the tables of all of them
+    together take at most twice the longest)."""
+    size = 1 << max(0, n - 1).bit_length()
+    key = (size, str(device))
     if key not in _position_weights:
         multiplier, modulus = CHECKSUM_WEIGHTS
-        _position_weights[key] = 1 + (torch.arange(n, dtype=torch.int64, device=device) * multiplier) % modulus
-    return _position_weights[key]
+        _position_weights[key] = 1 + (torch.arange(size, dtype=torch.int64, device=device) * multiplier) % modulus
+    return _position_weights[key][:n]
 
 
 def store_checksum(values: list[torch.Tensor | None]) -> int:

@@ -24,7 +24,7 @@ from aqpipe.compress.link.base import CodecParts, Encoded, LinkCodec, bytes_as, 
 from aqpipe.compress.link.codes import CODE_DIRECTQ, CODE_RTQ, CODE_RTQO, FLOAT_CODECS
 from aqpipe.compress.link.directq import decode_samples, encode_samples, join_rows, sample_bytes, split_rows
 from aqpipe.compress.link.options import QuantOptions
-from aqpipe.compress.link.specs import CodecError, CodecSpec, check_first_sight
+from aqpipe.compress.link.specs import CodecError, CodecSpec, first_sight_spec
 from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize, scale_count
 from aqpipe.compress.rotated import (
     DEFAULT_TILE,
@@ -327,10 +327,11 @@ class CoderCodec(LinkCodec):
         return coder_calls(self.coder, shape, sending)
 
 
-def sample_coder(spec: str, options: QuantOptions | None = None, generator: torch.Generator | None = None
-                 ) -> SampleCoder:
-    """The coder a --first-sight spec names (fp32, bf16, fp16, directq:B, rtq:B, rtqo:B); a CodecError otherwise."""
-    parsed = check_first_sight(spec)
+def sample_coder(spec: str | CodecSpec, options: QuantOptions | None = None,
+                 generator: torch.Generator | None = None) -> SampleCoder:
+    """The coder a --first-sight spec names (fp32, bf16, fp16, directq:B, rtq:B, rtqo:B), parsed or as given (then a
+    CodecError if it is none of them)."""
+    parsed = first_sight_spec(spec)
     options = options or QuantOptions()
     if parsed.kind in FLOAT_CODECS:
         return CastCoder(parsed.kind, FLOAT_CODECS[parsed.kind][0])

@@ -76,6 +76,16 @@ class CodecSpec:
     bits: int = 0
     fraction: float = 1.0
 
+    @property
+    def keeps_messages(self) -> bool:
+        """Whether this codec keeps a per-sample m(ξ) on both sides of its link (AQ-SGD)."""
+        return CODEC_KINDS[self.kind].keeps_messages
+
+    @property
+    def lossless(self) -> bool:
+        """Whether this is `fp32`: as a first-sight coder, a first sight goes in the activation's own dtype."""
+        return self.kind == "fp32"
+
     def __str__(self) -> str:
         if self.kind == "topk":
             return f"topk:{self.fraction:g}:{self.bits}"
@@ -148,5 +158,14 @@ def check_sample_coder(spec: str, flag: str, what: str) -> CodecSpec:
 
 
 def keeps_messages(spec: str, direction: str = "fw") -> bool:
-    """Whether a codec spec keeps a per-sample m(ξ) on both sides of its link (AQ-SGD)."""
-    return CODEC_KINDS[parse_spec(spec, direction).kind].keeps_messages
+    """Whether a codec spec as given on the command line keeps a per-sample m(ξ) on both sides of its link (AQ-SGD);
+    a resolved configuration's parsed specs say it themselves (`CodecSpec.keeps_messages`)."""
+    return parse_spec(spec, direction).keeps_messages
+
+
+def first_sight_spec(first_sight: str | CodecSpec) -> CodecSpec:
+    """A --first-sight value parsed (a CodecSpec passes as it is)."""
+    return first_sight if isinstance(first_sight, CodecSpec) else check_first_sight(first_sight)
+
+
+LOSSLESS = CodecSpec("fp32")  # the first-sight coder that sends a sample's values as they are

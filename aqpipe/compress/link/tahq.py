@@ -28,7 +28,7 @@ from aqpipe.compress.gpu.copies import HOST, to_device
 from aqpipe.compress.link.base import CodecParts, Encoded, LinkCodec, bytes_as, numel
 from aqpipe.compress.link.codes import CODE_TAHQ
 from aqpipe.compress.link.options import QuantOptions
-from aqpipe.compress.link.specs import CodecError, CodecSpec
+from aqpipe.compress.link.specs import LOSSLESS, CodecError, CodecSpec
 from aqpipe.compress.rotated import hadamard, token_rows
 
 TILE, HIGH_BITS, LOW_BITS, LOW_SHARE = 64, 4, 3, 0.2
@@ -160,7 +160,7 @@ class TAHQuantCodec(LinkCodec):
 
     @classmethod
     def message_bytes(cls, spec: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype, options: QuantOptions,
-                      first_sight: str = "fp32", first_sights: bool = False) -> int:
+                      first_sight: CodecSpec = LOSSLESS, first_sights: bool = False) -> int:
         """With no tile rotated (each rotated tile adds its 6-bit pivot position)."""
         return round(shape[0] * tahq_bits_per_value(shape) * numel(shape[1:]) / 8)
 

@@ -72,10 +72,10 @@ class SendEnd:
 
     def _send(self, step: int, mb: int, tensor: torch.Tensor, ids: torch.Tensor, compress: bool,
               side: torch.Tensor | None = None, side_kind: int = SIDE_NONE, kind: int | None = None,
-              codec: LinkCodec | None = None, mask: torch.Tensor | None = None) -> int:
+              codec: LinkCodec | None = None, mask: torch.Tensor | None = None) -> tuple[int, int]:
         """Encode `tensor` (with `real_rows`, only the rows its batch's `mask` marks real) and queue it with its side
-        information; returns the payload bytes (the rest of the message is counted here: framing, or control for a
-        re-seed request)."""
+        information; returns the payload bytes and the values they stand for (the rest of the message is counted
+        here: framing, or control for a re-seed request)."""
         codec = codec or self.codec
         side_kind = side_kind if side is not None else SIDE_NONE
         kind = kind or self.kind
@@ -88,12 +88,13 @@ class SendEnd:
         if rows is None:
             header = Header.for_encoded(encoded, codec.code, kind, step, mb, ids.numel(), side_kind)
             self.outbox.send(header, ids, encoded.host, side, encoded.ready)
-            payload, fidelity, directory = encoded.payload_len, encoded.fidelity, 0
+            payload, fidelity, directory, values = encoded.payload_len, encoded.fidelity, 0, tensor.numel()
         else:
             header = real_rows.header_of(grouped, codec, kind, step, mb, tuple(tensor.shape), ids.numel(), side_kind)
             self.outbox.send(header, ids, [grouped.directory, *(part.host for part in grouped.parts)], side,
                              [None, *(part.ready for part in grouped.parts)])
             payload, fidelity, directory = grouped.payload_len, grouped.fidelity, grouped.directory.numel()
+            values = rows.real_count() * tensor[0, 0].numel()
         side_bytes = 0 if side is None else side.numel() * side.element_size()
         self.counters.framing_bytes += HEADER_SIZE + 8 * ids.numel() + directory + (
             0 if side_kind == SIDE_RESEED else side_bytes)
@@ -101,7 +102,7 @@ class SendEnd:
         if fidelity is not None:
             sofar = self.counters.fidelity
             self.counters.fidelity = fidelity if sofar is None else sofar + fidelity
-        return payload
+        return payload, values
 
     def flush(self) -> None:
         """Wait until everything queued has left."""
@@ -166,16 +167,19 @@ class ActivationOut(SendEnd):
 
     def send(self, step: int, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None,
              compress: bool) -> None:
-        """Send micro-batch `mb`'s output (with its attention mask, losslessly)."""
-        self.counters.payload_bytes += self._send(step, mb, activation, ids, compress, mask, SIDE_MASK, mask=mask)
-        self.counters.elements += activation.numel()
+        """Send micro-batch `mb`'s output (with its attention mask, losslessly, as bytes of 0 and 1)."""
+        mask = binary(mask)
+        payload, values = self._send(step, mb, activation, ids, compress, mask, SIDE_MASK, mask=mask)
+        self.counters.payload_bytes += payload
+        self.counters.elements += values
 
     def send_eval(self, step: int, mb: int, activation: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None
                   ) -> int:
         """Send an evaluation activation through the evaluation codec, never the link's training codec or m(ξ);
         returns its bytes (all of the message: evaluation traffic is counted whole, not in the training counters)."""
         framing, control = self.counters.framing_bytes, self.counters.control_bytes
-        payload = self._send(step, mb, activation, ids, True, mask, SIDE_MASK, KIND_EVAL, self.eval_codec, mask)
+        mask = binary(mask)
+        payload, _ = self._send(step, mb, activation, ids, True, mask, SIDE_MASK, KIND_EVAL, self.eval_codec, mask)
         sent = payload + self.counters.framing_bytes - framing
         self.counters.framing_bytes, self.counters.control_bytes = framing, control
         return sent
@@ -221,8 +225,9 @@ class GradientOut(SendEnd):
         """Send micro-batch `mb`'s input gradient (of a batch padded as `mask` says), with a re-seed request when
         there is one."""
         request = torch.tensor(reseed, dtype=torch.int64) if reseed else None
-        self.counters.payload_bytes += self._send(step, mb, grad, ids, compress, request, SIDE_RESEED, mask=mask)
-        self.counters.elements += grad.numel()
+        payload, values = self._send(step, mb, grad, ids, compress, request, SIDE_RESEED, mask=binary(mask))
+        self.counters.payload_bytes += payload
+        self.counters.elements += values
 
 
 class GradientIn(RecvEnd):
@@ -233,6 +238,14 @@ class GradientIn(RecvEnd):
         went with, says) and the re-seed request it carried (often empty)."""
         grad, msg = self._receive(mask=mask)
         return grad, ([] if msg.side is None else msg.side.view(torch.int64).tolist())
+
+
+def binary(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """An attention mask as it travels: one byte a position, 1 where it attends (any nonzero value), so the receiver
+    reads the sender's mask, and its real rows, whatever dtype it was given in."""
+    if mask is None or mask.dtype == torch.uint8:
+        return mask
+    return (mask != 0).to(torch.uint8)
 
 
 def per_sample(side: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor | None:

@@ -17,6 +17,8 @@ what differs at padded positions (zeros instead of what was computed there) reac
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,15 +69,23 @@ class RealRows:
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each group's real rows of `x` [B, T, ...], as a batch [b, L, ...] of its own."""
-        return [x[index.to(x.device)[:, None], positions.to(x.device)] for index, positions in self.groups]
+        return [x[on(index, x.device)[:, None], on(positions, x.device)] for index, positions in self.groups]
 
     def scatter(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The padded batch whose real rows are `parts` (as `gather` gave them), zeros elsewhere."""
         first = parts[0]
         out = torch.zeros(self.shape, dtype=first.dtype, device=first.device)
         for (index, positions), part in zip(self.groups, parts):
-            out[index.to(out.device)[:, None], positions.to(out.device)] = part.to(out.dtype)
+            out[on(index, out.device)[:, None], on(positions, out.device)] = part.to(out.dtype)
         return out
+
+
+def on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index on `device`: for a GPU through page-locked memory, a copy the host does not wait for (from
+    pageable memory the copy would hold the host until the GPU had done all it was given)."""
+    if device.type == "cpu":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -94,10 +104,7 @@ class Grouped:
     def fidelity(self) -> DeltaFidelity | None:
         """AQ-SGD's deltas against the truth, summed over the groups that sent some."""
         known = [part.fidelity for part in self.parts if part.fidelity is not None]
-        total = known[0] if known else None
-        for more in known[1:]:
-            total = total + more
-        return total
+        return functools.reduce(operator.add, known) if known else None
 
 
 def encode(codec: LinkCodec, x: torch.Tensor, ids: torch.Tensor, compress: bool, rows: RealRows) -> Grouped:
@@ -142,8 +149,8 @@ def decode(codec: LinkCodec, header: Header, payload: torch.Tensor, ids: torch.T
         raise TransportError(f"malformed message from {peer}: real rows of a batch of shape {header.shape} without a "
                              f"mask that pads it")
     size = ENTRY.size * len(rows.groups)
-    entries = [ENTRY.unpack_from(payload[i * ENTRY.size:(i + 1) * ENTRY.size].numpy()) for i in range(len(rows.groups))
-               ] if payload.numel() >= size else []
+    directory = payload[:size].numpy().tobytes() if payload.numel() >= size else b""
+    entries = [ENTRY.unpack_from(directory, i * ENTRY.size) for i in range(len(rows.groups))] if directory else []
     if not entries or size + sum(entry[0] for entry in entries) != payload.numel():
         raise TransportError(f"malformed message from {peer}: its real rows do not match the {len(rows.groups)} "
                              f"groups the mask makes ({payload.numel()} bytes)")

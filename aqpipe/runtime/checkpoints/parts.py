@@ -32,7 +32,7 @@ from typing import BinaryIO, cast
 import torch
 
 from aqpipe.disk import save_atomic, write_atomic
-from aqpipe.pipeline.link_rows import recorded
+from aqpipe.pipeline.link_rows import canonical, recorded
 
 FORMAT = 2  # 2: checksum lines name rank, step and configuration digest; run.json records the settings
 KEEP = 2  # complete checkpoints kept (besides the newest copied one and one being copied; see mark_complete)
@@ -69,7 +69,7 @@ def _sha256(data: bytes) -> str:
 
 def settings_digest(settings: dict) -> str:
     """A short digest of the settings a resume may not change (canonical JSON)."""
-    return _sha256(json.dumps(settings, sort_keys=True).encode())[:16]
+    return _sha256(json.dumps(canonical(settings), sort_keys=True).encode())[:16]
 
 
 def save_rank(out: str | Path, step: int, rank: int, state: dict, settings: dict,

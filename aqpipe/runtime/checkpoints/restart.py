@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aqpipe.pipeline.link_rows import recorded
 from aqpipe.runtime.checkpoints.parts import CheckpointError, root, step_dir
 
 # Each time a run started again over its own state (a restart by torchrun or `--max-restarts`, or the same command
@@ -94,6 +95,7 @@ def _differs(path: Path, settings: dict, key: str | None = None) -> str | None:
         return f"{path} cannot be read as an aqpipe record: {type(e).__name__}: {e}"
     if not isinstance(saved, dict):
         return f"{path} is not an aqpipe record"
+    saved = recorded(saved)
     for name in sorted(settings):
         if settings[name] is None and (name == "stage_bounds" or name not in saved):
             continue
