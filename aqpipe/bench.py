@@ -31,7 +31,8 @@ from aqpipe.config import ResolvedConfig
 from aqpipe.launch.gpu_sharing import local_sharing_note
 from aqpipe.pipeline.links.transport import Header
 from aqpipe.pipeline.numerics.mixed_precision import autocast
-from aqpipe.runtime.capacity import LinkNeeds, TiedNeeds, plan_capacity, steady_payload_bytes
+from aqpipe.runtime.capacity import TiedNeeds, plan_capacity
+from aqpipe.runtime.capacity_links import LinkNeeds, steady_payload_bytes
 from aqpipe.runtime.capacity_table import format_tied
 from aqpipe.runtime.plan import RunPlan
 from aqpipe.runtime.step_wire import links_seconds, rank_traffic

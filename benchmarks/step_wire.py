@@ -41,7 +41,8 @@ def planned(args: list[str], out: Path) -> tuple[float, float]:
 
     from aqpipe.cli import _parser
     from aqpipe.config import RunConfig, build_config, resolve
-    from aqpipe.runtime.capacity import FIRST_EPOCH, plan_capacity
+    from aqpipe.runtime.capacity import plan_capacity
+    from aqpipe.runtime.capacity_links import FIRST_EPOCH
     from aqpipe.runtime.plan import make_plan
 
     parsed = _parser().parse_args(["launch", *args, "--out", str(out)])

@@ -6,7 +6,7 @@ import pytest
 from aqpipe.bench import FW_BITS, loopback_rate, recommend
 from aqpipe.cli import main
 from aqpipe.config import RunConfig, resolve
-from aqpipe.runtime.capacity import LinkNeeds
+from aqpipe.runtime.capacity_links import LinkNeeds
 
 SHAPE = (4, 64, 256)
 

@@ -13,6 +13,7 @@ from aqpipe.cli import main
 from aqpipe.compress.grad.registry import sync_step_bytes
 from aqpipe.config import resolve
 from aqpipe.runtime import capacity as cap
+from aqpipe.runtime import capacity_links
 from aqpipe.runtime.capacity_table import format_plan
 from aqpipe.runtime.plan import make_plan
 from tests import warm
@@ -119,11 +120,11 @@ def test_wire_bytes_of_each_codec_equal_a_real_message():
     for spec, direction in [("fp32", "fw"), ("fp16", "fw"), ("directq:4", "fw"), ("topk:0.1:8", "bw"), ("bf16", "bw"),
                             ("rtq:4", "bw")]:
         encoded = build_codec(spec, direction, options=options).encode(x, torch.arange(3))
-        assert encoded.payload.numel() == cap.steady_payload_bytes(spec, direction, tuple(x.shape), x.dtype, options)
+        assert encoded.payload.numel() == capacity_links.steady_payload_bytes(spec, direction, tuple(x.shape), x.dtype, options)
     from aqpipe.compress.link.specs import parse_spec
 
-    assert cap.raw_payload_bytes(parse_spec("fp32", "fw"), (3, 7, 20), torch.bfloat16) == 3 * 7 * 20 * 2
-    assert cap.raw_payload_bytes(parse_spec("aqsgd:3", "fw"), (3, 7, 20), torch.float32) == 3 + 3 * 7 * 20 * 4
+    assert capacity_links.raw_payload_bytes(parse_spec("fp32", "fw"), (3, 7, 20), torch.bfloat16) == 3 * 7 * 20 * 2
+    assert capacity_links.raw_payload_bytes(parse_spec("aqsgd:3", "fw"), (3, 7, 20), torch.float32) == 3 + 3 * 7 * 20 * 4
 
 
 def test_dry_run_reports_a_store_that_does_not_fit_beside_the_plan(tmp_path, capsys, monkeypatch):

@@ -3,14 +3,15 @@
 - `execution/`: one stage's work, step by step: the stage worker that interprets its instruction stream, the
   optimizer phase, evaluation, and what a step measures of itself (activations held, GPU times, CUDA syncs);
 - `links/`: how the stages reach each other: rendezvous, TCP streams, framed messages, a rank's link ends with their
-  codecs, and the row exchange that keeps a tied embedding and LM head one tensor;
+  codecs, a padded batch's real rows grouped for the codecs, and the row exchange that keeps a tied embedding and LM
+  head one tensor;
 - `numerics/`: the arithmetic of a stage's step: the optimizer and its schedule, clipping, mixed precision and loss
   scaling, the gradients of tied parameters;
 - `world/`: the rank grid and its process groups, and every collective counted by traffic class.
 
 At the top, what the configuration and the runtime read without torch: the schedules as instruction streams
-(`schedule`), a step's statistics and how the ranks' values combine (`step_stats`), the `--precision` and
-`--tied-exchange` vocabularies (`precisions`, `tied_exchanges`), and `present`. Knows nothing of configuration files
+(`schedule`), a step's statistics and how the ranks' values combine (`step_stats`), the `--precision`,
+`--tied-exchange` and `--link-rows` vocabularies (`precisions`, `tied_exchanges`, `link_rows`), and `present`. Knows nothing of configuration files
 or launching."""
 
 from typing import TypeVar

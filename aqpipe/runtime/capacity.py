@@ -13,7 +13,6 @@ measured on the meta device (`aqpipe.runtime.codec_graphs`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,10 +23,8 @@ from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.compress.grad.registry import gloo_gpu_copies, sync_copies, sync_step_bytes
 from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC, SyncBytes, ring_all_reduce_bytes
 from aqpipe.compress.link.base import numel
-from aqpipe.compress.link.codes import lossless_dtype
-from aqpipe.compress.link.factory import message_bytes
 from aqpipe.compress.link.options import QuantOptions
-from aqpipe.compress.link.specs import CodecError, CodecSpec
+from aqpipe.compress.link.specs import CodecError
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.metrics import kept_records
 from aqpipe.pipeline.links.tied_deltas import RowDeltas
@@ -38,7 +35,8 @@ from aqpipe.pipeline.tied_exchanges import delta_bits, wire_dtype_name
 from aqpipe.pipeline.world.grid import Grid
 from aqpipe.runtime import plan as run_plan
 from aqpipe.runtime.capacity_eval import EvalNeeds, eval_needs
-from aqpipe.runtime.capacity_rows import RowShapes, row_shapes
+from aqpipe.runtime.capacity_links import FIRST_EPOCH, STEADY, STEP_PHASES, WARM_UP, LinkNeeds, link_needs
+from aqpipe.runtime.capacity_rows import row_shapes
 from aqpipe.runtime.checkpoints.parts import latest_step
 from aqpipe.runtime.codec_graphs import stage_graph_bytes
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan
@@ -88,40 +86,6 @@ class StageNeeds:
 
 
 @dataclass
-class LinkNeeds:
-    """One link (stage k → k+1) of one replica, per optimizer step."""
-
-    link: int
-    activation_shape: tuple[int, ...]  # one micro-batch
-    activation_dtype: str
-    fwd_bytes: int  # payload bytes per step once compressing
-    bwd_bytes: int
-    warmup_fwd_bytes: int  # during the fp32 warm-up epochs
-    warmup_bwd_bytes: int
-    store_side_bytes: int  # one side's m(ξ) values (0 unless the link runs AQ-SGD)
-    first_fwd_bytes: int = 0  # a compressing step whose samples are all first sights (AQ-SGD: --first-sight)
-    padded_bytes: int = 0  # both directions per step, every padded position lossless (0: the link sends them all)
-
-    def phase_bytes(self, phase: str) -> tuple[int, int]:
-        """Payload bytes (forward, backward) per step in a phase of the run (STEP_PHASES)."""
-        return {STEADY: (self.fwd_bytes, self.bwd_bytes), WARM_UP: (self.warmup_fwd_bytes, self.warmup_bwd_bytes),
-                FIRST_EPOCH: (self.first_fwd_bytes, self.bwd_bytes)}[phase]
-
-    def run_bytes(self, steps: int, steps_per_epoch: int, warmup_epochs: int) -> tuple[int, int]:
-        """Payload bytes (forward, backward) over a run of `steps`: the warm-up epochs lossless, then — when no
-        warm-up seeded m(ξ) — a first epoch of first sights, then deltas."""
-        fwd = bwd = 0
-        for step in range(steps):
-            epoch = step // steps_per_epoch
-            if epoch < warmup_epochs:
-                fwd, bwd = fwd + self.warmup_fwd_bytes, bwd + self.warmup_bwd_bytes
-            else:
-                fwd += self.first_fwd_bytes if epoch == 0 else self.fwd_bytes
-                bwd += self.bwd_bytes
-        return fwd, bwd
-
-
-@dataclass
 class TiedNeeds:
     """What keeping tied tables one tensor sends per optimizer step of one replica (both directions, all ranks)."""
 
@@ -131,12 +95,6 @@ class TiedNeeds:
     distinct_tokens: float = 0.0  # rows: the mean distinct tokens per step over the first steps of the data order
     row_bytes: int = 0  # of `step_bytes`, the rows and gradient rows between the first and the last stage (the rest:
     # the all-reduces of copies kept whole, spread evenly over the pipeline's ranks)
-
-
-# The phases of a run whose steps differ in link bytes, and how a message says "during" each.
-STEADY, WARM_UP, FIRST_EPOCH = "steady", "warm-up", "first epoch"
-STEP_PHASES = {STEADY: "", WARM_UP: " during the warm-up (lossless links)",
-               FIRST_EPOCH: " during the first epoch (every sample a first sight)"}
 
 
 @dataclass
@@ -222,57 +180,6 @@ class CapacityPlan:
             ahead.append(FIRST_EPOCH)  # every sample a first sight (a warm-up seeds m(xi) instead)
             lossy_from = per_epoch
         return ahead + ([STEADY] if lossy_from < self.steps else [])
-
-
-def steady_payload_bytes(spec: str | CodecSpec, direction: str, shape: tuple[int, ...], dtype: torch.dtype,
-                         options: QuantOptions) -> int:
-    """Payload bytes of one compressed message of `shape` with a --fw/--bw spec (AQ-SGD: every sample a delta)."""
-    return message_bytes(spec, direction, shape, dtype, options)
-
-
-def raw_payload_bytes(spec: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Payload bytes of one warm-up message (lossless, in the activation's own dtype; a codec keeping m(ξ) sends a
-    mode byte per sample too)."""
-    values = numel(shape) * lossless_dtype(dtype).itemsize
-    return shape[0] + values if spec.keeps_messages else values
-
-
-def first_sight_payload_bytes(spec: CodecSpec, first_sight: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype,
-                              options: QuantOptions) -> int:
-    """Payload bytes of one compressed forward message whose samples are all first sights: AQ-SGD codes them with
-    `first_sight` (fp32: losslessly); any other codec sends them as it sends every sample."""
-    return message_bytes(spec, "fw", shape, dtype, options, first_sight, first_sights=True)
-
-
-def link_needs(cfg: ResolvedConfig, k: int, shape: tuple[int, ...], dtype: torch.dtype, rows: RowShapes | None,
-               options: QuantOptions, store_bytes_per_value: float) -> LinkNeeds:
-    """What link k carries per step, its micro-batch activation of `shape` in `dtype` (only its real rows, given
-    `rows`), and what one side of its m(ξ) keeps (`store_bytes_per_value`: every sample's share of one value)."""
-    m, fw, bw = cfg.micro_batches, cfg.fw_spec, cfg.bw_spec
-
-    def per_step(message_bytes: Callable[[tuple[int, ...]], int]) -> int:
-        return rows.step_bytes(message_bytes, shape, m) if rows is not None else m * message_bytes(shape)
-
-    def fwd(s: tuple[int, ...]) -> int:
-        return steady_payload_bytes(fw, "fw", s, dtype, options)
-
-    def bwd(s: tuple[int, ...]) -> int:
-        return steady_payload_bytes(bw, "bw", s, torch.float32, options)
-
-    def fwd_raw(s: tuple[int, ...]) -> int:
-        return raw_payload_bytes(fw, s, dtype)
-
-    def bwd_raw(s: tuple[int, ...]) -> int:
-        return raw_payload_bytes(bw, s, torch.float32)
-
-    def fwd_first(s: tuple[int, ...]) -> int:
-        return first_sight_payload_bytes(fw, cfg.first_sight_spec, s, dtype, options)
-
-    real = rows.train_fraction if rows is not None and rows.applies_to(shape) else 1.0
-    side = int(store_bytes_per_value * numel(shape[1:]) * real) if cfg.keeps_messages else 0
-    padded = m * numel(shape) * (lossless_dtype(dtype).itemsize + 4) if real < 1.0 else 0
-    return LinkNeeds(k, shape, str(dtype).removeprefix("torch."), per_step(fwd), per_step(bwd), per_step(fwd_raw),
-                     per_step(bwd_raw), side, per_step(fwd_first), padded)
 
 
 def plan_capacity(plan: RunPlan) -> CapacityPlan:
