@@ -340,3 +340,38 @@ def test_a_run_recorded_before_link_rows_existed_resumes_padded_bit_for_bit(tmp_
         weights = load_file(tmp_path / name / "export" / "model.safetensors")
         for key in reference:
             assert torch.equal(weights[key], reference[key]), (name, key)
+
+
+def test_a_padded_batchs_groups_are_coded_op_by_op_never_captured_as_cuda_graphs(monkeypatch):
+    """Each group's shape (its samples, their real rows) changes from message to message: on a GPU the codec runs it
+    op by op, in encoding and decoding, and graphs go on replaying everything else."""
+    import threading
+
+    from aqpipe.compress.gpu import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "_replays_on", lambda device: True)  # (as on a GPU)
+    cuda = torch.device("cuda")
+    assert cuda_graphs.may_replay(cuda)
+    codec = build_codec("directq:8", "fw")
+    seen = []
+    def spying(real):
+        def spy(*args, **kwargs):
+            seen.append(cuda_graphs.may_replay(cuda))
+            return real(*args, **kwargs)
+        return spy
+
+    for name in ("encode", "decode"):
+        monkeypatch.setattr(codec, name, spying(getattr(codec, name)))
+    mask = masks()["right"]
+    rows = RealRows.of(mask, (4, 8, 16))
+    grouped = real_rows.encode(codec, torch.randn(4, 8, 16), torch.arange(4), True, rows)
+    header = real_rows.header_of(grouped, codec, KIND_ACTIVATION, 0, 0, (4, 8, 16), 4, SIDE_MASK)
+    payload = torch.cat([grouped.directory, *(part.host for part in grouped.parts)])
+    real_rows.decode(codec, header, payload, torch.arange(4), mask, "p")
+    assert seen == [False] * (2 * len(rows.groups)) and cuda_graphs.may_replay(cuda)
+    other = []  # (another thread, meanwhile, still replays)
+    with cuda_graphs.op_by_op():
+        thread = threading.Thread(target=lambda: other.append(cuda_graphs.may_replay(cuda)))
+        thread.start()
+        thread.join()
+    assert other == [True]

@@ -11,8 +11,8 @@
 
 At the top, what the configuration and the runtime read without torch: the schedules as instruction streams
 (`schedule`), a step's statistics and how the ranks' values combine (`step_stats`), the `--precision`,
-`--tied-exchange` and `--link-rows` vocabularies (`precisions`, `tied_exchanges`, `link_rows`), and `present`. Knows nothing of configuration files
-or launching."""
+`--tied-exchange` and `--link-rows` vocabularies (`precisions`, `tied_exchanges`, `link_rows`), and `present`. Knows
+nothing of configuration files or launching."""
 
 from typing import TypeVar
 

@@ -21,10 +21,11 @@ graphs, never different.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -70,6 +71,7 @@ class _Cache:
 
 _cache = _Cache()
 _capturing = threading.local()  # set while this thread captures: a graphed call inside runs inline
+_unreplayed = threading.local()  # set inside `op_by_op` on this thread
 
 
 def enabled() -> bool:
@@ -159,7 +161,20 @@ def _layout(t: torch.Tensor) -> tuple[Hashable, ...]:
 
 def may_replay(device: torch.device) -> bool:
     """Whether a graphed call on `device` may return a graph's buffers (see `graphed`'s `borrow`)."""
-    return _replays_on(device) and enabled() and not _cache.failed
+    return _replays_on(device) and enabled() and not _cache.failed and not getattr(_unreplayed, "on", False)
+
+
+@contextlib.contextmanager
+def op_by_op() -> Iterator[None]:
+    """Within it, every graphed call of this thread runs op by op, capturing and replaying nothing: for calls whose
+    shapes change from message to message (a padded batch's real rows, grouped by length), each of which would
+    capture a graph of its own, with buffers of its own, to replay it seldom if ever."""
+    before = getattr(_unreplayed, "on", False)
+    _unreplayed.on = True
+    try:
+        yield
+    finally:
+        _unreplayed.on = before
 
 
 def _replays_on(device: torch.device) -> bool:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aqpipe.compress.gpu import cuda_graphs
 from aqpipe.compress.link.base import DeltaFidelity, Encoded, LinkCodec
 from aqpipe.compress.link.codes import FLAG_REAL_ROWS
 from aqpipe.pipeline.links.transport import DTYPE_CODES, DTYPES, Header, TransportError
@@ -108,8 +109,11 @@ class Grouped:
 
 
 def encode(codec: LinkCodec, x: torch.Tensor, ids: torch.Tensor, compress: bool, rows: RealRows) -> Grouped:
-    """Each group of `x`'s real rows through `codec` (with its samples' ids), and the directory of the message."""
-    parts = [codec.encode(values, ids[index], compress) for values, (index, _) in zip(rows.gather(x), rows.groups)]
+    """Each group of `x`'s real rows through `codec` (with its samples' ids), and the directory of the message. On a
+    GPU the codec runs op by op: its groups' shapes change from message to message, so CUDA graphs of them would be
+    captured for few replays, each holding buffers of its own."""
+    with cuda_graphs.op_by_op():
+        parts = [codec.encode(values, ids[index], compress) for values, (index, _) in zip(rows.gather(x), rows.groups)]
     directory = b"".join(ENTRY.pack(part.payload_len, part.codec_check, part.flags, DTYPE_CODES[part.wire_dtype])
                          for part in parts)
     return Grouped(torch.frombuffer(bytearray(directory), dtype=torch.uint8), parts)
@@ -162,6 +166,7 @@ def decode(codec: LinkCodec, header: Header, payload: torch.Tensor, ids: torch.T
                                     n_ids=index.numel(), payload_len=length, codec_check=check, flags=flags)
         if problem := codec.check_header(group):
             raise TransportError(f"malformed message from {peer}: a group of its real rows: {problem}")
-        parts.append(codec.decode(group, payload[offset:offset + length], ids[index]))
+        with cuda_graphs.op_by_op():  # (as `encode`)
+            parts.append(codec.decode(group, payload[offset:offset + length], ids[index]))
         offset += length
     return rows.scatter(parts)
