@@ -140,7 +140,8 @@ def test_every_codec_sends_only_the_real_rows_and_the_receiver_rebuilds_the_padd
                         assert torch.equal(got[i][mask[i] != 0], coded[0]), (spec, i)
         counters = real.out.counters, padded.out.counters
         assert counters[0].payload_bytes < counters[1].payload_bytes * (int(mask.sum()) / mask.numel() + 0.15)
-        if spec.startswith("aqsgd"):
+        if spec.startswith("aqsgd"):  # (a sample without a real row has no m(ξ), and no re-seed asks for one)
+            assert real.inn.missing([*ids.tolist(), 99]) == [99]  # (99: never seen)
             for i, sample in enumerate(ids.tolist()):
                 kept = [store._values.get((0, side, sample)) for store, side in zip(real.stores, ("send", "recv"))]
                 if not mask[i].any():

@@ -196,11 +196,17 @@ class ActivationIn(RecvEnd):
     by `eval_codec`."""
 
     eval_codec: LinkCodec = FP32
+    # samples that came as real rows without a real row: nothing of theirs is ever sent or kept, so no re-seed asks
+    # for their m(ξ)
+    rowless: set[int] = field(default_factory=set)
 
     def receive(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The next activation (on the stage's device, requiring grad), its sample ids and its mask."""
         x, msg = self._receive()
-        return x.requires_grad_(True), msg.ids, per_sample(msg.side, msg.ids)
+        mask = per_sample(msg.side, msg.ids)
+        if msg.header.flags & FLAG_REAL_ROWS and mask is not None:
+            self.rowless.update(msg.ids[(mask.view(len(msg.ids), -1) == 0).all(dim=1)].tolist())
+        return x.requires_grad_(True), msg.ids, mask
 
     def post_eval(self, step: int, mb: int, n_ids: int) -> None:
         """Announce an evaluation activation of `n_ids` samples."""
@@ -214,7 +220,7 @@ class ActivationIn(RecvEnd):
 
     def missing(self, next_ids: list[int] | None) -> list[int]:
         """The receiver half of re-seeding: those of the next step's samples whose m(ξ) this side lacks."""
-        return self.codec.missing(next_ids) if next_ids else []
+        return [i for i in self.codec.missing(next_ids) if i not in self.rowless] if next_ids else []
 
 
 class GradientOut(SendEnd):
