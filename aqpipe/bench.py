@@ -33,6 +33,7 @@ from aqpipe.pipeline.links.transport import Header
 from aqpipe.pipeline.numerics.mixed_precision import autocast
 from aqpipe.runtime.capacity import TiedNeeds, plan_capacity
 from aqpipe.runtime.capacity_links import LinkNeeds, steady_payload_bytes
+from aqpipe.runtime.capacity_rows import RowShapes, row_shapes
 from aqpipe.runtime.capacity_table import format_tied
 from aqpipe.runtime.plan import RunPlan
 from aqpipe.runtime.step_wire import links_seconds, rank_traffic
@@ -160,19 +161,27 @@ def loopback_rate(nbytes: int = 64 << 20) -> float:
     return received[0] / (time.perf_counter() - start)
 
 
-def recommend(link: LinkNeeds, cfg: ResolvedConfig, rate: float, compute: float
+def recommend(link: LinkNeeds, cfg: ResolvedConfig, rate: float, compute: float, rows: RowShapes | None = None
               ) -> tuple[int, bool, dict[int, tuple[float, float]]]:
     """The highest fw bits whose wire time per micro-batch on the busiest rank's link fits within `compute` seconds;
     whether even the fewest bits leave the link the bottleneck; and the wire times (forward, backward) per candidate.
     Each rank is behind a link of its own: with two stages each sends one direction, but a middle stage sends its
     activations forward and its gradients backward over its link, at once under 1F1B, which the advice sets
-    (`aqpipe.runtime.step_wire`; a tied table's rows on the end stages' links are left out)."""
+    (`aqpipe.runtime.step_wire`; a tied table's rows on the end stages' links are left out). Over real rows
+    (`rows`), a micro-batch's messages are the mean of the first steps' micro-batches."""
     options = QuantOptions.of(cfg)
     dtype = getattr(torch, link.activation_dtype)
+    shape = link.activation_shape
+
+    def message(spec: str, direction: str, dtype: torch.dtype) -> int:
+        def coded(s: tuple[int, ...]) -> int:
+            return steady_payload_bytes(spec, direction, s, dtype, options)
+        return rows.step_bytes(coded, shape, 1) if rows is not None else coded(shape)
+
     wire, busiest = {}, {}
     for bits in FW_BITS:
-        fw = steady_payload_bytes(f"aqsgd:{bits}", "fw", link.activation_shape, dtype, options)
-        bw = steady_payload_bytes(f"directq:{min(2 * bits, 8)}", "bw", link.activation_shape, torch.float32, options)
+        fw = message(f"aqsgd:{bits}", "fw", dtype)
+        bw = message(f"directq:{min(2 * bits, 8)}", "bw", torch.float32)
         wire[bits] = (fw / rate, bw / rate)
         busiest[bits] = links_seconds(rank_traffic([(fw, bw)] * (cfg.pp - 1)), 8 * rate, overlapped=True)
     fitting = [b for b in FW_BITS if busiest[b] <= compute]
@@ -193,7 +202,7 @@ def run_bench(plan: RunPlan, bandwidth_bits: int | None) -> BenchResult:
     sharing = local_sharing_note(cfg.device, cfg.world_size)
     if link is None:
         return BenchResult(seconds, speeds, 0, rate, source, {}, 8, False, capacity.tied, gpu_sharing=sharing)
-    bits, bound, wire = recommend(link, cfg, rate, max(seconds))
+    bits, bound, wire = recommend(link, cfg, rate, max(seconds), row_shapes(plan))
     return BenchResult(seconds, speeds, 4 * int(torch.Size(link.activation_shape).numel()), rate, source, wire, bits,
                        bound, capacity.tied, link.first_fwd_bytes // cfg.micro_batches, capacity.run_link_bytes(),
                        sharing)

@@ -97,3 +97,23 @@ def test_the_report_says_when_ranks_share_a_gpu_and_how_mps_helps():
     assert "gpu: 4 ranks share each GPU without NVIDIA MPS" in format_bench(shared, cfg)
     alone = BenchResult([0.1] * 4, {}, 0, 12.5e6, "loopback", {}, 8, False, gpu_sharing=sharing_note("cuda", 4, 4))
     assert "gpu:" not in format_bench(alone, cfg)
+
+
+def test_the_recommendation_counts_only_the_real_tokens_of_padded_batches(tmp_path, monkeypatch):
+    """Instruction data over real rows: each candidate's wire time per micro-batch is that of the first steps' mean
+    micro-batch of real rows, as the capacity plan counts the run's own codecs."""
+    from aqpipe.runtime.capacity import plan_capacity
+    from aqpipe.runtime.capacity_rows import row_shapes
+    from aqpipe.runtime.plan import make_plan
+
+    monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
+    cfg = resolve(RunConfig(model="llama-tiny", data="builtin-instruct", pp=2, seq_len=64, max_samples=32,
+                            fw="aqsgd:3", bw="directq:6", device="cpu", out=str(tmp_path / "run")))
+    plan = make_plan(cfg)
+    the_link = plan_capacity(plan).links[0]
+    rate = 1e6
+    _, _, real = recommend(the_link, cfg, rate, 1.0, row_shapes(plan))
+    _, _, padded = recommend(the_link, cfg, rate, 1.0)
+    assert real[3] == pytest.approx((the_link.fwd_bytes / cfg.micro_batches / rate,
+                                     the_link.bwd_bytes / cfg.micro_batches / rate), rel=1e-6)
+    assert all(real[bits][0] < 0.9 * padded[bits][0] for bits in FW_BITS)
