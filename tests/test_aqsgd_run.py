@@ -84,16 +84,17 @@ def test_warm_up_epochs_send_everything_uncompressed(tmp_path):
 
 
 def test_by_default_a_run_compresses_from_the_first_step_and_its_first_sights_seed_both_copies_alike(tmp_path):
-    """The defaults (--first-sight rtq:4 --warmup-epochs 0): the first epoch's activations go as rotated 4-bit
-    tiles (4 bits and one fp16 scale per 64 values, plus a mode byte per sample) instead of fp32, and both copies
-    of m(ξ) are seeded from them bit for bit, so every later delta checks out."""
+    """The defaults (--first-sight rtqo:3 --warmup-epochs 0): the first epoch's activations go as rotated 3-bit
+    tiles with each token's largest value set apart (3 bits and one fp16 scale per 64 values, 4 bytes a token, plus
+    a mode byte per sample) instead of fp32, and both copies of m(ξ) are seeded from them bit for bit, so every later
+    delta checks out."""
     defaults = RunConfig()
     cfg, records, stores, summary = run(tmp_path, pp=2, warmup_epochs=defaults.warmup_epochs, epochs=2,
                                         fw="aqsgd:2", first_sight=defaults.first_sight)
-    assert (cfg.warmup_epochs, cfg.first_sight) == (0, "rtq:4")
+    assert (cfg.warmup_epochs, cfg.first_sight) == (0, "rtqo:3")
     hidden, tokens = 128, cfg.seq_len
     first_epoch = [r for r in records if r["epoch"] == 0]
-    expected = 4 / 8 + 2 / 64 + 1 / (tokens * hidden)
+    expected = 3 / 8 + 2 / 64 + 4 / hidden + 1 / (tokens * hidden)
     for r in first_epoch:
         assert r["fwd_bytes_per_element"] == pytest.approx(expected, rel=1e-9)
         assert r["bwd_bytes_per_element"] < 1  # directq:4 from the first step too

@@ -263,7 +263,7 @@ def test_the_plan_counts_the_grad_syncs_copies_where_its_collectives_run(tmp_pat
 @pytest.mark.parametrize("extra, stall, refused", [
     (["--warmup-epochs", "1"], "3", "4.2 s per step during the warm-up (lossless links)"),
     (["--warmup-epochs", "0", "--first-sight", "fp32"], "1", "s per step during the first epoch (every sample a first"),
-    (["--warmup-epochs", "0"], "0.5", "0.7 s per step during the first epoch"),
+    (["--warmup-epochs", "0", "--first-sight", "rtq:4"], "0.5", "0.7 s per step during the first epoch"),
     (["--warmup-epochs", "1"], "30", None)])
 def test_a_run_whose_links_keep_a_step_longer_than_the_stall_timeout_is_refused(tmp_path, capsys, extra, stall,
                                                                                   refused):

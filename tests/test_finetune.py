@@ -72,12 +72,12 @@ def test_minilm_learns_acceptability_and_aqsgd_stays_within_2_points(minilm_runs
 def test_exported_checkpoint_gives_the_pipelines_logits(minilm_export):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from aqpipe.config import RunConfig
+    from aqpipe.config import ResolvedConfig
     from aqpipe.runtime.plan import make_plan
 
     run = minilm_export
-    config = json.loads((run / "config.json").read_text())
-    plan = make_plan(RunConfig(**config))
+    config = json.loads((run / "config.json").read_text())  # (a run's recorded settings are resolved ones)
+    plan = make_plan(ResolvedConfig(**config))
     stages = []
     for k in range(3):
         stage = plan.spec.build_stage(plan.bounds[k], plan.bounds[k + 1]).eval()
