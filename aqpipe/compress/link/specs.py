@@ -52,13 +52,14 @@ FIRST_SIGHT_KINDS = tuple(name for name, kind in CODEC_KINDS.items() if kind.fir
 # chosen by the SmolLM2 fine-tuning benchmark (benchmarks/README.md, "Fine-tuning from the first step"). Coded first
 # sights from step 1 keep the held-out loss within 1% of fp32's where an fp32 first epoch sends 1.0x and 1.7x fewer
 # bytes than fp32 over 1 and 2 epochs; over real rows, rtqo:3 (each token's largest value set apart in fp16, the rest
-# in rotated 3-bit tiles) held it within 0.04% at 1 epoch and 0.57% below it at 2, at 11% and 6% fewer bytes than
-# rtq:4 (+0.20%, +0.22%). A link that keeps no messages has no first sights: fp32 (nothing to code).
+# in rotated 3-bit tiles) held it within 0.04% at 1 epoch, 0.57% and 1.1% below it at 2 and 3, at 11%, 6% and 4%
+# fewer bytes than rtq:4 (+0.20%, +0.22%, -0.23%). A link that keeps no messages has no first sights: fp32.
 DEFAULT_FIRST_SIGHT = "rtqo:3"
-# The link codecs when --fw/--bw are not given: chosen by the same benchmark ("The defaults"): with rtq:4 first
-# sights from step 1, AQ-SGD's 3-bit deltas forward and rotated 4-bit gradients back moved 7.53x, 8.04x and 8.23x
-# fewer link bytes than fp32 over 1, 2 and 3 epochs, within 0.2% of fp32's held-out loss; the earlier aqsgd:4 /
-# directq:8 moved 5.15-5.18x, its 8-bit gradients two thirds of its bytes.
+# The link codecs when --fw/--bw are not given: chosen by the same benchmark: AQ-SGD's 3-bit deltas forward and
+# rotated 4-bit gradients back, with rtqo:3 first sights and only real tokens on the links, moved 13.95-13.99x fewer
+# link bytes than fp32 links sending every position over 1, 2 and 3 epochs (8.47-8.49x fewer than fp32 sending the
+# same real tokens), within 1% of fp32's held-out loss; the earlier aqsgd:4 / directq:8 moved about 5.2x (every
+# position), its 8-bit gradients two thirds of its bytes.
 DEFAULT_FW, DEFAULT_BW = "aqsgd:3", "rtq:4"
 # How held-out activations cross the links when --eval-codec is not given: chosen by the SmolLM2 fine-tuning benchmark
 # (benchmarks/README.md, "Evaluation through the codecs"): on the pretrained and on fine-tuned weights, rtqo:7 put the
