@@ -33,7 +33,7 @@ from aqpipe.pipeline.links.transport import Header
 from aqpipe.pipeline.numerics.mixed_precision import autocast
 from aqpipe.runtime.capacity import TiedNeeds, plan_capacity
 from aqpipe.runtime.capacity_links import LinkNeeds, steady_payload_bytes
-from aqpipe.runtime.capacity_rows import RowShapes, row_shapes
+from aqpipe.runtime.capacity_rows import EVERY_POSITION, RowShapes, row_shapes
 from aqpipe.runtime.capacity_table import format_tied
 from aqpipe.runtime.plan import RunPlan
 from aqpipe.runtime.step_wire import links_seconds, rank_traffic
@@ -161,14 +161,14 @@ def loopback_rate(nbytes: int = 64 << 20) -> float:
     return received[0] / (time.perf_counter() - start)
 
 
-def recommend(link: LinkNeeds, cfg: ResolvedConfig, rate: float, compute: float, rows: RowShapes | None = None
+def recommend(link: LinkNeeds, cfg: ResolvedConfig, rate: float, compute: float, rows: RowShapes = EVERY_POSITION
               ) -> tuple[int, bool, dict[int, tuple[float, float]]]:
     """The highest fw bits whose wire time per micro-batch on the busiest rank's link fits within `compute` seconds;
     whether even the fewest bits leave the link the bottleneck; and the wire times (forward, backward) per candidate.
     Each rank is behind a link of its own: with two stages each sends one direction, but a middle stage sends its
     activations forward and its gradients backward over its link, at once under 1F1B, which the advice sets
-    (`aqpipe.runtime.step_wire`; a tied table's rows on the end stages' links are left out). Over real rows
-    (`rows`), a micro-batch's messages are the mean of the first steps' micro-batches."""
+    (`aqpipe.runtime.step_wire`; a tied table's rows on the end stages' links are left out). A micro-batch's
+    messages are as `rows` says they travel (over real rows, the mean of the first steps' micro-batches)."""
     options = QuantOptions.of(cfg)
     dtype = getattr(torch, link.activation_dtype)
     shape = link.activation_shape
@@ -176,7 +176,7 @@ def recommend(link: LinkNeeds, cfg: ResolvedConfig, rate: float, compute: float,
     def message(spec: str, direction: str, dtype: torch.dtype) -> int:
         def coded(s: tuple[int, ...]) -> int:
             return steady_payload_bytes(spec, direction, s, dtype, options)
-        return rows.step_bytes(coded, shape, 1) if rows is not None else coded(shape)
+        return rows.step_bytes(coded, shape, 1)
 
     wire, busiest = {}, {}
     for bits in FW_BITS:

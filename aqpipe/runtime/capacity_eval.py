@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,11 +44,11 @@ def eval_passes(steps: int, eval_every: int | None) -> int:
     return steps // eval_every + (1 if steps % eval_every else 0)
 
 
-def eval_needs(plan: RunPlan, links: list[tuple[tuple[int, ...], str]], options: QuantOptions,
-               rows: RowShapes | None = None) -> EvalNeeds | None:
+def eval_needs(plan: RunPlan, links: list[tuple[tuple[int, ...], str]], options: QuantOptions, rows: RowShapes
+               ) -> EvalNeeds | None:
     """The held-out passes' link bytes, given each link's micro-batch activation (shape, dtype name): each sample's
-    activation on every link — only its real rows, given their counts (`rows`) — as --eval-codec codes it (a
-    sample's bytes never depend on the others of its micro-batch)."""
+    activation on every link, as `rows` says it travels, as --eval-codec codes it (a sample's bytes never depend on
+    the others of its micro-batch)."""
     cfg = plan.cfg
     samples = held_out_samples(len(plan.dataset.valid), cfg.eval_samples)
     passes = eval_passes(plan.total_steps, cfg.eval_every)
@@ -56,17 +57,12 @@ def eval_needs(plan: RunPlan, links: list[tuple[tuple[int, ...], str]], options:
     coded = lossless = 0
     for shape, name in links:
         dtype = getattr(torch, name)
-
-        def codec_bytes(one: tuple[int, ...], dtype: torch.dtype = dtype) -> int:
-            return message_bytes(cfg.eval_codec, "fw", one, dtype, options)
-
-        def lossless_bytes(one: tuple[int, ...], dtype: torch.dtype = dtype) -> int:
-            return numel(one) * lossless_dtype(dtype).itemsize
-
-        if rows is not None:
-            coded, lossless = coded + rows.held_out_bytes(codec_bytes, shape), lossless + rows.held_out_bytes(
-                lossless_bytes, shape)
-        else:
-            one = (1, *shape[1:])
-            coded, lossless = coded + samples * codec_bytes(one), lossless + samples * lossless_bytes(one)
+        coded += rows.held_out_bytes(functools.partial(message_bytes, cfg.eval_spec, "fw", dtype=dtype,
+                                                       options=options), shape)
+        lossless += rows.held_out_bytes(functools.partial(_lossless_bytes, dtype=dtype), shape)
     return EvalNeeds(samples, coded, lossless, passes)
+
+
+def _lossless_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a lossless message of `shape` (in the activation's own float dtype)."""
+    return numel(shape) * lossless_dtype(dtype).itemsize

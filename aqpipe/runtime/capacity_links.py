@@ -77,14 +77,14 @@ def first_sight_payload_bytes(spec: CodecSpec, first_sight: CodecSpec, shape: tu
     return message_bytes(spec, "fw", shape, dtype, options, first_sight, first_sights=True)
 
 
-def link_needs(cfg: ResolvedConfig, k: int, shape: tuple[int, ...], dtype: torch.dtype, rows: RowShapes | None,
+def link_needs(cfg: ResolvedConfig, k: int, shape: tuple[int, ...], dtype: torch.dtype, rows: RowShapes,
                options: QuantOptions, store_bytes_per_value: float) -> LinkNeeds:
-    """What link k carries per step, its micro-batch activation of `shape` in `dtype` (only its real rows, given
-    `rows`), and what one side of its m(ξ) keeps (`store_bytes_per_value`: every sample's share of one value)."""
+    """What link k carries per step, its micro-batch activation of `shape` in `dtype` (as `rows` says it travels),
+    and what one side of its m(ξ) keeps (`store_bytes_per_value`: every sample's share of one value)."""
     m, fw, bw = cfg.micro_batches, cfg.fw_spec, cfg.bw_spec
 
     def per_step(message_bytes: Callable[[tuple[int, ...]], int]) -> int:
-        return rows.step_bytes(message_bytes, shape, m) if rows is not None else m * message_bytes(shape)
+        return rows.step_bytes(message_bytes, shape, m)
 
     def fwd(s: tuple[int, ...]) -> int:
         return steady_payload_bytes(fw, "fw", s, dtype, options)
@@ -101,7 +101,7 @@ def link_needs(cfg: ResolvedConfig, k: int, shape: tuple[int, ...], dtype: torch
     def fwd_first(s: tuple[int, ...]) -> int:
         return first_sight_payload_bytes(fw, cfg.first_sight_spec, s, dtype, options)
 
-    real = rows.train_fraction if rows is not None and rows.applies_to(shape) else 1.0
+    real = rows.store_fraction(shape)
     side = int(store_bytes_per_value * numel(shape[1:]) * real) if cfg.keeps_messages else 0
     padded = m * numel(shape) * (lossless_dtype(dtype).itemsize + 4) if real < 1.0 else 0
     return LinkNeeds(k, shape, str(dtype).removeprefix("torch."), per_step(fwd), per_step(bwd), per_step(fwd_raw),

@@ -21,18 +21,23 @@ Shape = tuple[int, ...]
 
 @dataclass
 class RowShapes:
-    """The real rows of a run's batches: each sampled micro-batch's groups as (samples, real rows each) — a micro-batch
+    """The real rows of a run's batches: the sequence length whose batches travel as real rows (None: every position
+    of every batch crosses the links), each sampled micro-batch's groups as (samples, real rows each) — a micro-batch
     without padding is one group of every sample at the full length — the share of the training samples' positions
-    that are real, and each held-out sample's count of real rows."""
+    that are real, and each held-out sample's count of real rows (every position, where they are not counted)."""
 
-    seq_len: int
+    seq_len: int | None
     micro_batches: list[list[tuple[int, int]]]
     train_fraction: float
     held_out: list[int]
 
     def applies_to(self, shape: Shape) -> bool:
         """Whether a link's micro-batch activation of `shape` [B, T, ...] travels as real rows."""
-        return len(shape) >= 3 and shape[1] == self.seq_len
+        return self.seq_len is not None and len(shape) >= 3 and shape[1] == self.seq_len
+
+    def store_fraction(self, shape: Shape) -> float:
+        """The share of a link's activation values of `shape` that its m(ξ) keeps."""
+        return self.train_fraction if self.applies_to(shape) else 1.0
 
     def step_bytes(self, message_bytes: Callable[[Shape], int], shape: Shape, micro_batches: int) -> int:
         """A step's payload bytes on a link of activation `shape` whose message of a batch of shape s takes
@@ -51,13 +56,17 @@ class RowShapes:
         return sum(sample_bytes((1, length, *shape[2:])) for length in self.held_out if length)
 
 
-def row_shapes(plan: RunPlan, sampled_steps: int = 8) -> RowShapes | None:
-    """The real rows of the run's batches, or None where every position crosses the links (`--link-rows padded`, or
-    data without masks: LM windows are never padded)."""
+EVERY_POSITION = RowShapes(None, [], 1.0, [])  # batches that cross the links whole (held-out samples not counted)
+
+
+def row_shapes(plan: RunPlan, sampled_steps: int = 8) -> RowShapes:
+    """The real rows of the run's batches; every position where every position crosses the links (`--link-rows
+    padded`, or data without masks: LM windows are never padded)."""
     cfg = plan.cfg
     train, valid = plan.dataset.train, plan.dataset.valid
+    held = held_out_samples(len(valid), cfg.eval_samples)
     if cfg.link_rows != "real" or not len(train) or train.mask(torch.arange(1)) is None:
-        return None
+        return RowShapes(None, [], 1.0, [cfg.seq_len] * held)
     epochs = plan.epoch_plan(0)
     groups = []
     for step in range(min(sampled_steps, plan.total_steps)):
@@ -67,7 +76,6 @@ def row_shapes(plan: RunPlan, sampled_steps: int = 8) -> RowShapes | None:
             groups.append([(len(ids), mask.shape[1])] if rows is None else
                           [(positions.shape[0], positions.shape[1]) for _, positions in rows.groups])
     every = _mask(train, torch.arange(len(train)))
-    held = held_out_samples(len(valid), cfg.eval_samples)
     lengths = (_mask(valid, torch.arange(held)) != 0).sum(dim=1).tolist() if held else []
     return RowShapes(every.shape[1], groups, float((every != 0).float().mean()), lengths)
 

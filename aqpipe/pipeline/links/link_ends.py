@@ -80,16 +80,15 @@ class SendEnd:
         side_kind = side_kind if side is not None else SIDE_NONE
         kind = kind or self.kind
         rows = real_rows.RealRows.of(mask, tuple(tensor.shape)) if self.real_rows else None
-        with torch.autocast(tensor.device.type, enabled=False):  # (a stage's autocast must not reach the codec)
-            if rows is None:
-                encoded = codec.encode(tensor.detach(), ids, compress)
-            else:
-                grouped = real_rows.encode(codec, tensor.detach(), ids, compress, rows)
         if rows is None:
+            with torch.autocast(tensor.device.type, enabled=False):  # (a stage's autocast must not reach the codec)
+                encoded = codec.encode(tensor.detach(), ids, compress)
             header = Header.for_encoded(encoded, codec.code, kind, step, mb, ids.numel(), side_kind)
             self.outbox.send(header, ids, encoded.host, side, encoded.ready)
             payload, fidelity, directory, values = encoded.payload_len, encoded.fidelity, 0, tensor.numel()
         else:
+            with torch.autocast(tensor.device.type, enabled=False):
+                grouped = real_rows.encode(codec, tensor.detach(), ids, compress, rows)
             header = real_rows.header_of(grouped, codec, kind, step, mb, tuple(tensor.shape), ids.numel(), side_kind)
             self.outbox.send(header, ids, [grouped.directory, *(part.host for part in grouped.parts)], side,
                              [None, *(part.ready for part in grouped.parts)])

@@ -159,14 +159,14 @@ def decode(codec: LinkCodec, header: Header, payload: torch.Tensor, ids: torch.T
         raise TransportError(f"malformed message from {peer}: its real rows do not match the {len(rows.groups)} "
                              f"groups the mask makes ({payload.numel()} bytes)")
     parts, offset = [], size
-    for (index, positions), (length, check, flags, dtype_code) in zip(rows.groups, entries):
-        if dtype_code not in DTYPES:
-            raise TransportError(f"malformed message from {peer}: unknown dtype code {dtype_code} in its real rows")
-        group = dataclasses.replace(header, shape=(*positions.shape, *header.shape[2:]), dtype=DTYPES[dtype_code],
-                                    n_ids=index.numel(), payload_len=length, codec_check=check, flags=flags)
-        if problem := codec.check_header(group):
-            raise TransportError(f"malformed message from {peer}: a group of its real rows: {problem}")
-        with cuda_graphs.op_by_op():  # (as `encode`)
+    with cuda_graphs.op_by_op():  # (as `encode`)
+        for (index, positions), (length, check, flags, dtype_code) in zip(rows.groups, entries):
+            if dtype_code not in DTYPES:
+                raise TransportError(f"malformed message from {peer}: unknown dtype code {dtype_code} in its real rows")
+            group = dataclasses.replace(header, shape=(*positions.shape, *header.shape[2:]), dtype=DTYPES[dtype_code],
+                                        n_ids=index.numel(), payload_len=length, codec_check=check, flags=flags)
+            if problem := codec.check_header(group):
+                raise TransportError(f"malformed message from {peer}: a group of its real rows: {problem}")
             parts.append(codec.decode(group, payload[offset:offset + length], ids[index]))
-        offset += length
+            offset += length
     return rows.scatter(parts)
