@@ -10,6 +10,7 @@
 #                aqsgd:3 / directq:6, every step from the third under torch.cuda.set_sync_debug_mode
 #                (AQPIPE_CUDA_SYNC_AUDIT=1): synchronizing calls per step and where
 #   gpu-tests    python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py tests/test_gpu_cuda_graphs.py
+#                tests/test_tied_deltas.py
 #   codec-speed  benchmarks/codec_speed.py on the GPU, at GPT2-XL's activation shape and at SmolLM2-135M's (there
 #                also at a GPU run's 8 × 1024 tokens, and with the fused kernels off, then the CUDA graphs too),
 #                then benchmarks/codec_profile.py: an AQ-SGD message's host calls and device time,
@@ -124,6 +125,7 @@ part codec-speed 120 bash -c "gpu_state 'before codec_speed.py' && echo '### at 
   python benchmarks/fused_delta_sizes.py --repeats 15 --out '$out/fused_delta_sizes' && \
   gpu_state 'after fused_delta_sizes.py'"
 part gpu-tests 210 python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_codecs.py tests/test_gpu_cuda_graphs.py \
+  tests/test_tied_deltas.py \
   -n 12 -p no:cacheprovider -v --timeout 150 -rfE &
 tests=$!
 part sync-audit 130 bash -c sync_audit

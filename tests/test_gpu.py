@@ -42,10 +42,13 @@ needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="a check of CUDA itself
 
 
 # Where a training step may make the host wait for the GPU (file, function), each for a reason: the one read of an
-# AQ-SGD message's verdicts and checksum sums, and the step's gradient norm, which crosses to the host for the
-# collectives staged through it and for the clipping decision. (A message's new m(ξ) reaches a store in host RAM or
-# on disk as a queued copy, which the store's next call waits for on its event: no synchronizing call.)
-EXPECTED_SYNCS = {("aqpipe/compress/link/aqsgd_rows.py", "read_all"), ("aqpipe/pipeline/execution/optimizer_phase.py", "_clip")}
+# AQ-SGD message's verdicts and checksum sums; the step's gradient norm, which crosses to the host for the
+# collectives staged through it and for the clipping decision; whether a tied table's gradient rows are finite,
+# which decides their message's form (coded, or exact). (A message's new m(ξ) reaches a store in host RAM or on disk
+# as a queued copy, which the store's next call waits for on its event: no synchronizing call.)
+EXPECTED_SYNCS = {("aqpipe/compress/link/aqsgd_rows.py", "read_all"),
+                  ("aqpipe/pipeline/execution/optimizer_phase.py", "_clip"),
+                  ("aqpipe/pipeline/links/tied_deltas.py", "encode_grads")}
 
 
 @pytest.mark.parametrize("spec,direction,per", [("fp32", "fw", "channel"), ("fp16", "fw", "channel"),
@@ -147,7 +150,7 @@ def test_real_rows_are_coded_on_the_gpu_and_rebuilt_with_zeros_where_nothing_was
         x = x + 0.05 * torch.randn_like(x)
         grouped = real_rows.encode(sender, x, ids, True, rows)
         header = real_rows.header_of(grouped, sender, KIND_ACTIVATION, visit, 0, (5, 12, 48), 5, SIDE_MASK)
-        payload = torch.cat([grouped.directory, *(part.host for part in grouped.parts)])
+        payload = torch.cat([grouped.directory, *(part.payload for part in grouped.parts)])  # (its copies landed)
         got = real_rows.decode(on_gpu, header, payload, ids, mask, "stage 0")
         host = real_rows.decode(on_host, header, payload, ids, mask, "stage 0")
         assert got.device.type == torch.device(DEVICE).type and torch.equal(got.cpu(), host)

@@ -227,10 +227,14 @@ def test_delta_coded_rows_on_a_gpu_keep_the_mirror_and_the_cache_one_tensor():
     cache = table.clone()
     rows = torch.tensor([3, 9, 11])
     current = table[rows.to(device)] + 0.01
+    owner.known[9] = False  # (a row the mirror does not vouch for: it goes exactly)
     payload = owner.encode_rows(rows, current)
-    assert payload.device.type == "cpu"
-    cache[rows.to(device)] = lookup.decode_rows(rows, payload, cache)
-    assert torch.equal(owner.mirror, cache)
+    assert payload.device == device  # (the outbox copies it to the host without the step waiting)
+    cache[rows.to(device)] = lookup.decode_rows(rows, payload.cpu(), cache)  # (as it arrives: host bytes)
+    assert torch.equal(owner.mirror, cache) and bool(owner.known[rows].all())
+    assert torch.equal(cache[9], current[1])
     grads = torch.randn(len(rows), WIDTH, device=device)
-    decoded = owner.decode_grads(rows, lookup.encode_grads(rows, grads, VOCAB))
+    coded = lookup.encode_grads(rows, grads, VOCAB)
+    assert coded.device == device and int(coded[0]) == 0  # (coded, not exact)
+    decoded = owner.decode_grads(rows, coded.cpu())
     assert torch.allclose(decoded.to(device) + lookup.residual[rows.to(device)], grads, atol=1e-5)

@@ -73,23 +73,27 @@ class RowDeltas:
         if self.mirror is None:
             self.mirror = table.detach().clone()
         same = torch.equal(table_digest(self.mirror), lookup_digest.cpu())
-        self.known = torch.full((self.mirror.shape[0],), same, dtype=torch.bool, device=self.mirror.device)
+        # (on the host: which rows go exactly decides the payload's layout, which the host writes)
+        self.known = torch.full((self.mirror.shape[0],), same, dtype=torch.bool)
 
     def encode_rows(self, rows: torch.Tensor, current: torch.Tensor, keep: bool = True) -> torch.Tensor:
-        """The payload (on the host) of `rows` whose values are now `current`; with `keep` the mirror takes what the
-        lookup side will hold (an evaluation's rows: not)."""
+        """The payload (on `current`'s device) of `rows` (on the host) whose values are now `current`; with `keep`
+        the mirror takes what the lookup side will hold (an evaluation's rows: not)."""
         mirror, known = self._mirror()
-        rows = to_device(rows, mirror.device)
-        exact = ~known[rows]
-        coded_rows = rows[~exact]
-        change = current[~exact].to(torch.float32) - mirror[coded_rows].to(torch.float32)
+        exact = ~known[rows.cpu()]
+        device = mirror.device
+        exact_at, coded_at = (to_device(where.nonzero().view(-1), device) for where in (exact, ~exact))
+        rows_on = to_device(rows, device)
+        coded_rows = rows_on[coded_at]
+        change = current[coded_at].to(torch.float32) - mirror[coded_rows].to(torch.float32)
         codes, decoded = self._code(change)
+        exact_values = current[exact_at].to(torch.float32).contiguous()
         if keep:
             mirror[coded_rows] = mirror[coded_rows] + decoded.to(mirror.dtype)
-            mirror[rows[exact]] = current[exact].to(mirror.dtype)
-            known[rows] = True
-        exact_values = current[exact].to(torch.float32).contiguous().cpu()
-        return torch.cat([exact.to(torch.uint8).cpu(), exact_values.view(torch.uint8).reshape(-1), codes.reshape(-1)])
+            mirror[rows_on[exact_at]] = current[exact_at].to(mirror.dtype)
+            known[rows.cpu()] = True
+        return torch.cat([to_device(exact.to(torch.uint8), device), exact_values.view(torch.uint8).reshape(-1),
+                          codes.reshape(-1)])
 
     def decode_grads(self, rows: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
         """The gradient rows a payload stands for (float32 [len(rows), width])."""
@@ -110,29 +114,30 @@ class RowDeltas:
         n = len(rows)
         if payload.numel() < n:
             raise TransportError(f"a tied table's rows payload of {payload.numel()} bytes lacks its {n} mode bytes")
-        exact = to_device(payload[:n], cache.device) == EXACT
+        exact = payload[:n] == EXACT  # (read where the bytes arrived: which rows are which needs no wait)
         n_exact = int(exact.sum())
         body = payload[n:]
         _expect_length(body, n_exact * self.width * 4 + (n - n_exact) * self.row_bytes(), "rows")
         split = n_exact * self.width * 4
         exact_values = bytes_as(body[:split].view(1, -1), torch.float32).view(n_exact, self.width) if n_exact \
             else torch.zeros(0, self.width)
-        rows = to_device(rows, cache.device)
-        values = torch.empty(n, self.width, dtype=cache.dtype, device=cache.device)
-        values[exact] = to_device(exact_values, cache.device).to(cache.dtype)
+        device = cache.device
+        exact_at, coded_at = (to_device(where.nonzero().view(-1), device) for where in (exact, ~exact))
+        values = torch.empty(n, self.width, dtype=cache.dtype, device=device)
+        values[exact_at] = to_device(exact_values, device).to(cache.dtype)
         if n_exact < n:
-            decoded = self.coder._decode(to_device(body[split:], cache.device).view(n - n_exact, -1),
+            decoded = self.coder._decode(to_device(body[split:], device).view(n - n_exact, -1),
                                          (n - n_exact, 1, self.width)).view(n - n_exact, self.width)
-            values[~exact] = cache.detach()[rows[~exact]] + decoded.to(cache.dtype)
+            values[coded_at] = cache.detach()[to_device(rows, device)[coded_at]] + decoded.to(cache.dtype)
         return values
 
     def encode_grads(self, rows: torch.Tensor, grads: torch.Tensor, height: int) -> torch.Tensor:
-        """The payload (on the host) of the unscaled gradient rows `grads` of `rows` (a table of `height` rows): coded
-        with each row's error added, the new errors kept (`undo_step` puts the step's back); exactly, errors
-        untouched, when they are not finite."""
-        if not bool(torch.isfinite(grads).all()):
-            return torch.cat([torch.tensor([EXACT], dtype=torch.uint8),
-                              grads.to(torch.float32).contiguous().cpu().view(torch.uint8).reshape(-1)])
+        """The payload (on the gradients' device) of the unscaled gradient rows `grads` of `rows` (a table of `height`
+        rows): coded with each row's error added, the new errors kept (`undo_step` puts the step's back); exactly,
+        errors untouched, when they are not finite."""
+        if not bool(torch.isfinite(grads).all()):  # (the host waits for this: it decides the payload's form)
+            exact = grads.to(torch.float32).contiguous().view(torch.uint8).reshape(-1)
+            return torch.cat([exact.new_full((1,), EXACT), exact])
         if self.residual is None:
             self.residual = torch.zeros(height, self.width, dtype=torch.float32, device=grads.device)
         rows = to_device(rows, self.residual.device)
@@ -140,7 +145,7 @@ class RowDeltas:
         codes, decoded = self._code(target)
         self._undo.append((rows, self.residual[rows].clone()))
         self.residual[rows] = target - decoded
-        return torch.cat([torch.tensor([CODED], dtype=torch.uint8), codes.reshape(-1).cpu()])
+        return torch.cat([codes.new_full((1,), CODED), codes.reshape(-1)])
 
     def begin_step(self) -> None:
         """A step begins: the errors it changes are remembered from here (`undo_step`)."""
@@ -172,15 +177,15 @@ class RowDeltas:
         return self.mirror, self.known
 
     def _code(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Coded rows of float32 `values` [n, width] (on the host) and what they decode to (on the values' device),
-        decoded from the bytes themselves, as the other end decodes them."""
+        """Coded rows of float32 `values` [n, width] and what they decode to, both on the values' device, decoded from
+        the bytes themselves, as the other end decodes them."""
         n = values.shape[0]
         if n == 0:
-            return torch.zeros(0, dtype=torch.uint8), values
+            return torch.zeros(0, dtype=torch.uint8, device=values.device), values
         shape = (n, 1, self.width)
         codes, _ = self.coder._encode(values.reshape(shape), False)
         decoded = self.coder._decode(codes, shape).view(n, self.width)
-        return codes.cpu(), decoded
+        return codes, decoded
 
 
 def _expect_length(body: torch.Tensor, expected: int, what: str) -> None:
