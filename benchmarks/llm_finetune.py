@@ -44,6 +44,7 @@ VARIANTS = {
     "first rtqo4 fw3 bw rtqo4": ("--fw", "aqsgd:3", "--bw", "rtqo:4", "--first-sight", "rtqo:4",
                                  "--warmup-epochs", "0"),
     "first rtqo3 fw3 bw rtq4": ("--fw", "aqsgd:3", "--bw", "rtq:4", "--first-sight", "rtqo:3", "--warmup-epochs", "0"),
+    "first rtqo3 fw2 bw rtq3": ("--fw", "aqsgd:2", "--bw", "rtq:3", "--first-sight", "rtqo:3", "--warmup-epochs", "0"),
     "first rtq3 fw2 bw4": ("--fw", "aqsgd:2", "--bw", "directq:4", "--first-sight", "rtq:3", "--warmup-epochs", "0"),
     # aqsgd:4 forward, directq:8 backward with an fp32 warm-up epoch, and with rotated 4-bit first sights from the
     # first step
