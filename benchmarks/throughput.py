@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from aqpipe.compress.link.specs import DEFAULT_BW, DEFAULT_FIRST_SIGHT, DEFAULT_FW  # noqa: E402
 from aqpipe.launch import netns  # noqa: E402
 from aqpipe.pipeline.schedule import SCHEDULES  # noqa: E402
 from benchmarks.pipeline_throughput import machine  # noqa: E402
@@ -42,13 +43,14 @@ VARIANTS = {"fp32": ("fp32", "fp32"), "fp16": ("fp16", "fp16"), "directq fw3 bw6
             "aqsgd fw3 bw6": ("aqsgd:3", "directq:6"), "aqsgd fw4 bw8": ("aqsgd:4", "directq:8")}
 # not in the default grid: 4-bit gradients, the remedy for the backward link being the bottleneck at 25 Mbit; link
 # codecs as they start a run (with --whole-run): the paper's fp32 first epoch with aqsgd:4 / directq:8 ("defaults
-# before"), the same codecs with rotated 4-bit first sights from step 1 ("first rtq4 fw4 bw8"), and today's defaults,
-# 3-bit deltas and rotated 4-bit gradients from step 1 (launch_args asks for fp32 first sights, so each variant
-# names its own)
+# before"), the same codecs with rotated 4-bit first sights from step 1 ("first rtq4 fw4 bw8"), 3-bit deltas and
+# rotated 4-bit gradients with rtq:4 first sights, and this commit's defaults (launch_args asks for fp32 first sights,
+# so each variant names its own)
 EXTRA = {"aqsgd fw3 bw4": ("aqsgd:3", "directq:4"),
          "defaults before": ("aqsgd:4", "directq:8", ("--warmup-epochs", "1")),
          "first rtq4 fw4 bw8": ("aqsgd:4", "directq:8", ("--first-sight", "rtq:4", "--warmup-epochs", "0")),
-         "defaults": ("aqsgd:3", "rtq:4", ("--first-sight", "rtq:4", "--warmup-epochs", "0"))}
+         "first rtq4 fw3 bw rtq4": ("aqsgd:3", "rtq:4", ("--first-sight", "rtq:4", "--warmup-epochs", "0")),
+         "defaults": (DEFAULT_FW, DEFAULT_BW, ("--first-sight", DEFAULT_FIRST_SIGHT, "--warmup-epochs", "0"))}
 DEEPSPEED = "DeepSpeed fp32"
 MODELS = {2: ("benchmarks.models:gpt2_2x128", "parameters"), 4: ("benchmarks.models:gpt2_4x128", "2,1,1,2")}
 
