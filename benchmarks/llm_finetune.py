@@ -181,15 +181,19 @@ def summarize(results: dict[str, dict], start: float) -> str:
             + f"\n\nHeld-out question answered: {question!r}")
 
 
-def fixed_shape_bytes(summary: dict, args, hidden: int, links: int = 3) -> int:
+def fixed_shape_bytes(result: dict, args, hidden: int, links: int = 3) -> int:
     """What a fixed-shape fp32 pipeline (DeepSpeed's pipeline engine, torch's pipelining) sends over the links for the
     same run: every position of every micro-batch, forward and back, on each link, and every position of each
-    held-out sample forward at every evaluation the run made (its tied all-reduce not counted)."""
+    held-out sample forward at every evaluation the run made (its tied all-reduce not counted). A run's evaluations
+    are read from its records (one taken from an earlier results file has none: this invocation's cadence)."""
     from aqpipe.runtime.capacity_eval import eval_passes
 
+    summary = result["summary"]
     position = links * hidden * 4 * args.seq_len
     train = 2 * summary["steps"] * 4 * args.micro_batch_size * position
-    return train + eval_passes(summary["steps"], args.eval_every) * summary["eval_samples"] * position
+    passes = sum("eval_loss" in r for r in result["records"]) if result.get("records") \
+        else eval_passes(summary["steps"], args.eval_every)
+    return train + passes * summary["eval_samples"] * position
 
 
 def every_byte(results: dict[str, dict], args, work: Path) -> str:
@@ -208,7 +212,7 @@ def every_byte(results: dict[str, dict], args, work: Path) -> str:
         links = t["link_payload"] + t["link_framing"]
         control = t["control"] + t["setup"] + t["grad_sync"] + t.get("checkpoint", 0)
         total = links + t["tied"] + t["evaluation"] + control
-        fixed = fixed_shape_bytes(s, args, hidden)
+        fixed = fixed_shape_bytes(result, args, hidden)
         rows.append(f"| {name} | {s['eval_loss']:.4f} | {100 * (s['eval_loss'] / base - 1):+.2f}% | "
                     f"{links / 1e6:.1f} MB | {t['tied'] / 1e6:.1f} MB | {t['evaluation'] / 1e6:.1f} MB | "
                     f"{control / 1e6:.2f} MB | {total / 1e6:.1f} MB | {fixed / 1e6:.1f} MB | {fixed / total:.2f}x |")
