@@ -141,10 +141,11 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int) -> dic
                                   "the first checkpoint's copies")
             during = [r["step"] for r in watch.records if r["step"] > every]
             last_during = max(during, default=every)
-            wait_for(lambda: len(watch.poll()) >= last_during + after, 3600, f"{after} steps after the copies")
-            records = list(watch.records)
+            # (read now: with checkpoints often and many steps after, the run's retention removes the first one)
             parts = {h: hosts.on_disk(h, run / "checkpoints" / f"step-{every:08d}" / f"rank-{h}.pt").stat().st_size
                      for h in range(HOSTS)}
+            wait_for(lambda: len(watch.poll()) >= last_during + after, 3600, f"{after} steps after the copies")
+            records = list(watch.records)
             windows = copy_windows(hosts, run)
             appeared = dict(watch.appeared)
             lost_at = time.time()
