@@ -80,7 +80,8 @@ class RowDeltas:
         """The payload (on `current`'s device) of `rows` (on the host) whose values are now `current`; with `keep`
         the mirror takes what the lookup side will hold (an evaluation's rows: not)."""
         mirror, known = self._mirror()
-        exact = ~known[rows.cpu()]
+        rows = rows.cpu()
+        exact = ~known[rows]
         device = mirror.device
         exact_at, coded_at = (to_device(where.nonzero().view(-1), device) for where in (exact, ~exact))
         rows_on = to_device(rows, device)
@@ -91,7 +92,7 @@ class RowDeltas:
         if keep:
             mirror[coded_rows] = mirror[coded_rows] + decoded.to(mirror.dtype)
             mirror[rows_on[exact_at]] = current[exact_at].to(mirror.dtype)
-            known[rows.cpu()] = True
+            known[rows] = True
         return torch.cat([to_device(exact.to(torch.uint8), device), exact_values.view(torch.uint8).reshape(-1),
                           codes.reshape(-1)])
 
