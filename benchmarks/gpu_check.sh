@@ -19,7 +19,8 @@
 #   throughput-mps  the same under NVIDIA MPS (started and stopped here), where nvidia-cuda-mps-control exists
 # About 4 minutes on an H200 (codec speed, then the GPU tests beside the sync audit, then the two throughput runs;
 # each part stops at its own limit: 8.7 minutes in all at most). AQPIPE_BENCH_DATA names the WikiText-2 file the
-# throughput parts train on; AQPIPE_GPU_CHECK_PARTS picks a subset; AQPIPE_COMMIT names the commit the results
+# throughput parts train on, AQPIPE_GPU_CHECK_ROUNDS how many rounds each throughput part runs (default 1; each round
+# about a minute more per part); AQPIPE_GPU_CHECK_PARTS picks a subset; AQPIPE_COMMIT names the commit the results
 # files record, where the tree is a copy whose git is not the checkout's (whose git may report another
 # commit than the tree's). The switches of the codecs' GPU paths pass through
 # to every part: AQPIPE_FUSED_AQSGD=1 bash benchmarks/gpu_check.sh measures AQ-SGD's fused delta step throughout.
@@ -29,6 +30,7 @@ out=${1:-benchmarks/results/gpu_check}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 data=${AQPIPE_BENCH_DATA:-/work/shared/data/wikitext-2/valid.txt}
+rounds=${AQPIPE_GPU_CHECK_ROUNDS:-1}
 results="$out/results.md"
 # (an earlier run's logs in a reused OUT would be reported as this run's)
 rm -rf "$out"/{gpu-tests,sync-audit,codec-speed,throughput,throughput-mps}.log "$out"/audit-fp32 "$out"/audit-bf16 "$out"/audit-lmdb
@@ -90,7 +92,7 @@ sync_audit() {  # three short runs with every rank audited; their rank logs hold
 throughput_mps() {  # the same pipeline with NVIDIA MPS: the four ranks' kernels share the GPU instead of time-slicing
   command -v nvidia-cuda-mps-control >/dev/null || { echo "no nvidia-cuda-mps-control on this machine"; return 3; }
   nvidia-cuda-mps-control -d || return
-  python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 --epochs 4 \
+  python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds "$rounds" --epochs 4 \
     --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda_mps"
   local rc=$?
   echo quit | nvidia-cuda-mps-control
@@ -98,7 +100,7 @@ throughput_mps() {  # the same pipeline with NVIDIA MPS: the four ranks' kernels
 }
 
 export -f sync_audit throughput_mps gpu_state
-export out data
+export out data rounds
 # Codec speed first, alone on the GPU (its numbers are times); then the GPU tests beside the sync audit (neither
 # times anything, and the audit's launches fit in the tests' shadow); then each throughput run alone.
 # (at SmolLM2's shape: also the shape of a GPU run's micro-batch, 8 × 1024 tokens, and the same coders without the
@@ -130,9 +132,9 @@ part gpu-tests 210 python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_code
 tests=$!
 part sync-audit 130 bash -c sync_audit
 wait "$tests"
-part throughput 120 python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds 1 \
+part throughput $((60 + 60 * rounds)) python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds "$rounds" \
   --epochs 4 --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda"
-part throughput-mps 70 bash -c throughput_mps
+part throughput-mps $((10 + 60 * rounds)) bash -c throughput_mps
 
 {
   echo
