@@ -4,9 +4,11 @@ across hosts" says, each rank's checkpoint part copied to the next host. For ful
 
 - the copies of one checkpoint: bytes on the link (the run's `checkpoint_bytes`, against the parts' sizes on disk)
   and seconds (from the step directory's COMPLETE mark to its REPLICATED mark, on every host);
-- the training slowdown while they travel: the median step time of the steps that ran (in part) while some
-  checkpoint's copies travelled (a step ends when its record appears in host 0's metrics.jsonl), against the same
-  steps of a run that keeps no copies (`--checkpoint-replicas 0`), and the other steps of both runs;
+- the training slowdown while they travel (over the first `--checkpoints` checkpoints' copies): the median step time
+  of the steps that ran (in part) while some checkpoint's copies travelled (a step ends when its record appears in
+  host 0's metrics.jsonl), against the same steps of a run that keeps no copies (`--checkpoint-replicas 0`), and the
+  other steps of both runs; and paired: each step's time over the same step's in the run without copies, during
+  copies against the rest;
 - the time from a host's loss to the first step trained after recovery: once the copies are kept and some steps
   more are trained, host 2 dies whole (torchrun and rank SIGKILLed), its disk is wiped, and a host with an empty disk
   starts in its place with the same command (and an empty model cache: it converts the weights again); the others'
@@ -86,10 +88,35 @@ def wait_for(condition, timeout: float, what: str, poll: float = 0.2):
     raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def marks(hosts, run: Path, step: int, name: str) -> list[float]:
-    """Each host's mtime of step `step`'s marker `name` (every host has it), else []."""
-    found = [hosts.on_disk(h, run / "checkpoints" / f"step-{step:08d}" / name) for h in range(HOSTS)]
-    return [p.stat().st_mtime for p in found] if all(p.is_file() for p in found) else []
+class Marks:
+    """Every checkpoint's COMPLETE and REPLICATED marks on every host, polled: when each was written (kept once seen:
+    the run's retention removes older checkpoints, marks and all)."""
+
+    def __init__(self, hosts, run: Path) -> None:
+        self.hosts, self.run = hosts, run
+        self.seen: dict[tuple[int, str], dict[int, float]] = {}  # (step, mark) -> host -> mtime
+
+    def poll(self) -> None:
+        for host in range(HOSTS):
+            for name in ("COMPLETE", "REPLICATED"):
+                for path in self.hosts.on_disk(host, self.run / "checkpoints").glob(f"step-*/{name}"):
+                    step = int(path.parent.name[len("step-"):])
+                    try:
+                        self.seen.setdefault((step, name), {}).setdefault(host, path.stat().st_mtime)
+                    except OSError:  # (removed between the listing and the look)
+                        pass
+
+    def everywhere(self, step: int, name: str) -> list[float]:
+        """Each host's time of step `step`'s mark `name`, where every host has written it, else []."""
+        found = self.seen.get((step, name), {})
+        return [found[h] for h in range(HOSTS)] if len(found) == HOSTS else []
+
+    def windows(self) -> dict[int, tuple[float, float]]:
+        """Each checkpoint whose copies were all kept: (its COMPLETE mark, its REPLICATED mark), the latest host's
+        each."""
+        return {step: (max(self.everywhere(step, "COMPLETE")), max(self.everywhere(step, "REPLICATED")))
+                for step, name in self.seen if name == "REPLICATED"
+                and self.everywhere(step, "COMPLETE") and self.everywhere(step, "REPLICATED")}
 
 
 def job(work: Path, name: str, port: int):
@@ -125,28 +152,40 @@ def baseline(work: Path, extra: tuple[str, ...], every: int, steps: int) -> list
         return watch.records
 
 
-def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int) -> dict:
-    """A run keeping one copy of each part: the first checkpoint's copies measured, `after` steps trained once they
-    are kept, then host LOST replaced by an empty one; the time to the first step after recovery."""
+def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int, checkpoints: int) -> dict:
+    """A run keeping one copy of each part: the first checkpoint's copies measured, the steps trained while
+    the copies of the first `checkpoints` checkpoints travelled, `after` steps more once they are kept, then host LOST
+    replaced by an empty one; the time to the first step after recovery."""
     with job(work, "copies", 29741) as hosts:
         run = hosts.mount / "run"
         cmd = command(hosts, run, (*extra, "--checkpoint-every", str(every)))
         procs = [hosts.start(h, *cmd, env=env(hosts), max_restarts=3) for h in range(HOSTS)]
         watch = Watch(hosts.on_disk(0, run / "metrics.jsonl"))
+        seen = Marks(hosts, run)
+
+        def polled(mark):
+            watch.poll()
+            seen.poll()
+            return mark()
+
         try:
             started = time.time()
-            complete = wait_for(lambda: (watch.poll(), marks(hosts, run, every, "COMPLETE"))[1], 3600,
+            complete = wait_for(lambda: polled(lambda: seen.everywhere(every, "COMPLETE")), 3600,
                                 "the first checkpoint")
-            replicated = wait_for(lambda: (watch.poll(), marks(hosts, run, every, "REPLICATED"))[1], 7200,
+            replicated = wait_for(lambda: polled(lambda: seen.everywhere(every, "REPLICATED")), 7200,
                                   "the first checkpoint's copies")
             during = [r["step"] for r in watch.records if r["step"] > every]
             last_during = max(during, default=every)
             # (read now: with checkpoints often and many steps after, the run's retention removes the first one)
             parts = {h: hosts.on_disk(h, run / "checkpoints" / f"step-{every:08d}" / f"rank-{h}.pt").stat().st_size
                      for h in range(HOSTS)}
-            wait_for(lambda: len(watch.poll()) >= last_during + after, 3600, f"{after} steps after the copies")
+            wait_for(lambda: polled(lambda: len(seen.windows()) >= checkpoints), 3600 * checkpoints,
+                     f"the copies of {checkpoints} checkpoints")
+            measured = max(step for step in seen.windows())
+            wait_for(lambda: polled(lambda: len(watch.records) >= measured + 1 + after), 3600,
+                     f"{after} steps after the copies")
             records = list(watch.records)
-            windows = copy_windows(hosts, run)
+            windows = seen.windows()
             appeared = dict(watch.appeared)
             lost_at = time.time()
             hosts.kill(procs[LOST])
@@ -176,17 +215,6 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int) -> dic
             "replacement_log_tail": log[-2000:], "codes": codes}
 
 
-def copy_windows(hosts, run: Path) -> dict[int, tuple[float, float]]:
-    """Each checkpoint whose copies were all kept: (its COMPLETE mark, its REPLICATED mark), the latest host's each."""
-    windows = {}
-    for replicated in hosts.on_disk(0, run / "checkpoints").glob("step-*/REPLICATED"):
-        step = int(replicated.parent.name[len("step-"):])
-        complete, kept = marks(hosts, run, step, "COMPLETE"), marks(hosts, run, step, "REPLICATED")
-        if complete and kept:
-            windows[step] = (max(complete), max(kept))
-    return windows
-
-
 def overlapping(records: list[dict], appeared: dict[int, float], windows: dict[int, tuple[float, float]]
                 ) -> list[int]:
     """The steps that ran (in part) while some checkpoint's copies travelled: a step ends when its record appears and
@@ -196,9 +224,9 @@ def overlapping(records: list[dict], appeared: dict[int, float], windows: dict[i
         for step, (begin, end) in windows.items())]
 
 
-def measure(work: Path, name: str, every: int, after: int) -> dict:
+def measure(work: Path, name: str, every: int, after: int, checkpoints: int) -> dict:
     extra = VARIANTS[name]
-    copies = with_loss(work / name, extra, every, after)
+    copies = with_loss(work / name, extra, every, after, checkpoints)
     records = copies["records"]
     during = overlapping(records, copies["appeared"], copies["windows"])
     others = [r["step"] for r in records if r["step"] > every and r["step"] not in during]
@@ -207,6 +235,16 @@ def measure(work: Path, name: str, every: int, after: int) -> dict:
     quiet = [r["step"] for r in records if 2 <= r["step"] <= every] + others
     reference = {r["step"]: r["step_seconds"] for r in baseline(work / name, extra, every, records[-1]["step"])}
     seconds = {r["step"]: r["step_seconds"] for r in records}
+    # paired: each step's time over the same step's in the no-copies job, during copies against the other steps (a
+    # job that runs faster throughout, as one of two often does on shared cores, cancels out)
+    ratio = {s: seconds[s] / reference[s] for s in seconds if s in reference and s >= 2}
+    during_ratio = [ratio[s] for s in during if s in ratio]
+    quiet_ratio = [ratio[s] for s in quiet if s in ratio]
+    paired = (statistics.median(during_ratio) / statistics.median(quiet_ratio) - 1
+              if during_ratio and quiet_ratio else None)
+    # what a checkpoint's save costs by itself: the no-copies job's steps right after one, against its others
+    saves = [s for s in reference if s > 1 and (s - 1) % every == 0]
+    unsaved = [s for s in reference if s >= 2 and (s - 1) % every != 0]
     return {
         "variant": name, "checkpoint_every": every,
         "part_bytes": copies["part_bytes"], "copied_bytes": copies["checkpoint_bytes"],
@@ -220,6 +258,9 @@ def measure(work: Path, name: str, every: int, after: int) -> dict:
         "step_seconds_same_job_no_copies": statistics.median(seconds[s] for s in quiet) if quiet else None,
         "step_seconds_no_copies_same_other_steps": (statistics.median(reference[s] for s in others if s in reference)
                                                     if others else None),
+        "paired_slowdown": paired, "paired_ratios_during": during_ratio,
+        "no_copies_step_seconds_after_a_save": statistics.median(reference[s] for s in saves) if saves else None,
+        "no_copies_step_seconds_other_steps": statistics.median(reference[s] for s in unsaved) if unsaved else None,
         "records": records, "appeared": copies["appeared"], "windows": copies["windows"],
         "no_copies_step_seconds": reference,
         "recovery": copies["recovery"], "codes_when_stopped": copies["codes"],
@@ -237,17 +278,22 @@ def steps(numbers: list[int]) -> str:
 def write_markdown(results: list[dict], path: Path) -> None:
     lines = ["| variant | part MB per host | copied MB (parts × 1 copy) | copy s per host | steps during copies | "
              "median step s: during copies / same job, no copies in flight / no-copies job, same steps | "
-             "slowdown: same job / other job | host lost → first step after recovery |",
-             "|---|---|---|---|---|---|---|---|"]
+             "slowdown: same job / other job / paired | no-copies job: step s after a save / other steps | "
+             "host lost → first step after recovery |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         parts = ", ".join(f"{b / 1e6:.1f}" for b in r["part_bytes"].values())
         during, quiet, same = (r["step_seconds_during"], r["step_seconds_same_job_no_copies"],
                                r["step_seconds_no_copies_same_steps"])
         slowdown = " / ".join(f"{(during / ref - 1) * 100:+.1f}%" if during and ref else "-" for ref in (quiet, same))
+        paired = r.get("paired_slowdown")
+        slowdown += f" / {paired * 100:+.1f}%" if paired is not None else " / -"
+        saves = (f"{r['no_copies_step_seconds_after_a_save']:.2f} / {r['no_copies_step_seconds_other_steps']:.2f}"
+                 if r.get("no_copies_step_seconds_after_a_save") else "-")
         lines.append(
             f"| {r['variant']} | {parts} | {r['copied_bytes'] / 1e6:.1f} ({sum(r['part_bytes'].values()) / 1e6:.1f}) | "
             f"{', '.join(f'{s:.0f}' for s in r['copy_seconds'])} | {steps(r['steps_during_copies'])} | "
-            f"{during:.2f} / {quiet:.2f} / {same:.2f} | {slowdown} | "
+            f"{during:.2f} / {quiet:.2f} / {same:.2f} | {slowdown} | {saves} | "
             f"{r['recovery']['seconds']:.0f} s (fetched {r['recovery']['fetched_bytes'] / 1e6:.1f} MB; "
             f"{r['recovery']['steps_lost']} steps trained again) |")
     path.write_text("\n".join(lines) + "\n")
@@ -259,6 +305,8 @@ def main() -> None:
     parser.add_argument("--variants", default="lora,full")
     parser.add_argument("--every", type=int, default=4, help="--checkpoint-every (first checkpoint measured)")
     parser.add_argument("--after", type=int, default=6, help="steps trained after the copies, before the loss")
+    parser.add_argument("--checkpoints", type=int, default=1,
+                        help="checkpoints whose copies are measured (the steps while they travel)")
     parser.add_argument("--work", default="/tmp/aqpipe-host-loss")
     args = parser.parse_args()
     work = Path(args.work)
@@ -267,7 +315,7 @@ def main() -> None:
     saved = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").is_file() else {}
     results = {r["variant"]: r for r in saved.get("results", [])}
     for name in args.variants.split(","):
-        results[name] = measure(work, name, args.every, args.after)
+        results[name] = measure(work, name, args.every, args.after, args.checkpoints)
         print(json.dumps({k: v for k, v in results[name].items() if k != "replacement_log_tail"}), flush=True)
         info = {"machine": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
                 "hosts": HOSTS, "rate_bits": RATE_BITS, "args": list(COMMON)}

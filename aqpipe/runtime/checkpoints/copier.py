@@ -196,6 +196,20 @@ def run_copies(where: dict, orders, reports) -> None:
         _report(reports, {"sent": unsent, "done": step, "problem": failed[0] if failed else ""})
 
 
+def lowest_priority() -> None:
+    """Make every thread of this process (and the threads they start) run only on a core no other work wants:
+    Linux's SCHED_IDLE, which any waking thread of another policy preempts at once, and the lowest nice value."""
+    tasks = Path(f"/proc/{os.getpid()}/task")
+    # (on Linux both are a thread's own, and importing torch has started threads of its own already)
+    for thread in [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [0]:
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread, NICE)
+            if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+                os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:  # (a thread that ended, a kernel without SCHED_IDLE or a sandbox that forbids it)
+            pass
+
+
 def _report(reports, report: dict) -> None:
     reports.write(json.dumps(report).encode() + b"\n")
     reports.flush()
@@ -207,7 +221,7 @@ def main() -> None:
     die_with(where["parent"])
     import torch.distributed  # noqa: F401 - at the rank's priority: once, and the first copies wait for it
 
-    os.setpriority(os.PRIO_PROCESS, 0, NICE)  # (before gloo starts its threads: they take it too)
+    lowest_priority()  # (before gloo starts its threads: they take it too)
     reports = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # (anything else printed goes to the rank's stderr, never into the reports)
     run_copies(where, sys.stdin.buffer, reports)
