@@ -1,8 +1,9 @@
 """The process that copies a rank's checkpoint parts to other hosts while training goes on.
 
 Each rank starts, as the run begins, a process of its own (`python -m aqpipe.runtime.checkpoints.copier`), which
-copies at the lowest CPU priority. These processes meet at the run's rendezvous store, form a gloo group of their own
-and copy every rank's part of each checkpoint (`copies.copy_step`) when their ranks ask. Why a process, not a thread
+copies at the lowest CPU priority (SCHED_IDLE: on a core no training wants). These processes meet at the run's
+rendezvous store, form a gloo group of their own and copy every rank's part of each checkpoint (`copies.copy_step`)
+when their ranks ask. Why a process, not a thread
 of the rank: a thread that reads, hashes and writes pieces takes Python's lock many times a second, and the step's
 own Python waits for it each time (at 2 MB/s such a thread made SmolLM2's steps 12% slower on a host whose cores were
 all busy); a process of its own shares no lock with the step. The rank tells its process which step to copy and at
