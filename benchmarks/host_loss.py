@@ -174,15 +174,13 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int, checkp
                                 "the first checkpoint")
             replicated = wait_for(lambda: polled(lambda: seen.everywhere(every, "REPLICATED")), 7200,
                                   "the first checkpoint's copies")
-            during = [r["step"] for r in watch.records if r["step"] > every]
-            last_during = max(during, default=every)
             # (read now: with checkpoints often and many steps after, the run's retention removes the first one)
             parts = {h: hosts.on_disk(h, run / "checkpoints" / f"step-{every:08d}" / f"rank-{h}.pt").stat().st_size
                      for h in range(HOSTS)}
             wait_for(lambda: polled(lambda: len(seen.windows()) >= checkpoints), 3600 * checkpoints,
                      f"the copies of {checkpoints} checkpoints")
-            measured = max(step for step in seen.windows())
-            wait_for(lambda: polled(lambda: len(watch.records) >= measured + 1 + after), 3600,
+            trained = len(watch.records)
+            wait_for(lambda: polled(lambda: len(watch.records) >= trained + after), 3600,
                      f"{after} steps after the copies")
             records = list(watch.records)
             windows = seen.windows()
@@ -207,8 +205,10 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int, checkp
             for proc in procs:
                 hosts.kill(proc)
             codes = wait_all(procs, 10)
-    # (the first checkpoint's copies: the bytes recorded up to the step in which they ended)
-    copied = sum(r.get("checkpoint_bytes", 0) for r in records if r["step"] <= last_during + 1)
+    # (the first checkpoint's copies: the bytes recorded before the next copied checkpoint's copies began; a copies'
+    # process tells its rank what it sent every half second, read at the rank's next step)
+    later = sorted(step for step in windows if step > every)
+    copied = sum(r.get("checkpoint_bytes", 0) for r in records if not later or r["step"] <= later[0])
     return {"records": records, "start": started, "complete": complete, "replicated": replicated,
             "copy_seconds": [r - c for r, c in zip(replicated, complete)], "part_bytes": parts,
             "checkpoint_bytes": copied, "windows": windows, "appeared": appeared, "recovery": recovered,

@@ -141,12 +141,20 @@ def test_a_fresh_host_in_place_of_one_that_lost_its_disk_fetches_its_part_and_th
         assert len(records(metrics)) < 32, logs(hosts)
         copied = hosts.on_disk(2, run / "checkpoints")
         assert [p.name for p in copied.glob("step-*/rank-1.pt")], "host 2 keeps a copy of rank 1's part"
+        replicated = max(int(p.parent.name[len("step-"):]) for p in copied.glob("step-*/REPLICATED"))
         hosts.kill(procs[1])
         wipe(hosts.disk(1))
         procs[1] = hosts.start(1, *command, env=ENV, max_restarts=3)
         assert wait_all(procs, 240) == [0, 0, 0], logs(hosts)
         said = (hosts.disk(1) / "torchrun.log").read_text(errors="replace")
         assert re.search(r"rank 1 on host-1: fetched its part of the checkpoint of step \d+ from rank 2's host", said)
+        said = (hosts.disk(0) / "torchrun.log").read_text(errors="replace")
+        resumed = [int(step) for step in re.findall(r"holds this run: it continues after step (\d+)", said)]
+        assert len(resumed) == 1 and resumed[0] >= replicated, (resumed, replicated, logs(hosts))
+        trained = [int(step) for step in re.findall(r"^step (\d+)/32 ", said, flags=re.M)]  # (host 0's progress)
+        assert sorted(set(trained)) == list(range(1, 33))
+        assert all(trained.count(step) == 1 for step in range(1, resumed[0] + 1)), trained
+        assert all(trained.count(step) <= 2 for step in range(1, 33)), trained  # only those after it, again
         done = records(metrics)
         assert [r["step"] for r in done] == list(range(1, 33))
         summary = json.loads(hosts.on_disk(0, run / "summary.json").read_text())
