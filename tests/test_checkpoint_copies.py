@@ -258,7 +258,7 @@ def test_the_copies_run_in_a_process_of_their_own_at_the_lowest_priority_that_en
     """No thread of the training process copies (a thread's reads, hashes and writes held Python's lock against the
     step's own Python: 12% slower steps); every thread of the copies' process (gloo's too) runs under SCHED_IDLE, which
     any waking rank preempts at once (at nice 19 alone, SmolLM2's LoRA steps ran 11% slower while copies travelled,
-    3-9% under SCHED_IDLE, 4% in the median of three runs), and at nice 19; the process does not outlive its rank."""
+    3-9% in four runs under SCHED_IDLE), and at nice 19; the process does not outlive its rank."""
     import time
 
     results = run_ranks(_copies_process, 2, str(tmp_path))
