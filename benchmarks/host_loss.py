@@ -29,6 +29,7 @@ import platform
 import shutil
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -119,6 +120,40 @@ class Marks:
                 and self.everywhere(step, "COMPLETE") and self.everywhere(step, "REPLICATED")}
 
 
+class CpuShares:
+    """The machine's CPU time by kind (/proc/stat: user, nice — the copies' process runs at nice 19 —, system,
+    idle, iowait, irq, softirq — the kernel's packet work), sampled every quarter second while it runs."""
+
+    KINDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq")
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, list[int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with open("/proc/stat") as f:
+                self.samples.append((time.time(), [int(v) for v in f.readline().split()[1:8]]))
+            self._stop.wait(0.25)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def shares(self, windows: dict[int, tuple[float, float]], begin: float, end: float) -> dict:
+        """Each kind's share of all CPU time between `begin` and `end`: while copies travelled (`windows`), and not."""
+        totals: dict[bool, list[int]] = {True: [0] * 7, False: [0] * 7}
+        for (t0, a), (t1, b) in zip(self.samples, self.samples[1:]):
+            if begin <= t0 and t1 <= end:
+                during = any(lo <= (t0 + t1) / 2 <= hi for lo, hi in windows.values())
+                totals[during] = [x + y - z for x, y, z in zip(totals[during], b, a)]
+        return {("during_copies" if during else "no_copies"): {k: round(v / sum(kinds), 4) for k, v in
+                                                                zip(self.KINDS, kinds)} if sum(kinds) else None
+                for during, kinds in totals.items()}
+
+
 def job(work: Path, name: str, port: int):
     """A context: the job on 4 simulated hosts, started (with a per-host model cache)."""
     return simulated_hosts(work / name, HOSTS, 1, RATE_BITS, port=port)
@@ -168,6 +203,7 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int, checkp
             seen.poll()
             return mark()
 
+        cpu = CpuShares()
         try:
             started = time.time()
             complete = wait_for(lambda: polled(lambda: seen.everywhere(every, "COMPLETE")), 3600,
@@ -184,6 +220,9 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int, checkp
                      f"{after} steps after the copies")
             records = list(watch.records)
             windows = seen.windows()
+            cpu.stop()
+            # (from the end of the first 20 s, the ranks' start-up, to the last copies' end)
+            shares = cpu.shares(windows, started + 20, max(end for _, end in windows.values()))
             appeared = dict(watch.appeared)
             lost_at = time.time()
             hosts.kill(procs[LOST])
@@ -209,7 +248,7 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int, checkp
     # process tells its rank what it sent every half second, read at the rank's next step)
     later = sorted(step for step in windows if step > every)
     copied = sum(r.get("checkpoint_bytes", 0) for r in records if not later or r["step"] <= later[0])
-    return {"records": records, "start": started, "complete": complete, "replicated": replicated,
+    return {"records": records, "cpu_shares": shares, "start": started, "complete": complete, "replicated": replicated,
             "copy_seconds": [r - c for r, c in zip(replicated, complete)], "part_bytes": parts,
             "checkpoint_bytes": copied, "windows": windows, "appeared": appeared, "recovery": recovered,
             "replacement_log_tail": log[-2000:], "codes": codes}
@@ -258,7 +297,7 @@ def measure(work: Path, name: str, every: int, after: int, checkpoints: int) -> 
         "step_seconds_same_job_no_copies": statistics.median(seconds[s] for s in quiet) if quiet else None,
         "step_seconds_no_copies_same_other_steps": (statistics.median(reference[s] for s in others if s in reference)
                                                     if others else None),
-        "paired_slowdown": paired, "paired_ratios_during": during_ratio,
+        "paired_slowdown": paired, "paired_ratios_during": during_ratio, "cpu_shares": copies["cpu_shares"],
         "no_copies_step_seconds_after_a_save": statistics.median(reference[s] for s in saves) if saves else None,
         "no_copies_step_seconds_other_steps": statistics.median(reference[s] for s in unsaved) if unsaved else None,
         "records": records, "appeared": copies["appeared"], "windows": copies["windows"],
@@ -296,6 +335,13 @@ def write_markdown(results: list[dict], path: Path) -> None:
             f"{during:.2f} / {quiet:.2f} / {same:.2f} | {slowdown} | {saves} | "
             f"{r['recovery']['seconds']:.0f} s (fetched {r['recovery']['fetched_bytes'] / 1e6:.1f} MB; "
             f"{r['recovery']['steps_lost']} steps trained again) |")
+    for r in results:
+        shares = r.get("cpu_shares") or {}
+        if shares.get("during_copies") and shares.get("no_copies"):
+            lines.append("")
+            lines.append(f"{r['variant']}: the machine's CPU while copies travelled / while none did: " + ", ".join(
+                f"{kind} {shares['during_copies'][kind] * 100:.1f}% / {shares['no_copies'][kind] * 100:.1f}%"
+                for kind in ("user", "nice", "system", "softirq", "idle")) + " (nice: the copies' process)")
     path.write_text("\n".join(lines) + "\n")
 
 
