@@ -132,8 +132,8 @@ part gpu-tests 210 python -m pytest -m gpu tests/test_gpu.py tests/test_gpu_code
 tests=$!
 part sync-audit 130 bash -c sync_audit
 wait "$tests"
-part throughput $((60 + 60 * rounds)) python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit --rounds "$rounds" \
-  --epochs 4 --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda"
+part throughput $((60 + 60 * rounds)) python benchmarks/throughput.py --device cuda --pp 4 --bandwidths 100mbit \
+  --rounds "$rounds" --epochs 4 --variants "fp32,aqsgd fw3 bw6" --no-deepspeed --data "$data" --out "$out/throughput_cuda"
 part throughput-mps $((10 + 60 * rounds)) bash -c throughput_mps
 
 {

@@ -3,12 +3,11 @@
 Each rank starts, as the run begins, a process of its own (`python -m aqpipe.runtime.checkpoints.copier`), which
 copies at the lowest CPU priority (SCHED_IDLE: on a core no training wants). These processes meet at the run's
 rendezvous store, form a gloo group of their own and copy every rank's part of each checkpoint (`copies.copy_step`)
-when their ranks ask. Why a process, not a thread
-of the rank: a thread that reads, hashes and writes pieces takes Python's lock many times a second, and the step's
-own Python waits for it each time (at 2 MB/s such a thread made SmolLM2's steps 12% slower on a host whose cores were
-all busy); a process of its own shares no lock with the step. The rank tells its process which step to copy and at
-what pace (one JSON line on its stdin); the process reports the bytes it sent and each step's end (JSON lines on its
-stdout), and dies with its rank.
+when their ranks ask. Why a process, not a thread of the rank: a thread that reads, hashes and writes pieces takes
+Python's lock many times a second, and the step's own Python waits for it each time (at 2 MB/s such a thread made
+SmolLM2's steps 12% slower on a host whose cores were all busy); a process of its own shares no lock with the step.
+The rank tells its process which step to copy and at what pace (one JSON line on its stdin); the process reports the
+bytes it sent and each step's end (JSON lines on its stdout), and dies with its rank.
 """
 
 from __future__ import annotations
@@ -201,11 +200,12 @@ def lowest_priority() -> None:
     """Make every thread of this process (and the threads they start) run only on a core no other work wants:
     Linux's SCHED_IDLE, which any waking thread of another policy preempts at once, and the lowest nice value."""
     tasks = Path(f"/proc/{os.getpid()}/task")
+    idle = hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
     # (on Linux both are a thread's own, and importing torch has started threads of its own already)
     for thread in [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [0]:
         try:
             os.setpriority(os.PRIO_PROCESS, thread, NICE)
-            if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+            if idle:
                 os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
         except OSError:  # (a thread that ended, a kernel without SCHED_IDLE or a sandbox that forbids it)
             pass
