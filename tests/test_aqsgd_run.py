@@ -14,7 +14,7 @@ from tests import warm
 
 def run(tmp_path, **kw):
     settings = dict(model="gpt2-tiny", seq_len=16, micro_batch_size=2, micro_batches=3, epochs=3, lr=1e-3,
-                    max_samples=48, device="cpu", out=str(tmp_path / "run"), fw="aqsgd:2", bw="directq:4",
+                    max_samples=48, eval_samples=16, device="cpu", out=str(tmp_path / "run"), fw="aqsgd:2", bw="directq:4",
                     store_dump="on", warmup_epochs=1)
     settings.update(kw)
     cfg = resolve(RunConfig(**settings))

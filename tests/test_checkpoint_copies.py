@@ -10,6 +10,7 @@ import torch
 
 from aqpipe.runtime.checkpoints import parts as ck
 from aqpipe.runtime.checkpoints.copies import Landing, copy_plan, default_copies
+from aqpipe.runtime.checkpoints.parts import CheckpointError
 from aqpipe.runtime.checkpoints.restart import choose_start, holding
 from tests.distributed import run_ranks
 
@@ -152,6 +153,25 @@ def test_a_checkpoint_whose_copies_never_finished_counts_only_while_every_part_i
     ck.rank_file(ck.step_dir(hosts[1], 8), 1).unlink()
     holdings = [holding(h, r, SETTINGS) for r, h in enumerate(hosts)]
     assert choose_start(holdings, tmp_path, explicit=False).candidates == [4]
+
+
+def test_a_host_that_lost_its_part_of_a_checkpoint_kept_without_copies_stops_every_rank_with_one_line(tmp_path):
+    """--checkpoint-replicas 0 across hosts: step 4 is complete on every host and kept nowhere else. A host that comes
+    back with an empty disk has nothing to fetch, and no rank trains over the run: the start is refused, naming the
+    rank that lost its part and where to put the files back."""
+    hosts = [tmp_path / f"host-{r}" for r in range(3)]
+    for rank, host in enumerate(hosts):
+        ck.save_rank(host, 4, rank, {"model": {"w": torch.full((4,), float(rank))}}, SETTINGS)
+        ck.mark_complete(host, 4, 3, SETTINGS)
+    assert choose_start([holding(h, r, SETTINGS) for r, h in enumerate(hosts)], tmp_path, explicit=False
+                        ).candidates == [4]
+    for path in sorted(hosts[1].rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() else path.unlink()
+    for explicit in (False, True):
+        with pytest.raises(CheckpointError, match=r"^the checkpoint of step 4 is complete, but rank 1 on \S+ no longer "
+                                                  r"holds its part of it and no host keeps a copy \(a lost disk\?\); put "
+                                                  r"the files back under .*step-00000004, or start again with --overwrite$"):
+            choose_start([holding(h, r, SETTINGS) for r, h in enumerate(hosts)], tmp_path, explicit=explicit)
 
 
 def test_a_paced_copy_travels_in_pieces_that_cross_the_link_in_milliseconds():

@@ -64,7 +64,7 @@ def test_each_family_loaded_stage_by_stage_gives_the_hf_models_logits(tmp_path, 
 
 def config(out, model: str, **kw) -> RunConfig:
     settings = dict(model=model, seq_len=32, micro_batch_size=2, micro_batches=3, steps=4, lr=2e-3, warmup_steps=1,
-                    seed=1, max_samples=64, device="cpu", out=str(out), fw="fp32", bw="fp32")
+                    seed=1, max_samples=64, eval_samples=16, device="cpu", out=str(out), fw="fp32", bw="fp32")
     settings.update(kw)
     return resolve(RunConfig(**settings))
 

@@ -105,7 +105,8 @@ def test_two_hosts_of_two_ranks_survive_a_dead_host_and_train_the_one_machine_mo
     rate = 20_000_000
     big = ("--model", "llama-tiny", "--seq-len", "64", "--max-samples", "64", "--micro-batch-size", "4",
            "--micro-batches", "2", "--eval-every", "0", "--no-progress", "--pp", "4", "--steps", "12",
-           "--checkpoint-every", "4", "--fw", "fp32", "--bw", "fp32", "--stall-timeout", "60")
+           "--checkpoint-every", "4", "--fw", "fp32", "--bw", "fp32", "--stall-timeout", "60",
+           "--checkpoint-replicas", "0")  # (each host resumes from its own disk; the copies: test_hosts_restarts.py)
     with simulated_hosts(tmp_path / "hosts", 2, 2, rate) as hosts:
         run = hosts.mount / "run"
         procs = [hosts.start(h, "launch", *big, "--out", str(run), env=ENV) for h in range(2)]

@@ -131,7 +131,7 @@ def test_a_random_init_tied_model_starts_with_equal_copies_on_different_ranks():
 
 def llama_config_for(out, **kw) -> RunConfig:
     settings = dict(model="llama-tiny", seq_len=32, micro_batch_size=2, micro_batches=3, steps=6, lr=2e-3,
-                    warmup_steps=2, seed=1, max_samples=96, device="cpu", out=str(out), clip=0.5, fw="fp32", bw="fp32")
+                    warmup_steps=2, seed=1, max_samples=96, eval_samples=16, device="cpu", out=str(out), clip=0.5, fw="fp32", bw="fp32")
     settings.update(kw)
     return resolve(RunConfig(**settings))
 

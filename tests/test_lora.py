@@ -22,7 +22,7 @@ STEPS = 4
 
 def config(out: Path, pp: int, dp: int = 1, model: str = "llama-tiny", **extra) -> RunConfig:
     values = dict(model=model, seq_len=32, micro_batch_size=2, micro_batches=3, steps=STEPS, lr=5e-3, warmup_steps=1,
-                  seed=3, max_samples=96, device="cpu", out=str(out), fw="fp32", bw="fp32", pp=pp, dp=dp, lora=4,
+                  seed=3, max_samples=96, eval_samples=16, device="cpu", out=str(out), fw="fp32", bw="fp32", pp=pp, dp=dp, lora=4,
                   lora_dropout=0.0)  # bit-for-bit comparisons: dropout masks depend on each process's RNG stream
     values.update(extra)
     return resolve(RunConfig(**values))

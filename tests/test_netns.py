@@ -10,6 +10,7 @@ import pytest
 
 from aqpipe.cli import main
 from aqpipe.launch import netns
+from tests import warm
 from tests.netns_state import CANNOT, assert_nothing_left, needs_root, network_state, topologies_in
 from tests.processes import finish, tagged_processes
 
@@ -137,11 +138,9 @@ def test_tbf_caps_the_measured_link_rate_near_the_rate():
 def _fp32_run(tmp_path: Path, rate: str) -> tuple[dict, list[dict], set[str]]:
     """A 4-step GPipe run of fp32 links over a link of `rate`: its summary, its step records, its topology."""
     out = tmp_path / rate
-    proc = subprocess.run(
-        [sys.executable, "-m", "aqpipe", "launch", "--pp", "2", "--fw", "fp32", "--bw", "fp32", "--steps", "4",
-         "--schedule", "gpipe", "--seq-len", "128", "--micro-batch-size", "4", "--micro-batches", "4",
-         "--max-samples", "64", "--bandwidth", rate, "--out", str(out), "--no-progress"],
-        capture_output=True, text=True, timeout=300)
+    proc = warm.run("launch", "--pp", "2", "--fw", "fp32", "--bw", "fp32", "--steps", "4", "--schedule", "gpipe",
+                    "--seq-len", "128", "--micro-batch-size", "4", "--micro-batches", "4", "--max-samples", "64",
+                    "--bandwidth", rate, "--out", str(out), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "links ran at" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -330,10 +329,8 @@ def test_a_held_out_pass_and_an_export_that_outlast_the_stall_timeout_finish(tmp
     (data / "train.txt").write_text("\n\n".join(p for i, p in enumerate(paragraphs) if i % 10 != 9))
     (data / "valid.txt").write_text("\n\n".join(p for i, p in enumerate(paragraphs) if i % 10 == 9)[:36_000])
     before, out = network_state(), tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "aqpipe", "launch", "--data", str(data), "--steps", "3", "--max-samples", "64",
-         "--bandwidth", "2mbit", "--stall-timeout", "10", "--eval-codec", "fp32", "--out", str(out), "--no-progress"],
-        capture_output=True, text=True, timeout=300)
+    proc = warm.run("launch", "--data", str(data), "--steps", "3", "--max-samples", "64", "--bandwidth", "2mbit",
+                    "--stall-timeout", "10", "--eval-codec", "fp32", "--out", str(out), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
@@ -353,11 +350,9 @@ def test_ranks_that_send_no_final_weights_do_not_wait_for_rank_0_to_receive_them
     10000ms for send operation"). (The replicas combine their gradients at 4 bits, so that a step's grad sync fits
     the time-out.)"""
     before, out = network_state(), tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "aqpipe", "launch", "--pp", "2", "--dp", "2", "--partition", "1,5", "--steps", "2",
-         "--max-samples", "64", "--grad-sync", "ef:4", "--eval-every", "0", "--bandwidth", "2mbit", "--stall-timeout",
-         "10", "--out", str(out), "--no-progress"],
-        capture_output=True, text=True, timeout=300)
+    proc = warm.run("launch", "--pp", "2", "--dp", "2", "--partition", "1,5", "--steps", "2", "--max-samples", "64",
+                    "--grad-sync", "ef:4", "--eval-every", "0", "--bandwidth", "2mbit", "--stall-timeout", "10",
+                    "--out", str(out), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())

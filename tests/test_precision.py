@@ -19,7 +19,7 @@ STEPS = 4
 
 def config(out: Path, pp: int, **extra) -> RunConfig:
     values = dict(model="llama-tiny", seq_len=32, micro_batch_size=2, micro_batches=3, steps=STEPS, lr=3e-3,
-                  warmup_steps=1, seed=5, max_samples=96, device="cpu", out=str(out), fw="fp32", bw="fp32", pp=pp,
+                  warmup_steps=1, seed=5, max_samples=96, eval_samples=16, device="cpu", out=str(out), fw="fp32", bw="fp32", pp=pp,
                   dropout=0.1)
     values.update(extra)
     return resolve(RunConfig(**values))

@@ -106,8 +106,9 @@ def test_a_live_run_survives_damage_to_a_receivers_store_and_ends_with_identical
     import lmdb
 
     out = tmp_path / "run"
-    proc = warm.start("launch", "--pp", "3", "--steps", "40", "--seq-len", "16", "--max-samples", "128", "--fw",
-                      "aqsgd:3", "--store", "lmdb", "--no-progress", "--schedule", schedule, *extra, "--out", str(out))
+    proc = warm.start("launch", "--pp", "3", "--steps", "40", "--seq-len", "16", "--max-samples", "128",
+                      "--eval-samples", "16", "--fw", "aqsgd:3", "--store", "lmdb", "--no-progress", "--schedule",
+                      schedule, *extra, "--out", str(out))
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 12):  # past the first epoch (8 steps)

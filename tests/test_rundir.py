@@ -15,7 +15,7 @@ from aqpipe.launch.rundir import LOCK_NAME, RunDirectory, lock_holder
 from tests import warm
 from tests.processes import finish, none_left, start_run, tagged_processes
 
-QUICK = ["--pp", "2", "--seq-len", "16", "--max-samples", "64", "--no-progress"]
+QUICK = ["--pp", "2", "--seq-len", "16", "--max-samples", "64", "--eval-samples", "16", "--no-progress"]
 
 
 def launch(*args, timeout=300) -> subprocess.CompletedProcess:

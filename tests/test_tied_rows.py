@@ -181,7 +181,7 @@ def test_a_stage_must_hold_exactly_one_copy_of_a_table_it_exchanges():
 def tied_config(out, exchange: str, **kw) -> RunConfig:
     settings = dict(model="llama-tiny", pp=3, seq_len=32, micro_batch_size=2, micro_batches=3, steps=6, lr=2e-3,
                     warmup_steps=2, seed=1, max_samples=96, device="cpu", out=str(out), clip=0.5, fw="fp32", bw="fp32",
-                    eval_every=3, tied_exchange=exchange)
+                    eval_every=3, eval_samples=16, tied_exchange=exchange)
     settings.update(kw)
     return resolve(RunConfig(**settings))
 

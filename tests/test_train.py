@@ -13,7 +13,7 @@ from tests.reference import train_single_process
 
 def small_config(out, **kw) -> RunConfig:
     settings = dict(model="gpt2-tiny", seq_len=32, micro_batch_size=2, micro_batches=3, steps=6, lr=2e-3,
-                    warmup_steps=2, seed=1, max_samples=96, device="cpu", out=str(out), clip=0.5,
+                    warmup_steps=2, seed=1, max_samples=96, eval_samples=16, device="cpu", out=str(out), clip=0.5,
                     fw="fp32", bw="fp32")
     settings.update(kw)
     return resolve(RunConfig(**settings))

@@ -17,7 +17,7 @@ STEPS = 4
 
 def config(out: Path, pp: int, dp: int, micro_batches: int, schedule: str = "gpipe") -> RunConfig:
     return resolve(RunConfig(model="gpt2-tiny", seq_len=32, micro_batch_size=2, micro_batches=micro_batches,
-                             steps=STEPS, lr=2e-3, warmup_steps=2, seed=1, max_samples=96, device="cpu", out=str(out),
+                             steps=STEPS, lr=2e-3, warmup_steps=2, seed=1, max_samples=96, eval_samples=16, device="cpu", out=str(out),
                              clip=0.5, fw="fp32", bw="fp32", pp=pp, dp=dp, schedule=schedule))
 
 
