@@ -160,8 +160,8 @@ def test_max_restarts_restarts_every_rank_from_the_newest_checkpoint(tmp_path):
     tag = uuid.uuid4().hex
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", "--steps", "40", "--seq-len", "16",
-                             "--max-samples", "64", "--pp", "2", "--no-progress", "--checkpoint-every", "2",
-                             "--max-restarts", "1", "--out", str(run)],
+                             "--max-samples", "64", "--eval-samples", "16", "--pp", "2", "--no-progress",
+                             "--checkpoint-every", "2", "--max-restarts", "1", "--out", str(run)],
                             env=dict(os.environ, AQPIPE_TEST_TAG=tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + 120

@@ -58,7 +58,7 @@ def test_torchrun_runs_aqpipe_launch_as_its_ranks(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "aqpipe", "launch", "--pp", "2", "--steps", "4", "--seq-len", "16",
-                           "--max-samples", "64", "--out", str(out)],
+                           "--max-samples", "64", "--eval-samples", "16", "--out", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
