@@ -153,7 +153,7 @@ def test_resumed_aqsgd_run_keeps_both_store_copies_identical(tmp_path):
 def finished_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("done") / "run"
     proc = launch("--pp", "2", "--steps", "4", "--warmup-steps", "1", "--checkpoint-every", "2", "--seq-len", "16",
-                  "--max-samples", "64", "--no-progress", "--out", str(run))
+                  "--max-samples", "64", "--eval-samples", "16", "--no-progress", "--out", str(run))
     assert proc.returncode == 0, proc.stderr
     return run
 

@@ -79,8 +79,8 @@ def aqpipe(*args, timeout=300) -> subprocess.CompletedProcess:
 def lmdb_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("lmdb") / "run"
     proc = aqpipe("launch", "--pp", "4", "--steps", "6", "--checkpoint-every", "6", "--seq-len", "16",
-                  "--max-samples", "32", "--fw", "aqsgd:3", "--store", "lmdb", "--warmup-epochs", "1", "--no-progress",
-                  "--out", str(run))
+                  "--max-samples", "32", "--eval-samples", "16", "--fw", "aqsgd:3", "--store", "lmdb", "--warmup-epochs", "1",
+                  "--no-progress", "--out", str(run))
     assert proc.returncode == 0, proc.stderr[-2000:]
     return run
 

@@ -74,7 +74,8 @@ def test_store_verify_and_stats_on_a_real_run(tmp_path, capsys):
 
     out = tmp_path / "run"
     cfg = resolve(RunConfig(model="gpt2-tiny", seq_len=16, micro_batch_size=2, micro_batches=2, epochs=3, pp=3,
-                            max_samples=24, device="cpu", out=str(out), fw="aqsgd:2", store="lmdb", store_dtype="q4"))
+                            max_samples=24, eval_samples=16, device="cpu", out=str(out), fw="aqsgd:2", store="lmdb",
+                            store_dtype="q4"))
     assert run_job(cfg, progress=False, starter=warm.ranks()) == 0
     assert main(["store", "verify", str(out)]) == 0
     assert "0 mismatch(es) in 48 m(xi) entries compared" in capsys.readouterr().out

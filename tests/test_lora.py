@@ -120,7 +120,8 @@ def test_a_classifier_head_trains_whole_and_nothing_else_but_adapters(tmp_path):
 def _launch(out: Path, *extra: str) -> tuple[int, str]:
     proc = warm.run("launch", "--model", "llama-tiny", "--pp", "2",
                            "--max-samples", "64", "--seq-len", "32", "--micro-batch-size", "2", "--micro-batches", "2",
-                           "--fw", "fp32", "--bw", "fp32", "--lora", "4", "--out", str(out), "--no-progress", *extra)
+                           "--fw", "fp32", "--bw", "fp32", "--lora", "4", "--eval-samples", "16", "--out", str(out),
+                           "--no-progress", *extra)
     return proc.returncode, proc.stderr
 
 

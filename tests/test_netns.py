@@ -296,8 +296,9 @@ def test_two_throttled_launches_at_once_both_finish_and_leave_nothing(tmp_path):
     before = network_state()
     tag = uuid.uuid4().hex
     procs = [subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", "--bandwidth", "200mbit", "--pp", "2",
-                               "--seq-len", "16", "--max-samples", "64", "--steps", str(steps), "--no-progress",
-                               "--out", str(tmp_path / f"run{steps}")], env=dict(os.environ, AQPIPE_TEST_TAG=tag),
+                               "--seq-len", "16", "--max-samples", "64", "--eval-samples", "16", "--steps", str(steps),
+                               "--no-progress", "--out", str(tmp_path / f"run{steps}")],
+                              env=dict(os.environ, AQPIPE_TEST_TAG=tag),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for steps in (3, 6)]
     names: set[str] = set()
@@ -319,8 +320,8 @@ def test_a_held_out_pass_and_an_export_that_outlast_the_stall_timeout_finish(tmp
     way to rank 0 (5.3 MB from stages 1–3 into rank 0's one shaped link) each take longer than a 10 s --stall-timeout,
     as an LLM's do at the default 300 s over a 10 Mbit/s link. A run that had trained to its end failed there ("no
     progress for 10 s (stalled)"): neither phase told the launcher it moved on, and rank 3's weights waited for ranks
-    1's and 2's to arrive whole, past the process group's time-out. Now both phases report progress, and rank 0 takes every stage's
-    weights at once, in pieces sized so that no piece waits longer than the time-out allows."""
+    1's and 2's to arrive whole, past the process group's time-out. Now both phases report progress, and rank 0 takes
+    every stage's weights at once, in pieces sized so that no piece waits longer than the time-out allows."""
     from pydoc_data.topics import topics
 
     paragraphs = [p for k in sorted(topics) for p in topics[k].split("\n\n") if p.strip()]
