@@ -1,6 +1,6 @@
 """Runs that outlive a failed rank or a lost host across hosts (tests/hosts.py): torchrun's elastic agent restarts
-every rank and the run continues from its newest checkpoint complete everywhere, with nothing trained twice past it and the same
-result as a run that never failed."""
+every rank and the run continues from its newest checkpoint complete everywhere, with nothing trained twice past it
+and the same result as a run that never failed."""
 
 import json
 import os
