@@ -135,7 +135,7 @@ class CpuShares:
     def _run(self) -> None:
         while not self._stop.is_set():
             with open("/proc/stat") as f:
-                self.samples.append((time.time(), [int(v) for v in f.readline().split()[1:8]]))
+                self.samples.append((time.time(), [int(v) for v in f.readline().split()[1:1 + len(self.KINDS)]]))
             self._stop.wait(0.25)
 
     def stop(self) -> None:
@@ -144,7 +144,7 @@ class CpuShares:
 
     def shares(self, windows: dict[int, tuple[float, float]], begin: float, end: float) -> dict:
         """Each kind's share of all CPU time between `begin` and `end`: while copies travelled (`windows`), and not."""
-        totals: dict[bool, list[int]] = {True: [0] * 7, False: [0] * 7}
+        totals = {during: [0] * len(self.KINDS) for during in (True, False)}
         for (t0, a), (t1, b) in zip(self.samples, self.samples[1:]):
             if begin <= t0 and t1 <= end:
                 during = any(lo <= (t0 + t1) / 2 <= hi for lo, hi in windows.values())

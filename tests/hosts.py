@@ -12,6 +12,7 @@ gives users (`Hosts.command` prints it). Needs root (namespaces, mounts, tc).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,6 +143,12 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             queue.append(child)
     return found
+
+
+def wipe(disk: Path) -> None:
+    """A host's disk that comes back empty: everything on it gone, the directory kept."""
+    for path in disk.iterdir():
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:

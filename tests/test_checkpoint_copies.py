@@ -10,9 +10,9 @@ import torch
 
 from aqpipe.runtime.checkpoints import parts as ck
 from aqpipe.runtime.checkpoints.copies import Landing, copy_plan, default_copies
-from aqpipe.runtime.checkpoints.parts import CheckpointError
 from aqpipe.runtime.checkpoints.restart import choose_start, holding
 from tests.distributed import run_ranks
+from tests.hosts import wipe
 
 SETTINGS = {"model": "llama-tiny", "seed": 0}
 
@@ -114,8 +114,7 @@ def _recover(rank: int, world: int, root: str):
 def test_a_host_that_lost_its_part_fetches_it_from_a_copy_and_every_rank_continues(tmp_path):
     assert all(status == "ok" for status, _ in run_ranks(_copy, 3, str(tmp_path)))
     lost = tmp_path / "host-1"
-    for path in sorted(lost.rglob("*"), reverse=True):
-        path.rmdir() if path.is_dir() else path.unlink()
+    wipe(lost)
     start = choose_start([holding(tmp_path / f"host-{r}", r, SETTINGS) for r in range(3)], tmp_path, explicit=False)
     assert start.candidates == [4]  # (rank 1's part is on host 2)
     assert [value for _, value in run_ranks(_recover, 3, str(tmp_path))] == [4, 4, 4]
@@ -165,10 +164,9 @@ def test_a_host_that_lost_its_part_of_a_checkpoint_kept_without_copies_stops_eve
         ck.mark_complete(host, 4, 3, SETTINGS)
     assert choose_start([holding(h, r, SETTINGS) for r, h in enumerate(hosts)], tmp_path, explicit=False
                         ).candidates == [4]
-    for path in sorted(hosts[1].rglob("*"), reverse=True):
-        path.rmdir() if path.is_dir() else path.unlink()
+    wipe(hosts[1])
     for explicit in (False, True):
-        with pytest.raises(CheckpointError, match=r"^the checkpoint of step 4 is complete, but rank 1 on \S+ no longer "
+        with pytest.raises(ck.CheckpointError, match=r"^the checkpoint of step 4 is complete, but rank 1 on \S+ no longer "
                                                   r"holds its part of it and no host keeps a copy \(a lost disk\?\); put "
                                                   r"the files back under .*step-00000004, or start again with --overwrite$"):
             choose_start([holding(h, r, SETTINGS) for r, h in enumerate(hosts)], tmp_path, explicit=explicit)

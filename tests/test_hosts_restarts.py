@@ -5,7 +5,6 @@ and the same result as a run that never failed."""
 import json
 import os
 import re
-import shutil
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from safetensors.torch import load_file
 
 from aqpipe.launch import netns
 from tests import warm
-from tests.hosts import simulated_hosts, wait_all
+from tests.hosts import simulated_hosts, wait_all, wipe
 
 CANNOT = netns.can_throttle()
 pytestmark = [pytest.mark.xdist_group("netns"),
@@ -86,12 +85,6 @@ def test_a_rank_killed_under_torchruns_restarts_continues_the_run_as_if_nothing_
         assert summary["steps"] == 16 and summary["restarts"] == 1
         exported = load_file(next(hosts.on_disk(0, run / "export").glob("*.safetensors")))
     assert_as_on_one_machine(tmp_path / "one-machine", RUN, done, exported)
-
-
-def wipe(disk) -> None:
-    """A disk that comes back empty."""
-    for path in disk.iterdir():
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def test_a_fresh_host_in_place_of_one_that_lost_its_disk_fetches_its_part_and_the_run_continues(tmp_path):
