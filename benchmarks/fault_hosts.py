@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 from fault_harness import Case, Row, namespaces
 
 from aqpipe.launch import netns
-from tests.hosts import descendants, simulated_hosts, wait_all
+from tests.hosts import descendants, simulated_hosts, wait_all, wipe
 
 STEPS = 24
 RUN = ("--model", "llama-tiny", "--seq-len", "32", "--max-samples", "64", "--micro-batch-size", "2",
@@ -95,8 +94,7 @@ def _host_dies_and_returns(hosts, procs, command) -> None:
 def _host_dies_with_its_disk(hosts, procs, command) -> None:
     """Host 1 dies; a host with an empty disk starts in its place, with the same command."""
     hosts.kill(procs[1])
-    for path in hosts.disk(1).iterdir():
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    wipe(hosts.disk(1))
     procs[1] = hosts.start(1, *command, env=ENV, max_restarts=3, log=hosts.disk(1) / "again.log")
 
 
