@@ -175,12 +175,13 @@ def test_without_a_bar_a_long_phase_is_printed_every_ten_seconds_once_it_has_las
 
 
 # Ranks in start-up (no `start` event yet): each is silent for `quiet` seconds (importing), then beats its heart twice
-# a second; rank 1 stops beating after `beats` beats (a stopped or hung process) but lives on. Both end after 15 s.
+# a second; rank 1 stops beating after `beats` beats (a stopped or hung process) but lives on. Both end after
+# `seconds`.
 _START_UP = textwrap.dedent("""
     import json, os, sys, time
-    quiet, beats = float(sys.argv[1]), int(sys.argv[2])
+    quiet, beats, seconds = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     time.sleep(quiet)
-    end = time.monotonic() + 15 - quiet
+    end = time.monotonic() + seconds - quiet
     n = 0
     while time.monotonic() < end:
         if os.environ["RANK"] == "0" or n < beats:
@@ -190,14 +191,14 @@ _START_UP = textwrap.dedent("""
 """)
 
 
-def _start_up(tmp_path, monkeypatch, quiet: float, beats: int):
+def _start_up(tmp_path, monkeypatch, quiet: float, beats: int, seconds: float):
     import time
 
     from aqpipe.launch import local
 
     monkeypatch.setattr(local, "STARTUP_SILENCE_SECONDS", 0.0)  # (at least a minute in earnest)
     start = time.monotonic()
-    result = launch_local(CommandStarter([sys.executable, "-c", _START_UP, str(quiet), str(beats)]), 2,
+    result = launch_local(CommandStarter([sys.executable, "-c", _START_UP, str(quiet), str(beats), str(seconds)]), 2,
                           lambda rank: f"rank {rank}", {}, 1, stall_timeout=2.0, progress=False, log_dir=tmp_path)
     return result, time.monotonic() - start
 
@@ -205,14 +206,15 @@ def _start_up(tmp_path, monkeypatch, quiet: float, beats: int):
 def test_a_rank_that_falls_silent_during_start_up_ends_the_run(tmp_path, monkeypatch):
     """Until training begins the ranks' collectives wait up to half an hour for each other (a host may be downloading
     its weights), so the launcher ends a run whose rank stopped beating its heart for --stall-timeout."""
-    result, seconds = _start_up(tmp_path, monkeypatch, quiet=0.0, beats=2)
+    result, seconds = _start_up(tmp_path, monkeypatch, quiet=0.0, beats=2, seconds=15)
     assert result.code == 1 and "rank 1 stopped responding during start-up (no heartbeat for 2 s)" in result.message
     assert seconds < 12
 
 
 def test_a_rank_still_importing_is_not_taken_for_a_silent_one(tmp_path, monkeypatch):
     """A rank's heartbeat begins once it has imported what it runs, which may take longer than the stall time-out."""
-    result, _ = _start_up(tmp_path, monkeypatch, quiet=4.0, beats=10**6)
+    # (silent for twice the 2 s time-out, then beating for twice as long again before the ranks end)
+    result, _ = _start_up(tmp_path, monkeypatch, quiet=4.0, beats=10**6, seconds=8)
     assert result.code == 0, result.message
 
 

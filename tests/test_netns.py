@@ -154,7 +154,7 @@ def test_an_fp32_run_is_held_to_its_link_rate_and_records_the_rate_it_achieved(t
     """Every step of a 20 Mbit run takes at least its messages' time on the wire: under GPipe at pp=2 the gradients
     go back only after every activation has arrived, so the two directions add up (4 × 128 × 128 fp32 activations:
     262 kB per message, 1 MB per step each way, 0.84 s at 20 Mbit; unthrottled, a step takes ~0.2 s). (This once
-    compared samples/s with a 400 Mbit run; with the suite on two workers that run is compute-bound on a shared
+    compared samples/s with a 400 Mbit run; with the suite's workers around it that run is compute-bound on a shared
     machine, so the ratio measured the load, not the link.)"""
     before = network_state()
     summary, records, names = _fp32_run(tmp_path, "20mbit")

@@ -69,8 +69,8 @@ def test_partition_by_time_profiles_real_layers():
 
 
 def test_a_layer_timed_while_the_process_was_descheduled_does_not_move_the_boundary(monkeypatch):
-    """On a busy CI machine the tiny last layer was once timed heavier than the 512-wide one (the suite's two workers
-    and their subprocesses share 2 cores), and the partition lumped the heavy layer with all the others. Here the
+    """On a busy CI machine the tiny last layer was once timed heavier than the 512-wide one (the suite's workers and
+    their subprocesses share 2 cores), and the partition lumped the heavy layer with all the others. Here the
     partition module's clock is a script, so nothing the machine does can move the result: each layer's run takes
     its cost in milliseconds, and two of the last layer's three timed runs stall by a second each. The profile keeps
     each layer's fastest run, as a stall only ever adds time; a median or a mean would lump the heavy layer."""

@@ -202,7 +202,7 @@ import torch, torch.distributed as dist
 from aqpipe.pipeline.world.grid import Grid, create_groups
 from aqpipe.pipeline.links.rendezvous import begin_training, startup_timeout
 rank, port, pp, dp, phase, names = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6:]
-stall, late = 1.5, 5.0
+stall, late = 1.5, 3.0  # (late: twice the stall time-out)
 timeout = startup_timeout(stall)
 store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout)
 dist.init_process_group("gloo", rank=rank, world_size=2, store=store, timeout=timeout)
