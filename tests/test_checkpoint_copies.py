@@ -132,7 +132,7 @@ def test_the_rate_counts_only_links_to_other_hosts_and_is_split_among_a_hosts_ra
 
     copier = CheckpointCopier.__new__(CheckpointCopier)
     copier.grid, copier.rank, copier.hosts, copier.peak = Grid(3, 1, 1), 1, ["a", "a", "b"], 0.0
-    copier._process = None  # (no copies started)
+    copier._process, copier._pending = None, False  # (no copies started)
     assert copier.rate() == MIN_RATE / 2
     copier.observe(StepStats(fwd_recv_bytes=10**9, fwd_recv_seconds=1.0, bwd_recv_bytes=10**7, bwd_recv_seconds=1.0))
     assert copier.peak == 10**7 and copier.rate() == LINK_SHARE * 10**7 / 2
@@ -289,6 +289,78 @@ def test_the_copies_run_in_a_process_of_their_own_at_the_lowest_priority_that_en
         while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def _policies(pid: int) -> set[int]:
+    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def _starved_copy(rank: int, world: int, root: str, may_hurry: bool):
+    """A copy whose copies' processes get no CPU (stopped once they idle, as on a host whose cores are all busy): the
+    scheduling policies and nice value of the process's threads while it is starved past `STARVED_SECONDS` (0.5 s
+    here), then once the copy is done; and what the rank printed (`may_hurry`: whether it may raise its process)."""
+    import contextlib
+    import io
+    import signal
+    import time
+
+    from aqpipe.pipeline.world.grid import Grid
+    from aqpipe.runtime.checkpoints import copier as copier_module
+
+    out = Path(root) / f"host-{rank}"
+    ck.save_rank(out, 4, rank, {"model": {"w": torch.randn(1000)}}, SETTINGS)
+    ck.mark_complete(out, 4, world, SETTINGS)
+    copier_module.STARVED_SECONDS = 0.5
+    copier = copier_module.CheckpointCopier(out, Grid(world, 1, rank), [f"host-{r}" for r in range(world)], 1,
+                                            datetime.timedelta(seconds=60))
+    copier.can_hurry = may_hurry
+    assert copier._process is not None
+    pid = copier._process.pid
+    deadline = time.monotonic() + 60
+    while _policies(pid) != {os.SCHED_IDLE} and time.monotonic() < deadline:  # (it lowers itself once started)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGSTOP)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        copier.start(4, leader=True)
+        assert copier.busy
+        starved = _policies(pid), os.getpriority(os.PRIO_PROCESS, pid)
+        time.sleep(1.0)
+        assert copier.busy and copier.busy
+        hurried = _policies(pid), os.getpriority(os.PRIO_PROCESS, pid)
+    os.kill(pid, signal.SIGCONT)
+    copier.wait()
+    done = _policies(pid), os.getpriority(os.PRIO_PROCESS, pid)
+    copier.close()
+    return starved, hurried, done, said.getvalue(), copier.problem
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a process leaves SCHED_IDLE only with the right to)")
+def test_a_copy_starved_of_cpu_runs_at_its_ranks_priority_until_it_ends_then_idles_again(tmp_path):
+    """On a host whose cores are never idle a SCHED_IDLE process never ran: a run ended, or its host failed, before
+    any copy was kept (the fresh-host test failed so with the suite on three workers). A copy that outlasts twice its
+    paced time runs at its rank's priority until it ends; the next starts on idle cores again."""
+    results = run_ranks(_starved_copy, 2, str(tmp_path), True)
+    for status, value in results:
+        assert status == "ok", value
+        starved, hurried, done, said, problem = value
+        assert starved == ({os.SCHED_IDLE}, 19)
+        assert hurried == ({os.SCHED_OTHER}, os.getpriority(os.PRIO_PROCESS, 0))
+        assert done == ({os.SCHED_IDLE}, 19) and said == "" and problem == ""
+    assert (ck.step_dir(tmp_path / "host-0", 4) / "REPLICATED").is_file()
+
+
+def test_a_starved_copy_a_rank_may_not_raise_says_so_once(tmp_path):
+    """Without the right to take its copies' process out of SCHED_IDLE (no root, no CAP_SYS_NICE, `ulimit -e` below
+    20) the rank says once why its copies are late, and they go on at the lowest priority."""
+    results = run_ranks(_starved_copy, 2, str(tmp_path), False)
+    for rank, (status, value) in enumerate(results):
+        assert status == "ok", value
+        starved, hurried, done, said, problem = value
+        assert starved == hurried == done == ({os.SCHED_IDLE}, 19) and problem == ""
+        assert said.count("\n") == 1 and said.startswith(f"aqpipe: rank {rank}'s checkpoint copies have waited for an "
+                                                          "idle core"), said
+        assert "`ulimit -e 20`" in said
 
 
 def _copy_with_host_1s_part_gone(rank: int, world: int, root: str):

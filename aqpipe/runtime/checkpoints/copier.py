@@ -1,7 +1,11 @@
 """The process that copies a rank's checkpoint parts to other hosts while training goes on.
 
 Each rank starts, as the run begins, a process of its own (`python -m aqpipe.runtime.checkpoints.copier`), which
-copies at the lowest CPU priority (SCHED_IDLE: on a core no training wants). These processes meet at the run's
+copies at the lowest CPU priority (SCHED_IDLE: on a core no training wants). On a host whose cores are never idle
+that priority starves the copies (a run would end, or a host fail, before any was kept), so the rank takes its
+process out of SCHED_IDLE, to its own priority, while a copy has outlasted twice its paced time (at least
+`STARVED_SECONDS`) or while training waits for it; where it may not (no root, no CAP_SYS_NICE, `ulimit -e` below
+20), it says once that its copies are waiting for an idle core. These processes meet at the run's
 rendezvous store, form a gloo group of their own and copy every rank's part of each checkpoint (`copies.copy_step`)
 when their ranks ask. Why a process, not a thread of the rank: a thread that reads, hashes and writes pieces takes
 Python's lock many times a second, and the step's own Python waits for it each time (at 2 MB/s such a thread made
@@ -14,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import select
 import subprocess
 import sys
+import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -27,9 +33,13 @@ from aqpipe.pipeline.links.rendezvous import LOOPBACK_ENV
 from aqpipe.pipeline.world import comm
 from aqpipe.pipeline.world.grid import Grid
 from aqpipe.runtime.checkpoints.copies import COPYING, LINK_SHARE, MIN_RATE, REPLICATED, copy_plan, copy_step
-from aqpipe.runtime.checkpoints.parts import step_dir
+from aqpipe.runtime.checkpoints.parts import rank_file, step_dir
 
 NICE = 19  # the copies' process's nice value: on a host whose cores are all busy training, its work waits
+# A copy may take twice its paced time (its part's bytes over its rate), at least this long, on idle cores alone;
+# past that its process runs at its rank's priority until the copy ends
+STARVED_SECONDS = 5.0
+CAP_SYS_NICE = 23  # the capability bit that lets a thread leave SCHED_IDLE whatever its nice value
 REPORT_SECONDS = 0.5  # the copies' process tells its rank the bytes it sent at most this often
 CLOSE_SECONDS = 30.0  # how long a rank that is done waits for its copies' process to exit before it kills it
 
@@ -48,6 +58,10 @@ class CheckpointCopier:
         self.step: int | None = None  # the checkpoint whose parts were copied last (or are being copied)
         self._process: subprocess.Popen | None = None
         self._pending = False  # a step asked of the process, its end not yet read
+        self._starved_after = 0.0  # time.monotonic() past which the copy in flight counts as starved of CPU
+        self._hurried = False  # the copies' process runs at this rank's priority (a starved copy, or one waited for)
+        self._told_starved = False
+        self.can_hurry = may_leave_idle()
         self._unread = b""
         self.problem = ""  # why the last step's copies failed ("" where they were kept everywhere)
         # the store keys of these ranks' copies' processes: one name for every rank of this start, another for each
@@ -70,6 +84,7 @@ class CheckpointCopier:
             if self.hosts[peer] != self.hosts[self.rank] and seconds > 0:
                 self.peak = max(self.peak, getattr(stats, f"{direction}_recv_bytes") / seconds)
         self._read(block=False)
+        self._hurry_if_starved()
 
     def rate(self) -> float:
         """Bytes/s this rank's copies may take: its host's share of the link between hosts, split among its ranks."""
@@ -89,6 +104,11 @@ class CheckpointCopier:
             return
         order = {"step": step, "rate": self.rate(), "leader": leader}
         try:
+            part_bytes = rank_file(step_dir(self.out, step), self.rank).stat().st_size
+        except OSError:  # (the copies' process says what is wrong with it)
+            part_bytes = 0
+        self._starved_after = time.monotonic() + max(STARVED_SECONDS, 2 * part_bytes / order["rate"])
+        try:
             assert self._process.stdin is not None
             self._process.stdin.write(json.dumps(order).encode() + b"\n")
             self._process.stdin.flush()
@@ -100,12 +120,31 @@ class CheckpointCopier:
     def busy(self) -> bool:
         """Whether copies are in flight."""
         self._read(block=False)
+        self._hurry_if_starved()
         return self._pending
 
     def wait(self) -> None:
-        """Until the copies in flight are done."""
+        """Until the copies in flight are done (at this rank's priority: training waits for them)."""
+        if self._pending:
+            self._hurry()
         while self._pending:
             self._read(block=True)
+
+    def _hurry_if_starved(self) -> None:
+        """Take the copies' process out of SCHED_IDLE once the copy in flight has outlasted its share of idle time."""
+        if self._pending and not self._hurried and time.monotonic() > self._starved_after:
+            if not self.can_hurry and not self._told_starved:
+                print(f"aqpipe: rank {self.rank}'s checkpoint copies have waited for an idle core longer than their "
+                      "pace needs (this host's cores are all busy); they go on at the lowest priority, which this "
+                      "process may not raise (as root, with CAP_SYS_NICE or `ulimit -e 20` it would)",
+                      file=sys.stderr, flush=True)
+                self._told_starved = True
+            self._hurry()
+
+    def _hurry(self) -> None:
+        """Run the copies' process at this rank's priority until the copy in flight ends."""
+        if self._process is not None and self.can_hurry and not self._hurried:
+            self._hurried = set_priority(self._process.pid, idle=False)
 
     def close(self) -> None:
         """End the copies' process (once its copies are done: `wait` first)."""
@@ -153,14 +192,15 @@ class CheckpointCopier:
                 comm.TRAFFIC.add(comm.CHECKPOINT, report.get("sent", 0))
                 if "done" in report:
                     self._pending, self.problem = False, report["problem"]
+                    if self._hurried:  # (the next copy starts on idle cores again)
+                        set_priority(self._process.pid, idle=True)
+                        self._hurried = False
             block = False
 
 
 def run_copies(where: dict, orders, reports) -> None:
     """The copies' process: join the other ranks' at the rendezvous store, then copy each step `orders` names (JSON
     lines), writing to `reports` the bytes sent (at most every REPORT_SECONDS) and each step's end."""
-    import time
-
     import torch.distributed as dist
 
     rank, plan = where["rank"], {int(src): holders for src, holders in where["plan"].items()}
@@ -196,19 +236,44 @@ def run_copies(where: dict, orders, reports) -> None:
         _report(reports, {"sent": unsent, "done": step, "problem": failed[0] if failed else ""})
 
 
-def lowest_priority() -> None:
-    """Make every thread of this process (and the threads they start) run only on a core no other work wants:
-    Linux's SCHED_IDLE, which any waking thread of another policy preempts at once, and the lowest nice value."""
-    tasks = Path(f"/proc/{os.getpid()}/task")
-    idle = hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
+def set_priority(pid: int, idle: bool) -> bool:
+    """Make every thread of process `pid` (and the threads they start) run at nice `NICE` and, with `idle`, only on a
+    core no other work wants (Linux's SCHED_IDLE, which any waking thread of another policy preempts at once), else
+    at this process's own priority; returns whether every thread took it."""
+    tasks = Path(f"/proc/{pid}/task")
+    has_idle = hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
+    took = True
     # (on Linux both are a thread's own, and importing torch has started threads of its own already)
     for thread in [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [0]:
         try:
-            os.setpriority(os.PRIO_PROCESS, thread, NICE)
             if idle:
-                os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
-        except OSError:  # (a thread that ended, a kernel without SCHED_IDLE or a sandbox that forbids it)
+                os.setpriority(os.PRIO_PROCESS, thread, NICE)
+                if has_idle:
+                    os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+            elif has_idle:
+                os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, 0))
+        except ProcessLookupError:  # (a thread that ended)
             pass
+        except OSError:  # (a kernel without SCHED_IDLE, a sandbox that forbids it, no right to leave it)
+            took = False
+    return took
+
+
+def may_leave_idle() -> bool:
+    """Whether this process may take a process of its own user out of SCHED_IDLE at nice `NICE` and back to its own
+    priority (Linux asks for the nice value's rlimit or CAP_SYS_NICE)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    if os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - min(own, NICE):
+        return True
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    capabilities = next((line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), "0")
+    return bool(int(capabilities, 16) >> CAP_SYS_NICE & 1)
 
 
 def _report(reports, report: dict) -> None:
@@ -222,7 +287,7 @@ def main() -> None:
     die_with(where["parent"])
     import torch.distributed  # noqa: F401 - at the rank's priority: once, and the first copies wait for it
 
-    lowest_priority()  # (before gloo starts its threads: they take it too)
+    set_priority(os.getpid(), idle=True)  # (before gloo starts its threads: they take it too)
     reports = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # (anything else printed goes to the rank's stderr, never into the reports)
     run_copies(where, sys.stdin.buffer, reports)
