@@ -4,8 +4,8 @@ Each rank starts, as the run begins, a process of its own (`python -m aqpipe.run
 copies at the lowest CPU priority (SCHED_IDLE: on a core no training wants). On a host whose cores are never idle
 that priority starves the copies (a run would end, or a host fail, before any was kept), so the rank takes its
 process out of SCHED_IDLE, to its own priority, while a copy has outlasted twice its paced time (at least
-`STARVED_SECONDS`) or while training waits for it; where it may not (no root, no CAP_SYS_NICE, `ulimit -e` below
-20), it says once that its copies are waiting for an idle core. These processes meet at the run's
+`STARVED_SECONDS`) or while training waits for it; where Linux refuses (without CAP_SYS_NICE or `ulimit -e 20`),
+the rank says so once and its copies wait for idle cores. These processes meet at the run's
 rendezvous store, form a gloo group of their own and copy every rank's part of each checkpoint (`copies.copy_step`)
 when their ranks ask. Why a process, not a thread of the rank: a thread that reads, hashes and writes pieces takes
 Python's lock many times a second, and the step's own Python waits for it each time (at 2 MB/s such a thread made
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import select
 import subprocess
 import sys
@@ -39,7 +38,6 @@ NICE = 19  # the copies' process's nice value: on a host whose cores are all bus
 # A copy may take twice its paced time (its part's bytes over its rate), at least this long, on idle cores alone;
 # past that its process runs at its rank's priority until the copy ends
 STARVED_SECONDS = 5.0
-CAP_SYS_NICE = 23  # the capability bit that lets a thread leave SCHED_IDLE whatever its nice value
 REPORT_SECONDS = 0.5  # the copies' process tells its rank the bytes it sent at most this often
 CLOSE_SECONDS = 30.0  # how long a rank that is done waits for its copies' process to exit before it kills it
 
@@ -58,10 +56,9 @@ class CheckpointCopier:
         self.step: int | None = None  # the checkpoint whose parts were copied last (or are being copied)
         self._process: subprocess.Popen | None = None
         self._pending = False  # a step asked of the process, its end not yet read
-        self._starved_after = 0.0  # time.monotonic() past which the copy in flight counts as starved of CPU
+        self._asked = self._starved_after = 0.0  # when the copy in flight was asked for; when it counts as starved
         self._hurried = False  # the copies' process runs at this rank's priority (a starved copy, or one waited for)
-        self._told_starved = False
-        self.can_hurry = may_leave_idle()
+        self.can_hurry = True  # (until Linux refuses it)
         self._unread = b""
         self.problem = ""  # why the last step's copies failed ("" where they were kept everywhere)
         # the store keys of these ranks' copies' processes: one name for every rank of this start, another for each
@@ -103,11 +100,12 @@ class CheckpointCopier:
             self.problem = "the copies' process ended"
             return
         order = {"step": step, "rate": self.rate(), "leader": leader}
-        try:
-            part_bytes = rank_file(step_dir(self.out, step), self.rank).stat().st_size
+        try:  # (until the copies' process says how long the copy should take: this rank's part's paced time)
+            part_bytes = rank_file(step_dir(self.out, step), self.rank).stat().st_size * len(self.plan[self.rank])
         except OSError:  # (the copies' process says what is wrong with it)
             part_bytes = 0
-        self._starved_after = time.monotonic() + max(STARVED_SECONDS, 2 * part_bytes / order["rate"])
+        self._asked = time.monotonic()
+        self._starved_after = self._asked + max(STARVED_SECONDS, 2 * part_bytes / order["rate"])
         try:
             assert self._process.stdin is not None
             self._process.stdin.write(json.dumps(order).encode() + b"\n")
@@ -133,18 +131,20 @@ class CheckpointCopier:
     def _hurry_if_starved(self) -> None:
         """Take the copies' process out of SCHED_IDLE once the copy in flight has outlasted its share of idle time."""
         if self._pending and not self._hurried and time.monotonic() > self._starved_after:
-            if not self.can_hurry and not self._told_starved:
-                print(f"aqpipe: rank {self.rank}'s checkpoint copies have waited for an idle core longer than their "
-                      "pace needs (this host's cores are all busy); they go on at the lowest priority, which this "
-                      "process may not raise (as root, with CAP_SYS_NICE or `ulimit -e 20` it would)",
-                      file=sys.stderr, flush=True)
-                self._told_starved = True
             self._hurry()
 
     def _hurry(self) -> None:
-        """Run the copies' process at this rank's priority until the copy in flight ends."""
-        if self._process is not None and self.can_hurry and not self._hurried:
-            self._hurried = set_priority(self._process.pid, idle=False)
+        """Run the copies' process at this rank's priority until the copy in flight ends; where Linux refuses, say so
+        once and leave it idle."""
+        if self._process is None or not self.can_hurry or self._hurried:
+            return
+        self._hurried = set_priority(self._process.pid, idle=False)
+        if not self._hurried:
+            set_priority(self._process.pid, idle=True)  # (a thread that took it goes back)
+            self.can_hurry = False
+            print(f"aqpipe: rank {self.rank} may not raise the CPU priority of its checkpoint copies (that needs "
+                  "CAP_SYS_NICE or `ulimit -e 20`): on a host whose cores are all busy they wait for an idle core",
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """End the copies' process (once its copies are done: `wait` first)."""
@@ -190,6 +190,10 @@ class CheckpointCopier:
             for line in lines:
                 report = json.loads(line)
                 comm.TRAFFIC.add(comm.CHECKPOINT, report.get("sent", 0))
+                if "expect" in report:  # (the copy's paced time, every part of it counted)
+                    self._starved_after = self._asked + max(STARVED_SECONDS, 2 * report["expect"])
+                if "ready" in report and self._hurried:  # (it lowered itself after a hurry: hurried again)
+                    set_priority(self._process.pid, idle=False)
                 if "done" in report:
                     self._pending, self.problem = False, report["problem"]
                     if self._hurried:  # (the next copy starts on idle cores again)
@@ -222,7 +226,8 @@ def run_copies(where: dict, orders, reports) -> None:
 
         problem = ""
         try:
-            copy_step(Path(where["out"]), step, rank, plan, None, order["rate"], sent)
+            copy_step(Path(where["out"]), step, rank, plan, None, order["rate"], sent,
+                      planned=lambda seconds: _report(reports, {"expect": seconds}))
         except Exception as e:  # noqa: BLE001 - told to every rank below
             problem = f"rank {rank}: {type(e).__name__}: {e}"
         verdicts: list = [None] * len(plan)
@@ -237,14 +242,14 @@ def run_copies(where: dict, orders, reports) -> None:
 
 
 def set_priority(pid: int, idle: bool) -> bool:
-    """Make every thread of process `pid` (and the threads they start) run at nice `NICE` and, with `idle`, only on a
+    """Make every thread of process `pid` (and the threads they start) run, with `idle`, at nice `NICE` and only on a
     core no other work wants (Linux's SCHED_IDLE, which any waking thread of another policy preempts at once), else
-    at this process's own priority; returns whether every thread took it."""
+    under SCHED_OTHER at this process's nice value; returns whether every thread took it."""
     tasks = Path(f"/proc/{pid}/task")
     has_idle = hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
     took = True
     # (on Linux both are a thread's own, and importing torch has started threads of its own already)
-    for thread in [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [0]:
+    for thread in [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [pid]:
         try:
             if idle:
                 os.setpriority(os.PRIO_PROCESS, thread, NICE)
@@ -260,22 +265,6 @@ def set_priority(pid: int, idle: bool) -> bool:
     return took
 
 
-def may_leave_idle() -> bool:
-    """Whether this process may take a process of its own user out of SCHED_IDLE at nice `NICE` and back to its own
-    priority (Linux asks for the nice value's rlimit or CAP_SYS_NICE)."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return False
-    own = os.getpriority(os.PRIO_PROCESS, 0)
-    if os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - min(own, NICE):
-        return True
-    try:
-        status = Path("/proc/self/status").read_text()
-    except OSError:
-        return False
-    capabilities = next((line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), "0")
-    return bool(int(capabilities, 16) >> CAP_SYS_NICE & 1)
-
-
 def _report(reports, report: dict) -> None:
     reports.write(json.dumps(report).encode() + b"\n")
     reports.flush()
@@ -287,9 +276,10 @@ def main() -> None:
     die_with(where["parent"])
     import torch.distributed  # noqa: F401 - at the rank's priority: once, and the first copies wait for it
 
-    set_priority(os.getpid(), idle=True)  # (before gloo starts its threads: they take it too)
     reports = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # (anything else printed goes to the rank's stderr, never into the reports)
+    set_priority(os.getpid(), idle=True)  # (before gloo starts its threads: they take it too)
+    _report(reports, {"ready": True})  # (a rank that hurried it meanwhile does so again)
     run_copies(where, sys.stdin.buffer, reports)
     reports.close()
     # no tear-down of the group: the other ranks' copies' processes end at the same moment, and a gloo group

@@ -59,10 +59,11 @@ def default_copies(hosts: list[str], asked: int | None) -> int:
 
 
 def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group, rate: float | None,
-              sent: Callable[[int], None] | None = None) -> int:
+              sent: Callable[[int], None] | None = None, planned: Callable[[float], None] | None = None) -> int:
     """Send this rank's part of `step` to its copies' ranks and keep what the others send here, all pairs at once,
     piece by piece (this rank's sending paced to `rate` bytes/s); returns the bytes this rank sent, told to `sent`
-    as they go (by default counted as checkpoint traffic). Every rank of `group` calls it."""
+    as they go (by default counted as checkpoint traffic), and tells `planned` the seconds the copy takes at that
+    pace once the parts' sizes are known. Every rank of `group` calls it."""
     sent = sent or (lambda nbytes: comm.TRAFFIC.add(comm.CHECKPOINT, nbytes))
     # A rank whose own disk fails it (its part unreadable, a copy it cannot write) goes on exchanging every piece, so
     # that no other rank waits for one that never comes; it keeps nothing and raises once the pieces are through.
@@ -78,6 +79,8 @@ def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group
     senders = [src for src, holders in plan.items() if rank in holders]
     landing = {src: Landing(out, step, src, sizes[src][1]) for src in senders}
     chunk_bytes = min(piece for _, _, piece in sizes)  # (every rank's pieces line up)
+    if planned is not None and rate:  # (the largest part's copies, sent at this rank's pace)
+        planned(max(size * len(plan[src]) for src, (size, _, _) in enumerate(sizes)) / rate)
     pieces = max((size + chunk_bytes - 1) // chunk_bytes for size, _, _ in sizes)
     unreadable = [src for src in senders if not sizes[src][1]]
     if unreadable:
