@@ -53,7 +53,7 @@ class RunTotals:
 
 def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall_seconds: float,
               totals: RunTotals = RunTotals()) -> dict:
-    """The run summary of CONTRACT.md from the per-step records and the run's `totals` (the exports' paths and the
+    """The run summary (`summary.json`, docs/runs.md) from the per-step records and the run's `totals` (the exports' paths and the
     data's description are the run's to add).
 
     final_loss: mean loss of the last epoch (of the last 10% of steps when the run was sized by --steps);

@@ -29,7 +29,7 @@ def train(name: str, fw: str, bw: str, seed: int, args, work: Path) -> dict:
     cmd = [sys.executable, "-m", "aqpipe", "launch", "--overwrite", "--model", "minilm-l6", "--pp", "3", "--partition", "3,3,2",
            "--seq-len", "32", "--epochs", str(args.epochs), "--fw", fw, "--bw", bw, "--eval-every", str(args.eval_every),
            "--seed", str(seed), "--quant-grid", args.grid, "--device", "cpu", "--out", str(out), "--no-progress",
-           "--warmup-epochs", "1", "--first-sight", "fp32"]  # the paper's fp32 warm-up epoch, as in every sitting
+           "--warmup-epochs", "1", "--first-sight", "fp32"]  # the paper's fp32 warm-up epoch, in every run of these benchmarks
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} seed {seed} failed:\n{proc.stderr[-3000:]}")

@@ -14,7 +14,7 @@ def gpt2_6x128(vocab_size: int, seq_len: int):
 
 def gpt2_2x128(vocab_size: int, seq_len: int):
     """2 GPT-2 blocks of hidden 128 (4 heads), no dropout: with --pp 2 one block per stage, the throughput
-    benchmark's communication-bound model (BENCHMARKS.md: comm/compute grows as hidden size and depth shrink)."""
+    benchmark's communication-bound model (comm/compute grows as hidden size and depth shrink)."""
     config = GPT2Config(vocab_size=vocab_size, n_layer=2, n_embd=128, n_head=4, n_positions=max(seq_len, 128),
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return gpt2_spec(config, name="gpt2-2x128")

@@ -1,5 +1,5 @@
 """aqpipe's fp32 pipeline vs DeepSpeed's pipeline engine: samples/s for pp in {1, 2, 4}, same model, data,
-partition and micro-batches, alternating the two systems round by round (BENCHMARKS.md).
+partition and micro-batches, alternating the two systems round by round.
 
     python benchmarks/pipeline_throughput.py --rounds 3 --steps 20 --out benchmarks/results/pipeline
 Writes <out>.json (every measurement) and <out>.md (medians, ratios, spread).

@@ -4,7 +4,7 @@ Each launch runs `python -m aqpipe launch --model M --pp 4 --steps 1 --eval-ever
 the clock stops at the first line starting `aqpipe: ` (the plan), at the first `step 1/` line and at exit; "tail"
 is exit minus the last step line (checkpoint, export, plot, summary). The baseline is a git commit checked out in
 a temporary worktree and imported through PYTHONPATH (the ranks inherit it); rounds alternate baseline and
-current, and medians with their spread are reported (see the workspace's BENCHMARKS.md).
+current, and medians with their spread are reported.
 
     python benchmarks/startup.py --baseline f507492 --rounds 5
 """

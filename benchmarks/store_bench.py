@@ -27,7 +27,7 @@ def end_to_end(store: str, args, work: Path) -> float:
            "--data", str(args.data), "--seq-len", "128", "--max-samples", str(args.samples), "--vocab-size", "260",
            "--micro-batch-size", "4", "--micro-batches", "4", "--epochs", str(args.epochs), "--fw", "aqsgd:3",
            "--bw", "directq:6", "--store", store, "--device", "cpu", "--out", str(out), "--no-progress",
-           "--warmup-epochs", "1", "--first-sight", "fp32"]  # an fp32 first epoch, as in every sitting
+           "--warmup-epochs", "1", "--first-sight", "fp32"]  # an fp32 first epoch, as in every fine-tuning benchmark
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
     return json.loads((out / "summary.json").read_text())["samples_per_second"]
 

@@ -35,9 +35,9 @@ from aqpipe.pipeline.schedule import SCHEDULES  # noqa: E402
 from benchmarks.pipeline_throughput import machine  # noqa: E402
 
 DATA = Path("/work/shared/data/wikitext-2/valid.txt")
-# 25mbit: where fp32's comm/compute ratio was 11 on this machine in the first sittings (8.5 after the link streams
-# sped up fp32's transfers); the paper's 100 Mbps regime is a ratio of about 11-12 (BENCHMARKS.md), so a sitting
-# for the regime names the bandwidth that gives that ratio (e.g. 19mbit) and reads the ratio off the table
+# 25mbit: where fp32's comm/compute ratio is about 8.5 on the 2-core machine of benchmarks/README.md; the AQ-SGD
+# paper's 100 Mbps regime is a ratio of about 11-12, so a run for that regime names the bandwidth that gives it
+# (e.g. 19mbit) and reads the ratio off the table
 BANDWIDTHS = ["unthrottled", "1gbit", "500mbit", "300mbit", "100mbit", "30mbit", "25mbit"]
 VARIANTS = {"fp32": ("fp32", "fp32"), "fp16": ("fp16", "fp16"), "directq fw3 bw6": ("directq:3", "directq:6"),
             "aqsgd fw3 bw6": ("aqsgd:3", "directq:6"), "aqsgd fw4 bw8": ("aqsgd:4", "directq:8")}
@@ -56,7 +56,7 @@ MODELS = {2: ("benchmarks.models:gpt2_2x128", "parameters"), 4: ("benchmarks.mod
 
 
 def system_name(variant: str, schedule: str, schedules: list[str]) -> str:
-    """A variant under a schedule; plain when only one schedule is measured (the tables of earlier sittings)."""
+    """A variant under a schedule; plain when only one schedule is measured."""
     return variant if len(schedules) == 1 else f"{variant} · {schedule}"
 
 
@@ -163,7 +163,7 @@ def summarize(runs: dict, bandwidths: list[str]) -> dict:
 
 def regime_ratio(table: dict, bw: str, fp32: str = "fp32") -> float:
     """fp32's comm/compute ratio as the paper counts it: one activation's time on the wire over one micro-batch's
-    forward on a stage (BENCHMARKS.md: about 12 in the paper at 100 Mbps)."""
+    forward on a stage (about 12 in the AQ-SGD paper at 100 Mbps)."""
     row = table[fp32][bw]
     return row["fwd_wire_ms"] / row["forward_ms"]
 

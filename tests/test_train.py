@@ -1,4 +1,4 @@
-"""End-to-end runs through the launcher: pipeline = single process, and the run directory of CONTRACT.md."""
+"""End-to-end runs through the launcher: pipeline = single process, and the run directory docs/runs.md describes."""
 
 import json
 
