@@ -53,8 +53,8 @@ class RunTotals:
 
 def summarize(records: list[dict], *, used_steps: bool, warmup_epochs: int, wall_seconds: float,
               totals: RunTotals = RunTotals()) -> dict:
-    """The run summary (`summary.json`, docs/runs.md) from the per-step records and the run's `totals` (the exports' paths and the
-    data's description are the run's to add).
+    """The run summary (`summary.json`, docs/runs.md) from the per-step records and the run's `totals` (the exports'
+    paths and the data's description are the run's to add).
 
     final_loss: mean loss of the last epoch (of the last 10% of steps when the run was sized by --steps);
     samples_per_second: median over the steps after the warm-up epochs (over all steps if none are after).

@@ -105,7 +105,7 @@ class CheckpointCopier:
         except OSError:  # (the copies' process says what is wrong with it)
             part_bytes = 0
         self._asked = time.monotonic()
-        self._starved_after = self._asked + max(STARVED_SECONDS, 2 * part_bytes / order["rate"])
+        self._paced(part_bytes / order["rate"])
         try:
             assert self._process.stdin is not None
             self._process.stdin.write(json.dumps(order).encode() + b"\n")
@@ -127,6 +127,11 @@ class CheckpointCopier:
             self._hurry()
         while self._pending:
             self._read(block=True)
+
+    def _paced(self, seconds: float) -> None:
+        """The copy in flight takes `seconds` at its pace: it counts as starved after twice that (at least
+        STARVED_SECONDS) from when it was asked for."""
+        self._starved_after = self._asked + max(STARVED_SECONDS, 2 * seconds)
 
     def _hurry_if_starved(self) -> None:
         """Take the copies' process out of SCHED_IDLE once the copy in flight has outlasted its share of idle time."""
@@ -191,7 +196,7 @@ class CheckpointCopier:
                 report = json.loads(line)
                 comm.TRAFFIC.add(comm.CHECKPOINT, report.get("sent", 0))
                 if "expect" in report:  # (the copy's paced time, every part of it counted)
-                    self._starved_after = self._asked + max(STARVED_SECONDS, 2 * report["expect"])
+                    self._paced(report["expect"])
                 if "ready" in report and self._hurried:  # (it lowered itself after a hurry: hurried again)
                     set_priority(self._process.pid, idle=False)
                 if "done" in report:
