@@ -28,7 +28,7 @@ from aqpipe.pipeline.numerics.optim import lr_factor
 from aqpipe.stages.partition import partition
 from benchmarks.models import gpt2_6x128
 
-DATA = Path("/work/shared/data/wikitext-2")
+DATA = Path(__file__).resolve().parent / "data" / "wikitext-2"
 
 
 def record_visits(args) -> dict[tuple[int, int], list[torch.Tensor]]:

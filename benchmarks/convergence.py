@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = Path("/work/shared/data/wikitext-2")
+DATA = Path(__file__).resolve().parent / "data" / "wikitext-2"
 VARIANTS = {
     "fp32": ("fp32", "fp32"),
     "directq fw3 bw6": ("directq:3", "directq:6"),

@@ -18,8 +18,8 @@
 #   throughput   benchmarks/throughput.py: 4 ranks on the one GPU behind 100 Mbit/s tc links, fp32 vs aqsgd fw3 bw6
 #   throughput-mps  the same under NVIDIA MPS (started and stopped here), where nvidia-cuda-mps-control exists
 # About 4 minutes on an H200 (codec speed, then the GPU tests beside the sync audit, then the two throughput runs;
-# each part stops at its own limit: 8.7 minutes in all at most). AQPIPE_BENCH_DATA names the WikiText-2 file the
-# throughput parts train on, AQPIPE_GPU_CHECK_ROUNDS how many rounds each throughput part runs (default 1; each round
+# each part stops at its own limit: 8.7 minutes in all at most). AQPIPE_BENCH_DATA names the file the throughput
+# parts train on (default: the repository's WikiText-2 valid.txt), AQPIPE_GPU_CHECK_ROUNDS how many rounds each throughput part runs (default 1; each round
 # about a minute more per part); AQPIPE_GPU_CHECK_PARTS picks a subset; AQPIPE_COMMIT names the commit the results
 # files record, where the tree is a copy whose git is not the checkout's (whose git may report another
 # commit than the tree's). The switches of the codecs' GPU paths pass through
@@ -29,7 +29,7 @@ cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu_check}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-data=${AQPIPE_BENCH_DATA:-/work/shared/data/wikitext-2/valid.txt}
+data=${AQPIPE_BENCH_DATA:-$PWD/benchmarks/data/wikitext-2/valid.txt}
 rounds=${AQPIPE_GPU_CHECK_ROUNDS:-1}
 results="$out/results.md"
 # (an earlier run's logs in a reused OUT would be reported as this run's)

@@ -3,19 +3,17 @@
 # image lacks lmdb, zstandard or iproute2 (`tc`, for the throttled links). This script makes them on a machine that
 # has a network, into git-ignored folders to copy along with the checkout, and installs them on the GPU machine:
 #
-#     bash benchmarks/offline_gpu.sh                        # with a network: .whl, .deb, .data
-#     # copy the checkout with .whl .deb .data to the GPU machine, then there:
+#     bash benchmarks/offline_gpu.sh                        # with a network: .whl, .deb
+#     # copy the checkout with .whl .deb to the GPU machine, then there:
 #     source benchmarks/offline_gpu.sh --setup && bash benchmarks/gpu_check.sh OUT
 #
 # .whl  lmdb and zstandard wheels for the GPU machine's CPython (DEVICE_PYTHON, default 3.12)
 # .deb  Debian's iproute2 (ip, tc: the throttled links) and the libraries it links to
-# .data WikiText-2's valid.txt (AQPIPE_BENCH_DATA for the throughput parts)
 #
 # --setup (sourced, on the GPU machine) installs what its image lacks under /tmp/aqpipe-carry:
 # - the wheels with pip --target, on PYTHONPATH;
 # - the .debs unpacked with dpkg-deb;
-# - ip and tc wrapped so that they find only the libraries the image lacks (its own glibc and the rest stay its own);
-# - AQPIPE_BENCH_DATA set.
+# - ip and tc wrapped so that they find only the libraries the image lacks (its own glibc and the rest stay its own).
 # AQPIPE_CARRY_FORCE=1 installs all of it even where the image has it (to try the wrappers on a machine that has
 # iproute2).
 
@@ -24,15 +22,14 @@ carry_make() {
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   py=${DEVICE_PYTHON:-3.12}
   cd "$root" || return 1
-  rm -rf .whl .deb .data && mkdir -p .whl .deb .data || return 1
+  rm -rf .whl .deb && mkdir -p .whl .deb || return 1
   python -m pip download --quiet --only-binary=:all: --python-version "$py" --platform manylinux2014_x86_64 \
     --dest .whl lmdb zstandard || return 1
   # iproute2 and its libraries, without the ones every image has (glibc, libselinux, libbsd); a wrapper finds
   # those the image lacks
   (cd .deb && apt-get download iproute2 libbpf1 libelf1 libmnl0 libxtables12 libcap2 libdb5.3 libtirpc3) \
     || return 1
-  cp "${AQPIPE_BENCH_DATA:-/work/shared/data/wikitext-2/valid.txt}" .data/valid.txt || return 1
-  echo "made: $(ls .whl | tr '\n' ' ')| $(ls .deb | wc -l) .debs | .data/valid.txt"
+  echo "made: $(ls .whl | tr '\n' ' ')| $(ls .deb | wc -l) .debs"
 }
 
 carry_setup() {
@@ -61,7 +58,6 @@ carry_setup() {
     done
     export PATH="$at/bin:$PATH"
   fi
-  export AQPIPE_BENCH_DATA="$PWD/.data/valid.txt"
   echo "carried: python $(python -c 'import lmdb, zstandard; print("lmdb", lmdb.__version__, "zstandard", zstandard.__version__)'); $(tc -V 2>&1 | head -1)"
 }
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = Path("/work/shared/data/wikitext-2/valid.txt")
+DATA = Path(__file__).resolve().parent / "data" / "wikitext-2" / "valid.txt"
 
 
 def end_to_end(store: str, args, work: Path) -> float:

@@ -34,7 +34,7 @@ from aqpipe.launch import netns  # noqa: E402
 from aqpipe.pipeline.schedule import SCHEDULES  # noqa: E402
 from benchmarks.pipeline_throughput import machine  # noqa: E402
 
-DATA = Path("/work/shared/data/wikitext-2/valid.txt")
+DATA = Path(__file__).resolve().parent / "data" / "wikitext-2" / "valid.txt"
 # 25mbit: where fp32's comm/compute ratio is about 8.5 on the 2-core machine of benchmarks/README.md; the AQ-SGD
 # paper's 100 Mbps regime is a ratio of about 11-12, so a run for that regime names the bandwidth that gives it
 # (e.g. 19mbit) and reads the ratio off the table

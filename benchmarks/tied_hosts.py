@@ -28,7 +28,7 @@ from aqpipe.config.rates import parse_rate  # noqa: E402
 from benchmarks.pipeline_throughput import machine  # noqa: E402
 from tests.hosts import simulated_hosts, wait_all  # noqa: E402
 
-DATA = Path("/work/shared/data/wikitext-2/valid.txt")
+DATA = Path(__file__).resolve().parent / "data" / "wikitext-2" / "valid.txt"
 VARIANTS = {  # name -> (fw, bw, tied exchange)
     "fp32, rows": ("fp32", "fp32", "rows"),
     "aqsgd fw3 bw6, rows": ("aqsgd:3", "directq:6", "rows"),

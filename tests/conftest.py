@@ -1,4 +1,7 @@
-"""Fixtures the tests share."""
+"""Fixtures the tests share, and the `needs` mark: a test that needs an optional package skips, naming it, where the
+package is missing (the README's test command installs them all)."""
+
+import importlib.util
 
 import pytest
 
@@ -15,3 +18,18 @@ def stand_in(monkeypatch):
     monkeypatch.delenv(cuda_graphs.SWITCH, raising=False)
     yield captures
     cuda_graphs.clear()
+
+
+INSTALLS = {"peft": "pip install peft (aqpipe's llm extra)", "gguf": "pip install gguf (aqpipe's llm extra)",
+            "datasets": "pip install datasets (aqpipe's hub extra)"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs(*modules): skip, naming the package, unless each module can be imported")
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("needs"):
+        for module in mark.args:
+            if importlib.util.find_spec(module) is None:
+                pytest.skip(f"needs {module}: {INSTALLS.get(module, f'pip install {module}')}")

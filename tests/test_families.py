@@ -108,6 +108,7 @@ def test_each_family_pipelined_trains_as_one_process_and_exports_the_same_model(
     torch.testing.assert_close(hidden, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.needs("peft")
 @pytest.mark.parametrize("kind", sorted(SHAPES))
 def test_each_family_trains_under_lora_in_bf16_with_recomputation_over_compressed_links(tmp_path, monkeypatch, kind):
     """Its default LoRA targets exist and train; bf16 autocast and recomputation run through its layers."""

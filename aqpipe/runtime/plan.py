@@ -12,7 +12,7 @@ import torch
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.data import DataError, EpochPlan, TaskDataset, prepare_dataset, shard
 from aqpipe.stages import PipelineSpec, SpecError, partition
-from aqpipe.stages.lora import LoraSettings, apply_lora, check_targets, lora_settings
+from aqpipe.stages.lora import LoraSettings, apply_lora, check_targets, lora_settings, require_peft
 from aqpipe.stages.models import (
     build_spec,
     check_context,
@@ -119,6 +119,7 @@ def plan_lora(cfg: ResolvedConfig, spec: PipelineSpec) -> LoraSettings | None:
     try:
         settings = lora_settings(cfg.lora, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, spec)
         check_targets(spec, settings)
+        require_peft()  # (here, before any rank starts)
     except SpecError as e:
         raise ConfigError(str(e)) from None
     if cfg.export_adapter and (spec.extras.get("task", cfg.task) != "lm" or "base_model" not in spec.extras):

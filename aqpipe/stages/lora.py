@@ -9,6 +9,7 @@ checkpoints see nothing else. The export writes base + B·A·alpha/r under the b
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,12 @@ class LoraSettings:
     dropout: float
     targets: tuple[str, ...]
     fan_in_fan_out: bool = False  # the adapted weights are stored [in, out] (GPT-2's Conv1D)
+
+
+def require_peft() -> None:
+    """SpecError naming the install where peft, an optional package, is missing."""
+    if importlib.util.find_spec("peft") is None:
+        raise SpecError("--lora needs peft: pip install peft (aqpipe's llm extra)")
 
 
 def lora_settings(rank: int, alpha: float | None, dropout: float, targets: str | None, spec: PipelineSpec
@@ -81,10 +88,8 @@ def check_targets(spec: PipelineSpec, settings: LoraSettings) -> None:
 def apply_lora(stage: Stage, first_layer: int, settings: LoraSettings, seed: int) -> int:
     """Add adapters to the stage's layers (the first being layer `first_layer` of the model) and freeze everything
     else; returns how many layers got adapters."""
-    try:
-        from peft import LoraConfig, inject_adapter_in_model
-    except ImportError:
-        raise SpecError("--lora needs peft: pip install peft") from None
+    require_peft()
+    from peft import LoraConfig, inject_adapter_in_model
     # peft's scaling is lora_alpha / r (its annotation says int; a float alpha works and is what --lora-alpha takes)
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,  # type: ignore[arg-type]
                         target_modules=list(settings.targets), fan_in_fan_out=settings.fan_in_fan_out)
