@@ -31,12 +31,12 @@ from aqpipe.config import ResolvedConfig
 from aqpipe.launch.gpu_sharing import local_sharing_note
 from aqpipe.pipeline.links.transport import Header
 from aqpipe.pipeline.numerics.mixed_precision import autocast
-from aqpipe.runtime.capacity import TiedNeeds, plan_capacity
-from aqpipe.runtime.capacity_links import LinkNeeds, steady_payload_bytes
-from aqpipe.runtime.capacity_rows import EVERY_POSITION, RowShapes, row_shapes
-from aqpipe.runtime.capacity_table import format_tied
+from aqpipe.runtime.capacity.links import LinkNeeds, steady_payload_bytes
+from aqpipe.runtime.capacity.plan import TiedNeeds, plan_capacity
+from aqpipe.runtime.capacity.rows import EVERY_POSITION, RowShapes, row_shapes
+from aqpipe.runtime.capacity.step_wire import links_seconds, rank_traffic
+from aqpipe.runtime.capacity.table import format_tied
 from aqpipe.runtime.plan import RunPlan
-from aqpipe.runtime.step_wire import links_seconds, rank_traffic
 from aqpipe.storage import StoreView, memory_store
 
 FW_BITS = (8, 6, 4, 3, 2)  # the AQ-SGD widths the recommendation chooses among, most faithful first
@@ -167,7 +167,7 @@ def recommend(link: LinkNeeds, cfg: ResolvedConfig, rate: float, compute: float,
     whether even the fewest bits leave the link the bottleneck; and the wire times (forward, backward) per candidate.
     Each rank is behind a link of its own: with two stages each sends one direction, but a middle stage sends its
     activations forward and its gradients backward over its link, at once under 1F1B, which the advice sets
-    (`aqpipe.runtime.step_wire`; a tied table's rows on the end stages' links are left out). A micro-batch's
+    (`aqpipe.runtime.capacity.step_wire`; a tied table's rows on the end stages' links are left out). A micro-batch's
     messages are as `rows` says they travel (over real rows, the mean of the first steps' micro-batches)."""
     options = QuantOptions.of(cfg)
     dtype = getattr(torch, link.activation_dtype)

@@ -347,8 +347,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _dry_run(cfg: ResolvedConfig) -> int:
     """Print the capacity plan of a launch and start nothing (the run directory is not touched); exit 2 when the
     run would not fit."""
-    from aqpipe.runtime.capacity import TraceError, plan_capacity, steps_outlasting_the_stall_timeout
-    from aqpipe.runtime.capacity_table import format_plan
+    from aqpipe.runtime.capacity.plan import TraceError, plan_capacity, steps_outlasting_the_stall_timeout
+    from aqpipe.runtime.capacity.table import format_plan
     from aqpipe.runtime.plan import check_store_capacity, make_plan
 
     plan = make_plan(cfg, check_store=False, planning=True)  # a store that does not fit is one of the plan's findings

@@ -186,7 +186,7 @@ def fixed_shape_bytes(result: dict, args, hidden: int, links: int = 3) -> int:
     same run: every position of every micro-batch, forward and back, on each link, and every position of each
     held-out sample forward at every evaluation the run made (its tied all-reduce not counted). A run's evaluations
     are read from its records (one taken from an earlier results file has none: this invocation's cadence)."""
-    from aqpipe.runtime.capacity_eval import eval_passes
+    from aqpipe.runtime.capacity.eval_passes import eval_passes
 
     summary = result["summary"]
     position = links * hidden * 4 * args.seq_len

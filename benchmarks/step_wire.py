@@ -1,7 +1,7 @@
 """The plan's least step time at --bandwidth against throttled runs' measured step times.
 
 For a few pipelines (3 and 4 stages, GPipe and 1F1B, fp32 and compressed links, a tied embedding's row exchange),
-print the capacity plan's least step time on the wire (`aqpipe.runtime.step_wire`: every rank behind a link of its
+print the capacity plan's least step time on the wire (`aqpipe.runtime.capacity.step_wire`: every rank behind a link of its
 own), the earlier count (each stage-to-stage link alone, no tied rows), and the median step time of a real run under
 `aqpipe launch --bandwidth` (network namespaces with tc tbf; needs root). A least time is a lower bound: the measured
 time should lie above it, and, where the wire dominates, not far above.
@@ -41,8 +41,8 @@ def planned(args: list[str], out: Path) -> tuple[float, float]:
 
     from aqpipe.cli import _parser
     from aqpipe.config import RunConfig, build_config, resolve
-    from aqpipe.runtime.capacity import plan_capacity
-    from aqpipe.runtime.capacity_links import FIRST_EPOCH
+    from aqpipe.runtime.capacity.links import FIRST_EPOCH
+    from aqpipe.runtime.capacity.plan import plan_capacity
     from aqpipe.runtime.plan import make_plan
 
     parsed = _parser().parse_args(["launch", *args, "--out", str(out)])

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 # What the ranks of these tests import, the models' transformers code and peft included (5-9 s of CPU each on these
 # machines); the forkserver imports it once, and each rank is a fork of it.
 PRELOAD = ["torch", "torch.distributed", "aqpipe.pipeline.execution.worker", "aqpipe.compress.grad.methods",
-           "aqpipe.runtime.assemble", "aqpipe.runtime.plan", "transformers.models.gpt2.modeling_gpt2",
+           "aqpipe.runtime.rank.assemble", "aqpipe.runtime.plan", "transformers.models.gpt2.modeling_gpt2",
            "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert", "peft",
            "tests.distributed"]
 _CONTEXT = mp.get_context("forkserver")

@@ -6,7 +6,7 @@ import pytest
 from aqpipe.bench import FW_BITS, loopback_rate, recommend
 from aqpipe.cli import main
 from aqpipe.config import RunConfig, resolve
-from aqpipe.runtime.capacity_links import LinkNeeds
+from aqpipe.runtime.capacity.links import LinkNeeds
 
 SHAPE = (4, 64, 256)
 
@@ -21,7 +21,7 @@ def test_the_recommendation_is_the_most_bits_whose_wire_time_fits_the_compute(pp
     stages on a middle rank sends its activations forward and its gradients backward over its link, both per
     micro-batch. The recommendation took the larger of the two for any pipeline, and so could leave a middle rank's
     link the bottleneck (at 2x the compute)."""
-    from aqpipe.runtime.step_wire import links_seconds, rank_traffic
+    from aqpipe.runtime.capacity.step_wire import links_seconds, rank_traffic
 
     cfg = resolve(RunConfig(model="gpt2-tiny", pp=pp, device="cpu"))
     compute = 0.05
@@ -76,7 +76,7 @@ def test_bench_refuses_a_bad_rate_with_one_line(tmp_path, capsys):
 
 def test_the_report_counts_the_tied_exchange_and_its_time_on_the_link():
     from aqpipe.bench import BenchResult, format_bench
-    from aqpipe.runtime.capacity import TiedNeeds
+    from aqpipe.runtime.capacity.plan import TiedNeeds
 
     cfg = resolve(RunConfig(model="llama-tiny", pp=4, device="cpu"))
     tied = TiedNeeds("rows", 3_000_000, 113_000_000, 650.0)
@@ -102,8 +102,8 @@ def test_the_report_says_when_ranks_share_a_gpu_and_how_mps_helps():
 def test_the_recommendation_counts_only_the_real_tokens_of_padded_batches(tmp_path, monkeypatch):
     """Instruction data over real rows: each candidate's wire time per micro-batch is that of the first steps' mean
     micro-batch of real rows, as the capacity plan counts the run's own codecs."""
-    from aqpipe.runtime.capacity import plan_capacity
-    from aqpipe.runtime.capacity_rows import row_shapes
+    from aqpipe.runtime.capacity.plan import plan_capacity
+    from aqpipe.runtime.capacity.rows import row_shapes
     from aqpipe.runtime.plan import make_plan
 
     monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))

@@ -1,4 +1,4 @@
-"""The capacity plan (aqpipe.runtime.capacity): its numbers match what a real run measures — parameters, activation
+"""The capacity plan (aqpipe.runtime.capacity.plan): its numbers match what a real run measures — parameters, activation
 bytes held per stage under each schedule, precision, recompute and LoRA, and the wire bytes per step per link —
 `--dry-run` prints it and starts nothing, and a launch that does not fit is refused with exit 2 and its numbers."""
 
@@ -12,9 +12,9 @@ import torch
 from aqpipe.cli import main
 from aqpipe.compress.grad.registry import sync_step_bytes
 from aqpipe.config import resolve
-from aqpipe.runtime import capacity as cap
-from aqpipe.runtime import capacity_links
-from aqpipe.runtime.capacity_table import format_plan
+from aqpipe.runtime.capacity import links as capacity_links
+from aqpipe.runtime.capacity import plan as cap
+from aqpipe.runtime.capacity.table import format_plan
 from aqpipe.runtime.plan import make_plan
 from tests import warm
 
@@ -346,7 +346,7 @@ def test_a_tied_row_cache_holds_no_optimizer_state_or_grad_sync_memory(tmp_path,
     from aqpipe.compress.grad.registry import sync_copies
     from aqpipe.pipeline.links.tied_rows import table_parameter
     from aqpipe.pipeline.numerics.tied import row_tables
-    from aqpipe.runtime.stage_trace import state_copies
+    from aqpipe.runtime.capacity.stage_trace import state_copies
 
     monkeypatch.setattr(cap, "check_fits", lambda capacity: None)  # (the numbers alone)
     cfg = flags_to_config(["--model", "llama-tiny", "--pp", "2", "--dp", "2", "--tied-exchange", "rows",
@@ -458,7 +458,7 @@ def test_the_least_step_time_counts_a_middle_ranks_two_links_and_the_tied_rows_o
 
 
 def test_evaluations_over_a_run_are_every_n_steps_and_after_the_last():
-    from aqpipe.runtime.capacity_eval import eval_passes
+    from aqpipe.runtime.capacity.eval_passes import eval_passes
 
     assert [eval_passes(10, every) for every in (0, None, 1, 3, 5, 20)] == [0, 1, 10, 4, 2, 1]
 

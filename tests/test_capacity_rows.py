@@ -1,9 +1,9 @@
-"""What real rows leave of a padded batch on the links, as the capacity plan counts it (aqpipe.runtime.capacity_rows):
+"""What real rows leave of a padded batch on the links, as the capacity plan counts it (aqpipe.runtime.capacity.rows):
 against a real run's bytes, and against the same run with every position on the links."""
 
 import json
 
-from aqpipe.runtime import capacity as cap
+from aqpipe.runtime.capacity import plan as cap
 from aqpipe.runtime.plan import make_plan
 from tests import warm
 from tests.test_capacity import SMALL, flags_to_config

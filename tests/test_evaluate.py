@@ -96,7 +96,7 @@ def test_a_held_out_activation_is_coded_alike_inside_a_stages_autocast(codec):
     from aqpipe.compress.link.options import QuantOptions
     from aqpipe.pipeline.links.link_ends import ActivationIn, ActivationOut
     from aqpipe.pipeline.links.transport import KIND_ACTIVATION, SIDE_MASK, Inbox, Outbox
-    from aqpipe.runtime.assemble import evaluation_codec
+    from aqpipe.runtime.rank.assemble import evaluation_codec
 
     ours, theirs = socket.socketpair()
     cpu = torch.device("cpu")

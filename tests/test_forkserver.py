@@ -121,7 +121,7 @@ def test_a_server_for_a_run_forks_ranks_that_have_its_model_code_already():
         seen = json.loads(child.stdout.read())
         assert child.wait(timeout=60) == 0
         assert {"transformers.models.llama.modeling_llama", "peft", "aqpipe.storage.lmdb_store",
-                "aqpipe.runtime.train"} <= set(seen["modules"]) and seen["threads"] == 1
+                "aqpipe.runtime.rank.train"} <= set(seen["modules"]) and seen["threads"] == 1
     finally:
         server.close()
         server.close()  # a second close does nothing (the launcher and the command line both close it)

@@ -245,7 +245,7 @@ def test_what_a_runs_codec_graphs_hold_is_reported_and_within_the_capacity_plans
     stage, with the allocator's headroom and 2 MiB a graph."""
     import dataclasses
 
-    from aqpipe.runtime.capacity import ALLOCATOR_HEADROOM, plan_capacity
+    from aqpipe.runtime.capacity.plan import ALLOCATOR_HEADROOM, plan_capacity
     from aqpipe.runtime.plan import make_plan
     from tests.test_capacity import flags_to_config
 

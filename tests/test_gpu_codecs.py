@@ -409,7 +409,7 @@ def test_the_capacity_plans_count_of_a_links_graphs_matches_what_they_hold_on_th
     reports them: not above the count with the allocator's headroom and 2 MiB, not below half of it."""
     from aqpipe.compress.gpu import cuda_graphs, fused
     from aqpipe.compress.gpu.graph_memory import held_bytes
-    from aqpipe.runtime.capacity import ALLOCATOR_HEADROOM
+    from aqpipe.runtime.capacity.plan import ALLOCATOR_HEADROOM
 
     monkeypatch.setenv(fused.DELTA_SWITCH, fused_delta)
     cuda_graphs.clear()

@@ -102,7 +102,7 @@ def test_a_new_method_is_one_row_and_its_class(monkeypatch, tmp_path):
     from aqpipe.compress.grad.methods import describe_methods_help
     from aqpipe.compress.grad.registry import sync_copies, sync_step_bytes
     from aqpipe.compress.grad.wire import SyncBytes
-    from aqpipe.runtime import capacity as cap
+    from aqpipe.runtime.capacity import plan as cap
     from aqpipe.runtime.plan import make_plan
     from tests.distributed import run_ranks
     from tests.test_capacity import SMALL, flags_to_config

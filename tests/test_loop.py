@@ -1,4 +1,4 @@
-"""The step loop's checkpoint (runtime/loop.py): what every rank does around writing its part."""
+"""The step loop's checkpoint (runtime/rank/loop.py): what every rank does around writing its part."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def _checkpoint_with_one_slow_writer(rank: int, world: int, out: str) -> str:
     from torch.distributed import distributed_c10d
 
     from aqpipe.pipeline.world.grid import Grid, create_groups
-    from aqpipe.runtime import loop
     from aqpipe.runtime.checkpoints import store
+    from aqpipe.runtime.rank import loop
 
     groups = create_groups(Grid(world, 1, rank))
     for group in (distributed_c10d._get_default_group(), groups.pipeline, groups.data_parallel):

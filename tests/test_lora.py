@@ -30,7 +30,7 @@ def config(out: Path, pp: int, dp: int = 1, model: str = "llama-tiny", **extra) 
 
 def _train(rank: int, world: int, pp: int, dp: int, partition: str, out: str) -> dict:
     from aqpipe.pipeline.world.grid import Grid
-    from aqpipe.runtime.assemble import assemble_stage
+    from aqpipe.runtime.rank.assemble import assemble_stage
 
     torch.set_num_threads(1)
     plan = make_plan(config(Path(out), pp, dp, partition=partition))

@@ -3,7 +3,7 @@
 import pytest
 
 from aqpipe.config.rates import MIN_RATE_BITS
-from aqpipe.runtime.final_weights import MAX_PIECE, MIN_PIECE, piece_bytes
+from aqpipe.runtime.outputs.final_weights import MAX_PIECE, MIN_PIECE, piece_bytes
 
 
 @pytest.mark.parametrize("stall_timeout, senders", [(300.0, 3), (300.0, 7), (6.0, 3), (60.0, 1)])

@@ -28,8 +28,8 @@ def config(out: Path, pp: int, **extra) -> RunConfig:
 def _train(rank: int, world: int, pp: int, out: str, extra: dict, poison: tuple[int, int] | None = None) -> dict:
     """Train STEPS steps on this rank; `poison` = (rank, step): that rank's gradients become inf at that step."""
     from aqpipe.pipeline.world.grid import Grid
-    from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.runtime.plan import make_plan
+    from aqpipe.runtime.rank.assemble import assemble_stage
 
     torch.set_num_threads(1)
     plan = make_plan(config(Path(out), pp, **extra))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from aqpipe.runtime.replicas import parameter_digest
+from aqpipe.runtime.rank.replicas import parameter_digest
 from tests.distributed import run_ranks
 
 
@@ -19,7 +19,7 @@ def test_the_digest_sees_every_bit_and_every_name():
 
 def _check(rank: int, world: int, drift: bool):
     from aqpipe.pipeline.world.grid import Grid
-    from aqpipe.runtime.replicas import ReplicaDivergence, check_replicas
+    from aqpipe.runtime.rank.replicas import ReplicaDivergence, check_replicas
 
     grid = Grid(2, world // 2, rank)
     torch.manual_seed(grid.stage)

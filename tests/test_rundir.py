@@ -223,7 +223,7 @@ def test_workers_take_their_configuration_from_the_launcher_not_from_the_run_dir
     monkeypatch.setenv(CONFIG_ENV, json.dumps(cfg.to_dict()))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setattr("aqpipe.runtime.train.run_worker", lambda c, *a, **k: seen.update(seed=c.seed))
+    monkeypatch.setattr("aqpipe.runtime.rank.train.run_worker", lambda c, *a, **k: seen.update(seed=c.seed))
     assert worker_entry.run_rank() == 0
     assert seen == {"seed": 3}
 

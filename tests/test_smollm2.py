@@ -113,7 +113,7 @@ def test_the_tied_table_costs_a_step_less_than_the_aqsgd_links_at_pp4(smollm2, t
     than the three AQ-SGD links (fw3/bw6) together; the dense all-reduce Megatron and DeepSpeed use would send over
     100x more. (The plan counts the rows of the real data order's steps: the built-in instructions.)"""
     from aqpipe.config import RunConfig, resolve
-    from aqpipe.runtime.capacity import plan_capacity
+    from aqpipe.runtime.capacity.plan import plan_capacity
     from aqpipe.runtime.plan import make_plan
 
     def plan(exchange: str):

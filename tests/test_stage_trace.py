@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from aqpipe.pipeline.schedule import SCHEDULES
-from aqpipe.runtime import stage_trace
+from aqpipe.runtime.capacity import stage_trace
 from tests.test_capacity import SMALL, flags_to_config
 
 

@@ -1,4 +1,4 @@
-"""One step's metrics record (aqpipe.runtime.step_record): every rank's statistics combined as each declares
+"""One step's metrics record (aqpipe.runtime.outputs.step_record): every rank's statistics combined as each declares
 (aqpipe.pipeline.step_stats), and the fields worked out from them."""
 
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from aqpipe.pipeline.step_stats import StepStats, stat, statistics_of
-from aqpipe.runtime.step_record import combine_rows, record_names
+from aqpipe.runtime.outputs.step_record import combine_rows, record_names
 from tests.distributed import run_ranks
 
 
@@ -51,7 +51,7 @@ def test_each_rule_combines_the_ranks_values_as_it_says():
 
 def _record_of_a_step(rank: int, world: int, deltas: bool) -> dict:
     from aqpipe.pipeline.world.grid import Grid
-    from aqpipe.runtime.step_record import step_record
+    from aqpipe.runtime.outputs.step_record import step_record
 
     stats = WithWidgets(widgets=rank + 3, loss_sum=6.0 * rank, fwd_bytes=100 * (rank + 1), fwd_elements=50,
                         fwd_recv_bytes=400 * rank, fwd_recv_seconds=2.0 * rank, overflow=0, control_bytes=10 + rank)

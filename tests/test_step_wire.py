@@ -1,10 +1,10 @@
-"""The least step time the wire allows (aqpipe.runtime.step_wire): every rank behind a link of its own, so a middle
+"""The least step time the wire allows (aqpipe.runtime.capacity.step_wire): every rank behind a link of its own, so a middle
 stage's link carries both of its neighbours' traffic, the tied rows ride on the first and last stages' links, and the
 grad sync comes after a rank's last backward pass."""
 
 import pytest
 
-from aqpipe.runtime.step_wire import RankTraffic, least_step_seconds, links_seconds, rank_traffic
+from aqpipe.runtime.capacity.step_wire import RankTraffic, least_step_seconds, links_seconds, rank_traffic
 
 MB = 1_000_000
 BITS = 8 * MB  # 1 MB/s: seconds are megabytes

@@ -129,7 +129,7 @@ def test_replicas_keep_one_tied_table_and_one_norm_whatever_order_the_backend_ad
     same number (a last bit apart rarely reaches the float32 coefficient — no case in 2 million random ones — but
     the replicas then report different norms)."""
     from aqpipe.pipeline.numerics.tied import TiedGroup, added_in_order
-    from aqpipe.runtime.capacity import dense_tied_bytes
+    from aqpipe.runtime.capacity.plan import dense_tied_bytes
 
     results = run_ranks(_replicas_reduce_in_orders_of_their_own, 6)
     assert all(status == "ok" for status, _ in results), results

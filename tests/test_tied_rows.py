@@ -232,7 +232,7 @@ def test_only_the_two_stages_holding_copies_send_rows_and_far_fewer_bytes(rows_a
 
 
 def test_the_dry_run_predicts_the_rows_a_step_sends(rows_and_dense):
-    from aqpipe.runtime.capacity import plan_capacity
+    from aqpipe.runtime.capacity.plan import plan_capacity
     from aqpipe.runtime.plan import make_plan
 
     capacity = plan_capacity(make_plan(tied_config(rows_and_dense["rows"].parent / "plan", "rows")))
@@ -322,7 +322,7 @@ def test_the_plan_counts_what_a_dense_tied_table_sends_with_replicas(tmp_path):
     """With two replicas the copies sum their gradients before the sync and re-agree after it: two all-reduces of
     the table a step over each replica's pipeline, which the plan once counted as one. The run's records sum the
     replicas."""
-    from aqpipe.runtime.capacity import plan_capacity
+    from aqpipe.runtime.capacity.plan import plan_capacity
     from aqpipe.runtime.plan import make_plan
 
     settings = dict(dp=2, steps=2, eval_every=0)

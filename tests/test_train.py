@@ -94,7 +94,7 @@ def test_a_rank_that_fails_aborts_its_process_group_instead_of_waiting_on_it(tmp
     that fails itself does not hide the run's error."""
     import torch.distributed as dist
 
-    from aqpipe.runtime import train
+    from aqpipe.runtime.rank import train
 
     # a store on a port the kernel picks as it binds (a port found free earlier may be taken by then)
     monkeypatch.setattr(train, "rendezvous_store", lambda rank, world, timeout: dist.TCPStore(

@@ -31,8 +31,8 @@ EXIT_2_CLASSES = frozenset({
     "ReportError",  # aqpipe report (cli.py)
     "GenerateError",  # aqpipe generate (cli.py)
     "NetnsError",  # aqpipe netns, --bandwidth (cli.py, launch/job.py)
-    "RendezvousConflict",  # torchrun's shared rendezvous store (runtime/train.py)
-    "HostDisagreement",  # hosts given different flags (runtime/train.py)
+    "RendezvousConflict",  # torchrun's shared rendezvous store (runtime/rank/train.py)
+    "HostDisagreement",  # hosts given different flags (runtime/rank/train.py)
     "TraceError",  # --dry-run of a model the planner cannot trace (cli.py)
 })
 NOT_EXIT_2 = frozenset({"DamagedStore"})  # an InspectError that `aqpipe store` reports as a finding, exit 1
@@ -41,7 +41,7 @@ NOT_EXIT_2 = frozenset({"DamagedStore"})  # an InspectError that `aqpipe store` 
 BUILDERS = {
     "aqpipe/launch/netns.py": {"can_throttle"},  # ConfigError(problem): --bandwidth / aqpipe netns without root…
     "aqpipe/config/rates.py": {"parse_rate"},  # ValueError -> "--bandwidth: <why>"
-    "aqpipe/runtime/capacity.py": {"steps_outlasting_the_stall_timeout"},  # ConfigError(problem)
+    "aqpipe/runtime/capacity/plan.py": {"steps_outlasting_the_stall_timeout"},  # ConfigError(problem)
     "aqpipe/runtime/checkpoints/parts.py": {"changed_setting"},  # CheckpointError(changed), "--resume: <changed>"
     "aqpipe/runtime/checkpoints/copies.py": {"copy_plan"},  # ValueError -> ConfigError (checkpoints/store.py)
 }
@@ -53,11 +53,11 @@ RELAYS = {
     ("aqpipe/cli.py", "problem.replace('--bandwidth needs', 'aqpipe netns needs')"),  # can_throttle()
     ("aqpipe/config/checks.py", "str(e)"),  # CodecError, GradSpecError
     ("aqpipe/runtime/plan.py", "str(e)"),  # SpecError, DataError
-    ("aqpipe/runtime/train.py", "str(e)"),  # RendezvousConflict, HostDisagreement
+    ("aqpipe/runtime/rank/train.py", "str(e)"),  # RendezvousConflict, HostDisagreement
     ("aqpipe/launch/job.py", "str(e)"),  # CheckpointError
     ("aqpipe/launch/netns.py", "problem"),  # can_throttle()
-    ("aqpipe/runtime/capacity.py", "problem"),  # steps_outlasting_the_stall_timeout()
-    ("aqpipe/runtime/capacity.py", "str(e)"),  # CodecError: a codec that cannot code the stages' activations
+    ("aqpipe/runtime/capacity/plan.py", "problem"),  # steps_outlasting_the_stall_timeout()
+    ("aqpipe/runtime/capacity/plan.py", "str(e)"),  # CodecError: a codec that cannot code the stages' activations
     ("aqpipe/runtime/checkpoints/parts.py", "changed"),  # changed_setting()
     ("aqpipe/runtime/checkpoints/store.py", "str(e)"),  # copy_plan()
     ("aqpipe/cli.py", "slow"),  # --dry-run: steps_outlasting_the_stall_timeout()
@@ -87,7 +87,7 @@ INTERNAL = {
     ("aqpipe/compress/link/topk.py", "topk positions fall outside the"),
     ("aqpipe/compress/link/topk.py", "topk bitmap does not mark"),
     # the planner's own check (a stage without the batch's inputs): relayed inside "the stages could not be traced"
-    ("aqpipe/runtime/stage_trace.py", "the traced batch lacks the"),
+    ("aqpipe/runtime/capacity/stage_trace.py", "the traced batch lacks the"),
     # aqpipe.partition called from Python; through `aqpipe launch` the configuration checks (--pp at least 1, no more
     # stages than layers, --partition's count of stages, every count at least 1) refuse first
     ("aqpipe/stages/partition.py", "the number of stages must"),

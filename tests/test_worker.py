@@ -25,8 +25,8 @@ def _train_each(rank: int, world: int, pp: int, dp: int, micro_batch_counts: lis
     """On one rank: for each micro-batch count and schedule, assemble the stage afresh and train STEPS steps;
     returns {(m, schedule): (per-step loss sums, final state, peak activation bytes per step)}."""
     from aqpipe.pipeline.world.grid import Grid
-    from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.runtime.plan import make_plan
+    from aqpipe.runtime.rank.assemble import assemble_stage
 
     torch.set_num_threads(1)  # as each launched worker on these machines, and the single-process reference
     results = {}
@@ -102,8 +102,8 @@ def _evaluate_between_steps(rank: int, world: int, out: str) -> tuple[int, int]:
     """pp=2: train a step, evaluate, train another; returns what rank 1 counted as received in each step."""
     from aqpipe.pipeline.execution.evaluate import eval_batches, evaluate_stage
     from aqpipe.pipeline.world.grid import Grid
-    from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.runtime.plan import make_plan
+    from aqpipe.runtime.rank.assemble import assemble_stage
 
     plan = make_plan(config(Path(out), 2, 1, 2, "1f1b"))
     stage = assemble_stage(plan, Grid(2, 1, rank), torch.device("cpu"), "gloo")
@@ -231,8 +231,8 @@ def _aqsgd_steps(rank: int, world: int, out: str, late: bool, plant: bool) -> di
     from aqpipe.compress.link.late_checks import LateChecks
     from aqpipe.compress.link.specs import CodecError
     from aqpipe.pipeline.world.grid import Grid
-    from aqpipe.runtime.assemble import assemble_stage
     from aqpipe.runtime.plan import make_plan
+    from aqpipe.runtime.rank.assemble import assemble_stage
 
     torch.set_num_threads(1)
     plan = make_plan(resolve(RunConfig(model="gpt2-tiny", seq_len=32, micro_batch_size=2, micro_batches=2, steps=4,

@@ -38,7 +38,7 @@ MAX_MESSAGE = 1 << 20
 MODELS = [("gpt2-tiny", True, "lmdb"), ("llama-tiny", True, "memory"), ("bert-tiny", False, "memory"),
           ("deberta-tiny", False, "memory")]
 # matplotlib: rank 0 draws the loss plot at the end of every run (about a second of imports here).
-PRELOAD = ["aqpipe.cli", "aqpipe.launch.job", "aqpipe.launch.forkserver", "aqpipe.runtime.capacity", "matplotlib.figure",
+PRELOAD = ["aqpipe.cli", "aqpipe.launch.job", "aqpipe.launch.forkserver", "aqpipe.runtime.capacity.plan", "matplotlib.figure",
            "matplotlib.backends.backend_agg", "matplotlib.pyplot"]
 
 

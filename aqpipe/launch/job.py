@@ -22,7 +22,7 @@ from aqpipe.launch.rundir import RunDirectory, existing_run
 from aqpipe.launch.signals import INTERRUPTS, deferred_interrupts, ignore_interrupts, interrupts_raise
 from aqpipe.metrics import write_json
 from aqpipe.pipeline.world.grid import Grid
-from aqpipe.runtime.capacity import refuse_if_unfit
+from aqpipe.runtime.capacity.plan import refuse_if_unfit
 from aqpipe.runtime.plan import RunPlan, make_plan
 
 
@@ -38,7 +38,7 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
     The starter is closed on return.
     """
     if in_distributed_env() and CONFIG_ENV not in os.environ:
-        from aqpipe.runtime.train import run_worker
+        from aqpipe.runtime.rank.train import run_worker
 
         if cfg.bandwidth is not None:
             raise ConfigError("--bandwidth works only when aqpipe launch starts the ranks itself, not under torchrun "

@@ -20,7 +20,7 @@ def rank_imports(model: str, lora: bool = False, store: str = "memory") -> list[
     to import once before it forks them; called inside the server, which may import torch."""
     from aqpipe.stages.models import model_imports
 
-    modules = ["torch", "torch.distributed", "aqpipe.runtime.train", *model_imports(model)]
+    modules = ["torch", "torch.distributed", "aqpipe.runtime.rank.train", *model_imports(model)]
     if lora:
         modules += ["peft"]
     if store == "lmdb":
@@ -32,7 +32,7 @@ def run_rank(spec_factory=None) -> int:
     """Run the rank described by the environment; returns the process exit code."""
     from aqpipe.config import ResolvedConfig
     from aqpipe.runtime.events import emit
-    from aqpipe.runtime.train import run_worker
+    from aqpipe.runtime.rank.train import run_worker
 
     die_with_parent()
     from aqpipe.launch.signals import dump_stacks_on_sigusr1

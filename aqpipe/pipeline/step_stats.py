@@ -1,5 +1,5 @@
 """What one rank measured during one optimizer step, each field declaring how rank 0 combines every rank's value
-(`aqpipe.runtime.step_record`): the one home of a step's statistics.
+(`aqpipe.runtime.outputs.step_record`): the one home of a step's statistics.
 
 A field's `combine` names its combined values:
 - `sum`: summed over every rank, under the field's name;

@@ -1,3 +1,4 @@
-"""One rank's run: planning and the capacity plan, assembling its stage, the step loop, checkpoints (`checkpoints/`),
-replica checks, and what a run leaves: each step's metrics record, progress lines, the final weights, the exports, the
-run directory's files and summary."""
+"""One rank's run. `plan` decides everything before training (data, model, stage boundaries, steps); `capacity/`
+works out what the run will hold and send; `rank/` assembles the stage and trains; `checkpoints/` saves, copies,
+reconciles and resumes; `outputs/` records and writes what the run leaves; `events` is the worker's side of the
+launcher's event protocol."""

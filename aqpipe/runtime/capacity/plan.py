@@ -4,11 +4,11 @@ Per stage: parameters, gradients and optimizer state (fp32 master weights; only 
 optimizer state), the activations held for backward under the chosen schedule, precision and recompute, and the
 m(ξ) store it keeps, and the bytes its replicas' grad sync sends per step; per link: the payload bytes per step each
 way with the chosen codecs; and the time a link of `--bandwidth` needs for them. `aqpipe launch --dry-run` prints it
-(`aqpipe.runtime.capacity_table`); a launch whose plan does not fit the device, or whose steps the wire alone keeps
+(`aqpipe.runtime.capacity.table`); a launch whose plan does not fit the device, or whose steps the wire alone keeps
 longer than --stall-timeout, is refused with those numbers.
 
-What a stage holds is traced, not guessed (`aqpipe.runtime.stage_trace`); what its codecs' CUDA graphs hold is
-measured on the meta device (`aqpipe.runtime.codec_graphs`).
+What a stage holds is traced, not guessed (`aqpipe.runtime.capacity.stage_trace`); what its codecs' CUDA graphs hold is
+measured on the meta device (`aqpipe.runtime.capacity.codec_graphs`).
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from aqpipe.pipeline.numerics.tied import added_in_order, row_tables, tied_group
 from aqpipe.pipeline.tied_exchanges import delta_bits, wire_dtype_name
 from aqpipe.pipeline.world.grid import Grid
 from aqpipe.runtime import plan as run_plan
-from aqpipe.runtime.capacity_eval import EvalNeeds, eval_needs
-from aqpipe.runtime.capacity_links import FIRST_EPOCH, STEADY, STEP_PHASES, WARM_UP, LinkNeeds, link_needs
-from aqpipe.runtime.capacity_rows import row_shapes
+from aqpipe.runtime.capacity.codec_graphs import stage_graph_bytes
+from aqpipe.runtime.capacity.eval_passes import EvalNeeds, eval_needs
+from aqpipe.runtime.capacity.links import FIRST_EPOCH, STEADY, STEP_PHASES, WARM_UP, LinkNeeds, link_needs
+from aqpipe.runtime.capacity.rows import row_shapes
+from aqpipe.runtime.capacity.stage_trace import TraceError, micro_batches_held, state_copies, trace_stages
+from aqpipe.runtime.capacity.step_wire import RankTraffic, least_step_seconds, links_seconds, rank_traffic
 from aqpipe.runtime.checkpoints.parts import latest_step
-from aqpipe.runtime.codec_graphs import stage_graph_bytes
 from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan
-from aqpipe.runtime.stage_trace import TraceError, micro_batches_held, state_copies, trace_stages
-from aqpipe.runtime.step_wire import RankTraffic, least_step_seconds, links_seconds, rank_traffic
 from aqpipe.storage.dtypes import STORE_DTYPES
 
 
@@ -60,7 +60,7 @@ class StageNeeds:
     micro_batches_held: int
     store_bytes: int = 0  # the m(ξ) sides this rank keeps (bytes of values; on disk under lmdb, with its headroom)
     store_where: str = "RAM"  # RAM (--store memory), GPU (--store-device cuda) or disk (--store lmdb)
-    codec_bytes: int = 0  # what its codecs' CUDA graphs hold on its GPU for the run (`aqpipe.runtime.codec_graphs`)
+    codec_bytes: int = 0  # what its codecs' CUDA graphs hold on its GPU for the run (`aqpipe.runtime.capacity.codec_graphs`)
     # what the replicas' grad sync holds in the stage's device memory (`registry.sync_copies`): from step to step, and
     # at its peak while it runs after the step's backward passes (activations freed); under gloo on a GPU only the
     # flat gradient and its result, the rest staged in host RAM ("RAM")
@@ -134,7 +134,7 @@ class CapacityPlan:
 
     def link_bound_step_seconds(self, phase: str = STEADY) -> float | None:
         """The least step time the links alone allow (activations, gradients and a tied table's rows; every rank
-        behind a link of its own: `aqpipe.runtime.step_wire`); 0 for a single stage, None without a bandwidth."""
+        behind a link of its own: `aqpipe.runtime.capacity.step_wire`); 0 for a single stage, None without a bandwidth."""
         if self.bandwidth_bits is None:
             return None
         return links_seconds(self.rank_traffic(phase), self.bandwidth_bits, self.cfg.schedule != "gpipe")
@@ -161,7 +161,7 @@ class CapacityPlan:
         """(The least step time the wire allows at --bandwidth in a phase of the run, the grad sync's seconds in it):
         each rank's link traffic up to its last backward pass, then its stage's grad sync (after the pipeline's tied
         copies kept whole are summed), or the links' traffic alone, whichever is longest
-        (`aqpipe.runtime.step_wire`); in the grad sync's costliest step with `costliest_sync`. None without a
+        (`aqpipe.runtime.capacity.step_wire`); in the grad sync's costliest step with `costliest_sync`. None without a
         bandwidth."""
         if self.bandwidth_bits is None:
             return None

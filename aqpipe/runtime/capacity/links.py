@@ -1,6 +1,6 @@
 """What each link of a run carries, for the capacity plan: a link's bytes per step in each phase of a run (lossless
 warm-up, a first epoch of first sights, the steady state of deltas), only the real rows of padded batches where
-they travel so (`aqpipe.runtime.capacity_rows`), and what one side of its m(ξ) keeps."""
+they travel so (`aqpipe.runtime.capacity.rows`), and what one side of its m(ξ) keeps."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from aqpipe.compress.link.factory import message_bytes
 from aqpipe.compress.link.options import QuantOptions
 from aqpipe.compress.link.specs import CodecSpec
 from aqpipe.config import ResolvedConfig
-from aqpipe.runtime.capacity_rows import RowShapes
+from aqpipe.runtime.capacity.rows import RowShapes
 
 # The phases of a run whose steps differ in link bytes, and how a message says "during" each.
 STEADY, WARM_UP, FIRST_EPOCH = "steady", "warm-up", "first epoch"

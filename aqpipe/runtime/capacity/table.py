@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC
 from aqpipe.config import ResolvedConfig
-from aqpipe.runtime.capacity import CapacityPlan, TiedNeeds, dense_tied_bytes, human_bytes
-from aqpipe.runtime.capacity_eval import EvalNeeds
-from aqpipe.runtime.capacity_links import WARM_UP
+from aqpipe.runtime.capacity.eval_passes import EvalNeeds
+from aqpipe.runtime.capacity.links import WARM_UP
+from aqpipe.runtime.capacity.plan import CapacityPlan, TiedNeeds, dense_tied_bytes, human_bytes
 
 
 def format_plan(capacity: CapacityPlan) -> str:

@@ -14,8 +14,8 @@ from aqpipe.pipeline.world import comm
 from aqpipe.pipeline.world.grid import Grid, gather_rows
 from aqpipe.runtime.checkpoints.restart import restarts
 from aqpipe.runtime.checkpoints.store import restored_records
-from aqpipe.runtime.export import export_adapter_dir, export_model, held_out_answer
-from aqpipe.runtime.final_weights import FinalWeights
+from aqpipe.runtime.outputs.export import export_adapter_dir, export_model, held_out_answer
+from aqpipe.runtime.outputs.final_weights import FinalWeights
 from aqpipe.runtime.plan import RunPlan
 
 

@@ -9,13 +9,13 @@ import torch
 from aqpipe.metrics import MetricsLog
 from aqpipe.pipeline.execution.evaluate import eval_batches, evaluate_stage, gather_eval, held_out_samples
 from aqpipe.pipeline.world import comm
-from aqpipe.runtime.assemble import RankStage
 from aqpipe.runtime.checkpoints.resume import collect_state
 from aqpipe.runtime.checkpoints.store import RUN_LOG, run_log
-from aqpipe.runtime.console import print_eval, print_progress
 from aqpipe.runtime.events import emit, progress
-from aqpipe.runtime.replicas import check_replicas
-from aqpipe.runtime.step_record import step_record
+from aqpipe.runtime.outputs.console import print_eval, print_progress
+from aqpipe.runtime.outputs.step_record import step_record
+from aqpipe.runtime.rank.assemble import RankStage
+from aqpipe.runtime.rank.replicas import check_replicas
 from aqpipe.storage.prefetch import PrefetchingStore
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from aqpipe.data.dataset import export_tokenizer
 from aqpipe.disk import DiskFullError, writing
 from aqpipe.pipeline import present
-from aqpipe.runtime.final_weights import FinalWeights
+from aqpipe.runtime.outputs.final_weights import FinalWeights
 from aqpipe.runtime.plan import RunPlan
 from aqpipe.stages.export import export_adapter, export_hf
 from aqpipe.stages.models import tokenizer_directory

@@ -15,7 +15,7 @@ from aqpipe.compress.link.options import QuantOptions
 from aqpipe.pipeline.execution.evaluate import held_out_samples
 
 if TYPE_CHECKING:
-    from aqpipe.runtime.capacity_rows import RowShapes
+    from aqpipe.runtime.capacity.rows import RowShapes
     from aqpipe.runtime.plan import RunPlan
 
 

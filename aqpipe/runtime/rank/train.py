@@ -26,15 +26,15 @@ from aqpipe.pipeline.links.rendezvous import (
 from aqpipe.pipeline.links.tied_rows import LOOKUP, OWNER
 from aqpipe.pipeline.world import comm
 from aqpipe.pipeline.world.grid import Grid, host_leader, local_rank, local_world_size, rank_device
-from aqpipe.runtime.assemble import RankStage, assemble_stage
 from aqpipe.runtime.checkpoints.resume import resume_rank, starting_point
 from aqpipe.runtime.checkpoints.store import RUN_LOG, Checkpoints
 from aqpipe.runtime.events import emit, start_heartbeat
-from aqpipe.runtime.final_weights import FinalWeights, gather_final_weights, save_stage_weights
-from aqpipe.runtime.loop import train_steps
-from aqpipe.runtime.outputs import finish_outputs, open_outputs, unrecorded_traffic, write_config
+from aqpipe.runtime.outputs.final_weights import FinalWeights, gather_final_weights, save_stage_weights
+from aqpipe.runtime.outputs.run_dir import finish_outputs, open_outputs, unrecorded_traffic, write_config
 from aqpipe.runtime.plan import RunPlan, make_plan, resolve_bounds
-from aqpipe.runtime.replicas import check_replicas
+from aqpipe.runtime.rank.assemble import RankStage, assemble_stage
+from aqpipe.runtime.rank.loop import train_steps
+from aqpipe.runtime.rank.replicas import check_replicas
 from aqpipe.storage.health import drop_if_damaged
 from aqpipe.storage.lmdb_store import store_path
 from aqpipe.storage.memory import in_memory
