@@ -64,9 +64,17 @@ def test_some_blocks_are_marked_runnable_in_the_readme_and_in_docs():
 
 
 def with_args(commands: str, args: str) -> str:
-    """`commands` with `args` added to each `aqpipe launch` (continued lines joined first)."""
+    """`commands` with `args` added to each `aqpipe launch`, before its comment (continued lines joined first)."""
     lines = commands.replace("\\\n", " ").splitlines()
-    return "\n".join(f"{line} {args}" if args and re.match(r"\s*aqpipe launch\b", line) else line for line in lines)
+    return "\n".join(re.sub(r"^(.*?)(\s+#.*)?$", rf"\1 {args}\2", line)
+                     if args and re.match(r"\s*aqpipe launch\b", line) else line for line in lines)
+
+
+def test_tiny_settings_go_into_each_launch_before_its_comment():
+    block = "aqpipe launch --pp 4 \\\n    --out runs/x   # a comment\naqpipe generate runs/x\naqpipe launch --help\n"
+    assert with_args(block, "--steps 2").splitlines() == [
+        "aqpipe launch --pp 4      --out runs/x --steps 2   # a comment", "aqpipe generate runs/x",
+        "aqpipe launch --help --steps 2"]
 
 
 @pytest.mark.parametrize("page, commands, args, needs_root", runnable_blocks())
