@@ -65,8 +65,8 @@ def test_the_refusal_names_the_threads_that_make_a_fork_unsafe():
 
 
 def test_a_jemalloc_background_thread_does_not_stop_a_fork(monkeypatch):
-    """On the H200 image jemalloc's background purging thread was the one thread in the fork server, so every rank
-    started afresh. jemalloc quiesces and resets it around fork() itself (its pthread_atfork handlers), so it does
+    """Where an image preloads jemalloc, its background purging thread is the one thread in the fork server.
+    jemalloc quiesces and resets it around fork() itself (its pthread_atfork handlers), so it does
     not make a fork unsound; any other thread beside it still does, and only that one is named. The name must be
     the kernel's: a Python thread that calls itself that is not jemalloc's."""
     monkeypatch.setattr(fork_safety, "native_threads", lambda: 2)

@@ -79,11 +79,12 @@ def test_a_plain_run_imports_none_of_what_only_some_runs_need(tmp_path):
              "from aqpipe.runtime.plan import make_plan\n"
              f"_preload({modules!r})\n"
              f"make_plan(resolve(RunConfig(model='gpt2-tiny', device='cpu', out={str(tmp_path / 'run')!r})))\n"
-             "print(sorted(m for m in ('matplotlib', 'peft', 'datasets', 'gguf') if m in sys.modules))\n")
+             "print(sorted(m for m in ('matplotlib', 'peft', 'datasets', 'gguf') if sys.modules.get(m) is not None))\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-3000:])
 
 
+@pytest.mark.needs("peft")
 def test_what_the_server_imports_starts_no_thread_and_no_cuda():
     """Every module a rank of these runs needs, imported the way the server does (OPENBLAS_NUM_THREADS=1):
     afterwards one thread, and torch.cuda never asked to initialise (a CUDA context does not survive a fork)."""
@@ -113,6 +114,7 @@ def test_closing_a_server_that_started_no_rank_does_not_wait_for_its_imports():
     assert server.process.returncode == -signal.SIGKILL
 
 
+@pytest.mark.needs("peft")
 def test_a_server_for_a_run_forks_ranks_that_have_its_model_code_already():
     server = ForkServer.for_run("llama-tiny", lora=8, store="lmdb")
     try:
@@ -176,7 +178,7 @@ JEMALLOC = next((path for path in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
 
 @pytest.mark.skipif(JEMALLOC is None, reason="libjemalloc.so.2 is not installed (apt install libjemalloc2)")
 def test_a_launch_under_jemalloc_with_background_threads_forks_its_ranks(tmp_path):
-    """The H200 image's allocator, for real: jemalloc preloaded with background threads on. The ranks are forked
+    """An image's allocator, for real: jemalloc preloaded with background threads on. The ranks are forked
     from the server (not started afresh) and train."""
     env = {**os.environ, "LD_PRELOAD": JEMALLOC, "MALLOC_CONF": "background_thread:true"}
     out = subprocess.run([sys.executable, "-m", "aqpipe", "launch", "--model", "gpt2-tiny", "--pp", "2", "--steps",

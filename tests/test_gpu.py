@@ -259,6 +259,7 @@ def test_what_a_runs_codec_graphs_hold_is_reported_and_within_the_capacity_plans
         assert got <= counted * ALLOCATOR_HEADROOM + 8 * (2 << 20), (held, planned)
 
 
+@pytest.mark.needs("peft")
 def test_bf16_recompute_and_lora_train_on_the_gpu(tmp_path):
     records = launch(tmp_path / "run", "--model", "llama-tiny", "--pp", "2", "--epochs", "4", "--precision", "bf16",
                      "--recompute", "--lora", "8", "--lr", "3e-3", "--fw", "aqsgd:3", "--bw", "directq:6")
@@ -396,12 +397,12 @@ def test_a_run_moves_between_the_host_and_the_gpu_on_resume(tmp_path):
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
+@pytest.mark.needs("peft")
 @needs_cuda
 def test_the_fork_servers_imports_start_no_thread_on_a_gpu_machine():
-    """On the H200 an import in the fork server started a thread (not on the CPU machines, even with the same CUDA
-    build of torch), so the ranks there started as fresh processes: jemalloc's background thread (the image preloads
-    jemalloc), which is sound to fork beside. Imported one module at a time, as the server does: which module
-    started which other thread (by name), if any."""
+    """The fork server's imports on a GPU machine start no thread that is unsafe to fork beside (jemalloc's background
+    thread, where an image preloads jemalloc, is safe). Imported one module at a time, as the server does: which
+    module started which other thread (by name), if any."""
     from aqpipe.launch.worker_entry import rank_imports
 
     modules = sorted(set(rank_imports(model="gpt2-tiny")) | set(rank_imports(model="llama-tiny", lora=True)))

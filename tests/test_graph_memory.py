@@ -180,10 +180,10 @@ def test_an_aqsgd_senders_delta_graph_holds_at_least_its_inputs_and_what_it_keep
 
 
 def test_aqsgds_delta_graphs_hold_no_float32_copy_of_m_and_no_sum_of_their_own(monkeypatch):
-    """At SmolLM2's 8 × 1024 × 576 micro-batch (m(ξ) fp16) the delta step in torch ops once held 4.6 (sender) and
-    3.1 (receiver) float32 copies of the batch at its peak, in graphs kept for the run: m(ξ) made float32, and its
-    sum with the dequantized change beside that change. m(ξ) is now read in its own dtype and the change takes it in
-    place, with the same bits (tests/test_aqsgd.py and the GPU tests compare them). (Fused, the default at this
+    """At SmolLM2's 8 × 1024 × 576 micro-batch (m(ξ) fp16) the delta step in torch ops holds no float32 copy of
+    m(ξ) and no sum beside the change, in graphs kept for the run (making m(ξ) float32 and summing it with the
+    dequantized change beside that change would hold 4.6 and 3.1 float32 copies of the batch): m(ξ) is read in its
+    own dtype and the change takes it in place, with the same bits (tests/test_aqsgd.py and the GPU tests compare them). (Fused, the default at this
     size, the step keeps no graph at all: the next test.) The change itself is quantized by Triton's kernels, as on
     every GPU (a CUDA torch brings Triton): without Triton the torch ops quantize it, and the bounds do not apply."""
     _delta_step(monkeypatch, "0", quantized_by_triton=True)

@@ -59,8 +59,8 @@ def test_a_host_without_a_gpu_is_named_on_every_rank():
 
 
 def test_powersgd_replicas_on_different_gpu_models_are_refused_before_they_diverge(monkeypatch):
-    """Issue 30: PowerSGD's QR and P·Qᵀ agree bit for bit only on one GPU model; replicas on an H100 and an A100
-    would fail the replica digest at the first checkpoint. The hosts now say so before any collective."""
+    """PowerSGD's QR and P·Qᵀ agree bit for bit only on one GPU model; replicas on an H100 and an A100 would fail
+    the replica digest at the first checkpoint. The hosts say so before any collective."""
     import torch
 
     from aqpipe.pipeline.links.rendezvous import GPU_MODEL, replica_gpu_facts
@@ -162,7 +162,7 @@ def test_nccl_only_where_every_rank_has_a_gpu_no_other_rank_uses():
     """NCCL refuses two ranks of a communicator on one GPU, so ranks that share one use gloo (collectives staged
     through the host). Which GPU a rank has is its identity (`gpu_identity`), not its index on the host: ranks each
     given their own GPU through CUDA_VISIBLE_DEVICES (SLURM's --gpus-per-task=1, a Kubernetes pod per rank) all see
-    cuda:0 and a host of one GPU, and the old rule (local ranks ≤ GPUs the host shows) put them on gloo. Every rank
+    cuda:0 and a host of one GPU, which a rule of local ranks ≤ GPUs the host shows would put on gloo. Every rank
     chooses alike."""
     assert _backends(["GPU-1a", "GPU-2b", "GPU-3c", "GPU-4d"]) == ["nccl"] * 4
     assert _backends(["GPU-1a", "GPU-1a", "GPU-3c", "GPU-4d"]) == ["gloo"] * 4  # two ranks on one GPU (MPS, say)

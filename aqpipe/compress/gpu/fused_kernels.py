@@ -284,9 +284,9 @@ def verdicts_kernel(s_ptr, sums_ptr, norms_ptr, bad_ptr, verdicts_ptr, norms_out
     tl.store(verdicts_ptr + B + sample, tl.sum(total, axis=0))
 
 
-# Tiles and warps from benchmarks/fused_tiles.py on an H200 at SmolLM2's 8 × 1024 × 576, 3 bits (2026-11-27): each
-# kernel's best whose bits match (scales 27.1 → 15.9 µs, AQ-SGD's decode 36.9 → 26.6 µs; codes best as it was).
-# DirectQ's decode (no m(ξ) to read) keeps 4 warps: a same-machine A/B found 2 no faster for it.
+# Tiles and warps: each kernel's fastest whose bits match, by benchmarks/fused_tiles.py on an H200 at SmolLM2's
+# 8 × 1024 × 576, 3 bits (scales 15.9 µs, AQ-SGD's decode 26.6 µs). DirectQ's decode (no m(ξ) to read) keeps 4
+# warps: 2 are no faster for it.
 SCALE_T, SCALE_C = 128, 32  # the scales kernel's tile: tokens × channels (it walks every token of its channels)
 TILE_T, TILE_C = 16, 64  # the codes and decode kernels' tile
 WARPS = {"scales": 4, "codes": 4, "decode": 4, "delta_decode": 2, "verdicts": 4}  # each kernel's warps a program
