@@ -33,3 +33,16 @@ def pytest_runtest_setup(item):
         for module in mark.args:
             if importlib.util.find_spec(module) is None:
                 pytest.skip(f"needs {module}: {INSTALLS.get(module, f'pip install {module}')}")
+
+
+@pytest.hookimpl(tryfirst=True)  # (before xdist reads the groups)
+def pytest_collection_modifyitems(config, items):
+    """Tests that share a module-scoped fixture run on one xdist worker, so that the fixture (a converted model, a
+    finished run) is built once rather than once per worker that drew one of them."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        shared = sorted(name for name, defs in item._fixtureinfo.name2fixturedefs.items()
+                        if defs and defs[-1].scope == "module" and name != "request")
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{shared[0]}"))
