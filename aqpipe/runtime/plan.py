@@ -116,16 +116,13 @@ def plan_lora(cfg: ResolvedConfig, spec: PipelineSpec) -> LoraSettings | None:
     """The adapters `--lora` asks for on this model (None without it), their targets checked against the model."""
     if cfg.lora is None:
         return None
-    try:
-        settings = lora_settings(cfg.lora, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, spec)
-        check_targets(spec, settings)
-    except SpecError as e:
-        raise ConfigError(str(e)) from None
     if cfg.export_adapter and (spec.extras.get("task", cfg.task) != "lm" or "base_model" not in spec.extras):
         raise ConfigError(f"--export-adapter writes adapters for a pretrained causal LM, but --model {cfg.model} is "
                           f"{'initialized at random' if spec.extras.get('task', cfg.task) == 'lm' else 'a classifier'}: "
                           "the merged export (export/) holds the trained model")
     try:
+        settings = lora_settings(cfg.lora, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, spec)
+        check_targets(spec, settings)
         require_peft()  # (here, before any rank starts)
     except SpecError as e:
         raise ConfigError(str(e)) from None
