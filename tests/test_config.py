@@ -86,6 +86,34 @@ def test_a_config_files_stage_bounds_that_are_not_integers_exit_2_with_one_line(
     assert len(lines) == 1 and "stage_bounds" in lines[0] and "a list of integers" in lines[0], lines
 
 
+def test_the_resolved_configuration_hands_out_the_parsed_grad_sync_that_nothing_parses_again(monkeypatch, tmp_path):
+    """--grad-sync is parsed where the configuration is resolved; planning a run with replicas (its bytes per step,
+    memory copies, optimizer state), building the sync of a DP group and the facts its replicas compare take the
+    parsed value and parse no text again."""
+    import torch
+
+    from aqpipe.compress.grad import methods, registry
+    from aqpipe.compress.grad.base import DPGroup
+    from aqpipe.config import resolve
+    from aqpipe.pipeline.links.rendezvous import replica_gpu_facts
+    from aqpipe.runtime.capacity.plan import plan_capacity
+    from aqpipe.runtime.plan import make_plan
+
+    cfg = resolve(RunConfig(model="gpt2-tiny", pp=2, dp=2, grad_sync="powersgd:3", seq_len=32, max_samples=32,
+                            micro_batch_size=4, micro_batches=2, device="cpu", out=str(tmp_path / "run")))
+    assert cfg.grad_spec == methods.GradSpec("powersgd", (3,))
+
+    def parsed_again(*args, **kwargs):
+        raise AssertionError(f"--grad-sync parsed again: {args}")
+
+    monkeypatch.setattr(methods, "parse_grad_spec", parsed_again)
+    capacity = plan_capacity(make_plan(cfg))
+    assert all(stage.sync.steady > 0 for stage in capacity.stages)
+    sync = registry.build_grad_sync(cfg.grad_spec, DPGroup(None, (0,), 0))
+    assert sync.name == "powersgd:3"
+    assert replica_gpu_facts(cfg.grad_spec, 2, torch.device("cpu")) == {}
+
+
 def test_the_resolved_configuration_hands_out_parsed_codec_specs_that_nothing_parses_again(monkeypatch):
     """--fw, --bw, --first-sight and --eval-codec are parsed where the configuration is resolved; building the run's
     codecs from what it hands out (an AQ-SGD link with a coded first sight, the evaluation codec) and sizing their

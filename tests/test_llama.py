@@ -110,16 +110,20 @@ def test_a_stage_builds_its_mask_with_either_name_of_the_masking_cache_argument(
     works with both (transformers 5.17 on a GPU machine failed with `unexpected keyword argument 'cache'`)."""
     import transformers.masking_utils as masking
 
-    real = masking.create_causal_mask
+    # The stage is built first: a transformers module first imported while the stand-in is in place would keep it
+    # (`from ..masking_utils import create_causal_mask`) for the tests that run after this one.
+    stage = decoder_spec(llama_config("llama-tiny", 50)).build_stage(0, 2)
+    calls: list = []
     namespace: dict = {}
     exec(f"def shaped(config, inputs_embeds, attention_mask, {cache_name}, position_ids=None):\n"
+         f"    calls.append({cache_name!r})\n"
          f"    return real(config, inputs_embeds, attention_mask, {cache_name}, position_ids=position_ids)",
-         {"real": real}, namespace)
+         {"real": masking.create_causal_mask, "calls": calls}, namespace)
     monkeypatch.setattr(masking, "create_causal_mask", namespace["shaped"])
-    spec = decoder_spec(llama_config("llama-tiny", 50))
     ids, mask = padded_batch(50)
     with torch.no_grad():
-        assert spec.build_stage(0, 2)(ids, mask).shape[:2] == ids.shape
+        assert stage(ids, mask).shape[:2] == ids.shape
+    assert calls == [cache_name]  # the stage called the stand-in
 
 
 def test_a_random_init_tied_model_starts_with_equal_copies_on_different_ranks():

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from aqpipe.compress.grad.methods import GradSpec, parse_grad_spec
 from aqpipe.compress.grids import DEFAULT_GRID
 from aqpipe.compress.link.specs import (
     DEFAULT_BW,
@@ -296,7 +297,7 @@ class ResolvedConfig(RunConfig):
     first_sight: str
     tied_exchange: str
 
-    # The codec settings parsed, for what runs the run (each string is parsed once, here: checked by `resolve`).
+    # The codec and grad-sync settings parsed, for what runs the run (each string is parsed once, here: checked by `resolve`).
     @functools.cached_property
     def fw_spec(self) -> CodecSpec:
         """`--fw`, parsed."""
@@ -316,6 +317,11 @@ class ResolvedConfig(RunConfig):
     def eval_spec(self) -> CodecSpec:
         """`--eval-codec`, parsed."""
         return check_eval_codec(self.eval_codec)
+
+    @functools.cached_property
+    def grad_spec(self) -> GradSpec:
+        """`--grad-sync`, parsed."""
+        return parse_grad_spec(self.grad_sync)
 
     @property
     def keeps_messages(self) -> bool:

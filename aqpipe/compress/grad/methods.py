@@ -109,6 +109,11 @@ class GradSpec:
         return self.kind.sign_based
 
 
+def as_grad_spec(value: GradSpec | str) -> GradSpec:
+    """A parsed --grad-sync value as it is; its text parsed (for callers of the Python API holding a string)."""
+    return value if isinstance(value, GradSpec) else parse_grad_spec(value)
+
+
 def usage(method: str) -> str:
     """How a value of `method` is written, e.g. sidco:DIST:F."""
     return ":".join((method, *(param.name for param in METHODS[method].params)))

@@ -9,7 +9,7 @@ import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from aqpipe.compress.grad.methods import METHODS
+from aqpipe.compress.grad.methods import METHODS, GradSpec, as_grad_spec
 
 if TYPE_CHECKING:  # (the launcher imports this module before it may import torch: see launch/fork_safety)
     from aqpipe.pipeline.world.grid import ProcessGroups
@@ -235,11 +235,11 @@ REPLICA_COMPUTED = tuple(name for name, kind in METHODS.items() if kind.replica_
 GPU_MODEL = f"GPU model (--grad-sync {' and '.join(REPLICA_COMPUTED)} compute on every replica)"
 
 
-def replica_gpu_facts(grad_sync: str, dp: int, device) -> dict:
+def replica_gpu_facts(grad_sync: GradSpec | str, dp: int, device) -> dict:
     """What the replicas' GPUs must share for `grad_sync` to keep them bit-identical: with a method whose every
     replica computes the result and dp > 1 on CUDA, the GPU model with the CUDA and torch versions (mismatched GPUs
     would fail the replica digest only at the first checkpoint, as diverged weights); nothing otherwise."""
-    if dp < 2 or device.type != "cuda" or not METHODS[grad_sync.split(":")[0]].replica_computed:
+    if dp < 2 or device.type != "cuda" or not as_grad_spec(grad_sync).kind.replica_computed:
         return {}
     import torch
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 
 from aqpipe.compress.gpu import cuda_graphs
-from aqpipe.compress.grad.methods import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.compress.grad.registry import gloo_gpu_copies, sync_copies, sync_step_bytes
 from aqpipe.compress.grad.wire import FIRST_STEPS, PERIODIC, SyncBytes, ring_all_reduce_bytes
@@ -206,10 +205,10 @@ def _plan_capacity(plan: RunPlan) -> CapacityPlan:
     rows = row_shapes(plan)
     links = [link_needs(cfg, k, traced[k].output_shape, traced[k].output_dtype, rows, options,
                         samples_per_replica * store.value_bytes) for k in range(cfg.pp - 1)]
-    copies, (kept, peak) = state_copies(cfg), sync_copies(cfg.grad_sync, cfg.dp)
+    copies, (kept, peak) = state_copies(cfg), sync_copies(cfg.grad_spec, cfg.dp)
     sync_where = "RAM" if cfg.device == "cuda" and not gpu_each(cfg) else "device"
     if sync_where == "RAM" and peak:  # staged through the host: on the GPU, the flat gradient and its result
-        kept, peak = 0.0, gloo_gpu_copies(cfg.grad_sync)
+        kept, peak = 0.0, gloo_gpu_copies(cfg.grad_spec)
     headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
     stages = []
     link_shapes = [link.activation_shape for link in links]
@@ -222,7 +221,7 @@ def _plan_capacity(plan: RunPlan) -> CapacityPlan:
             4 * copies * held, act, micro_batches_held(cfg.schedule, s, cfg.pp, m),
             int(sum(sides) * headroom), store_where(cfg), stage_graph_bytes(cfg, s, link_shapes),
             int(4 * kept * held), int(4 * peak * held), sync_where, shapes,
-            sync_step_bytes(cfg.grad_sync, cfg.dp, shapes, freeze_step(plan.total_steps, cfg.warmup_steps))))
+            sync_step_bytes(cfg.grad_spec, cfg.dp, shapes, freeze_step(plan.total_steps, cfg.warmup_steps))))
     capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None,
                             tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
                             evaluation=eval_needs(plan, [(link.activation_shape, link.activation_dtype)
@@ -405,5 +404,5 @@ def steps_outlasting_the_stall_timeout(capacity: CapacityPlan) -> str | None:
     return (f"at --bandwidth {cfg.bandwidth} {what} at least {seconds:.1f} s per step{STEP_PHASES[phase]}{part}, but a "
             f"step must take less than --stall-timeout ({cfg.stall_timeout:g} s: the launcher's stall clock, and every "
             "collective's time-out while training): raise --stall-timeout well above it"
-            + (", or compress the grad sync (--grad-sync)" if sync and not parse_grad_spec(cfg.grad_sync).kind.compresses
+            + (", or compress the grad sync (--grad-sync)" if sync and not cfg.grad_spec.kind.compresses
                else ""))

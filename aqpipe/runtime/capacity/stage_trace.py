@@ -43,10 +43,9 @@ class StageTrace(NamedTuple):
 
 def state_copies(cfg: ResolvedConfig) -> int:
     """fp32 copies per trained parameter the optimizer keeps, plus a sign-based grad sync's vote momentum."""
-    from aqpipe.compress.grad.methods import parse_grad_spec
     from aqpipe.pipeline.numerics.optim import momenta
 
-    optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)
+    optimizer_momentum, vote_momentum = momenta(cfg.momentum, cfg.grad_spec.sign_based)
     copies = OPTIMIZER_STATE_COPIES[cfg.optimizer] if cfg.optimizer == "adamw" or optimizer_momentum > 0 else 0
     return copies + (1 if vote_momentum > 0 else 0)
 

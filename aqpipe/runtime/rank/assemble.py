@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from aqpipe.compress.grad import DPGroup, build_grad_sync
-from aqpipe.compress.grad.methods import parse_grad_spec
 from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.compress.link.base import LinkCodec
 from aqpipe.compress.link.factory import build_codec
@@ -150,8 +149,8 @@ def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str
                        samples // cfg.dp if padded else None)
     module = plan.build_stage(grid.stage).to(device)
     dp_group = DPGroup(groups.data_parallel, tuple(grid.dp_ranks(grid.stage)), grid.replica, collective_device(device))
-    optimizer_momentum, vote_momentum = momenta(cfg.momentum, parse_grad_spec(cfg.grad_sync).sign_based)
-    grad_sync = build_grad_sync(cfg.grad_sync, dp_group, cfg.seed, freeze_step(plan.total_steps, cfg.warmup_steps),
+    optimizer_momentum, vote_momentum = momenta(cfg.momentum, cfg.grad_spec.sign_based)
+    grad_sync = build_grad_sync(cfg.grad_spec, dp_group, cfg.seed, freeze_step(plan.total_steps, cfg.warmup_steps),
                                 momentum=vote_momentum)
     row_names = [] if plan.lora is not None else row_tables(plan.spec.extras, cfg.pp, cfg.tied_exchange)
     links = open_links(cfg, grid, groups, store, device, module, row_names)

@@ -72,7 +72,7 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
         agree(store, rank, world_size, {
             "device": device.type, "backend": backend, "world": [cfg.pp, cfg.dp, world_size],
             "config": {k: v for k, v in cfg.to_dict().items() if k not in HOST_LOCAL_SETTINGS},
-            **replica_gpu_facts(cfg.grad_sync, cfg.dp, device)})
+            **replica_gpu_facts(cfg.grad_spec, cfg.dp, device)})
     except HostDisagreement as e:
         raise ConfigError(str(e)) from None
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
