@@ -86,8 +86,8 @@ def test_fft_replicas_on_different_gpu_models_are_refused_too(monkeypatch):
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA L4")
-    assert replica_gpu_facts("fft:0.1", 2, cuda)[GPU_MODEL].startswith("NVIDIA L4, CUDA ")
-    assert "fft" in GPU_MODEL and replica_gpu_facts("fft:0.1", 1, cuda) == {}
+    assert replica_gpu_facts("fft:0.1:10", 2, cuda)[GPU_MODEL].startswith("NVIDIA L4, CUDA ")
+    assert "fft" in GPU_MODEL and replica_gpu_facts("fft:0.1:10", 1, cuda) == {}
 
 
 def test_a_flag_given_differently_is_named():
