@@ -2,11 +2,17 @@
 package is missing (the README's test command installs them all)."""
 
 import importlib.util
+import os
 
-import pytest
+# One thread per process: the suite runs three xdist workers on two cores, and each launched run's ranks already take
+# one thread each there; a second thread per process only spins against the others (set before torch first loads,
+# so the workers and every process they start read it).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from aqpipe.compress.gpu import cuda_graphs
-from tests.graph_stand_ins import install
+import pytest  # noqa: E402
+
+from aqpipe.compress.gpu import cuda_graphs  # noqa: E402
+from tests.graph_stand_ins import install  # noqa: E402
 
 
 @pytest.fixture
