@@ -27,7 +27,7 @@ def receive(inbox: Inbox, count: int) -> tuple[int, float]:
     for i in range(count):
         inbox.expect(Expect(KIND_ACTIVATION, 0, i, 1))
         msg = inbox.get()
-        moved, wire = moved + msg.wire_bytes, wire + msg.transfer_seconds
+        moved, wire = moved + msg.arrived_bytes, wire + msg.transfer_seconds
     return moved, wire
 
 

@@ -54,7 +54,7 @@ def _record_of_a_step(rank: int, world: int, deltas: bool) -> dict:
     from aqpipe.runtime.outputs.step_record import step_record
 
     stats = WithWidgets(widgets=rank + 3, loss_sum=6.0 * rank, fwd_bytes=100 * (rank + 1), fwd_elements=50,
-                        fwd_recv_bytes=400 * rank, fwd_recv_seconds=2.0 * rank, overflow=0, control_bytes=10 + rank)
+                        fwd_recv_bytes=500 * rank, fwd_arrived_bytes=400 * rank, fwd_recv_seconds=2.0 * rank, overflow=0, control_bytes=10 + rank)
     if deltas and rank == 0:  # the send side of the one link: ‖a‖², ‖a − m_old‖², ‖a − m_new‖² of its deltas
         stats.aqsgd_signal, stats.aqsgd_change, stats.aqsgd_error = 4.0, 1.0, 0.25
     cfg = SimpleNamespace(micro_batches=4, dp=1, samples_per_step=8)

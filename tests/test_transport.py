@@ -346,3 +346,72 @@ def test_a_message_with_an_empty_body_arrives_without_a_read():
     assert msg.payload.numel() == 0 and msg.ids.numel() == 0 and msg.side is None
     box.close()
     inbox.close()
+
+
+def _framed_message(body_bytes: int) -> bytes:
+    """One activation message as it crosses the wire: its header, then its body (2 sample ids and the payload)."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read_all() -> bytearray:
+        data = bytearray()
+        while len(data) < t.HEADER_SIZE + body_bytes:
+            data += capture.recv(1 << 20)
+        return data
+
+    sender, capture = socket.socketpair()
+    box = t.Outbox(sender, "rank 1", timeout=10)
+    payload = torch.arange(body_bytes - 16, dtype=torch.int64).to(torch.uint8)
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(read_all)
+        box.send(t.Header(t.KIND_ACTIVATION, 0, 0, (payload.numel(),), torch.uint8, 2, payload.numel()),
+                 torch.tensor([5, 9]), payload)
+        box.flush()
+        data = reading.result(timeout=10)
+    box.close()
+    capture.close()
+    return bytes(data)
+
+
+def test_a_body_that_waited_in_the_kernel_before_its_receiver_came_claims_no_time_on_the_wire():
+    """A busy receiver finds the whole message already in the kernel's buffer: reading it takes microseconds, which
+    say nothing of the link (its bytes over that time would read as a link many times faster than it is)."""
+    import socket
+
+    sender, receiver = socket.socketpair()
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    sender.sendall(_framed_message(64 << 10))  # all of it queued before the receiver looks
+    inbox = t.Inbox(receiver, "rank 0", timeout=10)
+    inbox.expect(t.Expect(t.KIND_ACTIVATION, 0, 0, 2))
+    msg = inbox.get()
+    assert msg.wire_bytes == t.HEADER_SIZE + (64 << 10) and msg.arrived_bytes == 0
+    inbox.close()
+    sender.close()
+
+
+def test_a_receiver_that_comes_late_measures_the_rate_at_which_the_rest_of_the_body_arrives():
+    """Half the body waits in the kernel when the receiver starts; the other half comes at a paced rate. The link
+    rate the message gives (bytes that arrived while it was timed, over that time) is the paced one, not the body
+    over the time to read it (twice the pace here)."""
+    import socket
+    import time
+
+    sender, receiver = socket.socketpair()
+    framed = _framed_message(256 << 10)
+    half = t.HEADER_SIZE + (128 << 10)
+    sender.sendall(framed[:half])
+    inbox = t.Inbox(receiver, "rank 0", timeout=10)
+    inbox.expect(t.Expect(t.KIND_ACTIVATION, 0, 0, 2))
+    time.sleep(0.05)  # (the receiver reads the header and starts timing the body)
+    chunks = [framed[i:i + (16 << 10)] for i in range(half, len(framed), 16 << 10)]
+    start = time.perf_counter()
+    for chunk in chunks:
+        time.sleep(0.025)
+        sender.sendall(chunk)
+    paced = (len(framed) - half) / (time.perf_counter() - start)
+    msg = inbox.get()
+    measured = msg.arrived_bytes / msg.transfer_seconds
+    assert 0.4 * paced <= measured <= 1.25 * paced, (measured / paced, msg.arrived_bytes, msg.transfer_seconds)
+    inbox.close()
+    sender.close()

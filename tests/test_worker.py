@@ -164,7 +164,8 @@ def test_a_receive_waits_for_its_peer_only_until_the_message_arrives(monkeypatch
     class Inbox:
         def get(self):
             clock[0] += 2.0
-            return SimpleNamespace(header=SimpleNamespace(flags=0), payload=None, ids=None, wire_bytes=200, transfer_seconds=0.0)
+            return SimpleNamespace(header=SimpleNamespace(flags=0), payload=None, ids=None, wire_bytes=200,
+                                   transfer_seconds=0.0, arrived_bytes=0)
 
     class Codec:
         def decode(self, header, payload, ids):

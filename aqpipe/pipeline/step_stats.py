@@ -48,10 +48,13 @@ class StepStats:
     checkpoint_bytes: int = stat(0, "sum")  # copies of checkpoint parts sent to other hosts (in the background)
     # loss weights, overflow flags, norm all-reduces, re-seed requests… (the record adds its own gather)
     control_bytes: int = stat(0, "sum")
-    fwd_recv_bytes: int = stat(0, "link_recv", recorded=False)  # activation message bodies received, and their time
-    fwd_recv_seconds: float = stat(0.0, "link_recv", recorded=False)  # on the wire
-    bwd_recv_bytes: int = stat(0, "link_send", recorded=False)  # gradient message bodies received, and their time
-    bwd_recv_seconds: float = stat(0.0, "link_send", recorded=False)  # on the wire
+    # activation and gradient message bodies received; what of them arrived while timed, and that time (the rate)
+    fwd_recv_bytes: int = stat(0, "link_recv", recorded=False)
+    fwd_arrived_bytes: int = stat(0, "link_recv", recorded=False)
+    fwd_recv_seconds: float = stat(0.0, "link_recv", recorded=False)
+    bwd_recv_bytes: int = stat(0, "link_send", recorded=False)
+    bwd_arrived_bytes: int = stat(0, "link_send", recorded=False)
+    bwd_recv_seconds: float = stat(0.0, "link_send", recorded=False)
     compute_seconds: float = stat(0.0, "max", "per_stage")
     comm_wait_seconds: float = stat(0.0, "max", "per_stage")
     forward_seconds: float = stat(0.0, "per_stage")  # the model's forward and backward alone (a GPU's: by its events)

@@ -176,8 +176,11 @@ class StageWorker:
         stats.fwd_framing_bytes = counters["fwd_sent"].framing_bytes
         stats.bwd_framing_bytes = counters["bwd_sent"].framing_bytes
         stats.control_bytes += counters["bwd_sent"].control_bytes  # re-seed requests
-        stats.fwd_recv_bytes, stats.fwd_recv_seconds = counters["fwd_received"].body_bytes, counters["fwd_received"].wire_seconds
-        stats.bwd_recv_bytes, stats.bwd_recv_seconds = counters["bwd_received"].body_bytes, counters["bwd_received"].wire_seconds
+        for direction in ("fwd", "bwd"):
+            received = counters[f"{direction}_received"]
+            setattr(stats, f"{direction}_recv_bytes", received.body_bytes)
+            setattr(stats, f"{direction}_arrived_bytes", received.arrived_bytes)
+            setattr(stats, f"{direction}_recv_seconds", received.wire_seconds)
         fidelity = counters["fwd_sent"].fidelity
         if fidelity is not None:  # one read per step (a GPU waits once, not per message)
             stats.aqsgd_signal, stats.aqsgd_change, stats.aqsgd_error = (float(v) for v in fidelity.squares.tolist())

@@ -55,7 +55,8 @@ class LinkCounters:
     control_bytes: int = 0  # sent: re-seed requests riding on gradients
     elements: int = 0  # sent: the tensor values those bytes stood for
     body_bytes: int = 0  # received: message bodies
-    wire_seconds: float = 0.0  # received: the time those bodies spent on the wire
+    arrived_bytes: int = 0  # received: what of those bodies arrived while timed, and the time (`Message`): the rate
+    wire_seconds: float = 0.0
     fidelity: DeltaFidelity | None = None  # sent: AQ-SGD's deltas against the truth, summed
 
 
@@ -141,6 +142,7 @@ class RecvEnd:
         self.blocked_seconds += time.perf_counter() - start
         if codec is None:
             self.counters.body_bytes += msg.wire_bytes - HEADER_SIZE
+            self.counters.arrived_bytes += msg.arrived_bytes
             self.counters.wire_seconds += msg.transfer_seconds
         codec = codec or self.codec
         with torch.autocast(self.device.type, enabled=False):  # (evaluation receives inside the stage's autocast)

@@ -16,9 +16,11 @@ name, which the receiver checks and acknowledges.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import struct
+import termios
 import time
 
 HELLO = struct.Struct("<4s64s")
@@ -68,6 +70,14 @@ def read_exactly(sock: socket.socket, buffer: memoryview) -> None:
         if n == 0:
             raise EOFError
         got += n
+
+
+def queued_bytes(sock: socket.socket) -> int:
+    """Bytes the kernel has received on the stream and holds for the next read (0 where it cannot say)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from aqpipe.compress.gpu.copies import to_host
-from aqpipe.pipeline.links.streams import read_exactly
+from aqpipe.pipeline.links.streams import queued_bytes, read_exactly
 
 if TYPE_CHECKING:
     from aqpipe.compress.gpu.copies import Landing
@@ -198,10 +198,11 @@ class Message:
     payload: torch.Tensor
     wire_bytes: int
     side: torch.Tensor | None = None  # side information (flat uint8), or None; header.side_kind says what it is
-    # From the header's arrival to the body's: the time the body spent on the wire (the sender writes both at once),
-    # so body bytes / this is the link's achieved rate while the receiver keeps up; a body that already waited in
-    # the kernel's buffers (the receiver was busy) reads faster than the link, so the rate reads high then.
+    # From the header's arrival to the body's, and the body bytes that arrived in that time (not those already in the
+    # kernel's buffer: a busy receiver finds some or all of a body there, read in microseconds): their ratio is the
+    # link's achieved rate, whether or not the receiver kept up
     transfer_seconds: float = 0.0
+    arrived_bytes: int = 0
 
 
 class Outbox:
@@ -359,8 +360,10 @@ class Inbox:
         head = bytearray(HEADER_SIZE)
         self._read_into(memoryview(head))
         header = parse_header(bytes(head), self.peer_name, expect)
-        body = receive_buffer(8 * header.n_ids + header.side_len + header.payload_len, self.pin_for)
+        body_len = 8 * header.n_ids + header.side_len + header.payload_len
         start = time.perf_counter()
+        waiting = min(queued_bytes(self.stream), body_len) if body_len else 0
+        body = receive_buffer(body_len, self.pin_for)
         if body.numel():
             self._read_into(body.numpy().data)
         transfer_seconds = time.perf_counter() - start
@@ -375,7 +378,7 @@ class Inbox:
         # read as any type (a re-seed request is a list of int64 sample ids). The ids get one too: a stage keeps them
         # to the step's end, and a view would keep the whole body (pinned, for a GPU) alive with them
         return Message(header, ids.clone(), payload, HEADER_SIZE + body.numel(),
-                       side.clone() if header.side_len else None, transfer_seconds)
+                       side.clone() if header.side_len else None, transfer_seconds, body_len - waiting)
 
 
 def receive_buffer(nbytes: int, device: torch.device | None = None) -> torch.Tensor:

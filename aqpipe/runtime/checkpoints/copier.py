@@ -79,7 +79,7 @@ class CheckpointCopier:
             peer = self.grid.rank_of(peer_stage, self.grid.replica)
             seconds = getattr(stats, f"{direction}_recv_seconds")
             if self.hosts[peer] != self.hosts[self.rank] and seconds > 0:
-                self.peak = max(self.peak, getattr(stats, f"{direction}_recv_bytes") / seconds)
+                self.peak = max(self.peak, getattr(stats, f"{direction}_arrived_bytes") / seconds)
         self._read(block=False)
         self._hurry_if_starved()
 

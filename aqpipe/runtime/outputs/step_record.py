@@ -92,8 +92,8 @@ DERIVED: dict[str, Callable[[dict, ResolvedConfig], object]] = {
     "samples_per_second": lambda v, cfg: cfg.samples_per_step * cfg.dp / v["step_seconds"],
     "link_fwd_wire_seconds": lambda v, cfg: v["link_fwd_recv_seconds"],
     "link_bwd_wire_seconds": lambda v, cfg: v["link_bwd_recv_seconds"],
-    "link_fwd_bytes_per_second": lambda v, cfg: _rates(v["link_fwd_recv_bytes"], v["link_fwd_recv_seconds"]),
-    "link_bwd_bytes_per_second": lambda v, cfg: _rates(v["link_bwd_recv_bytes"], v["link_bwd_recv_seconds"]),
+    "link_fwd_bytes_per_second": lambda v, cfg: _rates(v["link_fwd_arrived_bytes"], v["link_fwd_recv_seconds"]),
+    "link_bwd_bytes_per_second": lambda v, cfg: _rates(v["link_bwd_arrived_bytes"], v["link_bwd_recv_seconds"]),
     "fwd_bytes_per_element": lambda v, cfg: v["fwd_bytes"] / v["fwd_elements"] if v["fwd_elements"] else 0.0,
     "bwd_bytes_per_element": lambda v, cfg: v["bwd_bytes"] / v["bwd_elements"] if v["bwd_elements"] else 0.0,
     "skipped": lambda v, cfg: v["overflow"] > 0,  # fp16: a gradient overflowed and no rank updated
