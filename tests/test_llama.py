@@ -126,6 +126,37 @@ def test_a_stage_builds_its_mask_with_either_name_of_the_masking_cache_argument(
     assert calls == [cache_name]  # the stage called the stand-in
 
 
+def test_a_stage_run_after_the_plans_fake_trace_of_the_same_shape_computes_real_values():
+    """The layers of a stage share one causal mask; one built inside the capacity plan's trace (fake tensors,
+    `FakeTensorMode`) in the same process is never taken for a real forward's (whose output would be fake)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec = decoder_spec(llama_config("llama-tiny", 50))
+    ids = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            spec.build_stage(0, 3)(mode.from_tensor(ids), None)
+        got = spec.build_stage(0, 3)(ids, None)
+        want = spec.build_stage(0, 3)(ids, torch.ones_like(ids))  # (no padding: the same causal mask, built anew)
+    assert type(got) is torch.Tensor
+    torch.testing.assert_close(got, want)
+
+
+def test_the_layers_of_a_stage_build_one_causal_mask_per_forward(monkeypatch):
+    import transformers.masking_utils as masking
+
+    spec = decoder_spec(llama_config("llama-tiny", 50))
+    stage = spec.build_stage(0, len(spec))
+    ids = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(0))
+    real, built = masking.create_causal_mask, []
+    monkeypatch.setattr(masking, "create_causal_mask", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    with torch.no_grad():
+        stage(ids, torch.ones_like(ids))
+        stage(ids, torch.ones_like(ids))  # (another padding mask: another causal mask)
+    assert len(spec) > 3 and len(built) == 2
+
+
 def test_a_random_init_tied_model_starts_with_equal_copies_on_different_ranks():
     spec = decoder_spec(llama_config("llama-tiny", 80))
     embed, head = spec.build_layer(0, seed=3), spec.build_layer(len(spec) - 1, seed=3)

@@ -185,21 +185,25 @@ class DecoderLayer(nn.Module):
             family.slides_when_configured and getattr(config, "sliding_window", None))
 
     # The last causal mask built, per kind (full / sliding): the layers of one stage get the same padding-mask tensor,
-    # so they share one [B, 1, T, T] mask (and SDPA keeps it for backward once, not once per layer).
+    # so they share one [B, 1, T, T] mask (and SDPA keeps it for backward once, not once per layer). It is another
+    # layer's only for the same padding mask (or none), model configuration and fake-tensor mode (the capacity plan
+    # traces stages with fake tensors: a mask built there is fake).
     _last_mask: ClassVar[dict[bool, tuple]] = {}
 
     def _attention_mask(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         key = (tuple(hidden.shape[:2]), hidden.dtype, hidden.device, getattr(self.config, "sliding_window", None))
+        owners = (mask, self.config, getattr(hidden, "fake_mode", None))
         cached = self._last_mask.get(self.sliding)
-        if cached is not None and cached[0] is mask and cached[1] == key:  # `is`: the cache holds the tensor alive
+        # `is`: the cache holds the mask, configuration and mode alive, so no other object takes their identity
+        if cached is not None and all(a is b for a, b in zip(cached[0], owners)) and cached[1] == key:
             return cached[2]
         build = create_sliding_window_causal_mask if self.sliding else create_causal_mask
         # the cache goes by position: transformers named it past_key_values up to 5.17 and cache after
         attention = build(self.config, hidden, None if mask is None else mask.to(torch.bool), None,
                           position_ids=positions)
-        self._last_mask[self.sliding] = (mask, key, attention)
+        self._last_mask[self.sliding] = (owners, key, attention)
         return attention
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
