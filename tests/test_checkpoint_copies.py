@@ -65,8 +65,8 @@ def _copy(rank: int, world: int, root: str, link_rate: float = 1e9, keep_part: b
     ck.mark_complete(out, 4, world, SETTINGS)
     copier = CheckpointCopier(out, Grid(world, 1, rank), [f"host-{r}" for r in range(world)], 1,
                               datetime.timedelta(seconds=60))
-    copier.observe(StepStats(fwd_arrived_bytes=int(link_rate), fwd_recv_seconds=1.0, bwd_arrived_bytes=int(link_rate),
-                             bwd_recv_seconds=1.0))
+    copier.observe(StepStats(fwd_recv_bytes=int(link_rate), fwd_arrived_bytes=int(link_rate), fwd_recv_seconds=1.0,
+                             bwd_recv_bytes=int(link_rate), bwd_arrived_bytes=int(link_rate), bwd_recv_seconds=1.0))
     copier.start(4, leader=True)
     copier.wait()
     copier.close()
@@ -134,7 +134,8 @@ def test_the_rate_counts_only_links_to_other_hosts_and_is_split_among_a_hosts_ra
     copier.grid, copier.rank, copier.hosts, copier.peak = Grid(3, 1, 1), 1, ["a", "a", "b"], 0.0
     copier._process, copier._pending = None, False  # (no copies started)
     assert copier.rate() == MIN_RATE / 2
-    copier.observe(StepStats(fwd_arrived_bytes=10**9, fwd_recv_seconds=1.0, bwd_arrived_bytes=10**7, bwd_recv_seconds=1.0))
+    copier.observe(StepStats(fwd_recv_bytes=10**9, fwd_arrived_bytes=10**8, fwd_recv_seconds=1.0, bwd_recv_bytes=10**7,
+                             bwd_arrived_bytes=10**7, bwd_recv_seconds=1.0))
     assert copier.peak == 10**7 and copier.rate() == LINK_SHARE * 10**7 / 2
 
 

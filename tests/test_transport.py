@@ -415,3 +415,9 @@ def test_a_receiver_that_comes_late_measures_the_rate_at_which_the_rest_of_the_b
     assert 0.4 * paced <= measured <= 1.25 * paced, (measured / paced, msg.arrived_bytes, msg.transfer_seconds)
     inbox.close()
     sender.close()
+
+
+def test_a_links_rate_counts_what_arrived_while_timed_or_where_nothing_did_the_bodies():
+    assert t.achieved_rate(body_bytes=1000, arrived_bytes=400, seconds=2.0) == 200.0
+    assert t.achieved_rate(body_bytes=1000, arrived_bytes=0, seconds=2.0) == 500.0  # (small messages: one burst each)
+    assert t.achieved_rate(body_bytes=0, arrived_bytes=0, seconds=0.0) == 0.0

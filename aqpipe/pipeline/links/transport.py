@@ -205,6 +205,15 @@ class Message:
     arrived_bytes: int = 0
 
 
+def achieved_rate(body_bytes: float, arrived_bytes: float, seconds: float) -> float:
+    """A link's achieved bytes/s from what its receiver timed (`Message`): the body bytes that arrived while timed over
+    that time; where none did (each body came in one burst with its header: small messages), the bodies over the
+    time to read them, which reads high (a burst is read at memory speed)."""
+    if seconds <= 0:
+        return 0.0
+    return (arrived_bytes if arrived_bytes > 0 else body_bytes) / seconds
+
+
 class Outbox:
     """Sends messages to one peer over a stream (`aqpipe.pipeline.links.streams`) from a writer thread: `send` returns at
     once unless `queue_size` (SEND_QUEUE) messages already wait (backpressure), `flush` waits until everything

@@ -29,6 +29,7 @@ from pathlib import Path
 from aqpipe.disk import write_atomic
 from aqpipe.lifetime import die_with
 from aqpipe.pipeline.links.rendezvous import LOOPBACK_ENV
+from aqpipe.pipeline.links.transport import achieved_rate
 from aqpipe.pipeline.world import comm
 from aqpipe.pipeline.world.grid import Grid
 from aqpipe.runtime.checkpoints.copies import COPYING, LINK_SHARE, MIN_RATE, REPLICATED, copy_plan, copy_step
@@ -77,9 +78,9 @@ class CheckpointCopier:
             if not 0 <= peer_stage < self.grid.pp:
                 continue
             peer = self.grid.rank_of(peer_stage, self.grid.replica)
-            seconds = getattr(stats, f"{direction}_recv_seconds")
-            if self.hosts[peer] != self.hosts[self.rank] and seconds > 0:
-                self.peak = max(self.peak, getattr(stats, f"{direction}_arrived_bytes") / seconds)
+            if self.hosts[peer] != self.hosts[self.rank]:
+                self.peak = max(self.peak, achieved_rate(*(getattr(stats, f"{direction}_{name}") for name in
+                                                           ("recv_bytes", "arrived_bytes", "recv_seconds"))))
         self._read(block=False)
         self._hurry_if_starved()
 

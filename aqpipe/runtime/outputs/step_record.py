@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from aqpipe.config import ResolvedConfig
+from aqpipe.pipeline.links.transport import achieved_rate
 from aqpipe.pipeline.step_stats import Statistic, StepStats, statistics_of
 from aqpipe.pipeline.world.grid import Grid, gather_rows
 from aqpipe.storage.base import stage_holding
@@ -73,9 +74,11 @@ def _over_replicas(column: torch.Tensor, grid: Grid, stage: int) -> float:
     return float(sum(column[grid.rank_of(stage, r)] for r in range(grid.dp)))
 
 
-def _rates(moved: list[float], seconds: list[float]) -> list[float]:
-    """Achieved bytes/s of each link while a message body was on the wire."""
-    return [b / s if s > 0 else 0.0 for b, s in zip(moved, seconds)]
+def _rates(values: dict, direction: str) -> list[float]:
+    """Achieved bytes/s of each link while a message body was on the wire (`transport.achieved_rate`)."""
+    return [achieved_rate(*link) for link in zip(values[f"link_{direction}_recv_bytes"],
+                                                 values[f"link_{direction}_arrived_bytes"],
+                                                 values[f"link_{direction}_recv_seconds"])]
 
 
 def _relative(values: dict, name: str) -> list[float | None] | None:
@@ -92,8 +95,8 @@ DERIVED: dict[str, Callable[[dict, ResolvedConfig], object]] = {
     "samples_per_second": lambda v, cfg: cfg.samples_per_step * cfg.dp / v["step_seconds"],
     "link_fwd_wire_seconds": lambda v, cfg: v["link_fwd_recv_seconds"],
     "link_bwd_wire_seconds": lambda v, cfg: v["link_bwd_recv_seconds"],
-    "link_fwd_bytes_per_second": lambda v, cfg: _rates(v["link_fwd_arrived_bytes"], v["link_fwd_recv_seconds"]),
-    "link_bwd_bytes_per_second": lambda v, cfg: _rates(v["link_bwd_arrived_bytes"], v["link_bwd_recv_seconds"]),
+    "link_fwd_bytes_per_second": lambda v, cfg: _rates(v, "fwd"),
+    "link_bwd_bytes_per_second": lambda v, cfg: _rates(v, "bwd"),
     "fwd_bytes_per_element": lambda v, cfg: v["fwd_bytes"] / v["fwd_elements"] if v["fwd_elements"] else 0.0,
     "bwd_bytes_per_element": lambda v, cfg: v["bwd_bytes"] / v["bwd_elements"] if v["bwd_elements"] else 0.0,
     "skipped": lambda v, cfg: v["overflow"] > 0,  # fp16: a gradient overflowed and no rank updated
