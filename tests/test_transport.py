@@ -391,28 +391,35 @@ def test_a_body_that_waited_in_the_kernel_before_its_receiver_came_claims_no_tim
 
 
 def test_a_receiver_that_comes_late_measures_the_rate_at_which_the_rest_of_the_body_arrives():
-    """Half the body waits in the kernel when the receiver starts; the other half comes at a paced rate. The link
-    rate the message gives (bytes that arrived while it was timed, over that time) is the paced one, not the body
-    over the time to read it (twice the pace here)."""
+    """Three quarters of the body wait in the kernel when the receiver starts; the last quarter comes at a paced
+    rate. The link rate the message gives (bytes that arrived while it was timed, over that time) is the paced one,
+    not the body over the time to read it (four times the pace here)."""
     import socket
     import time
 
+    from aqpipe.pipeline.links.streams import queued_bytes
+
     sender, receiver = socket.socketpair()
+    for end, option in ((sender, socket.SO_SNDBUF), (receiver, socket.SO_RCVBUF)):
+        end.setsockopt(socket.SOL_SOCKET, option, 1 << 20)
     framed = _framed_message(256 << 10)
-    half = t.HEADER_SIZE + (128 << 10)
-    sender.sendall(framed[:half])
+    early = t.HEADER_SIZE + (192 << 10)
+    sender.sendall(framed[:early])
     inbox = t.Inbox(receiver, "rank 0", timeout=10)
     inbox.expect(t.Expect(t.KIND_ACTIVATION, 0, 0, 2))
-    time.sleep(0.05)  # (the receiver reads the header and starts timing the body)
-    chunks = [framed[i:i + (16 << 10)] for i in range(half, len(framed), 16 << 10)]
+    deadline = time.monotonic() + 10
+    while queued_bytes(receiver) > early - t.HEADER_SIZE:  # until the receiver has read the header
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
     start = time.perf_counter()
-    for chunk in chunks:
+    time.sleep(0.175)
+    for i in range(early, len(framed), 8 << 10):
         time.sleep(0.025)
-        sender.sendall(chunk)
-    paced = (len(framed) - half) / (time.perf_counter() - start)
+        sender.sendall(framed[i:i + (8 << 10)])
+    paced = (len(framed) - early) / (time.perf_counter() - start)
     msg = inbox.get()
     measured = msg.arrived_bytes / msg.transfer_seconds
-    assert 0.4 * paced <= measured <= 1.25 * paced, (measured / paced, msg.arrived_bytes, msg.transfer_seconds)
+    assert 0.6 * paced <= measured <= 1.25 * paced, (measured / paced, msg.arrived_bytes, msg.transfer_seconds)
     inbox.close()
     sender.close()
 
