@@ -1,6 +1,6 @@
 """Run by test_netns inside two namespaces: rank 0 sends messages through aqpipe's transport to rank 1 (in
-`duplex` mode both ranks send and receive at once), and rank 1 prints one JSON line: body bytes it received, the
-transport's measured time on the wire, and the wall time."""
+`duplex` mode both ranks send and receive at once), and rank 1 prints one JSON line: body bytes it received, those
+that arrived while the transport timed them, that time on the wire, and the wall time."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from aqpipe.pipeline.links.streams import open_streams
-from aqpipe.pipeline.links.transport import KIND_ACTIVATION, Expect, Header, Inbox, Outbox
+from aqpipe.pipeline.links.transport import HEADER_SIZE, KIND_ACTIVATION, Expect, Header, Inbox, Outbox
 
 
 def send(box: Outbox, message_bytes: int, count: int) -> None:
@@ -22,13 +22,14 @@ def send(box: Outbox, message_bytes: int, count: int) -> None:
     box.flush()
 
 
-def receive(inbox: Inbox, count: int) -> tuple[int, float]:
-    moved, wire = 0, 0.0
+def receive(inbox: Inbox, count: int) -> tuple[int, int, float]:
+    moved = arrived = 0
+    wire = 0.0
     for i in range(count):
         inbox.expect(Expect(KIND_ACTIVATION, 0, i, 1))
         msg = inbox.get()
-        moved, wire = moved + msg.arrived_bytes, wire + msg.transfer_seconds
-    return moved, wire
+        moved, arrived, wire = moved + msg.wire_bytes - HEADER_SIZE, arrived + msg.arrived_bytes, wire + msg.transfer_seconds
+    return moved, arrived, wire
 
 
 def main(message_bytes: int, count: int, duplex: bool) -> None:
@@ -45,11 +46,12 @@ def main(message_bytes: int, count: int, duplex: bool) -> None:
     if sender:
         sender.start()
     if inbox:
-        moved, wire = receive(inbox, count)
+        moved, arrived, wire = receive(inbox, count)
     if sender:
         sender.join()
     if rank == 1:
-        print(json.dumps({"bytes": moved, "wire_seconds": wire, "wall_seconds": time.perf_counter() - start}))
+        print(json.dumps({"bytes": moved, "arrived_bytes": arrived, "wire_seconds": wire,
+                          "wall_seconds": time.perf_counter() - start}))
     dist.barrier()
     for end in (box, inbox):
         if end is not None:

@@ -131,12 +131,31 @@ def test_the_rate_counts_only_links_to_other_hosts_and_is_split_among_a_hosts_ra
     from aqpipe.runtime.checkpoints.copies import LINK_SHARE, MIN_RATE
 
     copier = CheckpointCopier.__new__(CheckpointCopier)
-    copier.grid, copier.rank, copier.hosts, copier.peak = Grid(3, 1, 1), 1, ["a", "a", "b"], 0.0
+    copier.grid, copier.rank, copier.hosts, copier.peak, copier.burst_peak = Grid(3, 1, 1), 1, ["a", "a", "b"], 0.0, 0.0
     copier._process, copier._pending = None, False  # (no copies started)
     assert copier.rate() == MIN_RATE / 2
     copier.observe(StepStats(fwd_recv_bytes=10**9, fwd_arrived_bytes=10**8, fwd_recv_seconds=1.0, bwd_recv_bytes=10**7,
                              bwd_arrived_bytes=10**7, bwd_recv_seconds=1.0))
     assert copier.peak == 10**7 and copier.rate() == LINK_SHARE * 10**7 / 2
+
+
+def test_a_step_whose_bodies_all_waited_in_the_kernel_never_sets_the_pace_over_a_measured_one():
+    """A step whose every body was already queued when its header was read (a receiver that came late) reads at
+    memory speed; the copies keep the pace of a rate measured from bytes that arrived while timed. Only where no
+    such rate exists (small messages: each body one burst with its header) does the bodies' rate set it."""
+    from aqpipe.pipeline.step_stats import StepStats
+    from aqpipe.pipeline.world.grid import Grid
+    from aqpipe.runtime.checkpoints.copier import CheckpointCopier
+    from aqpipe.runtime.checkpoints.copies import LINK_SHARE
+
+    copier = CheckpointCopier.__new__(CheckpointCopier)
+    copier.grid, copier.rank, copier.hosts, copier.peak, copier.burst_peak = Grid(2, 1, 1), 1, ["a", "b"], 0.0, 0.0
+    copier._process, copier._pending = None, False  # (no copies started)
+    copier.observe(StepStats(fwd_recv_bytes=10**7, fwd_arrived_bytes=0, fwd_recv_seconds=0.001))  # 10 GB/s
+    assert copier.rate() == LINK_SHARE * 10**10
+    copier.observe(StepStats(fwd_recv_bytes=10**7, fwd_arrived_bytes=10**6, fwd_recv_seconds=0.1))  # 10 MB/s
+    copier.observe(StepStats(fwd_recv_bytes=10**7, fwd_arrived_bytes=0, fwd_recv_seconds=0.0001))
+    assert copier.rate() == LINK_SHARE * 10**7
 
 
 def test_a_checkpoint_whose_copies_never_finished_counts_only_while_every_part_is_on_its_host(tmp_path):

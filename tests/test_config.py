@@ -111,7 +111,8 @@ def test_the_resolved_configuration_hands_out_the_parsed_grad_sync_that_nothing_
     assert all(stage.sync.steady > 0 for stage in capacity.stages)
     sync = registry.build_grad_sync(cfg.grad_spec, DPGroup(None, (0,), 0))
     assert sync.name == "powersgd:3"
-    assert replica_gpu_facts(cfg.grad_spec, 2, torch.device("cpu")) == {}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    assert "NVIDIA H200" in str(replica_gpu_facts(cfg.grad_spec, 2, torch.device("cuda", 0)))  # (powersgd: replica-computed)
 
 
 def test_the_resolved_configuration_hands_out_parsed_codec_specs_that_nothing_parses_again(monkeypatch):

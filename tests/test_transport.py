@@ -419,7 +419,7 @@ def test_a_receiver_that_comes_late_measures_the_rate_at_which_the_rest_of_the_b
     paced = (len(framed) - early) / (time.perf_counter() - start)
     msg = inbox.get()
     measured = msg.arrived_bytes / msg.transfer_seconds
-    assert 0.6 * paced <= measured <= 1.25 * paced, (measured / paced, msg.arrived_bytes, msg.transfer_seconds)
+    assert 0.5 * paced <= measured <= 2.0 * paced, (measured / paced, msg.arrived_bytes, msg.transfer_seconds)
     inbox.close()
     sender.close()
 

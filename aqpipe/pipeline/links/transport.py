@@ -370,9 +370,9 @@ class Inbox:
         self._read_into(memoryview(head))
         header = parse_header(bytes(head), self.peer_name, expect)
         body_len = 8 * header.n_ids + header.side_len + header.payload_len
+        body = receive_buffer(body_len, self.pin_for)
         start = time.perf_counter()
         waiting = min(queued_bytes(self.stream), body_len) if body_len else 0
-        body = receive_buffer(body_len, self.pin_for)
         if body.numel():
             self._read_into(body.numpy().data)
         transfer_seconds = time.perf_counter() - start

@@ -54,6 +54,9 @@ class CheckpointCopier:
         self.plan = copy_plan(hosts, copies)
         self.timeout = timeout
         self.peak = 0.0  # the highest rate this rank measured on a link to another host (bytes/s)
+        # the same where no body byte arrived while timed (`achieved_rate`: a burst read at memory speed, or a
+        # receiver that came late), used only while nothing else was measured
+        self.burst_peak = 0.0
         self.step: int | None = None  # the checkpoint whose parts were copied last (or are being copied)
         self._process: subprocess.Popen | None = None
         self._pending = False  # a step asked of the process, its end not yet read
@@ -79,15 +82,19 @@ class CheckpointCopier:
                 continue
             peer = self.grid.rank_of(peer_stage, self.grid.replica)
             if self.hosts[peer] != self.hosts[self.rank]:
-                self.peak = max(self.peak, achieved_rate(*(getattr(stats, f"{direction}_{name}") for name in
-                                                           ("recv_bytes", "arrived_bytes", "recv_seconds"))))
+                body, arrived, seconds = (getattr(stats, f"{direction}_{name}")
+                                          for name in ("recv_bytes", "arrived_bytes", "recv_seconds"))
+                if arrived > 0:
+                    self.peak = max(self.peak, achieved_rate(body, arrived, seconds))
+                else:
+                    self.burst_peak = max(self.burst_peak, achieved_rate(body, arrived, seconds))
         self._read(block=False)
         self._hurry_if_starved()
 
     def rate(self) -> float:
         """Bytes/s this rank's copies may take: its host's share of the link between hosts, split among its ranks."""
         host_ranks = self.hosts.count(self.hosts[self.rank])
-        return max(LINK_SHARE * self.peak, MIN_RATE) / host_ranks
+        return max(LINK_SHARE * (self.peak or self.burst_peak), MIN_RATE) / host_ranks
 
     def start(self, step: int, leader: bool) -> None:
         """Copy the parts of the checkpoint of `step` in the background (every rank calls it, after the checkpoint is
