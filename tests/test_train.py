@@ -123,3 +123,12 @@ def test_a_rank_that_fails_aborts_its_process_group_instead_of_waiting_on_it(tmp
         if dist.is_initialized():
             destroy()
         torch.set_num_threads(threads)
+
+
+def test_a_rank_takes_omp_num_threads_where_set_else_its_share_of_the_hosts_cores():
+    from aqpipe.runtime.rank.train import rank_threads
+
+    assert rank_threads("3", cores=16, local_world=4) == 3
+    assert rank_threads("", cores=16, local_world=4) == 4
+    assert rank_threads("", cores=2, local_world=4) == 1  # (never none)
+    assert rank_threads("0", cores=8, local_world=2) == rank_threads("x", cores=8, local_world=2) == 4

@@ -54,11 +54,7 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
     device = rank_device(cfg.device, local_rank())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # OMP_NUM_THREADS, when set (torchrun sets 1 with several processes per node), as torch reads it; else the
-    # host's cores shared among its ranks
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
-                          else max(1, (os.cpu_count() or 1) // local_world))
+    torch.set_num_threads(rank_threads(os.environ.get("OMP_NUM_THREADS", ""), os.cpu_count() or 1, local_world))
     torch.manual_seed(cfg.seed)
 
     timeout = startup_timeout(cfg.stall_timeout)
@@ -93,6 +89,14 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
         raise
     comm.leave_process_groups(failed=False)
     return summary
+
+
+def rank_threads(omp_num_threads: str, cores: int, local_world: int) -> int:
+    """A rank's torch threads: OMP_NUM_THREADS where it is set to a positive count (torchrun sets 1 with several
+    processes per node), as torch reads it; else the host's cores shared among its ranks, at least one."""
+    if omp_num_threads.isdigit() and int(omp_num_threads) > 0:
+        return int(omp_num_threads)
+    return max(1, cores // local_world)
 
 
 def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launcher_checked: bool, store
