@@ -122,17 +122,24 @@ def test_a_host_that_lost_its_part_fetches_it_from_a_copy_and_every_rank_continu
     assert (ck.step_dir(lost, 4) / "COMPLETE").is_file() and (ck.step_dir(lost, 4) / "run.json").is_file()
 
 
+def _pacing_copier(grid, hosts: list[str]):
+    """A copier of rank 1 as it is built, minus its directory and process: what its pace reads (no copies started)."""
+    from aqpipe.runtime.checkpoints.copier import CheckpointCopier
+
+    copier = CheckpointCopier.__new__(CheckpointCopier)
+    copier.grid, copier.rank, copier.hosts, copier.peak, copier.burst_peak = grid, 1, hosts, 0.0, 0.0
+    copier._process, copier._pending = None, False
+    return copier
+
+
 def test_the_rate_counts_only_links_to_other_hosts_and_is_split_among_a_hosts_ranks():
     """Two stages on one host and one on another: the middle stage's fast link on its own host does not set the
     pace; where no link to another host was measured, the least rate; a host's ranks share its pace."""
     from aqpipe.pipeline.step_stats import StepStats
     from aqpipe.pipeline.world.grid import Grid
-    from aqpipe.runtime.checkpoints.copier import CheckpointCopier
     from aqpipe.runtime.checkpoints.copies import LINK_SHARE, MIN_RATE
 
-    copier = CheckpointCopier.__new__(CheckpointCopier)
-    copier.grid, copier.rank, copier.hosts, copier.peak, copier.burst_peak = Grid(3, 1, 1), 1, ["a", "a", "b"], 0.0, 0.0
-    copier._process, copier._pending = None, False  # (no copies started)
+    copier = _pacing_copier(Grid(3, 1, 1), ["a", "a", "b"])
     assert copier.rate() == MIN_RATE / 2
     copier.observe(StepStats(fwd_recv_bytes=10**9, fwd_arrived_bytes=10**8, fwd_recv_seconds=1.0, bwd_recv_bytes=10**7,
                              bwd_arrived_bytes=10**7, bwd_recv_seconds=1.0))
@@ -145,12 +152,9 @@ def test_a_step_whose_bodies_all_waited_in_the_kernel_never_sets_the_pace_over_a
     such rate exists (small messages: each body one burst with its header) does the bodies' rate set it."""
     from aqpipe.pipeline.step_stats import StepStats
     from aqpipe.pipeline.world.grid import Grid
-    from aqpipe.runtime.checkpoints.copier import CheckpointCopier
     from aqpipe.runtime.checkpoints.copies import LINK_SHARE
 
-    copier = CheckpointCopier.__new__(CheckpointCopier)
-    copier.grid, copier.rank, copier.hosts, copier.peak, copier.burst_peak = Grid(2, 1, 1), 1, ["a", "b"], 0.0, 0.0
-    copier._process, copier._pending = None, False  # (no copies started)
+    copier = _pacing_copier(Grid(2, 1, 1), ["a", "b"])
     copier.observe(StepStats(fwd_recv_bytes=10**7, fwd_arrived_bytes=0, fwd_recv_seconds=0.001))  # 10 GB/s
     assert copier.rate() == LINK_SHARE * 10**10
     copier.observe(StepStats(fwd_recv_bytes=10**7, fwd_arrived_bytes=10**6, fwd_recv_seconds=0.1))  # 10 MB/s
