@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aqpipe.launch import netns
+from aqpipe.runtime.checkpoints.copier import set_priority
 
 # What torchrun's elastic (c10d) rendezvous needs so that aqpipe's ranks can restart: a store of its own per round
 # (see aqpipe.pipeline.links.rendezvous.elastic_attempt)
@@ -101,20 +102,26 @@ class Hosts:
         """SIGKILL the ranks of a host's torchrun `proc`, leaving torchrun itself (a process that crashed); returns
         their pids."""
         ranks = [pid for pid in descendants(proc.pid) if _is_rank(pid)]
-        for pid in ranks:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _signal(ranks, signal.SIGKILL)
         return ranks
+
+    @contextmanager
+    def paused(self, procs: list[subprocess.Popen]) -> Iterator[None]:
+        """Every rank of the torchruns `procs` stopped (SIGSTOP) inside, their checkpoint copies going on at the
+        ranks' priority, as they would on the idle cores of a paused host (on a machine shared with other work, their
+        SCHED_IDLE would keep them waiting); on the way out the ranks still alive go on (SIGCONT)."""
+        ranks = [pid for proc in procs for pid in descendants(proc.pid) if _is_rank(pid)]
+        _signal(ranks, signal.SIGSTOP)
+        for pid in [pid for proc in procs for pid in descendants(proc.pid) if _is_copies(pid)]:
+            set_priority(pid, idle=False)
+        try:
+            yield
+        finally:
+            _signal(ranks, signal.SIGCONT)
 
     def kill(self, proc: subprocess.Popen) -> None:
         """SIGKILL a host's whole process tree (torchrun and every rank it started), as when a machine dies."""
-        for pid in [*descendants(proc.pid), proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _signal([*descendants(proc.pid), proc.pid], signal.SIGKILL)
         proc.wait()
 
 
@@ -125,6 +132,23 @@ def _is_rank(pid: int) -> bool:
     except OSError:
         return False
     return b"aqpipe" in argv and b"torch.distributed.run" not in argv
+
+
+def _is_copies(pid: int) -> bool:
+    """Whether process `pid` is a rank's checkpoint copies' process."""
+    try:
+        return b"aqpipe.runtime.checkpoints.copier" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def _signal(pids: list[int], number: int) -> None:
+    """Send signal `number` to each of `pids` that is still alive."""
+    for pid in pids:
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:
+            pass
 
 
 def descendants(pid: int) -> list[int]:
@@ -159,11 +183,7 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
         try:
             codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
-            for pid in [*descendants(proc.pid), proc.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _signal([*descendants(proc.pid), proc.pid], signal.SIGKILL)
             proc.wait()
             codes.append(-9)
     return codes

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -48,6 +49,39 @@ def wait_for_steps(hosts, procs, metrics, steps: int) -> None:
     while len(records(metrics)) < steps and time.monotonic() < deadline and procs[0].poll() is None:
         time.sleep(0.1)
     assert steps <= len(records(metrics)) < 16, logs(hosts)
+
+
+def until(condition, hosts, procs, seconds: float = 180) -> bool:
+    """Until `condition()` holds (while host 0 runs); whether it did within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert procs[0].poll() is None, logs(hosts)
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def copies_arriving(hosts, run) -> bool:
+    """Whether a host holds another rank's part, arriving or kept: the copies of that checkpoint are under way on
+    every host (they start together, once each host's copies' process has been asked)."""
+    return any(path.name.endswith(".copy.tmp") or re.fullmatch(rf"rank-(?!{h}\.)\d+\.pt", path.name)
+               for h in range(hosts.count) for path in hosts.on_disk(h, run / "checkpoints").glob("step-*/*"))
+
+
+@contextmanager
+def paused_with_copies_under_way(hosts, procs, run):
+    """Every rank paused (`Hosts.paused`) once a checkpoint is complete on every host and its copies are under way. (A
+    rank asks for the copies right after marking the checkpoint complete: paused in between, it is let go on a moment.)"""
+    assert until(lambda: all(list(hosts.on_disk(h, run / "checkpoints").glob("step-*/COMPLETE"))
+                             for h in range(hosts.count)), hosts, procs), logs(hosts)
+    for _ in range(10):
+        with hosts.paused(procs):
+            if until(lambda: copies_arriving(hosts, run), hosts, procs, seconds=30):
+                yield
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"no copies under way\n{logs(hosts)}")
 
 
 def assert_as_on_one_machine(local, args: tuple[str, ...], done: list[dict], exported: dict) -> None:
@@ -94,20 +128,18 @@ def test_a_fresh_host_in_place_of_one_that_lost_its_disk_fetches_its_part_and_th
     checkpoint part from the copy host 2 keeps (--checkpoint-replicas 1 by default across hosts, sent in the
     background after each checkpoint), and the run finishes with the same losses and export as an uninterrupted run
     on one machine, bit for bit (fp32 links), no step trained twice past the checkpoint it continued from."""
-    # (32 steps: a run's first copies wait for the copies' processes to start, a second or two of a run this short)
-    fp32 = (*RUN, "--fw", "fp32", "--bw", "fp32", "--steps", "32")
+    fp32 = (*RUN, "--fw", "fp32", "--bw", "fp32")
     with simulated_hosts(tmp_path / "hosts", 3, 1, 200_000_000) as hosts:
         run, command, procs, metrics = start_job(hosts, fp32)
-        deadline = time.monotonic() + 180
-        while not all(list(hosts.on_disk(h, run / "checkpoints").glob("step-*/REPLICATED")) for h in range(3)):
-            assert time.monotonic() < deadline and procs[0].poll() is None, logs(hosts)
-            time.sleep(0.1)
-        assert len(records(metrics)) < 32, logs(hosts)
-        copied = hosts.on_disk(2, run / "checkpoints")
-        assert [p.name for p in copied.glob("step-*/rank-1.pt")], "host 2 keeps a copy of rank 1's part"
-        replicated = max(int(p.parent.name[len("step-"):]) for p in copied.glob("step-*/REPLICATED"))
-        hosts.kill(procs[1])
-        wipe(hosts.disk(1))
+        with paused_with_copies_under_way(hosts, procs, run):  # (a run this short might end before they arrive)
+            assert until(lambda: all(list(hosts.on_disk(h, run / "checkpoints").glob("step-*/REPLICATED"))
+                                     for h in range(3)), hosts, procs), logs(hosts)
+            assert len(records(metrics)) < 16, logs(hosts)
+            copied = hosts.on_disk(2, run / "checkpoints")
+            assert [p.name for p in copied.glob("step-*/rank-1.pt")], "host 2 keeps a copy of rank 1's part"
+            replicated = max(int(p.parent.name[len("step-"):]) for p in copied.glob("step-*/REPLICATED"))
+            hosts.kill(procs[1])
+            wipe(hosts.disk(1))
         procs[1] = hosts.start(1, *command, env=ENV, max_restarts=3)
         assert wait_all(procs, 240) == [0, 0, 0], logs(hosts)
         said = (hosts.disk(1) / "torchrun.log").read_text(errors="replace")
@@ -115,15 +147,15 @@ def test_a_fresh_host_in_place_of_one_that_lost_its_disk_fetches_its_part_and_th
         said = (hosts.disk(0) / "torchrun.log").read_text(errors="replace")
         resumed = [int(step) for step in re.findall(r"holds this run: it continues after step (\d+)", said)]
         assert len(resumed) == 1 and resumed[0] >= replicated, (resumed, replicated, logs(hosts))
-        trained = [int(step) for step in re.findall(r"^step (\d+)/32 ", said, flags=re.M)]  # (host 0's progress)
-        assert sorted(set(trained)) == list(range(1, 33))
+        trained = [int(step) for step in re.findall(r"^step (\d+)/16 ", said, flags=re.M)]  # (host 0's progress)
+        assert sorted(set(trained)) == list(range(1, 17))
         assert all(trained.count(step) == 1 for step in range(1, resumed[0] + 1)), trained
-        assert all(trained.count(step) <= 2 for step in range(1, 33)), trained  # only those after it, again
+        assert all(trained.count(step) <= 2 for step in range(1, 17)), trained  # only those after it, again
         done = records(metrics)
-        assert [r["step"] for r in done] == list(range(1, 33))
+        assert [r["step"] for r in done] == list(range(1, 17))
         summary = json.loads(hosts.on_disk(0, run / "summary.json").read_text())
         # the copies' bytes, a traffic class of their own (in the step records as they travel, the rest after them)
         assert summary["traffic"]["checkpoint"] >= max(1, sum(r["checkpoint_bytes"] for r in done))
-        assert summary["steps"] == 32 and summary["restarts"] == 1  # (one restart: the new host joined the job)
+        assert summary["steps"] == 16 and summary["restarts"] == 1  # (one restart: the new host joined the job)
         exported = load_file(next(hosts.on_disk(0, run / "export").glob("*.safetensors")))
     assert_as_on_one_machine(tmp_path / "one-machine", fp32, done, exported)
