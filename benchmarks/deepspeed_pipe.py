@@ -11,18 +11,24 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch
+from torch import nn
 
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
-from torch import nn  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aqpipe.config import RunConfig  # noqa: E402
-from aqpipe.runtime.plan import make_plan  # noqa: E402
+from aqpipe.config import RunConfig, resolve  # noqa: E402
+from aqpipe.config.settings import ResolvedConfig  # noqa: E402
+from aqpipe.runtime.plan import RunPlan, make_plan  # noqa: E402
+
+
+def read_plan(path: str | Path) -> tuple[ResolvedConfig, RunPlan]:
+    """An aqpipe run's config.json, resolved as a launch resolves it, and its plan (model, data, stage bounds)."""
+    cfg = resolve(RunConfig(**json.loads(Path(path).read_text())))
+    return cfg, make_plan(cfg)
 
 
 class _Built(nn.Module):
@@ -32,17 +38,19 @@ class _Built(nn.Module):
         return spec.build_layer(index, seed)
 
 
-class FixedPartition(PipelineModule):
-    """PipelineModule with the stage boundaries aqpipe used (DeepSpeed has no explicit-list method)."""
+def pipeline_module(cfg: ResolvedConfig, plan: RunPlan) -> nn.Module:
+    """DeepSpeed's PipelineModule over the plan's layers, split at the stage boundaries aqpipe used (DeepSpeed has
+    no method that takes them as a list)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
 
-    def __init__(self, *args, bounds, **kwargs):
-        self._bounds = bounds
-        super().__init__(*args, **kwargs)
+    class FixedPartition(PipelineModule):
+        def _partition_layers(self, method="uniform"):
+            self.parts = list(plan.bounds)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
-    def _partition_layers(self, method="uniform"):
-        self.parts = list(self._bounds)
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+    layers = [LayerSpec(_Built, plan.spec, i, cfg.seed) for i in range(len(plan.spec))]
+    return FixedPartition(layers=layers, loss_fn=plan.spec.loss, num_stages=cfg.pp, activation_checkpoint_interval=0)
 
 
 def main() -> None:
@@ -51,16 +59,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
-    with open(args.config) as f:
-        cfg = RunConfig(**json.load(f))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch.distributed as dist
+
+    cfg, plan = read_plan(args.config)
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     deepspeed.init_distributed(dist_backend="gloo")
-    plan = make_plan(cfg)
-    spec, data = plan.spec, plan.dataset.train
-    layers = [LayerSpec(_Built, spec, i, cfg.seed) for i in range(len(spec))]
-    model = FixedPartition(layers=layers, loss_fn=spec.loss, num_stages=cfg.pp, bounds=plan.bounds,
-                           activation_checkpoint_interval=0)
+    data = plan.dataset.train
+    model = pipeline_module(cfg, plan)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     ds_config = {"train_micro_batch_size_per_gpu": cfg.micro_batch_size,
                  "gradient_accumulation_steps": cfg.micro_batches, "gradient_clipping": cfg.clip,
