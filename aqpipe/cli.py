@@ -29,6 +29,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="aqpipe", description="Pipeline-parallel training over slow networks with AQ-SGD.")
+    # A launcher's rank flag, ignored (a rank reads LOCAL_RANK): DeepSpeed's `--module aqpipe` puts it before the
+    # command, torch's old launcher after every argument
+    parser.add_argument("--local_rank", "--local-rank", dest="_local_rank", help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     launch = sub.add_parser("launch", help="train a model split into pipeline stages")
     groups = _add_run_flags(launch)

