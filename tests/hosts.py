@@ -107,17 +107,21 @@ class Hosts:
 
     @contextmanager
     def paused(self, procs: list[subprocess.Popen]) -> Iterator[None]:
-        """Every rank of the torchruns `procs` stopped (SIGSTOP) inside, their checkpoint copies going on at the
-        ranks' priority, as they would on the idle cores of a paused host (on a machine shared with other work, their
-        SCHED_IDLE would keep them waiting); on the way out the ranks still alive go on (SIGCONT)."""
+        """Every rank of the torchruns `procs` stopped (SIGSTOP) inside; on the way out those still alive go on
+        (SIGCONT)."""
         ranks = [pid for proc in procs for pid in descendants(proc.pid) if _is_rank(pid)]
         _signal(ranks, signal.SIGSTOP)
-        for pid in [pid for proc in procs for pid in descendants(proc.pid) if _is_copies(pid)]:
-            set_priority(pid, idle=False)
         try:
             yield
         finally:
             _signal(ranks, signal.SIGCONT)
+
+    def hurry_copies(self, procs: list[subprocess.Popen]) -> None:
+        """The checkpoint copies' processes of the torchruns `procs` at their ranks' priority, as a rank whose copy
+        outlasts its time puts them (a stopped rank cannot; and on a machine shared with other work their SCHED_IDLE
+        would keep them waiting)."""
+        for pid in [pid for proc in procs for pid in descendants(proc.pid) if _is_copies(pid)]:
+            set_priority(pid, idle=False)
 
     def kill(self, proc: subprocess.Popen) -> None:
         """SIGKILL a host's whole process tree (torchrun and every rank it started), as when a machine dies."""

@@ -64,16 +64,18 @@ def with_args(commands: str, args: str) -> str:
     """`commands` with `args` added to each `aqpipe launch`, before its comment (continued lines joined first)."""
     lines = commands.replace("\\\n", " ").splitlines()
     return "\n".join(re.sub(r"^(.*?)(\s+#.*)?$", rf"\1 {args}\2", line)
-                     if args and re.match(r"\s*(aqpipe|\S.* (-m|--module) aqpipe) launch\b", line) else line
+                     if args and re.match(r"\s*(aqpipe|[^#\s][^#]* (-m|--module) aqpipe) launch\b", line) else line
                      for line in lines)
 
 
 def test_tiny_settings_go_into_each_launch_before_its_comment():
     block = ("aqpipe launch --pp 4 \\\n    --out runs/x   # a comment\naqpipe generate runs/x\naqpipe launch --help\n"
-             "deepspeed --hostfile h --module aqpipe launch --pp 2\n")
+             "deepspeed --hostfile h --module aqpipe launch --pp 2\n# python -m aqpipe launch\n"
+             "aqpipe report runs/x  # as python -m aqpipe launch does\n")
     assert with_args(block, "--steps 2").splitlines() == [
         "aqpipe launch --pp 4      --out runs/x --steps 2   # a comment", "aqpipe generate runs/x",
-        "aqpipe launch --help --steps 2", "deepspeed --hostfile h --module aqpipe launch --pp 2 --steps 2"]
+        "aqpipe launch --help --steps 2", "deepspeed --hostfile h --module aqpipe launch --pp 2 --steps 2",
+        "# python -m aqpipe launch", "aqpipe report runs/x  # as python -m aqpipe launch does"]
 
 
 @pytest.mark.parametrize("page, commands, args, needs_root", runnable_blocks())

@@ -51,10 +51,11 @@ def wait_for_steps(hosts, procs, metrics, steps: int) -> None:
     assert steps <= len(records(metrics)) < 16, logs(hosts)
 
 
-def until(condition, hosts, procs, seconds: float = 180) -> bool:
-    """Until `condition()` holds (while host 0 runs); whether it did within `seconds`."""
+def until(condition, hosts, procs, seconds: float = 180, meanwhile=lambda: None) -> bool:
+    """Until `condition()` holds (while host 0 runs, calling `meanwhile()` before each look); whether it did within
+    `seconds`."""
     deadline = time.monotonic() + seconds
-    while not condition():
+    while meanwhile() or not condition():
         assert procs[0].poll() is None, logs(hosts)
         if time.monotonic() > deadline:
             return False
@@ -71,13 +72,16 @@ def copies_arriving(hosts, run) -> bool:
 
 @contextmanager
 def paused_with_copies_under_way(hosts, procs, run):
-    """Every rank paused (`Hosts.paused`) once a checkpoint is complete on every host and its copies are under way. (A
-    rank asks for the copies right after marking the checkpoint complete: paused in between, it is let go on a moment.)"""
+    """Hosts 1 and 2's ranks paused (`Hosts.paused`) once a checkpoint is complete on every host and its copies are
+    under way, which go on at the ranks' priority (`Hosts.hurry_copies`; one still starting lowers itself once
+    ready, so again at each look). Host 0's rank runs on, waiting for host 1's: its process serves the job's store,
+    where the copies' processes meet. (A rank asks for its copies right after marking the checkpoint complete: one
+    paused in between is let go on a moment.)"""
     assert until(lambda: all(list(hosts.on_disk(h, run / "checkpoints").glob("step-*/COMPLETE"))
                              for h in range(hosts.count)), hosts, procs), logs(hosts)
     for _ in range(10):
-        with hosts.paused(procs):
-            if until(lambda: copies_arriving(hosts, run), hosts, procs, seconds=30):
+        with hosts.paused(procs[1:]):
+            if until(lambda: copies_arriving(hosts, run), hosts, procs, 20, lambda: hosts.hurry_copies(procs)):
                 yield
                 return
         time.sleep(0.2)
@@ -128,12 +132,13 @@ def test_a_fresh_host_in_place_of_one_that_lost_its_disk_fetches_its_part_and_th
     checkpoint part from the copy host 2 keeps (--checkpoint-replicas 1 by default across hosts, sent in the
     background after each checkpoint), and the run finishes with the same losses and export as an uninterrupted run
     on one machine, bit for bit (fp32 links), no step trained twice past the checkpoint it continued from."""
-    fp32 = (*RUN, "--fw", "fp32", "--bw", "fp32")
+    fp32 = (*RUN, "--fw", "fp32", "--bw", "fp32", "--stall-timeout", "120")  # (host 0's rank waits out the pause)
     with simulated_hosts(tmp_path / "hosts", 3, 1, 200_000_000) as hosts:
         run, command, procs, metrics = start_job(hosts, fp32)
         with paused_with_copies_under_way(hosts, procs, run):  # (a run this short might end before they arrive)
-            assert until(lambda: all(list(hosts.on_disk(h, run / "checkpoints").glob("step-*/REPLICATED"))
-                                     for h in range(3)), hosts, procs), logs(hosts)
+            kept = until(lambda: all(list(hosts.on_disk(h, run / "checkpoints").glob("step-*/REPLICATED"))
+                                     for h in range(3)), hosts, procs, 180, lambda: hosts.hurry_copies(procs))
+            assert kept, logs(hosts)
             assert len(records(metrics)) < 16, logs(hosts)
             copied = hosts.on_disk(2, run / "checkpoints")
             assert [p.name for p in copied.glob("step-*/rank-1.pt")], "host 2 keeps a copy of rank 1's part"
