@@ -11,18 +11,15 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from aqpipe.config import RunConfig, resolve  # noqa: E402
-from aqpipe.config.settings import ResolvedConfig  # noqa: E402
-from aqpipe.runtime.plan import RunPlan, make_plan  # noqa: E402
+from aqpipe.config import RunConfig, resolve
+from aqpipe.config.settings import ResolvedConfig
+from aqpipe.runtime.plan import RunPlan, make_plan
 
 
 def read_plan(path: str | Path) -> tuple[ResolvedConfig, RunPlan]:

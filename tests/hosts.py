@@ -129,21 +129,23 @@ class Hosts:
         proc.wait()
 
 
+def _argv(pid: int) -> list[bytes]:
+    """Process `pid`'s command line (empty once it has ended)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
 def _is_rank(pid: int) -> bool:
     """Whether process `pid` is an aqpipe rank torchrun started (not torchrun itself)."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
+    argv = _argv(pid)
     return b"aqpipe" in argv and b"torch.distributed.run" not in argv
 
 
 def _is_copies(pid: int) -> bool:
     """Whether process `pid` is a rank's checkpoint copies' process."""
-    try:
-        return b"aqpipe.runtime.checkpoints.copier" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
+    return b"aqpipe.runtime.checkpoints.copier" in _argv(pid)
 
 
 def _signal(pids: list[int], number: int) -> None:

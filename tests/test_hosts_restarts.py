@@ -55,12 +55,14 @@ def until(condition, hosts, procs, seconds: float = 180, meanwhile=lambda: None)
     """Until `condition()` holds (while host 0 runs, calling `meanwhile()` before each look); whether it did within
     `seconds`."""
     deadline = time.monotonic() + seconds
-    while meanwhile() or not condition():
+    while True:
+        meanwhile()
+        if condition():
+            return True
         assert procs[0].poll() is None, logs(hosts)
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
-    return True
 
 
 def copies_arriving(hosts, run) -> bool:

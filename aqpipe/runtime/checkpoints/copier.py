@@ -84,10 +84,11 @@ class CheckpointCopier:
             if self.hosts[peer] != self.hosts[self.rank]:
                 body, arrived, seconds = (getattr(stats, f"{direction}_{name}")
                                           for name in ("recv_bytes", "arrived_bytes", "recv_seconds"))
+                rate = achieved_rate(body, arrived, seconds)
                 if arrived > 0:
-                    self.peak = max(self.peak, achieved_rate(body, arrived, seconds))
+                    self.peak = max(self.peak, rate)
                 else:
-                    self.burst_peak = max(self.burst_peak, achieved_rate(body, arrived, seconds))
+                    self.burst_peak = max(self.burst_peak, rate)
         self._read(block=False)
         self._hurry_if_starved()
 
