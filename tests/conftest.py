@@ -56,3 +56,36 @@ def pytest_collection_modifyitems(config, items):
                         if defs and defs[-1].scope == "module" and name != "request")
         if shared:
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{shared[0]}"))
+
+
+# Set by pytest and xdist around every test, or by torch once per process (its compiler's cache folder, on first
+# use): not a test's to keep or restore.
+NOT_THE_TESTS = {"PYTEST_CURRENT_TEST", "PYTEST_VERSION", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
+                 "PYTEST_XDIST_TESTRUNUID", "TORCHINDUCTOR_CACHE_DIR"}
+
+
+def _environment() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name not in NOT_THE_TESTS}
+
+
+SESSION_ENVIRONMENT = _environment()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Once a module's tests and fixtures are done, the environment is the session's again: a variable a test or a
+    module's fixture leaves set reaches every later test of its worker and every process they start (an
+    `$AQPIPE_CACHE` left pointing at a temporary folder made every later launch convert its model again)."""
+    result = yield
+    if nextitem is not None and nextitem.module is item.module:
+        return result
+    now = _environment()
+    changed = sorted(name for name in now.keys() | SESSION_ENVIRONMENT.keys()
+                     if now.get(name) != SESSION_ENVIRONMENT.get(name))
+    if changed:
+        kept = {name: value for name, value in os.environ.items() if name in NOT_THE_TESTS}
+        os.environ.clear()  # (the later modules start from the session's environment all the same)
+        os.environ.update({**SESSION_ENVIRONMENT, **kept})
+        raise AssertionError(f"{item.module.__name__} left the environment changed: {', '.join(changed)} (set it "
+                             "with monkeypatch, or restore it in the fixture's teardown)")
+    return result

@@ -19,11 +19,10 @@ from aqpipe.stages.gpt2 import lm_loss
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    import os
-
-    os.environ.setdefault("AQPIPE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    text = "What is the capital of France? Paris is. Name a colour. Blue and red and green. " * 50
-    return bpe_chat_tokenizer(train_bpe(Corpus("t", text, ""), 300))
+    with pytest.MonkeyPatch.context() as patch:  # (the test tokenizer is cached in a folder of its own)
+        patch.setenv("AQPIPE_CACHE", str(tmp_path_factory.mktemp("cache")))
+        text = "What is the capital of France? Paris is. Name a colour. Blue and red and green. " * 50
+        return bpe_chat_tokenizer(train_bpe(Corpus("t", text, ""), 300))
 
 
 def conversation(question: str, answer: str) -> list[dict]:
