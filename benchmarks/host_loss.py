@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -45,6 +46,7 @@ COMMON = ("--model", "smollm2-135m", "--data", "builtin-instruct", "--pp", "4", 
           "--device", "cpu", "--seed", "0", "--stall-timeout", "300", "--steps", "100000")
 VARIANTS = {"full": (), "lora": ("--lora", "8")}
 ENV = {"OMP_NUM_THREADS": "1"}
+CONTINUES = re.compile(r"(?:continues|resuming) after step (\d+)")  # what a restarted rank 0 says it resumes from
 
 
 class Watch:
@@ -77,6 +79,14 @@ class Watch:
         """When the record of `step` was first seen, if after time `after`."""
         seen = self.appeared.get(step)
         return seen if seen is not None and seen >= after else None
+
+
+def continued_after(hosts, offset: int) -> str | None:
+    """The step after which the run continues, as host 0's torchrun log says past byte `offset` (None until it does)."""
+    with open(hosts.disk(0) / "torchrun.log", "rb") as log:
+        log.seek(offset)
+        said = CONTINUES.search(log.read().decode(errors="replace"))
+    return said[1] if said else None
 
 
 def wait_for(condition, timeout: float, what: str, poll: float = 0.2):
@@ -224,17 +234,19 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int, checkp
             # (from the end of the first 20 s, the ranks' start-up, to the last copies' end)
             shares = cpu.shares(windows, started + 20, max(end for _, end in windows.values()))
             appeared = dict(watch.appeared)
+            said_before = (hosts.disk(0) / "torchrun.log").stat().st_size
             lost_at = time.time()
             hosts.kill(procs[LOST])
             shutil.rmtree(hosts.disk(LOST))
             hosts.disk(LOST).mkdir()
-            # the newest checkpoint whose copies were all kept: the one the run continues from
-            resume = max(int(p.parent.name[len("step-"):]) for p in
-                         hosts.on_disk(0, run / "checkpoints").glob("step-*/REPLICATED"))
             procs[LOST] = hosts.start(LOST, *cmd, env=env(hosts), max_restarts=3,
                                       log=hosts.root / f"host-{LOST}-again.log")
-            first = wait_for(lambda: (watch.poll(), watch.when(resume + 1, after=lost_at))[1], 3600,
-                             "the first step after recovery")
+            # the checkpoint the run continues from, as host 0's rank says once the replacement has joined (a copy
+            # whose marks land as the host dies makes host 0's newest copied checkpoint a guess of it)
+            resume = int(wait_for(lambda: (watch.poll(), continued_after(hosts, said_before))[1], 900,
+                                  "host 0's rank to say which checkpoint the run continues from"))
+            first = wait_for(lambda: (watch.poll(), watch.when(resume + 1, after=lost_at))[1], 900,
+                             f"step {resume + 1}, the first after recovery")
             fetched = hosts.on_disk(LOST, run / "checkpoints" / f"step-{resume:08d}" / f"rank-{LOST}.pt")
             recovered = {"seconds": first - lost_at, "resumed_after": resume,
                          "fetched_bytes": fetched.stat().st_size if fetched.is_file() else None,
