@@ -81,12 +81,18 @@ class Watch:
         return seen if seen is not None and seen >= after else None
 
 
+def running(proc) -> None:
+    """Stop the benchmark, saying so, where host 0's torchrun has ended (its restarts spent)."""
+    if proc.poll() is not None:
+        raise SystemExit(f"host 0's torchrun ended (exit {proc.returncode}) before the run recovered")
+
+
 def continued_after(hosts, offset: int) -> str | None:
     """The step after which the run continues, as host 0's torchrun log says past byte `offset` (None until it does)."""
     with open(hosts.disk(0) / "torchrun.log", "rb") as log:
         log.seek(offset)
-        said = CONTINUES.search(log.read().decode(errors="replace"))
-    return said[1] if said else None
+        said = CONTINUES.findall(log.read().decode(errors="replace"))
+    return said[-1] if said else None  # (the last: a rank 0 that finds a checkpoint damaged names an older one next)
 
 
 def wait_for(condition, timeout: float, what: str, poll: float = 0.2):
@@ -243,9 +249,9 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int, checkp
                                       log=hosts.root / f"host-{LOST}-again.log")
             # the checkpoint the run continues from, as host 0's rank says once the replacement has joined (a copy
             # whose marks land as the host dies makes host 0's newest copied checkpoint a guess of it)
-            resume = int(wait_for(lambda: (watch.poll(), continued_after(hosts, said_before))[1], 900,
-                                  "host 0's rank to say which checkpoint the run continues from"))
-            first = wait_for(lambda: (watch.poll(), watch.when(resume + 1, after=lost_at))[1], 900,
+            resume = int(wait_for(lambda: (running(procs[0]), watch.poll(), continued_after(hosts, said_before))[2],
+                                  900, "host 0's rank to say which checkpoint the run continues from"))
+            first = wait_for(lambda: (running(procs[0]), watch.poll(), watch.when(resume + 1, after=lost_at))[2], 900,
                              f"step {resume + 1}, the first after recovery")
             fetched = hosts.on_disk(LOST, run / "checkpoints" / f"step-{resume:08d}" / f"rank-{LOST}.pt")
             recovered = {"seconds": first - lost_at, "resumed_after": resume,

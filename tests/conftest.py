@@ -75,7 +75,8 @@ SESSION_ENVIRONMENT = _environment()
 def pytest_runtest_teardown(item, nextitem):
     """Once a module's tests and fixtures are done, the environment is the session's again: a variable a test or a
     module's fixture leaves set reaches every later test of its worker and every process they start (an
-    `$AQPIPE_CACHE` left pointing at a temporary folder made every later launch convert its model again)."""
+    `$AQPIPE_CACHE` left pointing at a temporary folder made every later launch convert its model again). A setting
+    every test needs belongs at the top of this file, before the session's environment is read."""
     result = yield
     if nextitem is not None and nextitem.module is item.module:
         return result
