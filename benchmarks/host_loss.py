@@ -84,7 +84,7 @@ class Watch:
 def running(proc) -> None:
     """Stop the benchmark, saying so, where host 0's torchrun has ended (its restarts spent)."""
     if proc.poll() is not None:
-        raise SystemExit(f"host 0's torchrun ended (exit {proc.returncode}) before the run recovered")
+        raise SystemExit(f"host 0's torchrun ended (exit {proc.returncode}) before the measurement did")
 
 
 def continued_after(hosts, offset: int) -> str | None:
@@ -215,6 +215,7 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int, checkp
         seen = Marks(hosts, run)
 
         def polled(mark):
+            running(procs[0])
             watch.poll()
             seen.poll()
             return mark()
@@ -249,9 +250,9 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int, checkp
                                       log=hosts.root / f"host-{LOST}-again.log")
             # the checkpoint the run continues from, as host 0's rank says once the replacement has joined (a copy
             # whose marks land as the host dies makes host 0's newest copied checkpoint a guess of it)
-            resume = int(wait_for(lambda: (running(procs[0]), watch.poll(), continued_after(hosts, said_before))[2],
-                                  900, "host 0's rank to say which checkpoint the run continues from"))
-            first = wait_for(lambda: (running(procs[0]), watch.poll(), watch.when(resume + 1, after=lost_at))[2], 900,
+            resume = int(wait_for(lambda: polled(lambda: continued_after(hosts, said_before)), 900,
+                                  "host 0's rank to say which checkpoint the run continues from"))
+            first = wait_for(lambda: polled(lambda: watch.when(resume + 1, after=lost_at)), 900,
                              f"step {resume + 1}, the first after recovery")
             fetched = hosts.on_disk(LOST, run / "checkpoints" / f"step-{resume:08d}" / f"rank-{LOST}.pt")
             recovered = {"seconds": first - lost_at, "resumed_after": resume,
