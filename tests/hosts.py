@@ -181,6 +181,20 @@ def wipe(disk: Path) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
+def verify_stores(hosts: Hosts, run: Path) -> subprocess.CompletedProcess:
+    """`aqpipe store verify` of the run in `run` as a user runs it across hosts: `aqpipe store digest` on every host
+    but host 0, each digest file copied to host 0's disk, and `verify` there given them all."""
+    digests = []
+    for host in range(1, hosts.count):
+        digest = hosts.mount / f"host-{host}.digests.json"
+        subprocess.run(hosts.command(host, [sys.executable, "-m", "aqpipe", "store", "digest", str(run), "--out",
+                                            str(digest)]), check=True, capture_output=True, timeout=120)
+        hosts.on_disk(0, digest).write_bytes(hosts.on_disk(host, digest).read_bytes())
+        digests.append(str(digest))
+    return subprocess.run(hosts.command(0, [sys.executable, "-m", "aqpipe", "store", "verify", str(run), *digests]),
+                          capture_output=True, text=True, timeout=120)
+
+
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
     """Every host's exit code, waiting at most `timeout` seconds in all (then killing what is left: -9)."""
     deadline = time.monotonic() + timeout

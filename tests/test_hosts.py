@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from aqpipe.launch import netns
 from tests import warm
-from tests.hosts import simulated_hosts, wait_all
+from tests.hosts import simulated_hosts, verify_stores, wait_all
 
 CANNOT = netns.can_throttle()
 pytestmark = [pytest.mark.xdist_group("netns"),
@@ -69,17 +69,10 @@ def test_two_hosts_with_private_disks_survive_a_dead_host_resume_each_from_its_o
         assert torch.equal(export["model.embed_tokens.weight"], stage0["0.embed_tokens.weight"])
         assert torch.equal(export["model.norm.weight"], next(v for k, v in stage1.items() if k.split(".", 1)[1] == "norm.weight"))
 
-        digest = hosts.on_disk(1, hosts.mount / "host-1.digests.json")
-        subprocess.run(hosts.command(1, [sys.executable, "-m", "aqpipe", "store", "digest", str(run), "--out",
-                                         str(hosts.mount / "host-1.digests.json")]), check=True, timeout=120)
-        copied = hosts.on_disk(0, hosts.mount / "host-1.digests.json")
-        copied.write_bytes(digest.read_bytes())  # what a user copies from one host to the other
         alone = subprocess.run(hosts.command(0, [sys.executable, "-m", "aqpipe", "store", "verify", str(run)]),
                                capture_output=True, text=True, timeout=120)
         assert alone.returncode == 2 and "aqpipe store digest" in alone.stderr, alone.stderr
-        verified = subprocess.run(hosts.command(0, [sys.executable, "-m", "aqpipe", "store", "verify", str(run),
-                                                    str(hosts.mount / "host-1.digests.json")]),
-                                  capture_output=True, text=True, timeout=120)
+        verified = verify_stores(hosts, run)  # (with host 1's digest file, copied to host 0 as a user would)
         assert verified.returncode == 0, verified.stdout + verified.stderr
         assert verified.stdout.strip().startswith("0 mismatch(es) in") and " 0 m(xi)" not in verified.stdout
 
