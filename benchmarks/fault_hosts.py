@@ -1,9 +1,10 @@
 """The fault campaign's cases across hosts (benchmarks/faults.py --only hosts): three simulated hosts (tests/hosts.py),
 one rank each, run by torchrun's elastic agent (c10d rendezvous, --max-restarts 3) as the README's "Restarts across
-hosts" says, each rank's checkpoint part copied to the next host; one fault each, once a checkpoint's copies are
-kept (or, where the row says so, while they travel). A row is clean when every host's torchrun ends as expected,
-every step is recorded once in host 0's metrics.jsonl (or, for a fault nothing can survive, the run stopped before
-training over what was lost, saying what to do), and no process or namespace is left."""
+hosts" says, each rank's checkpoint part copied to the next host; one fault each, mid-run: once a checkpoint is
+complete on every host, or, where the fault takes a disk, once its copies are kept (or while they travel). A row is
+clean when every host's torchrun ends as expected, every step is recorded once in host 0's metrics.jsonl (or, for a
+fault nothing can survive, the run stopped before training over what was lost, saying what to do), and no process or
+namespace is left."""
 
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def _one(case: Case, name: str, fault, expect: int = 0, says: str = "", args: tu
     while any(n not in namespaces_before for n in namespaces()) and time.monotonic() < settled:
         time.sleep(0.5)
     left += [f"netns {n}" for n in namespaces() if n not in namespaces_before]
+    caught = caught and reached < STEPS  # (a fault after the last step tests nothing)
     if expect == 0:
         verified = caught and codes == [0, 0, 0] and done == list(range(1, STEPS + 1))
         line = f"finished: {len(done)} steps, each once; continued after step {', '.join(resumed) or '-'}"
@@ -77,7 +79,8 @@ def _one(case: Case, name: str, fault, expect: int = 0, says: str = "", args: tu
         lost = "the run stops: nothing trained over the lost part"
     return Row(f"3 hosts: {name}", expect, 0 if verified and expect == 0 else max(codes), round(seconds, 1),
                line[:400], 0, False, left, lost, note=f"torchrun exits {codes}; fault at step {reached}"
-               + ("" if caught else f" (before a checkpoint directory held {when} everywhere)"), says=says,
+               + ("" if caught else f" (not mid-run: no checkpoint directory held {when} everywhere before step "
+                                     f"{STEPS})"), says=says,
                verified=verified)
 
 
@@ -125,12 +128,12 @@ def _signal(pid: int, sig: int) -> None:
 def across_hosts(case: Case) -> list[Row]:
     """Each cross-host fault on its own job."""
     return [
-        _one(case, "a rank SIGKILLed (torchrun restarts it)", _kill_rank),
-        _one(case, "a host dies whole and starts again", _host_dies_and_returns),
+        _one(case, "a rank SIGKILLed (torchrun restarts it)", _kill_rank, when="COMPLETE"),
+        _one(case, "a host dies whole and starts again", _host_dies_and_returns, when="COMPLETE"),
         _one(case, "a host dies, a fresh host (empty disk) in its place", _host_dies_with_its_disk),
         _one(case, "the same without copies (--checkpoint-replicas 0)", _host_dies_with_its_disk, expect=1,
              says="no longer holds its part", args=("--checkpoint-replicas", "0"), when="COMPLETE"),
         _one(case, "a rank SIGKILLed while a checkpoint's copies travel", _kill_rank, when="COPYING"),
-        _one(case, "the link to a host cut for 30 s", _link_cut),
-        _one(case, "a host frozen (SIGSTOP) 45 s, past the stall time-out", _frozen),
+        _one(case, "the link to a host cut for 30 s", _link_cut, when="COMPLETE"),
+        _one(case, "a host frozen (SIGSTOP) 45 s, past the stall time-out", _frozen, when="COMPLETE"),
     ]
