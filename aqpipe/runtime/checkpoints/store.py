@@ -15,8 +15,8 @@ Copies hold what cannot be had again: trained parameters (under LoRA the adapter
 state, data position and RNG, and rank 0's run log. Frozen base weights come from the model source, and an in-memory
 m(ξ) store is written in a file of its own that is never copied: a rank whose part came from a copy starts with an
 empty store, and the reconciliation after the resume re-seeds those samples on both sides of its links by first
-sights. Measured by the capacity plan for the SmolLM2 benchmark's links: a first sight (rtq:4) is as large as the
-delta it replaces (157 kB a step either way), so re-seeding costs no bytes beyond the epoch's messages, where fetching
+sights. Measured on the SmolLM2 benchmark's links: a first sight (the default rtqo:3) costs about the bytes of the
+delta it replaces (3.3 bits a value either way), so re-seeding costs little beyond the epoch's messages, where fetching
 a neighbour's copy of a link's m(ξ) would send 140 MB (about four epochs of that link's messages) before training
 could go on, and copying it with every part would send it at every checkpoint.
 """
