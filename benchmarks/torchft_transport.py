@@ -26,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.host_loss import wait_for  # noqa: E402
+
 STATE_MB = 10.6
 BURSTS = 12
 FETCHES_PER_BURST = 2
@@ -101,9 +103,11 @@ def child(role: str, args: list[str]) -> None:
         time.sleep(3600)
     elif role == "trainer":
         port_file, serving, out = Path(args[0]), args[1] == "thread", Path(args[2])
-        transport = serve(port_file, idle=False) if serving else port_file.write_text("")
+        if serving:
+            serve(port_file, idle=False)  # (its server thread serves while the loop trains)
+        else:
+            port_file.write_text("")
         out.write_text(json.dumps(train(LOOP_SECONDS)))
-        del transport
     elif role == "fetch":
         print(json.dumps(fetch(args[0], int(args[1]))))
 
@@ -118,12 +122,13 @@ def measure(hosts, placement: str) -> dict:
     in_thread = placement == PLACEMENTS[0]
     server = None if in_thread else subprocess.Popen(hosts.command(0, [*me, "server", str(port_file)]), env=env)
     if server:
-        _wait_for(lambda: hosts.on_disk(0, port_file).exists() and hosts.on_disk(0, port_file).read_text())
+        wait_for(lambda: hosts.on_disk(0, port_file).exists() and hosts.on_disk(0, port_file).read_text(), 60,
+                 "the checkpoint server")
         port = hosts.on_disk(0, port_file).read_text()
         hosts.on_disk(0, port_file).unlink()
     trainer = subprocess.Popen(hosts.command(0, [*me, "trainer", str(port_file), "thread" if in_thread else "none",
                                                  str(iterations)]), env=env)
-    _wait_for(lambda: hosts.on_disk(0, port_file).exists())
+    wait_for(lambda: hosts.on_disk(0, port_file).exists(), 60, "the training loop")
     time.sleep(0.5)
     port = hosts.on_disk(0, port_file).read_text() if in_thread else port
     time.sleep(START_SECONDS)
@@ -146,14 +151,6 @@ def measure(hosts, placement: str) -> dict:
     return {"placement": placement, "fetch s": round(seconds, 3), "Mbit/s": round(STATE_MB * 8 / seconds, 1),
             "slowdown %": round(100 * (statistics.median(ratios) - 1), 1),
             "slowdown % per burst": [round(100 * (r - 1), 1) for r in ratios]}
-
-
-def _wait_for(ready, limit: float = 60) -> None:
-    end = time.monotonic() + limit
-    while not ready():
-        if time.monotonic() > end:
-            raise TimeoutError("a measurement process did not start")
-        time.sleep(0.2)
 
 
 def main() -> None:
