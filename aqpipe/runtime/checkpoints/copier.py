@@ -241,7 +241,7 @@ def run_copies(where: dict, orders, reports) -> None:
         problem = ""
         try:
             copy_step(Path(where["out"]), step, rank, plan, None, order["rate"], sent,
-                      planned=lambda seconds: _report(reports, {"expect": seconds}))
+                      planned=lambda seconds: _report(reports, {"expect": seconds}), timeout=timeout.total_seconds())
         except Exception as e:  # noqa: BLE001 - told to every rank below
             problem = f"rank {rank}: {type(e).__name__}: {e}"
         verdicts: list = [None] * len(plan)

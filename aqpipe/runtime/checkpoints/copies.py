@@ -1,11 +1,16 @@
 """Copies of every rank's checkpoint part on other hosts, so that a run survives a host that loses its disk.
 
 After each checkpoint every rank sends its part (its file and checksum line) to the first rank of each of the next
-`--checkpoint-replicas` hosts, from a process of its own (`copier`), paced to a share of the link between hosts,
-while training goes on; the receivers keep the copies in the same step directory, under the same
-names, once they match their checksum lines. A part travels and lands a piece at a time, never whole in memory.
-Once every copy of a step is kept, every host marks the step REPLICATED. A rank whose host lost its part (a wiped
-disk, a new machine) fetches it from a copy before it resumes (`fetch_missing`).
+`--checkpoint-replicas` hosts, from a process of its own (`copier`), while training goes on: each copy on a TCP
+stream of its own, paced by the kernel to a share of the link between hosts; the receivers keep the copies in the
+same step directory, under the same names, once they match their checksum lines. A part travels and lands a piece
+at a time, never whole in memory. Once every copy of a step is kept, every host marks the step REPLICATED. A rank
+whose host lost its part (a wiped disk, a new machine) fetches it from a copy before it resumes (`fetch_missing`).
+
+Why the kernel paces: a copy sent in bursts, however short, queues a step's messages behind it on a slow link and
+costs the hosts' cores a packet-scheduling wake-up per burst. Paced packet by packet (SO_MAX_PACING_RATE), 10 MB
+copied between 4 simulated hosts at 1.25 MB/s each took a third of the CPU that 64 KiB pieces over gloo, paced by a
+sleep, took (`benchmarks/copies_cost.py`).
 """
 
 from __future__ import annotations
@@ -13,28 +18,34 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from aqpipe.disk import write_atomic
+from aqpipe.pipeline.links.streams import open_streams
 from aqpipe.pipeline.world import comm
 from aqpipe.runtime.checkpoints.parts import rank_file, step_dir
 
 COPYING = "COPYING"  # a step directory's marker: copies of its parts are kept (written before COMPLETE); the step
 # counts as copied only once REPLICATED, and one never copied (its predecessor's copies were travelling) keeps COPYING alone
 REPLICATED = "REPLICATED"  # a step directory's marker: every part of the step is on its host and on its copies' hosts
-CHUNK_BYTES = 1 << 20  # a copy travels in pieces of at most this size, each paced (a fetch, unpaced, in these)
-MIN_PIECE_BYTES = 64 << 10
-# A paced copy's pieces are what its pace sends in this long, so that one crosses the link at its full rate in a
-# twentieth of that (a tenth of the link): a step's messages queued behind one on a shaped link wait milliseconds.
-# 1 MiB pieces made a SmolLM2 step over 100 Mbit/s links 15% slower while copies travelled.
+CHUNK_BYTES = 1 << 20  # a copy is read, sent and written in pieces of at most this size (a fetch, unpaced, in these)
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # (Linux's number, where Python does not name it)
+RECEIVE_LOW_WATER = 256 << 10
+# Where the kernel cannot pace a stream, its sender sends pieces of what its pace sends in this long, so that one
+# crosses the link at its full rate in a twentieth of that (a tenth of the link) and a step's messages queued behind
+# one wait milliseconds. 1 MiB pieces made a SmolLM2 step over 100 Mbit/s links 15% slower while copies travelled.
 PIECE_SECONDS = 0.05
+MIN_PIECE_BYTES = 64 << 10
 LINK_SHARE = 0.1  # the share of the link between hosts (the highest rate measured on it) a host's copies may take
 MIN_RATE = 256 << 10  # bytes/s a host's copies may take where no rate was measured, or a lower one (small messages)
+STREAM_TIMEOUT = 300.0  # seconds a copy's stream may move nothing before the copy fails (the copies' process: the run's)
 
 
 def host_order(hosts: list[str]) -> list[str]:
@@ -59,14 +70,17 @@ def default_copies(hosts: list[str], asked: int | None) -> int:
 
 
 def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group, rate: float | None,
-              sent: Callable[[int], None] | None = None, planned: Callable[[float], None] | None = None) -> int:
-    """Send this rank's part of `step` to its copies' ranks and keep what the others send here, all pairs at once,
-    piece by piece (this rank's sending paced to `rate` bytes/s); returns the bytes this rank sent, told to `sent`
-    as they go (by default counted as checkpoint traffic), and tells `planned` the seconds the copy takes at that
-    pace once the parts' sizes are known. Every rank of `group` calls it."""
+              sent: Callable[[int], None] | None = None, planned: Callable[[float], None] | None = None,
+              timeout: float = STREAM_TIMEOUT) -> int:
+    """Send this rank's part of `step` to its copies' ranks and keep what the others send here, every copy at once on
+    a TCP stream of its own (this rank's streams together paced to `rate` bytes/s); returns the bytes this rank sent,
+    told to `sent` as they go (by default counted as checkpoint traffic), and tells `planned` the seconds the copy
+    takes at that pace once the parts' sizes are known. A stream that moves nothing for `timeout` seconds fails the
+    copy. Every rank of `group` calls it."""
     sent = sent or (lambda nbytes: comm.TRAFFIC.add(comm.CHECKPOINT, nbytes))
-    # A rank whose own disk fails it (its part unreadable, a copy it cannot write) goes on exchanging every piece, so
-    # that no other rank waits for one that never comes; it keeps nothing and raises once the pieces are through.
+    # A rank whose own disk fails it (its part unreadable, a copy it cannot write) still sends what it announced or
+    # closes its streams early, and reads every byte sent to it, so that no other rank waits for one that never comes;
+    # it keeps nothing and raises once the streams are through.
     problems: list[str] = []
     own = rank_file(step_dir(out, step), rank)
     try:
@@ -75,90 +89,118 @@ def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group
         problems.append(f"reading its part: {e}")
         own_size, line = 0, ""
     sizes: list = [None] * len(plan)
-    dist.all_gather_object(sizes, (own_size, line, piece_bytes(rate)), group=group)
+    dist.all_gather_object(sizes, (own_size, line), group=group)
     senders = [src for src, holders in plan.items() if rank in holders]
-    landing = {src: Landing(out, step, src, sizes[src][1]) for src in senders}
-    chunk_bytes = min(piece for _, _, piece in sizes)  # (every rank's pieces line up)
     if planned is not None and rate:  # (the largest part's copies, sent at this rank's pace)
-        planned(max(size * len(plan[src]) for src, (size, _, _) in enumerate(sizes)) / rate)
-    pieces = max((size + chunk_bytes - 1) // chunk_bytes for size, _, _ in sizes)
+        planned(max(size * len(plan[src]) for src, (size, _) in enumerate(sizes)) / rate)
     unreadable = [src for src in senders if not sizes[src][1]]
     if unreadable:
         problems.append(f"rank {unreadable[0]} could not read its part")
-    total, start = 0, time.monotonic()
-    part = _OwnPart(own, problems) if own_size else None
+    streams = open_streams([_stream_name(step, src, rank) for src in senders],
+                           [_stream_name(step, rank, holder) for holder in plan[rank]], group, timeout)
+    landing = {src: Landing(out, step, src, sizes[src][1]) for src in senders}
+    counted = _Counter(sent)
+    share = rate / len(plan[rank]) if rate and plan[rank] else None
+    workers = [threading.Thread(target=_send, args=(streams[_stream_name(step, rank, holder)], own, own_size,
+                                                    share, counted, problems, timeout))
+               for holder in plan[rank]]
+    workers += [threading.Thread(target=_receive, args=(streams[_stream_name(step, src, rank)], landing[src],
+                                                        sizes[src][0], problems, timeout))
+                for src in senders]
     try:
-        for piece in range(pieces):
-            lo = piece * chunk_bytes
-            ops, inbound = [], {}
-            length = max(0, min(chunk_bytes, own_size - lo))
-            if length and part is not None:
-                chunk = part.read(length)
-                outbound = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
-                ops += [dist.P2POp(dist.isend, outbound, holder, group) for holder in plan[rank]]
-            for src in senders:
-                if lo < sizes[src][0]:
-                    inbound[src] = torch.empty(min(chunk_bytes, sizes[src][0] - lo), dtype=torch.uint8)
-                    ops.append(dist.P2POp(dist.irecv, inbound[src], src, group))
-            for work in dist.batch_isend_irecv(ops) if ops else []:
-                work.wait()
-            if length:
-                total += length * len(plan[rank])
-                sent(length * len(plan[rank]))
-            if not problems:
-                try:
-                    for src, received in inbound.items():
-                        landing[src].write(received.numpy().tobytes())
-                except OSError as e:
-                    problems.append(f"keeping a copy: {e}")
-            if rate:  # (ahead of the pace: wait until the bytes sent so far fit it)
-                time.sleep(max(0.0, total / rate - (time.monotonic() - start)))
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
         if problems:
             raise RuntimeError(problems[0])
         for kept in landing.values():
             kept.keep()
     finally:
-        if part is not None:
-            part.close()
+        for stream in streams.values():
+            stream.close()
         for kept in landing.values():
             kept.discard()
-    return total
+    return counted.total
 
 
-class _OwnPart:
-    """This rank's part, read a piece at a time; once it cannot be read (noted in `problems`), zeros of the length
-    asked, so the pieces keep their sizes."""
+def _stream_name(step: int, src: int, holder: int) -> str:
+    return f"aqpipe-copy/{step}/{src}/{holder}"
 
-    def __init__(self, path: Path, problems: list[str]) -> None:
-        self.problems, self.file = problems, None
-        try:
-            self.file = open(path, "rb")
-        except OSError as e:
-            self._fail(str(e))
 
-    def read(self, length: int) -> bytes:
-        if self.file is not None:
-            try:
-                chunk = self.file.read(length)
-                if len(chunk) == length:
-                    return chunk
-                self._fail(f"it ended {length - len(chunk)} bytes early")
-            except OSError as e:
-                self._fail(str(e))
-        return bytes(length)
+class _Counter:
+    """The bytes this rank's streams sent, told to `sent` as they go (from several threads)."""
 
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
+    def __init__(self, sent: Callable[[int], None]) -> None:
+        self.sent, self.total, self.lock = sent, 0, threading.Lock()
 
-    def _fail(self, why: str) -> None:
-        self.problems.append(f"reading its part: {why}")
-        self.close()
-        self.file = None
+    def add(self, nbytes: int) -> None:
+        with self.lock:
+            self.total += nbytes
+            self.sent(nbytes)
+
+
+def _send(stream: socket.socket, part: Path, size: int, rate: float | None, counted: _Counter, problems: list[str],
+          timeout: float) -> None:
+    """Send `size` bytes of `part` on `stream` at `rate` bytes/s: paced by the kernel packet by packet where it can
+    be (Linux's SO_MAX_PACING_RATE), else by this thread a piece at a time; closed early if the part cannot be read."""
+    try:
+        stream.settimeout(timeout)
+        kernel_paced = rate is not None and pace(stream, rate)
+        piece = CHUNK_BYTES if kernel_paced else piece_bytes(rate)
+        with open(part, "rb") if size else nullcontext() as file:
+            done, start = 0, time.monotonic()
+            while done < size:
+                count = stream.sendfile(file, offset=done, count=min(piece, size - done))
+                if count == 0:
+                    problems.append(f"reading its part: it ended {size - done} bytes early")
+                    return
+                done += count
+                counted.add(count)
+                if rate:  # (ahead of the pace: wait until the bytes sent so far fit it)
+                    time.sleep(max(0.0, done / rate - (time.monotonic() - start)))
+    except OSError as e:
+        problems.append(f"sending its part: {e}")
+    finally:
+        stream.close()
+
+
+def _receive(stream: socket.socket, landing: Landing, size: int, problems: list[str], timeout: float) -> None:
+    """Read the `size` bytes of a part from `stream` into `landing`; all of them even once they cannot be kept, so
+    that the sender never waits."""
+    try:
+        stream.settimeout(timeout)
+        # (woken once a quarter MiB has arrived, not for every packet of a paced stream)
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, RECEIVE_LOW_WATER)
+        buffer = memoryview(bytearray(CHUNK_BYTES))
+        got, keeping = 0, True
+        while got < size:
+            count = stream.recv_into(buffer[:min(CHUNK_BYTES, size - got)])
+            if count == 0:
+                problems.append(f"the copy of rank {landing.rank}'s part ended {size - got} bytes early")
+                return
+            got += count
+            if keeping:
+                try:
+                    landing.write(buffer[:count])
+                except OSError as e:
+                    problems.append(f"keeping a copy: {e}")
+                    keeping = False
+    except OSError as e:
+        problems.append(f"receiving rank {landing.rank}'s part: {e}")
+
+
+def pace(stream: socket.socket, rate: float) -> bool:
+    """Have the kernel send at most `rate` bytes/s on `stream`, spread packet by packet; returns whether it does."""
+    try:
+        stream.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(min(max(rate, 1), 2**32 - 2)))
+        return True
+    except OSError:
+        return False
 
 
 def piece_bytes(rate: float | None) -> int:
-    """The size of a copy's pieces at a pace of `rate` bytes/s (None: unpaced)."""
+    """The size of the pieces a sender paces itself by at `rate` bytes/s, where the kernel cannot (None: unpaced)."""
     if not rate:
         return CHUNK_BYTES
     return int(min(CHUNK_BYTES, max(MIN_PIECE_BYTES, rate * PIECE_SECONDS)))
