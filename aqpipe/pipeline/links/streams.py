@@ -158,19 +158,28 @@ def confirm(sock: socket.socket, name: str, timeout: float) -> socket.socket:
 def open_streams(inbound: list[str], outbound: list[str], group, timeout: float) -> dict[str, socket.socket]:
     """Open this rank's streams: listen for each name in `inbound`, connect each name in `outbound`. Every rank of
     `group` must call this together (the endpoints are gathered over it); each name must be inbound on exactly one
-    rank of the group and outbound on exactly one."""
+    rank of the group and outbound on exactly one. A rank that cannot listen fails every rank alike."""
     import torch.distributed as dist
 
     from aqpipe.pipeline.world import comm
 
-    address = local_address()
-    listeners = {name: Listener(address) for name in inbound}
+    listeners: dict[str, Listener] = {}
+    streams: dict[str, socket.socket] = {}
     try:
-        mine = {name: listener.endpoint for name, listener in listeners.items()}
-        everyone: list[dict | None] = [None] * dist.get_world_size(group)
+        # (a rank that cannot listen still takes part in the gather, so that the group's collectives stay in step)
+        try:
+            address = local_address()
+            for name in inbound:
+                listeners[name] = Listener(address)
+            mine: tuple[str, dict] = ("", {name: listener.endpoint for name, listener in listeners.items()})
+        except (OSError, StreamError) as e:
+            mine = (f"rank {dist.get_rank()} cannot listen for its streams: {e}", {})
+        everyone: list[tuple[str, dict] | None] = [None] * dist.get_world_size(group)
         comm.all_gather_object(everyone, mine, comm.SETUP, group=group)
-        endpoints = {name: endpoint for table in everyone if table for name, endpoint in table.items()}
-        streams = {}
+        failed = [why for why, _ in filter(None, everyone) if why]
+        if failed:
+            raise StreamError(failed[0])
+        endpoints = {name: endpoint for _, table in filter(None, everyone) for name, endpoint in table.items()}
         for name in outbound:  # the peer's listen backlog holds our connection until it accepts
             if name not in endpoints:
                 raise StreamError(f"no rank listens for stream {name}")
@@ -180,6 +189,10 @@ def open_streams(inbound: list[str], outbound: list[str], group, timeout: float)
         for name in outbound:
             streams[name] = confirm(streams[name], name, timeout)
         return streams
+    except BaseException:
+        for stream in streams.values():
+            stream.close()
+        raise
     finally:
         for listener in listeners.values():
             listener.sock.close()

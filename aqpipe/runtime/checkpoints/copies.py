@@ -7,11 +7,11 @@ same step directory, under the same names, once they match their checksum lines.
 at a time, never whole in memory. Once every copy of a step is kept, every host marks the step REPLICATED. A rank
 whose host lost its part (a wiped disk, a new machine) fetches it from a copy before it resumes (`fetch_missing`).
 
-Why the kernel paces: a copy sent in bursts, however short, queues a step's messages behind it on a slow link and
-makes the link's shaper hold packets back and wake for each. Paced packet by packet (SO_MAX_PACING_RATE) and read a
+Why the kernel paces: a copy sent in bursts makes a shaped link hold packets back and wake for each, and a receiver
+is woken for every packet unless told to wait for more. Paced packet by packet (SO_MAX_PACING_RATE) and read a
 quarter MiB at a time, 10 MiB copies between 4 simulated hosts at 1.25 MB/s cost their processes and the kernel's
-packet work 15 ms of CPU per MB, against 46 ms sent 64 KiB at a time and read as packets arrive
-(`benchmarks/copies_cost.py`).
+packet work 15 ms of CPU per MB, against 28 ms sent 64 KiB at a time by a sleeping sender and 46 ms read as packets
+arrive (`benchmarks/copies_cost.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +39,7 @@ COPYING = "COPYING"  # a step directory's marker: copies of its parts are kept (
 REPLICATED = "REPLICATED"  # a step directory's marker: every part of the step is on its host and on its copies' hosts
 CHUNK_BYTES = 1 << 20  # a copy is read, sent and written in pieces of at most this size (a fetch, unpaced, in these)
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # (Linux's number, where Python does not name it)
-RECEIVE_LOW_WATER = 256 << 10
+RECEIVE_LOW_WATER = 256 << 10  # a copy's receiver is woken once this much has arrived (see `_receive`)
 # Where the kernel cannot pace a stream, its sender sends pieces of what its pace sends in this long, so that one
 # crosses the link at its full rate in a twentieth of that (a tenth of the link) and a step's messages queued behind
 # one wait milliseconds. 1 MiB pieces made a SmolLM2 step over 100 Mbit/s links 15% slower while copies travelled.
@@ -46,7 +47,7 @@ PIECE_SECONDS = 0.05
 MIN_PIECE_BYTES = 64 << 10
 LINK_SHARE = 0.1  # the share of the link between hosts (the highest rate measured on it) a host's copies may take
 MIN_RATE = 256 << 10  # bytes/s a host's copies may take where no rate was measured, or a lower one (small messages)
-STREAM_TIMEOUT = 300.0  # seconds a copy's stream may move nothing before the copy fails (the copies' process: the run's)
+STREAM_TIMEOUT = 300.0  # seconds a copy's stream may wait for its peer (the copies' process gives the run's time-out)
 
 
 def host_order(hosts: list[str]) -> list[str]:
@@ -75,9 +76,9 @@ def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group
               timeout: float = STREAM_TIMEOUT) -> int:
     """Send this rank's part of `step` to its copies' ranks and keep what the others send here, every copy at once on
     a TCP stream of its own (this rank's streams together paced to `rate` bytes/s); returns the bytes this rank sent,
-    told to `sent` as they go (by default counted as checkpoint traffic), and tells `planned` the seconds the copy
-    takes at that pace once the parts' sizes are known. A stream that moves nothing for `timeout` seconds fails the
-    copy. Every rank of `group` calls it."""
+    told to `sent` as they go (from several threads, one at a time; by default counted as checkpoint traffic), and
+    tells `planned` the seconds the copy takes at that pace once the parts' sizes are known. A stream that waits
+    `timeout` seconds for its peer fails the copy. Every rank of `group` calls it."""
     sent = sent or (lambda nbytes: comm.TRAFFIC.add(comm.CHECKPOINT, nbytes))
     # A rank whose own disk fails it (its part unreadable, a copy it cannot write) still sends what it announced or
     # closes its streams early, and reads every byte sent to it, so that no other rank waits for one that never comes;
@@ -99,16 +100,22 @@ def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group
         problems.append(f"rank {unreadable[0]} could not read its part")
     streams = open_streams([_stream_name(step, src, rank) for src in senders],
                            [_stream_name(step, rank, holder) for holder in plan[rank]], group, timeout)
-    landing = {src: Landing(out, step, src, sizes[src][1]) for src in senders}
-    counted = _Counter(sent)
-    share = rate / len(plan[rank]) if rate and plan[rank] else None
-    workers = [threading.Thread(target=_send, args=(streams[_stream_name(step, rank, holder)], own, own_size,
-                                                    share, counted, problems, timeout))
-               for holder in plan[rank]]
-    workers += [threading.Thread(target=_receive, args=(streams[_stream_name(step, src, rank)], landing[src],
-                                                        sizes[src][0], problems, timeout))
-                for src in senders]
+    landing: dict[int, Landing | None] = {}
     try:
+        for src in senders:
+            try:
+                landing[src] = Landing(out, step, src, sizes[src][1])
+            except OSError as e:  # (its stream is read all the same)
+                problems.append(f"keeping a copy: {e}")
+                landing[src] = None
+        counted = _Counter(sent)
+        share = rate / len(plan[rank]) if rate and plan[rank] else None
+        workers = [threading.Thread(target=_send, args=(streams[_stream_name(step, rank, holder)], own, own_size,
+                                                        share, counted, problems, timeout))
+                   for holder in plan[rank]]
+        workers += [threading.Thread(target=_receive, args=(streams[_stream_name(step, src, rank)], src, landing[src],
+                                                            sizes[src][0], problems, timeout))
+                    for src in senders]
         for worker in workers:
             worker.start()
         for worker in workers:
@@ -116,12 +123,14 @@ def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group
         if problems:
             raise RuntimeError(problems[0])
         for kept in landing.values():
+            assert kept is not None  # (one that could not be made is a problem above)
             kept.keep()
     finally:
         for stream in streams.values():
             stream.close()
         for kept in landing.values():
-            kept.discard()
+            if kept is not None:
+                kept.discard()
     return counted.total
 
 
@@ -130,7 +139,7 @@ def _stream_name(step: int, src: int, holder: int) -> str:
 
 
 class _Counter:
-    """The bytes this rank's streams sent, told to `sent` as they go (from several threads)."""
+    """The bytes this rank's streams sent, told to `sent` as they go (from several threads, one at a time)."""
 
     def __init__(self, sent: Callable[[int], None]) -> None:
         self.sent, self.total, self.lock = sent, 0, threading.Lock()
@@ -143,11 +152,13 @@ class _Counter:
 
 def _send(stream: socket.socket, part: Path, size: int, rate: float | None, counted: _Counter, problems: list[str],
           timeout: float) -> None:
-    """Send `size` bytes of `part` on `stream` at `rate` bytes/s: paced by the kernel packet by packet where it can
-    be (Linux's SO_MAX_PACING_RATE), else by this thread a piece at a time; closed early if the part cannot be read."""
+    """Send `size` bytes of `part` on `stream` at `rate` bytes/s, paced by the kernel packet by packet where it can be
+    (Linux's SO_MAX_PACING_RATE) and, a piece at a time, by this thread; the stream closed early if the part cannot
+    be read."""
     try:
         stream.settimeout(timeout)
         kernel_paced = rate is not None and pace(stream, rate)
+        # (where the kernel paces, this thread only keeps the socket's buffer from running ahead of the pace)
         piece = CHUNK_BYTES if kernel_paced else piece_bytes(rate)
         with open(part, "rb") if size else nullcontext() as file:
             done, start = 0, time.monotonic()
@@ -160,39 +171,45 @@ def _send(stream: socket.socket, part: Path, size: int, rate: float | None, coun
                 counted.add(count)
                 if rate:  # (ahead of the pace: wait until the bytes sent so far fit it)
                     time.sleep(max(0.0, done / rate - (time.monotonic() - start)))
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - the copy fails with it, on every rank
         problems.append(f"sending its part: {e}")
     finally:
         stream.close()
 
 
-def _receive(stream: socket.socket, landing: Landing, size: int, problems: list[str], timeout: float) -> None:
-    """Read the `size` bytes of a part from `stream` into `landing`; all of them even once they cannot be kept, so
-    that the sender never waits."""
+def _receive(stream: socket.socket, src: int, landing: Landing | None, size: int, problems: list[str],
+             timeout: float) -> None:
+    """Read the `size` bytes of rank `src`'s part from `stream` into `landing` (None: one that could not be made);
+    all of them even once they cannot be kept, so that the sender never waits."""
     try:
         stream.settimeout(timeout)
-        # (woken once a quarter MiB has arrived, not for every packet of a paced stream)
-        stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, RECEIVE_LOW_WATER)
         buffer = memoryview(bytearray(CHUNK_BYTES))
-        got, keeping = 0, True
+        got = 0
         while got < size:
-            count = stream.recv_into(buffer[:min(CHUNK_BYTES, size - got)])
+            want = min(CHUNK_BYTES, size - got)
+            # (woken once a quarter MiB, or the part's last bytes, have arrived: not for every packet of a paced
+            # stream, which took twice the CPU per MB)
+            stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(RECEIVE_LOW_WATER, want))
+            count = stream.recv_into(buffer[:want])
             if count == 0:
-                problems.append(f"the copy of rank {landing.rank}'s part ended {size - got} bytes early")
+                problems.append(f"the copy of rank {src}'s part ended {size - got} bytes early")
                 return
             got += count
-            if keeping:
+            if landing is not None:
                 try:
                     landing.write(buffer[:count])
-                except OSError as e:
+                except Exception as e:  # noqa: BLE001 - kept nowhere, read to its end all the same
                     problems.append(f"keeping a copy: {e}")
-                    keeping = False
-    except OSError as e:
-        problems.append(f"receiving rank {landing.rank}'s part: {e}")
+                    landing = None
+    except Exception as e:  # noqa: BLE001 - the copy fails with it, on every rank
+        problems.append(f"receiving rank {src}'s part: {e}")
 
 
 def pace(stream: socket.socket, rate: float) -> bool:
-    """Have the kernel send at most `rate` bytes/s on `stream`, spread packet by packet; returns whether it does."""
+    """Have the kernel send at most `rate` bytes/s on `stream`, spread packet by packet; returns whether it does
+    (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return False
     try:
         stream.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(min(max(rate, 1), 2**32 - 2)))
         return True
@@ -235,9 +252,13 @@ class Landing:
         write_atomic(self.path.with_suffix(".sha256"), self.line.encode(), durable=True)
 
     def discard(self) -> None:
-        if not self.file.closed:
-            self.file.close()
-        self.tmp.unlink(missing_ok=True)
+        try:
+            if not self.file.closed:
+                self.file.close()  # (its last bytes may fail to reach a failing disk: removed all the same)
+        except OSError:
+            pass
+        finally:
+            self.tmp.unlink(missing_ok=True)
 
 
 def fetch_missing(out: str | Path, step: int, rank: int, needs: list[bool], holders: list[list[int]]) -> None:
