@@ -21,7 +21,8 @@ from fault_harness import Case, Row, namespaces
 from aqpipe.launch import netns
 from tests.hosts import descendants, simulated_hosts, wait_all, wipe
 
-STEPS = 64  # (a copy of these parts takes ~20 of its 0.1 s steps: every fault lands mid-run)
+STEPS = 160  # (a first checkpoint's copies wait up to 5 s for an idle core before they run at their rank's priority: 50–60
+# of these ~0.1 s steps on busy cores; every fault lands mid-run)
 RUN = ("--model", "llama-tiny", "--seq-len", "32", "--max-samples", "64", "--micro-batch-size", "2",
        "--micro-batches", "3", "--eval-every", "0", "--no-progress", "--stall-timeout", "30", "--pp", "3",
        "--steps", str(STEPS), "--checkpoint-every", "4")
