@@ -238,8 +238,10 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int, checkp
             records = list(watch.records)
             windows = seen.windows()
             cpu.stop()
-            # (from the end of the first 20 s, the ranks' start-up, to the last copies' end)
-            shares = cpu.shares(windows, started + 20, max(end for _, end in windows.values()))
+            # (from the first copies' start to the last copies' end: the ranks' start-up, busier than any step, is
+            # no baseline)
+            shares = cpu.shares(windows, min(begin for begin, _ in windows.values()),
+                                max(end for _, end in windows.values()))
             appeared = dict(watch.appeared)
             said_before = (hosts.disk(0) / "torchrun.log").stat().st_size
             lost_at = time.time()
