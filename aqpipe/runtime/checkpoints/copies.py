@@ -155,12 +155,12 @@ def _send(stream: socket.socket, part: Path, size: int, rate: float | None, coun
     (Linux's SO_MAX_PACING_RATE) and, a piece at a time, by this thread; the stream closed early if the part cannot
     be read."""
     try:
+        if not size:  # (nothing to send: the stream closes at once)
+            return
         stream.settimeout(timeout)
         kernel_paced = rate is not None and pace(stream, rate)
         # (where the kernel paces, this thread only keeps the socket's buffer from running ahead of the pace)
         piece = CHUNK_BYTES if kernel_paced else piece_bytes(rate)
-        if not size:  # (nothing to send: the stream closes at once)
-            return
         with open(part, "rb") as file:
             done, start = 0, time.monotonic()
             while done < size:
