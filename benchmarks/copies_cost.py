@@ -1,21 +1,23 @@
 """What a checkpoint's copies cost the hosts that send and keep them, and the messages that share their link: four
-simulated hosts (tests/hosts.py, 100 Mbit/s links shaped by tc tbf), each rank's copies' code (`copy_step`) sending a
-10 MiB part (a LoRA part of SmolLM2-135M with its AdamW moments) to the next host at 1.25 MB/s (a tenth of the
-link), while a probe on host 0 sends a 64 KiB message (a step's activations) to host 1 every 100 ms and times its
-acknowledgement. Variants:
+simulated hosts (tests/hosts.py, 100 Mbit/s links shaped by tc tbf), each rank's copies' code (`copy_step`, in a
+process at the lowest CPU priority, as aqpipe runs it) sending a 10 MiB part (a LoRA part of SmolLM2-135M with its
+AdamW moments) to the next host at 1.25 MB/s (a tenth of the link), while a probe on host 0 sends a 64 KiB message (a
+step's activations) to host 1 every 100 ms and times its acknowledgement. Variants:
 
-- `kernel`: as aqpipe copies: each copy on a TCP stream the kernel paces packet by packet (SO_MAX_PACING_RATE), its
+- `pieces`: as aqpipe copies: each copy on a TCP stream its sender paces itself, 16 KiB at a time (TCP_NODELAY), its
   receiver woken once a quarter MiB has arrived (SO_RCVLOWAT);
-- `pieces`: the same streams paced by the sender itself, 64 KiB at a time (where the kernel cannot pace);
-- `pieces-every-packet`: those pieces, the receiver woken for every packet;
+- `kernel`: the same streams paced by the kernel packet by packet (SO_MAX_PACING_RATE), handed over 1 MiB at a time;
+- `every-packet`: as aqpipe, the receiver woken for every packet;
 - `none`: the probe alone.
 
 Reported per variant (median over the runs): the copies' processes' CPU seconds (user and system, the four hosts
 together), the machine's softirq seconds while they ran (the kernel's packet work: veth, the bridge, tbf), the
 packets and the times tbf held one back (overlimits) on the hosts' links, and the probe's median, 90th percentile
-and mean time.
+and mean time. With `--where` two busy processes stand for the ranks (each 90% of a core, at normal priority) and
+the machine is sampled by `perf record -a -g`: the softirq samples are counted by the task they ran in (whose CPU time
+they took): the busy processes, the copies' processes, the idle task, any other.
 
-    sudo python benchmarks/copies_cost.py --runs 3 --out benchmarks/results/copies-cost
+    sudo python benchmarks/copies_cost.py --runs 3 --out benchmarks/results/copies-cost [--where]
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import os
 import platform
 import re
 import resource
+import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -44,23 +48,28 @@ PART_BYTES = 10 << 20
 COPY_RATE = 1.25e6
 PROBE_BYTES = 64 << 10
 PROBE_EVERY = 0.1
-VARIANTS = ("kernel", "pieces", "pieces-every-packet", "none")
+VARIANTS = ("pieces", "kernel", "every-packet", "none")
+BUSY, COPIES = "aqpipe-busy", "aqpipe-copies"  # the task names `--where` counts by
+SOFTIRQ = ("handle_softirqs", "__do_softirq", "net_rx_action")  # a sample in the kernel's packet work
 STORE_PORT, PROBE_PORT = 29811, 29812
 
 
 def copier(host: int, out: str, master: str, variant: str) -> None:
     """One host's copies' code: its part written, the group met, its part sent and the previous host's kept."""
+    Path("/proc/self/comm").write_text(COPIES)  # (before any thread, torch's included: they take the name)
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from aqpipe.runtime.checkpoints import copies
+    from aqpipe.runtime.checkpoints.copier import set_priority
     from aqpipe.runtime.checkpoints.parts import rank_file, step_dir
 
+    set_priority(os.getpid(), idle=True)
     os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(STORE_PORT))  # (where the streams' address is found from)
-    if variant.startswith("pieces"):
-        copies.pace = lambda stream, rate: False
-    if variant == "pieces-every-packet":
+    if variant == "kernel":
+        copies._send = kernel_paced_send
+    if variant == "every-packet":
         copies.RECEIVE_LOW_WATER = 1
     directory = step_dir(out, 1)
     directory.mkdir(parents=True, exist_ok=True)
@@ -78,6 +87,56 @@ def copier(host: int, out: str, master: str, variant: str) -> None:
                       "start": start, "end": end}), flush=True)
     dist.barrier()
     os._exit(0)
+
+
+def kernel_paced_send(stream, part, size, rate, counted, problems, timeout) -> None:
+    """`copies._send` with the kernel pacing the stream packet by packet (Linux's SO_MAX_PACING_RATE), handed 1 MiB
+    at a time, never ahead of the pace."""
+    try:
+        stream.settimeout(timeout)
+        stream.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_MAX_PACING_RATE", 47), int(rate))
+        with open(part, "rb") as file:
+            done, start = 0, time.monotonic()
+            while done < size:
+                count = stream.sendfile(file, offset=done, count=min(1 << 20, size - done))
+                done += count
+                counted.add(count)
+                time.sleep(max(0.0, done / rate - (time.monotonic() - start)))
+    except Exception as e:  # noqa: BLE001 - as copies._send
+        problems.append(f"sending its part: {e}")
+    finally:
+        stream.close()
+
+
+def busy() -> None:
+    """A stand-in for a rank: arithmetic 90% of the time, at normal priority, until killed."""
+    Path("/proc/self/comm").write_text(BUSY)
+    units = 0
+    while True:
+        x = 0
+        for i in range(20_000):
+            x += i * i
+        units += 1
+        if units % 8 == 0:
+            time.sleep(0.0015)
+
+
+def softirq_by_task(data: Path) -> dict:
+    """perf's samples from `data` in the kernel's packet work, by the task they ran in; and all samples of the busy
+    processes."""
+    text = subprocess.run(["perf", "script", "-i", str(data), "-F", "comm,ip,sym"], capture_output=True, text=True,
+                          check=True).stdout
+    found = {"busy": 0, "copies": 0, "idle": 0, "other": 0, "busy_all": 0}
+    for block in text.split("\n\n"):
+        lines = block.strip().splitlines()
+        if not lines:
+            continue
+        comm = lines[0].split()[0]
+        kind = {BUSY: "busy", COPIES: "copies", "swapper": "idle"}.get(comm, "other")
+        found["busy_all"] += kind == "busy"
+        if any(name in block for name in SOFTIRQ):
+            found[kind] += 1
+    return found
 
 
 def probe_server() -> None:
@@ -129,16 +188,18 @@ def qdisc_counts(namespace: str) -> tuple[int, int]:
             int(re.search(r"overlimits (\d+)", tbf).group(1)))
 
 
-def one_run(variant: str, work: Path) -> dict:
-    """The copies of one variant (or the probe alone) on fresh simulated hosts."""
-    import shutil
-
+def one_run(variant: str, work: Path, where: bool = False) -> dict:
+    """The copies of one variant (or the probe alone) on fresh simulated hosts (`where`: beside busy processes, under
+    perf)."""
     from tests.hosts import simulated_hosts
 
     shutil.rmtree(work, ignore_errors=True)
     with simulated_hosts(work, HOSTS, 1, RATE_BITS, port=STORE_PORT) as hosts:
         me = [sys.executable, __file__]
         server = subprocess.Popen(hosts.command(1, [*me, "--probe-server"]))
+        busy_ones = [subprocess.Popen([*me, "--busy"]) for _ in range(2)] if where else []
+        perf = (subprocess.Popen(["perf", "record", "-a", "-g", "-q", "-o", str(work / "perf.data")],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if where else None)
         copiers = [] if variant == "none" else [
             subprocess.Popen(hosts.command(h, [*me, "--copier", str(h), str(hosts.mount), hosts.topology.address(0),
                                                variant]), stdout=subprocess.PIPE, text=True) for h in range(HOSTS)]
@@ -151,6 +212,11 @@ def one_run(variant: str, work: Path) -> dict:
         copied = [json.loads(c.communicate()[0].strip().splitlines()[-1]) for c in copiers]
         probes = json.loads(probe.communicate()[0].strip().splitlines()[-1])
         server.kill()
+        for proc in busy_ones:
+            proc.kill()
+        if perf is not None:
+            perf.send_signal(signal.SIGINT)
+            perf.wait()
         stop.set()
         sampler.join()
         counts = [qdisc_counts(hosts.topology.namespace(h)) for h in range(HOSTS)]
@@ -165,6 +231,7 @@ def one_run(variant: str, work: Path) -> dict:
         "cpu_user": sum(c["user"] for c in copied), "cpu_system": sum(c["system"] for c in copied),
         "softirq": (inside[-1][1] - inside[0][1]) / os.sysconf("SC_CLK_TCK") if len(inside) > 1 else None,
         "packets": sum(p for p, _ in counts), "overlimits": sum(o for _, o in counts),
+        "softirq_samples": softirq_by_task(work / "perf.data") if where else None,
         "probe_ms": {"median": 1000 * statistics.median(during), "p90": 1000 * during[int(0.9 * (len(during) - 1))],
                      "mean": 1000 * statistics.mean(during), "count": len(during)},
     }
@@ -182,7 +249,9 @@ def summarize(runs: list[dict]) -> dict:
             "cpu_ms_per_mb": 1000 * cpu / copied_mb if copied_mb else None,
             "softirq_ms_per_mb": 1000 * median("softirq") / copied_mb if copied_mb else None,
             "packets": median("packets"), "overlimits": median("overlimits"),
-            "probe_ms": {k: median("probe_ms", k) for k in ("median", "p90", "mean")}}
+            "probe_ms": {k: median("probe_ms", k) for k in ("median", "p90", "mean")},
+            "softirq_samples": ({k: median("softirq_samples", k) for k in runs[0]["softirq_samples"]}
+                                if runs[0].get("softirq_samples") else None)}
 
 
 def net_of_probe(rows: list[dict]) -> None:
@@ -209,6 +278,15 @@ def write_markdown(rows: list[dict], path: Path, commit: str) -> None:
                      f"{f(r['softirq_ms_per_mb'], 1)} ({f(r['softirq_net_ms_per_mb'], 1)}) | {r['packets']:.0f} | "
                      f"{r['overlimits']:.0f} | "
                      f"{probe['median']:.1f} / {probe['p90']:.1f} / {probe['mean']:.1f} |")
+    if rows[0].get("softirq_samples"):
+        lines += ["", "perf's samples in the kernel's packet work, by the task they ran in (two busy processes stand "
+                  "for the ranks):", "",
+                  "| variant | in the busy processes | in the copies' processes | in the idle task | elsewhere | "
+                  "the busy processes' samples |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            n = r["softirq_samples"]
+            lines.append(f"| {r['variant']} | {n['busy']:.0f} | {n['copies']:.0f} | {n['idle']:.0f} | "
+                         f"{n['other']:.0f} | {n['busy_all']:.0f} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -218,12 +296,16 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/copies-cost"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/aqpipe-copies-cost"))
+    parser.add_argument("--where", action="store_true",
+                        help="beside two busy processes, under `perf record`: where the packet work ran")
     args = parser.parse_args()
+    if args.where and not shutil.which("perf"):
+        parser.error("--where needs perf (Debian: apt install linux-perf)")
     variants = args.variants.split(",")
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for round_ in range(args.runs):  # (the variants interleaved: the machine's drift falls on each alike)
         for variant in variants:
-            result = one_run(variant, args.work)
+            result = one_run(variant, args.work, args.where)
             runs[variant].append(result)
             print(f"run {round_ + 1} {variant}: {json.dumps(result)}", flush=True)
     rows = [summarize(runs[v]) for v in variants]
@@ -239,6 +321,8 @@ def main() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--copier"]:
         copier(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+    elif sys.argv[1:2] == ["--busy"]:
+        busy()
     elif sys.argv[1:2] == ["--probe-server"]:
         probe_server()
     elif sys.argv[1:2] == ["--probe-client"]:
