@@ -4,9 +4,10 @@ process at the lowest CPU priority, as aqpipe runs it) sending a 10 MiB part (a 
 AdamW moments) to the next host at 1.25 MB/s (a tenth of the link), while a probe on host 0 sends a 64 KiB message (a
 step's activations) to host 1 every 100 ms and times its acknowledgement. Variants:
 
-- `pieces`: as aqpipe copies: each copy on a TCP stream its sender paces itself, 16 KiB at a time (TCP_NODELAY), its
+- `kernel`: as aqpipe copies: each copy on a TCP stream the kernel paces packet by packet (SO_MAX_PACING_RATE), its
   receiver woken once a quarter MiB has arrived (SO_RCVLOWAT);
-- `kernel`: the same streams paced by the kernel packet by packet (SO_MAX_PACING_RATE), handed over 1 MiB at a time;
+- `pieces`: the same streams paced by their sender, 16 KiB at a time (within a shaped link's burst) with TCP_NODELAY,
+  so that the packet work runs in the sending process rather than from the kernel's timers;
 - `every-packet`: as aqpipe, the receiver woken for every packet;
 - `none`: the probe alone.
 
@@ -48,7 +49,7 @@ PART_BYTES = 10 << 20
 COPY_RATE = 1.25e6
 PROBE_BYTES = 64 << 10
 PROBE_EVERY = 0.1
-VARIANTS = ("pieces", "kernel", "every-packet", "none")
+VARIANTS = ("kernel", "pieces", "every-packet", "none")
 BUSY, COPIES = "aqpipe-busy", "aqpipe-copies"  # the task names `--where` counts by
 SOFTIRQ = ("handle_softirqs", "__do_softirq", "net_rx_action")  # a sample in the kernel's packet work
 STORE_PORT, PROBE_PORT = 29811, 29812
@@ -67,8 +68,8 @@ def copier(host: int, out: str, master: str, variant: str) -> None:
 
     set_priority(os.getpid(), idle=True)
     os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(STORE_PORT))  # (where the streams' address is found from)
-    if variant == "kernel":
-        copies._send = kernel_paced_send
+    if variant == "pieces":
+        copies._send = sender_paced_send
     if variant == "every-packet":
         copies.RECEIVE_LOW_WATER = 1
     directory = step_dir(out, 1)
@@ -89,19 +90,21 @@ def copier(host: int, out: str, master: str, variant: str) -> None:
     os._exit(0)
 
 
-def kernel_paced_send(stream, part, size, rate, counted, problems, timeout) -> None:
-    """`copies._send` with the kernel pacing the stream packet by packet (Linux's SO_MAX_PACING_RATE), handed 1 MiB
-    at a time, never ahead of the pace."""
+def sender_paced_send(stream, part, size, rate, counted, problems, timeout) -> None:
+    """`copies._send` with the sender pacing the stream itself: 16 KiB at a time with TCP_NODELAY, a piece's time
+    after the last (never sooner: a late piece is not made up for)."""
     try:
         stream.settimeout(timeout)
-        stream.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_MAX_PACING_RATE", 47), int(rate))
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with open(part, "rb") as file:
-            done, start = 0, time.monotonic()
+            done, due = 0, time.monotonic()
             while done < size:
-                count = stream.sendfile(file, offset=done, count=min(1 << 20, size - done))
+                time.sleep(max(0.0, due - time.monotonic()))
+                began = time.monotonic()
+                count = stream.sendfile(file, offset=done, count=min(16 << 10, size - done))
                 done += count
                 counted.add(count)
-                time.sleep(max(0.0, done / rate - (time.monotonic() - start)))
+                due = max(due, began) + count / rate
     except Exception as e:  # noqa: BLE001 - as copies._send
         problems.append(f"sending its part: {e}")
     finally:
@@ -281,12 +284,12 @@ def write_markdown(rows: list[dict], path: Path, commit: str) -> None:
     if rows[0].get("softirq_samples"):
         lines += ["", "perf's samples in the kernel's packet work, by the task they ran in (two busy processes stand "
                   "for the ranks):", "",
-                  "| variant | in the busy processes | in the copies' processes | in the idle task | elsewhere | "
-                  "the busy processes' samples |", "|---|---|---|---|---|---|"]
+                  "| variant | in the busy processes (share of all their samples) | in the copies' processes | "
+                  "in the idle task | elsewhere |", "|---|---|---|---|---|"]
         for r in rows:
             n = r["softirq_samples"]
-            lines.append(f"| {r['variant']} | {n['busy']:.0f} | {n['copies']:.0f} | {n['idle']:.0f} | "
-                         f"{n['other']:.0f} | {n['busy_all']:.0f} |")
+            lines.append(f"| {r['variant']} | {n['busy']:.0f} ({100 * n['busy'] / n['busy_all']:.2f}%) | "
+                         f"{n['copies']:.0f} | {n['idle']:.0f} | {n['other']:.0f} |")
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -11,9 +11,10 @@ its COMPLETE mark to its REPLICATED mark on the last host; a step ends when its 
 metrics.jsonl). Each step's time is set against the no-copies job's median time of the steps at the same place of the
 checkpoint cycle (a step right after a save differs from the others) in the same round. Reported:
 
-- during: the median of those ratios over the steps during copies, minus one;
-- control: the same over the copies job's other steps (what separates the two jobs besides copies: ideally 0);
-- slowdown: during over control, minus one (the headline), overall and per round (median and range);
+- during (the headline): the median of those ratios over the steps during copies, minus one, overall and per round
+  (median and range);
+- control: the same over the copies job's other steps (what separates the two jobs besides copies: ideally 0), and
+  during over control, minus one;
 - the machine's CPU by kind (/proc/stat: the copies' process runs at nice 19; softirq is the kernel's packet work)
   in the copies job's turns while copies travelled and while none did, and in the no-copies job's turns.
 
@@ -227,12 +228,11 @@ def ratios(runs: dict, every: int) -> dict:
                        "other": {s: a[s] / reference[s % every] for s in kept if s not in during}})
     in_flight = [v for r in rounds for v in r["during"].values()]
     other = [v for r in rounds for v in r["other"].values()]
-    per_round = [statistics.median(r["during"].values()) / statistics.median(r["other"].values()) - 1
-                 for r in rounds if r["during"] and r["other"]]
     return {
         "during": statistics.median(in_flight) - 1, "control": statistics.median(other) - 1,
-        "slowdown": statistics.median(in_flight) / statistics.median(other) - 1,
-        "slowdown_per_round": per_round, "steps_during": len(in_flight), "steps_other": len(other),
+        "during_per_round": [statistics.median(r["during"].values()) - 1 for r in rounds if r["during"]],
+        "net_of_control": statistics.median(in_flight) / statistics.median(other) - 1,
+        "steps_during": len(in_flight), "steps_other": len(other),
         "ratios_by_round": rounds,
         "same_job": (statistics.median(a[s] for s in a if s in during and s > every)
                      / statistics.median(a[s] for s in a if s not in during and s > every) - 1),
@@ -254,16 +254,18 @@ def measure(work: Path, name: str, every: int, turn: int, rounds: int) -> dict:
 
 
 def write_markdown(results: list[dict], path: Path) -> None:
-    lines = ["| variant | rounds × steps a turn | steps during copies / other | share of the copies job's time with "
-             "copies in flight | during / control | **slowdown** (per round: median, range) | same job only |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| variant | rounds × steps a turn | steps during copies / other | copies' time in flight (median copy) | "
+             "**steps during copies, against the no-copies job** (per round: median, range) | other steps against it "
+             "(control) | during over control | same job only: during over other steps |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        per = r["slowdown_per_round"]
+        per = r["during_per_round"]
         lines.append(
             f"| {r['variant']} | {r['rounds']} × {r['turn']} | {r['steps_during']} / {r['steps_other']} | "
-            f"{r['copies_time_share'] * 100:.0f}% | {r['during'] * 100:+.1f}% / {r['control'] * 100:+.1f}% | "
-            f"**{r['slowdown'] * 100:+.1f}%** ({statistics.median(per) * 100:+.1f}%, {min(per) * 100:+.1f}% to "
-            f"{max(per) * 100:+.1f}%) | {r['same_job'] * 100:+.1f}% |")
+            f"{r['copies_time_share'] * 100:.0f}% ({statistics.median(r['copy_seconds'].values()):.1f} s) | "
+            f"**{r['during'] * 100:+.1f}%** ({statistics.median(per) * 100:+.1f}%, {min(per) * 100:+.1f}% to "
+            f"{max(per) * 100:+.1f}%) | {r['control'] * 100:+.1f}% | {r['net_of_control'] * 100:+.1f}% | "
+            f"{r['same_job'] * 100:+.1f}% |")
     for r in results:
         lines.append("")
         lines.append(f"{r['variant']}: the machine's CPU (user / nice / system / softirq / idle): " + "; ".join(

@@ -8,7 +8,8 @@ across hosts" says, each rank's checkpoint part copied to the next host. For ful
   of the steps that ran (in part) while some checkpoint's copies travelled (a step ends when its record appears in
   host 0's metrics.jsonl), against the same steps of a run that keeps no copies (`--checkpoint-replicas 0`), and the
   other steps of both runs; and paired: each step's time over the same step's in the run without copies, during
-  copies against the rest;
+  copies against the rest (the two runs one after the other, whose speeds drift apart on shared cores:
+  `copies_slowdown.py` runs them in alternating turns instead);
 - the time from a host's loss to the first step trained after recovery: once the copies are kept and some steps
   more are trained, host 2 dies whole (torchrun and rank SIGKILLed), its disk is wiped, and a host with an empty disk
   starts in its place with the same command (and an empty model cache: it converts the weights again); the others'

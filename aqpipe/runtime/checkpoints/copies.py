@@ -2,21 +2,18 @@
 
 After each checkpoint every rank sends its part (its file and checksum line) to the first rank of each of the next
 `--checkpoint-replicas` hosts, from a process of its own (`copier`), while training goes on: each copy on a TCP
-stream of its own, paced to a share of the link between hosts; the receivers keep the copies in the
+stream of its own, paced by the kernel to a share of the link between hosts; the receivers keep the copies in the
 same step directory, under the same names, once they match their checksum lines. A part travels and lands a piece
 at a time, never whole in memory. Once every copy of a step is kept, every host marks the step REPLICATED. A rank
 whose host lost its part (a wiped disk, a new machine) fetches it from a copy before it resumes (`fetch_missing`).
 
-Why the sender paces in small pieces: a copy's packet work (TCP's, and on a simulated host that of the veth ends, the
-bridge and the tbf shapers it crosses, the receiver's TCP included) runs where its packets leave. Each stream is sent
-by the copies' process itself, 16 KiB at a time with no delay (TCP_NODELAY), a sleep between pieces and no burst to
-catch up after a late wake-up: a piece fits a shaped link's burst, so none of it waits for a timer, and its packet
-work runs inside that process, which runs at the lowest CPU priority, on cores no rank wants. Paced by the kernel
-(SO_MAX_PACING_RATE), packets left from timers that interrupted whatever ran, the ranks: over 4 simulated hosts on 2
-busy cores, softirq samples that interrupted the busy processes fell from 620 to 28 (`benchmarks/copies_cost.py
---where`), and SmolLM2 LoRA steps while copies travelled went from 5.5% slower than the no-copies job's to 2.1%
-(`benchmarks/copies_slowdown.py`). Read a quarter MiB at a time: a receiver woken for every packet took twice the CPU
-per MB.
+Why the kernel paces: a copy sent in bursts makes a shaped link hold packets back and wake for each, and a receiver
+is woken for every packet unless told to wait for more. Paced packet by packet (SO_MAX_PACING_RATE) and read a
+quarter MiB at a time, 10 MiB copies between 4 simulated hosts at 1.25 MB/s cost their processes and the kernel's
+packet work 16 ms of CPU per MB (`benchmarks/copies_cost.py`). Sent 16 KiB at a time by the sender (TCP_NODELAY),
+the packet work ran inside the lowest-priority copies' process instead of from timers that interrupt the ranks (0.19%
+of two busy processes' CPU against 1.23%, `copies_cost.py --where`), but took 36 ms per MB, copies 30% longer, and
+SmolLM2's steps while copies travelled were no faster (+6.6% against +5.5%, `copies_slowdown.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -41,8 +39,13 @@ COPYING = "COPYING"  # a step directory's marker: copies of its parts are kept (
 # counts as copied only once REPLICATED, and one never copied (its predecessor's copies were travelling) keeps COPYING alone
 REPLICATED = "REPLICATED"  # a step directory's marker: every part of the step is on its host and on its copies' hosts
 CHUNK_BYTES = 1 << 20  # a copy is read, sent and written in pieces of at most this size (a fetch, unpaced, in these)
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # (Linux's number, where Python does not name it)
 RECEIVE_LOW_WATER = 256 << 10  # a copy's receiver is woken once this much has arrived (see `_receive`)
-PIECE_BYTES = 16 << 10  # a paced copy is sent this much at a time (see the module's docstring)
+# Where the kernel cannot pace a stream, its sender sends pieces of what its pace sends in this long, so that one
+# crosses the link at its full rate in a twentieth of that (a tenth of the link) and a step's messages queued behind
+# one wait milliseconds. 1 MiB pieces made a SmolLM2 step over 100 Mbit/s links 15% slower while copies travelled.
+PIECE_SECONDS = 0.05
+MIN_PIECE_BYTES = 64 << 10
 LINK_SHARE = 0.1  # the share of the link between hosts (the highest rate measured on it) a host's copies may take
 MIN_RATE = 256 << 10  # bytes/s a host's copies may take where no rate was measured, or a lower one (small messages)
 STREAM_TIMEOUT = 300.0  # seconds a copy's stream may wait for its peer (the copies' process gives the run's time-out)
@@ -150,27 +153,27 @@ class _Counter:
 
 def _send(stream: socket.socket, part: Path, size: int, rate: float | None, counted: _Counter, problems: list[str],
           timeout: float) -> None:
-    """Send `size` bytes of `part` on `stream` at `rate` bytes/s, PIECE_BYTES at a time (None: at once, CHUNK_BYTES at
-    a time); the stream closed early if the part cannot be read."""
+    """Send `size` bytes of `part` on `stream` at `rate` bytes/s, paced by the kernel packet by packet where it can be
+    (Linux's SO_MAX_PACING_RATE) and, a piece at a time, by this thread; the stream closed early if the part cannot
+    be read."""
     try:
         if not size:  # (nothing to send: the stream closes at once)
             return
         stream.settimeout(timeout)
-        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (a piece's last packet leaves with it)
-        piece = PIECE_BYTES if rate else CHUNK_BYTES
+        kernel_paced = rate is not None and pace(stream, rate)
+        # (where the kernel paces, this thread only keeps the socket's buffer from running ahead of the pace)
+        piece = CHUNK_BYTES if kernel_paced else piece_bytes(rate)
         with open(part, "rb") as file:
-            done, due = 0, time.monotonic()
+            done, start = 0, time.monotonic()
             while done < size:
-                time.sleep(max(0.0, due - time.monotonic()))
-                began = time.monotonic()
                 count = stream.sendfile(file, offset=done, count=min(piece, size - done))
                 if count == 0:
                     problems.append(f"reading its part: it ended {size - done} bytes early")
                     return
                 done += count
                 counted.add(count)
-                if rate:  # (the next piece a piece's time after this one, never sooner: a late one is not made up)
-                    due = max(due, began) + count / rate
+                if rate:  # (ahead of the pace: wait until the bytes sent so far fit it)
+                    time.sleep(max(0.0, done / rate - (time.monotonic() - start)))
     except Exception as e:  # noqa: BLE001 - the copy fails with it, on every rank
         problems.append(f"sending its part: {e}")
     finally:
@@ -203,6 +206,25 @@ def _receive(stream: socket.socket, src: int, landing: Landing | None, size: int
                     landing = None
     except Exception as e:  # noqa: BLE001 - the copy fails with it, on every rank
         problems.append(f"receiving rank {src}'s part: {e}")
+
+
+def pace(stream: socket.socket, rate: float) -> bool:
+    """Have the kernel send at most `rate` bytes/s on `stream`, spread packet by packet; returns whether it does
+    (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        stream.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(min(max(rate, 1), 2**32 - 2)))
+        return True
+    except OSError:
+        return False
+
+
+def piece_bytes(rate: float | None) -> int:
+    """The size of the pieces a sender paces itself by at `rate` bytes/s, where the kernel cannot (None: unpaced)."""
+    if not rate:
+        return CHUNK_BYTES
+    return int(min(CHUNK_BYTES, max(MIN_PIECE_BYTES, rate * PIECE_SECONDS)))
 
 
 class Landing:
