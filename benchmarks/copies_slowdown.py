@@ -160,7 +160,6 @@ class Job:
 def alternate(work: Path, extra: tuple[str, ...], every: int, turn: int, rounds: int) -> dict:
     """The two jobs in turns: each to its step 3 (start-up, the first steps), then `rounds` rounds of `turn` steps
     each, the copies job first."""
-    assert turn % every == 0, "a turn holds whole checkpoint cycles"
     with ExitStack() as stack:
         copies = Job(stack, work, "copies", 29741, (*extra, "--checkpoint-every", str(every)))
         marks = Marks(copies.hosts, copies.run)
@@ -283,6 +282,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--work", default="/tmp/aqpipe-copies-slowdown")
     args = parser.parse_args()
+    if args.turn % args.every or args.rounds < 1:
+        parser.error(f"--turn ({args.turn}) must hold whole checkpoint cycles (a multiple of --every, {args.every}), "
+                     "and --rounds be at least 1")
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     out = Path(args.out)
