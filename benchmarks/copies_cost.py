@@ -102,6 +102,9 @@ def sender_paced_send(stream, part, size, rate, counted, problems, timeout) -> N
                 time.sleep(max(0.0, due - time.monotonic()))
                 began = time.monotonic()
                 count = stream.sendfile(file, offset=done, count=min(16 << 10, size - done))
+                if count == 0:
+                    problems.append(f"reading its part: it ended {size - done} bytes early")
+                    return
                 done += count
                 counted.add(count)
                 due = max(due, began) + count / rate

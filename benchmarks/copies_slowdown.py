@@ -52,6 +52,7 @@ from benchmarks.host_loss import (  # noqa: E402 - its jobs, records and marks
     command,
     env,
     job,
+    overlapping,
     running,
     wait_for,
 )
@@ -186,26 +187,9 @@ def cpu_by_turn(cpu: CpuShares, spans: dict[str, list[tuple[float, float]]],
                 windows: dict[int, tuple[float, float]]) -> dict:
     """The machine's CPU shares by kind: the copies job's turns while copies travelled and while none did, and the
     no-copies job's turns."""
-    shares: dict = {}
-    for name, turns in spans.items():
-        totals = {True: [0] * len(cpu.KINDS), False: [0] * len(cpu.KINDS)}
-        for (t0, a), (t1, b) in zip(cpu.samples, cpu.samples[1:]):
-            if any(lo <= t0 and t1 <= hi for lo, hi in turns):
-                during = name == "copies" and any(lo <= (t0 + t1) / 2 <= hi for lo, hi in windows.values())
-                totals[during] = [x + y - z for x, y, z in zip(totals[during], b, a)]
-        for during, kinds in totals.items():
-            if sum(kinds):
-                key = f"{name} job, copies travelling" if during else f"{name} job" + (", none" if name == "copies"
-                                                                                      else "")
-                shares[key] = {k: round(v / sum(kinds), 4) for k, v in zip(cpu.KINDS, kinds)}
-    return shares
-
-
-def during_copies(watch: Watch, windows: dict[int, tuple[float, float]]) -> set[int]:
-    """The steps that ran (in part) while some checkpoint's copies travelled."""
-    return {r["step"] for r in watch.records if r["step"] in watch.appeared and any(
-        r["step"] > step and watch.appeared[r["step"]] - r["step_seconds"] < end and watch.appeared[r["step"]] > begin
-        for step, (begin, end) in windows.items())}
+    copies, plain = cpu.shares(windows, spans["copies"]), cpu.shares({}, spans["no-copies"])
+    return {"copies job, copies travelling": copies["during_copies"], "copies job, none": copies["no_copies"],
+            "no-copies job": plain["no_copies"]}
 
 
 def ratios(runs: dict, every: int) -> dict:
@@ -213,7 +197,7 @@ def ratios(runs: dict, every: int) -> dict:
     checkpoint cycle; the slowdown overall and per round."""
     copies, plain = runs["copies"], runs["plain"]
     a, b = copies.seconds(), plain.seconds()
-    during = during_copies(copies.watch, runs["windows"])
+    during = set(overlapping(copies.watch.records, copies.watch.appeared, runs["windows"]))
     rounds = []
     for (lo, hi), (plo, phi) in zip(copies.turns[1:], plain.turns[1:]):
         reference = {}

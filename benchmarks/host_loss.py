@@ -159,11 +159,12 @@ class CpuShares:
         self._stop.set()
         self._thread.join()
 
-    def shares(self, windows: dict[int, tuple[float, float]], begin: float, end: float) -> dict:
-        """Each kind's share of all CPU time between `begin` and `end`: while copies travelled (`windows`), and not."""
+    def shares(self, windows: dict[int, tuple[float, float]], spans: list[tuple[float, float]]) -> dict:
+        """Each kind's share of all CPU time within `spans` (begin, end): while copies travelled (`windows`), and
+        not."""
         totals = {during: [0] * len(self.KINDS) for during in (True, False)}
         for (t0, a), (t1, b) in zip(self.samples, self.samples[1:]):
-            if begin <= t0 and t1 <= end:
+            if any(begin <= t0 and t1 <= end for begin, end in spans):
                 during = any(lo <= (t0 + t1) / 2 <= hi for lo, hi in windows.values())
                 totals[during] = [x + y - z for x, y, z in zip(totals[during], b, a)]
         return {("during_copies" if during else "no_copies"): {k: round(v / sum(kinds), 4) for k, v in
@@ -241,8 +242,8 @@ def with_loss(work: Path, extra: tuple[str, ...], every: int, after: int, checkp
             cpu.stop()
             # (from the first copies' start to the last copies' end: the ranks' start-up, busier than any step, is
             # no baseline)
-            shares = cpu.shares(windows, min(begin for begin, _ in windows.values()),
-                                max(end for _, end in windows.values()))
+            shares = cpu.shares(windows, [(min(begin for begin, _ in windows.values()),
+                                           max(end for _, end in windows.values()))])
             appeared = dict(watch.appeared)
             said_before = (hosts.disk(0) / "torchrun.log").stat().st_size
             lost_at = time.time()
