@@ -296,7 +296,10 @@ def _launch(args: argparse.Namespace) -> int:
     from aqpipe.launch.netns import require_throttling
 
     if args.dry_run or in_distributed_env():
-        cfg = _resolve(file_values, flags, resume)
+        from aqpipe.launch.forkserver import fork_safe_environment
+
+        with fork_safe_environment():  # (a rank forks its checkpoint copies' process once its imports are done)
+            cfg = _resolve(file_values, flags, resume)
         if args.dry_run:
             return _dry_run(cfg)
         from aqpipe.launch.job import run_job

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aqpipe.launch import netns
-from aqpipe.runtime.checkpoints.copier import set_priority
+from aqpipe.runtime.checkpoints.copier import PROCESS_NAME, set_priority
 
 # What torchrun's elastic (c10d) rendezvous needs so that aqpipe's ranks can restart: a store of its own per round
 # (see aqpipe.pipeline.links.rendezvous.elastic_attempt)
@@ -120,7 +120,7 @@ class Hosts:
         """The checkpoint copies' processes of the torchruns `procs` at their ranks' priority, as a rank whose copy
         outlasts its time puts them (a stopped rank cannot; and on a machine shared with other work their SCHED_IDLE
         would keep them waiting)."""
-        for pid in [pid for proc in procs for pid in descendants(proc.pid) if _is_copies(pid)]:
+        for pid, _ in [found for proc in procs for found in copies_processes(proc)]:
             set_priority(pid, idle=False)
 
     def kill(self, proc: subprocess.Popen) -> None:
@@ -138,14 +138,26 @@ def _argv(pid: int) -> list[bytes]:
 
 
 def _is_rank(pid: int) -> bool:
-    """Whether process `pid` is an aqpipe rank torchrun started (not torchrun itself)."""
+    """Whether process `pid` is an aqpipe rank torchrun started (not torchrun itself, nor a rank's copies' process)."""
     argv = _argv(pid)
-    return b"aqpipe" in argv and b"torch.distributed.run" not in argv
+    return b"aqpipe" in argv and b"torch.distributed.run" not in argv and not _is_copies(pid)
 
 
 def _is_copies(pid: int) -> bool:
-    """Whether process `pid` is a rank's checkpoint copies' process."""
-    return b"aqpipe.runtime.checkpoints.copier" in _argv(pid)
+    """Whether process `pid` is a rank's checkpoint copies' process (forked from its rank, whose command line it
+    shows, or started afresh)."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_bytes().strip()
+    except OSError:
+        return False
+    return name == PROCESS_NAME or b"aqpipe.runtime.checkpoints.copier" in _argv(pid)
+
+
+def copies_processes(proc: subprocess.Popen) -> list[tuple[int, bool]]:
+    """The checkpoint copies' processes under a host's torchrun `proc`: each one's pid, and whether its rank forked
+    it (rather than starting an interpreter of its own)."""
+    return [(pid, b"aqpipe.runtime.checkpoints.copier" not in _argv(pid)) for pid in descendants(proc.pid)
+            if _is_copies(pid)]
 
 
 def _signal(pids: list[int], number: int) -> None:

@@ -213,3 +213,59 @@ def test_a_copies_process_hurried_before_it_lowered_itself_is_hurried_again(monk
     copier._read(block=True)
     assert calls[-1] == (4242, True) and not copier._hurried and not copier._pending
     os.close(write)
+
+
+PREFORK = """
+import json, os, sys, time
+from pathlib import Path
+from aqpipe.launch.fork_safety import fork, unsafe_to_fork
+from aqpipe.runtime.checkpoints import copier
+assert unsafe_to_fork() is None, unsafe_to_fork()
+copier.prefork(fork)
+forked = copier._preforked
+pid = forked.pid
+deadline = time.monotonic() + 30
+while Path(f"/proc/{pid}/comm").read_text().strip() != "aqpipe-copies" and time.monotonic() < deadline:
+    time.sleep(0.01)  # (it names itself once forked)
+seen = {"pid": pid, "parent": int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]),
+        "comm": Path(f"/proc/{pid}/comm").read_text().strip(), "own": os.getpid(),
+        "threads": len(os.listdir("/proc/self/task"))}
+if sys.argv[1] == "release":
+    copier.release_preforked()
+    seen["code"] = forked.returncode
+print(json.dumps(seen), flush=True)
+os._exit(0)
+"""
+
+
+def _prefork(how: str) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    from aqpipe.launch.forkserver import SERVER_ENV
+
+    done = subprocess.run([sys.executable, "-c", PREFORK, how], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **SERVER_ENV})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_rank_forks_its_copies_process_which_waits_for_its_part_and_exits_unused_once_let_go():
+    """A rank under torchrun forks its copies' process from itself before it meets the others (it has imported torch
+    by then, and holds no thread): the copies' process starts without importing torch again (3 s of a core each) and
+    is named for what it does; one the run does not need exits when its rank lets it go."""
+    seen = _prefork("release")
+    assert seen["parent"] == seen["own"] and seen["comm"] == "aqpipe-copies"
+    assert seen["threads"] == 1  # (the fork leaves the rank as it was: no thread to wait for it)
+    assert seen["code"] == 0 and not Path(f"/proc/{seen['pid']}").exists()
+
+
+def test_a_forked_copies_process_does_not_outlive_its_rank():
+    import time
+
+    seen = _prefork("leave")
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{seen['pid']}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{seen['pid']}").exists()

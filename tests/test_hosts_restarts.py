@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from aqpipe.launch import netns
 from tests import warm
-from tests.hosts import simulated_hosts, verify_stores, wait_all, wipe
+from tests.hosts import copies_processes, simulated_hosts, verify_stores, wait_all, wipe
 
 CANNOT = netns.can_throttle()
 pytestmark = [pytest.mark.xdist_group("netns"),
@@ -160,6 +160,8 @@ def test_a_fresh_host_in_place_of_one_that_lost_its_disk_fetches_its_part_and_th
             kept = until(lambda: all(list(hosts.on_disk(h, run / "checkpoints").glob("step-*/REPLICATED"))
                                      for h in range(3)), hosts, procs, 180, lambda: hosts.hurry_copies(procs))
             assert kept, logs(hosts)
+            # (each rank's copies' process forked from it, named for its work: no second import of torch per rank)
+            assert [forked for proc in procs for _, forked in copies_processes(proc)] == [True] * 3
             assert len(records(metrics)) < 16, logs(hosts)
             copied = hosts.on_disk(2, run / "checkpoints")
             assert [p.name for p in copied.glob("step-*/rank-1.pt")], "host 2 keeps a copy of rank 1's part"

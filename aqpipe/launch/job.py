@@ -14,7 +14,8 @@ from pathlib import Path
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.launch import netns
 from aqpipe.launch.env import CONFIG_ENV, in_distributed_env, rank_from_env
-from aqpipe.launch.forkserver import ForkServer
+from aqpipe.launch.fork_safety import fork, unsafe_to_fork
+from aqpipe.launch.forkserver import ForkServer, fork_safe_environment
 from aqpipe.launch.gpu_sharing import local_sharing_note
 from aqpipe.launch.local import INTERRUPTED, CommandStarter, LaunchResult, RankStarter, launch_local
 from aqpipe.launch.netns import format_rate
@@ -38,8 +39,13 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
     The starter is closed on return.
     """
     if in_distributed_env() and CONFIG_ENV not in os.environ:
-        from aqpipe.runtime.rank.train import run_worker
+        with fork_safe_environment():  # (its imports start no thread: it forks its copies' process below)
+            from aqpipe.runtime.rank.train import run_worker
+        if cfg.checkpoint_replicas != 0 and unsafe_to_fork() is None:
+            # before it meets the others (their groups start threads), with what it imported: see the copier's module
+            from aqpipe.runtime.checkpoints.copier import prefork
 
+            prefork(fork)
         if cfg.bandwidth is not None:
             raise ConfigError("--bandwidth works only when aqpipe launch starts the ranks itself, not under torchrun "
                               "or the DeepSpeed launcher; shape the hosts' links with tc instead")

@@ -35,7 +35,7 @@ from aqpipe.disk import write_atomic
 from aqpipe.pipeline.links.rendezvous import barrier_after_slow_work, startup_timeout
 from aqpipe.pipeline.world import comm
 from aqpipe.pipeline.world.grid import Grid, host_leader
-from aqpipe.runtime.checkpoints.copier import CheckpointCopier
+from aqpipe.runtime.checkpoints.copier import CheckpointCopier, release_preforked
 from aqpipe.runtime.checkpoints.copies import COPYING, REPLICATED, default_copies
 from aqpipe.runtime.checkpoints.parts import STORE, mark_complete, save_rank, step_dir
 from aqpipe.runtime.checkpoints.restart import RESTARTS_FILE
@@ -53,11 +53,15 @@ class Checkpoints:
         hosts: list = [None] * grid.world_size
         comm.all_gather_object(hosts, socket.gethostname(), comm.SETUP)
         copies = default_copies(hosts, cfg.checkpoint_replicas)
+        self.copier: CheckpointCopier | None = None
         try:  # (every rank sees the same hosts: all refuse alike, before any makes the copies' group)
-            self.copier = (CheckpointCopier(cfg.out, grid, hosts, copies, startup_timeout(cfg.stall_timeout))
-                           if copies else None)
+            if copies:
+                self.copier = CheckpointCopier(cfg.out, grid, hosts, copies, startup_timeout(cfg.stall_timeout))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        finally:
+            if self.copier is None:
+                release_preforked()  # (one forked for copies this run does not keep)
 
     def observe(self, stats) -> None:
         """Take a step's link measurements (`StepStats`): they set the pace of the copies."""
