@@ -300,10 +300,9 @@ def _launch(args: argparse.Namespace) -> int:
 
         with fork_safe_environment():  # (a rank forks its checkpoint copies' process once its imports are done)
             cfg = _resolve(file_values, flags, resume)
+            from aqpipe.launch.job import run_job
         if args.dry_run:
             return _dry_run(cfg)
-        from aqpipe.launch.job import run_job
-
         return run_job(cfg, progress=not args.no_progress, overwrite=args.overwrite)
     from aqpipe.launch.forkserver import ForkServer, fork_safe_environment
 

@@ -216,7 +216,7 @@ def test_a_copies_process_hurried_before_it_lowered_itself_is_hurried_again(monk
 
 
 PREFORK = """
-import json, os, sys, time
+import json, os, signal, socket, sys, time
 from pathlib import Path
 from aqpipe.launch.fork_safety import fork, unsafe_to_fork
 from aqpipe.runtime.checkpoints import copier
@@ -233,39 +233,78 @@ seen = {"pid": pid, "parent": int(Path(f"/proc/{pid}/stat").read_text().rsplit("
 if sys.argv[1] == "release":
     copier.release_preforked()
     seen["code"] = forked.returncode
+    print(json.dumps(seen), flush=True)
+    os._exit(0)
+# busy: its part of a run given, it waits to meet the other copies' processes at a store nobody serves
+with socket.socket() as unused:
+    unused.bind(("127.0.0.1", 0))
+    port = unused.getsockname()[1]
+where = {"out": sys.argv[2], "rank": 0, "plan": {"0": [1], "1": [0]}, "name": "x", "timeout": 120.0, "parent": os.getpid(),
+         "env": {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}}
+forked.stdin.write(json.dumps(where).encode() + b"\\n")
+forked.stdin.flush()
+time.sleep(1)
 print(json.dumps(seen), flush=True)
-os._exit(0)
+os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def _prefork(how: str) -> dict:
+def _prefork(how: str, tmp_path) -> dict:
     import json
     import subprocess
     import sys
 
     from aqpipe.launch.forkserver import SERVER_ENV
 
-    done = subprocess.run([sys.executable, "-c", PREFORK, how], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **SERVER_ENV})
-    assert done.returncode == 0, done.stderr
+    done = subprocess.run([sys.executable, "-c", PREFORK, how, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **SERVER_ENV})
+    assert done.returncode == (0 if how == "release" else -9), done.stderr
     return json.loads(done.stdout)
 
 
-def test_a_rank_forks_its_copies_process_which_waits_for_its_part_and_exits_unused_once_let_go():
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie its new parent has not reaped counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_rank_forks_its_copies_process_which_waits_for_its_part_and_exits_unused_once_let_go(tmp_path):
     """A rank under torchrun forks its copies' process from itself before it meets the others (it has imported torch
-    by then, and holds no thread): the copies' process starts without importing torch again (3 s of a core each) and
-    is named for what it does; one the run does not need exits when its rank lets it go."""
-    seen = _prefork("release")
+    by then, and holds no thread): the copies' process starts without importing torch again (2-3 s of a core each)
+    and is named for what it does; one the run does not need exits when its rank lets it go."""
+    seen = _prefork("release", tmp_path)
     assert seen["parent"] == seen["own"] and seen["comm"] == "aqpipe-copies"
     assert seen["threads"] == 1  # (the fork leaves the rank as it was: no thread to wait for it)
-    assert seen["code"] == 0 and not Path(f"/proc/{seen['pid']}").exists()
+    assert seen["code"] == 0 and _gone(seen["pid"])
 
 
-def test_a_forked_copies_process_does_not_outlive_its_rank():
+def test_a_forked_copies_process_dies_with_its_rank_even_while_it_copies(tmp_path):
+    """Its rank SIGKILLed while the copies' process waits (up to its 120 s time-out) to meet the others: it ends at
+    once, as a started one does."""
     import time
 
-    seen = _prefork("leave")
+    seen = _prefork("busy", tmp_path)
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{seen['pid']}").exists() and time.monotonic() < deadline:
+    while not _gone(seen["pid"]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not Path(f"/proc/{seen['pid']}").exists()
+    assert _gone(seen["pid"])
+
+
+def test_a_torchrun_ranks_imports_leave_it_free_to_fork_its_copies_process(tmp_path):
+    """A rank under torchrun, with no OMP_NUM_THREADS to keep numpy's BLAS to one thread (torchrun sets none for one
+    process a host): its imports start no thread, so it forks its copies' process (here one whose run is refused
+    as it starts: the fork comes first)."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom aqpipe.cli import main\n"
+              "code = main(['launch', '--model', 'llama-tiny', '--pp', '2', '--out', sys.argv[1]])\n"
+              "from aqpipe.runtime.checkpoints import copier\nprint(code, copier._preforked is not None)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.stdout.split() == ["2", "True"], (done.stdout, done.stderr)
+    assert "needs 2" in done.stderr

@@ -186,14 +186,13 @@ class CheckpointCopier:
                  "timeout": self.timeout.total_seconds(), "parent": os.getpid()}
         forked = take_preforked()
         if forked is not None:
-            try:
+            try:  # (with this rank's environment now: the rank has set what its groups need since, GLOO_SOCKET_IFNAME)
                 assert forked.stdin is not None
-                forked.stdin.write(json.dumps(where).encode() + b"\n")
+                forked.stdin.write(json.dumps({**where, "env": dict(os.environ)}).encode() + b"\n")
                 forked.stdin.flush()
                 return forked
             except OSError:  # (it died: one is started afresh)
-                forked.kill()
-                forked.wait()
+                forked.close()
         package_root = str(Path(__file__).resolve().parents[3])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         return subprocess.Popen([sys.executable, "-m", "aqpipe.runtime.checkpoints.copier", json.dumps(where)],
@@ -314,7 +313,10 @@ class ForkedCopies:
         """Its exit code, once it has ended (subprocess.TimeoutExpired after `timeout` seconds)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
-            pid, status = os.waitpid(self.pid, 0 if deadline is None else os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, 0 if deadline is None else os.WNOHANG)
+            except ChildProcessError:  # (reaped elsewhere: its code is lost, as subprocess takes it)
+                pid, status = self.pid, 0
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
             elif deadline is not None and time.monotonic() > deadline:
@@ -330,6 +332,20 @@ class ForkedCopies:
             except ProcessLookupError:
                 pass
 
+    def close(self) -> None:
+        """Let it go: its orders end (it exits, unless already copying), then wait for it, killed after
+        CLOSE_SECONDS."""
+        for stream in (self.stdin, self.stdout):
+            try:
+                stream.close()
+            except OSError:  # (a line it never read: the pipe is gone with it)
+                pass
+        try:
+            self.wait(CLOSE_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait()
+
 
 _preforked: ForkedCopies | None = None  # this rank's copies' process, forked and waiting for its first order
 
@@ -343,6 +359,8 @@ def prefork(fork: Callable[[], int]) -> None:
         return
     import torch.distributed  # noqa: F401 - imported here, once for both processes
 
+    for stream in (sys.stdout, sys.stderr):  # (what the rank printed must not be printed again by the child)
+        stream.flush()
     orders, give = os.pipe()
     take, reports = os.pipe()
     parent = os.getpid()
@@ -355,11 +373,17 @@ def prefork(fork: Callable[[], int]) -> None:
             die_with(parent)
             for number in (signal.SIGINT, signal.SIGTERM):  # (the rank's handlers raise into its own Python)
                 signal.signal(number, signal.SIG_DFL)
-            Path("/proc/self/comm").write_bytes(PROCESS_NAME)
+            try:
+                Path("/proc/self/comm").write_bytes(PROCESS_NAME)
+            except OSError:  # (a sandbox that forbids it: the name is only for people looking)
+                pass
             stream = os.fdopen(orders, "rb")
             first = stream.readline()
             if first:  # (none: its rank needs no copies, or ended)
-                _serve(json.loads(first), stream, os.fdopen(reports, "wb"))
+                where = json.loads(first)
+                os.environ.clear()
+                os.environ.update(where.pop("env"))
+                _serve(where, stream, os.fdopen(reports, "wb"))
         except BaseException:  # noqa: BLE001 - whatever happens, this process must not return into its rank's code
             traceback.print_exc()
             code = 1
@@ -381,10 +405,7 @@ def release_preforked() -> None:
     """Let the copies' process `prefork` forked exit, unused (a run whose ranks keep no copies)."""
     forked = take_preforked()
     if forked is not None:
-        assert forked.stdin is not None and forked.stdout is not None
-        forked.stdin.close()
-        forked.stdout.close()
-        forked.wait()
+        forked.close()
 
 
 def _serve(where: dict, orders, reports) -> None:
