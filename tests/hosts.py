@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aqpipe.launch import netns
-from aqpipe.runtime.checkpoints.copier import PROCESS_NAME, set_priority
+from aqpipe.runtime.checkpoints.copier import set_priority
+from aqpipe.runtime.checkpoints.preforked import PROCESS_NAME
 
 # What torchrun's elastic (c10d) rendezvous needs so that aqpipe's ranks can restart: a store of its own per round
 # (see aqpipe.pipeline.links.rendezvous.elastic_attempt)

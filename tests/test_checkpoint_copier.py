@@ -219,10 +219,11 @@ PREFORK = """
 import json, os, signal, socket, sys, time
 from pathlib import Path
 from aqpipe.launch.fork_safety import fork, unsafe_to_fork
-from aqpipe.runtime.checkpoints import copier
+from aqpipe.runtime.checkpoints import preforked
+from aqpipe.runtime.checkpoints.copier import serve
 assert unsafe_to_fork() is None, unsafe_to_fork()
-copier.prefork(fork)
-forked = copier._preforked
+preforked.prefork(fork, serve)
+forked = preforked._preforked
 pid = forked.pid
 deadline = time.monotonic() + 30
 while Path(f"/proc/{pid}/comm").read_text().strip() != "aqpipe-copies" and time.monotonic() < deadline:
@@ -231,7 +232,7 @@ seen = {"pid": pid, "parent": int(Path(f"/proc/{pid}/stat").read_text().rsplit("
         "comm": Path(f"/proc/{pid}/comm").read_text().strip(), "own": os.getpid(),
         "threads": len(os.listdir("/proc/self/task"))}
 if sys.argv[1] == "release":
-    copier.release_preforked()
+    preforked.release_preforked()
     seen["code"] = forked.returncode
     print(json.dumps(seen), flush=True)
     os._exit(0)
@@ -301,7 +302,7 @@ def test_a_torchrun_ranks_imports_leave_it_free_to_fork_its_copies_process(tmp_p
 
     script = ("import sys\nfrom aqpipe.cli import main\n"
               "code = main(['launch', '--model', 'llama-tiny', '--pp', '2', '--out', sys.argv[1]])\n"
-              "from aqpipe.runtime.checkpoints import copier\nprint(code, copier._preforked is not None)\n")
+              "from aqpipe.runtime.checkpoints import preforked\nprint(code, preforked._preforked is not None)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,

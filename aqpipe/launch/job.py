@@ -43,9 +43,10 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
             from aqpipe.runtime.rank.train import run_worker
         if cfg.checkpoint_replicas != 0 and unsafe_to_fork() is None:
             # before it meets the others (their groups start threads), with what it imported: see the copier's module
-            from aqpipe.runtime.checkpoints.copier import prefork
+            from aqpipe.runtime.checkpoints.copier import serve
+            from aqpipe.runtime.checkpoints.preforked import prefork
 
-            prefork(fork)
+            prefork(fork, serve)
         if cfg.bandwidth is not None:
             raise ConfigError("--bandwidth works only when aqpipe launch starts the ranks itself, not under torchrun "
                               "or the DeepSpeed launcher; shape the hosts' links with tc instead")

@@ -35,9 +35,10 @@ from aqpipe.disk import write_atomic
 from aqpipe.pipeline.links.rendezvous import barrier_after_slow_work, startup_timeout
 from aqpipe.pipeline.world import comm
 from aqpipe.pipeline.world.grid import Grid, host_leader
-from aqpipe.runtime.checkpoints.copier import CheckpointCopier, release_preforked
+from aqpipe.runtime.checkpoints.copier import CheckpointCopier
 from aqpipe.runtime.checkpoints.copies import COPYING, REPLICATED, default_copies
 from aqpipe.runtime.checkpoints.parts import STORE, mark_complete, save_rank, step_dir
+from aqpipe.runtime.checkpoints.preforked import release_preforked
 from aqpipe.runtime.checkpoints.restart import RESTARTS_FILE
 from aqpipe.runtime.events import progress
 
