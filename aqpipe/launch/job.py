@@ -41,15 +41,15 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
     if in_distributed_env() and CONFIG_ENV not in os.environ:
         with fork_safe_environment():  # (its imports start no thread: it forks its copies' process below)
             from aqpipe.runtime.rank.train import run_worker
+        if cfg.bandwidth is not None:
+            raise ConfigError("--bandwidth works only when aqpipe launch starts the ranks itself, not under torchrun "
+                              "or the DeepSpeed launcher; shape the hosts' links with tc instead")
         if cfg.checkpoint_replicas != 0 and unsafe_to_fork() is None:
-            # before it meets the others (their groups start threads), with what it imported: see the copier's module
+            # before it meets the others (their groups start threads), with what it imported: see preforked's module
             from aqpipe.runtime.checkpoints.copier import serve
             from aqpipe.runtime.checkpoints.preforked import prefork
 
             prefork(fork, serve)
-        if cfg.bandwidth is not None:
-            raise ConfigError("--bandwidth works only when aqpipe launch starts the ranks itself, not under torchrun "
-                              "or the DeepSpeed launcher; shape the hosts' links with tc instead")
         from aqpipe.runtime.checkpoints.parts import CheckpointError
 
         rank, world_size = rank_from_env()
