@@ -6,10 +6,11 @@ machine runs one job at a time: each trains `--turn` steps while the other is fr
 of the job at once), for `--rounds` rounds, A B A B. So the two jobs meet the same machine, minute by minute, where
 two runs one after the other on these shared cores differ by up to 30% in step time.
 
-A step of the copies job is "during copies" when it ran (in part) while some checkpoint's copies travelled (from
-its COMPLETE mark to its REPLICATED mark on the last host; a step ends when its record appears in host 0's
-metrics.jsonl). Each step's time is set against the no-copies job's median time of the steps at the same place of the
-checkpoint cycle (a step right after a save differs from the others) in the same round. Reported:
+A step of the copies job is "during copies" when it ran (in part) while some checkpoint's copies travelled (from its
+COMPLETE mark to its REPLICATED mark on the last host, or to the end for copies still travelling then; a step ends
+when its record appears in host 0's metrics.jsonl). Each step's time is set against the no-copies job's median time of
+the steps at the same place of the checkpoint cycle (a step right after a save differs from the others) in the same
+round. Reported:
 
 - during (the headline): the median of those ratios over the steps during copies, minus one, overall and per round
   (median and range);
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import shutil
 import statistics
@@ -73,15 +75,16 @@ class Freezer:
         self.path.mkdir(exist_ok=True)
         self.frozen = False
 
-    def adopt(self, procs: list[subprocess.Popen]) -> None:
-        """Every process of the torchruns `procs` in the cgroup (what they start later is born in it)."""
-        for pid in [p for proc in procs for p in (proc.pid, *descendants(proc.pid))]:
+    def adopt(self, pids: list[int]) -> None:
+        """The processes `pids` in the cgroup (what they start later is born in it)."""
+        for pid in pids:
             try:
                 (self.path / "cgroup.procs").write_text(str(pid))
             except OSError:  # (ended meanwhile)
                 pass
 
-    def _set(self, frozen: bool) -> None:
+    def set(self, frozen: bool) -> None:
+        """Every process of the cgroup frozen (`frozen`) or thawed, once the kernel says so."""
         if self.v1:
             (self.path / "freezer.state").write_text("FROZEN" if frozen else "THAWED")
             state = lambda: (self.path / "freezer.state").read_text().strip() == ("FROZEN" if frozen else "THAWED")  # noqa: E731
@@ -92,21 +95,27 @@ class Freezer:
         self.frozen = frozen
 
     def freeze(self, procs: list[subprocess.Popen]) -> None:
-        self.adopt(procs)
-        self._set(True)
+        """Every process of the torchruns `procs` frozen."""
+        self.adopt(torchruns_processes(procs))
+        self.set(True)
 
     def thaw(self) -> None:
-        self._set(False)
+        self.set(False)
 
     def remove(self) -> None:
         """Thawed and removed (once its processes have ended)."""
-        self._set(False)
+        self.set(False)
         for _ in range(100):
             try:
                 self.path.rmdir()
                 return
             except OSError:
                 time.sleep(0.1)
+
+
+def torchruns_processes(procs: list[subprocess.Popen]) -> list[int]:
+    """Every process of the torchruns `procs`: theirs and their descendants' pids."""
+    return [p for proc in procs for p in (proc.pid, *descendants(proc.pid))]
 
 
 class Job:
@@ -119,7 +128,7 @@ class Job:
         cmd = command(self.hosts, self.run, extra)
         self.procs = [self.hosts.start(h, *cmd, env=env(self.hosts), max_restarts=None) for h in range(HOSTS)]
         self.freezer = Freezer(name)
-        self.freezer.adopt(self.procs)
+        self.freezer.adopt(torchruns_processes(self.procs))
         stack.callback(self.stop)
         self.watch = Watch(self.hosts.on_disk(0, self.run / "metrics.jsonl"))
         self.dropped: set[int] = set()  # steps that spanned a freeze, or came right after one
@@ -178,9 +187,28 @@ def alternate(work: Path, extra: tuple[str, ...], every: int, turn: int, rounds:
             print(f"round {r + 1}/{rounds}: steps {copies.turns[-1]} and {plain.turns[-1]}", flush=True)
         cpu.stop()
         marks.poll()
-        windows = marks.windows()
+        windows = copy_windows(marks, copies.watch.records, copies.watch.appeared)
         return {"copies": copies, "plain": plain, "windows": windows, "spans": spans,
                 "cpu": cpu_by_turn(cpu, spans, windows)}
+
+
+def copy_windows(marks: Marks, records: list[dict], appeared: dict[int, float]) -> dict[int, tuple[float, float]]:
+    """Each checkpoint's copies' time in flight, (begin, end): those kept everywhere (`Marks.windows`), and the copies
+    still travelling when the jobs stopped (their end: infinity): those of the first checkpoint complete everywhere
+    after every kept copy's end, once a step recorded after it sent copies' bytes (the checkpoints that came while
+    its copies travelled are never copied)."""
+    windows = marks.windows()
+    kept_until = max((end for _, end in windows.values()), default=0.0)
+    unkept = {step: max(marks.everywhere(step, "COMPLETE")) for step, name in marks.seen
+              if name == "COMPLETE" and step not in windows and marks.everywhere(step, "COMPLETE")}
+    later = [step for step, complete in unkept.items() if complete > kept_until]
+    if later:
+        step = min(later)
+        begin = unkept[step]
+        if any(r.get("checkpoint_bytes", 0) > 0 and appeared.get(r["step"], 0.0) > max(begin, kept_until)
+               for r in records):
+            windows[step] = (begin, math.inf)
+    return windows
 
 
 def cpu_by_turn(cpu: CpuShares, spans: dict[str, list[tuple[float, float]]],
@@ -227,7 +255,7 @@ def measure(work: Path, name: str, every: int, turn: int, rounds: int) -> dict:
     copies, plain = runs["copies"], runs["plain"]
     windows = runs["windows"]
     return {"variant": name, "checkpoint_every": every, "turn": turn, "rounds": rounds, **ratios(runs, every),
-            "copy_seconds": {step: end - begin for step, (begin, end) in sorted(windows.items())},
+            "copy_seconds": {step: end - begin for step, (begin, end) in sorted(windows.items()) if end < math.inf},
             "copies_time_share": sum(min(end, hi) - max(begin, lo) for lo, hi in runs["spans"]["copies"]
                                      for begin, end in windows.values() if begin < hi and end > lo)
             / sum(hi - lo for lo, hi in runs["spans"]["copies"]),
