@@ -1,35 +1,49 @@
-"""benchmarks/copies_paused.py sets each step under travelling copies against its round's paused steps under
-copies, leaving out the first step of every turn (what the switch itself costs) and the steps around a save."""
+"""benchmarks/copies_paused.py sets each step under travelling copies against the steps at its place of the checkpoint
+cycle in the paused turns on both sides (so that step times drifting over the run cancel out), leaving out the
+first step of every turn (what the switch itself costs) and the steps under no copies."""
 
 import pytest
 
 from benchmarks.copies_paused import ratios
 
+EVERY = 12
+TURNS = [("paused", 19, 30), ("travelling", 31, 54), ("paused", 55, 66)]  # (turns begin half a cycle past a save)
 
-def test_travelling_steps_are_set_against_their_rounds_paused_steps_without_turn_starts_or_saves():
-    every = 12
+
+def runs_of(seconds: dict[int, float], windows: dict) -> dict:
+    return {"records": [{"step": s, "step_seconds": t} for s, t in seconds.items()],
+            "appeared": {s: 10.0 * s for s in seconds}, "windows": windows, "steps": TURNS}
+
+
+def timed(slower: float, drift: float) -> dict[int, float]:
+    """Step times drifting by `drift` a step, `slower` in the travelling turn, twice as long around a save, and 50 s
+    for a turn's first step."""
     seconds = {}
-    for step in range(12, 48):
-        travelling = step < 24 or 36 <= step
-        seconds[step] = (1.1 if travelling else 1.0) * (2.0 if step % every in (0, 1) else 1.0)
-    seconds[12] = seconds[36] = seconds[24] = 50.0  # (the first step of each turn: left out whatever it took)
-    seconds[25] = 0.5
-    records = [{"step": s, "step_seconds": t} for s, t in seconds.items()]
-    appeared = {s: 10.0 * s for s in seconds}
-    runs = {"records": records, "appeared": appeared, "windows": {12: (119.0, float("inf"))},
-            "steps": {"travelling": [(12, 23), (36, 47)], "paused": [(24, 35), (48, 47)]}}
-    result = ratios(runs, every)
-    assert result["rounds_kept"] == 1  # (the second round has no paused steps)
-    assert result["steps_travelling"] == 10  # steps 14-23: not 12 (the turn's first), nor 13 (after the save)
-    assert result["steps_paused"] == 10  # steps 26-35
-    assert result["slowdown"] == pytest.approx(0.1)
+    for step in range(19, 67):
+        travelling = 31 <= step <= 54
+        seconds[step] = (1 + slower * travelling) * (1 + drift * step) * (2.0 if step % EVERY in (0, 1) else 1.0)
+    for _, first, _ in TURNS:
+        seconds[first] = 50.0
+    return seconds
 
 
-def test_steps_outside_every_copy_window_count_on_neither_side():
-    records = [{"step": s, "step_seconds": 1.0 if s < 30 else 3.0} for s in range(12, 48)]
-    appeared = {s: 10.0 * s for s in range(12, 48)}
-    runs = {"records": records, "appeared": appeared, "windows": {12: (119.0, 295.0)},
-            "steps": {"travelling": [(12, 23)], "paused": [(24, 35)]}}
-    result = ratios(runs, 12)
-    assert result["steps_paused"] == 4  # steps 26-29: the copies were kept at t=295, during step 29
-    assert result["slowdown"] == pytest.approx(0.0)
+def test_a_drift_of_step_times_cancels_out_and_each_turns_first_step_is_left_out():
+    result = ratios(runs_of(timed(0.10, 0.001), {12: (100.0, float("inf"))}), EVERY)
+    # (a reference from the paused turn after alone would say +8.1%: the drift over 24 steps)
+    assert result["slowdown"] == pytest.approx(0.10, abs=0.002)
+    # steps 32-54: not 31 (the turn's first), nor 43 (its place, 7, is every paused turn's first)
+    assert result["steps_travelling"] == 22
+    assert result["drift"] == pytest.approx(0.036 / 1.04, abs=0.003)  # (36 steps apart at 0.1% a step)
+
+
+def test_steps_under_no_copies_count_on_neither_side():
+    # the copies were kept at t=455, during step 46: the paused turn after them is under none
+    result = ratios(runs_of(timed(0.10, 0.0), {12: (100.0, 455.0)}), EVERY)
+    assert result["steps_travelling"] == 13  # steps 32-45 less 43
+    assert result["slowdown"] == pytest.approx(0.10)
+    assert result["drift"] is None  # (no paused turn after under copies to set against the one before)
+
+
+def test_a_run_whose_copies_never_travelled_says_so():
+    result = ratios(runs_of(timed(0.10, 0.0), {}), EVERY)
+    assert result["slowdown"] is None and result["steps_travelling"] == 0
