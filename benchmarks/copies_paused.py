@@ -16,8 +16,9 @@ out); `--paused` whole cycles give each place two. Reported:
 
 - the headline: the median of those ratios, minus one; per travelling turn (median and range);
 - drift: the paused turns after against those before, at the same places (what the two-sided reference cancels);
-- how often the copies ran hurried (a rank takes its copies' process out of SCHED_IDLE once a copy outlasts twice
-  its paced time, paused turns included): the share of samples in which some copies' process was not SCHED_IDLE;
+- how often the copies ran hurried in travelling turns (a rank takes its copies' process out of SCHED_IDLE once a
+  copy outlasts twice its paced time, paused turns included): the share of samples with some copies' process not
+  SCHED_IDLE;
 - the machine's CPU by kind (/proc/stat: the copies' process runs at nice 19; softirq is the kernel's packet work)
   in travelling and in paused turns: a paused turn's softirq is that of a job without copies if the freeze holds.
 
@@ -80,8 +81,8 @@ def turns(work: Path, extra: tuple[str, ...], every: int, turn: int, paused: int
         policies = {"samples": 0, "hurried": 0}
         pids: list[int] = []
 
-        def sample_policies() -> None:
-            if pids:
+        def sample_policies() -> None:  # (in travelling turns: a frozen process's policy costs nothing)
+            if pids and not freezer.frozen:
                 policies["samples"] += 1
                 policies["hurried"] += any(not idle(pid) for pid in pids)
 
