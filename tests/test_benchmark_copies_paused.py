@@ -2,9 +2,11 @@
 cycle in the paused turns on both sides (so that step times drifting over the run cancel out), leaving out the
 first step of every turn (what the switch itself costs) and the steps under no copies."""
 
+import json
+
 import pytest
 
-from benchmarks.copies_paused import ratios
+from benchmarks.copies_paused import load_raw, ratios
 
 EVERY = 12
 TURNS = [("paused", 19, 30), ("travelling", 31, 54), ("paused", 55, 66)]  # (turns begin half a cycle past a save)
@@ -47,3 +49,9 @@ def test_steps_under_no_copies_count_on_neither_side():
 def test_a_run_whose_copies_never_travelled_says_so():
     result = ratios(runs_of(timed(0.10, 0.0), {}), EVERY)
     assert result["slowdown"] is None and result["steps_travelling"] == 0
+
+
+def test_a_saved_run_analyses_again_to_the_same_figures(tmp_path):
+    runs = runs_of(timed(0.10, 0.001), {12: (100.0, float("inf"))})
+    (tmp_path / "run.raw.json").write_text(json.dumps(runs))  # (as `measure` saves it: JSON's keys are strings)
+    assert ratios(load_raw(tmp_path / "run.raw.json"), EVERY) == ratios(runs, EVERY)
