@@ -14,7 +14,10 @@ arrived), with every step at its place of the cycle. Each travelling step is set
 the same place of the cycle in the paused turns before and after it (so a drift of step times over the run cancels
 out); `--paused` whole cycles give each place two. Reported:
 
-- the headline: the median of those ratios, minus one; per travelling turn (median and range);
+- the median of those ratios, minus one (a typical step), per travelling turn too; and the extra time (the
+  travelling steps' seconds over their references', minus one: slow steps at their weight), per travelling turn, with
+  a 95% interval from the spread of the turns (a change of the machine's speed that is not linear over a turn and
+  its neighbours shows there, not cancelled);
 - drift: the paused turns after against those before, at the same places (what the two-sided reference cancels);
 - how often the copies ran hurried in travelling turns (a rank takes its copies' process out of SCHED_IDLE once a
   copy outlasts twice its paced time, paused turns included): the share of samples with some copies' process not
@@ -157,12 +160,24 @@ def ratios(runs: dict, every: int) -> dict:
         drift += [seconds[b] / seconds[a] for place in set(ahead) & set(behind)
                   for a, b in zip(ahead[place], behind[place])]
         if travelling:
-            turns_.append({"steps": (lo, hi), "travelling": travelling, "reference": reference})
+            turns_.append({"steps": (lo, hi), "travelling": travelling, "reference": reference,
+                           "time": sum(seconds[s] for s in travelling) / sum(seconds[s] / travelling[s] for s in
+                                                                            travelling) - 1})
     every_ratio = [v for t in turns_ for v in t["travelling"].values()]
     if not every_ratio:
-        return {"slowdown": None, "per_turn": [], "steps_travelling": 0, "drift": None, "ratios_by_turn": turns_}
+        return {"slowdown": None, "per_turn": [], "steps_travelling": 0, "drift": None, "ratios_by_turn": turns_,
+                "time": None, "per_turn_time": [], "time_interval": None}
+    by_turn = [t["time"] for t in turns_]
+    spread = 1.96 * statistics.stdev(by_turn) / len(by_turn) ** 0.5 if len(by_turn) > 1 else math.inf
+    travelled = [s for t in turns_ for s in t["travelling"]]
     return {"slowdown": statistics.median(every_ratio) - 1,
             "per_turn": [statistics.median(t["travelling"].values()) - 1 for t in turns_],
+            # the extra time: the travelling steps' seconds over their references' (where the median above is a
+            # typical step's, this counts the slow ones at their weight)
+            "time": sum(seconds[s] for s in travelled) / sum(seconds[s] / r for t in turns_
+                                                           for s, r in t["travelling"].items()) - 1,
+            "per_turn_time": by_turn,
+            "time_interval": (statistics.mean(by_turn) - spread, statistics.mean(by_turn) + spread),
             "steps_travelling": len(every_ratio),
             "drift": statistics.median(drift) - 1 if drift else None, "ratios_by_turn": turns_}
 
@@ -171,8 +186,8 @@ def measure(work: Path, name: str, every: int, turn: int, paused: int, rounds: i
     """One variant's turns, their raw records saved to `out`.raw.json before anything is made of them."""
     runs = turns(work, VARIANTS[name], every, turn, paused, rounds)
     kept = ("step", "step_seconds", "checkpoint_bytes", "loss")
-    out.with_suffix(".raw.json").write_text(json.dumps({**runs, "records": [{k: r.get(k) for k in kept}
-                                                                            for r in runs["records"]]}))
+    out.with_suffix(".raw.json").write_text(json.dumps({**runs, "every": every, "records": [
+        {k: r.get(k) for k in kept} for r in runs["records"]]}))
     windows = runs["windows"]
     return {"variant": name, "checkpoint_every": every, "turn": turn, "paused": paused, "rounds": rounds,
             **ratios(runs, every),
@@ -195,10 +210,15 @@ def percent(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:+.1f}%"
 
 
+def interval(bounds) -> str:
+    return "-" if not bounds else f"{percent(sum(bounds) / 2)}, {percent(bounds[0])} to {percent(bounds[1])}"
+
+
 def write_markdown(results: list[dict], path: Path) -> None:
     lines = ["| variant | turns: rounds × (travelling + paused) | travelling steps kept | copies kept (s each, paused "
              "turns included) | **steps while copies travel, against the paused turns around them** (per turn: "
-             "median, range) | paused turns' drift | copies hurried |", "|---|---|---|---|---|---|---|"]
+             "median, range) | extra time (per-turn mean, 95% interval) | paused turns' drift | copies hurried |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         per = r["per_turn"] or [None]
         kept = ", ".join(f"{s:.0f}" for s in r["copy_seconds"].values()) or "none"
@@ -206,7 +226,8 @@ def write_markdown(results: list[dict], path: Path) -> None:
                   if r["per_turn"] else "-")
         lines.append(f"| {r['variant']} | {r['rounds']} × ({r['turn']} + {r['paused']}) | {r['steps_travelling']} | "
                      f"{kept}; {len(r['copies_unfinished'])} unfinished at the end | **{percent(r['slowdown'])}** "
-                     f"({spread}) | {percent(r['drift'])} | {r['hurried_share'] * 100:.0f}% of the time |")
+                     f"({spread}) | {percent(r.get('time'))} ({interval(r.get('time_interval'))}) | "
+                     f"{percent(r['drift'])} | {r['hurried_share'] * 100:.0f}% of the time |")
     for r in results:
         lines.append("")
         lines.append(f"{r['variant']}: the machine's CPU (user / nice / system / softirq / idle) under copies: " + "; ".join(
@@ -228,7 +249,8 @@ def main() -> None:
     parser.add_argument("--raw", type=Path, help="analyse a run's saved <out>.raw.json again (no run)")
     args = parser.parse_args()
     if args.raw:
-        found = ratios(load_raw(args.raw), args.every)
+        raw = load_raw(args.raw)
+        found = ratios(raw, raw.get("every", args.every))
         print(json.dumps({k: v for k, v in found.items() if k != "ratios_by_turn"}))
         return
     if args.paused >= args.turn or args.paused % args.every or args.rounds < 1:
@@ -241,10 +263,11 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     saved = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").is_file() else {}
     results = {r["variant"]: r for r in saved.get("results", [])}
+    started_at = commit()  # (the code that runs: HEAD may move while it does)
     results[args.variant] = measure(work, args.variant, args.every, args.turn, args.paused, args.rounds, out)
     print(json.dumps({k: v for k, v in results[args.variant].items() if k != "ratios_by_turn"}), flush=True)
     info = {"machine": platform.platform(), "python": platform.python_version(), "hosts": HOSTS,
-            "rate_bits": RATE_BITS, "args": list(COMMON), "commit": commit()}
+            "rate_bits": RATE_BITS, "args": list(COMMON), "commit": started_at}
     out.with_suffix(".json").write_text(json.dumps({"info": info, "results": list(results.values())}, indent=1))
     write_markdown(list(results.values()), out.with_suffix(".md"))
 

@@ -33,6 +33,7 @@ def test_a_drift_of_step_times_cancels_out_and_each_turns_first_step_is_left_out
     result = ratios(runs_of(timed(0.10, 0.001), {12: (100.0, float("inf"))}), EVERY)
     # (a reference from the paused turn after alone would say +8.1%: the drift over 24 steps)
     assert result["slowdown"] == pytest.approx(0.10, abs=0.002)
+    assert result["time"] == pytest.approx(0.10, abs=0.002)  # (the extra time: slow steps at their weight)
     # steps 32-54: not 31 (the turn's first), nor 43 (its place, 7, is every paused turn's first)
     assert result["steps_travelling"] == 22
     assert result["drift"] == pytest.approx(0.036 / 1.04, abs=0.003)  # (36 steps apart at 0.1% a step)
@@ -55,3 +56,12 @@ def test_a_saved_run_analyses_again_to_the_same_figures(tmp_path):
     runs = runs_of(timed(0.10, 0.001), {12: (100.0, float("inf"))})
     (tmp_path / "run.raw.json").write_text(json.dumps(runs))  # (as `measure` saves it: JSON's keys are strings)
     assert ratios(load_raw(tmp_path / "run.raw.json"), EVERY) == ratios(runs, EVERY)
+
+
+def test_the_extra_time_counts_slow_steps_at_their_weight_where_the_median_step_does_not():
+    seconds = timed(0.0, 0.0)
+    for step in range(32, 36):  # four travelling steps three times as long
+        seconds[step] *= 3
+    result = ratios(runs_of(seconds, {12: (100.0, float("inf"))}), EVERY)
+    assert result["slowdown"] == pytest.approx(0.0)
+    assert result["time"] > 0.25
