@@ -155,31 +155,32 @@ def ratios(runs: dict, every: int) -> dict:
         ahead, behind = kept(*before[1:]), kept(*after[1:])
         reference = {place: statistics.median(seconds[s] for s in ahead.get(place, []) + behind.get(place, []))
                      for place in set(ahead) | set(behind)}
-        travelling = {s: seconds[s] / reference[place] for place, ss in kept(lo, hi).items() if place in reference
-                      for s in ss}
+        expected = {s: reference[place] for place, ss in kept(lo, hi).items() if place in reference for s in ss}
         drift += [seconds[b] / seconds[a] for place in set(ahead) & set(behind)
                   for a, b in zip(ahead[place], behind[place])]
-        if travelling:
-            turns_.append({"steps": (lo, hi), "travelling": travelling, "reference": reference,
-                           "time": sum(seconds[s] for s in travelling) / sum(seconds[s] / travelling[s] for s in
-                                                                            travelling) - 1})
+        if expected:
+            turns_.append({"steps": (lo, hi), "travelling": {s: seconds[s] / e for s, e in expected.items()},
+                           "expected": expected, "time": extra_time(seconds, expected)})
     every_ratio = [v for t in turns_ for v in t["travelling"].values()]
     if not every_ratio:
         return {"slowdown": None, "per_turn": [], "steps_travelling": 0, "drift": None, "ratios_by_turn": turns_,
                 "time": None, "per_turn_time": [], "time_interval": None}
     by_turn = [t["time"] for t in turns_]
     spread = 1.96 * statistics.stdev(by_turn) / len(by_turn) ** 0.5 if len(by_turn) > 1 else math.inf
-    travelled = [s for t in turns_ for s in t["travelling"]]
     return {"slowdown": statistics.median(every_ratio) - 1,
             "per_turn": [statistics.median(t["travelling"].values()) - 1 for t in turns_],
             # the extra time: the travelling steps' seconds over their references' (where the median above is a
             # typical step's, this counts the slow ones at their weight)
-            "time": sum(seconds[s] for s in travelled) / sum(seconds[s] / r for t in turns_
-                                                           for s, r in t["travelling"].items()) - 1,
+            "time": extra_time(seconds, {s: e for t in turns_ for s, e in t["expected"].items()}),
             "per_turn_time": by_turn,
             "time_interval": (statistics.mean(by_turn) - spread, statistics.mean(by_turn) + spread),
             "steps_travelling": len(every_ratio),
             "drift": statistics.median(drift) - 1 if drift else None, "ratios_by_turn": turns_}
+
+
+def extra_time(seconds: dict[int, float], expected: dict[int, float]) -> float:
+    """The steps of `expected` took this much longer, together, than the seconds it expects of each."""
+    return sum(seconds[s] for s in expected) / sum(expected.values()) - 1
 
 
 def measure(work: Path, name: str, every: int, turn: int, paused: int, rounds: int, out: Path) -> dict:
