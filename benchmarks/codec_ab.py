@@ -4,10 +4,10 @@ pair: encode, decode, both ends together, the device's busy time), each round a 
 are measured by this tree's `codec_profile.py`, each with its own package (so that only the package differs: the
 script's warm-up changed, and with it what a tree's own script read); `--own-scripts` runs each tree's own.
 
-Where git does not know the commits (a copy of the checkout that is not a clone), the baseline can be
-a directory: made here, git-ignored under `.ab/`, and carried with the checkout.
+Where git does not know the commits (a tree exported or copied without its history), the baseline can be
+a directory: made where git knows them, git-ignored under `.ab/`, and copied with the tree.
 
-    git archive 19b02cc --prefix=base/ | tar -x -C .ab            # (mkdir -p .ab first) a baseline tree to carry
+    git archive 19b02cc --prefix=base/ | tar -x -C .ab            # (mkdir -p .ab first) a baseline tree
     python benchmarks/codec_ab.py --baseline .ab/base --device cuda --rounds 3
     python benchmarks/codec_ab.py --baseline HEAD~2 --shapes 4,16,64 --pairs 5   # on a host, for the script itself
 """

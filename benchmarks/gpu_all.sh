@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU measurement in one command under one time budget: the codec's A/B against a baseline tree, every GPU
+# Every GPU measurement in one command within a time limit: the codec's A/B against a baseline tree, every GPU
 # check, then the fused kernels' tile sweep in the time left, its results under OUT. Prepared on a machine with a
 # network (for a GPU machine without one, with benchmarks/offline_gpu.sh):
 #
@@ -8,7 +8,7 @@
 #     # on the GPU machine, with the checkout and those folders:
 #     AQPIPE_COMMIT=$(git rev-parse --short HEAD) OUT=results bash benchmarks/gpu_all.sh
 #
-# Steps, in this order, each given what is left of AQPIPE_GPU_ALL_SECONDS (default 900: the whole command's budget):
+# Steps, in this order, each given what is left of AQPIPE_GPU_ALL_SECONDS (default 900: the whole command's limit):
 #   ab        benchmarks/codec_ab.py against .ab/base, where it exists (AQPIPE_AB_ROUNDS rounds, default 3)
 #   gpu-check benchmarks/gpu_check.sh (AQPIPE_GPU_CHECK_PARTS picks its parts)
 #   tiles     benchmarks/fused_tiles.py, with AQPIPE_GPU_ALL_TILES=1 and at least 240 s left (its sweep took 200 s on
@@ -64,4 +64,4 @@ grep -s -E "^\| |^- (PASSED|FAILED|ERROR)" "$checks/results.md"
 if [ "${AQPIPE_GPU_ALL_TILES:-0}" = 1 ] && [ "$(left)" -ge 240 ]; then
   step tiles $(($(left) - 5)) python benchmarks/fused_tiles.py --out "$out/tiles"
 fi
-echo "== done, $(left) s of the time budget left" | tee -a "$log"
+echo "== done, $(left) s of the time limit left" | tee -a "$log"

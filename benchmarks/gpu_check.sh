@@ -21,8 +21,7 @@
 # each part stops at its own limit: 8.7 minutes in all at most). AQPIPE_BENCH_DATA names the file the throughput
 # parts train on (default: the repository's WikiText-2 valid.txt), AQPIPE_GPU_CHECK_ROUNDS how many rounds each throughput part runs (default 1; each round
 # about a minute more per part); AQPIPE_GPU_CHECK_PARTS picks a subset; AQPIPE_COMMIT names the commit the results
-# files record, where the tree is a copy whose git is not the checkout's (whose git may report another
-# commit than the tree's). The switches of the codecs' GPU paths pass through
+# files record, where the tree is not a git checkout (exported or copied without its history). The switches of the codecs' GPU paths pass through
 # to every part: AQPIPE_FUSED_AQSGD=1 bash benchmarks/gpu_check.sh measures AQ-SGD's fused delta step throughout.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +33,7 @@ rounds=${AQPIPE_GPU_CHECK_ROUNDS:-1}
 results="$out/results.md"
 # (an earlier run's logs in a reused OUT would be reported as this run's)
 rm -rf "$out"/{gpu-tests,sync-audit,codec-speed,throughput,throughput-mps}.log "$out"/audit-fp32 "$out"/audit-bf16 "$out"/audit-lmdb
-parts=${AQPIPE_GPU_CHECK_PARTS:-gpu-tests sync-audit throughput codec-speed throughput-mps}  # a subset, where time is short
+parts=${AQPIPE_GPU_CHECK_PARTS:-gpu-tests sync-audit throughput codec-speed throughput-mps}  # AQPIPE_GPU_CHECK_PARTS: a subset
 export PYTHONUNBUFFERED=1
 # An image that cannot keep bytecode (its site-packages read-only, or PYTHONDONTWRITEBYTECODE set)
 # makes every process compile transformers and torch._dynamo from source at import: 15-30 s per launcher, fork server and

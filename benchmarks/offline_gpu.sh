@@ -7,20 +7,20 @@
 #     # copy the checkout with .whl .deb to the GPU machine, then there:
 #     source benchmarks/offline_gpu.sh --setup && bash benchmarks/gpu_check.sh OUT
 #
-# .whl  lmdb and zstandard wheels for the GPU machine's CPython (DEVICE_PYTHON, default 3.12)
+# .whl  lmdb and zstandard wheels for the GPU machine's CPython (GPU_PYTHON, default 3.12)
 # .deb  Debian's iproute2 (ip, tc: the throttled links) and the libraries it links to
 #
-# --setup (sourced, on the GPU machine) installs what its image lacks under /tmp/aqpipe-carry:
+# --setup (sourced, on the GPU machine) installs what its image lacks under /tmp/aqpipe-offline:
 # - the wheels with pip --target, on PYTHONPATH;
 # - the .debs unpacked with dpkg-deb;
 # - ip and tc wrapped so that they find only the libraries the image lacks (its own glibc and the rest stay its own).
-# AQPIPE_CARRY_FORCE=1 installs all of it even where the image has it (to try the wrappers on a machine that has
+# AQPIPE_OFFLINE_FORCE=1 installs all of it even where the image has it (to try the wrappers on a machine that has
 # iproute2).
 
-carry_make() {
+offline_make() {
   local root py
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-  py=${DEVICE_PYTHON:-3.12}
+  py=${GPU_PYTHON:-3.12}
   cd "$root" || return 1
   rm -rf .whl .deb && mkdir -p .whl .deb || return 1
   python -m pip download --quiet --only-binary=:all: --python-version "$py" --platform manylinux2014_x86_64 \
@@ -32,8 +32,8 @@ carry_make() {
   echo "made: $(ls .whl | tr '\n' ' ')| $(ls .deb | wc -l) .debs"
 }
 
-carry_setup() {
-  local at=/tmp/aqpipe-carry force=${AQPIPE_CARRY_FORCE:-0} known lib so tool path
+offline_setup() {
+  local at=/tmp/aqpipe-offline force=${AQPIPE_OFFLINE_FORCE:-0} known lib so tool path
   mkdir -p "$at/bin" "$at/lib" "$at/root"
   if [ "$force" = 1 ] || ! python -c "import lmdb, zstandard" 2>/dev/null; then
     python -m pip install --quiet --no-index --no-deps --target "$at/py" .whl/*.whl || return 1
@@ -41,7 +41,7 @@ carry_setup() {
   fi
   if [ "$force" = 1 ] || ! command -v tc >/dev/null || ! command -v ip >/dev/null; then
     for deb in .deb/*.deb; do dpkg-deb -x "$deb" "$at/root" || return 1; done
-    # the libraries the image has (none known without ldconfig: then every carried one is used)
+    # the libraries the image has (none known without ldconfig: then every one made here is used)
     known=$({ command -v ldconfig || echo /sbin/ldconfig; } | { read -r tool; "$tool" -p 2>/dev/null; })
     for so in "$at"/root/{lib,usr/lib}/x86_64-linux-gnu/*.so*; do
       [ -e "$so" ] || continue
@@ -51,19 +51,19 @@ carry_setup() {
     done
     for tool in ip tc; do
       path=$(ls "$at"/root/{sbin,usr/sbin,bin,usr/bin}/"$tool" 2>/dev/null | head -1)
-      [ -n "$path" ] || { echo "no $tool in the carried iproute2" >&2; return 1; }
+      [ -n "$path" ] || { echo "no $tool in the iproute2 made here" >&2; return 1; }
       printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' "$at/lib" "$path" \
         > "$at/bin/$tool"
       chmod +x "$at/bin/$tool"
     done
     export PATH="$at/bin:$PATH"
   fi
-  echo "carried: python $(python -c 'import lmdb, zstandard; print("lmdb", lmdb.__version__, "zstandard", zstandard.__version__)'); $(tc -V 2>&1 | head -1)"
+  echo "offline set-up: python $(python -c 'import lmdb, zstandard; print("lmdb", lmdb.__version__, "zstandard", zstandard.__version__)'); $(tc -V 2>&1 | head -1)"
 }
 
 if [ "${1:-}" = "--setup" ]; then
-  carry_setup  # (sourced: the caller's shell options are left as they are)
+  offline_setup  # (sourced: the caller's shell options are left as they are)
 else
   set -uo pipefail
-  carry_make
+  offline_make
 fi

@@ -51,7 +51,7 @@ def machine() -> dict:
 
     cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True)
                 .stdout.splitlines() if line.startswith("Model name")), platform.processor())
-    # AQPIPE_COMMIT names the tree where git cannot: a copy whose .git is not the checkout's
+    # AQPIPE_COMMIT names the tree where git cannot: one exported or copied without its history
     commit = os.environ.get("AQPIPE_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                                 capture_output=True, text=True, cwd=ROOT).stdout.strip()
     return {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
