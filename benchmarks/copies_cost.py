@@ -9,6 +9,8 @@ step's activations) to host 1 every 100 ms and times its acknowledgement. Varian
 - `pieces`: the same streams paced by their sender, 16 KiB at a time (within a shaped link's burst) with TCP_NODELAY,
   so that the packet work runs in the sending process rather than from the kernel's timers;
 - `every-packet`: as aqpipe, the receiver woken for every packet;
+- `half-rate`: as aqpipe, at half the rate (0.625 MB/s: `--checkpoint-share 0.05`), to tell a cost per byte from a
+  cost per second of copying;
 - `none`: the probe alone.
 
 Reported per variant (median over the runs): the copies' processes' CPU seconds (user and system, the four hosts
@@ -49,7 +51,7 @@ PART_BYTES = 10 << 20
 COPY_RATE = 1.25e6
 PROBE_BYTES = 64 << 10
 PROBE_EVERY = 0.1
-VARIANTS = ("kernel", "pieces", "every-packet", "none")
+VARIANTS = ("kernel", "pieces", "every-packet", "half-rate", "none")
 BUSY, COPIES = "aqpipe-busy", "aqpipe-copies"  # the task names `--where` counts by
 SOFTIRQ = ("handle_softirqs", "__do_softirq", "net_rx_action")  # a sample in the kernel's packet work
 STORE_PORT, PROBE_PORT = 29811, 29812
@@ -82,7 +84,8 @@ def copier(host: int, out: str, master: str, variant: str) -> None:
     plan = copies.copy_plan([f"host-{h}" for h in range(HOSTS)], 1)
     dist.barrier()
     before, start = resource.getrusage(resource.RUSAGE_SELF), time.time()
-    copies.copy_step(Path(out), 1, host, plan, None, COPY_RATE, sent=lambda nbytes: None, timeout=60)
+    rate = COPY_RATE / 2 if variant == "half-rate" else COPY_RATE
+    copies.copy_step(Path(out), 1, host, plan, None, rate, sent=lambda nbytes: None, timeout=60)
     after, end = resource.getrusage(resource.RUSAGE_SELF), time.time()
     print(json.dumps({"user": after.ru_utime - before.ru_utime, "system": after.ru_stime - before.ru_stime,
                       "start": start, "end": end}), flush=True)
@@ -264,24 +267,31 @@ def net_of_probe(rows: list[dict]) -> None:
     """Each copying row's softirq per MB less what the probe alone (`none`) took in as long."""
     alone = next((r for r in rows if r["variant"] == "none"), None)
     for r in rows:
-        r["softirq_net_ms_per_mb"] = (1000 * (r["softirq"] - alone["softirq"] / alone["seconds"] * r["seconds"])
-                                      / (HOSTS * PART_BYTES / 1e6) if alone and r["cpu_ms_per_mb"] else None)
+        r["softirq_net"] = (r["softirq"] - alone["softirq"] / alone["seconds"] * r["seconds"]
+                            if alone and r["cpu_ms_per_mb"] else None)
+        r["softirq_net_ms_per_mb"] = (1000 * r["softirq_net"] / (HOSTS * PART_BYTES / 1e6)
+                                      if r["softirq_net"] is not None else None)
 
 
 def write_markdown(rows: list[dict], path: Path, commit: str) -> None:
     lines = [f"Checkpoint copies between {HOSTS} simulated hosts ({RATE_BITS // 10**6} Mbit/s links), a "
-             f"{PART_BYTES >> 20} MiB part each at {COPY_RATE / 1e6:.2f} MB/s; commit {commit}, {platform.node()}, "
-             f"{os.cpu_count()} cores; median of {rows[0]['runs']} runs.", "",
+             f"{PART_BYTES >> 20} MiB part each at {COPY_RATE / 1e6:.2f} MB/s (half-rate: half that); commit {commit}, "
+             f"{platform.node()}, {os.cpu_count()} cores; median of {rows[0]['runs']} runs.", "",
              "| variant | copy s | copies' CPU s (user + system) | ms CPU per MB | softirq s | ms softirq per MB (less the "
-             "probe's) | packets | tbf overlimits | 64 KiB probe ms: median / p90 / mean |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "probe's) | softirq, share of both cores while copying (less the probe's) | packets | tbf overlimits | "
+             "64 KiB probe ms: median / p90 / mean |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def f(value, digits=2):
             return "-" if value is None else f"{value:.{digits}f}"
+
+        def share(seconds, of, copied=bool(r["cpu_user"])):
+            return "-" if seconds is None or not copied else f"{100 * seconds / of / (os.cpu_count() or 1):.2f}%"
         probe = r["probe_ms"]
         lines.append(f"| {r['variant']} | {f(r['seconds'], 1) if r['cpu_user'] else '-'} | "
                      f"{f(r['cpu_user'])} + {f(r['cpu_system'])} | {f(r['cpu_ms_per_mb'], 1)} | {f(r['softirq'])} | "
-                     f"{f(r['softirq_ms_per_mb'], 1)} ({f(r['softirq_net_ms_per_mb'], 1)}) | {r['packets']:.0f} | "
+                     f"{f(r['softirq_ms_per_mb'], 1)} ({f(r['softirq_net_ms_per_mb'], 1)}) | "
+                     f"{share(r['softirq'], r['seconds'])} ({share(r['softirq_net'], r['seconds'])}) | {r['packets']:.0f} | "
                      f"{r['overlimits']:.0f} | "
                      f"{probe['median']:.1f} / {probe['p90']:.1f} / {probe['mean']:.1f} |")
     if rows[0].get("softirq_samples"):
