@@ -1,8 +1,8 @@
 """What a checkpoint's copies cost the hosts that send and keep them, and the messages that share their link: four
 simulated hosts (tests/hosts.py, 100 Mbit/s links shaped by tc tbf), each rank's copies' code (`copy_step`, in a
 process at the lowest CPU priority, as aqpipe runs it) sending a 10 MiB part (a LoRA part of SmolLM2-135M with its
-AdamW moments) to the next host at 1.25 MB/s (a tenth of the link), while a probe on host 0 sends a 64 KiB message (a
-step's activations) to host 1 every 100 ms and times its acknowledgement. Variants:
+AdamW moments) to the next host at 1.25 MB/s (a tenth of the link: `--checkpoint-share 0.1`), while a probe on host 0
+sends a 64 KiB message (a step's activations) to host 1 every 100 ms and times its acknowledgement. Variants:
 
 - `kernel`: as aqpipe copies: each copy on a TCP stream the kernel paces packet by packet (SO_MAX_PACING_RATE), its
   receiver woken once a quarter MiB has arrived (SO_RCVLOWAT);

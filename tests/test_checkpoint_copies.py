@@ -157,8 +157,8 @@ def test_a_host_that_lost_its_part_of_a_checkpoint_kept_without_copies_stops_eve
 
 def test_a_copy_is_paced_by_the_kernel_packet_by_packet_or_else_in_pieces_that_cross_the_link_in_milliseconds():
     """Where Linux paces a socket (SO_MAX_PACING_RATE), a copy's stream is sent at its rate packet by packet. Elsewhere
-    its sender sends what the pace sends in PIECE_SECONDS at a time: at a tenth of the link, 1/200 s of the link's
-    own time, so a step's messages queued behind a piece on a shaped link wait milliseconds (1 MiB pieces cost a
+    its sender sends what the pace sends in PIECE_SECONDS at a time: at the default share of the link (0.05), 1/400 s
+    of the link's own time, so a step's messages queued behind a piece on a shaped link wait milliseconds (1 MiB pieces cost a
     SmolLM2 step over 100 Mbit/s links 15%); never below 64 KiB, never above 1 MiB, 1 MiB unpaced."""
     import socket
     import sys

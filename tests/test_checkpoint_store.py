@@ -19,13 +19,15 @@ def _checkpoints_while_copies_travel(rank: int, world: int, root: str):
 
     import torch
 
+    from aqpipe.config import RunConfig
     from aqpipe.pipeline.world.grid import Grid
     from aqpipe.runtime.checkpoints import parts
     from aqpipe.runtime.checkpoints.store import Checkpoints
 
     socket.gethostname = lambda: f"host-{rank}"  # (one host each, as the copies see them)
     out = Path(root) / f"host-{rank}"
-    cfg = SimpleNamespace(out=str(out), stall_timeout=30.0, fixed_settings=lambda: SETTINGS, checkpoint_replicas=None)
+    cfg = SimpleNamespace(out=str(out), stall_timeout=30.0, fixed_settings=lambda: SETTINGS, checkpoint_replicas=None,
+                          checkpoint_share=RunConfig.checkpoint_share)
     store = Checkpoints(cfg, Grid(world, 1, rank))
     state = {"model": {"w": torch.randn(250_000)}}  # 1 MB: ~4 s at the pace of a link nobody measured
     seconds = {}

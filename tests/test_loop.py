@@ -18,6 +18,7 @@ def _checkpoint_with_one_slow_writer(rank: int, world: int, out: str) -> str:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
+    from aqpipe.config import RunConfig
     from aqpipe.pipeline.world.grid import Grid, create_groups
     from aqpipe.runtime.checkpoints import store
     from aqpipe.runtime.rank import loop
@@ -29,7 +30,8 @@ def _checkpoint_with_one_slow_writer(rank: int, world: int, out: str) -> str:
     loop.collect_state = lambda worker, store: {"rank": rank}
     store.save_rank = lambda out, step, rank, state, settings, progress: time.sleep(SLOW_WRITE if rank == 1 else 0.0)
     store.mark_complete = lambda *args, **kwargs: None
-    cfg = SimpleNamespace(out=out, stall_timeout=STALL, fixed_settings=lambda: {}, checkpoint_replicas=None)
+    cfg = SimpleNamespace(out=out, stall_timeout=STALL, fixed_settings=lambda: {}, checkpoint_replicas=None,
+                          checkpoint_share=RunConfig.checkpoint_share)
     grid = Grid(world, 1, rank)
     stage = SimpleNamespace(plan=SimpleNamespace(cfg=cfg, total_steps=8), grid=grid, groups=groups, store=None,
                             worker=SimpleNamespace(module=None, row_cache_names=frozenset()), device=torch.device("cpu"),

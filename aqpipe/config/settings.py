@@ -239,7 +239,7 @@ class RunConfig:
     checkpoint_share: float = setting(
         "run", "the share of the link between hosts (the highest rate measured on it) that a host's checkpoint copies "
         "may take while they travel: more copies a large part sooner, and slows training more while it travels",
-        0.1, metavar="X", resume=True)
+        0.05, metavar="X", resume=True)
     max_restarts: int = setting(
         "run", "after a rank fails, restart every rank from the newest complete checkpoint, at most N times (a local "
         "launch; under torchrun its own --max-restarts does this, and each restart continues the run the same way)",

@@ -42,7 +42,7 @@ CHUNK_BYTES = 1 << 20  # a copy is read, sent and written in pieces of at most t
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # (Linux's number, where Python does not name it)
 RECEIVE_LOW_WATER = 256 << 10  # a copy's receiver is woken once this much has arrived (see `_receive`)
 # Where the kernel cannot pace a stream, its sender sends pieces of what its pace sends in this long, so that one
-# crosses the link at its full rate in a twentieth of that (a tenth of the link) and a step's messages queued behind
+# crosses the link at its full rate in the share's part of that (1/400 s at 0.05) and a step's messages queued behind
 # one wait milliseconds. 1 MiB pieces made a SmolLM2 step over 100 Mbit/s links 15% slower while copies travelled.
 PIECE_SECONDS = 0.05
 MIN_PIECE_BYTES = 64 << 10
