@@ -273,6 +273,11 @@ def net_of_probe(rows: list[dict]) -> None:
                                       if r["softirq_net"] is not None else None)
 
 
+def cores_percent(seconds: float | None, over: float) -> str:
+    """`seconds` of CPU over `over` seconds of wall time, as a share of all the machine's cores."""
+    return "-" if seconds is None else f"{100 * seconds / over / (os.cpu_count() or 1):.2f}%"
+
+
 def write_markdown(rows: list[dict], path: Path, commit: str) -> None:
     lines = [f"Checkpoint copies between {HOSTS} simulated hosts ({RATE_BITS // 10**6} Mbit/s links), a "
              f"{PART_BYTES >> 20} MiB part each at {COPY_RATE / 1e6:.2f} MB/s (half-rate: half that); commit {commit}, "
@@ -284,14 +289,13 @@ def write_markdown(rows: list[dict], path: Path, commit: str) -> None:
     for r in rows:
         def f(value, digits=2):
             return "-" if value is None else f"{value:.{digits}f}"
-
-        def share(seconds, of, copied=bool(r["cpu_user"])):
-            return "-" if seconds is None or not copied else f"{100 * seconds / of / (os.cpu_count() or 1):.2f}%"
         probe = r["probe_ms"]
+        softirq_share = (f"{cores_percent(r['softirq'], r['seconds'])} ({cores_percent(r['softirq_net'], r['seconds'])})"
+                         if r["cpu_user"] else "- (-)")
         lines.append(f"| {r['variant']} | {f(r['seconds'], 1) if r['cpu_user'] else '-'} | "
                      f"{f(r['cpu_user'])} + {f(r['cpu_system'])} | {f(r['cpu_ms_per_mb'], 1)} | {f(r['softirq'])} | "
                      f"{f(r['softirq_ms_per_mb'], 1)} ({f(r['softirq_net_ms_per_mb'], 1)}) | "
-                     f"{share(r['softirq'], r['seconds'])} ({share(r['softirq_net'], r['seconds'])}) | {r['packets']:.0f} | "
+                     f"{softirq_share} | {r['packets']:.0f} | "
                      f"{r['overlimits']:.0f} | "
                      f"{probe['median']:.1f} / {probe['p90']:.1f} / {probe['mean']:.1f} |")
     if rows[0].get("softirq_samples"):
