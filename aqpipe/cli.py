@@ -42,8 +42,8 @@ def _parser() -> argparse.ArgumentParser:
         "store", help="inspect the activation store of a run (verify, stats, digest)",
         description="verify: compare both copies of m(xi) on every link (a side whose store is on another host is "
                     "read from the DIGESTS file `aqpipe store digest` wrote there). stats: entries, bytes and "
-                    "compression per link and side. digest: write a digest of every m(xi) value of the stores on "
-                    "this host (to --out, default stdout) for a verify on another host.")
+                    "compression per link and side, and the rewind journals' bytes. digest: write a digest of every "
+                    "m(xi) value of the stores on this host (to --out, default stdout) for a verify on another host.")
     store.add_argument("action", choices=["verify", "stats", "digest"])
     store.add_argument("run_dir")
     store.add_argument("digests", nargs="*", metavar="DIGESTS", help="digest files of the other hosts (verify)")
@@ -183,6 +183,9 @@ def _store(args: argparse.Namespace) -> int:
             print(f"{row['replica']:>7} {row['link']:>6} {row['side']:>4} {row['entries']:>8} "
                   f"{row['stored_bytes'] / 1e6:>10.3f} {row['raw_bytes'] / 1e6:>8.3f} {row['compression_ratio']:>6.2f}")
         print(f"bytes on disk: {rows[-1]['bytes_on_disk']}")
+        if rows[-1]["journal_checkpoints"]:
+            steps = ", ".join(map(str, rows[-1]["journal_checkpoints"]))
+            print(f"rewind journals: {rows[-1]['journal_bytes'] / 1e6:.3f} MB, back to the checkpoint(s) of step(s) {steps}")
         if rows[-1]["elsewhere"]:
             print(f"not on this host (another host's, or missing): the stores of rank(s) "
                   f"{', '.join(map(str, rows[-1]['elsewhere']))}")

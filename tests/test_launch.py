@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests import warm
 from tests.processes import finish, none_left, start_run, tagged_processes
@@ -177,6 +178,46 @@ def test_max_restarts_restarts_every_rank_from_the_newest_checkpoint(tmp_path):
     assert [r["step"] for r in records] == list(range(1, 41))
     assert json.loads((run / "summary.json").read_text())["restarts"] == 1
     assert none_left(tag)
+
+
+def test_a_restart_rewinds_the_on_disk_stores_and_trains_as_if_nothing_failed(tmp_path):
+    """m(ξ) on disk (LMDB) outlives a rank killed steps after a checkpoint, holding values written since on both
+    sides of its links. --max-restarts rewinds every rank's store to the checkpoint, so the run records the losses
+    and exports the weights of a run that never failed, bit for bit. (Before, the stores kept the newer values: the
+    retrained steps sent deltas against them and the losses drifted.)"""
+    from safetensors.torch import load_file
+
+    common = ["--steps", "24", "--seq-len", "16", "--max-samples", "32", "--micro-batch-size", "2", "--micro-batches",
+              "2", "--eval-every", "0", "--pp", "3", "--no-progress", "--store", "lmdb", "--checkpoint-every", "4"]
+    tag = uuid.uuid4().hex
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "aqpipe", "launch", *common, "--max-restarts", "1", "--out",
+                             str(run)], env=dict(os.environ, AQPIPE_TEST_TAG=tag), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics, latest = run / "metrics.jsonl", run / "checkpoints" / "latest"
+
+    def steps_past_the_checkpoint() -> int:
+        done = metrics.read_text().count("\n") if metrics.is_file() else 0
+        return done - int(latest.read_text().strip()[len("step-"):]) if latest.is_file() else 0
+
+    deadline = time.monotonic() + 120
+    while steps_past_the_checkpoint() < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    os.kill(tagged_processes(tag, rank="1")[0], signal.SIGKILL)
+    code, err, _ = finish(proc, timeout=300)
+    assert code == 0 and "restart 1 of 1" in err, err[-3000:]
+    assert none_left(tag)
+    reference = subprocess.run([sys.executable, "-m", "aqpipe", "launch", *common, "--out", str(tmp_path / "ref")],
+                               capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    losses = [[json.loads(line)["loss"] for line in (directory / "metrics.jsonl").read_text().splitlines()]
+              for directory in (run, tmp_path / "ref")]
+    assert losses[0] == losses[1]
+    weights = [load_file(directory / "export" / "model.safetensors") for directory in (run, tmp_path / "ref")]
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[1])
+    verify = warm.run("store", "verify", str(run))
+    assert verify.returncode == 0 and verify.stdout.startswith("0 mismatch(es)"), verify.stdout
 
 
 def test_a_local_launch_refuses_copies_it_has_no_other_host_for():

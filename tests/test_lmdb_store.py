@@ -82,6 +82,8 @@ def test_store_verify_and_stats_on_a_real_run(tmp_path, capsys):
     assert main(["store", "stats", str(out)]) == 0
     text = capsys.readouterr().out
     assert "0->1" in text and "1->2" in text and "bytes on disk" in text
+    # (the run's one checkpoint, at its end: nothing changed since)
+    assert "rewind journals: 0.000 MB, back to the checkpoint(s) of step(s) 18" in text
     receiver = LMDBStore(store_path(out, 2), "q4")
     receiver.put(1, "recv", [3], [receiver.get(1, "recv", [3])[0] + 0.5])  # plant a divergence
     receiver.close()
@@ -225,3 +227,110 @@ def test_no_two_threads_share_a_zstd_context(tmp_path, monkeypatch):
         thread.join(30)
     assert not shared, f"a zstd context was used by two threads at once: {shared[:5]}"
     assert not failures and store.stats.reseeded == 0, failures
+
+
+def contents(store: LMDBStore) -> dict:
+    """Every m(ξ) the store holds, by key."""
+    return dict(store.items())
+
+
+def assert_holds(store: LMDBStore, want: dict) -> None:
+    got = contents(store)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+def test_a_rewind_brings_back_every_value_the_checkpoint_held_and_only_those(tmp_path):
+    """After a checkpoint, values changed (once or twice), added and deleted on both sides: a rewind puts back
+    exactly what the checkpoint held and counts each value it changed once; the store then goes on journaling
+    against the same checkpoint."""
+    store = LMDBStore(tmp_path / "s", "fp16")
+    store.put(0, "send", [1, 2, 3], [torch.randn(4, 8) for _ in range(3)])
+    store.put(0, "recv", [1], [torch.randn(4, 8)])
+    store.checkpointed(4, kept={4})
+    held = contents(store)
+    store.put(0, "send", [1, 4], [torch.randn(4, 8), torch.randn(4, 8)])  # one changed, one new
+    store.put(0, "send", [1], [torch.randn(4, 8)])  # changed again: the journal keeps the checkpoint's
+    store.delete(0, "send", [2])
+    store.put(0, "recv", [1], [torch.randn(4, 8)])
+    assert contents(store).keys() != held.keys()
+    assert store.journal_bytes() > 0
+    assert store.rewind(4) == 4  # send 1, 4 and 2; recv 1
+    assert_holds(store, held)
+    assert store.journal_checkpoints() == [4] and store.journal_bytes() == 0
+    store.put(0, "send", [3], [torch.randn(4, 8)])
+    assert store.rewind(4) == 1
+    assert_holds(store, held)
+    store.close()
+
+
+def test_a_rewind_reaches_back_over_several_checkpoints_and_not_past_a_dropped_journal(tmp_path):
+    store = LMDBStore(tmp_path / "s", "q4")
+    store.put(1, "recv", [1, 2], [torch.randn(3, 16) for _ in range(2)])
+    store.checkpointed(4, kept={4})
+    at_4 = contents(store)
+    store.put(1, "recv", [2, 3], [torch.randn(3, 16) for _ in range(2)])
+    store.checkpointed(8, kept={4, 8})
+    store.put(1, "recv", [1, 2], [torch.randn(3, 16) for _ in range(2)])
+    assert store.journal_checkpoints() == [4, 8]
+    assert store.rewind(4) == 4  # 2 and 3 since step 4; 1 and 2 since step 8 (2 twice: once per checkpoint)
+    assert_holds(store, at_4)
+    assert store.journal_checkpoints() == [4]
+    store.put(1, "recv", [1], [torch.randn(3, 16)])
+    store.checkpointed(12, kept={12})  # the checkpoint of step 4 is gone from the disk: so is its journal
+    now = contents(store)
+    store.put(1, "recv", [2], [torch.randn(3, 16)])
+    after = contents(store)
+    assert store.journal_checkpoints() == [12]
+    assert store.rewind(4) is None  # nothing reaches back to it: the values stay as they are
+    assert_holds(store, after)
+    assert store.journal_checkpoints() == [] and store.journaling is None
+    store.put(1, "recv", [3], [torch.randn(3, 16)])  # (nothing journaled until the next checkpoint)
+    assert store.journal_bytes() == 0
+    assert now.keys() == after.keys()
+    store.close()
+
+
+REWRITTEN_THEN_KILLED = """
+import os, signal, sys, torch
+from aqpipe.storage.lmdb_store import LMDBStore
+store = LMDBStore(sys.argv[1], "fp32")
+store.put(0, "send", list(range(8)), [torch.full((4, 4), float(i)) for i in range(8)])
+store.checkpointed(6, kept={6})
+store.put(0, "send", list(range(4, 12)), [torch.full((4, 4), -1.0)] * 8)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_store_that_outlived_a_killed_process_rewinds_to_its_checkpoint(tmp_path):
+    """The journal is written with the values it guards, in one transaction: a process killed after changing values
+    past its checkpoint leaves a store that reopens and rewinds to that checkpoint exactly; the reopened store keeps
+    journaling against it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", REWRITTEN_THEN_KILLED, str(tmp_path / "s")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    store = LMDBStore(tmp_path / "s", "fp32")
+    assert store.journaling == 6
+    assert len(contents(store)) == 12
+    assert store.rewind(6) == 8
+    assert_holds(store, {(0, "send", i): torch.full((4, 4), float(i)) for i in range(8)})
+    store.close()
+
+
+def test_the_journal_is_not_an_m_of_xi(tmp_path):
+    """What a store holds, reads and reports is m(ξ) alone: the journal's database (a key among the values') is none
+    of them, read-only opens included; a store that never saw a checkpoint has no journal at all."""
+    store = LMDBStore(tmp_path / "s", "fp16")
+    store.put(2, "send", [9], [torch.randn(4, 8)])
+    assert store.journal_checkpoints() == [] and store.env.stat()["entries"] == 1
+    store.checkpointed(2, kept={2})
+    store.put(2, "send", [9], [torch.randn(4, 8)])
+    assert [key for key, _ in store.items()] == [(2, "send", 9)]
+    assert [key for key, *_ in store.raw_records()] == [(2, "send", 9)]
+    store.close()
+    reader = LMDBStore(tmp_path / "s", "fp16", readonly=True)
+    assert [key for key, _ in reader.items()] == [(2, "send", 9)] and reader.journal_checkpoints() == [2]
+    reader.close()

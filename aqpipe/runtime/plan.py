@@ -11,6 +11,7 @@ import torch
 
 from aqpipe.config import ConfigError, ResolvedConfig
 from aqpipe.data import DataError, EpochPlan, TaskDataset, prepare_dataset, shard
+from aqpipe.runtime.checkpoints.parts import KEEP
 from aqpipe.stages import PipelineSpec, SpecError, partition
 from aqpipe.stages.lora import LoraSettings, apply_lora, check_targets, lora_settings, require_peft
 from aqpipe.stages.models import (
@@ -130,6 +131,16 @@ def plan_lora(cfg: ResolvedConfig, spec: PipelineSpec) -> LoraSettings | None:
 
 
 STORE_HEADROOM = 1.5  # LMDB pages, headers and growth slack over the raw value bytes
+JOURNALED_CHECKPOINTS = KEEP + 1  # an on-disk store's rewind journals: the checkpoints kept, and the one trained past
+
+
+def store_headroom(cfg: ResolvedConfig, samples_per_replica: int) -> float:
+    """Bytes a store takes per byte of its values: 1 in memory; on disk LMDB's pages and slack, and the rewind
+    journals, each holding a copy of the values written in its checkpoint interval (at most the whole store)."""
+    if cfg.store != "lmdb":
+        return 1.0
+    interval = (cfg.checkpoint_every or 0) * cfg.micro_batch_size * cfg.micro_batches
+    return STORE_HEADROOM * (1 + JOURNALED_CHECKPOINTS * min(1.0, interval / max(1, samples_per_replica)))
 
 
 def store_bytes_per_rank(cfg: ResolvedConfig, spec: PipelineSpec, num_samples: int) -> int | None:
@@ -144,8 +155,8 @@ def store_bytes_per_rank(cfg: ResolvedConfig, spec: PipelineSpec, num_samples: i
         return None
     samples = -(-num_samples // cfg.dp)
     sides = 2 if cfg.pp > 2 else 1
-    headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
-    return int(samples * cfg.seq_len * hidden * STORE_DTYPES[cfg.store_dtype].value_bytes * sides * headroom)
+    value_bytes = STORE_DTYPES[cfg.store_dtype].value_bytes
+    return int(samples * cfg.seq_len * hidden * value_bytes * sides * store_headroom(cfg, samples))
 
 
 def available_memory() -> int:

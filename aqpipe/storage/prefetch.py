@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -243,6 +243,19 @@ class PrefetchingStore:
                 if key in self._inflight:
                     self._stale.add(key)
         self.backend.delete(link, side, ids)
+
+    def checkpointed(self, step: int, kept: Collection[int]) -> None:
+        """Once every put is on disk: the store as it is now belongs to the checkpoint of `step` (`LMDBStore`)."""
+        self.flush()
+        self.backend.checkpointed(step, kept)
+
+    def rewind(self, step: int) -> int | None:
+        """Every value back to what it held at the checkpoint of `step`, read-ahead copies forgotten (`LMDBStore`)."""
+        self.flush()
+        with self._lock:
+            self._cache.clear()
+            self._stale.update(self._inflight)
+        return self.backend.rewind(step)
 
     def bookkeeping_entries(self) -> int:
         """Entries held for coordination (pending writes, read-ahead, stale marks): bounded by what is in flight, not

@@ -40,7 +40,7 @@ from aqpipe.runtime.capacity.rows import row_shapes
 from aqpipe.runtime.capacity.stage_trace import TraceError, micro_batches_held, state_copies, trace_stages
 from aqpipe.runtime.capacity.step_wire import RankTraffic, least_step_seconds, links_seconds, rank_traffic
 from aqpipe.runtime.checkpoints.parts import latest_step
-from aqpipe.runtime.plan import STORE_HEADROOM, RunPlan
+from aqpipe.runtime.plan import RunPlan, store_headroom
 from aqpipe.storage.dtypes import STORE_DTYPES
 
 
@@ -57,7 +57,7 @@ class StageNeeds:
     optimizer_bytes: int
     activation_bytes_per_micro_batch: int
     micro_batches_held: int
-    store_bytes: int = 0  # the m(ξ) sides this rank keeps (bytes of values; on disk under lmdb, with its headroom)
+    store_bytes: int = 0  # the m(ξ) sides this rank keeps (bytes of values; on disk under lmdb, with its headroom and journals)
     store_where: str = "RAM"  # RAM (--store memory), GPU (--store-device cuda) or disk (--store lmdb)
     codec_bytes: int = 0  # what its codecs' CUDA graphs hold on its GPU for the run (`aqpipe.runtime.capacity.codec_graphs`)
     # what the replicas' grad sync holds in the stage's device memory (`registry.sync_copies`): from step to step, and
@@ -209,7 +209,7 @@ def _plan_capacity(plan: RunPlan) -> CapacityPlan:
     sync_where = "RAM" if cfg.device == "cuda" and not gpu_each(cfg) else "device"
     if sync_where == "RAM" and peak:  # staged through the host: on the GPU, the flat gradient and its result
         kept, peak = 0.0, gloo_gpu_copies(cfg.grad_spec)
-    headroom = STORE_HEADROOM if cfg.store == "lmdb" else 1.0
+    headroom = store_headroom(cfg, samples_per_replica)
     stages = []
     link_shapes = [link.activation_shape for link in links]
     for s, trace in enumerate(traced):

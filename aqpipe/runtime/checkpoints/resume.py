@@ -33,6 +33,7 @@ from aqpipe.runtime.checkpoints.restart import Holding, choose_start, clear_run_
 from aqpipe.runtime.events import emit
 from aqpipe.stages.lora import checkpointed_names, training_state
 from aqpipe.storage.memory import in_memory
+from aqpipe.storage.prefetch import PrefetchingStore
 
 
 def collect_state(worker: StageWorker, store) -> dict:
@@ -105,12 +106,15 @@ def resume_rank(cfg: ResolvedConfig, worker: StageWorker, store, step: int, stat
     """Apply this rank's `state` of the checkpoint of `step` (`load_agreed`'s) and make every link's two m(ξ) copies
     agree; returns the step to continue from. Every rank calls it (reconciliation is collective). An in-memory store
     the state lacks (its host lost it: the part came from a copy, or its file was damaged) starts empty, and the
-    reconciliation re-seeds its samples on both sides of each link."""
+    reconciliation re-seeds its samples on both sides of each link. An on-disk store is rewound to the checkpoint
+    first (it outlived the crash holding values written after it); one that cannot be (no journal reaches back that
+    far) keeps its newer values, on both sides of a link alike where both wrote them, and the rest are re-seeded."""
     assert cfg.resume is not None, "a resumed run names its run directory"
     apply_state(state, worker, store, describe(cfg.resume, step, worker.grid.rank))
+    rewound = store.rewind(step) if isinstance(store, PrefetchingStore) else None
     reseeded = reconcile(store, worker.grid, worker.groups.pipeline)
     store.stats.reseeded += reseeded
-    emit({"event": "resumed", "step": step, "rank": worker.grid.rank, "reseeded": reseeded})
+    emit({"event": "resumed", "step": step, "rank": worker.grid.rank, "reseeded": reseeded, "rewound": rewound})
     return step
 
 

@@ -9,6 +9,7 @@ import torch
 from aqpipe.metrics import MetricsLog
 from aqpipe.pipeline.execution.evaluate import eval_batches, evaluate_stage, gather_eval, held_out_samples
 from aqpipe.pipeline.world import comm
+from aqpipe.runtime.checkpoints.parts import complete_steps
 from aqpipe.runtime.checkpoints.resume import collect_state
 from aqpipe.runtime.checkpoints.store import RUN_LOG, run_log
 from aqpipe.runtime.events import emit, progress
@@ -40,8 +41,8 @@ def evaluate(stage: RankStage, step: int) -> dict:
 def checkpoint(stage: RankStage, step: int, log: MetricsLog | None) -> None:
     """Every rank writes its state after `step` steps, once the replicas of its stage agree on their parameters (rank
     0's with the run's log); the checkpoints' store marks it complete and copies it to other hosts."""
-    if isinstance(stage.store, PrefetchingStore):
-        stage.store.flush()
+    if isinstance(stage.store, PrefetchingStore):  # (on disk: from here on it keeps what this checkpoint holds)
+        stage.store.checkpointed(step, {step, *complete_steps(stage.plan.cfg.out)})
     check_replicas(stage.worker.module, stage.grid, step, stage.device, stage.worker.row_cache_names)
 
     def state() -> dict:
