@@ -57,6 +57,28 @@ def test_a_sound_store_passes(tmp_path):
     assert damage(tmp_path / "s") is None
 
 
+def _journaled(path):
+    """A store whose values changed since a checkpoint: its rewind journal holds their old values."""
+    import torch
+
+    from aqpipe.storage.lmdb_store import LMDBStore
+
+    store = LMDBStore(path, "fp16")
+    store.put(0, "send", list(range(200)), [torch.randn(8, 64) for _ in range(200)])
+    store.checkpointed(4, kept={4})
+    store.put(0, "send", list(range(200)), [torch.randn(8, 64) for _ in range(200)])
+    assert store.journal_bytes() > 0
+    store.close()
+
+
+def test_a_sound_store_with_its_rewind_journal_passes_and_a_damaged_one_is_named(tmp_path):
+    _journaled(tmp_path / "s")
+    assert damage(tmp_path / "s") is None
+    _damage_tree_pages(tmp_path / "s")
+    problem = damage(tmp_path / "s")
+    assert problem is not None and str(tmp_path / "s" / "data.mdb") in problem and "\n" not in problem
+
+
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_each_kind_of_damage_is_named_in_one_line(tmp_path, kind):
     _make(tmp_path / "s")

@@ -3,8 +3,8 @@
 LMDB maps the file into memory and trusts it: a `data.mdb` cut short makes a read past its end raise SIGBUS, and
 a damaged page can send a walk anywhere. So `damage(path)` opens the store and walks every key in a separate
 Python process (`python -m aqpipe.storage.health PATH`), and reads its verdict from the exit status: a crash by
-signal is damage too. Values are not read (their checksums catch damaged values during the run), but the file
-must reach the last page the store's meta page names.
+signal is damage too; the rewind journal is walked too. Values are not read (their checksums catch damaged values
+during the run), but the file must reach the last page the store's meta page names.
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ def _walk(path: str) -> int:
     """In the child: open read-only without the lock file, compare the file with its meta page, walk every key."""
     import lmdb
 
+    from aqpipe.storage.lmdb_store import JOURNAL
+
     try:
-        env = lmdb.open(path, readonly=True, lock=False, subdir=True)
+        env = lmdb.open(path, readonly=True, lock=False, subdir=True, max_dbs=1)
     except lmdb.Error as e:
         print(f"cannot be opened: {e}")
         return 1
@@ -50,11 +52,18 @@ def _walk(path: str) -> int:
         if size < needed:
             print(f"truncated: {size} bytes, its pages need {needed}")
             return 1
+        databases: list[tuple[str, lmdb._Database | None]] = [("the values", None)]
+        try:
+            databases.append(("the rewind journal", env.open_db(JOURNAL, create=False)))
+        except lmdb.NotFoundError:
+            pass
         with env.begin(buffers=True) as txn:
-            entries = sum(1 for _ in txn.cursor().iternext(keys=True, values=False))
-        if entries != env.stat()["entries"]:
-            print(f"walked {entries} keys, the store counts {env.stat()['entries']}")
-            return 1
+            for name, db in databases:
+                entries = sum(1 for _ in txn.cursor(db=db).iternext(keys=True, values=False))
+                counted = txn.stat(db)["entries"] if db is not None else env.stat()["entries"]
+                if entries != counted:
+                    print(f"walked {entries} keys of {name}, the store counts {counted}")
+                    return 1
     except lmdb.Error as e:
         print(f"damaged: {e}")
         return 1
