@@ -185,7 +185,8 @@ def _store(args: argparse.Namespace) -> int:
         print(f"bytes on disk: {rows[-1]['bytes_on_disk']}")
         if rows[-1]["journal_checkpoints"]:
             steps = ", ".join(map(str, rows[-1]["journal_checkpoints"]))
-            print(f"rewind journals: {rows[-1]['journal_bytes'] / 1e6:.3f} MB, back to the checkpoint(s) of step(s) {steps}")
+            print(f"rewind journals: {rows[-1]['journal_bytes'] / 1e6:.3f} MB; every store here rewinds to the checkpoint(s) "
+                  f"of step(s) {steps}")
         if rows[-1]["elsewhere"]:
             print(f"not on this host (another host's, or missing): the stores of rank(s) "
                   f"{', '.join(map(str, rows[-1]['elsewhere']))}")

@@ -115,7 +115,7 @@ def test_a_rank_killed_under_torchruns_restarts_continues_the_run_as_if_nothing_
     resume is exact, m(ξ), the optimizer and the RNG come back as they were. With m(ξ) in memory it is saved with each
     checkpoint; on disk (LMDB) it outlives the crash holding values written after the checkpoint, and each host's
     store is rewound to it (`aqpipe store verify` across the hosts then finds the two copies of every link equal)."""
-    args = (*RUN, "--store", store)
+    args = (*RUN, "--store", store, "--max-samples", "24")  # (4 steps an epoch: the kill comes in the second)
     with simulated_hosts(tmp_path / "hosts", 3, 1, 200_000_000) as hosts:
         run, _, procs, metrics = start_job(hosts, args)
         wait_for_steps(hosts, procs, metrics, 6)

@@ -83,7 +83,7 @@ def test_store_verify_and_stats_on_a_real_run(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "0->1" in text and "1->2" in text and "bytes on disk" in text
     # (the run's one checkpoint, at its end: nothing changed since)
-    assert "rewind journals: 0.000 MB, back to the checkpoint(s) of step(s) 18" in text
+    assert "rewind journals: 0.000 MB; every store here rewinds to the checkpoint(s) of step(s) 18" in text
     receiver = LMDBStore(store_path(out, 2), "q4")
     receiver.put(1, "recv", [3], [receiver.get(1, "recv", [3])[0] + 0.5])  # plant a divergence
     receiver.close()
@@ -284,10 +284,64 @@ def test_a_rewind_reaches_back_over_several_checkpoints_and_not_past_a_dropped_j
     assert store.journal_checkpoints() == [12]
     assert store.rewind(4) is None  # nothing reaches back to it: the values stay as they are
     assert_holds(store, after)
-    assert store.journal_checkpoints() == [] and store.journaling is None
+    assert store.journal_checkpoints() == [] and store.journal.step is None
     store.put(1, "recv", [3], [torch.randn(3, 16)])  # (nothing journaled until the next checkpoint)
     assert store.journal_bytes() == 0
     assert now.keys() == after.keys()
+    store.close()
+
+
+def test_a_journal_dropped_between_two_kept_ones_still_lets_the_older_one_rewind_exactly(tmp_path):
+    """Checkpoints 4, 8 and 12, of which 8 leaves the disk while 4 stays (the newest copied one across hosts): the
+    values first changed after 8 are kept in 8's journal alone, and a rewind to 4 must still put them back. Before,
+    dropping 8's journal lost them, and a rewind to 4 left those values as they were at 8, on both sides of a link
+    alike (so no comparison of the copies could tell)."""
+    store = LMDBStore(tmp_path / "s", "fp32")
+    store.put(0, "send", [1, 2, 3], [torch.full((2, 2), float(i)) for i in (1, 2, 3)])
+    store.checkpointed(4, kept={4})
+    at_4 = contents(store)
+    store.put(0, "send", [1], [torch.full((2, 2), 10.0)])  # between 4 and 8
+    store.checkpointed(8, kept={4, 8})
+    store.put(0, "send", [2, 4], [torch.full((2, 2), 20.0)] * 2)  # between 8 and 12: kept in 8's journal only
+    store.checkpointed(12, kept={4, 12})
+    store.put(0, "send", [1, 3], [torch.full((2, 2), 30.0)] * 2)  # after 12
+    assert store.journal_checkpoints() == [4, 12]
+    store.rewind(4)
+    assert_holds(store, at_4)
+    store.close()
+
+
+def test_a_rewind_to_a_checkpoint_without_a_journal_drops_the_older_ones_too(tmp_path):
+    """No journal for the checkpoint a resume starts from: the changes since were not all kept, so no older journal
+    can be trusted either; the values stay as they are."""
+    store = LMDBStore(tmp_path / "s", "fp16")
+    store.put(0, "recv", [1], [torch.randn(2, 8)])
+    store.checkpointed(4, kept={4})
+    store.put(0, "recv", [1, 2], [torch.randn(2, 8)] * 2)
+    store.checkpointed(8, kept={4, 8})
+    store.put(0, "recv", [2], [torch.randn(2, 8)])
+    now = contents(store)
+    assert store.rewind(6) is None
+    assert_holds(store, now)
+    assert store.journal_checkpoints() == [] and store.journal.step is None and store.journal_bytes() == 0
+    store.close()
+
+
+def test_through_the_prefetching_store_a_checkpoint_holds_every_put_before_it_and_a_rewind_drops_read_ahead(tmp_path):
+    """Puts still queued for the disk belong to the checkpoint that follows them; a value read ahead before a rewind
+    is not served after it."""
+    from aqpipe.storage.prefetch import PrefetchingStore
+
+    store = PrefetchingStore(LMDBStore(tmp_path / "s", "fp32"))
+    before = torch.full((2, 2), 1.0)
+    store.put(0, "send", [1], [before])  # (written behind)
+    store.checkpointed(4, kept={4})
+    store.put(0, "send", [1], [torch.full((2, 2), 2.0)])
+    store.flush()
+    store.prefetch(0, "send", [1])
+    time.sleep(0.2)  # (read ahead by now, as a rule; one still in flight is dropped by the rewind all the same)
+    assert store.rewind(4) == 1
+    assert torch.equal(store.get(0, "send", [1])[0], before)
     store.close()
 
 
@@ -313,7 +367,7 @@ def test_a_store_that_outlived_a_killed_process_rewinds_to_its_checkpoint(tmp_pa
                           text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr[-2000:]
     store = LMDBStore(tmp_path / "s", "fp32")
-    assert store.journaling == 6
+    assert store.journal.step == 6
     assert len(contents(store)) == 12
     assert store.rewind(6) == 8
     assert_holds(store, {(0, "send", i): torch.full((4, 4), float(i)) for i in range(8)})

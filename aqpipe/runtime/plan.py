@@ -131,7 +131,9 @@ def plan_lora(cfg: ResolvedConfig, spec: PipelineSpec) -> LoraSettings | None:
 
 
 STORE_HEADROOM = 1.5  # LMDB pages, headers and growth slack over the raw value bytes
-JOURNALED_CHECKPOINTS = KEEP + 1  # an on-disk store's rewind journals: the checkpoints kept, and the one trained past
+# an on-disk store's rewind journals, at most: the checkpoints kept, the newest copied, one being copied (copies across
+# hosts), and the one trained past
+JOURNALED_CHECKPOINTS = KEEP + 3
 
 
 def store_headroom(cfg: ResolvedConfig, samples_per_replica: int) -> float:

@@ -39,7 +39,7 @@ def _walk(path: str) -> int:
     """In the child: open read-only without the lock file, compare the file with its meta page, walk every key."""
     import lmdb
 
-    from aqpipe.storage.lmdb_store import JOURNAL
+    from aqpipe.storage.rewind import NAME as JOURNAL
 
     try:
         env = lmdb.open(path, readonly=True, lock=False, subdir=True, max_dbs=1)

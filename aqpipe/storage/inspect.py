@@ -136,13 +136,13 @@ def _compare(where: str, sample: int, sent: torch.Tensor | str, got: torch.Tenso
 
 def stats(run_dir: str) -> list[dict]:
     """Per (replica, link, side): entries, bytes stored, raw bytes before zstd, and the compression ratio, of the
-    stores on this host; the last item holds the bytes on disk, those of the rewind journals and the checkpoints they
-    reach back to, and the ranks whose stores are not here (another host's). InspectError when no store is here at
-    all."""
+    stores on this host; the last item holds the bytes on disk, those the rewind journals keep and the checkpoints
+    every store here can be rewound to, and the ranks whose stores are not here (another host's). InspectError when
+    no store is here at all."""
     config = _run_config(run_dir)
     rows: dict[tuple[int, int, str], dict] = defaultdict(lambda: {"entries": 0, "stored_bytes": 0, "raw_bytes": 0})
     disk = journal = 0
-    checkpoints: set[int] = set()
+    checkpoints: set[int] | None = None
     ranks = range(config["pp"] * config["dp"])
     elsewhere = [rank for rank in ranks if not store_path(run_dir, rank).is_dir()]
     if len(elsewhere) == len(ranks):
@@ -159,13 +159,14 @@ def stats(run_dir: str) -> list[dict]:
             for (link, side, _sample), value in store.items():
                 rows[(rank // config["pp"], link, side)]["raw_bytes"] += value.numel() * value.element_size()
             journal += store.journal_bytes()
-            checkpoints.update(store.journal_checkpoints())
+            reach = set(store.journal_checkpoints())
+            checkpoints = reach if checkpoints is None else checkpoints & reach
         finally:
             store.close()
         disk += sum(f.stat().st_size for f in store_path(run_dir, rank).iterdir())
     out = [{"replica": r, "link": f"{link}->{link + 1}", "side": s, **v,
             "compression_ratio": v["raw_bytes"] / v["stored_bytes"] if v["stored_bytes"] else 0.0}
            for (r, link, s), v in sorted(rows.items())]
-    out.append({"bytes_on_disk": disk, "journal_bytes": journal, "journal_checkpoints": sorted(checkpoints),
+    out.append({"bytes_on_disk": disk, "journal_bytes": journal, "journal_checkpoints": sorted(checkpoints or ()),
                 "elsewhere": elsewhere})
     return out

@@ -8,11 +8,8 @@ encoding, shape, the step it was written at, the CRC32 of the compressed body an
 its CRC on read is counted, deleted, and reported absent, so AQ-SGD re-seeds that sample at full precision; it is
 never used. Writes are single LMDB transactions, so a failed write (map or disk full) never leaves a torn store.
 
-The store outlives a crash, so after one it holds values written after the checkpoint a run resumes from. A rewind
-journal (a named database beside the values) brings it back exactly: from each checkpoint on, the first change of a
-value keeps what it held at the checkpoint, in the same transaction as the change; `rewind(step)` puts those back,
-newest checkpoint first. It costs one more write per sample per checkpoint interval, and the disk of the values
-written since each checkpoint a resume can still start from (`checkpointed` drops the others' journals).
+The store outlives a crash; its rewind journal (`aqpipe.storage.rewind`, a named database beside the values) brings it
+back to the checkpoint a run resumes from.
 
 The prefetch, writer and main threads share one environment. LMDB lets the map be resized only while this process
 has no transaction open (it does not check), so every transaction holds the environment's gate shared and a resize
@@ -35,13 +32,11 @@ from aqpipe.disk import ensure_room
 from aqpipe.storage.base import SIDES, StoreStats, on_device
 from aqpipe.storage.dtypes import STORE_DTYPES
 from aqpipe.storage.encoding import decode_value, encode_value, storable_rows, value_dtype
+from aqpipe.storage.rewind import RewindJournal
 
 _KEY = struct.Struct(">HBQ")
 _HEAD = struct.Struct("<4sBB8qqII")  # magic, encoding, ndim, shape[8], step, crc32, body length
 MAGIC = b"AQM2"  # 2: quantized values on the zero-holding default grid
-JOURNAL = b"rewind"  # the named database of the rewind journal (its name is a key of the values' database too)
-_CHECKPOINT = struct.Struct(">Q")  # a journal key: the checkpoint's step, then the value's key (alone: a start mark)
-ABSENT = b""  # a journal value: the key held nothing at the checkpoint
 _CODES = {d.code: name for name, d in STORE_DTYPES.items()}
 T = TypeVar("T")
 WRITE_SLACK_BYTES = 1 << 20  # free space kept beyond a write's own pages: copied branch pages, the meta page
@@ -121,12 +116,7 @@ class LMDBStore:
             self.path.mkdir(parents=True, exist_ok=True)
         self.env = lmdb.open(str(self.path), map_size=initial_map_bytes, readonly=readonly, lock=not readonly,
                              sync=False, metasync=False, readahead=False, max_dbs=1)
-        self._journal: lmdb._Database | None = None  # made at the first checkpoint
-        try:
-            self._journal = self.env.open_db(JOURNAL, create=False)
-        except lmdb.NotFoundError:
-            pass
-        self.journaling = max(self.journal_checkpoints(), default=None)  # the checkpoint changes are kept against
+        self.journal = RewindJournal(self.env, lmdb)
         self._zstd, self._level = zstandard, level
         self._contexts = threading.local()  # zstd contexts are not thread-safe: each thread gets its own pair
         self._read_ahead: dict[tuple[int, str, int], torch.Tensor] = {}
@@ -183,21 +173,19 @@ class LMDBStore:
         size = sum(len(v) for _, v in records)
         # LMDB cannot fail cleanly once the disk is full (a short write reads as an I/O error, and on tmpfs the
         # memory map faults: SIGBUS), so a write that might not fit is refused before it starts.
-        needed = 2 * size * (1 if self.journaling is None else 2) + WRITE_SLACK_BYTES  # (a journal copy each)
+        needed = 2 * size * (1 if self.journal.step is None else 2) + WRITE_SLACK_BYTES  # (the journal's copies)
         ensure_room(self.path / "data.mdb", needed)
-        for _ in range(64):
-            try:
-                with self._transaction(write=True) as txn:
-                    for key, value in records:
-                        self._keep_for_rewind(txn, key)
-                        txn.put(key, value)
-                return
-            except self._lmdb.MapFullError:
-                self._grow(size)
-            except self._lmdb.Error as e:
-                ensure_room(self.path / "data.mdb", needed)  # a disk that filled meanwhile is the likely cause
-                raise StoreFullError(f"writing m(xi) to {self.path} failed: {e}") from None
-        raise StoreFullError(f"the store at {self.path} kept running out of map space")
+
+        def write(txn) -> None:
+            for key, value in records:
+                self.journal.keep(txn, key)
+                txn.put(key, value)
+
+        try:
+            self._write_growing(write, size)
+        except self._lmdb.Error as e:
+            ensure_room(self.path / "data.mdb", needed)  # a disk that filled meanwhile is the likely cause
+            raise StoreFullError(f"writing m(xi) to {self.path} failed: {e}") from None
 
     def present(self, link: int, side: str, ids: Sequence[int]) -> list[bool]:
         """Whether a sound m(ξ) exists for each id; not counted as lookups, but a damaged entry found here is
@@ -211,12 +199,14 @@ class LMDBStore:
 
     def delete(self, link: int, side: str, ids: Sequence[int]) -> None:
         """Remove m(ξ) of each id (its next sight goes at full precision and re-seeds it)."""
+        keys = [pack_key(link, side, int(i)) for i in ids]
+        self._room_to_keep(keys)
         with self._transaction(write=True) as txn:
-            for i in ids:
-                key = pack_key(link, side, int(i))
-                self._keep_for_rewind(txn, key)
+            for key in keys:
+                self.journal.keep(txn, key)
                 txn.delete(key)
-                self._read_ahead.pop((link, side, int(i)), None)
+        for i in ids:
+            self._read_ahead.pop((link, side, int(i)), None)
 
     def items(self):
         """Every ((link, side, id), value) pair; damaged values are skipped (and counted)."""
@@ -236,66 +226,34 @@ class LMDBStore:
                 fields = _HEAD.unpack_from(value)
                 yield unpack_key(bytes(key)), fields, len(value) - _HEAD.size
 
-    # -- the rewind journal -----------------------------------------------------------------------------------------
+    # -- the rewind journal (`aqpipe.storage.rewind`) ------------------------------------------------------------
     def checkpointed(self, step: int, kept: Collection[int]) -> None:
         """The store as it is now belongs to the checkpoint of `step`: from here on, the first change of each value
-        keeps what it held, so that `rewind(step)` brings it back. The journals of checkpoints not in `kept` (those
-        no resume can start from any more) are dropped."""
-        if self._journal is None:
+        keeps what it held, so that `rewind(step)` brings it back. The journals of checkpoints not in `kept` (none
+        can be resumed from any more) are merged into older ones and dropped."""
+        if self.journal.db is None:
             with self._gate.exclusive():  # (LMDB opens a database in a transaction of its own)
-                self._journal = self.env.open_db(JOURNAL, create=True)
-
-        def start(txn) -> None:
-            for checkpoint in self.journal_checkpoints(txn):
-                if checkpoint not in kept or checkpoint >= step:
-                    self._drop_journal(txn, checkpoint, keep_mark=False)
-            txn.put(_CHECKPOINT.pack(step), ABSENT, db=self._journal)
-
-        self._write_growing(start)
-        self.journaling = step
+                self.journal.create()
+        self._room_for_journals()
+        self._write_growing(lambda txn: self.journal.start(txn, step, kept), WRITE_SLACK_BYTES)
 
     def rewind(self, step: int) -> int | None:
-        """Every value back to what it held at the checkpoint of `step` (the newer checkpoints' journals applied,
-        newest first, then dropped); returns how many values it changed. None when no journal reaches back to that
-        checkpoint: the values are left as they are, the newer journals dropped, and none kept until the next
-        checkpoint."""
-        def apply(txn) -> int | None:
-            checkpoints = self.journal_checkpoints(txn)
-            exact, changed = step in checkpoints, 0
-            for checkpoint in sorted((c for c in checkpoints if c >= step), reverse=True):
-                for key, held in self._journal_entries(txn, checkpoint) if exact else ():
-                    if held == ABSENT:
-                        txn.delete(key)
-                    else:
-                        txn.put(key, held)
-                    changed += 1
-                self._drop_journal(txn, checkpoint, keep_mark=checkpoint == step)
-            return changed if exact else None
-
-        changed = self._write_growing(apply) if self._journal is not None else None
+        """Every value back to what it held at the checkpoint of `step` (`RewindJournal.rewind`): how many entries
+        were put back, or None when no journal reaches back to it (the values stay as they are)."""
+        self._room_for_journals()
+        put_back = self._write_growing(lambda txn: self.journal.rewind(txn, step), WRITE_SLACK_BYTES)
         self._read_ahead.clear()
-        self.journaling = None if changed is None else step
-        return changed
+        return put_back
 
-    def journal_checkpoints(self, txn=None) -> list[int]:
-        """The checkpoints whose journals this store keeps (a store can be rewound to these)."""
-        if self._journal is None:
-            return []
-        if txn is None:
-            with self._transaction() as txn:
-                return self.journal_checkpoints(txn)
-        cursor = txn.cursor(db=self._journal)
-        found: list[int] = []
-        while cursor.set_range(_CHECKPOINT.pack(found[-1] + 1) if found else b""):
-            found.append(_CHECKPOINT.unpack_from(cursor.key())[0])
-        return found
+    def journal_checkpoints(self) -> list[int]:
+        """The checkpoints this store can be rewound to, oldest first."""
+        with self._transaction() as txn:
+            return self.journal.checkpoints(txn)
 
     def journal_bytes(self) -> int:
-        """Bytes of the values the journals keep."""
-        if self._journal is None:
-            return 0
+        """Bytes of the values the rewind journals keep."""
         with self._transaction() as txn:
-            return sum(len(value) for _, value in txn.cursor(db=self._journal))
+            return self.journal.value_bytes(txn)
 
     def close(self) -> None:
         """Flush to disk (writers) and release the environment."""
@@ -367,52 +325,34 @@ class LMDBStore:
         return context
 
     def _delete(self, key: tuple[int, str, int]) -> None:
+        self._room_to_keep([pack_key(*key)])
         with self._transaction(write=True) as txn:
-            self._keep_for_rewind(txn, pack_key(*key))
+            self.journal.keep(txn, pack_key(*key))
             txn.delete(pack_key(*key))
 
-    def _keep_for_rewind(self, txn, key: bytes) -> None:
-        """Before `key` changes: what it held at the checkpoint the journal runs from, if not kept already."""
-        if self.journaling is None:
-            return
-        entry = _CHECKPOINT.pack(self.journaling) + key
-        if txn.get(entry, db=self._journal) is None:
-            held = txn.get(key)
-            txn.put(entry, ABSENT if held is None else held, db=self._journal)
+    def _room_to_keep(self, keys: list[bytes]) -> None:
+        """Before deleting `keys` while a journal keeps changes: room for their values in it."""
+        if self.journal.step is not None:
+            with self._transaction() as txn:
+                size = sum(len(txn.get(key) or b"") for key in keys)
+            ensure_room(self.path / "data.mdb", 2 * size + WRITE_SLACK_BYTES)
 
-    def _journal_entries(self, txn, checkpoint: int) -> list[tuple[bytes, bytes]]:
-        """(value key, what it held) of each value the journal of `checkpoint` keeps."""
-        mark = _CHECKPOINT.pack(checkpoint)
-        cursor, entries = txn.cursor(db=self._journal), []
-        if cursor.set_range(mark):
-            for entry, held in cursor:
-                if not entry.startswith(mark):
-                    break
-                if len(entry) > len(mark):
-                    entries.append((bytes(entry[len(mark):]), bytes(held)))
-        return entries
+    def _room_for_journals(self) -> None:
+        """Before a rewind or a merge of journals: room for as much again as they hold (LMDB cannot reuse the pages a
+        transaction frees within it)."""
+        with self._transaction() as txn:
+            held = self.journal.disk_bytes(txn)
+        ensure_room(self.path / "data.mdb", 2 * held + WRITE_SLACK_BYTES)
 
-    def _drop_journal(self, txn, checkpoint: int, keep_mark: bool) -> None:
-        """Delete the journal of `checkpoint` (but its start mark with `keep_mark`)."""
-        mark = _CHECKPOINT.pack(checkpoint)
-        cursor = txn.cursor(db=self._journal)
-        if not cursor.set_range(mark):
-            return
-        while cursor.key().startswith(mark):
-            if keep_mark and cursor.key() == mark:
-                if not cursor.next():
-                    return
-            elif not cursor.delete():
-                return
-
-    def _write_growing(self, work: Callable[[Any], T]) -> T:
-        """`work(txn)` in one write transaction, the map grown and the work done again whenever it fills."""
+    def _write_growing(self, work: Callable[[Any], T], size: int) -> T:
+        """`work(txn)` in one write transaction; whenever the map fills, grown (for at least `size` bytes more) and the
+        work done again."""
         for _ in range(64):
             try:
                 with self._transaction(write=True) as txn:
                     return work(txn)
             except self._lmdb.MapFullError:
-                self._grow(WRITE_SLACK_BYTES)
+                self._grow(size)
         raise StoreFullError(f"the store at {self.path} kept running out of map space")
 
     def _grow(self, needed: int) -> None:
