@@ -325,10 +325,8 @@ class LMDBStore:
         return context
 
     def _delete(self, key: tuple[int, str, int]) -> None:
-        self._room_to_keep([pack_key(*key)])
-        with self._transaction(write=True) as txn:
-            self.journal.keep(txn, pack_key(*key))
-            txn.delete(pack_key(*key))
+        link, side, sample = key
+        self.delete(link, side, [sample])
 
     def _room_to_keep(self, keys: list[bytes]) -> None:
         """Before deleting `keys` while a journal keeps changes: room for their values in it."""

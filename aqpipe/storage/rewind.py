@@ -94,7 +94,8 @@ class RewindJournal:
         """The checkpoints whose journals are kept, oldest first."""
         if self.db is None:
             return []
-        cursor, found = txn.cursor(db=self.db), list[int]()
+        cursor = txn.cursor(db=self.db)
+        found: list[int] = []
         while cursor.set_range(MARK.pack(found[-1] + 1) if found else b""):
             found.append(MARK.unpack_from(cursor.key())[0])
         return found
