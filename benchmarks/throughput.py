@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from aqpipe.compress.link.specs import DEFAULT_BW, DEFAULT_FIRST_SIGHT, DEFAULT_FW  # noqa: E402
 from aqpipe.launch import netns  # noqa: E402
-from aqpipe.pipeline.schedule import SCHEDULES  # noqa: E402
+from aqpipe.pipeline.vocab.schedule import SCHEDULES  # noqa: E402
 from benchmarks.pipeline_throughput import machine  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "wikitext-2" / "valid.txt"

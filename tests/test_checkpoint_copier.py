@@ -28,7 +28,7 @@ def _pacing_copier(grid, hosts: list[str]):
 def test_the_rate_counts_only_links_to_other_hosts_and_is_split_among_a_hosts_ranks():
     """Two stages on one host and one on another: the middle stage's fast link on its own host does not set the
     pace; where no link to another host was measured, the least rate; a host's ranks share its pace."""
-    from aqpipe.pipeline.step_stats import StepStats
+    from aqpipe.pipeline.vocab.step_stats import StepStats
     from aqpipe.pipeline.world.grid import Grid
     from aqpipe.runtime.checkpoints.copies import MIN_RATE
 
@@ -45,7 +45,7 @@ def test_a_step_whose_bodies_all_waited_in_the_kernel_never_sets_the_pace_over_a
     """A step whose every body was already queued when its header was read (a receiver that came late) reads at
     memory speed; the copies keep the pace of a rate measured from bytes that arrived while timed. Only where no
     such rate exists (small messages: each body one burst with its header) does the bodies' rate set it."""
-    from aqpipe.pipeline.step_stats import StepStats
+    from aqpipe.pipeline.vocab.step_stats import StepStats
     from aqpipe.pipeline.world.grid import Grid
     copier = _pacing_copier(Grid(2, 1, 1), ["a", "b"])
     copier.observe(StepStats(fwd_recv_bytes=10**7, fwd_arrived_bytes=0, fwd_recv_seconds=0.001))  # 10 GB/s

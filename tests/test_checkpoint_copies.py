@@ -53,7 +53,7 @@ def _copy(rank: int, world: int, root: str, link_rate: float = 1e9, keep_part: b
     """On each of `world` hosts (one rank each, a directory each, a pipeline stage each): a checkpoint of step 4
     (`keep_part`: the one already there), then its copies, paced by the link rate the stage measured from the host
     before it."""
-    from aqpipe.pipeline.step_stats import StepStats
+    from aqpipe.pipeline.vocab.step_stats import StepStats
     from aqpipe.pipeline.world import comm
     from aqpipe.pipeline.world.grid import Grid
     from aqpipe.runtime.checkpoints.copier import CheckpointCopier

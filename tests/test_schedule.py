@@ -5,7 +5,7 @@ from collections import deque
 
 import pytest
 
-from aqpipe.pipeline import schedule as s
+from aqpipe.pipeline.vocab import schedule as s
 
 
 def simulate(stages: int, micro_batches: int, schedule: str = "gpipe") -> list[list[s.Instruction]]:

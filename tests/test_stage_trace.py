@@ -4,7 +4,7 @@ parameter (the activations traced against a real run: tests/test_capacity.py).""
 import pytest
 import torch
 
-from aqpipe.pipeline.schedule import SCHEDULES
+from aqpipe.pipeline.vocab.schedule import SCHEDULES
 from aqpipe.runtime.capacity import stage_trace
 from tests.test_capacity import SMALL, flags_to_config
 

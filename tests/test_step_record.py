@@ -1,5 +1,5 @@
 """One step's metrics record (aqpipe.runtime.outputs.step_record): every rank's statistics combined as each declares
-(aqpipe.pipeline.step_stats), and the fields worked out from them."""
+(aqpipe.pipeline.vocab.step_stats), and the fields worked out from them."""
 
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aqpipe.pipeline.step_stats import StepStats, stat, statistics_of
+from aqpipe.pipeline.vocab.step_stats import StepStats, stat, statistics_of
 from aqpipe.runtime.outputs.step_record import combine_rows, record_names
 from tests.distributed import run_ranks
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from aqpipe.config import RunConfig, resolve
-from aqpipe.pipeline.schedule import SCHEDULES
+from aqpipe.pipeline.vocab.schedule import SCHEDULES
 from tests.distributed import run_ranks, worker_step
 from tests.reference import train_single_process
 

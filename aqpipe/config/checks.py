@@ -15,9 +15,9 @@ from aqpipe.compress.link.specs import DEFAULT_FIRST_SIGHT, keeps_messages
 from aqpipe.config.rates import parse_rate
 from aqpipe.config.settings import ResolvedConfig, RunConfig
 from aqpipe.config.values import ConfigError
-from aqpipe.pipeline.link_rows import LINK_ROWS
-from aqpipe.pipeline.tied_exchanges import TIED_EXCHANGES, default_exchange
-from aqpipe.pipeline.tied_exchanges import USAGE as TIED_EXCHANGE_USAGE
+from aqpipe.pipeline.vocab.link_rows import LINK_ROWS
+from aqpipe.pipeline.vocab.tied_exchanges import TIED_EXCHANGES, default_exchange
+from aqpipe.pipeline.vocab.tied_exchanges import USAGE as TIED_EXCHANGE_USAGE
 from aqpipe.storage.dtypes import MEMORY_DTYPES, STORE_DTYPES
 
 # Training defaults per model preset; a model that is not a preset takes the "default" row.
@@ -102,7 +102,7 @@ def _check_choices(cfg: RunConfig) -> None:
         check_pairing(parse_grad_spec(cfg.grad_sync), cfg.optimizer)
     except GradSpecError as e:
         raise ConfigError(str(e)) from None
-    from aqpipe.pipeline.precisions import PRECISIONS
+    from aqpipe.pipeline.vocab.precisions import PRECISIONS
 
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"--precision {cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -123,7 +123,7 @@ def _check_choices(cfg: RunConfig) -> None:
         _check_bandwidth(cfg.bandwidth)
     if cfg.task not in (None, "lm", "classify"):
         raise ConfigError(f"--task {cfg.task!r} is not a task; use lm or classify")
-    from aqpipe.pipeline.schedule import SCHEDULES
+    from aqpipe.pipeline.vocab.schedule import SCHEDULES
 
     if cfg.schedule not in SCHEDULES:
         raise ConfigError(f"--schedule {cfg.schedule!r} is not a schedule; use {' or '.join(SCHEDULES)}")

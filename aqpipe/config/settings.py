@@ -25,8 +25,8 @@ from aqpipe.compress.link.specs import (
     check_first_sight,
     parse_spec,
 )
-from aqpipe.pipeline.link_rows import DEFAULT_LINK_ROWS
-from aqpipe.pipeline.tied_exchanges import DEFAULT_TIED_EXCHANGE
+from aqpipe.pipeline.vocab.link_rows import DEFAULT_LINK_ROWS
+from aqpipe.pipeline.vocab.tied_exchanges import DEFAULT_TIED_EXCHANGE
 
 # The sections, in the order --help and the README show them: (name, title).
 SECTIONS: dict[str, str] = {

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from aqpipe.config.settings import FIELD_NAMES, RESUME_MAY_CHANGE, RunConfig
-from aqpipe.pipeline.link_rows import recorded
+from aqpipe.pipeline.vocab.link_rows import recorded
 
 
 class ConfigError(ValueError):

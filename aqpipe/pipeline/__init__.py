@@ -1,4 +1,4 @@
-"""The pipeline engine, in four rooms that import one way (execution -> links -> numerics -> world):
+"""The pipeline engine, in five rooms that import one way (execution -> links -> numerics -> world -> vocab):
 
 - `execution/`: one stage's work, step by step: the stage worker that interprets its instruction stream, the
   optimizer phase, evaluation, and what a step measures of itself (activations held, GPU times, CUDA syncs);
@@ -7,12 +7,11 @@
   head one tensor;
 - `numerics/`: the arithmetic of a stage's step: the optimizer and its schedule, clipping, mixed precision and loss
   scaling, the gradients of tied parameters;
-- `world/`: the rank grid and its process groups, and every collective counted by traffic class.
-
-At the top, what the configuration and the runtime read without torch: the schedules as instruction streams
-(`schedule`), a step's statistics and how the ranks' values combine (`step_stats`), the `--precision`,
-`--tied-exchange` and `--link-rows` vocabularies (`precisions`, `tied_exchanges`, `link_rows`), and `present`. Knows
-nothing of configuration files or launching."""
+- `world/`: the rank grid and its process groups, and every collective counted by traffic class;
+- `vocab/`: the engine's vocabularies, read without torch by the configuration and the runtime too: the schedules as
+  instruction streams, a step's statistics and how the ranks' values combine, the `--precision`, `--tied-exchange`
+  and `--link-rows` choices.
+At the top, `present`: a value a stage's work needs at this point. Knows nothing of configuration files or launching."""
 
 from typing import TypeVar
 

@@ -29,7 +29,7 @@ from aqpipe.pipeline.world import comm
 from aqpipe.pipeline.world.grid import Grid, ProcessGroups, collective_device
 
 if TYPE_CHECKING:
-    from aqpipe.pipeline.step_stats import StepStats
+    from aqpipe.pipeline.vocab.step_stats import StepStats
 
 
 @dataclass

@@ -15,7 +15,6 @@ from aqpipe.compress.gpu import cuda_graphs
 from aqpipe.compress.grad import GradSync
 from aqpipe.data import ClassifySamples, InstructSamples, TokenSamples
 from aqpipe.pipeline import present
-from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.execution import sync_audit
 from aqpipe.pipeline.execution.gpu_timing import GpuTimer
 from aqpipe.pipeline.execution.held import ActivationMeter
@@ -24,7 +23,8 @@ from aqpipe.pipeline.links.link_ends import StageLinks
 from aqpipe.pipeline.links.tied_rows import LOOKUP
 from aqpipe.pipeline.numerics.mixed_precision import LossScaler, autocast
 from aqpipe.pipeline.numerics.tied import TiedGroup
-from aqpipe.pipeline.step_stats import StepStats
+from aqpipe.pipeline.vocab import schedule as sch
+from aqpipe.pipeline.vocab.step_stats import StepStats
 from aqpipe.pipeline.world import comm
 from aqpipe.pipeline.world.grid import Grid, ProcessGroups, collective_device
 from aqpipe.stages.spec import Stage
@@ -59,7 +59,7 @@ class StageWorker:
     device: torch.device
     schedule: str = "gpipe"
     tied: list[TiedGroup] = field(default_factory=list)  # parameters copied on several layers (DeBERTa)
-    precision: str = "fp32"  # the compute dtype of forward and loss (aqpipe.pipeline.precisions.PRECISIONS)
+    precision: str = "fp32"  # the compute dtype of forward and loss (aqpipe.pipeline.vocab.precisions.PRECISIONS)
     scaler: LossScaler | None = None  # fp16's dynamic loss scale
     _mbs: dict[int, _MicroBatch] = field(default_factory=dict)
     _step: int = 0

@@ -26,7 +26,6 @@ from aqpipe.compress.link.codes import FLAG_REAL_ROWS
 from aqpipe.compress.link.factory import build_codec
 from aqpipe.compress.link.specs import CodecError
 from aqpipe.pipeline import present
-from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.links import real_rows
 from aqpipe.pipeline.links.tied_rows import RowExchange
 from aqpipe.pipeline.links.transport import (
@@ -42,6 +41,7 @@ from aqpipe.pipeline.links.transport import (
     Outbox,
     TransportError,
 )
+from aqpipe.pipeline.vocab import schedule as sch
 
 FP32: LinkCodec = build_codec("fp32", "fw")  # an evaluation codec where none is given: lossless
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from aqpipe.pipeline.precisions import PRECISIONS
+from aqpipe.pipeline.vocab.precisions import PRECISIONS
 from aqpipe.pipeline.world import comm
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from aqpipe.pipeline.tied_exchanges import ROW_EXCHANGES
+from aqpipe.pipeline.vocab.tied_exchanges import ROW_EXCHANGES
 from aqpipe.pipeline.world import comm
 
 

@@ -30,7 +30,7 @@ from aqpipe.pipeline.links.tied_deltas import RowDeltas
 from aqpipe.pipeline.links.tied_rows import step_rows
 from aqpipe.pipeline.links.transport import HEADER_SIZE
 from aqpipe.pipeline.numerics.tied import added_in_order, row_tables, tied_groups
-from aqpipe.pipeline.tied_exchanges import delta_bits, wire_dtype_name
+from aqpipe.pipeline.vocab.tied_exchanges import delta_bits, wire_dtype_name
 from aqpipe.pipeline.world.grid import Grid
 from aqpipe.runtime import plan as run_plan
 from aqpipe.runtime.capacity.codec_graphs import stage_graph_bytes

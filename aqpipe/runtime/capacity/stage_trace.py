@@ -15,11 +15,11 @@ from typing import NamedTuple
 import torch
 
 from aqpipe.config import ResolvedConfig
-from aqpipe.pipeline import schedule as sch
 from aqpipe.pipeline.execution.held import ActivationMeter
 from aqpipe.pipeline.links.tied_rows import table_parameter
 from aqpipe.pipeline.numerics.mixed_precision import autocast
 from aqpipe.pipeline.numerics.tied import row_tables
+from aqpipe.pipeline.vocab import schedule as sch
 from aqpipe.runtime.plan import RunPlan
 
 # optimizer -> fp32 copies of each trained parameter it keeps (AdamW: both moments; SGD: its momentum buffer, when

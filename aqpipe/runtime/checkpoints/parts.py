@@ -32,7 +32,7 @@ from typing import BinaryIO, cast
 import torch
 
 from aqpipe.disk import save_atomic, write_atomic
-from aqpipe.pipeline.link_rows import canonical, recorded
+from aqpipe.pipeline.vocab.link_rows import canonical, recorded
 
 FORMAT = 2  # 2: checksum lines name rank, step and configuration digest; run.json records the settings
 KEEP = 2  # complete checkpoints kept (besides the newest copied one and one being copied; see mark_complete)

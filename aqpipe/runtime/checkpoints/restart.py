@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aqpipe.pipeline.link_rows import recorded
+from aqpipe.pipeline.vocab.link_rows import recorded
 from aqpipe.runtime.checkpoints.parts import CheckpointError, root, step_dir
 
 # Each time a run started again over its own state (a restart by torchrun or `--max-restarts`, or the same command

@@ -1,5 +1,5 @@
 """One optimizer step's metrics record: every rank's `StepStats` gathered on rank 0, each field combined as it
-declares (`aqpipe.pipeline.step_stats`), and the record fields worked out from several of them (`DERIVED`)."""
+declares (`aqpipe.pipeline.vocab.step_stats`), and the record fields worked out from several of them (`DERIVED`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from aqpipe.config import ResolvedConfig
 from aqpipe.pipeline.links.transport import achieved_rate
-from aqpipe.pipeline.step_stats import Statistic, StepStats, statistics_of
+from aqpipe.pipeline.vocab.step_stats import Statistic, StepStats, statistics_of
 from aqpipe.pipeline.world.grid import Grid, gather_rows
 from aqpipe.storage.base import stage_holding
 

@@ -25,7 +25,7 @@ from aqpipe.pipeline.links.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE
 from aqpipe.pipeline.numerics.mixed_precision import LossScaler, needs_loss_scaling
 from aqpipe.pipeline.numerics.optim import build_optimizer, momenta
 from aqpipe.pipeline.numerics.tied import row_tables, tied_groups
-from aqpipe.pipeline.tied_exchanges import delta_bits, wire_dtype_name
+from aqpipe.pipeline.vocab.tied_exchanges import delta_bits, wire_dtype_name
 from aqpipe.pipeline.world.grid import Grid, ProcessGroups, collective_device, create_groups
 from aqpipe.runtime.checkpoints.store import Checkpoints
 from aqpipe.runtime.plan import RunPlan, store_bytes_per_rank
