@@ -26,7 +26,7 @@ import torch
 
 from aqpipe.compress.link.factory import build_codec
 from aqpipe.compress.link.options import QuantOptions
-from aqpipe.compress.link.specs import keeps_messages
+from aqpipe.compress.link.specs import CodecSpec
 from aqpipe.config import ResolvedConfig
 from aqpipe.launch.gpu_sharing import local_sharing_note
 from aqpipe.pipeline.links.transport import Header
@@ -113,27 +113,26 @@ def codec_speeds(cfg: ResolvedConfig, shape: tuple[int, ...], device: torch.devi
     x = torch.randn(shape, device=device)
     ids = torch.arange(shape[0])
     speeds = {}
-    coded_first = [] if cfg.first_sight_spec.lossless else [str(cfg.first_sight_spec)]
-    for spec in ["fp32", *[f"aqsgd:{b}" for b in FW_BITS], *[f"directq:{min(2 * b, 8)}" for b in FW_BITS], "rtq:4",
-                 *coded_first]:
-        if spec in speeds:
+    coded_first = [] if cfg.first_sight_spec.lossless else [cfg.first_sight_spec]
+    for spec in [CodecSpec("fp32"), *[CodecSpec("aqsgd", b) for b in FW_BITS],
+                 *[CodecSpec("directq", min(2 * b, 8)) for b in FW_BITS], CodecSpec("rtq", 4), *coded_first]:
+        if str(spec) in speeds:
             continue
-        if keeps_messages(spec):
+        if spec.keeps_messages:
             send, recv = memory_store(torch.float16, device), memory_store(torch.float16, device)
             sender = build_codec(spec, "fw", StoreView(send, 0, "send"), options, device=device)
             receiver = build_codec(spec, "fw", StoreView(recv, 0, "recv"), options, device=device)
             first = sender.encode(x, ids, compress=True)  # seeds m(ξ) on both sides: every later visit is a delta
             receiver.decode(Header.for_encoded(first, sender.code), first.payload, ids)
         else:
-            sender = receiver = build_codec(spec, "fw", options=options,
-                                            device=device)
+            sender = receiver = build_codec(spec, "fw", options=options, device=device)
 
         def round_trip(sender=sender, receiver=receiver) -> None:
             encoded = sender.encode(x, ids, compress=True)
             receiver.decode(Header.for_encoded(encoded, sender.code), encoded.payload, ids)
             receiver.settle()  # (a GPU receiver's checksum check, made when its sums arrive)
 
-        speeds[spec] = x.numel() * 4 / _time(round_trip, device) / 1e9
+        speeds[str(spec)] = x.numel() * 4 / _time(round_trip, device) / 1e9
     return speeds
 
 

@@ -9,7 +9,7 @@ from aqpipe.compress.link.aqsgd import MODE_DELTA, MODE_FIRST, MODE_FULL, MODE_F
 from aqpipe.compress.link.factory import build_codec
 from aqpipe.compress.link.options import QuantOptions
 from aqpipe.compress.link.sample_coders import sample_coder
-from aqpipe.compress.link.specs import CodecError
+from aqpipe.compress.link.specs import CodecError, check_first_sight
 from aqpipe.pipeline.links.transport import KIND_ACTIVATION, Header
 from aqpipe.storage import MemoryStore, StoreView
 from tests.codec_cases import aqsgd_pair, device_reads, send, wire
@@ -40,7 +40,7 @@ def test_a_coded_first_sight_seeds_both_copies_from_the_bytes_sent(first_sight):
     x[:, :, 5] *= 40.0  # an outlier channel
     encoded, y = send(sender, receiver, x, ids)
     assert encoded.payload[:4].tolist() == [MODE_FIRST] * 4
-    coder = sample_coder(first_sight, options)
+    coder = sample_coder(check_first_sight(first_sight), options)
     assert encoded.payload.numel() == 4 + 4 * coder.sample_bytes(tuple(x.shape)) < 0.51 * x.numel() * 4
     rows, values = coder.encode(x, values=True)
     assert torch.equal(y, values)  # the receiver computes on what the coder's bytes stand for

@@ -117,8 +117,8 @@ def test_the_resolved_configuration_hands_out_the_parsed_grad_sync_that_nothing_
 
 def test_the_resolved_configuration_hands_out_parsed_codec_specs_that_nothing_parses_again(monkeypatch):
     """--fw, --bw, --first-sight and --eval-codec are parsed where the configuration is resolved; building the run's
-    codecs from what it hands out (an AQ-SGD link with a coded first sight, the evaluation codec) and sizing their
-    messages parse no spec again."""
+    codecs from what it hands out (an AQ-SGD link with a coded first sight, the evaluation codec), sizing their
+    messages and timing `aqpipe bench`'s candidate codecs parse no spec again."""
     import torch
 
     from aqpipe.compress.link import factory, specs
@@ -145,3 +145,7 @@ def test_the_resolved_configuration_hands_out_parsed_codec_specs_that_nothing_pa
     shape = (4, 8, 64)
     assert message_bytes(cfg.fw_spec, "fw", shape, torch.float32, QuantOptions(), cfg.first_sight_spec, True) == \
         4 + 4 * codec.first_sight.sample_bytes(shape)
+    from aqpipe.bench import codec_speeds  # `aqpipe bench`'s candidate codecs, its coded first sight among them
+
+    speeds = codec_speeds(cfg, (2, 4, 16), torch.device("cpu"))
+    assert {"fp32", "aqsgd:2", "directq:8", "rtq:4", "rtqo:3"} <= speeds.keys()

@@ -96,14 +96,15 @@ def test_a_held_out_activation_is_coded_alike_inside_a_stages_autocast(codec):
     from aqpipe.compress.link.options import QuantOptions
     from aqpipe.pipeline.links.link_ends import ActivationIn, ActivationOut
     from aqpipe.pipeline.links.transport import KIND_ACTIVATION, SIDE_MASK, Inbox, Outbox
+    from aqpipe.compress.link.specs import LOSSLESS, check_eval_codec
     from aqpipe.runtime.rank.assemble import evaluation_codec
 
     ours, theirs = socket.socketpair()
     cpu = torch.device("cpu")
-    out = ActivationOut(0, KIND_ACTIVATION, evaluation_codec("fp32", QuantOptions(), cpu), Outbox(ours, "next", 5.0),
-                        eval_codec=evaluation_codec(codec, QuantOptions(), cpu))
-    inn = ActivationIn(0, KIND_ACTIVATION, evaluation_codec("fp32", QuantOptions(), cpu), Inbox(theirs, "prev", 5.0,
-                       cpu), cpu, 2, (SIDE_MASK,), eval_codec=evaluation_codec(codec, QuantOptions(), cpu))
+    out = ActivationOut(0, KIND_ACTIVATION, evaluation_codec(LOSSLESS, QuantOptions(), cpu), Outbox(ours, "next", 5.0),
+                        eval_codec=evaluation_codec(check_eval_codec(codec), QuantOptions(), cpu))
+    inn = ActivationIn(0, KIND_ACTIVATION, evaluation_codec(LOSSLESS, QuantOptions(), cpu), Inbox(theirs, "prev", 5.0,
+                       cpu), cpu, 2, (SIDE_MASK,), eval_codec=evaluation_codec(check_eval_codec(codec), QuantOptions(), cpu))
     try:
         x = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(0)) * 3
         x[:, 0, 5] = 3000.0  # a massive activation, as an attention sink's

@@ -24,7 +24,7 @@ from aqpipe.compress.link.base import CodecParts, Encoded, LinkCodec, bytes_as, 
 from aqpipe.compress.link.codes import CODE_DIRECTQ, CODE_RTQ, CODE_RTQO, FLOAT_CODECS
 from aqpipe.compress.link.directq import decode_samples, encode_samples, join_rows, sample_bytes, split_rows
 from aqpipe.compress.link.options import QuantOptions
-from aqpipe.compress.link.specs import CodecError, CodecSpec, first_sight_spec
+from aqpipe.compress.link.specs import CodecError, CodecSpec
 from aqpipe.compress.quantize import FP16_MAX, dequantize, quantize, scale_count
 from aqpipe.compress.rotated import (
     DEFAULT_TILE,
@@ -327,16 +327,15 @@ class CoderCodec(LinkCodec):
         return coder_calls(self.coder, shape, sending)
 
 
-def sample_coder(spec: str | CodecSpec, options: QuantOptions | None = None,
+def sample_coder(spec: CodecSpec, options: QuantOptions | None = None,
                  generator: torch.Generator | None = None) -> SampleCoder:
-    """The coder a --first-sight spec names (fp32, bf16, fp16, directq:B, rtq:B, rtqo:B), parsed or as given (then a
-    CodecError if it is none of them)."""
-    parsed = first_sight_spec(spec)
+    """The coder a parsed --first-sight spec names (fp32, bf16, fp16, directq:B, rtq:B, rtqo:B; `check_first_sight`
+    parses and checks one)."""
     options = options or QuantOptions()
-    if parsed.kind in FLOAT_CODECS:
-        return CastCoder(parsed.kind, FLOAT_CODECS[parsed.kind][0])
-    if parsed.kind == "rtq":
-        return RotatedCoder(parsed.bits, options, generator)
-    if parsed.kind == "rtqo":
-        return OutlierRotatedCoder(parsed.bits, options, generator)
-    return QuantCoder(parsed.bits, options, generator)
+    if spec.kind in FLOAT_CODECS:
+        return CastCoder(spec.kind, FLOAT_CODECS[spec.kind][0])
+    if spec.kind == "rtq":
+        return RotatedCoder(spec.bits, options, generator)
+    if spec.kind == "rtqo":
+        return OutlierRotatedCoder(spec.bits, options, generator)
+    return QuantCoder(spec.bits, options, generator)

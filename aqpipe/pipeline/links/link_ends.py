@@ -24,7 +24,7 @@ import torch
 from aqpipe.compress.link.base import DeltaFidelity, LinkCodec
 from aqpipe.compress.link.codes import FLAG_REAL_ROWS
 from aqpipe.compress.link.factory import build_codec
-from aqpipe.compress.link.specs import CodecError
+from aqpipe.compress.link.specs import LOSSLESS, CodecError
 from aqpipe.pipeline import present
 from aqpipe.pipeline.links import real_rows
 from aqpipe.pipeline.links.tied_rows import RowExchange
@@ -43,7 +43,7 @@ from aqpipe.pipeline.links.transport import (
 )
 from aqpipe.pipeline.vocab import schedule as sch
 
-FP32: LinkCodec = build_codec("fp32", "fw")  # an evaluation codec where none is given: lossless
+FP32: LinkCodec = build_codec(LOSSLESS, "fw")  # an evaluation codec where none is given: lossless
 
 
 @dataclass

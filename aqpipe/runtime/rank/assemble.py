@@ -131,7 +131,7 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
     return links
 
 
-def evaluation_codec(spec: str | CodecSpec, options: QuantOptions, device: torch.device) -> LinkCodec:
+def evaluation_codec(spec: CodecSpec, options: QuantOptions, device: torch.device) -> LinkCodec:
     """The codec of one end of a link's held-out activations: `spec` rounding to nearest, so an evaluation's numbers
     depend on the weights alone (never on random draws a checkpoint does not keep)."""
     return build_codec(spec, "fw", options=dataclasses.replace(options, stochastic=False), device=device)
