@@ -1,6 +1,6 @@
 """Simulated hosts on one machine, for tests and benchmarks of real multi-host runs.
 
-Each host is a network namespace of a throttled topology, named `host-<h>` in a UTS namespace of its own, a name
+Each host is a network namespace of a throttled topology, named `host<h>` in a UTS namespace of its own, a name
 every host resolves to its address (an /etc/hosts of their own) (`aqpipe.launch.netns`: its link to the others shaped
 by `tc tbf` in both directions; the ranks of one host talk over that namespace's own addresses, unshaped), with a
 private disk: a per-host directory bind-mounted, in a mount namespace of its own, at one path every host shares.
@@ -83,8 +83,8 @@ class Hosts:
 
     @staticmethod
     def name(host: int) -> str:
-        """Host `host`'s name (its UTS namespace's hostname)."""
-        return f"host-{host}"
+        """Host `host`'s name (its UTS namespace's hostname), as the docs' commands name hosts (host0, host1, ...)."""
+        return f"host{host}"
 
     def start(self, host: int, *aqpipe_args: str, env: dict | None = None, log: Path | None = None,
               max_restarts: int | None = None) -> subprocess.Popen:

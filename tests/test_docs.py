@@ -1,9 +1,11 @@
 """The documentation stays true: every link in the README and docs/ leads somewhere, and every command block marked
-runnable runs as written (a block is marked by the line `<!-- runnable[ slow][ root][: ARGS] -->` before it:
+runnable runs as written (a block is marked by the line `<!-- runnable[ hosts][ slow][ root][: ARGS] -->` before it:
 `slow` blocks run with `-m slow`, `root` ones as root only, and ARGS — tiny settings — are added to each
 `aqpipe launch` of the block, typed alone or after a launcher's `-m`/`--module`). A block runs in an empty folder
 holding the files the pages' examples name: `corpus.txt` (WikiText-2's valid split) and `config.yaml` (`model:
-gpt2-small`, `pp: 2`, `data: corpus.txt`)."""
+gpt2-small`, `pp: 2`, `data: corpus.txt`). A `hosts` block — a torchrun command every host types — runs on as many
+simulated hosts as its `--nnodes` says (tests/hosts.py: host0, host1, ... each in its own network namespace with a
+disk of its own), on each in that folder at the same path, its `--node-rank 0` made the host's own."""
 
 import os
 import re
@@ -14,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from aqpipe.launch import netns
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MARKED = re.compile(r"<!-- runnable(?P<tags>(?: (?:slow|root))*)(?:: (?P<args>[^>]*?))? -->\n```bash\n(?P<body>.*?)```", re.S)
+MARKED = re.compile(r"<!-- runnable(?P<tags>(?: (?:hosts|slow|root))*)(?:: (?P<args>[^>]*?))? -->\n```bash\n(?P<body>.*?)```", re.S)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
@@ -33,9 +37,9 @@ def runnable_blocks() -> list:
         for n, found in enumerate(MARKED.finditer(page.read_text())):
             tags = found["tags"].split()
             marks = [pytest.mark.slow] if "slow" in tags else []
-            marks += [pytest.mark.xdist_group("netns")] if "root" in tags else []  # (namespaces: one worker)
+            marks += [pytest.mark.xdist_group("netns")] if {"root", "hosts"} & set(tags) else []  # (one worker)
             marks += [pytest.mark.needs(*modules) for word, modules in NEEDS.items() if word in found["body"]]
-            blocks.append(pytest.param(page.name, found["body"], found["args"] or "", "root" in tags, marks=marks,
+            blocks.append(pytest.param(page.name, found["body"], found["args"] or "", tuple(tags), marks=marks,
                                        id=f"{page.stem}-{n}"))
     return blocks
 
@@ -78,14 +82,45 @@ def test_tiny_settings_go_into_each_launch_before_its_comment():
         "# python -m aqpipe launch", "aqpipe report runs/x  # as python -m aqpipe launch does"]
 
 
-@pytest.mark.parametrize("page, commands, args, needs_root", runnable_blocks())
-def test_a_runnable_block_runs_as_written(page, commands, args, needs_root, tmp_path):
-    if needs_root and os.geteuid() != 0:
+def write_inputs(folder: Path) -> None:
+    """The files the pages' examples name, in `folder`."""
+    (folder / "corpus.txt").write_text((ROOT / "benchmarks" / "data" / "wikitext-2" / "valid.txt").read_text())
+    (folder / "config.yaml").write_text("model: gpt2-small\npp: 2\ndata: corpus.txt\n")
+
+
+def on_hosts(script: str, root: Path, env: dict) -> list[tuple[int, str]]:
+    """`script` typed on each of the simulated hosts its `--nnodes` asks for: each host's exit code and output."""
+    from tests.hosts import simulated_hosts, wait_all
+
+    nodes = int(re.search(r"--nnodes (\d+)", script)[1])
+    per_host = int(re.search(r"--nproc-per-node (\d+)", script)[1])
+    with simulated_hosts(root, nodes, per_host, 1_000_000_000) as hosts:
+        procs, logs = [], [hosts.disk(h) / "block.log" for h in range(nodes)]
+        for host in range(nodes):
+            write_inputs(hosts.disk(host))
+            typed = script.replace("--node-rank 0", f"--node-rank {host}")
+            with open(logs[host], "wb") as log:
+                procs.append(subprocess.Popen(hosts.command(host, ["bash", "-e", "-c", f"cd {hosts.mount}\n{typed}"]),
+                                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                              start_new_session=True))
+        codes = wait_all(procs, 900)
+        return [(code, log.read_text(errors="replace")[-2500:]) for code, log in zip(codes, logs)]
+
+
+@pytest.mark.parametrize("page, commands, args, tags", runnable_blocks())
+def test_a_runnable_block_runs_as_written(page, commands, args, tags, tmp_path):
+    if ("root" in tags or "hosts" in tags) and os.geteuid() != 0:
         pytest.skip("the block needs root (network namespaces)")
-    (tmp_path / "corpus.txt").write_text((ROOT / "benchmarks" / "data" / "wikitext-2" / "valid.txt").read_text())
-    (tmp_path / "config.yaml").write_text("model: gpt2-small\npp: 2\ndata: corpus.txt\n")
+    if "hosts" in tags and netns.can_throttle() is not None:
+        pytest.skip(f"cannot build namespaces here: {netns.can_throttle()}")
     script = with_args(commands, args)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    if "hosts" in tags:
+        results = on_hosts(script, tmp_path, env)
+        assert all(code == 0 for code, _ in results), f"{page}:\n{script}\n" + "\n".join(
+            f"--- host{host}: exit {code}\n{output}" for host, (code, output) in enumerate(results))
+        return
+    write_inputs(tmp_path)
     proc = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, f"{page}:\n{shlex.quote(script)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
