@@ -165,7 +165,7 @@ def test_a_fresh_host_in_place_of_one_that_lost_its_disk_fetches_its_part_and_th
         procs[1] = hosts.start(1, *command, env=ENV, max_restarts=3)
         assert wait_all(procs, 240) == [0, 0, 0], logs(hosts)
         said = (hosts.disk(1) / "torchrun.log").read_text(errors="replace")
-        assert re.search(r"rank 1 on host-1: fetched its part of the checkpoint of step \d+ from rank 2's host", said)
+        assert re.search(r"rank 1 on host1: fetched its part of the checkpoint of step \d+ from rank 2's host", said)
         said = (hosts.disk(0) / "torchrun.log").read_text(errors="replace")
         resumed = [int(step) for step in re.findall(r"holds this run: it continues after step (\d+)", said)]
         assert len(resumed) == 1 and resumed[0] >= replicated, (resumed, replicated, logs(hosts))
