@@ -40,6 +40,11 @@ from aqpipe.runtime.plan import RunPlan
 from aqpipe.storage import StoreView, memory_store
 
 FW_BITS = (8, 6, 4, 3, 2)  # the AQ-SGD widths the recommendation chooses among, most faithful first
+
+
+def candidate_links(bits: int) -> tuple[CodecSpec, CodecSpec]:
+    """The links the recommendation weighs at `bits`: AQ-SGD forward, DirectQ gradients at twice the bits (at most 8)."""
+    return CodecSpec("aqsgd", bits), CodecSpec("directq", min(2 * bits, 8))
 REPEATS = 5
 
 
@@ -114,8 +119,9 @@ def codec_speeds(cfg: ResolvedConfig, shape: tuple[int, ...], device: torch.devi
     ids = torch.arange(shape[0])
     speeds = {}
     coded_first = [] if cfg.first_sight_spec.lossless else [cfg.first_sight_spec]
-    for spec in [CodecSpec("fp32"), *[CodecSpec("aqsgd", b) for b in FW_BITS],
-                 *[CodecSpec("directq", min(2 * b, 8)) for b in FW_BITS], CodecSpec("rtq", 4), *coded_first]:
+    links = [candidate_links(bits) for bits in FW_BITS]
+    for spec in [CodecSpec("fp32"), *[fw for fw, _ in links], *[bw for _, bw in links], CodecSpec("rtq", 4),
+                 *coded_first]:
         if str(spec) in speeds:
             continue
         if spec.keeps_messages:
@@ -172,15 +178,15 @@ def recommend(link: LinkNeeds, cfg: ResolvedConfig, rate: float, compute: float,
     dtype = getattr(torch, link.activation_dtype)
     shape = link.activation_shape
 
-    def message(spec: str, direction: str, dtype: torch.dtype) -> int:
+    def message(spec: CodecSpec, direction: str, dtype: torch.dtype) -> int:
         def coded(s: tuple[int, ...]) -> int:
             return steady_payload_bytes(spec, direction, s, dtype, options)
         return rows.step_bytes(coded, shape, 1)
 
     wire, busiest = {}, {}
     for bits in FW_BITS:
-        fw = message(f"aqsgd:{bits}", "fw", dtype)
-        bw = message(f"directq:{min(2 * bits, 8)}", "bw", torch.float32)
+        fw_spec, bw_spec = candidate_links(bits)
+        fw, bw = message(fw_spec, "fw", dtype), message(bw_spec, "bw", torch.float32)
         wire[bits] = (fw / rate, bw / rate)
         busiest[bits] = links_seconds(rank_traffic([(fw, bw)] * (cfg.pp - 1)), 8 * rate, overlapped=True)
     fitting = [b for b in FW_BITS if busiest[b] <= compute]

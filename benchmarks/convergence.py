@@ -41,9 +41,9 @@ EXTRA = {
     # compressed from the first step with rotated 4-bit first sights
     "aqsgd fw4 bw8": ("aqsgd:4", "directq:8"),
     "first rtq4 fw4 bw8": ("aqsgd:4", "directq:8", "none", ("--first-sight", "rtq:4", "--warmup-epochs", "0")),
-    # aqpipe's default links, compressed from the first step (run with --scales channel --rounding nearest, the
-    # package's defaults)
-    "defaults": ("aqsgd:3", "rtq:4", "none", ("--first-sight", "rtqo:3", "--warmup-epochs", "0")),
+    # aqpipe's default links and quantizer, compressed from the first step
+    "defaults": ("aqsgd:3", "rtq:4", "none", ("--first-sight", "rtqo:3", "--warmup-epochs", "0", "--quant-scales",
+                                              "channel", "--quant-rounding", "nearest", "--quant-grid", "signed")),
 }
 
 

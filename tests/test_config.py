@@ -55,7 +55,7 @@ def test_the_resume_rule_is_the_definitions(tmp_path):
 
 def test_help_shows_every_setting_in_its_section():
     text = _parser()._subparsers._group_actions[0].choices["launch"].format_help()
-    for section, title in SECTIONS.items():
+    for title in SECTIONS.values():
         assert f"\n{title}:\n" in text, title
     flat = " ".join(text.split())
     for name in settings():
@@ -118,7 +118,7 @@ def test_the_resolved_configuration_hands_out_the_parsed_grad_sync_that_nothing_
 def test_the_resolved_configuration_hands_out_parsed_codec_specs_that_nothing_parses_again(monkeypatch):
     """--fw, --bw, --first-sight and --eval-codec are parsed where the configuration is resolved; building the run's
     codecs from what it hands out (an AQ-SGD link with a coded first sight, the evaluation codec), sizing their
-    messages and timing `aqpipe bench`'s candidate codecs parse no spec again."""
+    messages, and `aqpipe bench` timing its candidate codecs and weighing their bytes parse no spec again."""
     import torch
 
     from aqpipe.compress.link import factory, specs
@@ -145,7 +145,9 @@ def test_the_resolved_configuration_hands_out_parsed_codec_specs_that_nothing_pa
     shape = (4, 8, 64)
     assert message_bytes(cfg.fw_spec, "fw", shape, torch.float32, QuantOptions(), cfg.first_sight_spec, True) == \
         4 + 4 * codec.first_sight.sample_bytes(shape)
-    from aqpipe.bench import codec_speeds  # `aqpipe bench`'s candidate codecs, its coded first sight among them
+    from aqpipe.bench import codec_speeds, recommend  # `aqpipe bench`: its candidate codecs timed, and the advice
+    from aqpipe.runtime.capacity.links import LinkNeeds
 
     speeds = codec_speeds(cfg, (2, 4, 16), torch.device("cpu"))
     assert {"fp32", "aqsgd:2", "directq:8", "rtq:4", "rtqo:3"} <= speeds.keys()
+    assert recommend(LinkNeeds(0, (2, 4, 16), "float32", 0, 0, 0, 0, 0), cfg, 1e12, 0.05)[:2] == (8, False)

@@ -1,6 +1,6 @@
 """The documentation stays true: every link in the README and docs/ leads somewhere, and every command block marked
 runnable runs as written (a block is marked by the line `<!-- runnable[ hosts][ slow][ root][: ARGS] -->` before it:
-`slow` blocks run with `-m slow`, `root` ones as root only, and ARGS — tiny settings — are added to each
+`slow` blocks run with `-m slow`, `root` and `hosts` ones as root only, and ARGS — tiny settings — are added to each
 `aqpipe launch` of the block, typed alone or after a launcher's `-m`/`--module`). A block runs in an empty folder
 holding the files the pages' examples name: `corpus.txt` (WikiText-2's valid split) and `config.yaml` (`model:
 gpt2-small`, `pp: 2`, `data: corpus.txt`). A `hosts` block — a torchrun command every host types — runs on as many
@@ -20,7 +20,8 @@ from aqpipe.launch import netns
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MARKED = re.compile(r"<!-- runnable(?P<tags>(?: (?:hosts|slow|root))*)(?:: (?P<args>[^>]*?))? -->\n```bash\n(?P<body>.*?)```", re.S)
+MARKED = re.compile(r"<!-- runnable(?P<tags>(?: (?:hosts|slow|root))*)(?:: (?P<args>[^>]*?))? -->\n"
+                    r"```bash\n(?P<body>.*?)```", re.S)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
@@ -92,18 +93,23 @@ def on_hosts(script: str, root: Path, env: dict) -> list[tuple[int, str]]:
     """`script` typed on each of the simulated hosts its `--nnodes` asks for: each host's exit code and output."""
     from tests.hosts import simulated_hosts, wait_all
 
-    nodes = int(re.search(r"--nnodes (\d+)", script)[1])
-    per_host = int(re.search(r"--nproc-per-node (\d+)", script)[1])
-    with simulated_hosts(root, nodes, per_host, 1_000_000_000) as hosts:
-        procs, logs = [], [hosts.disk(h) / "block.log" for h in range(nodes)]
-        for host in range(nodes):
-            write_inputs(hosts.disk(host))
-            typed = script.replace("--node-rank 0", f"--node-rank {host}")
-            with open(logs[host], "wb") as log:
-                procs.append(subprocess.Popen(hosts.command(host, ["bash", "-e", "-c", f"cd {hosts.mount}\n{typed}"]),
-                                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                              start_new_session=True))
-        codes = wait_all(procs, 900)
+    nodes = re.search(r"--nnodes (\d+)", script)
+    assert nodes, f"a hosts block names its hosts with torchrun's --nnodes:\n{script}"
+    with simulated_hosts(root, int(nodes[1]), 1, 1_000_000_000) as hosts:
+        procs, logs = [], [hosts.disk(h) / "block.log" for h in range(int(nodes[1]))]
+        try:
+            for host, log_path in enumerate(logs):
+                write_inputs(hosts.disk(host))
+                typed = script.replace("--node-rank 0", f"--node-rank {host}")
+                with open(log_path, "wb") as log:
+                    procs.append(subprocess.Popen(
+                        hosts.command(host, ["bash", "-e", "-c", f"cd {shlex.quote(str(hosts.mount))}\n{typed}"]),
+                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True))
+            codes = wait_all(procs, 420)  # (within the suite's 600 s a test)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    hosts.kill(proc)
         return [(code, log.read_text(errors="replace")[-2500:]) for code, log in zip(codes, logs)]
 
 
@@ -111,8 +117,8 @@ def on_hosts(script: str, root: Path, env: dict) -> list[tuple[int, str]]:
 def test_a_runnable_block_runs_as_written(page, commands, args, tags, tmp_path):
     if ("root" in tags or "hosts" in tags) and os.geteuid() != 0:
         pytest.skip("the block needs root (network namespaces)")
-    if "hosts" in tags and netns.can_throttle() is not None:
-        pytest.skip(f"cannot build namespaces here: {netns.can_throttle()}")
+    if "hosts" in tags and (cannot := netns.can_throttle()) is not None:
+        pytest.skip(f"cannot build simulated hosts here: {cannot}")
     script = with_args(commands, args)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     if "hosts" in tags:

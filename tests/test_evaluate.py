@@ -94,9 +94,9 @@ def test_a_held_out_activation_is_coded_alike_inside_a_stages_autocast(codec):
     import socket
 
     from aqpipe.compress.link.options import QuantOptions
+    from aqpipe.compress.link.specs import LOSSLESS, check_eval_codec
     from aqpipe.pipeline.links.link_ends import ActivationIn, ActivationOut
     from aqpipe.pipeline.links.transport import KIND_ACTIVATION, SIDE_MASK, Inbox, Outbox
-    from aqpipe.compress.link.specs import LOSSLESS, check_eval_codec
     from aqpipe.runtime.rank.assemble import evaluation_codec
 
     ours, theirs = socket.socketpair()

@@ -102,6 +102,7 @@ def test_the_check_sees_rooms_inside_a_package():
     arrows = import_arrows("aqpipe.pipeline")
     assert ("execution", "links") in arrows and ("links", "world") in arrows
     assert not {b for a, b in arrows if a == "world"} & {"links", "numerics", "execution"}
+    assert ("execution", "vocab") in arrows and not {b for a, b in arrows if a == "vocab"}  # the bottom room
 
 
 def test_the_check_sees_a_cycle():

@@ -311,7 +311,7 @@ def _announce(cfg: ResolvedConfig, plan) -> None:
 def warmup_note(plan: RunPlan) -> str | None:
     """What to tell a user whose lossy --fw/--bw never applies because every step lies in the fp32 warm-up."""
     cfg, total_steps = plan.cfg, plan.total_steps
-    if (cfg.fw, cfg.bw) == ("fp32", "fp32") or total_steps <= 0 or plan.compresses(total_steps - 1):
+    if (cfg.fw_spec.lossless and cfg.bw_spec.lossless) or total_steps <= 0 or plan.compresses(total_steps - 1):
         return None
     return (f"all {total_steps} steps lie in the first {cfg.warmup_epochs} epoch(s) of {plan.steps_per_epoch} steps, "
             f"which --warmup-epochs sends in fp32 (AQ-SGD fills m(xi) then): the links never compress with "

@@ -11,7 +11,9 @@
 - `vocab/`: the engine's vocabularies, read without torch by the configuration and the runtime too: the schedules as
   instruction streams, a step's statistics and how the ranks' values combine, the `--precision`, `--tied-exchange`
   and `--link-rows` choices.
-At the top, `present`: a value a stage's work needs at this point. Knows nothing of configuration files or launching."""
+
+At the top, `present`, which checks that a value a stage's work needs is set at this point. The engine knows nothing
+of configuration files or launching."""
 
 from typing import TypeVar
 

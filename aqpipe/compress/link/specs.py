@@ -50,8 +50,8 @@ CODEC_KINDS: dict[str, CodecKind] = {
 FIRST_SIGHT_KINDS = tuple(name for name, kind in CODEC_KINDS.items() if kind.first_sight)
 # An AQ-SGD link's first sights when --first-sight is not given, with no fp32 warm-up epoch (--warmup-epochs 0):
 # chosen by the SmolLM2 fine-tuning benchmark (benchmarks/README.md, "Fine-tuning from the first step"). Coded first
-# sights from step 1 keep the held-out loss at most 1% above fp32's where an fp32 first epoch sends 1.0x and 1.7x fewer
-# bytes than fp32 over 1 and 2 epochs; over real rows, rtqo:3 (each token's largest value set apart in fp16, the rest
+# sights from step 1 compress a 1-epoch fine-tune throughout (an fp32 first epoch sends every byte of it uncoded) at a
+# held-out loss within 1% of fp32's; over real rows, rtqo:3 (each token's largest value set apart in fp16, the rest
 # in rotated 3-bit tiles) held it within 0.04% at 1 epoch, 0.57% and 1.1% below it at 2 and 3, at 11%, 6% and 4%
 # fewer bytes than rtq:4 (+0.20%, +0.22%, -0.23%). A link that keeps no messages has no first sights: fp32.
 DEFAULT_FIRST_SIGHT = "rtqo:3"

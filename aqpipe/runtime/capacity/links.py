@@ -57,7 +57,7 @@ class LinkNeeds:
         return fwd, bwd
 
 
-def steady_payload_bytes(spec: str | CodecSpec, direction: str, shape: tuple[int, ...], dtype: torch.dtype,
+def steady_payload_bytes(spec: CodecSpec, direction: str, shape: tuple[int, ...], dtype: torch.dtype,
                          options: QuantOptions) -> int:
     """Payload bytes of one compressed message of `shape` with a --fw/--bw spec (AQ-SGD: every sample a delta)."""
     return message_bytes(spec, direction, shape, dtype, options)
