@@ -140,12 +140,12 @@ def test_the_command_module_loads_without_torch():
 
 
 def test_a_lossy_codec_that_never_leaves_the_fp32_warm_up_is_pointed_out():
-    from aqpipe.config import RunConfig
+    from aqpipe.config import RunConfig, resolve
     from aqpipe.launch.job import warmup_note
     from aqpipe.runtime.plan import RunPlan
 
     def note(cfg: RunConfig, total_steps: int, steps_per_epoch: int = 25):
-        return warmup_note(RunPlan(cfg, None, None, [], steps_per_epoch, total_steps))
+        return warmup_note(RunPlan(resolve(cfg), None, None, [], steps_per_epoch, total_steps))
 
     lossy = RunConfig(fw="aqsgd:3", bw="directq:6", warmup_epochs=1)
     assert "never compress" in note(lossy, total_steps=25)
