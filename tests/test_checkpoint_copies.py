@@ -49,10 +49,10 @@ def land(out: Path, part: bytes, line: str) -> None:
         landing.discard()
 
 
-def _copy(rank: int, world: int, root: str, link_rate: float = 1e9, keep_part: bool = False):
+def _copy(rank: int, world: int, root: str, link_rate: float = 1e9, keep_part: bool = False, group_timeout: float = 60):
     """On each of `world` hosts (one rank each, a directory each, a pipeline stage each): a checkpoint of step 4
     (`keep_part`: the one already there), then its copies, paced by the link rate the stage measured from the host
-    before it."""
+    before it, their group's collectives timing out after `group_timeout` seconds."""
     from aqpipe.pipeline.vocab.step_stats import StepStats
     from aqpipe.pipeline.world import comm
     from aqpipe.pipeline.world.grid import Grid
@@ -63,7 +63,7 @@ def _copy(rank: int, world: int, root: str, link_rate: float = 1e9, keep_part: b
         ck.save_rank(out, 4, rank, {"model": {"w": torch.randn(100_000 * (rank + 1))}}, SETTINGS)
     ck.mark_complete(out, 4, world, SETTINGS)
     copier = CheckpointCopier(out, Grid(world, 1, rank), [f"host-{r}" for r in range(world)], 1,
-                              datetime.timedelta(seconds=60), 0.1)
+                              datetime.timedelta(seconds=group_timeout), 0.1)
     copier.observe(StepStats(fwd_recv_bytes=int(link_rate), fwd_arrived_bytes=int(link_rate), fwd_recv_seconds=1.0,
                              bwd_recv_bytes=int(link_rate), bwd_arrived_bytes=int(link_rate), bwd_recv_seconds=1.0))
     copier.start(4, leader=True)
@@ -226,18 +226,23 @@ def _copy_a_part_damaged_on_host_1(rank: int, world: int, root: str):
         part = ck.rank_file(ck.step_dir(out, 4), rank)
         part.write_bytes(part.read_bytes()[:-100] + bytes(100))
     start = time.monotonic()
-    _, names = _copy(rank, world, root, 4e7, keep_part=rank == 1)
+    _, names = _copy(rank, world, root, 4e7, keep_part=rank == 1, group_timeout=COPIES_TIMEOUT)
     return time.monotonic() - start, names
+
+
+# The copies' group time-out where a test tells copies that end at once from copies that wait it out: far above what
+# starting the copies' processes and group takes on a loaded 2-core machine (up to about 35 s seen)
+COPIES_TIMEOUT = 180
 
 
 def test_a_copy_that_fails_on_one_host_leaves_the_step_unreplicated_on_every_host(tmp_path):
     """Host 2 finds host 1's part damaged on arrival: no host marks the step REPLICATED, every rank's copies end at
-    once (the copies' group time-out is 60 s here)."""
+    once, not at the copies' group time-out."""
     results = run_ranks(_copy_a_part_damaged_on_host_1, 3, str(tmp_path))
     for rank, (status, value) in enumerate(results):
         assert status == "ok", value
         seconds, names = value
-        assert seconds < 30, (rank, seconds)
+        assert seconds < COPIES_TIMEOUT / 2, (rank, seconds)
         assert "REPLICATED" not in names and "COPYING" in names
         assert not [n for n in names if n.startswith(".")]
     assert "rank-1.pt" not in results[2][1][1]  # host 2 kept nothing of rank 1's damaged part
