@@ -120,9 +120,9 @@ def test_wire_bytes_of_each_codec_equal_a_real_message():
     x = torch.randn(3, 7, 20)
     for spec, direction in [("fp32", "fw"), ("fp16", "fw"), ("directq:4", "fw"), ("topk:0.1:8", "bw"), ("bf16", "bw"),
                             ("rtq:4", "bw")]:
-        encoded = build_codec(spec, direction, options=options).encode(x, torch.arange(3))
-        assert encoded.payload.numel() == capacity_links.steady_payload_bytes(parse_spec(spec, direction), direction,
-                                                                              tuple(x.shape), x.dtype, options)
+        parsed = parse_spec(spec, direction)
+        encoded = build_codec(parsed, direction, options=options).encode(x, torch.arange(3))
+        assert encoded.payload.numel() == capacity_links.steady_payload_bytes(parsed, direction, x.shape, x.dtype, options)
 
     assert capacity_links.raw_payload_bytes(parse_spec("fp32", "fw"), (3, 7, 20), torch.bfloat16) == 3 * 7 * 20 * 2
     assert capacity_links.raw_payload_bytes(parse_spec("aqsgd:3", "fw"), (3, 7, 20), torch.float32) == 3 + 3 * 7 * 20 * 4
