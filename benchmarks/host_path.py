@@ -44,7 +44,7 @@ def steady_pairs(pairs: int, shape: tuple[int, ...], profile: str | None) -> dic
     import torch
 
     from aqpipe.compress.gpu import fused
-    from aqpipe.compress.link.aqsgd import refuse_divergence
+    from aqpipe.compress.link.checksum import refuse_divergence
     from aqpipe.compress.link.factory import build_codec
     from aqpipe.compress.link.late_checks import LateChecks
     from aqpipe.compress.link.options import QuantOptions

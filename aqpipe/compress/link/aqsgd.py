@@ -34,6 +34,7 @@ from aqpipe.compress.gpu.cuda_graphs import forget, graphed, may_replay
 from aqpipe.compress.gpu.graph_memory import GraphCall, stand_in
 from aqpipe.compress.link.aqsgd_fused import FusedDelta, fused_delta
 from aqpipe.compress.link.aqsgd_rows import (
+    LATE_CHECKED,
     LOSSLESS_MODES,
     MODE_DELTA,
     MODE_DTYPES,
@@ -55,7 +56,7 @@ from aqpipe.compress.link.aqsgd_rows import (
 )
 from aqpipe.compress.link.aqsgd_steps import RowSteps
 from aqpipe.compress.link.base import CodecParts, DeltaFidelity, Encoded, LinkCodec, bytes_as, generator_on, numel
-from aqpipe.compress.link.checksum import fold_checksum, store_checksum
+from aqpipe.compress.link.checksum import fold_checksum, refuse_divergence, store_checksum
 from aqpipe.compress.link.codes import CODE_AQSGD, CODE_AQSGD_RTQ, FLAG_NO_CHECK
 from aqpipe.compress.link.late_checks import LateChecks
 from aqpipe.compress.link.options import QuantOptions
@@ -66,6 +67,7 @@ from aqpipe.compress.link.sample_coders import (
     SampleCoder,
     batch_problem,
     coder_calls,
+    delta_coder,
     sample_coder,
 )
 from aqpipe.compress.link.specs import LOSSLESS, CodecError, CodecSpec
@@ -88,7 +90,7 @@ class AQSGDCodec(LinkCodec):
     def from_spec(cls, spec: CodecSpec, parts: CodecParts) -> AQSGDCodec:
         first = None if parts.first_sight.lossless else sample_coder(parts.first_sight, parts.options)
         return cls(spec.bits, parts.store_view, parts.options, parts.check, parts.device,
-                   delta=_delta_coder(spec, parts.options), first_sight=first)
+                   delta=delta_coder(spec, parts.options), first_sight=first)
 
     @classmethod
     def message_bytes(cls, spec: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype, options: QuantOptions,
@@ -96,7 +98,7 @@ class AQSGDCodec(LinkCodec):
         """A mode byte per sample, then every sample's delta — or, with `first_sights`, its first sight: the
         `first_sight` coder's row, or (fp32) its values in the activation's own lossless dtype."""
         if not first_sights:
-            coder: SampleCoder = _delta_coder(spec, options)
+            coder: SampleCoder = delta_coder(spec, options)
         elif first_sight.lossless:
             coder = CastCoder("fp32", dtype if dtype in LOSSLESS_MODES else torch.float32)
         else:
@@ -406,7 +408,7 @@ class AQSGDCodec(LinkCodec):
                 self.view.scatter([id_list[i] for g in written for i in g.at],
                                   torch.cat([present(g.values) for g in written]))
             if not header.flags & FLAG_NO_CHECK:
-                self.late_checks.add(header, *_sums_by_row(groups))
+                self.late_checks.add(header, *Candidates.device_sums(groups))
             return out
         # whether each new m(ξ) may be kept (the sender's rule, on the same values) and the checksum sums, read in
         # one wait for the device — after the checks left for later, which that wait covers, so a divergence is named
@@ -469,19 +471,6 @@ class AQSGDCodec(LinkCodec):
         refuse_divergence(self.view.link, header, check)
 
 
-def refuse_divergence(link: int, header, check: int) -> None:
-    """Refuse a message on `link` after which the receiver's m(ξ) would differ from the sender's: its folded checksum
-    `check` is not the header's (unless the sender sent no check)."""
-    if not header.flags & FLAG_NO_CHECK and check != header.codec_check:
-        raise CodecError(f"m(xi) diverged on link {link}: this side's copy fails the sender's checksum "
-                         f"at step {header.step} micro-batch {header.micro_batch}")
-
-
-# The kinds of row a receiver keeps whatever its values (its sender sent each so only where the value could be kept):
-# a message of them alone needs no verdict read, and a GPU receiver checks its checksum late (`late_checks`).
-LATE_CHECKED = frozenset({MODE_DELTA, MODE_FIRST})
-
-
 def _once(make: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """`make`, called at most once: its value kept for the calls after (what `functools.cache` does, without its
     wrapper's set-up on every message)."""
@@ -493,16 +482,3 @@ def _once(make: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         return made[0]
 
     return value
-
-
-def _sums_by_row(groups: list[Candidates]) -> tuple[torch.Tensor, list[int] | None]:
-    """The checksum sums of a message's rows (each group's, on the device) and the row each belongs to (None: the
-    one group's rows are the message's, in order)."""
-    if len(groups) == 1:
-        return groups[0].verdicts[len(groups[0].at):], None
-    return (torch.cat([g.verdicts[len(g.at):] for g in groups]), [i for g in groups for i in g.at])
-
-
-def _delta_coder(spec: CodecSpec, options: QuantOptions) -> SampleCoder:
-    """The coder of a known sample's change: B-bit quantization with the options' scales, or rotated tiles."""
-    return RotatedCoder(spec.bits, options) if spec.kind == "aqsgd-rtq" else QuantCoder(spec.bits, options)

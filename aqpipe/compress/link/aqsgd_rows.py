@@ -17,6 +17,9 @@ from aqpipe.compress.link.specs import CodecError
 MODE_FULL, MODE_DELTA, MODE_FIRST, MODE_FULL_BF16, MODE_FULL_FP16 = 0, 1, 2, 3, 4
 LOSSLESS_MODES = {torch.float32: MODE_FULL, torch.bfloat16: MODE_FULL_BF16, torch.float16: MODE_FULL_FP16}
 MODE_DTYPES = {mode: dtype for dtype, mode in LOSSLESS_MODES.items()}
+# The kinds of row a receiver keeps whatever its values (its sender sent each so only where the value could be kept):
+# a message of them alone needs no verdict read, and a GPU receiver checks its checksum late (`late_checks`).
+LATE_CHECKED = frozenset({MODE_DELTA, MODE_FIRST})
 
 
 class SampleMemory(Protocol):
@@ -151,6 +154,14 @@ class Candidates:
             g.fits = [bool(v) for v in numbers[start:start + n]]
             g.sums = numbers[start + n:start + 2 * n]
             start += 2 * n
+
+    @staticmethod
+    def device_sums(groups: list[Candidates]) -> tuple[torch.Tensor, list[int] | None]:
+        """The checksum sums of a message's rows (each group's, on the device) and the row each belongs to (None: the
+        one group's rows are the message's, in order)."""
+        if len(groups) == 1:
+            return groups[0].verdicts[len(groups[0].at):], None
+        return (torch.cat([g.verdicts[len(g.at):] for g in groups]), [i for g in groups for i in g.at])
 
 
 def _wait_for(arrival: Landing) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from aqpipe.compress.link.codes import FLAG_NO_CHECK
+from aqpipe.compress.link.specs import CodecError
+
 _MERSENNE_61 = (1 << 61) - 1
 _CHECKSUM_ELEMENTS = 1 << 20  # words summed per slice: its int64 temporaries take 16 MB, whatever the batch
 _position_weights: dict[tuple[int, str], torch.Tensor] = {}
@@ -65,3 +68,11 @@ def fold_checksum(positions: list[int], sums: list[int]) -> int:
     for position, s in zip(positions, sums):
         h = (h * 1_000_003 + position * 7919 + s) % _MERSENNE_61
     return (h ^ (h >> 32)) & 0xFFFFFFFF
+
+
+def refuse_divergence(link: int, header, check: int) -> None:
+    """Refuse a message on `link` after which the receiver's m(ξ) would differ from the sender's: its folded checksum
+    `check` is not the header's (unless the sender sent no check)."""
+    if not header.flags & FLAG_NO_CHECK and check != header.codec_check:
+        raise CodecError(f"m(xi) diverged on link {link}: this side's copy fails the sender's checksum "
+                         f"at step {header.step} micro-batch {header.micro_batch}")

@@ -339,3 +339,9 @@ def sample_coder(spec: CodecSpec, options: QuantOptions | None = None,
     if spec.kind == "rtqo":
         return OutlierRotatedCoder(spec.bits, options, generator)
     return QuantCoder(spec.bits, options, generator)
+
+
+def delta_coder(spec: CodecSpec, options: QuantOptions) -> SampleCoder:
+    """The coder of a known sample's change under AQ-SGD spec `spec`: B-bit quantization with the options' scales,
+    or rotated tiles (`aqsgd-rtq`)."""
+    return RotatedCoder(spec.bits, options) if spec.kind == "aqsgd-rtq" else QuantCoder(spec.bits, options)
