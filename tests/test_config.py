@@ -151,3 +151,37 @@ def test_the_resolved_configuration_hands_out_parsed_codec_specs_that_nothing_pa
     speeds = codec_speeds(cfg, (2, 4, 16), torch.device("cpu"))
     assert {"fp32", "aqsgd:2", "directq:8", "rtq:4", "rtqo:3"} <= speeds.keys()
     assert recommend(LinkNeeds(0, (2, 4, 16), "float32", 0, 0, 0, 0, 0), cfg, 1e12, 0.05)[:2] == (8, False)
+
+
+@pytest.mark.parametrize("first_sight", [None, "rtq:4"])
+def test_resolving_parses_each_codec_and_grad_sync_setting_once(monkeypatch, first_sight):
+    """`resolve` parses --fw, --bw, --first-sight (given, or its default), --eval-codec and --grad-sync to check them,
+    and the resolved configuration hands out those parsed values: reading them parses nothing again."""
+    import importlib
+    from collections import Counter
+
+    from aqpipe.compress.grad import methods
+    from aqpipe.compress.link import specs
+    from aqpipe.config import resolve
+
+    settings_module = importlib.import_module("aqpipe.config.settings")  # (`aqpipe.config.settings` names a function)
+
+    calls: Counter = Counter()
+
+    def counted(name, parse):
+        def wrapper(*args):
+            calls[(name, *args)] += 1
+            return parse(*args)
+        return wrapper
+
+    for module in (specs, settings_module):
+        monkeypatch.setattr(module, "parse_spec", counted("spec", specs.parse_spec))
+    for module in (methods, settings_module):
+        monkeypatch.setattr(module, "parse_grad_spec", counted("grad", methods.parse_grad_spec))
+    cfg = resolve(RunConfig(fw="aqsgd:3", bw="directq:6", first_sight=first_sight, eval_codec="rtq:8",
+                            grad_sync="powersgd:2"))
+    handed_out = (cfg.fw_spec, cfg.bw_spec, cfg.first_sight_spec, cfg.eval_spec, cfg.grad_spec, cfg.keeps_messages)
+    assert [str(spec) for spec in handed_out[:4]] == ["aqsgd:3", "directq:6", first_sight or "rtqo:3", "rtq:8"]
+    assert handed_out[4] == methods.GradSpec("powersgd", (2,)) and handed_out[5]
+    assert calls == {("spec", "aqsgd:3", "fw"): 1, ("spec", "directq:6", "bw"): 1, ("spec", first_sight or "rtqo:3", "fw"): 1,
+                     ("spec", "rtq:8", "fw"): 1, ("grad", "powersgd:2"): 1}, calls

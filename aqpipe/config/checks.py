@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from aqpipe.compress.grids import GRIDS
-from aqpipe.compress.link.specs import DEFAULT_FIRST_SIGHT, keeps_messages
+from aqpipe.compress.link.specs import DEFAULT_FIRST_SIGHT, check_first_sight
 from aqpipe.config.rates import parse_rate
 from aqpipe.config.settings import ResolvedConfig, RunConfig
 from aqpipe.config.values import ConfigError
@@ -44,7 +44,7 @@ def resolve(cfg: RunConfig) -> ResolvedConfig:
     """A new config: `cfg` (left as given) with the preset's and the machine's defaults filled in, every value checked;
     raises ConfigError on the first problem found."""
     cfg = RunConfig(**dataclasses.asdict(cfg))
-    _check_choices(cfg)
+    parsed = _check_choices(cfg)
     preset = PRESET_TRAINING.get(cfg.model, PRESET_TRAINING["default"])
     for key, value in preset.items():
         if getattr(cfg, key) is None:
@@ -54,7 +54,8 @@ def resolve(cfg: RunConfig) -> ResolvedConfig:
     if cfg.out is None:
         cfg.out = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     if cfg.first_sight is None:
-        cfg.first_sight = DEFAULT_FIRST_SIGHT if keeps_messages(cfg.fw) else "fp32"
+        cfg.first_sight = DEFAULT_FIRST_SIGHT if parsed["fw_spec"].keeps_messages else "fp32"
+        parsed["first_sight_spec"] = check_first_sight(cfg.first_sight)
     if cfg.tied_exchange is None:
         cfg.tied_exchange = default_exchange(cfg.fw, cfg.bw)
     if cfg.task is None:
@@ -62,7 +63,9 @@ def resolve(cfg: RunConfig) -> ResolvedConfig:
 
         cfg.task = model_task(cfg.model) or "lm"
     _validate(cfg)
-    return ResolvedConfig(**dataclasses.asdict(cfg))
+    resolved = ResolvedConfig(**dataclasses.asdict(cfg))
+    resolved.__dict__.update(parsed)  # its cached parsed settings, as parsed here (each string is parsed once)
+    return resolved
 
 
 def _cuda_available() -> bool:
@@ -71,19 +74,21 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _check_choices(cfg: RunConfig) -> None:
-    """Codec specs and named choices are known."""
-    from aqpipe.compress.link.specs import CODEC_KINDS, CodecError, check_eval_codec, check_first_sight, parse_spec
+def _check_choices(cfg: RunConfig) -> dict[str, Any]:
+    """Codec specs and named choices are known; the parsed codec and grad-sync settings, by the name under which a
+    ResolvedConfig hands each out (`fw_spec`, …; `first_sight_spec` only where --first-sight was given)."""
+    from aqpipe.compress.link.specs import CodecError, check_eval_codec, parse_spec
 
+    parsed: dict[str, Any] = {}
     try:
-        fw = parse_spec(cfg.fw, "fw")
-        parse_spec(cfg.bw, "bw")
+        parsed["fw_spec"] = fw = parse_spec(cfg.fw, "fw")
+        parsed["bw_spec"] = parse_spec(cfg.bw, "bw")
         if cfg.first_sight is not None:
-            check_first_sight(cfg.first_sight)
-        check_eval_codec(cfg.eval_codec)
+            parsed["first_sight_spec"] = check_first_sight(cfg.first_sight)
+        parsed["eval_spec"] = check_eval_codec(cfg.eval_codec)
     except CodecError as e:
         raise ConfigError(str(e)) from None
-    if cfg.first_sight not in (None, "fp32") and not CODEC_KINDS[fw.kind].keeps_messages:
+    if cfg.first_sight not in (None, "fp32") and not fw.keeps_messages:
         raise ConfigError(f"--first-sight {cfg.first_sight} codes the first sight of a sample on an AQ-SGD link "
                           f"(--fw aqsgd:B); --fw {cfg.fw} sends every sample alike")
     for name, value, allowed in (("quant-scales", cfg.quant_scales, ("channel", "token")),
@@ -99,7 +104,8 @@ def _check_choices(cfg: RunConfig) -> None:
     from aqpipe.compress.grad.methods import GradSpecError, check_pairing, parse_grad_spec
 
     try:
-        check_pairing(parse_grad_spec(cfg.grad_sync), cfg.optimizer)
+        parsed["grad_spec"] = parse_grad_spec(cfg.grad_sync)
+        check_pairing(parsed["grad_spec"], cfg.optimizer)
     except GradSpecError as e:
         raise ConfigError(str(e)) from None
     from aqpipe.pipeline.vocab.precisions import PRECISIONS
@@ -127,6 +133,7 @@ def _check_choices(cfg: RunConfig) -> None:
 
     if cfg.schedule not in SCHEDULES:
         raise ConfigError(f"--schedule {cfg.schedule!r} is not a schedule; use {' or '.join(SCHEDULES)}")
+    return parsed
 
 
 def _check_bandwidth(rate: str) -> None:

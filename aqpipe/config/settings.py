@@ -301,7 +301,8 @@ class ResolvedConfig(RunConfig):
     first_sight: str
     tied_exchange: str
 
-    # The codec and grad-sync settings parsed, for what runs the run (each string is parsed once, here: checked by `resolve`).
+    # The codec and grad-sync settings parsed, for what runs the run: `resolve` hands over what it parsed to check them,
+    # and a copy made with other strings (dataclasses.replace) parses its own once, here.
     @functools.cached_property
     def fw_spec(self) -> CodecSpec:
         """`--fw`, parsed."""

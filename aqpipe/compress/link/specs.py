@@ -159,12 +159,6 @@ def check_sample_coder(spec: str, flag: str, what: str) -> CodecSpec:
     return parsed
 
 
-def keeps_messages(spec: str, direction: str = "fw") -> bool:
-    """Whether a codec spec as given on the command line keeps a per-sample m(ξ) on both sides of its link (AQ-SGD);
-    a resolved configuration's parsed specs say it themselves (`CodecSpec.keeps_messages`)."""
-    return parse_spec(spec, direction).keeps_messages
-
-
 def first_sight_spec(first_sight: str | CodecSpec) -> CodecSpec:
     """A --first-sight value parsed (a CodecSpec passes as it is)."""
     return first_sight if isinstance(first_sight, CodecSpec) else check_first_sight(first_sight)
