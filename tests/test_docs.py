@@ -1,11 +1,12 @@
-"""The documentation stays true: every link in the README and docs/ leads somewhere, and every command block marked
-runnable runs as written (a block is marked by the line `<!-- runnable[ hosts][ slow][ root][: ARGS] -->` before it:
-`slow` blocks run with `-m slow`, `root` and `hosts` ones as root only, and ARGS — tiny settings — are added to each
-`aqpipe launch` of the block, typed alone or after a launcher's `-m`/`--module`). A block runs in an empty folder
-holding the files the pages' examples name: `corpus.txt` (WikiText-2's valid split) and `config.yaml` (`model:
-gpt2-small`, `pp: 2`, `data: corpus.txt`). A `hosts` block — a torchrun command every host types — runs on as many
-simulated hosts as its `--nnodes` says (tests/hosts.py: host0, host1, ... each in its own network namespace with a
-disk of its own), on each in that folder at the same path, its `--node-rank 0` made the host's own."""
+"""The documentation stays true: every link in the README and docs/ leads somewhere, every `pip install` names an
+extra or a package the project declares, and every command block marked runnable runs as written (a block is marked
+by the line `<!-- runnable[ hosts][ slow][ root][: ARGS] -->` before it: `slow` blocks run with `-m slow`, `root` and
+`hosts` ones as root only, and ARGS — tiny settings — are added to each `aqpipe launch` of the block, typed alone or
+after a launcher's `-m`/`--module`). A block runs in an empty folder holding the files the pages' examples name:
+`corpus.txt` (WikiText-2's valid split) and `config.yaml` (`model: gpt2-small`, `pp: 2`, `data: corpus.txt`). A
+`hosts` block — a torchrun command every host types — runs on as many simulated hosts as its `--nnodes` says
+(tests/hosts.py: host0, host1, ... each in its own network namespace with a disk of its own), on each in that folder
+at the same path, its `--node-rank 0` made the host's own."""
 
 import os
 import re
@@ -54,6 +55,54 @@ def test_every_page_is_linked_from_the_readme_and_every_link_leads_somewhere():
             if "://" in target:
                 continue
             assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links {target}, which does not exist"
+
+
+PIP_INSTALL = re.compile(r"pip install ([^`\n&|;#()]+)")
+
+
+def declared_installs() -> tuple[set[str], set[str]]:
+    """The extras setup.cfg declares, and the packages a user may be told to install: setup.cfg's requirements (of
+    aqpipe and of every extra) and the packages aqpipe's own messages name after `pip install`."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    extras = dict(cfg["options.extras_require"])
+    requirements = [cfg["options"]["install_requires"], *extras.values()]
+    packages = {re.split(r"[<>=!~\[ ]", line.strip())[0].lower() for text in requirements
+                for line in text.splitlines() if line.strip() and not line.strip().startswith("#")}
+    for source in (ROOT / "aqpipe").rglob("*.py"):
+        for found in PIP_INSTALL.finditer(source.read_text()):
+            words = (word.strip("'\",") for word in found[1].split())
+            packages |= {word.lower() for word in words if re.fullmatch(r"[A-Za-z0-9][\w.-]*", word)}
+    return set(extras), packages
+
+
+def test_every_pip_install_in_the_pages_names_an_extra_or_a_package_the_project_declares():
+    """A `pip install` a page shows (outside the Quick start, which CI runs as written) installs aqpipe with extras
+    setup.cfg declares, or packages aqpipe requires or its own messages name: a renamed extra or a misspelt package
+    in the docs fails here, not on a user's machine."""
+    quick_start = set(subprocess.run(["bash", str(ROOT / ".ci" / "run"), "--commands"], capture_output=True, text=True,
+                                     check=True).stdout.splitlines())
+    extras, packages = declared_installs()
+    assert {"llm", "test", "hub"} <= extras and {"torch", "lmdb", "peft", "gguf"} <= packages
+    shown = 0
+    for page in PAGES:
+        for line in page.read_text().splitlines():
+            if line.strip() in quick_start:
+                continue
+            for found in PIP_INSTALL.finditer(line):
+                for word in found[1].split():
+                    if word.startswith("-"):
+                        continue
+                    shown += 1
+                    name = word.strip("'\"")
+                    extra = re.fullmatch(r"(?:\.|aqpipe)(?:\[(\w+)\])?", name)
+                    if extra:
+                        assert extra[1] is None or extra[1] in extras, f"{page.name}: {line.strip()}: no extra {extra[1]!r}"
+                    else:
+                        assert re.split(r"[<>=!~]", name)[0].lower() in packages, f"{page.name}: {line.strip()}"
+    assert shown >= 5, shown
 
 
 def test_the_readme_stays_short():
