@@ -67,3 +67,43 @@ def test_the_summary_counts_what_travelled_outside_the_records_once():
     assert s["store"] == {"hits": 8, "misses": 2, "reseeded": 0, "overflow": 0}  # running counts: the last record's
     assert (s["eval_loss"], s["eval_step"]) == (1.5, 2)
 
+
+
+def explained_keys(page: str, header: str) -> set[str]:
+    """The backticked names in the first cell of each row of the table under `header` on `page` (sub-keys in
+    `{a, b}` too)."""
+    import re
+
+    rows = page.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    return {name for row in rows for cell in [row.split(" | ")[0]] for name in re.findall(r"`(\w+)`", cell)} | {
+        name for row in rows for braces in re.findall(r"\{([^}]*)\}", row.split(" | ")[0])
+        for name in re.split(r",\s*", braces)}
+
+
+def test_every_key_a_step_record_or_the_summary_holds_is_explained_on_the_runs_page():
+    """docs/runs.md has a row for every key of metrics.jsonl (each recorded statistic, each derived field, a held-out
+    pass's) and of summary.json: a statistic or summary field added without a word for users fails here."""
+    from pathlib import Path
+
+    import torch
+
+    from aqpipe.metrics import TRAFFIC_FIELDS
+    from aqpipe.pipeline.execution.evaluate import classification_metrics
+    from aqpipe.pipeline.vocab.step_stats import statistics_of
+    from aqpipe.runtime.outputs.step_record import DERIVED, record_names
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "runs.md").read_text()
+    held_out = ["loss", "samples", "bytes", "perplexity", *classification_metrics(torch.zeros(2, 2))]
+    step_keys = {"step", "epoch", "lr", "elapsed_seconds", *DERIVED, *(f"eval_{name}" for name in held_out),
+                 *(name for s in statistics_of() if s.recorded for name in record_names(s))}
+    assert step_keys - explained_keys(page, "| `metrics.jsonl` key |") == set()
+
+    full = record(1, 0, 2.0)
+    full.update(link_aqsgd_change=[0.5], link_aqsgd_error=[0.1], eval_loss=1.0, eval_accuracy=0.5)
+    summary = summarize([full], used_steps=False, warmup_epochs=0, wall_seconds=1.0)
+    summary_keys = {*summary, "export", "sample", "eval_perplexity", "eval_mcc", "eval_confusion", "eval_samples",
+                    *(name for value in summary.values() if isinstance(value, dict) for name in value)}
+    summary_keys -= set(TRAFFIC_FIELDS) | {"setup", "final_weights", "total"}  # (traffic's classes: checked below)
+    assert summary_keys - explained_keys(page, "| `summary.json` key |") == set()
+    traffic = next(row for row in page.splitlines() if row.startswith("| `traffic` |"))
+    assert [name for name in [*TRAFFIC_FIELDS, "setup", "final_weights", "total"] if f"`{name}`" not in traffic] == []

@@ -16,6 +16,7 @@ from pathlib import Path
 from aqpipe.compress.grad.methods import describe_methods_help
 from aqpipe.compress.grids import GRIDS
 from aqpipe.compress.link.specs import describe_codecs
+from aqpipe.config.checks import PRESET_TRAINING
 from aqpipe.config.settings import LAUNCH_SWITCHES, RESUME_MAY_CHANGE, SECTIONS, RunConfig, settings
 from aqpipe.pipeline.vocab.precisions import PRECISIONS, describe_precisions
 from aqpipe.pipeline.vocab.schedule import SCHEDULES
@@ -93,7 +94,24 @@ def markdown_reference() -> str:
         lines.append("")
     lines.append(f"`--resume` may change {_resume_may_change()}; anything else given with it must equal what the run "
                  "used (exit 2 naming the setting).")
+    lines += ["", *_preset_table()]
     return "\n".join(lines)
+
+
+def _preset_table() -> list[str]:
+    """The training defaults each model preset fills in where its flags are not given (`PRESET_TRAINING`)."""
+    names = list(PRESET_TRAINING["default"])
+    lines = ["**Training defaults per model** (where the flag is not given; a model that is no preset, such as a "
+             "checkpoint directory, takes the `default` row)", "",
+             "| model | " + " | ".join(f"`{flag(name)}`" for name in names) + " |", "|---" * (len(names) + 1) + "|"]
+    for model, values in PRESET_TRAINING.items():
+        lines.append(f"| `{model}` | " + " | ".join(_number(values[name]) for name in names) + " |")
+    return lines
+
+
+def _number(value: float) -> str:
+    """A preset's value as the flags take it (a learning rate as 3e-4)."""
+    return f"{value:.0e}".replace("e-0", "e-") if isinstance(value, float) else str(value)
 
 
 def _cell(text: str) -> str:
