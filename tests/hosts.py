@@ -63,7 +63,7 @@ class Hosts:
         the elastic one (torchrun's c10d rendezvous at host 0, which restarts every rank after a failure; its
         environment wants `ELASTIC_ENV`), else the static one."""
         if max_restarts is None:
-            where = ["--node-rank", str(host), "--master-addr", self.topology.address(0), "--master-port", str(self.port)]
+            where = ["--node-rank", str(host), "--master-addr", self.name(0), "--master-port", str(self.port)]
         else:
             where = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.name(0)}:{self.port}", "--rdzv-id", "aqpipe",
                      "--max-restarts", str(max_restarts)]

@@ -74,7 +74,7 @@ INTERNAL = {
     ("aqpipe/launch/job.py", "not a resumed run: there"),
     # a rank decoding a link message it cannot read: the two ends of a link disagree (a bug, or a damaged message);
     # the run fails with exit 1 naming the rank
-    ("aqpipe/compress/link/aqsgd.py", "m(xi) diverged on link :"),
+    ("aqpipe/compress/link/checksum.py", "m(xi) diverged on link :"),
     ("aqpipe/compress/link/aqsgd.py", "m(xi) diverged: the sender sent"),
     ("aqpipe/compress/link/aqsgd_rows.py", "aqsgd payload has unknown sample"),
     ("aqpipe/compress/link/aqsgd_rows.py", "aqsgd payload of bytes does"),
