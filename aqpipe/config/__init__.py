@@ -1,5 +1,7 @@
 """A run's configuration: the one definition of its settings (`settings`), values from files and flags
-(`values`), and resolution with every check made before a worker starts (`checks`)."""
+(`values`, rates such as `100mbit`: `rates`), resolution with every check made before a worker starts and each
+codec and grad-sync setting parsed once (`checks`), and what the settings say to people: flag help and the generated
+reference with the training defaults per model (`reference`)."""
 
 from aqpipe.config.checks import PRESET_TRAINING, resolve
 from aqpipe.config.settings import FIELD_NAMES, RESUME_MAY_CHANGE, SECTIONS, ResolvedConfig, RunConfig, settings

@@ -1,4 +1,7 @@
-"""Corpora, tokenization, fixed-length samples with ids, and data-parallel sharding."""
+"""A run's data, prepared once and cached (`dataset`): text corpora (`corpus`) cut into fixed-length samples with
+stable ids, per-replica shards and a seeded shuffle (`samples`); conversations for instruction tuning (`instruct`,
+rendered by `chat`; the built-in set: `builtin_instruct`); labelled text for classification (`labeled`,
+`classify`); tokenizers (`tokenizer`); and the progress of a long preparation (`progress`)."""
 
 from aqpipe.data.classify import ClassifySamples
 from aqpipe.data.corpus import Corpus, DataError, load_corpus

@@ -1,4 +1,7 @@
-"""The per-sample activation store m(ξ): the interface, its backends, and the table of store dtypes.
+"""The per-sample activation store m(ξ): the interface and counters (`base`), its backends — in memory (`memory`), as
+GPU slabs (`slab`), on disk in LMDB (`lmdb_store`, each value laid out by `encoding`, rewound to a checkpoint by
+`rewind`, checked whole by `health`) — prefetch and write-behind around a store (`prefetch`), `aqpipe store`'s
+commands (`inspect`), and the table of store dtypes (`dtypes`).
 
 Names are imported on first use, so `aqpipe.storage.dtypes` (the vocabulary the configuration and the CLI help
 read) loads without torch.

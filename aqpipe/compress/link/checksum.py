@@ -1,6 +1,7 @@
 """The m(ξ) checksum an AQ-SGD message carries: each kept value's 16-bit words weighted by position and summed in
 exact int64 arithmetic where the values are (the same number on every device and in every summation order), then
-the per-sample sums folded to 32 bits on the host."""
+the per-sample sums folded to 32 bits on the host; and the refusal of a message after which the receiver's copy
+would fail it (`refuse_divergence`)."""
 
 from __future__ import annotations
 
