@@ -57,7 +57,7 @@ def test_every_page_is_linked_from_the_readme_and_every_link_leads_somewhere():
             assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links {target}, which does not exist"
 
 
-PIP_INSTALL = re.compile(r"pip install ([^`\n&|;#()]+)")
+PIP_INSTALL = re.compile(r"pip install\s+([^`\n&|;#()]+)")  # (a line may break after "install")
 
 
 def declared_installs() -> tuple[set[str], set[str]]:
@@ -79,30 +79,32 @@ def declared_installs() -> tuple[set[str], set[str]]:
 
 
 def test_every_pip_install_in_the_pages_names_an_extra_or_a_package_the_project_declares():
-    """A `pip install` a page shows (outside the Quick start, which CI runs as written) installs aqpipe with extras
-    setup.cfg declares, or packages aqpipe requires or its own messages name: a renamed extra or a misspelt package
-    in the docs fails here, not on a user's machine."""
+    """A `pip install` a page or the results page shows (outside the Quick start, which CI runs as written) installs
+    the checkout with extras setup.cfg declares, or packages aqpipe requires or its own messages name: a renamed
+    extra or a misspelt package in the docs fails here, not on a user's machine."""
     quick_start = set(subprocess.run(["bash", str(ROOT / ".ci" / "run"), "--commands"], capture_output=True, text=True,
                                      check=True).stdout.splitlines())
     extras, packages = declared_installs()
-    assert {"llm", "test", "hub"} <= extras and {"torch", "lmdb", "peft", "gguf"} <= packages
+    assert {"llm", "test", "hub", "bench"} <= extras and {"torch", "lmdb", "peft", "gguf"} <= packages
     shown = 0
-    for page in PAGES:
-        for line in page.read_text().splitlines():
-            if line.strip() in quick_start:
+    for page in [*PAGES, ROOT / "benchmarks" / "README.md"]:
+        text = page.read_text()
+        for found in PIP_INSTALL.finditer(text):
+            line = text[text.rfind("\n", 0, found.start()) + 1:text.find("\n", found.start())].strip()
+            if line in quick_start:
                 continue
-            for found in PIP_INSTALL.finditer(line):
-                for word in found[1].split():
-                    if word.startswith("-"):
-                        continue
-                    shown += 1
-                    name = word.strip("'\"")
-                    extra = re.fullmatch(r"(?:\.|aqpipe)(?:\[(\w+)\])?", name)
-                    if extra:
-                        assert extra[1] is None or extra[1] in extras, f"{page.name}: {line.strip()}: no extra {extra[1]!r}"
-                    else:
-                        assert re.split(r"[<>=!~]", name)[0].lower() in packages, f"{page.name}: {line.strip()}"
-    assert shown >= 5, shown
+            for word in found[1].split():
+                if word.startswith("-"):
+                    continue
+                shown += 1
+                name = word.strip("'\"")
+                checkout = re.fullmatch(r"\.(?:\[([\w,]+)\])?", name)
+                if checkout:
+                    unknown = set((checkout[1] or "").split(",")) - extras - {""}
+                    assert not unknown, f"{page.name}: {line}: no extra {sorted(unknown)}"
+                else:
+                    assert re.split(r"[<>=!~]", name)[0].lower() in packages, f"{page.name}: {line}"
+    assert shown >= 8, shown
 
 
 def test_the_readme_stays_short():

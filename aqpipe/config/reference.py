@@ -101,8 +101,8 @@ def markdown_reference() -> str:
 def _preset_table() -> list[str]:
     """The training defaults each model preset fills in where its flags are not given (`PRESET_TRAINING`)."""
     names = list(PRESET_TRAINING["default"])
-    lines = ["**Training defaults per model** (where the flag is not given; a model that is no preset, such as a "
-             "checkpoint directory, takes the `default` row)", "",
+    lines = ["**Training defaults per model** (where the flag is not given; every other model — a checkpoint "
+             "directory, a GGUF, `gemma3-270m`, an `*-arch` shape — takes the `default` row)", "",
              "| model | " + " | ".join(f"`{flag(name)}`" for name in names) + " |", "|---" * (len(names) + 1) + "|"]
     for model, values in PRESET_TRAINING.items():
         lines.append(f"| `{model}` | " + " | ".join(_number(values[name]) for name in names) + " |")
@@ -110,8 +110,11 @@ def _preset_table() -> list[str]:
 
 
 def _number(value: float) -> str:
-    """A preset's value as the flags take it (a learning rate as 3e-4)."""
-    return f"{value:.0e}".replace("e-0", "e-") if isinstance(value, float) else str(value)
+    """A preset's value as the flags take it (a learning rate as 3e-4 or 2.5e-4)."""
+    if not isinstance(value, float):
+        return str(value)
+    mantissa, exponent = f"{value:.6e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
 def _cell(text: str) -> str:

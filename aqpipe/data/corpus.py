@@ -92,7 +92,7 @@ def load_hub_dataset(name: str):
     try:
         import datasets
     except ImportError:
-        raise DataError(f"--data {name!r} looks like a hub dataset; install the 'hub' extra (pip install aqpipe[hub])") from None
+        raise DataError(f"--data {name!r} looks like a hub dataset; install the 'hub' extra (pip install datasets)") from None
     path, _, config = name.partition(":")
     try:
         return datasets.load_dataset(path, config or None)
