@@ -153,10 +153,12 @@ def test_the_resolved_configuration_hands_out_parsed_codec_specs_that_nothing_pa
     assert recommend(LinkNeeds(0, (2, 4, 16), "float32", 0, 0, 0, 0, 0), cfg, 1e12, 0.05)[:2] == (8, False)
 
 
-@pytest.mark.parametrize("first_sight", [None, "rtq:4"])
-def test_resolving_parses_each_codec_and_grad_sync_setting_once(monkeypatch, first_sight):
-    """`resolve` parses --fw, --bw, --first-sight (given, or its default), --eval-codec and --grad-sync to check them,
-    and the resolved configuration hands out those parsed values: reading them parses nothing again."""
+@pytest.mark.parametrize("fw, first_sight, first", [("aqsgd:3", None, "rtqo:3"), ("aqsgd:3", "rtq:4", "rtq:4"),
+                                                    ("directq:4", None, "fp32")])
+def test_resolving_parses_each_codec_and_grad_sync_setting_once(monkeypatch, fw, first_sight, first):
+    """`resolve` parses --fw, --bw, --first-sight (given, or its default: rtqo:3 on AQ-SGD links, else fp32),
+    --eval-codec and --grad-sync to check them, and the resolved configuration hands out those parsed values: reading
+    them parses nothing again (nor does a copy of it, beyond its own strings once)."""
     import importlib
     from collections import Counter
 
@@ -174,14 +176,20 @@ def test_resolving_parses_each_codec_and_grad_sync_setting_once(monkeypatch, fir
             return parse(*args)
         return wrapper
 
+    parse_spec, parse_grad_spec = counted("spec", specs.parse_spec), counted("grad", methods.parse_grad_spec)
     for module in (specs, settings_module):
-        monkeypatch.setattr(module, "parse_spec", counted("spec", specs.parse_spec))
+        monkeypatch.setattr(module, "parse_spec", parse_spec)
     for module in (methods, settings_module):
-        monkeypatch.setattr(module, "parse_grad_spec", counted("grad", methods.parse_grad_spec))
-    cfg = resolve(RunConfig(fw="aqsgd:3", bw="directq:6", first_sight=first_sight, eval_codec="rtq:8",
-                            grad_sync="powersgd:2"))
+        monkeypatch.setattr(module, "parse_grad_spec", parse_grad_spec)
+    cfg = resolve(RunConfig(fw=fw, bw="directq:6", first_sight=first_sight, eval_codec="rtq:8", grad_sync="powersgd:2"))
     handed_out = (cfg.fw_spec, cfg.bw_spec, cfg.first_sight_spec, cfg.eval_spec, cfg.grad_spec, cfg.keeps_messages)
-    assert [str(spec) for spec in handed_out[:4]] == ["aqsgd:3", "directq:6", first_sight or "rtqo:3", "rtq:8"]
-    assert handed_out[4] == methods.GradSpec("powersgd", (2,)) and handed_out[5]
-    assert calls == {("spec", "aqsgd:3", "fw"): 1, ("spec", "directq:6", "bw"): 1, ("spec", first_sight or "rtqo:3", "fw"): 1,
-                     ("spec", "rtq:8", "fw"): 1, ("grad", "powersgd:2"): 1}, calls
+    assert [str(spec) for spec in handed_out[:4]] == [fw, "directq:6", first, "rtq:8"]
+    assert handed_out[4] == methods.GradSpec("powersgd", (2,)) and handed_out[5] == fw.startswith("aqsgd")
+    once = {("spec", fw, "fw"): 1, ("spec", "directq:6", "bw"): 1, ("spec", first, "fw"): 1, ("spec", "rtq:8", "fw"): 1,
+            ("grad", "powersgd:2"): 1}
+    assert calls == once, calls
+    import dataclasses
+
+    copy = dataclasses.replace(cfg, bw="rtq:4")  # (a copy with another string parses its own, once)
+    assert (str(copy.bw_spec), str(copy.bw_spec), copy.fw_spec) == ("rtq:4", "rtq:4", cfg.fw_spec)
+    assert calls == {**once, ("spec", fw, "fw"): 2, ("spec", "rtq:4", "bw"): 1}, calls
