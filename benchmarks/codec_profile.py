@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.codec_path import codec_path, fallback_note  # noqa: E402
 from benchmarks.codec_speed import WARM_SECONDS, time_pair, warm  # noqa: E402
+from benchmarks.provenance import machine  # noqa: E402
 
 HOST_CALLS = ("cudaMemcpyAsync", "cudaLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx", "cuLaunchKernel",
               "cudaStreamSynchronize", "cudaEventSynchronize")
@@ -262,7 +262,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"codec": args.codec, "device": str(device), "store": args.store,
                                                     "store_device": str(store_device), "torch": torch.__version__,
-                                                    "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
+                                                    "machine": machine(), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

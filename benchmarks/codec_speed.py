@@ -26,6 +26,7 @@ from aqpipe.compress.quantize import quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.codec_path import codec_path, fallback_note  # noqa: E402
+from benchmarks.provenance import machine  # noqa: E402
 
 # Seconds of pairs an AQ-SGD link runs, past its first four, before any is timed (`measure_pairs`; codec_profile.py
 # twice that). Timed right after those four, one tree's pair read 23, 40 and 60 GB/s on one H200 in three scripts
@@ -257,7 +258,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"shape": shape, "per": args.per, "torch": torch.__version__,
                                                     "device": str(device),
-                                                    "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
+                                                    "machine": machine(), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

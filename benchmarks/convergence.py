@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.provenance import machine  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data" / "wikitext-2"
 VARIANTS = {
@@ -134,7 +137,7 @@ def main() -> None:
                          "aqsgd_by_epoch": aqsgd_by_epoch(records)}
         print(f"{name:16s} final train loss {summary['final_loss']:.4f}  test loss {results[name]['test_loss']:.4f}",
               flush=True)
-    out.with_suffix(".json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "settings": vars(args) | {"data": str(args.data)},
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "settings": vars(args) | {"data": str(args.data)},
                                                     "results": results}, indent=2) + "\n")
     base = results["fp32"]["final_loss"]
     lines = ["| variant | fw | bw | grad sync | final train loss | gap to fp32 | test loss | fwd MB | bwd MB |",

@@ -44,6 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks import provenance  # noqa: E402
 
 HOSTS = 4
 RATE_BITS = 100_000_000
@@ -330,8 +331,7 @@ def main() -> None:
             print(f"run {round_ + 1} {variant}: {json.dumps(result)}", flush=True)
     rows = [summarize(runs[v]) for v in variants]
     net_of_probe(rows)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
+    commit = provenance.commit()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"commit": commit, "rows": rows, "runs": runs}, indent=1))
     write_markdown(rows, args.out.with_suffix(".md"), commit)

@@ -48,7 +48,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.copies_slowdown import Freezer, commit, copy_windows  # noqa: E402 - the freezer and the windows
+from benchmarks.copies_slowdown import Freezer, copy_windows  # noqa: E402 - the freezer and the windows
 from benchmarks.host_loss import (  # noqa: E402 - its jobs, records and marks
     COMMON,
     HOSTS,
@@ -64,6 +64,7 @@ from benchmarks.host_loss import (  # noqa: E402 - its jobs, records and marks
     running,
     wait_for,
 )
+from benchmarks.provenance import commit  # noqa: E402
 from tests.hosts import copies_processes  # noqa: E402 - the repository's own simulated hosts
 
 STATES = ("travelling", "paused")

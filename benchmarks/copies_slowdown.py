@@ -58,6 +58,7 @@ from benchmarks.host_loss import (  # noqa: E402 - its jobs, records and marks
     running,
     wait_for,
 )
+from benchmarks.provenance import commit  # noqa: E402
 from tests.hosts import descendants  # noqa: E402 - the repository's own simulated hosts
 
 CGROUPS = Path("/sys/fs/cgroup")
@@ -310,11 +311,6 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"info": info, "results": list(results.values())}, indent=1))
     write_markdown(list(results.values()), out.with_suffix(".md"))
-
-
-def commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent).stdout.strip()
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +28,7 @@ from aqpipe.compress.link.factory import build_codec  # noqa: E402
 from aqpipe.config import RunConfig, resolve  # noqa: E402
 from aqpipe.pipeline.links.transport import HEADER_SIZE, KIND_EVAL, Header  # noqa: E402
 from aqpipe.runtime.plan import make_plan  # noqa: E402
+from benchmarks.provenance import machine  # noqa: E402
 
 CODECS = ("fp32", "bf16", "directq:8", "rtq:4", "rtqo:4", "rtq:3", "rtqo:3", "rtq:2")
 PIPELINE = dict(model="smollm2-135m", data="builtin-instruct", pp=4, partition="11,10,8,3", seq_len=96,
@@ -81,9 +80,7 @@ def main() -> None:
     torch.set_num_threads(2)
     plan = make_plan(resolve(RunConfig(**PIPELINE, out="/tmp/aqpipe-eval-codecs")))
     weights = [(str(r), Path(r)) for r in args.run] or [("pretrained", None)]
-    results = {"pipeline": PIPELINE, "machine": platform.processor() or platform.machine(),
-               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                        text=True).stdout.strip(), "weights": {}}
+    results = {"pipeline": PIPELINE, "machine": machine(), "weights": {}}
     for name, run in weights:
         modules, rows = stages(plan, run), {}
         for spec in args.codecs.split(","):

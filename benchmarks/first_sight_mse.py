@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
 import torch
 
 from aqpipe.compress.link.factory import build_codec
 from aqpipe.pipeline.links.transport import Header
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.provenance import machine  # noqa: E402
 
 BOUNDARIES = (10, 20, 28)  # hidden_states index after the embedding and this many decoder layers
 
@@ -81,7 +84,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"samples": args.samples, "seq_len": args.seq_len,
-                                                    "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                                                    "machine": machine(), "torch": torch.__version__,
                                                     "rows": rows}, indent=2))
 
 

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.codec_profile import link  # noqa: E402
 from benchmarks.codec_speed import measure_pairs  # noqa: E402
+from benchmarks.provenance import machine  # noqa: E402
 
 SHAPES = ["4,128,576", "4,256,576", "8,256,576", "4,512,576", "8,512,576", "8,1024,576", "4,512,1600",
           "2,512,2048", "4,256,2048"]
@@ -64,7 +64,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"device": name, "torch": torch.__version__,
-                                                    "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
+                                                    "machine": machine(), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

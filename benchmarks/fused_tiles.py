@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from aqpipe.compress.gpu import fused  # noqa: E402
 from aqpipe.compress.link.aqsgd_rows import MODE_DELTA  # noqa: E402
 from aqpipe.compress.link.checksum import CHECKSUM_WEIGHTS  # noqa: E402
+from benchmarks.provenance import machine  # noqa: E402
 
 KERNELS = ("scales_kernel", "codes_kernel", "decode_kernel", "verdicts_kernel")
 WARPS = (2, 4, 8)
@@ -178,7 +179,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(
-        {"device": device_name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "shape": shape,
+        {"device": device_name, "torch": torch.__version__, "machine": machine(), "shape": shape,
          "bits": args.bits, "shipped": {k: getattr(fused._kernels(), k) for k in ("SCALE_T", "SCALE_C", "TILE_T",
                                                                                    "TILE_C")},
          "results": results}, indent=2))

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.pipeline_throughput import machine  # noqa: E402
+from benchmarks.provenance import machine  # noqa: E402
 
 METHODS = ["none", "fp16", "bf16", "powersgd:4", "ef:4", "qadam:4", "topk:0.01", "sidco:exp:0.01",
            "sidco:gamma:0.01", "sidco:gpareto:0.01", "fft:0.9:8", "signsgd", "marsit:0"]

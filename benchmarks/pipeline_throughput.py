@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -19,6 +18,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.provenance import machine  # noqa: E402
+
 SKIP = 3  # first steps left out of every median (allocation, gloo connection set-up)
 
 
@@ -44,18 +46,6 @@ def run_deepspeed(pp: int, config: Path, args, work: Path) -> float:
     subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, env=env)
     seconds = json.loads(result.read_text())["step_seconds"][SKIP:]
     return args.mbs * args.mb / statistics.median(seconds)
-
-
-def machine() -> dict:
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True)
-                .stdout.splitlines() if line.startswith("Model name")), platform.processor())
-    # AQPIPE_COMMIT names the tree where git cannot: one exported or copied without its history
-    commit = os.environ.get("AQPIPE_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                                capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    return {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-            "commit": commit, "python": platform.python_version()}
 
 
 def main() -> None:

@@ -126,7 +126,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.numel, args.steps)
         return
-    from benchmarks.pipeline_throughput import machine
+    from benchmarks.provenance import machine
 
     results: dict = {}
     for ranks in [int(x) for x in args.ranks.split(",")]:

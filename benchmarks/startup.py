@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -22,9 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.provenance import machine  # noqa: E402
+
 MODELS = {"gpt2-tiny": [], "smollm2-135m": []}
 
 
@@ -93,10 +93,7 @@ def main() -> None:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
                                 str(variants[args.baseline])], capture_output=True)
     result = {
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-        "torch": torch.__version__, "python": platform.python_version(),
-        "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
+        "machine": machine(),
         "rounds": args.rounds, "samples": samples,
         "summary": {m: {v: summarise(s) for v, s in by_variant.items()} for m, by_variant in samples.items()},
     }

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from aqpipe.compress.link.specs import DEFAULT_BW, DEFAULT_FIRST_SIGHT, DEFAULT_FW  # noqa: E402
 from aqpipe.launch import netns  # noqa: E402
 from aqpipe.pipeline.vocab.schedule import SCHEDULES  # noqa: E402
-from benchmarks.pipeline_throughput import machine  # noqa: E402
+from benchmarks.provenance import machine  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "wikitext-2" / "valid.txt"
 # 25mbit: where fp32's comm/compute ratio is about 8.5 on the 2-core machine of benchmarks/README.md; the AQ-SGD
