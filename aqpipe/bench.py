@@ -40,12 +40,12 @@ from aqpipe.runtime.plan import RunPlan
 from aqpipe.storage import StoreView, memory_store
 
 FW_BITS = (8, 6, 4, 3, 2)  # the AQ-SGD widths the recommendation chooses among, most faithful first
+REPEATS = 5
 
 
 def candidate_links(bits: int) -> tuple[CodecSpec, CodecSpec]:
     """The links the recommendation weighs at `bits`: AQ-SGD forward, DirectQ gradients at twice the bits (at most 8)."""
     return CodecSpec("aqsgd", bits), CodecSpec("directq", min(2 * bits, 8))
-REPEATS = 5
 
 
 @dataclass

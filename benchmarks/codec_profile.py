@@ -261,7 +261,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"codec": args.codec, "device": str(device), "store": args.store,
-                                                    "store_device": str(store_device), "torch": torch.__version__,
+                                                    "store_device": str(store_device),
                                                     "machine": machine(), "rows": rows}, indent=2))
 
 

@@ -256,7 +256,7 @@ def main() -> None:
     rows += link_codec_rows(x, [s for s in args.codecs.split(",") if s], args.repeats, device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"shape": shape, "per": args.per, "torch": torch.__version__,
+    out.with_suffix(".json").write_text(json.dumps({"shape": shape, "per": args.per,
                                                     "device": str(device),
                                                     "machine": machine(), "rows": rows}, indent=2))
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 from benchmarks.provenance import machine  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data" / "wikitext-2"
 VARIANTS = {
     "fp32": ("fp32", "fp32"),
@@ -72,7 +72,6 @@ def test_loss(run: Path, args) -> float:
     from aqpipe.data.tokenizer import train_bpe
     from aqpipe.stages.models import build_spec
 
-    sys.path.insert(0, str(ROOT))
     config = json.loads((run / "config.json").read_text())
     tokenizer = train_bpe(file_corpus(str(args.data / "valid.txt")), 260)
     samples = chunk(tokenizer.encode((args.data / "test.txt").read_text()), 128)

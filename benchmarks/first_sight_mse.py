@@ -84,7 +84,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"samples": args.samples, "seq_len": args.seq_len,
-                                                    "machine": machine(), "torch": torch.__version__,
+                                                    "machine": machine(),
                                                     "rows": rows}, indent=2))
 
 

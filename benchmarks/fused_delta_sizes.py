@@ -63,7 +63,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"device": name, "torch": torch.__version__,
+    out.with_suffix(".json").write_text(json.dumps({"device": name,
                                                     "machine": machine(), "rows": rows}, indent=2))
 
 

@@ -179,7 +179,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(
-        {"device": device_name, "torch": torch.__version__, "machine": machine(), "shape": shape,
+        {"device": device_name, "machine": machine(), "shape": shape,
          "bits": args.bits, "shipped": {k: getattr(fused._kernels(), k) for k in ("SCALE_T", "SCALE_C", "TILE_T",
                                                                                    "TILE_C")},
          "results": results}, indent=2))

@@ -105,7 +105,7 @@ def main() -> None:
         print({name: round(statistics.median(runs), 1) for name, runs in journal.items()}, flush=True)
         if args.journal_only:
             Path(args.out).with_suffix(".json").write_text(json.dumps(
-                {"machine": machine(), "torch": torch.__version__, "overwrite_MBps": journal}, indent=2) + "\n")
+                {"machine": machine(), "overwrite_MBps": journal}, indent=2) + "\n")
             return
         speeds = [store_speed(e, work) for e in ("fp32", "fp16", "bf16", "q8", "q4", "q2")]
         for row in speeds:
@@ -115,7 +115,7 @@ def main() -> None:
             for store in ("memory", "lmdb"):
                 runs[store].append(end_to_end(store, args, work))
             print(f"round {r + 1}: memory {runs['memory'][-1]:.1f}  lmdb {runs['lmdb'][-1]:.1f} samples/s", flush=True)
-    result = {"machine": machine(), "torch": torch.__version__, "store_speed": speeds, "overwrite_MBps": journal,
+    result = {"machine": machine(), "store_speed": speeds, "overwrite_MBps": journal,
               "samples_per_second": runs,
               "lmdb_over_memory": statistics.median(runs["lmdb"]) / statistics.median(runs["memory"])}
     Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
