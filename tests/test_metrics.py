@@ -1,5 +1,7 @@
 """The run summary computed from per-step records."""
 
+import re
+
 import pytest
 
 from aqpipe.metrics import summarize
@@ -68,16 +70,14 @@ def test_the_summary_counts_what_travelled_outside_the_records_once():
     assert (s["eval_loss"], s["eval_step"]) == (1.5, 2)
 
 
-
 def explained_keys(page: str, header: str) -> set[str]:
     """The backticked names in the first cell of each row of the table under `header` on `page` (sub-keys in
     `{a, b}` too)."""
-    import re
-
     rows = page.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:]
-    return {name for row in rows for cell in [row.split(" | ")[0]] for name in re.findall(r"`(\w+)`", cell)} | {
-        name for row in rows for braces in re.findall(r"\{([^}]*)\}", row.split(" | ")[0])
-        for name in re.split(r",\s*", braces)}
+    cells = [row.split(" | ")[0] for row in rows]
+    names = {name for cell in cells for name in re.findall(r"`(\w+)`", cell)}
+    return names | {name for cell in cells for braces in re.findall(r"\{([^}]*)\}", cell)
+                    for name in re.split(r",\s*", braces)}
 
 
 def test_every_key_a_step_record_or_the_summary_holds_is_explained_on_the_runs_page():
