@@ -22,6 +22,7 @@ import torch
 
 from aqpipe.compress.link.directq import decode_samples, encode_samples
 from aqpipe.compress.link.options import QuantOptions
+from aqpipe.compress.link.specs import CodecError, CodecSpec, parse_spec
 from aqpipe.compress.quantize import quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -122,10 +123,8 @@ def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) ->
     sample (the store before slabs), and on a GPU decoded from pageable bytes (as received before inboxes pinned),
     kept in host RAM (the default `--store-device cpu`), and sent as a bf16 activation (what a `--precision bf16`
     stage sends; MB/s of its own bytes, half the fp32 rows')."""
-    from aqpipe.compress.link.factory import build_codec
-    from aqpipe.storage import MemoryStore, StoreView, memory_store
+    from aqpipe.storage import MemoryStore, memory_store
 
-    ids = torch.arange(x.shape[0])
     rows = []
     variants = [(2, memory_store, ""), (3, memory_store, ""), (4, memory_store, ""), (8, memory_store, ""),
                 (3, MemoryStore, ", a tensor per sample")]
@@ -134,25 +133,37 @@ def aqsgd_rows(x: torch.Tensor, per: str, repeats: int, device: torch.device) ->
                      (3, lambda dtype, _: MemoryStore(dtype, "cpu"), ", m(xi) in host RAM"),
                      (3, memory_store, ", a bf16 activation (MB/s of its bf16 bytes)")]
     for bits, kept, label in variants:
-        send, recv = kept(torch.float16, device), kept(torch.float16, device)
-        sender = build_codec(f"aqsgd:{bits}", "fw", StoreView(send, 0, "send"), QuantOptions(per=per), device=device)
-        receiver = build_codec(f"aqsgd:{bits}", "fw", StoreView(recv, 0, "recv"), QuantOptions(per=per), device=device)
-        given = x.to(torch.bfloat16) if "bf16" in label else x  # (what a bf16 run's stage sends)
-        mb = given.numel() * given.element_size() / 1e6
-        early: list[float] = []
-        enc, dec = measure_pairs(sender, receiver, given, ids, repeats, device, pageable="pageable" in label,
-                                 early=early)
-        row = {"bits": bits, "rounding": f"aqsgd codec{label}", "encode_MBps": mb / enc, "decode_MBps": mb / dec,
-               "early_pair_MBps": mb / early[0], "codec_path": codec_path()}
-        streamed = ""
-        if device.type == "cuda" and not label:  # the rate a pipeline sees: no wait but the sender's own
-            row["streamed_round_trip_MBps"] = mb / stream_pairs(sender, receiver, given, ids, 20 * repeats)
-            streamed = f"  streamed both {row['streamed_round_trip_MBps']:7.0f} MB/s"
-        rows.append(row)
-        print(f"aqsgd:{bits} whole codec{label}   encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s{streamed}"
-              f"  (both, its 5th-14th pairs: {row['early_pair_MBps']:7.0f} MB/s){fallback_note(row['codec_path'])}",
-              flush=True)
+        rows.append(aqsgd_row(f"aqsgd:{bits}", x, per, repeats, device, kept, label))
     return rows
+
+
+def aqsgd_row(spec: str, x: torch.Tensor, per: str, repeats: int, device: torch.device, kept=None,
+              label: str = "") -> dict:
+    """One AQ-SGD codec's whole encode and decode, timed as pairs of a link's two ends (`measure_pairs`), m(ξ) on
+    both sides kept by `kept(dtype, device)` (default: `--store-device`'s slabs on `device`)."""
+    from aqpipe.compress.link.factory import build_codec
+    from aqpipe.storage import StoreView, memory_store
+
+    kept = kept or memory_store
+    ids = torch.arange(x.shape[0])
+    send, recv = kept(torch.float16, device), kept(torch.float16, device)
+    sender = build_codec(spec, "fw", StoreView(send, 0, "send"), QuantOptions(per=per), device=device)
+    receiver = build_codec(spec, "fw", StoreView(recv, 0, "recv"), QuantOptions(per=per), device=device)
+    given = x.to(torch.bfloat16) if "bf16" in label else x  # (what a bf16 run's stage sends)
+    mb = given.numel() * given.element_size() / 1e6
+    early: list[float] = []
+    enc, dec = measure_pairs(sender, receiver, given, ids, repeats, device, pageable="pageable" in label, early=early)
+    row = {"codec": spec, "bits": sender.bits, "rounding": f"aqsgd codec{label}", "encode_MBps": mb / enc,
+           "decode_MBps": mb / dec, "round_trip_MBps": mb / (enc + dec), "early_pair_MBps": mb / early[0],
+           "codec_path": codec_path()}
+    streamed = ""
+    if device.type == "cuda" and not label:  # the rate a pipeline sees: no wait but the sender's own
+        row["streamed_round_trip_MBps"] = mb / stream_pairs(sender, receiver, given, ids, 20 * repeats)
+        streamed = f"  streamed both {row['streamed_round_trip_MBps']:7.0f} MB/s"
+    print(f"{spec} whole codec{label}   encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s{streamed}"
+          f"  (both, its 5th-14th pairs: {row['early_pair_MBps']:7.0f} MB/s){fallback_note(row['codec_path'])}",
+          flush=True)
+    return row
 
 
 def stream_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, pairs: int) -> float:
@@ -172,16 +183,21 @@ def stream_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, pairs: in
     return (time.perf_counter() - start) / pairs
 
 
-def link_codec_rows(x: torch.Tensor, specs: list[str], repeats: int, device: torch.device) -> list[dict]:
-    """Each stateless link codec's whole encode and decode, by spec."""
+def link_codec_rows(x: torch.Tensor, specs: list[CodecSpec], per: str, repeats: int, device: torch.device
+                    ) -> list[dict]:
+    """Each link codec's whole encode and decode, by spec (one that keeps m(ξ), as pairs of a link's two ends)."""
     from aqpipe.compress.link.factory import build_codec
     from aqpipe.pipeline.links.transport import Header
 
     mb = x.numel() * 4 / 1e6
     ids = torch.arange(x.shape[0])
     rows = []
-    for spec in specs:
-        codec = build_codec(spec, "fw", device=device)
+    for parsed in specs:
+        spec = str(parsed)
+        if parsed.keeps_messages:
+            rows.append(aqsgd_row(spec, x, per, repeats, device))
+            continue
+        codec = build_codec(parsed, "fw", device=device)
         box = {}
 
         def encode():
@@ -227,9 +243,14 @@ def main() -> None:
     parser.add_argument("--per", default="channel")
     parser.add_argument("--out", default="benchmarks/results/codec_speed")
     parser.add_argument("--device", default="cpu", help="cpu (one core) or cuda")
-    parser.add_argument("--codecs", default="directq:4,rtq:3,rtq:4,rtqo:4,tahq", help="link codecs timed whole")
+    parser.add_argument("--codecs", default="directq:4,rtq:3,rtq:4,rtqo:4,tahq",
+                        help="link codecs timed whole, any --fw spec (aqsgd:B as a link's two ends, m(ξ) kept)")
     parser.add_argument("--only-codecs", action="store_true", help="skip the per-width quantizer rows")
     args = parser.parse_args()
+    try:
+        specs = [parse_spec(spec, "fw") for spec in args.codecs.split(",") if spec]
+    except CodecError as e:
+        parser.error(f"--codecs: {e}")
     torch.set_num_threads(1)
     device = torch.device(args.device)
     shape = tuple(int(x) for x in args.shape.split(","))
@@ -253,7 +274,7 @@ def main() -> None:
                   flush=True)
     if device.type == "cuda":
         rows += aqsgd_rows(x, args.per, args.repeats, device)
-    rows += link_codec_rows(x, [s for s in args.codecs.split(",") if s], args.repeats, device)
+    rows += link_codec_rows(x, specs, args.per, args.repeats, device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"shape": shape, "per": args.per,
