@@ -126,7 +126,7 @@ def worker_step(grid, module, method: str, lr: float = 1.0, clip: float = 0.0, t
     optimizer, schedule = build_optimizer(module.parameters(), "sgd", lr, 0.0, 0, 10, momentum=0.0)
     worker = StageWorker(grid=grid, groups=groups, module=module, loss_fn=None, samples=None, links=StageLinks(),
                          grad_sync=sync, optimizer=optimizer, lr_schedule=schedule, clip=clip,
-                         device=torch.device("cpu"), tied=list(tied))
+                         device=torch.device("cpu"), schedule="gpipe", tied=list(tied))
     stats = StepStats()
     worker.optimizer_phase.run(0, stats)
     return stats

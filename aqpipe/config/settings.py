@@ -26,6 +26,7 @@ from aqpipe.compress.link.specs import (
     parse_spec,
 )
 from aqpipe.pipeline.vocab.link_rows import DEFAULT_LINK_ROWS
+from aqpipe.pipeline.vocab.schedule import DEFAULT_SCHEDULE
 from aqpipe.pipeline.vocab.tied_exchanges import DEFAULT_TIED_EXCHANGE
 
 # The sections, in the order --help and the README show them: (name, title).
@@ -120,7 +121,7 @@ class RunConfig:
         "give the layers per stage", "parameters", metavar="parameters|time|N,N,…")
     schedule: str = setting(
         "pipeline", "micro-batch schedule: {schedules}. All run backwards in forward order: the same losses and "
-        "weights bit for bit", "gpipe", metavar="{schedule_names}")
+        "weights bit for bit", DEFAULT_SCHEDULE, metavar="{schedule_names}")
     micro_batch_size: int | None = setting("pipeline", "samples per micro-batch", shown="preset", metavar="N")
     micro_batches: int | None = setting("pipeline", "micro-batches per optimizer step", shown="preset", metavar="N")
     precision: str = setting(

@@ -57,7 +57,7 @@ class StageWorker:
     lr_schedule: torch.optim.lr_scheduler.LambdaLR
     clip: float
     device: torch.device
-    schedule: str = "gpipe"
+    schedule: str  # a name in aqpipe.pipeline.vocab.schedule.SCHEDULES
     tied: list[TiedGroup] = field(default_factory=list)  # parameters copied on several layers (DeBERTa)
     precision: str = "fp32"  # the compute dtype of forward and loss (aqpipe.pipeline.vocab.precisions.PRECISIONS)
     scaler: LossScaler | None = None  # fp16's dynamic loss scale

@@ -144,3 +144,5 @@ SCHEDULES: dict[str, Schedule] = {
     "eager-1f1b": Schedule(eager_one_f_one_b, "1F1B with about twice the warm-up forwards, so slow links' round "
                                               "trips overlap compute (holds at most 2 (pp - stage) - 1)"),
 }
+# The one measured fastest over slow links (benchmarks/README.md, "Schedules"), holding no more than GPipe.
+DEFAULT_SCHEDULE = "eager-1f1b"
