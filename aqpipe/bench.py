@@ -10,8 +10,8 @@ For the run its flags describe (the same flags as `aqpipe launch`), it measures
   a link between hosts, so give its rate there);
 then recommends the highest `--fw aqsgd:B --bw directq:2B` (gradients at twice the bits, the AQ-SGD paper's
 pairing) whose wire time per micro-batch on the busiest rank's link (from three stages on, a middle stage's: its
-activations and its gradients) stays within the slowest stage's compute, so a 1F1B schedule keeps the links busy
-without making them the bottleneck.
+activations and its gradients) stays within the slowest stage's compute, so the default eager 1F1B schedule keeps
+the links busy without making them the bottleneck.
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def format_bench(result: BenchResult, cfg: ResolvedConfig) -> str:
             lines.append(f"over the run: {sent / 1e6:,.1f} MB on the links of a replica with --fw {cfg.fw} --bw {cfg.bw}, "
                          f"{lossless / sent:.2f}x fewer than lossless links")
         b = result.recommended_bits
-        advice = (f"recommended: --fw aqsgd:{b} --bw directq:{min(2 * b, 8)} --schedule 1f1b"
+        advice = (f"recommended: --fw aqsgd:{b} --bw directq:{min(2 * b, 8)}"
                   + (" (the link stays the bottleneck even at 2 bits: expect link-bound steps)" if result.link_bound
                      else " (the link keeps up with compute)"))
         lines += ["", advice]

@@ -1,13 +1,14 @@
 """Codec speed: quantize+pack and unpack+dequantize, in MB/s of fp32 input, for every bit width — on one CPU core,
 or on a GPU with --device cuda (where it also times AQ-SGD's whole encode and decode, m(ξ) update and checksum
 included, with m(ξ) in GPU memory, and the bytes' copy to the host: message by message, and streamed, pairs queued
-back to back as a pipeline's two ends run them) — then the whole link codecs of --codecs
-(rotated tile quantization, TAH-Quant, …) through their encode and decode, header and bytes to the host included.
+back to back as a pipeline's two ends run them) — then the whole link codecs of --codecs through their encode and
+decode, header and bytes to the host included: rotated tile quantization, TAH-Quant, …, and AQ-SGD (`aqsgd:B`) on
+either device, timed as a link's two ends with m(ξ) kept.
 
     python benchmarks/codec_speed.py --out benchmarks/results/codec_speed
+    python benchmarks/codec_speed.py --only-codecs --codecs aqsgd:3,directq:4 --out benchmarks/results/codec_speed_aqsgd
     python benchmarks/codec_speed.py --device cuda --out benchmarks/results/codec_speed_cuda
-The input is an activation-shaped batch [micro-batch, tokens, hidden] (default 4 × 512 × 1600 fp32, 13 MB: GPT2-XL).
-"""
+The input is an activation-shaped batch [micro-batch, tokens, hidden] (default 4 × 512 × 1600 fp32, 13 MB: GPT2-XL)."""
 
 from __future__ import annotations
 
@@ -153,17 +154,29 @@ def aqsgd_row(spec: str, x: torch.Tensor, per: str, repeats: int, device: torch.
     mb = given.numel() * given.element_size() / 1e6
     early: list[float] = []
     enc, dec = measure_pairs(sender, receiver, given, ids, repeats, device, pageable="pageable" in label, early=early)
-    row = {"codec": spec, "bits": sender.bits, "rounding": f"aqsgd codec{label}", "encode_MBps": mb / enc,
+    encoded, _ = pair_sent(sender, receiver, given, ids)  # a delta message, as the timed ones were
+    row = {"codec": spec, "bits": sender.bits, "bits_per_value": 8 * encoded.payload.numel() / given.numel(),
+           "rounding": f"aqsgd codec{label}", "encode_MBps": mb / enc,
            "decode_MBps": mb / dec, "round_trip_MBps": mb / (enc + dec), "early_pair_MBps": mb / early[0],
            "codec_path": codec_path()}
     streamed = ""
     if device.type == "cuda" and not label:  # the rate a pipeline sees: no wait but the sender's own
         row["streamed_round_trip_MBps"] = mb / stream_pairs(sender, receiver, given, ids, 20 * repeats)
         streamed = f"  streamed both {row['streamed_round_trip_MBps']:7.0f} MB/s"
-    print(f"{spec} whole codec{label}   encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s{streamed}"
+    print(f"{spec} {row['bits_per_value']:5.2f} bits/value whole codec{label}   encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s{streamed}"
           f"  (both, its 5th-14th pairs: {row['early_pair_MBps']:7.0f} MB/s){fallback_note(row['codec_path'])}",
           flush=True)
     return row
+
+
+def pair_sent(sender, receiver, x: torch.Tensor, ids: torch.Tensor):
+    """One more pair, untimed: what the sender encoded, and what the receiver decoded from it."""
+    from aqpipe.pipeline.links.transport import Header
+
+    encoded = sender.encode(x, ids, compress=True)
+    decoded = receiver.decode(Header.for_encoded(encoded, sender.code), encoded.payload, ids)
+    receiver.settle()
+    return encoded, decoded
 
 
 def stream_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, pairs: int) -> float:
@@ -197,7 +210,7 @@ def link_codec_rows(x: torch.Tensor, specs: list[CodecSpec], per: str, repeats: 
         if parsed.keeps_messages:
             rows.append(aqsgd_row(spec, x, per, repeats, device))
             continue
-        codec = build_codec(parsed, "fw", device=device)
+        codec = build_codec(parsed, "fw", options=QuantOptions(per=per), device=device)
         box = {}
 
         def encode():
@@ -240,7 +253,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="4,512,1600")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--per", default="channel")
+    parser.add_argument("--per", default="channel", help="scale granularity of every codec timed: channel or token")
     parser.add_argument("--out", default="benchmarks/results/codec_speed")
     parser.add_argument("--device", default="cpu", help="cpu (one core) or cuda")
     parser.add_argument("--codecs", default="directq:4,rtq:3,rtq:4,rtqo:4,tahq",
@@ -250,7 +263,7 @@ def main() -> None:
     try:
         specs = [parse_spec(spec, "fw") for spec in args.codecs.split(",") if spec]
     except CodecError as e:
-        parser.error(f"--codecs: {e}")
+        parser.error(f"--codecs takes --fw specs: {e}")
     torch.set_num_threads(1)
     device = torch.device(args.device)
     shape = tuple(int(x) for x in args.shape.split(","))
@@ -274,7 +287,8 @@ def main() -> None:
                   flush=True)
     if device.type == "cuda":
         rows += aqsgd_rows(x, args.per, args.repeats, device)
-    rows += link_codec_rows(x, specs, args.per, args.repeats, device)
+    timed = {row.get("codec") for row in rows}  # (on a GPU, AQ-SGD's own rows)
+    rows += link_codec_rows(x, [spec for spec in specs if str(spec) not in timed], args.per, args.repeats, device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"shape": shape, "per": args.per,

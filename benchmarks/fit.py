@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PARTITION = "11,10,8,3"  # as in llm_finetune.py: the tied LM head costs about 8 decoder layers
 COMMON = ["--model", "smollm2-135m", "--data", "builtin-instruct", "--pp", "4", "--partition", PARTITION,
           "--seq-len", "96", "--micro-batch-size", "4", "--micro-batches", "4", "--device", "cpu", "--no-progress",
-          "--overwrite", "--seed", "0", "--warmup-epochs", "1", "--first-sight", "fp32"]  # as in every fine-tuning benchmark
+          "--overwrite", "--seed", "0", "--warmup-epochs", "1", "--first-sight", "fp32",  # as in every fine-tuning benchmark
+          "--schedule", "gpipe"]  # (the activations held are GPipe's: every micro-batch's)
 GRID = [(precision, recompute, lora) for lora in (False, True) for precision in ("fp32", "bf16")
         for recompute in (False, True)]
 

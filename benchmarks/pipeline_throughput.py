@@ -28,7 +28,8 @@ def run_aqpipe(pp: int, args, work: Path) -> tuple[float, Path]:
     out = work / f"aq-pp{pp}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "aqpipe", "launch", "--overwrite", "--model", args.model, "--pp", str(pp), "--steps", str(args.steps),
            "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.mbs), "--micro-batches", str(args.mb),
-           "--fw", "fp32", "--bw", "fp32", "--warmup-epochs", "0", "--device", "cpu", "--out", str(out), "--no-progress"]
+           "--fw", "fp32", "--bw", "fp32", "--warmup-epochs", "0", "--schedule", "gpipe", "--device", "cpu", "--out", str(out),
+           "--no-progress"]
     subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     # the period between consecutive steps on rank 0: everything a step costs, metrics gathering included

@@ -217,7 +217,9 @@ def write_markdown(table: dict, bandwidths: list[str], info: dict, path: Path) -
 
 def schedule_ratios(table: dict, bandwidths: list[str], sps: dict) -> list[str]:
     """Each variant's throughput under each schedule other than GPipe over its throughput under GPipe, per bandwidth
-    (above 1: that schedule is the faster)."""
+    (above 1: that schedule is the faster); nothing when GPipe was not measured."""
+    if not any(s.endswith(" · gpipe") for s in table):
+        return []  # nothing to set them against
     variants = list(dict.fromkeys(s.split(" · ")[0] for s in table if " · " in s))
     schedules = list(dict.fromkeys(s.split(" · ")[1] for s in table if " · " in s and not s.endswith(" · gpipe")))
     lines = ["", "### Each schedule over GPipe (samples/s ratio)", "", "| variant | schedule | " + " / ".join(bandwidths)

@@ -51,7 +51,7 @@ def run(args, variant: str, work: Path) -> dict:
                   "--micro-batch-size", str(args.mbs), "--micro-batches", str(args.mb),
                   "--max-samples", str(args.mbs * args.mb * args.steps_per_epoch), "--epochs", str(args.epochs),
                   "--fw", fw, "--bw", bw, "--tied-exchange", exchange, "--eval-every", "0", "--no-progress",
-                  "--out", str(out), "--stall-timeout", "1200",
+                  "--out", str(out), "--stall-timeout", "1200", "--schedule", "gpipe",
                   "--warmup-epochs", "1", "--first-sight", "fp32")  # an fp32 first epoch, as in every fine-tuning benchmark
         start = time.perf_counter()
         procs = [hosts.start(h, *launch, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}) for h in range(4)]

@@ -30,14 +30,15 @@ def test_aqsgd_named_in_codecs_is_timed_as_a_links_two_ends_beside_a_stateless_c
     rows = {row["codec"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
     assert list(rows) == ["aqsgd:3", "rtq:4"]
     assert rows["aqsgd:3"]["bits"] == 3 and rows["aqsgd:3"]["rounding"] == "aqsgd codec"
+    # a 3-bit delta with its scales: more than 3 bits a value, far below the first sight's fp32
+    assert 3 < rows["aqsgd:3"]["bits_per_value"] < 8
     for row in rows.values():
         assert row["encode_MBps"] > 0 and row["decode_MBps"] > 0
-        assert row["round_trip_MBps"] < min(row["encode_MBps"], row["decode_MBps"])
 
 
 def test_a_codec_spec_it_cannot_build_is_a_usage_error_naming_the_flag(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         codec_speed(monkeypatch, "--codecs", "rtq:4,aqsgd:x", "--out", str(tmp_path / "speed"))
     assert exit_.value.code == 2
-    assert "--codecs: --fw 'aqsgd:x': bits must be an integer in 1..8" in capsys.readouterr().err
+    assert "--codecs takes --fw specs: --fw 'aqsgd:x': bits must be an integer in 1..8" in capsys.readouterr().err
     assert not (tmp_path / "speed.json").exists()

@@ -34,7 +34,7 @@ def flags_to_config(flags: list[str], out: Path):
 
 
 @pytest.mark.parametrize("extra", [
-    ["--model", "gpt2-tiny"],
+    ["--model", "gpt2-tiny", "--schedule", "gpipe"],
     ["--model", "gpt2-tiny", "--schedule", "1f1b", "--precision", "bf16", "--recompute"],
     pytest.param(["--model", "gpt2-tiny", "--schedule", "eager-1f1b", "--lora", "4"], marks=pytest.mark.needs("peft")),
     ["--model", "llama-tiny", "--data", "builtin-instruct", "--seq-len", "64", "--max-samples", "48",

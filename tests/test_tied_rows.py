@@ -181,7 +181,7 @@ def test_a_stage_must_hold_exactly_one_copy_of_a_table_it_exchanges():
 def tied_config(out, exchange: str, **kw) -> RunConfig:
     settings = dict(model="llama-tiny", pp=3, seq_len=32, micro_batch_size=2, micro_batches=3, steps=6, lr=2e-3,
                     warmup_steps=2, seed=1, max_samples=96, device="cpu", out=str(out), clip=0.5, fw="fp32", bw="fp32",
-                    eval_every=3, eval_samples=16, tied_exchange=exchange)
+                    eval_every=3, eval_samples=16, tied_exchange=exchange, schedule="gpipe")
     settings.update(kw)
     return resolve(RunConfig(**settings))
 
@@ -192,7 +192,8 @@ def records(run) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def rows_and_dense(tmp_path_factory):
-    """The tied llama-tiny over 3 stages with fp32 links, once exchanging rows and once all-reducing the table."""
+    """The tied llama-tiny over 3 stages with fp32 links under GPipe, once exchanging rows and once all-reducing the
+    table."""
     runs = {}
     for exchange in ("rows", "dense"):
         out = tmp_path_factory.mktemp(exchange) / "run"

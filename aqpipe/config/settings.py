@@ -121,7 +121,7 @@ class RunConfig:
         "give the layers per stage", "parameters", metavar="parameters|time|N,N,…")
     schedule: str = setting(
         "pipeline", "micro-batch schedule: {schedules}. All run backwards in forward order: the same losses and "
-        "weights bit for bit", DEFAULT_SCHEDULE, metavar="{schedule_names}")
+        "weights bit for bit", DEFAULT_SCHEDULE, metavar="{schedule_names}", resume=True)
     micro_batch_size: int | None = setting("pipeline", "samples per micro-batch", shown="preset", metavar="N")
     micro_batches: int | None = setting("pipeline", "micro-batches per optimizer step", shown="preset", metavar="N")
     precision: str = setting(
