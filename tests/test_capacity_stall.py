@@ -58,8 +58,8 @@ def test_the_phases_a_run_still_has_ahead(tmp_path, warmup, first_sights, first_
 def test_a_run_whose_grad_sync_keeps_a_step_longer_than_the_stall_timeout_is_refused(tmp_path, capsys, grad_sync,
                                                                                       refused):
     """Replicas all-reduce their stage's gradient after every step: fp32 at 1 Mbit/s that is 30 s for gpt2-tiny's first
-    stage (and PowerSGD's first steps send fp32 too), where the links need 1.6 s, so such a run failed at its first
-    step after --stall-timeout. A compressed sync that fits is accepted; the plan shows each stage's bytes."""
+    stage (and PowerSGD's first steps send fp32 too), where the links need under a second, so such a run failed at its
+    first step after --stall-timeout. A compressed sync that fits is accepted; the plan shows each stage's bytes."""
     out = tmp_path / "run"
     code = main(["launch", "--model", "gpt2-tiny", "--pp", "2", "--dp", "2", "--grad-sync", grad_sync, "--optimizer",
                  "sgd", "--bandwidth", "1mbit", "--stall-timeout", "10", "--dry-run", "--out", str(out)])
