@@ -142,7 +142,7 @@ def aqsgd_row(spec: str, x: torch.Tensor, per: str, repeats: int, device: torch.
               label: str = "") -> dict:
     """One AQ-SGD codec's whole encode and decode, timed as pairs of a link's two ends (`measure_pairs`), m(ξ) on
     both sides kept by `kept(dtype, device)` (default: `--store-device`'s slabs on `device`)."""
-    from aqpipe.compress.link.factory import build_codec
+    from aqpipe.compress.link.factory import build_codec, message_bytes
     from aqpipe.storage import StoreView, memory_store
 
     kept = kept or memory_store
@@ -154,8 +154,8 @@ def aqsgd_row(spec: str, x: torch.Tensor, per: str, repeats: int, device: torch.
     mb = given.numel() * given.element_size() / 1e6
     early: list[float] = []
     enc, dec = measure_pairs(sender, receiver, given, ids, repeats, device, pageable="pageable" in label, early=early)
-    encoded, _ = pair_sent(sender, receiver, given, ids)  # a delta message, as the timed ones were
-    row = {"codec": spec, "bits": sender.bits, "bits_per_value": 8 * encoded.payload.numel() / given.numel(),
+    delta = message_bytes(spec, "fw", tuple(given.shape), given.dtype, QuantOptions(per=per))  # the timed messages' size
+    row = {"codec": spec, "bits": sender.bits, "bits_per_value": 8 * delta / given.numel(),
            "rounding": f"aqsgd codec{label}", "encode_MBps": mb / enc,
            "decode_MBps": mb / dec, "round_trip_MBps": mb / (enc + dec), "early_pair_MBps": mb / early[0],
            "codec_path": codec_path()}
@@ -163,20 +163,11 @@ def aqsgd_row(spec: str, x: torch.Tensor, per: str, repeats: int, device: torch.
     if device.type == "cuda" and not label:  # the rate a pipeline sees: no wait but the sender's own
         row["streamed_round_trip_MBps"] = mb / stream_pairs(sender, receiver, given, ids, 20 * repeats)
         streamed = f"  streamed both {row['streamed_round_trip_MBps']:7.0f} MB/s"
-    print(f"{spec} {row['bits_per_value']:5.2f} bits/value whole codec{label}   encode {mb / enc:7.0f} MB/s  decode {mb / dec:7.0f} MB/s{streamed}"
+    print(f"{spec} {row['bits_per_value']:5.2f} bits/value whole codec{label}   encode {mb / enc:7.0f} MB/s  "
+          f"decode {mb / dec:7.0f} MB/s{streamed}"
           f"  (both, its 5th-14th pairs: {row['early_pair_MBps']:7.0f} MB/s){fallback_note(row['codec_path'])}",
           flush=True)
     return row
-
-
-def pair_sent(sender, receiver, x: torch.Tensor, ids: torch.Tensor):
-    """One more pair, untimed: what the sender encoded, and what the receiver decoded from it."""
-    from aqpipe.pipeline.links.transport import Header
-
-    encoded = sender.encode(x, ids, compress=True)
-    decoded = receiver.decode(Header.for_encoded(encoded, sender.code), encoded.payload, ids)
-    receiver.settle()
-    return encoded, decoded
 
 
 def stream_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, pairs: int) -> float:

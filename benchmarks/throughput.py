@@ -228,7 +228,7 @@ def schedule_ratios(table: dict, bandwidths: list[str], sps: dict) -> list[str]:
         gpipe = sps.get(f"{variant} · gpipe")
         for schedule in schedules:
             own = sps.get(f"{variant} · {schedule}")
-            if gpipe is None or own is None:
+            if gpipe is None or own is None:  # (that variant was not run under both)
                 continue
             ratios = " / ".join(f"{own[bw] / gpipe[bw]:.2f}" if bw in own and bw in gpipe else "—" for bw in bandwidths)
             lines.append(f"| {variant} | {schedule} | {ratios} |")

@@ -1,5 +1,5 @@
 """benchmarks/codec_speed.py times the link codecs its --codecs names, AQ-SGD among them, and refuses a spec it
-cannot build with a usage error."""
+cannot parse with a usage error."""
 
 import json
 import runpy
@@ -36,7 +36,7 @@ def test_aqsgd_named_in_codecs_is_timed_as_a_links_two_ends_beside_a_stateless_c
         assert row["encode_MBps"] > 0 and row["decode_MBps"] > 0
 
 
-def test_a_codec_spec_it_cannot_build_is_a_usage_error_naming_the_flag(tmp_path, monkeypatch, capsys):
+def test_a_codec_spec_it_cannot_parse_is_a_usage_error_naming_the_flag(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         codec_speed(monkeypatch, "--codecs", "rtq:4,aqsgd:x", "--out", str(tmp_path / "speed"))
     assert exit_.value.code == 2
