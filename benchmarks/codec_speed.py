@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from aqpipe.compress.grids import SCALES
 from aqpipe.compress.link.directq import decode_samples, encode_samples
 from aqpipe.compress.link.options import QuantOptions
 from aqpipe.compress.link.specs import CodecError, CodecSpec, parse_spec
@@ -187,6 +188,21 @@ def stream_pairs(sender, receiver, x: torch.Tensor, ids: torch.Tensor, pairs: in
     return (time.perf_counter() - start) / pairs
 
 
+def cannot_code(x: torch.Tensor, specs: list[CodecSpec], per: str, device: torch.device) -> tuple[str, str] | None:
+    """The first codec of `specs` (m(ξ)'s aside: theirs code any shape) that refuses to code `x`, with its reason; None
+    if each codes it (one encode each, before anything is timed)."""
+    from aqpipe.compress.link.factory import build_codec
+
+    for parsed in specs:
+        if parsed.keeps_messages:
+            continue
+        try:
+            build_codec(parsed, "fw", options=QuantOptions(per=per), device=device).encode(x, torch.arange(x.shape[0]))
+        except CodecError as e:
+            return str(parsed), str(e)
+    return None
+
+
 def link_codec_rows(x: torch.Tensor, specs: list[CodecSpec], per: str, repeats: int, device: torch.device
                     ) -> list[dict]:
     """Each link codec's whole encode and decode, by spec (one that keeps m(ξ), as pairs of a link's two ends)."""
@@ -244,7 +260,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="4,512,1600")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--per", default="channel", help="scale granularity of every codec timed: channel or token")
+    parser.add_argument("--per", default=SCALES[0], choices=SCALES, help="scale granularity of every codec timed")
     parser.add_argument("--out", default="benchmarks/results/codec_speed")
     parser.add_argument("--device", default="cpu", help="cpu (one core) or cuda")
     parser.add_argument("--codecs", default="directq:4,rtq:3,rtq:4,rtqo:4,tahq",
@@ -259,6 +275,9 @@ def main() -> None:
     device = torch.device(args.device)
     shape = tuple(int(x) for x in args.shape.split(","))
     x = torch.randn(shape, device=device)
+    refused = cannot_code(x, specs, args.per, device)
+    if refused is not None:
+        parser.error(f"--codecs {refused[0]} cannot code --shape {args.shape}: {refused[1]}")
     mb = x.numel() * 4 / 1e6
     rows = []
     for bits in range(1, 9) if not args.only_codecs else ():

@@ -42,3 +42,21 @@ def test_a_codec_spec_it_cannot_parse_is_a_usage_error_naming_the_flag(tmp_path,
     assert exit_.value.code == 2
     assert "--codecs takes --fw specs: --fw 'aqsgd:x': bits must be an integer in 1..8" in capsys.readouterr().err
     assert not (tmp_path / "speed.json").exists()
+
+
+def test_a_codec_that_cannot_code_the_shape_is_a_usage_error_before_anything_is_timed(tmp_path, monkeypatch, capsys):
+    # tahq codes tiles of 64 channels: the test's hidden size of 16 is not a multiple
+    with pytest.raises(SystemExit) as exit_:
+        codec_speed(monkeypatch, "--codecs", "rtq:4,tahq", "--out", str(tmp_path / "speed"))
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert "--codecs tahq cannot code --shape 2,8,16: tahq quantizes tiles of 64 channels" in err
+    assert "MB/s" not in out and not (tmp_path / "speed.json").exists()
+
+
+def test_a_scale_granularity_it_does_not_know_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        codec_speed(monkeypatch, "--codecs", "rtq:4", "--per", "sample", "--out", str(tmp_path / "speed"))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --per: invalid choice: 'sample'" in err and "channel" in err and "token" in err

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aqpipe.compress.grids import DEFAULT_GRID, GRIDS
+from aqpipe.compress.grids import DEFAULT_GRID, GRIDS, SCALES
 
 FP16_MAX = 65504.0
 
@@ -147,8 +147,8 @@ def quantize(x: torch.Tensor, bits: int, per: str = "channel", stochastic: bool 
     is deterministic."""
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
-    if per not in ("channel", "token"):
-        raise ValueError(f"scale granularity must be 'channel' or 'token', got {per!r}")
+    if per not in SCALES:
+        raise ValueError(f"scale granularity must be one of {', '.join(SCALES)}, got {per!r}")
     check_grid(grid)
     rows = as_rows(x.detach().float())
     reduce_dim = 1 if (per == "channel" or x.dim() == 2) else 2

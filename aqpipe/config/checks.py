@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aqpipe.compress.grids import GRIDS
+from aqpipe.compress.grids import GRIDS, ROUNDINGS, SCALES
 from aqpipe.compress.link.specs import DEFAULT_FIRST_SIGHT, check_first_sight
 from aqpipe.config.rates import parse_rate
 from aqpipe.config.settings import ResolvedConfig, RunConfig
@@ -91,8 +91,8 @@ def _check_choices(cfg: RunConfig) -> dict[str, Any]:
     if cfg.first_sight not in (None, "fp32") and not fw.keeps_messages:
         raise ConfigError(f"--first-sight {cfg.first_sight} codes the first sight of a sample on an AQ-SGD link "
                           f"(--fw aqsgd:B); --fw {cfg.fw} sends every sample alike")
-    for name, value, allowed in (("quant-scales", cfg.quant_scales, ("channel", "token")),
-                                 ("quant-rounding", cfg.quant_rounding, ("nearest", "stochastic")),
+    for name, value, allowed in (("quant-scales", cfg.quant_scales, SCALES),
+                                 ("quant-rounding", cfg.quant_rounding, ROUNDINGS),
                                  ("quant-grid", cfg.quant_grid, GRIDS),
                                  ("link-rows", cfg.link_rows, tuple(LINK_ROWS)),
                                  ("store-check", cfg.store_check, ("on", "off")),

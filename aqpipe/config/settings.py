@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aqpipe.compress.grad.methods import GradSpec, parse_grad_spec
-from aqpipe.compress.grids import DEFAULT_GRID
+from aqpipe.compress.grids import DEFAULT_GRID, ROUNDINGS, SCALES
 from aqpipe.compress.link.specs import (
     DEFAULT_BW,
     DEFAULT_EVAL_CODEC,
@@ -156,9 +156,9 @@ class RunConfig:
         "sample alone, never through m(ξ), so training's codecs and stores are untouched", DEFAULT_EVAL_CODEC,
         metavar="SPEC", resume=True)
     quant_scales: str = setting("links", "quantization scales per sample and channel, or per sample and token",
-                                "channel", metavar="channel|token")
-    quant_rounding: str = setting("links", "deterministic, or unbiased stochastic rounding", "nearest",
-                                  metavar="nearest|stochastic")
+                                SCALES[0], metavar="|".join(SCALES))
+    quant_rounding: str = setting("links", "deterministic, or unbiased stochastic rounding", ROUNDINGS[0],
+                                  metavar="|".join(ROUNDINGS))
     quant_grid: str = setting(
         "links", "the levels a quantized code stands for: all but `uniform` (the first release's) hold an exact 0; "
         "1-bit codes are sign · mean|x| (contractive) under nearest rounding; rotated tiles (rtq, aqsgd-rtq) always "
