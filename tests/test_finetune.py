@@ -150,11 +150,14 @@ def test_resumed_aqsgd_run_keeps_both_store_copies_identical(tmp_path):
     assert "0 mismatch(es)" in verify.stdout
 
 
+FINISHED_RUN = ("--pp", "2", "--steps", "4", "--warmup-steps", "1", "--checkpoint-every", "2", "--seq-len", "16",
+                "--max-samples", "64", "--eval-samples", "16", "--no-progress")
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("done") / "run"
-    proc = launch("--pp", "2", "--steps", "4", "--warmup-steps", "1", "--checkpoint-every", "2", "--seq-len", "16",
-                  "--max-samples", "64", "--eval-samples", "16", "--no-progress", "--out", str(run))
+    proc = launch(*FINISHED_RUN, "--out", str(run))
     assert proc.returncode == 0, proc.stderr
     return run
 
@@ -169,18 +172,62 @@ def test_changing_what_a_resume_cannot_change_is_refused(finished_run, args, nee
     assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_a_damaged_checkpoint_is_named_and_nothing_starts(finished_run, tmp_path):
+def test_resume_over_a_damaged_newest_checkpoint_takes_the_older_sound_one_saying_so(finished_run, tmp_path):
+    """--resume where the newest checkpoint is damaged: the run continues from the newest sound one, with a line naming
+    the damage, and trains the steps after it again — the losses of the run that never lost them (as the ranks do
+    under torchrun)."""
     import shutil
 
     run = tmp_path / "copy"
     shutil.copytree(finished_run, run)
     victim = run / "checkpoints" / "step-00000004" / "rank-1.pt"
     victim.write_bytes(victim.read_bytes()[:1000])  # truncated
+    proc = launch("--resume", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [line for line in proc.stderr.splitlines() if "resuming" in line]
+    assert len(said) == 1 and "after step 2" in said[0] and str(victim) in said[0], proc.stderr[-2000:]
+    assert "damaged or truncated" in said[0] and "steps 3–4 are trained again" in said[0]
+    assert [(r["step"], r["loss"]) for r in records(run)] == [(r["step"], r["loss"]) for r in records(finished_run)]
+
+
+def test_a_damaged_newest_checkpoint_stops_the_same_command_typed_again_naming_the_older_one(finished_run, tmp_path):
+    """The same command typed again over a run whose newest checkpoint has another rank's file: refused (a start over
+    its own run never goes back quietly), saying which older checkpoint --resume takes; it does."""
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(finished_run, run)
+    step = run / "checkpoints" / "step-00000004"
+    for suffix in (".pt", ".sha256"):
+        shutil.copy(step / f"rank-0{suffix}", step / f"rank-1{suffix}")
+    before = (run / "metrics.jsonl").read_text()
+    proc = launch(*FINISHED_RUN, "--steps", "6", "--out", str(run))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert "the checkpoint of step 4 is damaged (" in proc.stderr
+    assert "written for rank 0 step 4, not rank 1 step 4" in proc.stderr
+    assert f"continue from step 2 with --resume {run}" in proc.stderr
+    assert (run / "metrics.jsonl").read_text() == before and step.is_dir()
+    proc = launch("--resume", str(run), "--steps", "6", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "after step 2" in proc.stderr
+    assert [r["step"] for r in records(run)] == list(range(1, 7))
+
+
+def test_a_resume_with_no_sound_checkpoint_is_refused_naming_the_newest_damage_and_nothing_starts(finished_run,
+                                                                                                 tmp_path):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(finished_run, run)
+    for step in ("step-00000002", "step-00000004"):
+        victim = run / "checkpoints" / step / "rank-1.pt"
+        victim.write_bytes(victim.read_bytes()[:1000])  # truncated
     before = (run / "metrics.jsonl").read_text()
     proc = launch("--resume", str(run), "--steps", "6")
-    assert proc.returncode == 2
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
     assert str(victim) in proc.stderr and "damaged or truncated" in proc.stderr
     assert (run / "metrics.jsonl").read_text() == before
+    assert (run / "checkpoints" / "step-00000004").is_dir()
 
 
 @pytest.mark.parametrize("field,value", [("seq_len", 32), ("fw", "fp32"), ("pp", "two")])
@@ -198,25 +245,6 @@ def test_a_run_whose_config_was_edited_is_refused_naming_the_field(finished_run,
     assert f"written with {field} = " in proc.stderr and repr(value) in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert time.monotonic() - start < 30  # refused before any worker started
-
-
-def test_a_rank_file_copied_over_another_is_refused_before_workers_start(finished_run, tmp_path):
-    import shutil
-
-    run = tmp_path / "copy"
-    shutil.copytree(finished_run, run)
-    step = run / "checkpoints" / "step-00000004"
-    for suffix in (".pt", ".sha256"):
-        shutil.copy(step / f"rank-0{suffix}", step / f"rank-1{suffix}")
-    proc = launch("--resume", str(run), "--steps", "6", "--no-progress")
-    assert proc.returncode == 2
-    assert "written for rank 0 step 4, not rank 1 step 4" in proc.stderr
-    assert "step-00000002 is sound" in proc.stderr  # and how to use the older one
-    shutil.move(step, tmp_path / "aside")
-    proc = launch("--resume", str(run), "--steps", "6", "--no-progress")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "after step 2" in proc.stderr
-    assert [r["step"] for r in records(run)] == list(range(1, 7))
 
 
 def test_a_run_without_checkpoints_cannot_resume(finished_run, tmp_path):

@@ -137,6 +137,22 @@ def test_the_same_command_over_its_run_without_a_checkpoint_starts_it_again_keep
     assert json.loads((run / "summary.json").read_text())["restarts"] == 1
 
 
+def test_a_directory_holding_run_files_but_no_config_json_is_refused_and_changes_nothing(tmp_path):
+    """An export and a metrics log with no config.json beside them (which a launcher writes before any rank starts):
+    not known to be this run's, so a launch into them is refused in one line and they stay. Before, they were taken
+    for this run stopped before its first checkpoint, deleted, and the run trained there."""
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "export" / "model.safetensors").write_bytes(b"someone's weights")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    before = snapshot(run)
+    proc = launch(*QUICK, "--steps", "1", "--out", str(run))
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr[-2000:]
+    assert (f"--out {run} holds another run (metrics.jsonl, export, without a config.json): choose another --out, or "
+            "add --overwrite to delete it first") in proc.stderr  # (no --resume: no config.json, nothing to resume)
+    assert snapshot(run) == before
+
+
 def ck_bytes(run, step: int) -> bytes:
     return (run / "checkpoints" / f"step-{step:08d}" / "rank-0.pt").read_bytes()
 

@@ -108,7 +108,7 @@ def _claim_and_run(cfg: ResolvedConfig, spec_factory, starter: RankStarter, prog
         cfg.stage_bounds = plan.bounds
         refuse_if_unfit(plan)  # exit 2 with the plan's numbers rather than running out of memory mid-run
         if cfg.resume is not None:
-            _check_checkpoint(cfg, again)
+            _check_checkpoint(cfg, again, explicit=not again)
             _drop_damaged_stores(cfg)
     except BaseException:
         run_dir.release(failed_before_start=True)
@@ -220,38 +220,49 @@ def _continue_hint(cfg: ResolvedConfig) -> str:
     return f"; free some space, then `aqpipe launch --resume {cfg.out}` continues after step {step}"
 
 
-def _check_checkpoint(cfg: ResolvedConfig, again: bool = False, say: bool = True) -> None:
+def _check_checkpoint(cfg: ResolvedConfig, again: bool = False, say: bool = True, explicit: bool = False) -> None:
     """The run to resume has a complete, undamaged checkpoint written with this configuration (checked before any
-    worker starts); when the newest is unusable, the message says which older one is and how to use it. Says where
-    the run continues (`again`: over its own directory without --resume) unless not to `say`."""
+    worker starts). Where the newest is not sound, `explicit` (--resume given) takes the newest older one that is —
+    the steps after it are trained again, their checkpoints removed — and says so; a restart or the same command
+    typed again never goes back quietly: refused, naming the older one --resume takes. Says where the run continues
+    (`again`: over its own directory without --resume) unless not to `say`."""
     from aqpipe.runtime.checkpoints.parts import (
         CheckpointError,
         complete_steps,
-        latest_step,
+        drop_steps_after,
         remove_incomplete,
-        step_dir,
         verify,
     )
+    from aqpipe.runtime.checkpoints.restart import damaged
 
     run = cfg.resume
     if run is None:
         raise ConfigError("not a resumed run: there is no checkpoint to check")
-    step = latest_step(run)
-    if step is None:
+    steps = complete_steps(run)
+    if not steps:
         raise ConfigError(f"--resume {run}: no complete checkpoint under {run}/checkpoints "
                           "(the run stopped before its first --checkpoint-every)")
     settings = cfg.fixed_settings()
-    try:
-        verify(run, step, cfg.world_size, settings)
-    except CheckpointError as e:
-        for older in (s for s in complete_steps(run) if s < step):
-            try:
-                verify(run, older, cfg.world_size, settings)
-            except CheckpointError:
-                continue
-            raise ConfigError(f"--resume: {e}; the older checkpoint {step_dir(run, older)} is sound: move "
-                              f"{step_dir(run, step)} out of the run directory to resume from step {older}") from None
-        raise ConfigError(f"--resume: {e}") from None
+
+    def unsound(step: int) -> str | None:
+        try:
+            verify(run, step, cfg.world_size, settings)
+        except CheckpointError as e:
+            return str(e)
+        return None
+
+    step = steps[0]
+    problem = unsound(step)
+    if problem is not None:
+        older = next((s for s in steps[1:] if unsound(s) is None), None)
+        if older is None:
+            raise ConfigError(f"--resume: {problem}")
+        if not explicit:
+            raise ConfigError(str(damaged(step, problem, run, older)))
+        drop_steps_after(run, older)  # (nothing writes them now: the run directory is locked)
+        print(f"aqpipe: resuming {run} after step {older}: the checkpoint of step {step} is not sound ({problem}); "
+              f"steps {older + 1}–{step} are trained again", file=sys.stderr, flush=True)
+        step, say = older, False
     for directory in remove_incomplete(run):  # nothing writes them now: the run directory is locked
         print(f"aqpipe: removed {directory}, a checkpoint its run did not finish writing", file=sys.stderr, flush=True)
     if say:

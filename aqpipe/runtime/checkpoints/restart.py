@@ -29,6 +29,8 @@ RESTARTS_FILE = "restarts.jsonl"
 # What a run writes into its directory on a host that a restart must respect; any of them present means the directory
 # holds a run's state (`aqpipe.launch.rundir.RUN_OUTPUTS` adds what a local launch's launcher writes: the plot, logs).
 RUN_STATE = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "store", "export", "export-adapter")
+# Written only after the run's config.json on the same host: found without it, they are no run's to continue.
+AFTER_CONFIG = ("metrics.jsonl", "summary.json", "export", "export-adapter")
 
 
 @dataclass
@@ -81,6 +83,8 @@ def holding(out: str | Path, rank: int, settings: dict) -> Holding:
         found.other_run = _differs(step_dir(out, found.marked[0]) / "run.json", settings, "config")
     elif "config.json" in found.outputs:
         found.other_run = _differs(out / "config.json", settings)
+    elif any(name in AFTER_CONFIG for name in found.outputs):
+        found.other_run = f"{', '.join(found.outputs)}, without a config.json"
     return found
 
 
@@ -120,9 +124,14 @@ class Start:
     def damaged(self, step: int, problem: str, out: str | Path) -> CheckpointError:
         """The refusal of a strict start over run directory `out` whose checkpoint of `step` is not sound (`problem`
         says where)."""
-        older = [s for s in self.candidates if s < step]
-        return CheckpointError(f"the checkpoint of step {step} is damaged ({problem})"
-                               + (f"; continue from step {older[0]} with --resume {out}" if older else ""))
+        return damaged(step, problem, out, next((s for s in self.candidates if s < step), None))
+
+
+def damaged(step: int, problem: str, out: str | Path, older: int | None) -> CheckpointError:
+    """The refusal of a start over run directory `out` whose checkpoint of `step` is not sound (`problem` says where),
+    naming the `older` one `--resume` would take (None: none)."""
+    return CheckpointError(f"the checkpoint of step {step} is damaged ({problem})"
+                           + (f"; continue from step {older} with --resume {out}" if older is not None else ""))
 
 
 def choose_start(holdings: list[Holding], out: str | Path, explicit: bool) -> Start:
@@ -133,8 +142,9 @@ def choose_start(holdings: list[Holding], out: str | Path, explicit: bool) -> St
     other = next((h for h in holdings if h.other_run), None)
     if other is not None:
         where = f" on {other.host}" if len({h.host for h in holdings}) > 1 else ""
-        raise CheckpointError(f"--out {out}{where} holds another run ({other.other_run}): continue that run with "
-                              f"--resume {out}, choose another --out, or add --overwrite to delete it first")
+        resume = f"continue that run with --resume {out}, " if "config.json" in other.outputs else ""
+        raise CheckpointError(f"--out {out}{where} holds another run ({other.other_run}): {resume}choose another --out, "
+                              "or add --overwrite to delete it first")
     if not any(h.outputs for h in holdings):
         if explicit:
             raise CheckpointError(f"--resume {out}: no run there to continue")
