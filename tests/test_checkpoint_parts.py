@@ -270,3 +270,17 @@ def test_a_checksum_line_that_is_not_text_or_a_file_that_cannot_be_read_is_a_che
     assert str(victim) in str(err.value)
     with pytest.raises(ck.CheckpointError):
         ck.check_rank(tmp_path, 3, 1, SETTINGS)
+
+
+def test_checkpoints_set_aside_keep_their_files_out_of_every_resume_and_replace_an_earlier_one(tmp_path):
+    for step in (2, 4):
+        _save(tmp_path, step)
+    aside = ck.root(tmp_path) / "unsound-step-00000004"
+    aside.mkdir()
+    (aside / "from-before").write_text("x")  # set aside by an earlier resume
+    assert ck.set_aside_steps_after(tmp_path, 2) == [aside]
+    assert sorted(p.name for p in aside.iterdir()) == sorted(p.name for p in ck.step_dir(tmp_path, 2).iterdir())
+    assert ck.complete_steps(tmp_path) == [2] and ck.latest_step(tmp_path) == 2
+    assert (ck.root(tmp_path) / "latest").read_text().strip() == "step-00000002"
+    _save(tmp_path, 4)  # the steps trained again: their checkpoint is written anew, the one set aside stays
+    assert ck.latest_step(tmp_path) == 4 and aside.is_dir()

@@ -148,6 +148,9 @@ def test_the_ranks_refuse_together_when_the_newest_checkpoint_is_damaged_on_a_re
         assert status == "error" and "step 8 is damaged (rank 1 on" in text
         assert f"continue from step 4 with --resume {tmp_path}" in text  # (the run directory itself, to paste)
     assert [value for _, value in run_ranks(_agreed, 2, [str(tmp_path)] * 2, True)] == [4, 4]
+    # the checkpoint passed over is set aside, never resumed from (an unreadable file may be a passing fault)
+    assert sorted(p.name for p in ck.root(tmp_path).iterdir()) == ["latest", "step-00000004", "unsound-step-00000008"]
+    assert (ck.root(tmp_path) / "latest").read_text().strip() == "step-00000004"
 
 
 def test_the_ranks_clear_this_runs_state_without_a_checkpoint_on_every_host(tmp_path):
@@ -159,3 +162,25 @@ def test_the_ranks_clear_this_runs_state_without_a_checkpoint_on_every_host(tmp_
     results = run_ranks(_agreed, 2, [str(h) for h in hosts], False)
     assert [value for _, value in results] == [None, None], results
     assert [sorted(p.name for p in h.iterdir()) for h in hosts] == [["restarts.jsonl"], []]  # (rank 0's counts it)
+
+
+def test_a_clear_cut_short_leaves_config_json_beside_the_state_that_remains(tmp_path, monkeypatch):
+    """A start afresh clears the run's state; cut short (a kill, a failing disk) it must leave config.json while any
+    of it remains: run files without their config.json are no run's to continue, and every later start would be
+    refused (as an export found without its config.json is)."""
+    import shutil
+
+    from aqpipe.runtime.checkpoints import restart
+
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    for name in ("config.json", "metrics.jsonl", "summary.json"):
+        (out / name).write_text("{}\n")
+
+    def cut_short(path, *args, **kwargs):
+        raise OSError("cut short")
+
+    monkeypatch.setattr(shutil, "rmtree", cut_short)
+    with pytest.raises(OSError, match="cut short"):
+        restart.clear_run_state(out)
+    assert (out / "export").is_dir() and (out / "config.json").is_file()

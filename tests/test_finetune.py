@@ -181,13 +181,18 @@ def test_resume_over_a_damaged_newest_checkpoint_takes_the_older_sound_one_sayin
     run = tmp_path / "copy"
     shutil.copytree(finished_run, run)
     victim = run / "checkpoints" / "step-00000004" / "rank-1.pt"
-    victim.write_bytes(victim.read_bytes()[:1000])  # truncated
+    truncated = victim.read_bytes()[:1000]
+    victim.write_bytes(truncated)
     proc = launch("--resume", str(run))
     assert proc.returncode == 0, proc.stderr[-2000:]
     said = [line for line in proc.stderr.splitlines() if "resuming" in line]
     assert len(said) == 1 and "after step 2" in said[0] and str(victim) in said[0], proc.stderr[-2000:]
     assert "damaged or truncated" in said[0] and "steps 3–4 are trained again" in said[0]
     assert [(r["step"], r["loss"]) for r in records(run)] == [(r["step"], r["loss"]) for r in records(finished_run)]
+    # the checkpoint it passed over is kept aside for a look (an unreadable file may be a passing fault), never resumed
+    aside = run / "checkpoints" / "unsound-step-00000004"
+    assert f"set aside: {aside}" in said[0] and (aside / "rank-1.pt").read_bytes() == truncated
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000004"  # (the new run's own)
 
 
 def test_a_damaged_newest_checkpoint_stops_the_same_command_typed_again_naming_the_older_one(finished_run, tmp_path):
@@ -211,6 +216,29 @@ def test_a_damaged_newest_checkpoint_stops_the_same_command_typed_again_naming_t
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "after step 2" in proc.stderr
     assert [r["step"] for r in records(run)] == list(range(1, 7))
+
+
+def test_a_restart_over_a_damaged_newest_checkpoint_is_refused_naming_the_older_one_and_changes_nothing(finished_run,
+                                                                                                    tmp_path):
+    """--max-restarts' restart (the launcher readying the run directory after a rank failed) never goes back
+    quietly: the damaged newest checkpoint stops it, naming the one --resume takes (the run then ends with that
+    reason, exit 1), and nothing is set aside."""
+    import shutil
+
+    from aqpipe.config import ConfigError, ResolvedConfig
+    from aqpipe.launch import job
+
+    run = tmp_path / "copy"
+    shutil.copytree(finished_run, run)
+    victim = run / "checkpoints" / "step-00000004" / "rank-0.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])  # truncated
+    cfg = ResolvedConfig(**{**json.loads((run / "config.json").read_text()), "out": str(run)})
+    with pytest.raises(ConfigError) as refused:
+        job._restart_point(cfg)
+    assert str(refused.value).startswith("the checkpoint of step 4 is damaged (checkpoint file ")
+    assert "damaged or truncated" in str(refused.value)
+    assert str(refused.value).endswith(f"; continue from step 2 with --resume {run}")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final", "latest", "step-00000002", "step-00000004"]
 
 
 def test_a_resume_with_no_sound_checkpoint_is_refused_naming_the_newest_damage_and_nothing_starts(finished_run,

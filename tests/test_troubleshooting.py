@@ -55,7 +55,7 @@ RELAYS = {
     ("aqpipe/runtime/plan.py", "str(e)"),  # SpecError, DataError
     ("aqpipe/runtime/rank/train.py", "str(e)"),  # RendezvousConflict, HostDisagreement
     ("aqpipe/launch/job.py", "str(e)"),  # CheckpointError
-    ("aqpipe/launch/job.py", "str(damaged(step, problem, run, older))"),  # a CheckpointError restart.py builds
+    ("aqpipe/launch/job.py", "str(damaged(steps[0], problem, run, older))"),  # a CheckpointError restart.py builds
     ("aqpipe/launch/netns.py", "problem"),  # can_throttle()
     ("aqpipe/runtime/capacity/plan.py", "problem"),  # steps_outlasting_the_stall_timeout()
     ("aqpipe/runtime/capacity/plan.py", "str(e)"),  # CodecError: a codec that cannot code the stages' activations

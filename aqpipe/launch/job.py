@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from aqpipe.config import ConfigError, ResolvedConfig
@@ -106,9 +107,11 @@ def _claim_and_run(cfg: ResolvedConfig, spec_factory, starter: RankStarter, prog
     try:
         plan = make_plan(cfg, spec_factory)
         cfg.stage_bounds = plan.bounds
-        refuse_if_unfit(plan)  # exit 2 with the plan's numbers rather than running out of memory mid-run
-        if cfg.resume is not None:
-            _check_checkpoint(cfg, again, explicit=not again)
+        point = _resume_point(cfg, explicit=not again) if cfg.resume is not None else None
+        # exit 2 with the plan's numbers rather than running out of memory (or time) mid-run
+        refuse_if_unfit(plan, point.step if point is not None else None)
+        if point is not None:
+            _take(cfg, point, again)
             _drop_damaged_stores(cfg)
     except BaseException:
         run_dir.release(failed_before_start=True)
@@ -192,7 +195,7 @@ def _restart_point(cfg: ResolvedConfig) -> int | None:
     step = latest_step(cfg.out)
     cfg.resume = cfg.out if step is not None else None
     if step is not None:
-        _check_checkpoint(cfg, say=False)  # (the restart's own line says it)
+        _take(cfg, _resume_point(cfg, explicit=False), say=False)  # (the restart's own line says it)
         _drop_damaged_stores(cfg)
     _start_again(cfg)
     write_json(Path(cfg.out) / "config.json", cfg.to_dict())
@@ -220,19 +223,21 @@ def _continue_hint(cfg: ResolvedConfig) -> str:
     return f"; free some space, then `aqpipe launch --resume {cfg.out}` continues after step {step}"
 
 
-def _check_checkpoint(cfg: ResolvedConfig, again: bool = False, say: bool = True, explicit: bool = False) -> None:
-    """The run to resume has a complete, undamaged checkpoint written with this configuration (checked before any
-    worker starts). Where the newest is not sound, `explicit` (--resume given) takes the newest older one that is —
-    the steps after it are trained again, their checkpoints removed — and says so; a restart or the same command
-    typed again never goes back quietly: refused, naming the older one --resume takes. Says where the run continues
-    (`again`: over its own directory without --resume) unless not to `say`."""
-    from aqpipe.runtime.checkpoints.parts import (
-        CheckpointError,
-        complete_steps,
-        drop_steps_after,
-        remove_incomplete,
-        verify,
-    )
+@dataclass
+class ResumePoint:
+    """The checkpoint a resume continues from, and the newer one it passes over (not sound: `problem`), if any."""
+
+    step: int
+    unsound: int | None = None
+    problem: str = ""
+
+
+def _resume_point(cfg: ResolvedConfig, explicit: bool) -> ResumePoint:
+    """The checkpoint the run to resume continues from, checked before any worker starts, nothing changed: the newest
+    complete one, undamaged and written with this configuration. Where that one is not sound, `explicit` (--resume
+    given) takes the newest older one that is; a restart or the same command typed again never goes back quietly:
+    refused, naming it. Raises ConfigError (exit 2)."""
+    from aqpipe.runtime.checkpoints.parts import CheckpointError, complete_steps, verify
     from aqpipe.runtime.checkpoints.restart import damaged
 
     run = cfg.resume
@@ -251,21 +256,35 @@ def _check_checkpoint(cfg: ResolvedConfig, again: bool = False, say: bool = True
             return str(e)
         return None
 
-    step = steps[0]
-    problem = unsound(step)
-    if problem is not None:
-        older = next((s for s in steps[1:] if unsound(s) is None), None)
-        if older is None:
-            raise ConfigError(f"--resume: {problem}")
-        if not explicit:
-            raise ConfigError(str(damaged(step, problem, run, older)))
-        drop_steps_after(run, older)  # (nothing writes them now: the run directory is locked)
-        print(f"aqpipe: resuming {run} after step {older}: the checkpoint of step {step} is not sound ({problem}); "
-              f"steps {older + 1}–{step} are trained again", file=sys.stderr, flush=True)
-        step, say = older, False
-    for directory in remove_incomplete(run):  # nothing writes them now: the run directory is locked
+    problem = unsound(steps[0])
+    if problem is None:
+        return ResumePoint(steps[0])
+    older = next((s for s in steps[1:] if unsound(s) is None), None)
+    if older is None:
+        raise ConfigError(f"--resume: {problem}")
+    if not explicit:
+        raise ConfigError(str(damaged(steps[0], problem, run, older)))
+    return ResumePoint(older, steps[0], problem)
+
+
+def _take(cfg: ResolvedConfig, point: ResumePoint, again: bool = False, say: bool = True) -> None:
+    """Ready the run directory (locked: nothing else writes it) for the ranks to load `point`: the checkpoints after
+    it set aside, incomplete ones removed; says where the run continues (`again`: over its own directory without
+    --resume) unless not to `say`."""
+    from aqpipe.runtime.checkpoints.parts import remove_incomplete, set_aside_steps_after
+    from aqpipe.runtime.checkpoints.restart import going_back
+
+    run = cfg.resume
+    assert run is not None, "a resumed run names its run directory"
+    if point.unsound is not None:
+        aside = set_aside_steps_after(run, point.step)
+        said = going_back(point.step, point.unsound, f"is not sound ({point.problem})")
+        print(f"aqpipe: {run}: {said}; set aside: {', '.join(str(p) for p in aside)}", file=sys.stderr, flush=True)
+        say = False
+    for directory in remove_incomplete(run):
         print(f"aqpipe: removed {directory}, a checkpoint its run did not finish writing", file=sys.stderr, flush=True)
     if say:
+        step = point.step
         said = f"{run} holds this run: it continues after step {step}" if again else f"resuming {run} after step {step}"
         print(f"aqpipe: {said}", file=sys.stderr, flush=True)
 

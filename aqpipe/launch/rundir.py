@@ -90,7 +90,7 @@ class RunDirectory:
 
     def clear_previous(self) -> None:
         """Delete the run `--overwrite` replaces (called once the new run's configuration is known to be good)."""
-        for name in self._previous:
+        for name in sorted(self._previous, key=lambda name: name == "config.json"):  # (last: see restart.AFTER_CONFIG)
             remove(self.path / name)
         self._previous = []
 

@@ -359,9 +359,10 @@ def human_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:
-    """Raise ConfigError with the plan's numbers when the run cannot fit; the plan (None when a custom model cannot
-    be traced with fake tensors: then nothing is refused)."""
+def refuse_if_unfit(plan: RunPlan, first_step: int | None = None) -> CapacityPlan | None:
+    """Raise ConfigError with the plan's numbers when the run cannot fit (a resume's steps from the checkpoint of
+    `first_step` on: by default its newest); the plan (None when a custom model cannot be traced with fake tensors:
+    then nothing is refused)."""
     try:
         capacity = plan_capacity(plan)
     except TraceError:  # a custom model the fake tracer cannot run is trained unplanned, as before
@@ -370,18 +371,20 @@ def refuse_if_unfit(plan: RunPlan) -> CapacityPlan | None:
         raise ConfigError("the run does not fit: " + "; ".join(capacity.problems)
                           + f" (per stage in memory: {', '.join(human_bytes(s.memory_bytes) for s in capacity.stages)}; "
                           "see aqpipe launch ... --dry-run)")
-    problem = steps_outlasting_the_stall_timeout(capacity)
+    problem = steps_outlasting_the_stall_timeout(capacity, first_step)
     if problem is not None:
         raise ConfigError(problem)
     return capacity
 
 
-def steps_outlasting_the_stall_timeout(capacity: CapacityPlan) -> str | None:
+def steps_outlasting_the_stall_timeout(capacity: CapacityPlan, first_step: int | None = None) -> str | None:
     """What is wrong when, at --bandwidth, the links and the grad sync alone keep a step the run has still to take (a
-    resume's from its checkpoint on) as long as --stall-timeout or longer (None: nothing): the launcher's stall clock
-    and every collective of a training step give up after it, so the run would fail at its first such step."""
+    resume's from the checkpoint of `first_step` on: by default its newest) as long as --stall-timeout or longer
+    (None: nothing): the launcher's stall clock and every collective of a training step give up after it, so the run
+    would fail at its first such step."""
     cfg = capacity.cfg
-    first_step = (latest_step(cfg.resume) or 0) if cfg.resume else 0
+    if first_step is None:
+        first_step = (latest_step(cfg.resume) or 0) if cfg.resume else 0
     # fp16: a step whose gradients overflowed skipped the grad sync, whose first steps count the syncs it ran
     skipped = sum(bool(r.get("skipped")) for r in kept_records(cfg.resume, first_step)) if cfg.resume and first_step else 0
     syncs = [s.sync for s in capacity.stages]

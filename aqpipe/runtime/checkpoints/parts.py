@@ -10,6 +10,8 @@ Layout under the run directory (each host's own disk):
     checkpoints/step-00000040/COMPLETE        written once every rank has written (a barrier), by the first rank of
                                               each host on that host's disk (hosts need not share one)
     checkpoints/latest                        the name of the newest complete step directory
+    checkpoints/unsound-step-00000060/        a newer checkpoint that failed its checks, set aside by a --resume
+                                              that took an older one (`set_aside_steps_after`)
 
 A step directory without COMPLETE (a run killed while saving) is never resumed from, and is removed once a newer
 checkpoint is complete. Before any worker starts, `verify` checks every rank's file against its checksum line
@@ -20,6 +22,7 @@ every key and shape before anything is applied, so a damaged file is an error na
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -41,6 +44,7 @@ KEEP = 2  # complete checkpoints kept (besides the newest copied one and one bei
 SYNC_EVERY_BYTES = 256 << 20
 MAX_CHECKING_THREADS = 16  # rank files hashed at once before a resume
 STORE = "store"  # the key of a rank's state that holds its in-memory m(ξ), and the kind of the file it is kept in
+UNSOUND = "unsound-"  # the prefix of a step directory set aside after it failed its checks (never resumed from)
 
 
 class CheckpointError(RuntimeError):
@@ -190,11 +194,44 @@ def mark_complete(out: str | Path, step: int, world_size: int, settings: dict, k
 def drop_steps_after(out: str | Path, step: int) -> list[Path]:
     """Delete the step directories after `step` (a resume from `step` trains those steps again: their old files
     must not mix with the new ones under their old markers); returns them."""
-    removed = [d for d in sorted(root(out).glob("step-*")) if d.name[len("step-"):].isdigit()
-               and int(d.name[len("step-"):]) > step]
+    removed = _steps_after(out, step)
     for directory in removed:
         shutil.rmtree(directory, ignore_errors=True)
+    _point_latest(out, step)
     return removed
+
+
+def set_aside_steps_after(out: str | Path, step: int) -> list[Path]:
+    """Move the step directories after `step` to `unsound-step-<N>` beside them (a resume from `step` trains those
+    steps again; a checkpoint that failed its checks is kept for a look, never resumed from: an unreadable file may
+    be a passing fault), replacing one set aside before; returns where they went."""
+    moved = []
+    for directory in _steps_after(out, step):
+        aside = directory.with_name(f"{UNSOUND}{directory.name}")
+        try:
+            directory.rename(aside)
+        except FileNotFoundError:  # moved by another host's first rank sharing this disk
+            pass
+        except OSError:  # one set aside before, under the same name
+            shutil.rmtree(aside, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                directory.rename(aside)
+        moved.append(aside)
+    _point_latest(out, step)
+    return moved
+
+
+def _steps_after(out: str | Path, step: int) -> list[Path]:
+    return [d for d in sorted(root(out).glob("step-*")) if d.name[len("step-"):].isdigit()
+            and int(d.name[len("step-"):]) > step]
+
+
+def _point_latest(out: str | Path, step: int) -> None:
+    """`latest` names `step`'s directory where it named one that is gone."""
+    latest = root(out) / "latest"
+    with contextlib.suppress(FileNotFoundError):  # (hosts sharing a disk: another one's first rank may be at it too)
+        if not (root(out) / latest.read_text().strip()).is_dir():
+            write_atomic(latest, (step_dir(out, step).name + "\n").encode(), durable=True, shared=True)
 
 
 def remove_incomplete(out: str | Path) -> list[Path]:

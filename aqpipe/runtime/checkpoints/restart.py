@@ -29,8 +29,9 @@ RESTARTS_FILE = "restarts.jsonl"
 # What a run writes into its directory on a host that a restart must respect; any of them present means the directory
 # holds a run's state (`aqpipe.launch.rundir.RUN_OUTPUTS` adds what a local launch's launcher writes: the plot, logs).
 RUN_STATE = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "store", "export", "export-adapter")
-# Written only after the run's config.json on the same host: found without it, they are no run's to continue.
-AFTER_CONFIG = ("metrics.jsonl", "summary.json", "export", "export-adapter")
+# Written only after the run's config.json on the same host (a rank's checkpoints and m(ξ) store may come before it):
+# found without it, they are no run's to continue.
+AFTER_CONFIG = tuple(name for name in RUN_STATE if name not in ("config.json", "checkpoints", "store"))
 
 
 @dataclass
@@ -127,6 +128,13 @@ class Start:
         return damaged(step, problem, out, next((s for s in self.candidates if s < step), None))
 
 
+def going_back(step: int, newest: int, why: str) -> str:
+    """The note of a resume that takes the checkpoint of `step` because the newer one of `newest` is not usable
+    (`why`)."""
+    return (f"resuming after step {step}: the checkpoint of step {newest} {why}; steps {step + 1}–{newest} are "
+            "trained again")
+
+
 def damaged(step: int, problem: str, out: str | Path, older: int | None) -> CheckpointError:
     """The refusal of a start over run directory `out` whose checkpoint of `step` is not sound (`problem` says where),
     naming the `older` one `--resume` would take (None: none)."""
@@ -218,7 +226,8 @@ def clear_run_state(out: str | Path) -> list[str]:
     """Remove this run's state from `out` on this host (one rank per host, before any rank opens its store), for a
     start afresh over a run that completed no checkpoint; returns the names removed."""
     removed = [name for name in RUN_STATE if (Path(out) / name).exists()]
-    for name in removed:
+    # config.json last: a clear cut short leaves it beside whatever state remains (AFTER_CONFIG)
+    for name in sorted(removed, key=lambda name: name == "config.json"):
         path = Path(out) / name
         if path.is_dir():
             shutil.rmtree(path)

@@ -26,10 +26,19 @@ from aqpipe.runtime.checkpoints.parts import (
     latest_step,
     load_rank,
     rank_file,
+    set_aside_steps_after,
     step_dir,
 )
 from aqpipe.runtime.checkpoints.reconcile import reconcile
-from aqpipe.runtime.checkpoints.restart import Holding, choose_start, clear_run_state, holders, holding, record_restart
+from aqpipe.runtime.checkpoints.restart import (
+    Holding,
+    choose_start,
+    clear_run_state,
+    going_back,
+    holders,
+    holding,
+    record_restart,
+)
 from aqpipe.runtime.events import emit
 from aqpipe.stages.lora import checkpointed_names, training_state
 from aqpipe.storage.memory import in_memory
@@ -208,10 +217,11 @@ def agreed_step(run: str | Path, rank: int, settings: dict, explicit: bool = Tru
                 record_restart(run, step)
             newest = start.candidates[0]
             if rank == 0 and newest > step:
-                print(f"aqpipe: resuming after step {step}: the checkpoint of step {newest} is not complete and sound "
-                      "on every host", file=sys.stderr, flush=True)
-            if host_leader():  # the steps after it are trained again: what is left of them goes (never mixed with)
-                drop_steps_after(run, step)
+                print(f"aqpipe: {going_back(step, newest, 'is not complete and sound on every host')}", file=sys.stderr,
+                      flush=True)
+            if host_leader():  # the steps after it are trained again: what is left of them goes (never mixed with);
+                # a complete checkpoint passed over (--resume) is set aside, as a local launch does
+                (set_aside_steps_after if newest > step else drop_steps_after)(run, step)
             comm.barrier(comm.SETUP)
             return step
         if start.strict:
