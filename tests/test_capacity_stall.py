@@ -102,6 +102,8 @@ def test_a_resume_is_refused_only_while_the_grad_sync_still_has_fp32_first_steps
         ck.mark_complete(run, step, cfg.world_size, {})
         resumed = dataclasses.replace(capacity, cfg=dataclasses.replace(cfg, resume=str(run)))
         assert (cap.steps_outlasting_the_stall_timeout(resumed) is not None) == refused, (step, refused)
+    # a resume that goes back past its newest checkpoint (not sound) to an older one meets what lies after that one
+    assert cap.steps_outlasting_the_stall_timeout(resumed, first_step=costly_steps - 1) is not None
 
 
 def test_a_resume_counts_the_fp16_steps_that_skipped_the_grad_sync(tmp_path):
