@@ -184,3 +184,19 @@ def test_a_clear_cut_short_leaves_config_json_beside_the_state_that_remains(tmp_
     with pytest.raises(OSError, match="cut short"):
         restart.clear_run_state(out)
     assert (out / "export").is_dir() and (out / "config.json").is_file()
+
+
+def test_under_torchrun_another_runs_state_is_refused_without_advising_overwrite(tmp_path):
+    """--overwrite is refused under torchrun (each restart would delete the run): the ranks' refusal of another run's
+    state says what to do there instead."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({**SETTINGS, "seed": 7}))
+    holdings = [holding(run, rank, SETTINGS) for rank in range(2)]
+    with pytest.raises(CheckpointError) as local:
+        choose_start(holdings, run, explicit=False)
+    assert str(local.value).endswith("or add --overwrite to delete it first")
+    with pytest.raises(CheckpointError) as ranks:
+        choose_start(holdings, run, explicit=False, local=False)
+    assert "--overwrite" not in str(ranks.value)
+    assert str(ranks.value).endswith("choose another --out, or delete it on every host first")

@@ -196,3 +196,18 @@ def test_the_local_rank_a_launcher_adds_is_accepted_where_it_puts_it(argv, tmp_p
     LOCAL_RANK)."""
     code = main([*argv, *FAST, "--dry-run", "--out", str(tmp_path / "run")])
     assert code == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, needle", [
+    ("--overwrite", "--overwrite works only when aqpipe launch starts the ranks itself"),
+    ("--bandwidth=100mbit", "--bandwidth works only when aqpipe launch starts the ranks itself"),
+])
+def test_what_only_aqpipe_launch_can_do_is_refused_under_torchrun(capsys, tmp_path, monkeypatch, flag, needle):
+    """Under torchrun every restart runs the command again: an --overwrite there would delete the run each time, so
+    it was ignored, and a rank refused over another run's files still advised it. Now it is refused, in one line."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("AQPIPE_CONFIG_JSON", raising=False)
+    code, err = run_cli(capsys, ["--pp", "2", *FAST, flag], tmp_path)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "run").exists()

@@ -45,6 +45,10 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, worker_command: list[str] | 
         if cfg.bandwidth is not None:
             raise ConfigError("--bandwidth works only when aqpipe launch starts the ranks itself, not under torchrun "
                               "or the DeepSpeed launcher; shape the hosts' links with tc instead")
+        if overwrite:  # (every restart runs the command again: it would delete the run each time)
+            raise ConfigError("--overwrite works only when aqpipe launch starts the ranks itself, not under torchrun "
+                              "or the DeepSpeed launcher, whose restarts would delete the run; delete --out on every "
+                              "host first instead")
         if cfg.checkpoint_replicas != 0 and unsafe_to_fork() is None:
             # before it meets the others (their groups start threads), with what it imported: see preforked's module
             from aqpipe.runtime.checkpoints.copier import serve

@@ -142,17 +142,19 @@ def damaged(step: int, problem: str, out: str | Path, older: int | None) -> Chec
                            + (f"; continue from step {older} with --resume {out}" if older is not None else ""))
 
 
-def choose_start(holdings: list[Holding], out: str | Path, explicit: bool) -> Start:
+def choose_start(holdings: list[Holding], out: str | Path, explicit: bool, local: bool = True) -> Start:
     """Where every rank starts, from each rank's `holding` of run directory `out`. `explicit`: `--resume` was given,
     and an older checkpoint may be taken where the newest is not sound everywhere (with a note); otherwise only the
-    newest checkpoint ever complete everywhere is (a restart never quietly throws work away). Raises CheckpointError
-    (exit 2, one line) for another run's state, or a newest checkpoint some rank no longer holds."""
+    newest checkpoint ever complete everywhere is (a restart never quietly throws work away). `local`: a local
+    launch's launcher decides (else the ranks, under torchrun: no --overwrite there). Raises CheckpointError (exit 2,
+    one line) for another run's state, or a newest checkpoint some rank no longer holds."""
     other = next((h for h in holdings if h.other_run), None)
     if other is not None:
         where = f" on {other.host}" if len({h.host for h in holdings}) > 1 else ""
         resume = f"continue that run with --resume {out}, " if "config.json" in other.outputs else ""
+        delete = "add --overwrite to delete it first" if local else "delete it on every host first"
         raise CheckpointError(f"--out {out}{where} holds another run ({other.other_run}): {resume}choose another --out, "
-                              "or add --overwrite to delete it first")
+                              f"or {delete}")
     if not any(h.outputs for h in holdings):
         if explicit:
             raise CheckpointError(f"--resume {out}: no run there to continue")
@@ -180,7 +182,7 @@ def choose_start(holdings: list[Holding], out: str | Path, explicit: bool) -> St
                 f"hold{'s' if len(lacking) == 1 else ''} {'its' if len(lacking) == 1 else 'their'} part of it "
                 f"and no host keeps a copy (a lost disk?); put the files back under {step_dir(out, newest)}"
                 + (f", or continue from step {candidates[0]} with --resume {out}" if candidates else
-                   ", or start again with --overwrite"))
+                   ", or start again with --overwrite" if local else ", or delete it on every host to start again"))
         return Start(candidates, strict=False, note=f"resuming after step {candidates[0]}: the checkpoint of step "
                                                     f"{newest} is not held by {_who(lacking)}")
     if explicit:

@@ -187,7 +187,7 @@ def agreed_step(run: str | Path, rank: int, settings: dict, explicit: bool = Tru
     # (every rank decides alike: --resume is a host's own setting, and one host may have been given it alone)
     explicit = all(given for _, given, _ in everyone)
     restarted = not explicit or any(count != "0" for _, _, count in everyone)
-    start = choose_start(holdings, run, explicit)
+    start = choose_start(holdings, run, explicit, local=False)
     if start.note and rank == 0:
         print(f"aqpipe: {start.note}", file=sys.stderr, flush=True)
     if start.fresh:
