@@ -61,6 +61,12 @@ def step_dir(out: str | Path, step: int) -> Path:
     return root(out) / f"step-{step:08d}"
 
 
+def step_dirs(out: str | Path) -> list[tuple[int, Path]]:
+    """Every step directory of a run (complete or not), with its step, oldest first."""
+    found = [(d.name[len("step-"):], d) for d in root(out).glob("step-*")]
+    return sorted((int(digits), d) for digits, d in found if digits.isdigit())
+
+
 def rank_file(directory: Path, rank: int, kind: str = "") -> Path:
     """A rank's file of a step directory: its part (what is copied to other hosts), or of `kind` "store", its
     in-memory m(ξ) store (kept on its own host only: what cannot be had from it is re-seeded)."""
@@ -222,8 +228,7 @@ def set_aside_steps_after(out: str | Path, step: int) -> list[Path]:
 
 
 def _steps_after(out: str | Path, step: int) -> list[Path]:
-    return [d for d in sorted(root(out).glob("step-*")) if d.name[len("step-"):].isdigit()
-            and int(d.name[len("step-"):]) > step]
+    return [d for s, d in step_dirs(out) if s > step]
 
 
 def _point_latest(out: str | Path, step: int) -> None:
@@ -251,11 +256,7 @@ def latest_step(out: str | Path) -> int | None:
 
 def complete_steps(out: str | Path) -> list[int]:
     """The steps of every complete checkpoint of a run, newest first."""
-    steps = []
-    for directory in root(out).glob("step-*"):
-        if (directory / "COMPLETE").is_file() and directory.name[len("step-"):].isdigit():
-            steps.append(int(directory.name[len("step-"):]))
-    return sorted(steps, reverse=True)
+    return [step for step, directory in reversed(step_dirs(out)) if (directory / "COMPLETE").is_file()]
 
 
 def check_rank(out: str | Path, step: int, rank: int, settings: dict) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aqpipe.pipeline.vocab.link_rows import recorded
-from aqpipe.runtime.checkpoints.parts import CheckpointError, root, step_dir
+from aqpipe.runtime.checkpoints.parts import CheckpointError, step_dir, step_dirs
 
 # Each time a run started again over its own state (a restart by torchrun or `--max-restarts`, or the same command
 # typed again), a line in this file of rank 0's run directory: summary.json counts them.
@@ -61,11 +61,7 @@ def holding(out: str | Path, rank: int, settings: dict) -> Holding:
     (compared with the newest checkpoint this host marked complete, else with its config.json)."""
     out = Path(out)
     found = Holding(rank, socket.gethostname(), [name for name in RUN_STATE if (out / name).exists()])
-    for directory in root(out).glob("step-*"):
-        digits = directory.name[len("step-"):]
-        if not digits.isdigit():
-            continue
-        step = int(digits)
+    for step, directory in step_dirs(out):
         if (directory / "COMPLETE").is_file():
             found.marked.append(step)
         if (directory / "COPYING").is_file():
