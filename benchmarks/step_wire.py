@@ -6,7 +6,9 @@ own), the earlier count (each stage-to-stage link alone, no tied rows), and the 
 `aqpipe launch --bandwidth` (network namespaces with tc tbf; needs root). A least time is a lower bound: the measured
 time should lie above it, and, where the wire dominates, not far above.
 
-    python benchmarks/step_wire.py [--bandwidth 4mbit] [--steps 5]
+    python benchmarks/step_wire.py [--bandwidth 4mbit] [--steps 5] [--out benchmarks/results/step-wire]
+
+Writes <out>.json (every step time, the machine and commit) and <out>.md (the table).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.provenance import machine  # noqa: E402
 
 CASES = [
     ("gpt2-tiny", 3, "1f1b", "fp32", "fp32"),
@@ -69,16 +74,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bandwidth", default="4mbit")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step-wire"))
     opts = parser.parse_args()
     print(f"{'case':<40} {'plan (s)':>9} {'earlier (s)':>12} {'measured median (s) [min-max]':>32}")
+    rows = []
     for case in CASES:
         args = flags(*case, opts.bandwidth, opts.steps)
         with tempfile.TemporaryDirectory() as tmp:
             bound, earlier = planned(args, Path(tmp) / "plan")
             times = measured(args, Path(tmp) / "run")
         name = f"{case[0]} pp{case[1]} {case[2]} {case[3]}/{case[4]}"
+        rows.append({"case": name, "plan_seconds": bound, "earlier_seconds": earlier, "step_seconds": times})
         print(f"{name:<40} {bound:9.2f} {earlier:12.2f} {statistics.median(times):>14.2f} "
               f"[{min(times):.2f}-{max(times):.2f}]", flush=True)
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    opts.out.with_suffix(".json").write_text(json.dumps(
+        {"machine": machine(), "bandwidth": opts.bandwidth, "steps": opts.steps, "cases": rows}, indent=2))
+    lines = ["| case | plan (s) | measured median (s) [range] |", "|---|---|---|"]
+    lines += [f"| {r['case']} | {r['plan_seconds']:.2f} | {statistics.median(r['step_seconds']):.2f} "
+              f"[{min(r['step_seconds']):.2f}–{max(r['step_seconds']):.2f}] |" for r in rows]
+    opts.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

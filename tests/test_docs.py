@@ -107,6 +107,29 @@ def test_every_pip_install_in_the_pages_names_an_extra_or_a_package_the_project_
     assert shown >= 8, shown
 
 
+RESULTS_CITED = re.compile(r"`(results/[^`\s]+)`|\]\((results/[^)\s]+)\)")
+
+
+def _expand(pattern: str) -> list[str]:
+    """A cited name's globs: `{a,b}` alternatives each, `<what>` placeholders as `*`."""
+    braces = re.search(r"\{([^{}]*)\}", pattern)
+    if braces:
+        return [name for choice in braces[1].split(",")
+                for name in _expand(pattern[:braces.start()] + choice + pattern[braces.end():])]
+    return [re.sub(r"<[^>]+>", "*", pattern)]
+
+
+def test_every_results_file_the_results_page_cites_exists():
+    """Each results file the results page names (in backquotes or as a link, globs and `{a,b}` allowed) is in
+    benchmarks/results/: a figure's source can be opened."""
+    page = ROOT / "benchmarks" / "README.md"
+    cited = [a or b for a, b in RESULTS_CITED.findall(page.read_text())]
+    assert len(cited) >= 40, len(cited)
+    for name in cited:
+        for pattern in _expand(name.rstrip(".,;:")):
+            assert list(page.parent.glob(pattern)), f"benchmarks/README.md cites {name}, which is not in benchmarks/results/"
+
+
 def test_the_readme_stays_short():
     assert len(PAGES[0].read_text().splitlines()) <= 250
 
