@@ -50,10 +50,11 @@ from aqpipe.compress.quantize import FP16_MAX, _offset_steps, level_step
 GROUP = 8  # codes per packed group: 8 codes of b bits fill exactly b bytes
 _SCALE_KINDS = {"signed": 0, "symmetric": 1, "uniform": 1}  # 0: the long side where |x| is largest; 1: max |x|
 DELTA_SWITCH = "AQPIPE_FUSED_AQSGD"  # "1": AQ-SGD's delta step fused at every size, "0": at none (`delta_fusable`)
-# The batch size (values) from which AQ-SGD's delta step is fused by default. Measured pair by pair (aqsgd:3, fp16
-# m(ξ) on the GPU; benchmarks/README.md) with the step ungraphed and m(ξ) written in place, on an H200:
+# The batch size (values) from which AQ-SGD's delta step is fused by default. Measured pair by pair at fd84a26 (aqsgd:3,
+# fp16 m(ξ) on the GPU) with the step ungraphed and m(ξ) written in place, on an H200:
 # fused was 8% slower at 4 × 128 × 576 (0.29 M values), as fast at 1.18 M, 18% faster at 2.36 M and 50% at SmolLM2's
-# 8 × 1024 × 576. Below a million a message's time is its launches and waits, not its arithmetic.
+# 8 × 1024 × 576. Below a million a message's time is its launches and waits, not its arithmetic. (At 1f77efc
+# fused_delta_sizes.py read the fused step faster at every size, 0.29 M included: the bound is for a GPU to re-measure.)
 DELTA_MIN_ELEMENTS = 1 << 20
 log = logging.getLogger(__name__)
 _failed: list[str] = []  # why the kernels failed to compile or launch in this process (then the torch ops run)
