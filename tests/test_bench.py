@@ -87,7 +87,7 @@ def test_the_report_counts_the_tied_exchange_and_its_time_on_the_link():
 
 
 def test_the_report_says_when_ranks_share_a_gpu_and_how_mps_helps():
-    """Four ranks on one GPU: the report carries the MPS note (issue 30 item 6); a GPU per rank carries none."""
+    """Four ranks on one GPU: the report carries the MPS note; a GPU per rank carries none."""
     from aqpipe.bench import BenchResult, format_bench
     from aqpipe.launch.gpu_sharing import sharing_note
 

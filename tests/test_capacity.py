@@ -148,7 +148,7 @@ def _gpu_plan(stage_bytes: int, ranks: int):
 
 
 def test_a_gpu_fits_by_its_free_memory_with_a_context_and_allocator_headroom_per_rank(monkeypatch):
-    """Issue 30: the plan compared the ranks' tensors with the GPU's total memory. 4 ranks of 10 GiB on an 80 GiB
+    """The plan once compared the ranks' tensors with the GPU's total memory. 4 ranks of 10 GiB on an 80 GiB
     GPU of which another process uses 35 GiB: 40 GiB of tensors 'fit' the total, but with a CUDA context and the
     caching allocator's headroom each they need about 48.5 GiB, and 45 GiB are free."""
     from types import SimpleNamespace

@@ -55,7 +55,7 @@ def _on_a_cuda_host(rank: int, world: int, tmp: str):
 
 
 def test_a_cuda_host_staging_collectives_through_the_host_does_not_crash(tmp_path):
-    """Issue 30: torch's hook ends each compressed step with torch.cuda.synchronize(bucket.device) whenever CUDA
+    """torch's hook ends each compressed step with torch.cuda.synchronize(bucket.device) whenever CUDA
     is available, which raised for the host bucket gloo's collectives use."""
     results = run_ranks(_on_a_cuda_host, 2, str(tmp_path))
     assert all(status == "ok" for status, _ in results), results

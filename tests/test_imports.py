@@ -1,12 +1,14 @@
 """The package's rooms import each other one way, at every level: no cycle between the sub-packages and modules of
 any one package (the top-level packages and modules of `aqpipe`, the rooms of `pipeline/` and of `compress/`, ...),
-function-level imports included."""
+function-level imports included; and the top-level rooms only downward, on the floors docs/architecture.md lists."""
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "aqpipe"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 
 def modules() -> dict[str, Path]:
@@ -113,3 +115,31 @@ def test_the_engine_knows_nothing_of_configuration_or_launching():
     arrows = import_arrows()
     assert not {b for a, b in arrows if a == "pipeline"} & {"config", "runtime", "launch", "cli", "api", "bench"}
     assert not {b for a, b in arrows if a == "config"} & {"runtime", "launch", "cli", "api", "bench"}
+
+
+def floors() -> dict[str, int]:
+    """The top-level rooms by floor (1 the top), as docs/architecture.md's numbered list under "Layout" gives them
+    (`x/` and `x.py` are room x; `__init__.py` and `__main__.py` the package's own room, `aqpipe`)."""
+    layout = ARCHITECTURE.read_text().split("## Layout", 1)[1]
+    found = {}
+    for floor, names in re.findall(r"^(\d+)\. (.*)$", layout, re.M):
+        for name in re.findall(r"`([\w.]+/?)`", names.split(" — ")[0]):
+            room = name.rstrip("/").removesuffix(".py")
+            found["aqpipe" if room in ("__init__", "__main__") else room] = int(floor)
+    return found
+
+
+def test_every_top_level_room_imports_only_rooms_on_lower_floors():
+    levels = floors()
+    rooms = {room_of(module, "aqpipe") for module in modules()}
+    assert rooms == set(levels), f"rooms without a floor in docs/architecture.md: {sorted(rooms - set(levels))}; " \
+                                 f"floors naming no room: {sorted(set(levels) - rooms)}"
+    upward = [f"{a} (floor {levels[a]}) -> {b} (floor {levels[b]}): {sorted(files)}"
+              for (a, b), files in import_arrows().items() if levels[b] <= levels[a]]
+    assert not upward, upward
+
+
+def test_the_floor_check_sees_an_import_upward():
+    levels = floors()
+    assert levels["cli"] < levels["launch"] < levels["runtime"] < levels["pipeline"] < levels["compress"]
+    assert levels["aqpipe"] == 1 and len(set(levels.values())) == max(levels.values())

@@ -370,7 +370,7 @@ def test_a_hub_repository_with_pytorch_pickles_only_is_fetched_with_them(tmp_pat
 @pytest.mark.needs("peft")
 def test_building_stages_never_reseeds_a_cuda_generator(monkeypatch):
     """A stage is initialised under the host's generator only: `torch.manual_seed` inside the initialisers would
-    also reseed every CUDA generator (issue 30), leaving a GPU's dropout and stochastic rounding at the last layer's
+    also reseed every CUDA generator, leaving a GPU's dropout and stochastic rounding at the last layer's
     seed instead of `--seed`'s. Its host stream is unchanged: the same layer gets the same weights."""
     import torch
 
