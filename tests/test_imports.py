@@ -120,7 +120,7 @@ def test_the_engine_knows_nothing_of_configuration_or_launching():
 def floors() -> dict[str, int]:
     """The top-level rooms by floor (1 the top), as docs/architecture.md's numbered list under "Layout" gives them
     (`x/` and `x.py` are room x; `__init__.py` and `__main__.py` the package's own room, `aqpipe`)."""
-    layout = ARCHITECTURE.read_text().split("## Layout", 1)[1]
+    layout = ARCHITECTURE.read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
     found = {}
     for floor, names in re.findall(r"^(\d+)\. (.*)$", layout, re.M):
         for name in re.findall(r"`([\w.]+/?)`", names.split(" — ")[0]):
