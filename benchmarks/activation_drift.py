@@ -10,10 +10,11 @@ second stored copy. This trains the convergence benchmark's model and data (`ben
 at the three boundaries of the 4-stage partition at each visit, and reports per epoch (means over samples and
 boundaries): the change ‖a_t − a_{t−1}‖/‖a_t‖, the cosine between consecutive changes, and what is left of the
 change after the best per-sample prediction ‖Δ_t − β*·Δ_{t−1}‖/‖a_t‖ (β* fitted per sample with hindsight, so an
-upper bound on what any such predictor gains). And what a general-purpose compressor would still find in what
-the links send: zstd level 1's saving on each boundary's packed codes — the first visit's activations as
-`--first-sight rtqo:3` codes them, every later visit's change as AQ-SGD's 3-bit delta coder (DirectQ) does. Writes
-<out>.json and <out>.md.
+upper bound on what any such predictor gains). And what a general-purpose compressor would still find in coded
+activations: zstd level 1's saving on each message's coded bytes (codes and scales, a message per --batch samples
+of a boundary) — the first visit's activations as `--first-sight rtqo:3` codes them, every later visit's change as
+AQ-SGD's 3-bit delta coder (DirectQ) codes it (the change of this uncompressed run; a real link's change is against
+m(ξ), which carries that link's own coding error). Writes <out>.json and <out>.md.
 
 """
 
@@ -88,21 +89,26 @@ def drift_by_epoch(visits: dict[tuple[int, int], list[torch.Tensor]], epochs: in
     return rows
 
 
-def zstd_saving(codec_spec: str, batch: torch.Tensor) -> float:
-    """The share of `batch`'s packed bytes under `codec_spec` (a link codec: its per-sample rows) zstd level 1 saves."""
+def zstd_saving(codec_spec: str, batch: torch.Tensor, message: int) -> float:
+    """The share of the coded bytes zstd level 1 saves when `batch` goes under `codec_spec` (a link codec: its
+    per-sample rows, codes and scales) in messages of `message` samples, each compressed on its own."""
     import zstandard
 
     from aqpipe.compress.link.factory import build_codec
     from aqpipe.compress.link.options import QuantOptions
 
-    codec = build_codec(codec_spec, "fw", options=QuantOptions())
-    plain = codec.encode(batch, torch.arange(batch.shape[0])).payload.numpy().tobytes()
-    return 1 - len(zstandard.ZstdCompressor(level=1).compress(plain)) / len(plain)
+    codec, zstd = build_codec(codec_spec, "fw", options=QuantOptions()), zstandard.ZstdCompressor(level=1)
+    plain = packed = 0
+    for part in batch.split(message):
+        coded = codec.encode(part, torch.arange(part.shape[0])).payload.numpy().tobytes()
+        plain, packed = plain + len(coded), packed + len(zstd.compress(coded))
+    return 1 - packed / plain
 
 
-def zstd_by_epoch(visits: dict[tuple[int, int], list[torch.Tensor]], epochs: int) -> list[dict]:
-    """Per epoch, zstd level 1's saving on what crosses the links, the mean over the boundaries: the first sights
-    (epoch 1, rtqo:3) and the changes since the last visit (later epochs, directq:3, AQ-SGD's delta coder)."""
+def zstd_by_epoch(visits: dict[tuple[int, int], list[torch.Tensor]], epochs: int, message: int) -> list[dict]:
+    """Per epoch, zstd level 1's saving on coded activations in messages of `message` samples, the mean over the
+    boundaries: the first sights (epoch 1, rtqo:3) and the changes since the last visit (later epochs, directq:3,
+    AQ-SGD's delta coder)."""
     boundaries = sorted({boundary for boundary, _ in visits})
     rows = []
     for t in range(epochs):
@@ -110,12 +116,19 @@ def zstd_by_epoch(visits: dict[tuple[int, int], list[torch.Tensor]], epochs: int
         for boundary in boundaries:
             acts = [visits[key] for key in sorted(visits) if key[0] == boundary]
             if t == 0:
-                savings.append(zstd_saving("rtqo:3", torch.stack([a[0] for a in acts])))
+                savings.append(zstd_saving("rtqo:3", torch.stack([a[0] for a in acts]), message))
             else:
-                savings.append(zstd_saving("directq:3", torch.stack([a[t] - a[t - 1] for a in acts])))
+                savings.append(zstd_saving("directq:3", torch.stack([a[t] - a[t - 1] for a in acts]), message))
         rows.append(dict(epoch=t + 1, coded="first sights, rtqo:3" if t == 0 else "changes, directq:3",
                          zstd1_saving=sum(savings) / len(savings)))
     return rows
+
+
+def _shown(value) -> str:
+    """A setting as the results file records it: a path inside the checkout relative to it."""
+    if isinstance(value, Path) and value.resolve().is_relative_to(DATA.parents[2]):
+        return str(value.resolve().relative_to(DATA.parents[2]))
+    return str(value)
 
 
 def main() -> None:
@@ -128,10 +141,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     visits = record_visits(args)
-    rows, zstd_rows = drift_by_epoch(visits, args.epochs), zstd_by_epoch(visits, args.epochs)
+    rows, zstd_rows = drift_by_epoch(visits, args.epochs), zstd_by_epoch(visits, args.epochs, args.batch)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, zstd=zstd_rows, machine=machine(),
-                                                             **{k: str(v) for k, v in vars(args).items()}), indent=1))
+                                                             **{k: _shown(v) for k, v in vars(args).items()}), indent=1))
     lines = ["| epoch | change ‖Δ_t‖/‖a‖ | cos(Δ_t, Δ_t−1) | left after the best β·Δ_t−1 |", "|---|---|---|---|"]
     lines += [f"| {r['epoch']} | {r['change']:.3f} | {r['cosine']:+.3f} | {r['best_residual']:.3f} |" for r in rows]
     lines += ["", "| epoch | what crosses, coded | zstd level 1 would save |", "|---|---|---|"]

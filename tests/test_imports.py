@@ -121,12 +121,20 @@ def floors() -> dict[str, int]:
     """The top-level rooms by floor (1 the top), as docs/architecture.md's numbered list under "Layout" gives them
     (`x/` and `x.py` are room x; `__init__.py` and `__main__.py` the package's own room, `aqpipe`)."""
     layout = ARCHITECTURE.read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
-    found = {}
+    found: dict[str, int] = {}
     for floor, names in re.findall(r"^(\d+)\. (.*)$", layout, re.M):
         for name in re.findall(r"`([\w.]+/?)`", names.split(" — ")[0]):
             room = name.rstrip("/").removesuffix(".py")
-            found["aqpipe" if room in ("__init__", "__main__") else room] = int(floor)
+            room = "aqpipe" if room in ("__init__", "__main__") else room
+            assert found.get(room, int(floor)) == int(floor), f"docs/architecture.md puts {room} on two floors"
+            found[room] = int(floor)
     return found
+
+
+def upward(arrows, levels: dict[str, int]) -> list[str]:
+    """The arrows that do not go down a floor, each with the files that draw it."""
+    return [f"{a} (floor {levels[a]}) -> {b} (floor {levels[b]}): {sorted(files)}"
+            for (a, b), files in arrows.items() if levels[b] <= levels[a]]
 
 
 def test_every_top_level_room_imports_only_rooms_on_lower_floors():
@@ -134,12 +142,13 @@ def test_every_top_level_room_imports_only_rooms_on_lower_floors():
     rooms = {room_of(module, "aqpipe") for module in modules()}
     assert rooms == set(levels), f"rooms without a floor in docs/architecture.md: {sorted(rooms - set(levels))}; " \
                                  f"floors naming no room: {sorted(set(levels) - rooms)}"
-    upward = [f"{a} (floor {levels[a]}) -> {b} (floor {levels[b]}): {sorted(files)}"
-              for (a, b), files in import_arrows().items() if levels[b] <= levels[a]]
-    assert not upward, upward
+    assert not upward(import_arrows(), levels), upward(import_arrows(), levels)
 
 
 def test_the_floor_check_sees_an_import_upward():
     levels = floors()
     assert levels["cli"] < levels["launch"] < levels["runtime"] < levels["pipeline"] < levels["compress"]
     assert levels["aqpipe"] == 1 and len(set(levels.values())) == max(levels.values())
+    assert upward({("compress", "pipeline"): {"x.py"}, ("cli", "launch"): set()}, levels) == [
+        f"compress (floor {levels['compress']}) -> pipeline (floor {levels['pipeline']}): ['x.py']"]
+    assert upward({("data", "storage"): set()}, levels)  # (one floor: neither may import the other)
