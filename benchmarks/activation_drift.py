@@ -15,7 +15,6 @@ activations: zstd level 1's saving on each message's coded bytes (codes and scal
 of a boundary) — the first visit's activations as `--first-sight rtqo:3` codes them, every later visit's change as
 AQ-SGD's 3-bit delta coder (DirectQ) codes it (the change of this uncompressed run; a real link's change is against
 m(ξ), which carries that link's own coding error). Writes <out>.json and <out>.md.
-
 """
 
 from __future__ import annotations
@@ -33,11 +32,13 @@ from aqpipe.data.tokenizer import train_bpe
 from aqpipe.pipeline.numerics.optim import lr_factor
 from aqpipe.stages.partition import partition
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.codec_speed import zstd_saving  # noqa: E402
 from benchmarks.models import gpt2_6x128  # noqa: E402
 from benchmarks.provenance import machine  # noqa: E402
 
-DATA = Path(__file__).resolve().parent / "data" / "wikitext-2"
+DATA = ROOT / "benchmarks" / "data" / "wikitext-2"
 
 
 def record_visits(args) -> dict[tuple[int, int], list[torch.Tensor]]:
@@ -89,36 +90,31 @@ def drift_by_epoch(visits: dict[tuple[int, int], list[torch.Tensor]], epochs: in
     return rows
 
 
-def zstd_saving(codec_spec: str, batch: torch.Tensor, message: int) -> float:
+def coded_saving(codec_spec: str, batch: torch.Tensor, message: int) -> float:
     """The share of the coded bytes zstd level 1 saves when `batch` goes under `codec_spec` (a link codec: its
     per-sample rows, codes and scales) in messages of `message` samples, each compressed on its own."""
-    import zstandard
-
     from aqpipe.compress.link.factory import build_codec
     from aqpipe.compress.link.options import QuantOptions
 
-    codec, zstd = build_codec(codec_spec, "fw", options=QuantOptions()), zstandard.ZstdCompressor(level=1)
-    plain = packed = 0
-    for part in batch.split(message):
-        coded = codec.encode(part, torch.arange(part.shape[0])).payload.numpy().tobytes()
-        plain, packed = plain + len(coded), packed + len(zstd.compress(coded))
-    return 1 - packed / plain
+    codec = build_codec(codec_spec, "fw", options=QuantOptions())
+    return zstd_saving(*(codec.encode(part, torch.arange(part.shape[0])).payload for part in batch.split(message)))
 
 
 def zstd_by_epoch(visits: dict[tuple[int, int], list[torch.Tensor]], epochs: int, message: int) -> list[dict]:
     """Per epoch, zstd level 1's saving on coded activations in messages of `message` samples, the mean over the
     boundaries: the first sights (epoch 1, rtqo:3) and the changes since the last visit (later epochs, directq:3,
     AQ-SGD's delta coder)."""
-    boundaries = sorted({boundary for boundary, _ in visits})
+    by_boundary: dict[int, list[list[torch.Tensor]]] = {}
+    for (boundary, _), acts in sorted(visits.items()):
+        by_boundary.setdefault(boundary, []).append(acts)
     rows = []
     for t in range(epochs):
         savings = []
-        for boundary in boundaries:
-            acts = [visits[key] for key in sorted(visits) if key[0] == boundary]
+        for acts in by_boundary.values():
             if t == 0:
-                savings.append(zstd_saving("rtqo:3", torch.stack([a[0] for a in acts]), message))
+                savings.append(coded_saving("rtqo:3", torch.stack([a[0] for a in acts]), message))
             else:
-                savings.append(zstd_saving("directq:3", torch.stack([a[t] - a[t - 1] for a in acts]), message))
+                savings.append(coded_saving("directq:3", torch.stack([a[t] - a[t - 1] for a in acts]), message))
         rows.append(dict(epoch=t + 1, coded="first sights, rtqo:3" if t == 0 else "changes, directq:3",
                          zstd1_saving=sum(savings) / len(savings)))
     return rows
@@ -126,8 +122,8 @@ def zstd_by_epoch(visits: dict[tuple[int, int], list[torch.Tensor]], epochs: int
 
 def _shown(value) -> str:
     """A setting as the results file records it: a path inside the checkout relative to it."""
-    if isinstance(value, Path) and value.resolve().is_relative_to(DATA.parents[2]):
-        return str(value.resolve().relative_to(DATA.parents[2]))
+    if isinstance(value, Path) and value.resolve().is_relative_to(ROOT):
+        return str(value.resolve().relative_to(ROOT))
     return str(value)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from aqpipe.pipeline.execution.worker import process_peak_rss_bytes
 from aqpipe.runtime.checkpoints import parts as checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,9 +30,9 @@ from benchmarks.provenance import machine  # noqa: E402
 GIB = 1 << 30
 
 
-def resident_bytes(field: str) -> int:
-    """This process's resident memory now ("VmRSS") or its high-water mark ("VmHWM"), in bytes."""
-    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+def resident_bytes() -> int:
+    """This process's resident memory now, in bytes (its high-water mark: `process_peak_rss_bytes`)."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS:"))
     return int(line.split()[1]) << 10
 
 
@@ -52,13 +53,13 @@ def main() -> None:
     store = {i: torch.full((1 << 20,), float(i)) for i in range(samples)}  # 4 MiB each
     reports: list[tuple[float, int]] = []
     shutil.rmtree(args.out, ignore_errors=True)
-    held = resident_bytes("VmRSS")
+    held = resident_bytes()
     reset_peak()
     start = time.perf_counter()
     path = checkpoint.save_rank(args.out, 1, 0, {"store": store}, {"bench": True},
                                 lambda done, total: reports.append((time.perf_counter() - start, done)))
     save_seconds = time.perf_counter() - start
-    save_peak = resident_bytes("VmHWM")
+    save_peak = process_peak_rss_bytes()
     size = path.stat().st_size
     gaps = [b[0] - a[0] for a, b in zip([(0.0, 0)] + reports, reports)]
     print(f"{size / GIB:.2f} GiB in {save_seconds:.2f} s ({size / 2**20 / save_seconds:.0f} MiB/s), on the disk "
@@ -66,12 +67,12 @@ def main() -> None:
           f"gap {max(gaps):.2f} s; peak {save_peak / GIB:.2f} GiB resident ({held / GIB:.2f} GiB held before)")
     del store
     gc.collect()
-    before_load = resident_bytes("VmRSS")
+    before_load = resident_bytes()
     reset_peak()
     start = time.perf_counter()
     loaded = checkpoint.load_rank(args.out, 1, 0, {"bench": True})
     load_seconds = time.perf_counter() - start
-    load_peak = resident_bytes("VmHWM")
+    load_peak = process_peak_rss_bytes()
     assert len(loaded["store"]) == samples
     print(f"loaded in {load_seconds:.2f} s; peak {load_peak / GIB:.2f} GiB resident ({before_load / GIB:.2f} GiB before)")
     shutil.rmtree(args.out, ignore_errors=True)
