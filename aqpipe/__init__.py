@@ -1,4 +1,13 @@
-"""aqpipe: pipeline-parallel fine-tuning of language models over slow networks, with AQ-SGD."""
+"""aqpipe: pipeline-parallel fine-tuning of language models over slow networks, with AQ-SGD.
+
+The package's rooms, top down (a room imports only those below it; docs/architecture.md): the `aqpipe` command
+(`cli`, `__main__`) and training from a Python script (`api`); measuring this machine for the capacity plan (`bench`);
+starting ranks (`launch`); a rank's run, its checkpoints and the capacity plan (`runtime`); the configuration
+(`config`); the pipeline that moves micro-batches between stages (`pipeline`); models split into stages (`stages`);
+data (`data`), the per-sample store m(ξ) (`storage`) and a run's step records, summary and loss plot (`metrics`);
+the link codecs and grad-sync compressors (`compress`), text from an exported model (`generate`), runs compared
+(`report`), files written whole or refused with a clear message on a full disk (`disk`), and helper processes that
+end with their parent (`lifetime`)."""
 
 from __future__ import annotations
 

@@ -339,17 +339,14 @@ def _run_values(args: argparse.Namespace) -> tuple[dict, dict]:
 def _bench(args: argparse.Namespace) -> int:
     """Measure what the plan of this run needs on this machine and recommend link codecs."""
     from aqpipe.bench import format_bench, run_bench
-    from aqpipe.config.rates import parse_rate
+    from aqpipe.config.checks import bandwidth_bits
     from aqpipe.runtime.plan import make_plan
 
     flags, file_values = _run_values(args)
     rate = flags.pop("bandwidth", None) or file_values.pop("bandwidth", None)  # a rate to plan for, not to shape
-    try:
-        bandwidth_bits = parse_rate(str(rate)) if rate else None
-    except ValueError as e:
-        raise ConfigError(f"--bandwidth: {e}") from None
+    planned = bandwidth_bits(str(rate)) if rate else None
     cfg = resolve(build_config(file_values, flags))
-    print(format_bench(run_bench(make_plan(cfg), bandwidth_bits), cfg), flush=True)
+    print(format_bench(run_bench(make_plan(cfg), planned), cfg), flush=True)
     return 0
 
 

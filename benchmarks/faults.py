@@ -128,7 +128,7 @@ def disk_full(case: Case) -> list[Row]:
 
 
 def disk_filled_mid_run(case: Case) -> list[Row]:
-    """Another process fills the disk while a --store lmdb run writes m(ξ) to it (LMDB used to fault: SIGBUS)."""
+    """Another process fills the disk while a --store lmdb run writes m(ξ) to it (LMDB must not fault with SIGBUS)."""
     with small_disk(case.dir / "disk", "96m") as disk:
         case.out = disk / "run"
         proc = case.start(*LONG, "--store", "lmdb", "--checkpoint-every", "4", "--out", str(case.out))
@@ -313,7 +313,7 @@ def same_directory(case: Case) -> list[Row]:
 
 # -- bad data ------------------------------------------------------------------------------------------------------
 def bad_data(case: Case) -> list[Row]:
-    """--data that is not usable text, and text that used to stall data preparation."""
+    """--data that is not usable text, and text that could stall data preparation (one unbroken line, no newline)."""
     rows = []
     files = {"an executable": Path(sys.executable).resolve(), "an empty file": case.dir / "empty.txt",
              "a file that does not exist": case.dir / "missing.txt", "too short for one sample": case.dir / "short.txt"}

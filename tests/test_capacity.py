@@ -293,7 +293,7 @@ def test_a_tied_row_cache_holds_no_optimizer_state_or_grad_sync_memory(tmp_path,
     for stage in stages:
         module = plan.build_stage(stage.stage)
         trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        cache = table_parameter(module, row_tables(plan.spec.extras, cfg.pp, cfg.tied_exchange)[0])[1]
+        cache = table_parameter(module, row_tables(plan.spec.extras, cfg.pp, cfg.tied_spec)[0])[1]
         held = trained - (cache.numel() if stage.stage == 0 else 0)  # what the optimizer and the sync hold
         assert stage.stage != 0 or held < trained
         assert stage.grad_bytes == 4 * trained  # the cache's gradient is formed (its rows go to the owner)

@@ -106,8 +106,8 @@ def test_too_little_data_for_one_sample(tmp_path):
 
 
 def test_bpe_training_on_long_unbroken_text_finishes_quickly(tmp_path, monkeypatch):
-    """One 300,000-character run without a break used to make BPE training crawl (100K characters: 8 s, 2 MB: over
-    200 s); every pre-token is now bounded."""
+    """A 300,000-character run without a break trains BPE quickly: every pre-token is bounded in length (an unbounded
+    one makes BPE training crawl: 100K characters take 8 s, 2 MB over 200 s)."""
     import time
 
     from aqpipe.data.corpus import Corpus
@@ -155,8 +155,8 @@ def _counting_encoders(monkeypatch) -> list[int]:
 
 
 def test_max_samples_tokenizes_only_what_it_needs(tmp_path, monkeypatch):
-    """--max-samples 16 of a 3 MB file used to tokenize all of it (2 MB of one character: past 200 s); now the
-    training text is tokenized only until enough samples are there."""
+    """--max-samples 16 of a 3 MB file tokenizes the training text only until enough samples are there, not all of
+    it (2 MB of one character would take past 200 s)."""
     lines = [f"line {i} says something about topic {i % 97} and more words follow here\n" for i in range(48_000)]
     path = tmp_path / "big.txt"
     path.write_text("".join(lines))

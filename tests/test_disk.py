@@ -93,8 +93,8 @@ SMALL_RUN = ["--pp", "3", "--seq-len", "64", "--max-samples", "256", "--no-progr
 
 @needs_root
 def test_a_run_that_fills_the_disk_says_where_and_how_to_continue(tmp_path):
-    """Used to end with `OSError: [Errno 28] No space left on device` and no file; a half-written checkpoint file
-    stayed on the full disk."""
+    """A full disk ends the run with the file it could not write and how to continue, not a bare `OSError: [Errno 28]
+    No space left on device`, and leaves no half-written checkpoint file on it."""
     with small_disk(tmp_path / "disk", "24m") as disk:
         run = disk / "run"
         env = dict(os.environ, AQPIPE_CACHE=str(tmp_path / "cache"))

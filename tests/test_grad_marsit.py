@@ -124,7 +124,7 @@ def test_state_survives_a_checkpoint_round_trip(tmp_path):
 
 def test_compensation_is_kept_in_update_units_across_a_learning_rate_change():
     """Algorithm 2 hands Marsit η_l·g: u = η_l·g + c, the parameter moves by exactly η_s·sign(u), c = u − that. The
-    compensation used to live in gradient units, so a learning-rate schedule rescaled old compensation."""
+    compensation lives in parameter units, so a learning-rate schedule does not rescale old compensation."""
     sync = Marsit(DPGroup(None, (0,), 0), period=0)
     param = torch.nn.Parameter(torch.zeros(6))
     compensation = torch.zeros(6)

@@ -248,7 +248,7 @@ def _sent_bytes(namespace: str, device: str) -> int:
 def test_two_clusters_share_one_slow_link():
     """Ranks 0,1 | 2,3 at 200mbit each, the link between the halves at 20mbit: a transfer across the clusters runs
     at most at the slow rate, and only it crosses the slow link (tc's byte counters, not the speed of a transfer
-    inside a cluster: that is bounded by what the loaded machine can push, which once failed a rate ratio)."""
+    inside a cluster: that is bounded by what the loaded machine can push, too noisy for a rate ratio)."""
     before = network_state()
     with netns.throttled(4, 200_000_000, slow_link_bits=20_000_000) as topo:
         assert [topo.cluster(r) for r in range(4)] == [0, 0, 1, 1]

@@ -63,9 +63,10 @@ def test_powersgd_replicas_on_different_gpu_models_are_refused_before_they_diver
     the replica digest at the first checkpoint. The hosts say so before any collective."""
     import torch
 
-    from aqpipe.pipeline.links.rendezvous import GPU_MODEL, replica_gpu_facts
+    from aqpipe.pipeline.links.rendezvous import replica_gpu_facts
 
     cuda = torch.device("cuda", 0)
+    GPU_MODEL = "GPU model (--grad-sync powersgd computes on every replica)"
     assert replica_gpu_facts("powersgd:4", 1, cuda) == {} and replica_gpu_facts("signsgd", 2, cuda) == {}
     assert replica_gpu_facts("powersgd:4", 2, torch.device("cpu")) == {}
     models = iter(["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"])
@@ -82,12 +83,34 @@ def test_fft_replicas_on_different_gpu_models_are_refused_too(monkeypatch):
     algorithms differ between GPU models: the replicas' weights would drift apart bit by bit."""
     import torch
 
-    from aqpipe.pipeline.links.rendezvous import GPU_MODEL, replica_gpu_facts
+    from aqpipe.pipeline.links.rendezvous import replica_gpu_facts
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA L4")
-    assert replica_gpu_facts("fft:0.1:10", 2, cuda)[GPU_MODEL].startswith("NVIDIA L4, CUDA ")
-    assert "fft" in GPU_MODEL and replica_gpu_facts("fft:0.1:10", 1, cuda) == {}
+    facts = replica_gpu_facts("fft:0.1:10", 2, cuda)
+    assert facts["GPU model (--grad-sync fft computes on every replica)"].startswith("NVIDIA L4, CUDA ")
+    assert replica_gpu_facts("fft:0.1:10", 1, cuda) == {}
+
+
+def test_a_method_whose_replicas_compute_named_in_the_gpu_fact_from_its_row_alone(monkeypatch):
+    """A grad-sync method added as one row of the table (here after the package was imported) whose every replica
+    computes the result is named in the GPU fact the hosts compare, as the built-in ones are."""
+    import dataclasses
+
+    import torch
+
+    from aqpipe.compress.grad import methods
+    from aqpipe.pipeline.links.rendezvous import replica_gpu_facts
+
+
+    monkeypatch.setitem(methods.METHODS, "widget", dataclasses.replace(methods.METHODS["fft"], params=()))
+    models = iter(["NVIDIA H100 80GB HBM3", "NVIDIA L4"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: next(models))
+    facts = [{**FACTS, **replica_gpu_facts("widget", 2, torch.device("cuda", 0))} for _ in range(2)]
+    assert list(facts[0])[-1] == "GPU model (--grad-sync widget computes on every replica)"
+    text = agree_all(facts)[1]
+    assert text is not None and "use one GPU model for every replica, or another --grad-sync" in text
+
 
 
 def test_a_flag_given_differently_is_named():

@@ -83,7 +83,7 @@ def test_every_schedule_equals_gpipe_bit_for_bit_and_1f1b_a_single_process(tmp_p
 
 def test_1f1b_holds_pp_over_m_of_gpipes_activations_on_the_first_stage(tmp_path):
     """pp=4, m=9: stage 0 holds at most 4 micro-batches under 1F1B, 7 under eager 1F1B and all 9 under GPipe; the
-    metric says so (the issue allows 1F1B pp/m of GPipe's plus one micro-batch)."""
+    metric says so (1F1B within one micro-batch of pp/m of what GPipe holds)."""
     pp, m = 4, 9
     ranks = _pipeline_runs(tmp_path, pp, 1, [m])
     for stage, result in enumerate(ranks):

@@ -15,7 +15,7 @@ unused coordinates and unchanged activations stay untouched:
 - `fit`: the same levels with the scale chosen so nothing clips: the step is the smaller of
   max(P/(2^(b−1)−1), N/2^(b−1)) and its mirror, for the group's largest positive P and negative N magnitudes.
 - `symmetric`: 2^b − 1 levels k/(2^(b−1)−1) · scale, |k| ≤ 2^(b−1)−1 (one code unused): the authors' reference code.
-- `uniform`: the first release's 2^b levels spread evenly over [−scale, scale]; no zero (0 comes back as ±s/n).
+- `uniform`: 2^b levels spread evenly over [−scale, scale]; no zero (0 comes back as ±s/n).
 
 One bit has no room for a zero: every grid sends sign · scale. With nearest rounding the scale is the group's mean
 |x| (1-bit Adam's choice), which makes the code contractive (‖x − Q(x)‖² = ‖x‖² − ‖x‖₁²/n < ‖x‖²), so error

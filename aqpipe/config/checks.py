@@ -16,8 +16,7 @@ from aqpipe.config.rates import parse_rate
 from aqpipe.config.settings import ResolvedConfig, RunConfig
 from aqpipe.config.values import ConfigError
 from aqpipe.pipeline.vocab.link_rows import LINK_ROWS
-from aqpipe.pipeline.vocab.tied_exchanges import TIED_EXCHANGES, default_exchange
-from aqpipe.pipeline.vocab.tied_exchanges import USAGE as TIED_EXCHANGE_USAGE
+from aqpipe.pipeline.vocab.tied_exchanges import default_exchange, parse_exchange
 from aqpipe.storage.dtypes import MEMORY_DTYPES, STORE_DTYPES
 
 # Training defaults per model preset; a model that is not a preset takes the "default" row.
@@ -58,6 +57,7 @@ def resolve(cfg: RunConfig) -> ResolvedConfig:
         parsed["first_sight_spec"] = check_first_sight(cfg.first_sight)
     if cfg.tied_exchange is None:
         cfg.tied_exchange = default_exchange(cfg.fw, cfg.bw)
+        parsed["tied_spec"] = parse_exchange(cfg.tied_exchange)
     if cfg.task is None:
         from aqpipe.stages.models import model_task
 
@@ -76,7 +76,7 @@ def _cuda_available() -> bool:
 
 def _check_choices(cfg: RunConfig) -> dict[str, Any]:
     """Codec specs and named choices are known; the parsed codec and grad-sync settings, by the name under which a
-    ResolvedConfig hands each out (`fw_spec`, …; `first_sight_spec` only where --first-sight was given)."""
+    ResolvedConfig hands each out (`fw_spec`, …; `first_sight_spec` and `tied_spec` only where given)."""
     from aqpipe.compress.link.specs import CodecError, check_eval_codec, parse_spec
 
     parsed: dict[str, Any] = {}
@@ -99,8 +99,11 @@ def _check_choices(cfg: RunConfig) -> dict[str, Any]:
                                  ("store-dump", cfg.store_dump, ("on", "off"))):
         if value not in allowed:
             raise ConfigError(f"--{name} {value!r} is not one of {', '.join(allowed)}")
-    if cfg.tied_exchange is not None and cfg.tied_exchange not in TIED_EXCHANGES:
-        raise ConfigError(f"--tied-exchange {cfg.tied_exchange!r} is not one of {TIED_EXCHANGE_USAGE}")
+    if cfg.tied_exchange is not None:
+        try:
+            parsed["tied_spec"] = parse_exchange(cfg.tied_exchange)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     from aqpipe.compress.grad.methods import GradSpecError, check_pairing, parse_grad_spec
 
     try:
@@ -126,7 +129,7 @@ def _check_choices(cfg: RunConfig) -> dict[str, Any]:
     if cfg.store_max_gb is not None and cfg.store_max_gb <= 0:
         raise ConfigError(f"--store-max-gb must be positive, got {cfg.store_max_gb}")
     if cfg.bandwidth is not None:
-        _check_bandwidth(cfg.bandwidth)
+        parsed["bandwidth_bits"] = bandwidth_bits(cfg.bandwidth)
     if cfg.task not in (None, "lm", "classify"):
         raise ConfigError(f"--task {cfg.task!r} is not a task; use lm or classify")
     from aqpipe.pipeline.vocab.schedule import SCHEDULES
@@ -136,11 +139,11 @@ def _check_choices(cfg: RunConfig) -> dict[str, Any]:
     return parsed
 
 
-def _check_bandwidth(rate: str) -> None:
-    """A rate tc understands (whether this machine can shape it is the launcher's check: `aqpipe bench` plans for a
-    rate and shapes nothing)."""
+def bandwidth_bits(rate: str) -> int:
+    """A `--bandwidth` rate tc understands, in bits per second (whether this machine can shape it is the launcher's
+    check: `aqpipe bench` plans for a rate and shapes nothing)."""
     try:
-        parse_rate(rate)
+        return parse_rate(rate)
     except ValueError as e:
         raise ConfigError(f"--bandwidth: {e}") from None
 

@@ -25,9 +25,10 @@ from aqpipe.compress.link.specs import (
     check_first_sight,
     parse_spec,
 )
+from aqpipe.config.rates import parse_rate
 from aqpipe.pipeline.vocab.link_rows import DEFAULT_LINK_ROWS
 from aqpipe.pipeline.vocab.schedule import DEFAULT_SCHEDULE
-from aqpipe.pipeline.vocab.tied_exchanges import DEFAULT_TIED_EXCHANGE
+from aqpipe.pipeline.vocab.tied_exchanges import DEFAULT_TIED_EXCHANGE, TiedExchange, parse_exchange
 
 # The sections, in the order --help and the README show them: (name, title).
 SECTIONS: dict[str, str] = {
@@ -160,7 +161,7 @@ class RunConfig:
     quant_rounding: str = setting("links", "deterministic, or unbiased stochastic rounding", ROUNDINGS[0],
                                   metavar="|".join(ROUNDINGS))
     quant_grid: str = setting(
-        "links", "the levels a quantized code stands for: all but `uniform` (the first release's) hold an exact 0; "
+        "links", "the levels a quantized code stands for: all but `uniform` hold an exact 0; "
         "1-bit codes are sign · mean|x| (contractive) under nearest rounding; rotated tiles (rtq, aqsgd-rtq) always "
         "use `fit`: a rotated tile is symmetric about 0, where `signed` would clip its short side", DEFAULT_GRID,
         metavar="{grid_names}")
@@ -328,6 +329,16 @@ class ResolvedConfig(RunConfig):
     def grad_spec(self) -> GradSpec:
         """`--grad-sync`, parsed."""
         return parse_grad_spec(self.grad_sync)
+
+    @functools.cached_property
+    def tied_spec(self) -> TiedExchange:
+        """`--tied-exchange`, parsed."""
+        return parse_exchange(self.tied_exchange)
+
+    @functools.cached_property
+    def bandwidth_bits(self) -> int | None:
+        """`--bandwidth` in bits per second (None: unshaped links)."""
+        return parse_rate(self.bandwidth) if self.bandwidth is not None else None
 
     @property
     def keeps_messages(self) -> bool:

@@ -311,9 +311,10 @@ def _topology(cfg: ResolvedConfig):
     # named here, so that a signal between the topology's being built and its being handed over (create's own
     # clean-up over, ours not begun) still finds it to remove; a name clash (another launch's) is not ours to remove
     name, ours = netns.new_name(), True
+    assert cfg.bandwidth_bits is not None, "a topology is built for a --bandwidth run only"
     try:
         try:
-            topology = netns.create(cfg.world_size, netns.parse_rate(str(cfg.bandwidth)), name=name)
+            topology = netns.create(cfg.world_size, cfg.bandwidth_bits, name=name)
         except netns.NetnsError as e:
             ours = False  # (create left nothing behind)
             raise ConfigError(f"--bandwidth {cfg.bandwidth}: {e}") from None

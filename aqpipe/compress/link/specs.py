@@ -58,7 +58,7 @@ DEFAULT_FIRST_SIGHT = "rtqo:3"
 # The link codecs when --fw/--bw are not given: chosen by the same benchmark: AQ-SGD's 3-bit deltas forward and
 # rotated 4-bit gradients back, with rtqo:3 first sights and only real tokens on the links, moved 13.95-13.99x fewer
 # link bytes than fp32 links sending every position over 1, 2 and 3 epochs (8.47-8.49x fewer than fp32 sending the
-# same real tokens), within 1% of fp32's held-out loss; the earlier aqsgd:4 / directq:8 moved about 5.2x (every
+# same real tokens), within 1% of fp32's held-out loss; aqsgd:4 / directq:8 moves about 5.2x (every
 # position), its 8-bit gradients two thirds of its bytes.
 DEFAULT_FW, DEFAULT_BW = "aqsgd:3", "rtq:4"
 # How held-out activations cross the links when --eval-codec is not given: chosen by the SmolLM2 fine-tuning benchmark

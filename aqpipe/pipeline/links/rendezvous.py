@@ -9,7 +9,7 @@ import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from aqpipe.compress.grad.methods import METHODS, GradSpec, as_grad_spec
+from aqpipe.compress.grad.methods import GradSpec, as_grad_spec
 
 if TYPE_CHECKING:  # (the launcher imports this module before it may import torch: see launch/fork_safety)
     from aqpipe.pipeline.world.grid import ProcessGroups
@@ -199,7 +199,7 @@ def agree(store, rank: int, world_size: int, facts: dict) -> None:
             seen = "; ".join(f"rank {r} on {e['host']}: {_short(values[r])}" for r, e in enumerate(everyone)
                              if r == 0 or values[r] != values[0])
             hint = (" (give --device explicitly)" if name in ("device", "backend", "config device") else
-                    "; use one GPU model for every replica, or another --grad-sync" if name == GPU_MODEL else "")
+                    "; use one GPU model for every replica, or another --grad-sync" if name.startswith(GPU_MODEL) else "")
             raise HostDisagreement(f"the ranks disagree on {name} ({seen}); every host must run the same command "
                                    f"with the same flags{hint}")
 
@@ -228,22 +228,24 @@ def collective_backend(store, rank: int, world_size: int, gpu: str | None) -> st
     return "nccl" if all(gpus) and len(set(gpus)) == len(gpus) else "gloo"
 
 
-# The fact a run whose replicas must compute bit for bit alike on their GPUs adds (the --grad-sync methods whose every
-# replica computes the result, `MethodKind.replica_computed`: it agrees bit for bit only on the same GPU model, CUDA
-# and torch).
-REPLICA_COMPUTED = tuple(name for name, kind in METHODS.items() if kind.replica_computed)
-GPU_MODEL = f"GPU model (--grad-sync {' and '.join(REPLICA_COMPUTED)} compute on every replica)"
+# The fact a run whose replicas must compute bit for bit alike on their GPUs adds (a --grad-sync method whose every
+# replica computes the result, `MethodKind.replica_computed`, agrees bit for bit only on the same GPU model, CUDA and
+# torch), followed by the method that needs it.
+GPU_MODEL = "GPU model"
+
 
 
 def replica_gpu_facts(grad_sync: GradSpec | str, dp: int, device) -> dict:
     """What the replicas' GPUs must share for `grad_sync` to keep them bit-identical: with a method whose every
     replica computes the result and dp > 1 on CUDA, the GPU model with the CUDA and torch versions (mismatched GPUs
     would fail the replica digest only at the first checkpoint, as diverged weights); nothing otherwise."""
-    if dp < 2 or device.type != "cuda" or not as_grad_spec(grad_sync).kind.replica_computed:
+    spec = as_grad_spec(grad_sync)
+    if dp < 2 or device.type != "cuda" or not spec.kind.replica_computed:
         return {}
     import torch
 
-    return {GPU_MODEL: f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, torch {torch.__version__}"}
+    name = f"{GPU_MODEL} (--grad-sync {spec.method} computes on every replica)"
+    return {name: f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, torch {torch.__version__}"}
 
 
 def _flatten(facts: dict) -> dict:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from aqpipe.pipeline.vocab.tied_exchanges import ROW_EXCHANGES
+from aqpipe.pipeline.vocab.tied_exchanges import TiedExchange
 from aqpipe.pipeline.world import comm
 
 
@@ -31,11 +31,11 @@ def tied_groups(extras: dict) -> list[TiedGroup]:
             for name in sorted(shapes)]
 
 
-def row_tables(extras: dict, pp: int, exchange: str) -> list[str]:
+def row_tables(extras: dict, pp: int, exchange: TiedExchange) -> list[str]:
     """The tied groups kept equal by exchanging rows (`aqpipe.pipeline.links.tied_rows`) rather than by summing whole
     gradients: those a spec declares as an input embedding on the first stage and a head on the last
     (`extras["tied_rows"]`), when those are two stages and `--tied-exchange rows` asks for it."""
-    if exchange not in ROW_EXCHANGES or pp < 2:
+    if not exchange.by_rows or pp < 2:
         return []
     return sorted(extras.get("tied_rows", []))
 

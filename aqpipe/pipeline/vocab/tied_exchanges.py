@@ -1,6 +1,8 @@
 """The `--tied-exchange` vocabulary (no torch import, so the configuration can check a name cheaply): how a tied input
 embedding and LM head on different stages stay one tensor (`aqpipe.pipeline.links.tied_rows`, `aqpipe.pipeline.numerics.tied`)."""
 
+from dataclasses import dataclass
+
 # the exact row exchanges, by the dtype their rows and gradient rows travel in (fp32: the dense all-reduce's run, bit
 # for bit; bf16: half the bytes, the embedding computing on bf16-rounded rows and the head adding bf16-rounded
 # gradients)
@@ -18,16 +20,29 @@ USAGE = "rows, rows:bf16, rows:delta:B (B = 2..8 bits), dense"
 DEFAULT_TIED_EXCHANGE = "rows:delta:4"
 
 
+@dataclass(frozen=True)
+class TiedExchange:
+    """A `--tied-exchange` value, parsed: whether the tied table is kept equal by exchanging rows, the dtype exact
+    rows travel in (delta-coded exchanges send a row exactly in fp32), and the bits of a delta-coded exchange's
+    changes and gradient rows (0: exact rows)."""
+
+    name: str
+    by_rows: bool
+    wire_dtype: str
+    delta_bits: int
+
+
+def parse_exchange(name: str) -> TiedExchange:
+    """The parsed `--tied-exchange` value; ValueError naming the choices for one that is not."""
+    if name not in TIED_EXCHANGES:
+        raise ValueError(f"--tied-exchange {name!r} is not one of {USAGE}")
+    return TiedExchange(name, name in ROW_EXCHANGES, EXACT_ROWS.get(name, "float32"), DELTA_ROWS.get(name, 0))
+
+
 def default_exchange(fw: str, bw: str) -> str:
     """--tied-exchange when not given: exact rows beside lossless links, else DEFAULT_TIED_EXCHANGE."""
     return "rows" if fw == bw == "fp32" else DEFAULT_TIED_EXCHANGE
 
 
-def wire_dtype_name(exchange: str) -> str:
-    """The dtype a row exchange's exact rows travel in (delta-coded exchanges send a row exactly in fp32)."""
-    return EXACT_ROWS.get(exchange, "float32")
 
 
-def delta_bits(exchange: str) -> int:
-    """The bits of a delta-coded row exchange's changes and gradient rows (0: exact rows)."""
-    return DELTA_ROWS.get(exchange, 0)

@@ -30,7 +30,7 @@ from aqpipe.pipeline.links.tied_deltas import RowDeltas
 from aqpipe.pipeline.links.tied_rows import step_rows
 from aqpipe.pipeline.links.transport import HEADER_SIZE
 from aqpipe.pipeline.numerics.tied import added_in_order, row_tables, tied_groups
-from aqpipe.pipeline.vocab.tied_exchanges import delta_bits, wire_dtype_name
+from aqpipe.pipeline.vocab.tied_exchanges import TiedExchange
 from aqpipe.pipeline.world.grid import Grid
 from aqpipe.runtime import plan as run_plan
 from aqpipe.runtime.capacity.codec_graphs import stage_graph_bytes
@@ -191,8 +191,6 @@ def plan_capacity(plan: RunPlan) -> CapacityPlan:
 
 
 def _plan_capacity(plan: RunPlan) -> CapacityPlan:
-    from aqpipe.config.rates import parse_rate
-
     cfg = plan.cfg
     try:
         traced = trace_stages(plan)
@@ -222,7 +220,7 @@ def _plan_capacity(plan: RunPlan) -> CapacityPlan:
             int(sum(sides) * headroom), store_where(cfg), stage_graph_bytes(cfg, s, link_shapes),
             int(4 * kept * held), int(4 * peak * held), sync_where, shapes,
             sync_step_bytes(cfg.grad_spec, cfg.dp, shapes, freeze_step(plan.total_steps, cfg.warmup_steps))))
-    capacity = CapacityPlan(cfg, stages, links, parse_rate(cfg.bandwidth) if cfg.bandwidth else None,
+    capacity = CapacityPlan(cfg, stages, links, cfg.bandwidth_bits,
                             tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
                             evaluation=eval_needs(plan, [(link.activation_shape, link.activation_dtype)
                                                          for link in links], options, rows))
@@ -240,7 +238,7 @@ def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
     groups = tied_groups(plan.spec.extras)
     if cfg.pp < 2 or plan.lora is not None or not groups:
         return None
-    by_rows = set(row_tables(plan.spec.extras, cfg.pp, cfg.tied_exchange))
+    by_rows = set(row_tables(plan.spec.extras, cfg.pp, cfg.tied_spec))
     table_bytes = {g.name: 4 * sum(numel(shape) for shape in g.shapes) for g in groups}
     dense = sum(dense_tied_bytes(table_bytes[g.name], cfg.pp, cfg.dp, added_in_order(g))
                 for g in groups if g.name not in by_rows)
@@ -252,18 +250,17 @@ def tied_needs(plan: RunPlan, sampled_steps: int = 8) -> TiedNeeds | None:
     distinct = sum(counts) / max(1, len(counts))
     widths = [g.shapes[0][1] for g in groups if g.name in by_rows]
     # the rows and the gradient's rows, `distinct` each with their indices, streamed as a message per micro-batch
-    rows = sum(2 * (round(distinct) * (row_wire_bytes(cfg.tied_exchange, width) + 8) + cfg.micro_batches * HEADER_SIZE)
+    rows = sum(2 * (round(distinct) * (row_wire_bytes(cfg.tied_spec, width) + 8) + cfg.micro_batches * HEADER_SIZE)
                for width in widths)
     return TiedNeeds("rows", rows + dense, sum(table_bytes.values()), distinct, rows)
 
 
-def row_wire_bytes(exchange: str, width: int) -> int:
+def row_wire_bytes(exchange: TiedExchange, width: int) -> int:
     """Bytes one row of `width` takes on the wire under a row exchange (a delta-coded one: a change the copies
     already vouch for, with its mode byte)."""
-    bits = delta_bits(exchange)
-    if bits:
-        return RowDeltas(bits, width).row_bytes() + 1
-    return getattr(torch, wire_dtype_name(exchange)).itemsize * width
+    if exchange.delta_bits:
+        return RowDeltas(exchange.delta_bits, width).row_bytes() + 1
+    return getattr(torch, exchange.wire_dtype).itemsize * width
 
 
 def dense_tied_bytes(table_bytes: int, pp: int, dp: int, in_order: bool = False) -> int:
@@ -365,7 +362,7 @@ def refuse_if_unfit(plan: RunPlan, first_step: int | None = None) -> CapacityPla
     then nothing is refused)."""
     try:
         capacity = plan_capacity(plan)
-    except TraceError:  # a custom model the fake tracer cannot run is trained unplanned, as before
+    except TraceError:  # a custom model the fake tracer cannot run is trained without a plan
         return None
     if capacity.problems:
         raise ConfigError("the run does not fit: " + "; ".join(capacity.problems)

@@ -73,7 +73,7 @@ def trace_stages(plan: RunPlan) -> list[StageTrace]:
     device = torch.device("cpu")  # autocast and every kernel's output dtype as on the host
     traced = []
     x: torch.Tensor | None = None
-    row_names = [] if plan.lora is not None else row_tables(plan.spec.extras, cfg.pp, cfg.tied_exchange)  # as assembled
+    row_names = [] if plan.lora is not None else row_tables(plan.spec.extras, cfg.pp, cfg.tied_spec)  # as assembled
     for s in range(cfg.pp):
         with torch.device("meta"):
             module = plan.build_stage(s)

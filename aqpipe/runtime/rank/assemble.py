@@ -25,7 +25,6 @@ from aqpipe.pipeline.links.transport import KIND_ACTIVATION, KIND_GRADIENT, SIDE
 from aqpipe.pipeline.numerics.mixed_precision import LossScaler, needs_loss_scaling
 from aqpipe.pipeline.numerics.optim import build_optimizer, momenta
 from aqpipe.pipeline.numerics.tied import row_tables, tied_groups
-from aqpipe.pipeline.vocab.tied_exchanges import delta_bits, wire_dtype_name
 from aqpipe.pipeline.world.grid import Grid, ProcessGroups, collective_device, create_groups
 from aqpipe.runtime.checkpoints.store import Checkpoints
 from aqpipe.runtime.plan import RunPlan, store_bytes_per_rank
@@ -97,14 +96,14 @@ def open_links(cfg: ResolvedConfig, grid: Grid, groups: ProcessGroups, store, de
         first = grid.is_first_stage
         peer = grid.describe(grid.rank_of(grid.pp - 1 if first else 0, grid.replica))
         name, table = table_parameter(module, row_names[0])
-        bits = delta_bits(cfg.tied_exchange)
+        bits = cfg.tied_spec.delta_bits
         links.tied_rows = RowExchange(
             LOOKUP if first else OWNER, name, table,
             # a step's messages all queue at once (one per micro-batch), so neither end waits on the link to go on
             outbox=Outbox(streams[tied_names["grads" if first else "rows"]], peer, cfg.stall_timeout,
                           queue_size=cfg.micro_batches + 1),
             inbox=Inbox(streams[tied_names["rows" if first else "grads"]], peer, cfg.stall_timeout, device),
-            wire_dtype=getattr(torch, wire_dtype_name(cfg.tied_exchange)),
+            wire_dtype=getattr(torch, cfg.tied_spec.wire_dtype),
             deltas=RowDeltas(bits, table.shape[1]) if bits else None)
     if before is not None:  # link stage - 1: activations in, gradients out
         peer = grid.describe(grid.prev_rank)
@@ -152,7 +151,7 @@ def assemble_stage(plan: RunPlan, grid: Grid, device: torch.device, backend: str
     optimizer_momentum, vote_momentum = momenta(cfg.momentum, cfg.grad_spec.sign_based)
     grad_sync = build_grad_sync(cfg.grad_spec, dp_group, cfg.seed, freeze_step(plan.total_steps, cfg.warmup_steps),
                                 momentum=vote_momentum)
-    row_names = [] if plan.lora is not None else row_tables(plan.spec.extras, cfg.pp, cfg.tied_exchange)
+    row_names = [] if plan.lora is not None else row_tables(plan.spec.extras, cfg.pp, cfg.tied_spec)
     links = open_links(cfg, grid, groups, store, device, module, row_names)
     rows = links.tied_rows
     cache = rows.table if rows is not None and rows.role == LOOKUP else None  # the owner's optimizer updates it
