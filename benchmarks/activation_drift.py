@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.codec_speed import zstd_saving  # noqa: E402
 from benchmarks.models import gpt2_6x128  # noqa: E402
-from benchmarks.provenance import machine  # noqa: E402
+from benchmarks.provenance import machine, shown_path  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data" / "wikitext-2"
 
@@ -120,11 +120,7 @@ def zstd_by_epoch(visits: dict[tuple[int, int], list[torch.Tensor]], epochs: int
     return rows
 
 
-def _shown(value) -> str:
-    """A setting as the results file records it: a path inside the checkout relative to it."""
-    if isinstance(value, Path) and value.resolve().is_relative_to(ROOT):
-        return str(value.resolve().relative_to(ROOT))
-    return str(value)
+
 
 
 def main() -> None:
@@ -140,7 +136,7 @@ def main() -> None:
     rows, zstd_rows = drift_by_epoch(visits, args.epochs), zstd_by_epoch(visits, args.epochs, args.batch)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, zstd=zstd_rows, machine=machine(),
-                                                             **{k: _shown(v) for k, v in vars(args).items()}), indent=1))
+                                                             **{k: shown_path(v) for k, v in vars(args).items()}), indent=1))
     lines = ["| epoch | change ‖Δ_t‖/‖a‖ | cos(Δ_t, Δ_t−1) | left after the best β·Δ_t−1 |", "|---|---|---|---|"]
     lines += [f"| {r['epoch']} | {r['change']:.3f} | {r['cosine']:+.3f} | {r['best_residual']:.3f} |" for r in rows]
     lines += ["", "| epoch | what crosses, coded | zstd level 1 would save |", "|---|---|---|"]

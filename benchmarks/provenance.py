@@ -17,6 +17,14 @@ def commit() -> str:
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
+def shown_path(value) -> str:
+    """A setting as a results file records it: a path (a `Path`) inside the checkout relative to it (the checkout's
+    own place on a machine is not part of the measurement), anything else as text."""
+    if isinstance(value, Path) and value.resolve().is_relative_to(ROOT):
+        return str(value.resolve().relative_to(ROOT))
+    return str(value)
+
+
 def machine() -> dict:
     """The commit and this machine, as a results file records them."""
     import torch
