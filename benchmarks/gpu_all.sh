@@ -8,7 +8,7 @@
 #     # on the GPU machine, with the checkout and those folders:
 #     AQPIPE_COMMIT=$(git rev-parse --short HEAD) OUT=results bash benchmarks/gpu_all.sh
 #
-# Steps, in this order, each given what is left of AQPIPE_GPU_ALL_SECONDS (default 900: the whole command's limit):
+# Steps, in this order, each given what is left of AQPIPE_GPU_ALL_SECONDS (the whole command's limit; unset: none):
 #   ab        benchmarks/codec_ab.py against .ab/base, where it exists (AQPIPE_AB_ROUNDS rounds, default 3)
 #   gpu-check benchmarks/gpu_check.sh (AQPIPE_GPU_CHECK_PARTS picks its parts)
 #   tiles     benchmarks/fused_tiles.py, with AQPIPE_GPU_ALL_TILES=1 and at least 240 s left (its sweep took 200 s on
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/gpu_all}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-deadline=$(($(date +%s) + ${AQPIPE_GPU_ALL_SECONDS:-900}))
+deadline=$(($(date +%s) + ${AQPIPE_GPU_ALL_SECONDS:-86400}))  # (unset: a day, no limit in practice)
 left() { echo $((deadline - $(date +%s))); }
 
 log="$out/gpu_all.log"
