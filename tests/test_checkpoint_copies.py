@@ -2,6 +2,7 @@
 arrive whole and checked, and that a host that lost its part gets it back from one."""
 
 import datetime
+import shutil
 from pathlib import Path
 
 import pytest
@@ -72,8 +73,24 @@ def _copy(rank: int, world: int, root: str, link_rate: float = 1e9, keep_part: b
     return comm.TRAFFIC.sent[comm.CHECKPOINT], sorted(p.name for p in ck.step_dir(out, 4).iterdir())
 
 
-def test_every_part_reaches_the_next_host_whole_and_the_step_is_marked_replicated(tmp_path):
-    results = run_ranks(_copy, 3, str(tmp_path))
+@pytest.fixture(scope="module")
+def copied(tmp_path_factory):
+    """Three hosts' directories after step 4's checkpoint and its copies (`_copy`), and each rank's result; a test
+    that changes them takes its own copy (`hosts_after_copies`)."""
+    root = tmp_path_factory.mktemp("copied")
+    return root, run_ranks(_copy, 3, str(root))
+
+
+def hosts_after_copies(copied, tmp_path: Path) -> Path:
+    """A copy of the three hosts' directories after the copies, in `tmp_path`, the copies having succeeded."""
+    root, results = copied
+    assert all(status == "ok" for status, _ in results), results
+    shutil.copytree(root, tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+def test_every_part_reaches_the_next_host_whole_and_the_step_is_marked_replicated(copied):
+    tmp_path, results = copied
     for rank, (status, value) in enumerate(results):
         assert status == "ok", value
         sent, names = value
@@ -110,8 +127,8 @@ def _recover(rank: int, world: int, root: str):
     return resume.agreed_step(str(Path(root) / f"host-{rank}"), rank, SETTINGS, explicit=False)
 
 
-def test_a_host_that_lost_its_part_fetches_it_from_a_copy_and_every_rank_continues(tmp_path):
-    assert all(status == "ok" for status, _ in run_ranks(_copy, 3, str(tmp_path)))
+def test_a_host_that_lost_its_part_fetches_it_from_a_copy_and_every_rank_continues(copied, tmp_path):
+    hosts_after_copies(copied, tmp_path)
     lost = tmp_path / "host-1"
     wipe(lost)
     start = choose_start([holding(tmp_path / f"host-{r}", r, SETTINGS) for r in range(3)], tmp_path, explicit=False)
@@ -121,10 +138,10 @@ def test_a_host_that_lost_its_part_fetches_it_from_a_copy_and_every_rank_continu
     assert (ck.step_dir(lost, 4) / "COMPLETE").is_file() and (ck.step_dir(lost, 4) / "run.json").is_file()
 
 
-def test_a_checkpoint_whose_copies_never_finished_counts_only_while_every_part_is_on_its_host(tmp_path):
+def test_a_checkpoint_whose_copies_never_finished_counts_only_while_every_part_is_on_its_host(copied, tmp_path):
     """Step 8 was written everywhere but its copies were cut short (no REPLICATED): a restart continues from it while
     every part is still there; once a host lost its part of it, from step 4, whose copies finished."""
-    assert all(status == "ok" for status, _ in run_ranks(_copy, 3, str(tmp_path)))
+    hosts_after_copies(copied, tmp_path)
     hosts = [tmp_path / f"host-{r}" for r in range(3)]
     for rank, host in enumerate(hosts):
         ck.save_rank(host, 8, rank, {"model": {"w": torch.zeros(4)}}, SETTINGS)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from aqpipe.compress.gpu import fused
+from tests import warm
 from tests.fused_cases import INTERPRETER_PATCH, ROOT, interpret, needs_triton
 
 
@@ -216,8 +217,11 @@ def test_a_pipeline_through_the_fused_kernels_trains_bit_for_bit_as_through_the_
         if switch == "1":
             env.update(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(patch), str(ROOT)]))
         out = tmp_path / f"run-{switch}"
-        proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", *flags, "--out", str(out)], env=env,
-                              cwd=ROOT, capture_output=True, text=True, timeout=400)
+        if switch == "1":  # (a fresh interpreter: the patch applies as it starts)
+            proc = subprocess.run([sys.executable, "-m", "aqpipe", "launch", *flags, "--out", str(out)], env=env,
+                                  cwd=ROOT, capture_output=True, text=True, timeout=400)
+        else:  # (the switches are read as each message is coded)
+            proc = warm.run("launch", *flags, "--out", str(out), env=env, cwd=ROOT, timeout=400)
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = (out / "metrics.jsonl").read_text().splitlines()
         records[switch] = [(r["loss"], r["fwd_bytes"], r["bwd_bytes"]) for r in map(json.loads, lines)]

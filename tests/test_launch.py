@@ -208,8 +208,7 @@ def test_a_restart_rewinds_the_on_disk_stores_and_trains_as_if_nothing_failed(tm
     code, err, _ = finish(proc, timeout=300)
     assert code == 0 and "restart 1 of 1" in err, err[-3000:]
     assert none_left(tag)
-    reference = subprocess.run([sys.executable, "-m", "aqpipe", "launch", *common, "--out", str(tmp_path / "ref")],
-                               capture_output=True, text=True, timeout=300)
+    reference = warm.run("launch", *common, "--out", str(tmp_path / "ref"))
     assert reference.returncode == 0, reference.stderr[-3000:]
     losses = [[json.loads(line)["loss"] for line in (directory / "metrics.jsonl").read_text().splitlines()]
               for directory in (run, tmp_path / "ref")]

@@ -5,13 +5,16 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from aqpipe.launch.local import reserved_port
 from aqpipe.pipeline.links.rendezvous import HostDisagreement, agree, interface_of, pin_socket_interface
+from tests.distributed import _CONTEXT
 
 FACTS = {"device": "cuda", "backend": "nccl", "world": [2, 1, 2], "config": {"lr": 0.001, "pp": 2}}
 
@@ -218,49 +221,65 @@ def test_a_gpu_is_known_as_nccl_knows_it_by_its_host_and_pci_address(monkeypatch
 # `begin_training` `late` seconds after rank 0. Rank 0 reports how its all-reduce on each named group ended. In the
 # start-up phase rank 1 reaches each collective `late` seconds after rank 0; in the training phase it never joins,
 # and stays until rank 0 has seen its collective end (a peer's exit would end it otherwise).
-_LATE_RANK = """
-import sys, time
-from datetime import timedelta
-import torch, torch.distributed as dist
-from aqpipe.pipeline.world.grid import Grid, create_groups
-from aqpipe.pipeline.links.rendezvous import begin_training, startup_timeout
-rank, port, pp, dp, phase, names = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6:]
-stall, late = 1.5, 3.0  # (late: twice the stall time-out)
-timeout = startup_timeout(stall)
-store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout)
-dist.init_process_group("gloo", rank=rank, world_size=2, store=store, timeout=timeout)
-groups = create_groups(Grid(pp, dp, rank), "gloo", timeout)
-chosen = {"world": None, "pipeline": groups.pipeline, "data parallel": groups.data_parallel}
-if phase == "late to training":  # rank 1's replica still loading while rank 0's is ready to train
-    if rank == 1:
-        time.sleep(late)
-    begin_training(store, groups, stall)
-    phase = "trains"
-if phase == "training":
-    begin_training(store, groups, stall)
-for name in names:
-    if rank == 1 and phase == "training":
-        store.wait(["ended"], timedelta(seconds=60))
-        break
-    if rank == 1 and phase == "start-up":
-        time.sleep(late)
-    try:
-        dist.all_reduce(torch.ones(1), group=chosen[name])
-        print(name, "joined", flush=True)
-    except RuntimeError as e:
-        print(name, "failed:", str(e).splitlines()[0][:160], flush=True)
+def _late_rank_main(rank: int, port: int, pp: int, dp: int, phase: str, names: tuple[str, ...], out: str) -> None:
+    """One of the two ranks (a fork of the test ranks' warm server, `tests.distributed`); rank 0 writes how each
+    all-reduce ended to `out`, a line per group."""
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from aqpipe.pipeline.links.rendezvous import begin_training, startup_timeout
+    from aqpipe.pipeline.world.grid import Grid, create_groups
+
+    stall, late = 1.5, 3.0  # (late: twice the stall time-out)
+    timeout = startup_timeout(stall)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout)
+    dist.init_process_group("gloo", rank=rank, world_size=2, store=store, timeout=timeout)
+    groups = create_groups(Grid(pp, dp, rank), "gloo", timeout)
+    chosen = {"world": None, "pipeline": groups.pipeline, "data parallel": groups.data_parallel}
+    if phase == "late to training":  # rank 1's replica still loading while rank 0's is ready to train
+        if rank == 1:
+            time.sleep(late)
+        begin_training(store, groups, stall)
+        phase = "trains"
+    if phase == "training":
+        begin_training(store, groups, stall)
+    lines = []
+    for name in names:
+        if rank == 1 and phase == "training":
+            store.wait(["ended"], timedelta(seconds=60))
+            break
+        if rank == 1 and phase == "start-up":
+            time.sleep(late)
+        try:
+            dist.all_reduce(torch.ones(1), group=chosen[name])
+            lines.append(f"{name} joined")
+        except RuntimeError as e:
+            lines.append(f"{name} failed: {str(e).splitlines()[0][:160]}")
+        if rank == 0:
+            store.set("ended", "1")
     if rank == 0:
-        store.set("ended", "1")
-"""
+        Path(out).write_text("\n".join(lines))
+    os._exit(0)  # (no teardown of the groups: see tests.distributed._entry)
 
 
 def _late_rank(pp: int, dp: int, phase: str, *groups: str) -> list[str]:
-    """What rank 0 printed, one line per group, after rank 1 came late to each (`_LATE_RANK`)."""
-    with reserved_port() as port:
-        procs = [subprocess.Popen([sys.executable, "-c", _LATE_RANK, str(rank), str(port), str(pp), str(dp), phase,
-                                   *groups], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    return [line for line in outs[0].splitlines() if line.split(" ")[0] in ("world", "pipeline", "data")]
+    """What rank 0 saw, one line per group, after rank 1 came late to each (`_late_rank_main`)."""
+    with tempfile.TemporaryDirectory(prefix="aqpipe-late-") as folder, reserved_port() as port:
+        out = Path(folder) / "rank-0.txt"
+        procs = [_CONTEXT.Process(target=_late_rank_main, args=(rank, port, pp, dp, phase, groups, str(out)))
+                 for rank in (0, 1)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(120)
+        hung = [proc.pid for proc in procs if proc.is_alive()]
+        for proc in procs:
+            proc.kill()
+        assert not hung, f"ranks {hung} still running after 120 s"
+        return out.read_text().splitlines() if out.exists() else []
 
 
 @pytest.mark.parametrize("pp, dp, groups", [(2, 1, ("world", "pipeline")), (1, 2, ("data parallel",))])
