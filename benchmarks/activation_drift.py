@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.codec_speed import zstd_saving  # noqa: E402
 from benchmarks.models import gpt2_6x128  # noqa: E402
-from benchmarks.provenance import machine, shown_path  # noqa: E402
+from benchmarks.provenance import machine, recorded  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data" / "wikitext-2"
 
@@ -120,9 +120,6 @@ def zstd_by_epoch(visits: dict[tuple[int, int], list[torch.Tensor]], epochs: int
     return rows
 
 
-
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/activation-drift"))
@@ -136,7 +133,7 @@ def main() -> None:
     rows, zstd_rows = drift_by_epoch(visits, args.epochs), zstd_by_epoch(visits, args.epochs, args.batch)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, zstd=zstd_rows, machine=machine(),
-                                                             **{k: shown_path(v) for k, v in vars(args).items()}), indent=1))
+                                                             **recorded(vars(args))), indent=1))
     lines = ["| epoch | change ‖Δ_t‖/‖a‖ | cos(Δ_t, Δ_t−1) | left after the best β·Δ_t−1 |", "|---|---|---|---|"]
     lines += [f"| {r['epoch']} | {r['change']:.3f} | {r['cosine']:+.3f} | {r['best_residual']:.3f} |" for r in rows]
     lines += ["", "| epoch | what crosses, coded | zstd level 1 would save |", "|---|---|---|"]

@@ -18,7 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.provenance import machine, shown_path  # noqa: E402
+from benchmarks.provenance import machine, recorded  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "wikitext-2"
 VARIANTS = {
@@ -136,7 +136,8 @@ def main() -> None:
                          "aqsgd_by_epoch": aqsgd_by_epoch(records)}
         print(f"{name:16s} final train loss {summary['final_loss']:.4f}  test loss {results[name]['test_loss']:.4f}",
               flush=True)
-    settings = vars(args) | {"data": shown_path(args.data)}
+    settings = recorded(vars(args))
+
     out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "settings": settings, "results": results},
                                                    indent=2) + "\n")
     base = results["fp32"]["final_loss"]

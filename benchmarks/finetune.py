@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.provenance import recorded  # noqa: E402
+
 VARIANTS = {
     "fp32": ("fp32", "fp32"),
     "aqsgd fw2 bw4": ("aqsgd:2", "directq:4"),
@@ -62,8 +65,8 @@ def main() -> None:
                   flush=True)
             results[name].append(result)
     table = summarize(results)
-    (out.with_suffix(".json")).write_text(json.dumps({n: [{"seed": seed, **r["summary"]} for seed, r in zip(args.seeds, rs)]
-                                                     for n, rs in results.items()}, indent=2) + "\n")
+    by_variant = {n: [{"seed": seed, **r["summary"]} for seed, r in zip(args.seeds, rs)] for n, rs in results.items()}
+    out.with_suffix(".json").write_text(json.dumps(recorded(by_variant), indent=2) + "\n")
     out.with_suffix(".md").write_text(table + "\n")
     plot(results, out.with_suffix(".png"))
     print(table)

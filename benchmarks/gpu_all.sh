@@ -64,4 +64,4 @@ grep -s -E "^\| |^- (PASSED|FAILED|ERROR)" "$checks/results.md"
 if [ "${AQPIPE_GPU_ALL_TILES:-0}" = 1 ] && [ "$(left)" -ge 240 ]; then
   step tiles $(($(left) - 5)) python benchmarks/fused_tiles.py --out "$out/tiles"
 fi
-echo "== done, $(left) s of the time limit left" | tee -a "$log"
+echo "== done${AQPIPE_GPU_ALL_SECONDS:+, $(left) s of the time limit left}" | tee -a "$log"

@@ -36,7 +36,7 @@ from aqpipe.compress.link.sample_coders import RotatedCoder  # noqa: E402
 from aqpipe.config import RunConfig, resolve  # noqa: E402
 from aqpipe.pipeline.numerics.optim import lr_factor  # noqa: E402
 from aqpipe.runtime.plan import make_plan  # noqa: E402
-from benchmarks.provenance import machine  # noqa: E402
+from benchmarks.provenance import machine, recorded  # noqa: E402
 
 BITS = (2, 3, 4)
 
@@ -115,7 +115,7 @@ def main() -> None:
         print(f"epoch {epoch}: loss {float(loss):.4f}", {k: round(sum(v) / len(v), 4) for k, v in stats[epoch].items()},
               flush=True)
     table = {epoch: {k: sum(v) / len(v) for k, v in row.items()} for epoch, row in stats.items()}
-    result = {"settings": vars(args), "machine": machine(), "epochs": table}
+    result = {"settings": recorded(vars(args)), "machine": machine(), "epochs": table}
     Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     head = ("| epoch | change ‖g_t − g_t−1‖/‖g_t‖ | cos(g_t, g_t−1) | "
             + " | ".join(f"error rtq:{b} / delta {b}-bit" for b in BITS) + " |")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.provenance import machine  # noqa: E402
+from benchmarks.provenance import machine, recorded  # noqa: E402
 
 SKIP = 3  # first steps left out of every median (allocation, gloo connection set-up)
 
@@ -71,7 +71,7 @@ def main() -> None:
                 samples["aqpipe"][pp].append(aq)
                 samples["deepspeed"][pp].append(ds)
                 print(f"round {r + 1} pp={pp}: aqpipe {aq:.1f}  deepspeed {ds:.1f} samples/s", flush=True)
-    result = {"machine": machine(), "settings": vars(args), "samples_per_second": samples}
+    result = {"machine": machine(), "settings": recorded(vars(args)), "samples_per_second": samples}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

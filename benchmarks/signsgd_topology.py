@@ -126,7 +126,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.numel, args.steps)
         return
-    from benchmarks.provenance import machine
+    from benchmarks.provenance import machine, recorded
 
     results: dict = {}
     for ranks in [int(x) for x in args.ranks.split(",")]:
@@ -139,7 +139,7 @@ def main() -> None:
                       f"{measured['bytes'][0] / 1e6:.2f} MB sent per replica", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "settings": vars(args), "results": results},
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "settings": recorded(vars(args)), "results": recorded(results)},
                                                    indent=2) + "\n")
     lines = [f"{args.numel / 1e6:.0f}M-value gradient; ranks' links {args.fast}, the link between the two halves "
              f"{args.slow}; median over {args.rounds} rounds × {args.steps} syncs.", "",

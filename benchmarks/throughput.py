@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from aqpipe.compress.link.specs import DEFAULT_BW, DEFAULT_FIRST_SIGHT, DEFAULT_FW  # noqa: E402
 from aqpipe.launch import netns  # noqa: E402
 from aqpipe.pipeline.vocab.schedule import SCHEDULES  # noqa: E402
-from benchmarks.provenance import machine, shown_path  # noqa: E402
+from benchmarks.provenance import machine, recorded  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "wikitext-2" / "valid.txt"
 # 25mbit: where fp32's comm/compute ratio is about 8.5 on the 2-core machine of benchmarks/README.md; the AQ-SGD
@@ -304,8 +304,8 @@ def main() -> None:
     table = summarize(runs, bandwidths)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"machine": info, "settings": vars(args) | {"data": shown_path(args.data)},
-                                                    "runs": runs, "medians": table}, indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"machine": info, "settings": recorded(vars(args)),
+                                                    "runs": recorded(runs), "medians": table}, indent=2) + "\n")
     write_markdown(table, bandwidths, info, out.with_suffix(".md"))
     plot(table, bandwidths, out.with_suffix(".png"))
     print(out.with_suffix(".md").read_text())

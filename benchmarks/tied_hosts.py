@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from aqpipe.config.rates import parse_rate  # noqa: E402
-from benchmarks.provenance import machine, shown_path  # noqa: E402
+from benchmarks.provenance import machine, recorded  # noqa: E402
 from tests.hosts import simulated_hosts, wait_all  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "wikitext-2" / "valid.txt"
@@ -115,8 +115,8 @@ def main() -> None:
             results.append(run(args, variant, Path(work)))
             print(json.dumps(results[-1]), flush=True)
     info = machine()
-    Path(args.out + ".json").write_text(json.dumps({"machine": info, "args": vars(args) | {"data": shown_path(args.data)},
-                                                    "results": results}, indent=2) + "\n")
+    Path(args.out + ".json").write_text(json.dumps({"machine": info, "args": recorded(vars(args)),
+                                                    "results": recorded(results)}, indent=2) + "\n")
     write_markdown(results, args, info, Path(args.out + ".md"))
     print(Path(args.out + ".md").read_text())
 

@@ -153,6 +153,46 @@ def test_the_resolved_configuration_hands_out_parsed_codec_specs_that_nothing_pa
     assert recommend(LinkNeeds(0, (2, 4, 16), "float32", 0, 0, 0, 0, 0), cfg, 1e12, 0.05)[:2] == (8, False)
 
 
+@pytest.mark.parametrize("given, parsed", [(None, ("rows:delta:4", True, "float32", 4)),
+                                           ("rows:bf16", ("rows:bf16", True, "bfloat16", 0)),
+                                           ("dense", ("dense", False, "float32", 0))])
+def test_resolving_parses_the_tied_exchange_and_the_bandwidth_once(monkeypatch, given, parsed):
+    """--tied-exchange (given, or its default beside compressing links) and --bandwidth are parsed once, by `resolve`,
+    and handed out parsed: what the rank, the capacity plan and the launcher read parses nothing again."""
+    import importlib
+    from collections import Counter
+
+    from aqpipe.config import checks, rates, resolve
+    from aqpipe.pipeline.vocab import tied_exchanges
+
+    settings_module = importlib.import_module("aqpipe.config.settings")
+    calls: Counter = Counter()
+
+    def counted(name, parse):
+        def wrapper(*args):
+            calls[(name, *args)] += 1
+            return parse(*args)
+        return wrapper
+
+    parse_exchange, parse_rate = counted("exchange", tied_exchanges.parse_exchange), counted("rate", rates.parse_rate)
+    for module in (tied_exchanges, settings_module, checks):
+        monkeypatch.setattr(module, "parse_exchange", parse_exchange)
+    for module in (rates, settings_module, checks):
+        monkeypatch.setattr(module, "parse_rate", parse_rate)
+    cfg = resolve(RunConfig(tied_exchange=given, bandwidth="100mbit"))
+    for _ in range(2):
+        assert cfg.tied_spec == tied_exchanges.TiedExchange(*parsed) and cfg.bandwidth_bits == 100_000_000
+    assert calls == {("exchange", parsed[0]): 1, ("rate", "100mbit"): 1}, calls
+    assert resolve(RunConfig()).bandwidth_bits is None
+
+
+def test_a_tied_exchange_that_is_not_one_is_refused_with_the_choices():
+    from aqpipe.config import resolve
+
+    with pytest.raises(ConfigError, match=r"--tied-exchange 'rows:delta:9' is not one of rows, rows:bf16, rows:delta:B"):
+        resolve(RunConfig(tied_exchange="rows:delta:9"))
+
+
 @pytest.mark.parametrize("fw, first_sight, first", [("aqsgd:3", None, "rtqo:3"), ("aqsgd:3", "rtq:4", "rtq:4"),
                                                     ("directq:4", None, "fp32")])
 def test_resolving_parses_each_codec_and_grad_sync_setting_once(monkeypatch, fw, first_sight, first):

@@ -364,4 +364,3 @@ def test_ranks_that_send_no_final_weights_do_not_wait_for_rank_0_to_receive_them
     assert exporting > 10, exporting  # the export outlasted the time-out (seen: 22 s)
     assert (out / "export" / "model.safetensors").is_file()
     assert_nothing_left(before, topologies_in(proc.stderr))
-

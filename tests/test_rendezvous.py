@@ -95,6 +95,21 @@ def test_fft_replicas_on_different_gpu_models_are_refused_too(monkeypatch):
     assert replica_gpu_facts("fft:0.1:10", 1, cuda) == {}
 
 
+def test_hosts_given_two_methods_are_told_the_flag_not_the_gpu_fact_it_names(monkeypatch):
+    """Two hosts given different --grad-sync methods whose replicas compute the result publish GPU facts of two names;
+    the refusal names the flag that differs, not a GPU fact one of them lacks."""
+    import torch
+
+    from aqpipe.pipeline.links.rendezvous import replica_gpu_facts
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA L4")
+    cuda = torch.device("cuda", 0)
+    facts = [{**FACTS, "config": {**FACTS["config"], "grad_sync": method}, **replica_gpu_facts(method, 2, cuda)}
+             for method in ("powersgd:4", "fft:0.1:10")]
+    text = agree_all(facts)[0]
+    assert text is not None and text.startswith("the ranks disagree on config grad_sync ("), text
+
+
 def test_a_method_whose_replicas_compute_named_in_the_gpu_fact_from_its_row_alone(monkeypatch):
     """A grad-sync method added as one row of the table (here after the package was imported) whose every replica
     computes the result is named in the GPU fact the hosts compare, as the built-in ones are."""
@@ -105,7 +120,6 @@ def test_a_method_whose_replicas_compute_named_in_the_gpu_fact_from_its_row_alon
     from aqpipe.compress.grad import methods
     from aqpipe.pipeline.links.rendezvous import replica_gpu_facts
 
-
     monkeypatch.setitem(methods.METHODS, "widget", dataclasses.replace(methods.METHODS["fft"], params=()))
     models = iter(["NVIDIA H100 80GB HBM3", "NVIDIA L4"])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: next(models))
@@ -113,7 +127,6 @@ def test_a_method_whose_replicas_compute_named_in_the_gpu_fact_from_its_row_alon
     assert list(facts[0])[-1] == "GPU model (--grad-sync widget computes on every replica)"
     text = agree_all(facts)[1]
     assert text is not None and "use one GPU model for every replica, or another --grad-sync" in text
-
 
 
 def test_a_flag_given_differently_is_named():

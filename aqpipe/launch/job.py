@@ -342,7 +342,6 @@ def _announce(cfg: ResolvedConfig, plan) -> None:
             print(f"aqpipe: note: {note}", file=sys.stderr, flush=True)
 
 
-
 def warmup_note(plan: RunPlan) -> str | None:
     """What to tell a user whose lossy --fw/--bw never applies because every step lies in the fp32 warm-up."""
     cfg, total_steps = plan.cfg, plan.total_steps

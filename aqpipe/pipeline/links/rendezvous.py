@@ -190,10 +190,11 @@ def agree(store, rank: int, world_size: int, facts: dict) -> None:
     """Every rank publishes `facts` (JSON values: device kind, backend, grid, the resolved configuration…) and
     checks everyone's, before any collective: a rank that chose otherwise (a host without a GPU picking gloo while
     the others pick NCCL, a host given another flag) would otherwise hang the rendezvous or train something else.
-    Raises HostDisagreement naming the first fact that differs, with each rank's host and value."""
+    Raises HostDisagreement naming the first fact that differs, with each rank's host and value: the configuration's
+    first, since a fact worked out from it (a backend, a GPU fact named for a method) differs because it does."""
     everyone = exchange(store, rank, world_size, "agree", {"host": socket.gethostname(), "facts": facts})
     flat = [_flatten(e["facts"]) for e in everyone]
-    for name in sorted(set().union(*flat)):
+    for name in sorted(set().union(*flat), key=lambda name: (not name.startswith("config "), name)):
         values = [json.dumps(f.get(name), sort_keys=True) for f in flat]
         if len(set(values)) > 1:
             seen = "; ".join(f"rank {r} on {e['host']}: {_short(values[r])}" for r, e in enumerate(everyone)
@@ -232,7 +233,6 @@ def collective_backend(store, rank: int, world_size: int, gpu: str | None) -> st
 # replica computes the result, `MethodKind.replica_computed`, agrees bit for bit only on the same GPU model, CUDA and
 # torch), followed by the method that needs it.
 GPU_MODEL = "GPU model"
-
 
 
 def replica_gpu_facts(grad_sync: GradSpec | str, dp: int, device) -> dict:

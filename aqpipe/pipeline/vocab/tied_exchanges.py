@@ -42,7 +42,3 @@ def parse_exchange(name: str) -> TiedExchange:
 def default_exchange(fw: str, bw: str) -> str:
     """--tied-exchange when not given: exact rows beside lossless links, else DEFAULT_TIED_EXCHANGE."""
     return "rows" if fw == bw == "fp32" else DEFAULT_TIED_EXCHANGE
-
-
-
-
