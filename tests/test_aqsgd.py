@@ -353,8 +353,8 @@ def test_an_aqsgd_message_reads_its_numbers_from_the_device_once(monkeypatch, fi
     """On a GPU each read of tensor values into Python waits for the GPU. An AQ-SGD encode reads once — which
     samples go as deltas (or first sights) and the m(ξ) checksum sums, together — besides its sample ids (host
     numbers); a decode reads the same once, besides the ids and the mode bytes, which it reads where they arrived.
-    Before, a steady-state message read 15-20 times (one per sample for storability, the range check, the
-    checksum, the fidelity's indices…)."""
+    (One read per sample for storability, the range check, the checksum and the fidelity's indices would make a
+    steady-state message 15-20 reads.)"""
     b = 4
     options = QuantOptions()
     send, recv = MemoryStore(torch.float16), MemoryStore(torch.float16)

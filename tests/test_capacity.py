@@ -335,8 +335,8 @@ def narrow_lm(vocab_size: int):
 
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_a_codec_that_cannot_code_the_models_activations_is_refused_with_one_line(tmp_path, capsys, dry_run):
-    """Before, `--fw tahq` on a model 48 channels wide ended the plan (and the launch) with a CodecError's
-    traceback, exit 1."""
+    """`--fw tahq` on a model 48 channels wide (TAH-Quant's tiles need more) stops the plan and the launch with one
+    line, exit 2, not a CodecError's traceback."""
     flags = ["--model", "tests.test_capacity:narrow_lm", "--pp", "2", "--fw", "tahq", "--steps", "1",
              "--seq-len", "16", "--max-samples", "16", "--out", str(tmp_path / "run")]
     assert main(["launch", *flags, *(["--dry-run"] if dry_run else [])]) == 2

@@ -286,9 +286,9 @@ def _copy_with_host_1s_part_gone(rank: int, world: int, root: str):
 
 
 def test_a_part_its_rank_cannot_read_ends_the_exchange_on_every_rank_at_once(tmp_path):
-    """Before, the rank raised before the copies' first collective and the others' collectives met its next one (a
-    hang or garbage); now it takes part with nothing to send and fails, its holder keeps nothing of it and fails, and
-    the third host keeps the copy it received."""
+    """The rank takes part in the copies' collectives with nothing to send and fails, its holder keeps nothing of
+    it and fails, and the third host keeps the copy it received (a rank that raised before the first collective would
+    leave the others' collectives to meet its next one: a hang or garbage)."""
     results = run_ranks(_copy_with_host_1s_part_gone, 3, str(tmp_path))
     assert all(status == "ok" for status, _ in results), results
     seconds, problems = zip(*(value for _, value in results))
@@ -331,8 +331,9 @@ def _copy_twice_host_1_unable_to_listen_at_first(rank: int, world: int, root: st
 
 
 def test_a_host_that_cannot_listen_for_its_copy_fails_the_copy_on_every_rank_and_the_next_one_goes_through(tmp_path):
-    """Before, host 1 raised before the others' gather of the streams' endpoints, and its next collective (the
-    verdicts) met that gather: every collective after was off by one."""
+    """Host 1 takes part in the gather of the streams' endpoints with nothing to offer, so every collective after it
+    (the verdicts, the next checkpoint's copies) meets its own (one that raised before the gather would leave every
+    later collective off by one)."""
     results = run_ranks(_copy_twice_host_1_unable_to_listen_at_first, 3, str(tmp_path))
     assert all(status == "ok" for status, _ in results), results
     for rank, (_, (outcomes, names)) in enumerate(results):

@@ -227,7 +227,7 @@ def test_one_tensor_larger_than_a_piece_is_written_and_reported_piece_by_piece(t
 def test_the_launcher_checks_the_ranks_files_side_by_side(tmp_path, monkeypatch):
     """Before a resume the launcher hashes every rank's file of the checkpoint (gigabytes each with an in-memory m(ξ)
     store): one after the other, that was the sum of their times on one core. Each file is hashed on a thread of its
-    own now (hashing and reading let the others run); a damaged one is still named, the lowest rank's first."""
+    own (hashing and reading let the others run); a damaged one is named, the lowest rank's first."""
     import threading
 
     _save(tmp_path, 3, world=4)

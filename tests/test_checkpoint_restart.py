@@ -108,7 +108,7 @@ def test_a_newest_checkpoint_a_rank_no_longer_holds_is_never_trained_over(tmp_pa
 def test_a_restart_past_a_lost_checkpoint_that_had_no_copies_says_what_is_trained_again(tmp_path):
     """Step 4's parts were copied to the other host (REPLICATED); step 8 came while copies travelled, so it was kept
     without copies (COPYING alone), and host 1 has since lost its part of it: the restart continues after step 4 and
-    says that steps 5–8 are trained again. Before, it said only "continues after step 4"."""
+    says that steps 5–8 are trained again, not only "continues after step 4"."""
     hosts = [tmp_path / "host-0", tmp_path / "host-1"]
     for host, rank in zip(hosts, (0, 1)):
         _save(host, 4, ranks=(0, 1))  # (its own part and the copy of the other's)

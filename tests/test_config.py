@@ -76,7 +76,7 @@ def test_the_documented_reference_is_generated_from_the_definition():
 
 @pytest.mark.parametrize("bounds", [[0, "x"], [0, 2.5], "0,2", [0, True]])
 def test_a_config_files_stage_bounds_that_are_not_integers_exit_2_with_one_line(tmp_path, capsys, bounds):
-    """Before, `[0, "x"]` in a config file ended the launch with a ValueError's traceback (exit 1)."""
+    """`[0, "x"]` in a config file stops the launch with one line, exit 2, not a ValueError's traceback."""
     from aqpipe.cli import main
 
     config = tmp_path / "run.json"

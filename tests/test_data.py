@@ -183,8 +183,8 @@ def test_cut_short_samples_are_the_first_samples_of_the_whole_text(tmp_path):
 
 
 def test_preparing_a_large_corpus_keeps_memory_bounded(tmp_path):
-    """20 MB of text took 2-3 GB while it was tokenized in one piece (200 MB: 12 GB); now memory stays a small
-    multiple of the text."""
+    """Memory stays a small multiple of the text (tokenized in one piece, 20 MB of text would take 2-3 GB, 200 MB
+    12 GB)."""
     import subprocess
     import sys
 

@@ -109,8 +109,8 @@ def assert_as_on_one_machine(local, args: tuple[str, ...], done: list[dict], exp
 @pytest.mark.parametrize("store", ["memory", "lmdb"])
 def test_a_rank_killed_under_torchruns_restarts_continues_the_run_as_if_nothing_failed(tmp_path, store):
     """3 hosts x 1 rank, AQ-SGD links, private disks, torchrun --max-restarts 3 (c10d): host 1's rank is SIGKILLed
-    after the first checkpoint and its torchrun lives on. Before, the restarted ranks trained from step 1 over the
-    run's own checkpoints (or hung dialling the dead ranks' addresses); now the run finishes with no further command,
+    after the first checkpoint and its torchrun lives on. The restarted ranks continue the run (neither training
+    from step 1 over its own checkpoints nor dialling the dead ranks' addresses): it finishes with no further command,
     every step recorded once, and its losses and export equal those of one machine's uninterrupted run bit for bit: a
     resume is exact, m(ξ), the optimizer and the RNG come back as they were. With m(ξ) in memory it is saved with each
     checkpoint; on disk (LMDB) it outlives the crash holding values written after the checkpoint, and each host's

@@ -182,9 +182,9 @@ def test_max_restarts_restarts_every_rank_from_the_newest_checkpoint(tmp_path):
 
 def test_a_restart_rewinds_the_on_disk_stores_and_trains_as_if_nothing_failed(tmp_path):
     """m(ξ) on disk (LMDB) outlives a rank killed steps after a checkpoint in the second epoch, holding values written
-    since (over the first epoch's) on both sides of its links. --max-restarts rewinds every rank's store to the checkpoint, so the run records the losses
-    and exports the weights of a run that never failed, bit for bit. (Before, the stores kept the newer values: the
-    retrained steps sent deltas against them and the losses drifted.)"""
+    since (over the first epoch's) on both sides of its links. --max-restarts rewinds every rank's store to the
+    checkpoint, so the run records the losses and exports the weights of a run that never failed, bit for bit (stores
+    keeping the newer values would have the retrained steps send deltas against them, and the losses drift)."""
     from safetensors.torch import load_file
 
     common = ["--steps", "24", "--seq-len", "16", "--max-samples", "32", "--micro-batch-size", "2", "--micro-batches",

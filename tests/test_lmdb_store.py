@@ -293,9 +293,9 @@ def test_a_rewind_reaches_back_over_several_checkpoints_and_not_past_a_dropped_j
 
 def test_a_journal_dropped_between_two_kept_ones_still_lets_the_older_one_rewind_exactly(tmp_path):
     """Checkpoints 4, 8 and 12, of which 8 leaves the disk while 4 stays (the newest copied one across hosts): the
-    values first changed after 8 are kept in 8's journal alone, and a rewind to 4 must still put them back. Before,
-    dropping 8's journal lost them, and a rewind to 4 left those values as they were at 8, on both sides of a link
-    alike (so no comparison of the copies could tell)."""
+    values first changed after 8 are kept in 8's journal alone, and a rewind to 4 must still put them back. Lost
+    with 8's journal, a rewind to 4 would leave those values as they were at 8, on both sides of a link alike (so no
+    comparison of the copies could tell)."""
     store = LMDBStore(tmp_path / "s", "fp32")
     store.put(0, "send", [1, 2, 3], [torch.full((2, 2), float(i)) for i in (1, 2, 3)])
     store.checkpointed(4, kept={4})

@@ -326,8 +326,8 @@ def _store() -> dist.TCPStore:
 @pytest.mark.parametrize("max_restarts", ["0", "3"])
 def test_each_start_of_a_torchrun_job_keys_its_entries_apart(monkeypatch, max_restarts):
     """torchrun keeps one store for every start of a job: the static rendezvous its agents' (where their role records
-    lie), and under c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. A restart's ranks read the dead start's gloo
-    addresses there and hung; now the static one's keys are the start's, and c10d's shared store is refused where a
+    lie), and under c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. A restart's ranks would read the dead start's
+    gloo addresses there and hang: the static one's keys are the start's, and c10d's shared store is refused where a
     restart may come."""
     from aqpipe.pipeline.links.rendezvous import RendezvousConflict, elastic_attempt
 

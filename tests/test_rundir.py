@@ -51,8 +51,8 @@ def test_a_launch_into_another_runs_directory_is_refused_and_changes_nothing(tmp
 
 
 def test_the_same_command_typed_again_continues_the_run_from_its_newest_checkpoint(tmp_path):
-    """Before, a launch into a directory holding the same run was refused; under torchrun it trained over it from
-    step 1. Now it continues, as --resume does: every step recorded once, the checkpoints before it kept."""
+    """A launch into a directory holding the same run continues it, as --resume does (under torchrun too, not from
+    step 1 over it): every step recorded once, the checkpoints before it kept."""
     run = tmp_path / "run"
     first = launch(*QUICK, "--steps", "4", "--checkpoint-every", "2", "--out", str(run))
     assert first.returncode == 0, first.stderr[-2000:]
@@ -70,7 +70,7 @@ def test_the_same_command_typed_again_continues_the_run_from_its_newest_checkpoi
 def test_a_run_whose_log_was_lost_gets_it_back_from_rank_0s_checkpoint_part(tmp_path):
     """Rank 0's host lost metrics.jsonl and restarts.jsonl (a new machine in its place holds only the checkpoint
     part fetched from a copy): the run continues with every step recorded once and every restart counted, from the
-    log rank 0's part carries. Before, the log restarted at the checkpoint: steps 7–8 alone, one restart."""
+    log rank 0's part carries. (Not a log restarted at the checkpoint: steps 7–8 alone, one restart.)"""
     run = tmp_path / "run"
     for steps in (4, 6):
         done = launch(*QUICK, "--steps", str(steps), "--checkpoint-every", "2", "--out", str(run))
@@ -88,7 +88,7 @@ def test_a_part_without_its_m_xi_resumes_and_the_samples_are_re_seeded_on_both_s
     """An in-memory m(ξ) is kept in a file of its own that no copy carries: a rank whose part came from a copy (here:
     its store file gone) resumes with an empty store, and the samples are re-seeded on both sides of its links —
     counted, and with both copies identical again (every AQ-SGD message is checked against m(ξ)'s checksum; a
-    mismatch would stop the run). Before, such a part was refused ("has no m(xi) store")."""
+    mismatch would stop the run); such a part is not refused for having no m(xi) store."""
     run = tmp_path / "run"
     args = (*QUICK, "--pp", "3", "--fw", "aqsgd:4", "--warmup-epochs", "0", "--checkpoint-every", "2", "--out", str(run))
     first = launch(*args, "--steps", "4")
@@ -139,8 +139,8 @@ def test_the_same_command_over_its_run_without_a_checkpoint_starts_it_again_keep
 
 def test_a_directory_holding_run_files_but_no_config_json_is_refused_and_changes_nothing(tmp_path):
     """An export and a metrics log with no config.json beside them (which a launcher writes before any rank starts):
-    not known to be this run's, so a launch into them is refused in one line and they stay. Before, they were taken
-    for this run stopped before its first checkpoint, deleted, and the run trained there."""
+    not known to be this run's, so a launch into them is refused in one line and they stay. They are not taken for
+    this run stopped before its first checkpoint, deleted, and trained over."""
     run = tmp_path / "run"
     (run / "export").mkdir(parents=True)
     (run / "export" / "model.safetensors").write_bytes(b"someone's weights")
