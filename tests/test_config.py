@@ -4,6 +4,7 @@ from it."""
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,21 @@ def test_the_resolved_configuration_hands_out_parsed_codec_specs_that_nothing_pa
     assert recommend(LinkNeeds(0, (2, 4, 16), "float32", 0, 0, 0, 0, 0), cfg, 1e12, 0.05)[:2] == (8, False)
 
 
+def count_parses(monkeypatch, name: str, module, *readers) -> Counter:
+    """Every call of `module.<name>` counted by its arguments, wherever it is called from (`readers`: the modules that
+    imported the name); the live count."""
+    calls: Counter = Counter()
+    parse = getattr(module, name)
+
+    def counted(*args):
+        calls[args] += 1
+        return parse(*args)
+
+    for where in (module, *readers):
+        monkeypatch.setattr(where, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize("given, parsed", [(None, ("rows:delta:4", True, "float32", 4)),
                                            ("rows:bf16", ("rows:bf16", True, "bfloat16", 0)),
                                            ("dense", ("dense", False, "float32", 0))])
@@ -160,29 +176,17 @@ def test_resolving_parses_the_tied_exchange_and_the_bandwidth_once(monkeypatch, 
     """--tied-exchange (given, or its default beside compressing links) and --bandwidth are parsed once, by `resolve`,
     and handed out parsed: what the rank, the capacity plan and the launcher read parses nothing again."""
     import importlib
-    from collections import Counter
 
     from aqpipe.config import checks, rates, resolve
     from aqpipe.pipeline.vocab import tied_exchanges
 
-    settings_module = importlib.import_module("aqpipe.config.settings")
-    calls: Counter = Counter()
-
-    def counted(name, parse):
-        def wrapper(*args):
-            calls[(name, *args)] += 1
-            return parse(*args)
-        return wrapper
-
-    parse_exchange, parse_rate = counted("exchange", tied_exchanges.parse_exchange), counted("rate", rates.parse_rate)
-    for module in (tied_exchanges, settings_module, checks):
-        monkeypatch.setattr(module, "parse_exchange", parse_exchange)
-    for module in (rates, settings_module, checks):
-        monkeypatch.setattr(module, "parse_rate", parse_rate)
+    settings_module = importlib.import_module("aqpipe.config.settings")  # (`aqpipe.config.settings` names a function)
+    exchanges = count_parses(monkeypatch, "parse_exchange", tied_exchanges, settings_module, checks)
+    rate_parses = count_parses(monkeypatch, "parse_rate", rates, settings_module, checks)
     cfg = resolve(RunConfig(tied_exchange=given, bandwidth="100mbit"))
     for _ in range(2):
         assert cfg.tied_spec == tied_exchanges.TiedExchange(*parsed) and cfg.bandwidth_bits == 100_000_000
-    assert calls == {("exchange", parsed[0]): 1, ("rate", "100mbit"): 1}, calls
+    assert (exchanges, rate_parses) == ({(parsed[0],): 1}, {("100mbit",): 1}), (exchanges, rate_parses)
     assert resolve(RunConfig()).bandwidth_bits is None
 
 
@@ -200,36 +204,22 @@ def test_resolving_parses_each_codec_and_grad_sync_setting_once(monkeypatch, fw,
     --eval-codec and --grad-sync to check them, and the resolved configuration hands out those parsed values: reading
     them parses nothing again (nor does a copy of it, beyond its own strings once)."""
     import importlib
-    from collections import Counter
 
     from aqpipe.compress.grad import methods
     from aqpipe.compress.link import specs
     from aqpipe.config import resolve
 
     settings_module = importlib.import_module("aqpipe.config.settings")  # (`aqpipe.config.settings` names a function)
-
-    calls: Counter = Counter()
-
-    def counted(name, parse):
-        def wrapper(*args):
-            calls[(name, *args)] += 1
-            return parse(*args)
-        return wrapper
-
-    parse_spec, parse_grad_spec = counted("spec", specs.parse_spec), counted("grad", methods.parse_grad_spec)
-    for module in (specs, settings_module):
-        monkeypatch.setattr(module, "parse_spec", parse_spec)
-    for module in (methods, settings_module):
-        monkeypatch.setattr(module, "parse_grad_spec", parse_grad_spec)
+    spec_parses = count_parses(monkeypatch, "parse_spec", specs, settings_module)
+    grad_parses = count_parses(monkeypatch, "parse_grad_spec", methods, settings_module)
     cfg = resolve(RunConfig(fw=fw, bw="directq:6", first_sight=first_sight, eval_codec="rtq:8", grad_sync="powersgd:2"))
     handed_out = (cfg.fw_spec, cfg.bw_spec, cfg.first_sight_spec, cfg.eval_spec, cfg.grad_spec, cfg.keeps_messages)
     assert [str(spec) for spec in handed_out[:4]] == [fw, "directq:6", first, "rtq:8"]
     assert handed_out[4] == methods.GradSpec("powersgd", (2,)) and handed_out[5] == fw.startswith("aqsgd")
-    once = {("spec", fw, "fw"): 1, ("spec", "directq:6", "bw"): 1, ("spec", first, "fw"): 1, ("spec", "rtq:8", "fw"): 1,
-            ("grad", "powersgd:2"): 1}
-    assert calls == once, calls
+    once = {(fw, "fw"): 1, ("directq:6", "bw"): 1, (first, "fw"): 1, ("rtq:8", "fw"): 1}
+    assert (spec_parses, grad_parses) == (once, {("powersgd:2",): 1}), (spec_parses, grad_parses)
     import dataclasses
 
     copy = dataclasses.replace(cfg, bw="rtq:4")  # (a copy with another string parses its own, once)
     assert (str(copy.bw_spec), str(copy.bw_spec), copy.fw_spec) == ("rtq:4", "rtq:4", cfg.fw_spec)
-    assert calls == {**once, ("spec", fw, "fw"): 2, ("spec", "rtq:4", "bw"): 1}, calls
+    assert spec_parses == {**once, (fw, "fw"): 2, ("rtq:4", "bw"): 1}, spec_parses
