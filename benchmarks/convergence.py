@@ -136,10 +136,8 @@ def main() -> None:
                          "aqsgd_by_epoch": aqsgd_by_epoch(records)}
         print(f"{name:16s} final train loss {summary['final_loss']:.4f}  test loss {results[name]['test_loss']:.4f}",
               flush=True)
-    settings = recorded(vars(args))
-
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "settings": settings, "results": results},
-                                                   indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "settings": recorded(vars(args)),
+                                                    "results": results}, indent=2) + "\n")
     base = results["fp32"]["final_loss"]
     lines = ["| variant | fw | bw | grad sync | final train loss | gap to fp32 | test loss | fwd MB | bwd MB |",
              "|---|---|---|---|---|---|---|---|---|"]

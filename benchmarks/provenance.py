@@ -17,25 +17,17 @@ def commit() -> str:
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
-def shown_path(value) -> str:
-    """A setting as a results file records it: a path inside the checkout (a `Path`, or text naming one absolutely)
-    relative to it (the checkout's own place on a machine is not part of the measurement), anything else as text."""
-    if isinstance(value, str) and value.startswith("/"):
-        value = Path(value)
-    if isinstance(value, Path) and value.resolve().is_relative_to(ROOT):
-        return str(value.resolve().relative_to(ROOT))
-    return str(value)
-
-
 def recorded(value):
     """`value` (settings, summaries: dicts, lists, numbers, text, paths) as a results file records it: every path
-    inside the checkout relative to it (`shown_path`), other paths as text, the rest as it is."""
+    inside the checkout (a `Path`, or text naming one absolutely) relative to it, since the checkout's own place on a
+    machine is not part of the measurement; other paths as text, the rest as it is."""
     if isinstance(value, dict):
         return {key: recorded(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [recorded(item) for item in value]
     if isinstance(value, Path) or (isinstance(value, str) and value.startswith("/")):
-        return shown_path(value)
+        path = Path(value).resolve()
+        return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(value)
     return value
 
 

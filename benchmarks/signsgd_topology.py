@@ -139,8 +139,8 @@ def main() -> None:
                       f"{measured['bytes'][0] / 1e6:.2f} MB sent per replica", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "settings": recorded(vars(args)), "results": recorded(results)},
-                                                   indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "settings": recorded(vars(args)),
+                                                    "results": recorded(results)}, indent=2) + "\n")
     lines = [f"{args.numel / 1e6:.0f}M-value gradient; ranks' links {args.fast}, the link between the two halves "
              f"{args.slow}; median over {args.rounds} rounds × {args.steps} syncs.", "",
              "| dp | ring s/sync | all-to-all s/sync | ring speed-up | ring MB/replica | all-to-all MB/replica |",

@@ -71,6 +71,21 @@ def run_ranks(fn, world: int, *args):
         return [pickle.loads(f.read_bytes()) if f.exists() else None for f in files]
 
 
+def run_forked(target, args_per_process: list[tuple], timeout: float) -> None:
+    """Call target(*args) in a process of its own for each args of `args_per_process`, each forked from the warm
+    server `run_ranks` uses (no process group made for them), and wait for all; fails naming those still running
+    after `timeout` seconds (killed)."""
+    procs = [_CONTEXT.Process(target=target, args=args) for args in args_per_process]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout)
+    hung = [proc.pid for proc in procs if proc.is_alive()]
+    for proc in procs:
+        proc.kill()
+    assert not hung, f"processes {hung} still running after {timeout} s"
+
+
 def record_unbatched_point_to_point() -> list[str]:
     """From now on in this process, note every send/recv/isend/irecv made outside `dist.batch_isend_irecv`; returns
     the (live) list of their names. NCCL deadlocks on such unpaired calls where gloo does not, so a gloo test can

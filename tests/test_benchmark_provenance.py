@@ -4,7 +4,7 @@ it, so that a results file says what was measured, not where the checkout happen
 import re
 from pathlib import Path
 
-from benchmarks.provenance import ROOT, recorded, shown_path
+from benchmarks.provenance import ROOT, recorded
 
 RESULTS = ROOT / "benchmarks" / "results"
 # An absolute path into some checkout's benchmark folders (this one's, or one a results file was made in elsewhere)
@@ -13,10 +13,10 @@ CHECKOUT_PATH = re.compile(r"(?<![\w.~-])/[^\s\"'`]*?/benchmarks/(results|data)/
 
 def test_a_path_inside_the_checkout_is_recorded_relative_to_it():
     corpus = ROOT / "benchmarks" / "data" / "wikitext-2"
-    assert shown_path(corpus) == shown_path(str(corpus)) == "benchmarks/data/wikitext-2"
-    assert shown_path(Path("/srv/corpus.txt")) == "/srv/corpus.txt"  # outside the checkout: as given
-    assert shown_path("fp32,aqsgd fw3 bw6") == "fp32,aqsgd fw3 bw6"  # text is text, wherever the script runs
-    assert shown_path(64) == "64"
+    assert recorded(corpus) == recorded(str(corpus)) == "benchmarks/data/wikitext-2"
+    assert recorded(Path("/srv/corpus.txt")) == "/srv/corpus.txt"  # outside the checkout: as given
+    assert recorded("fp32,aqsgd fw3 bw6") == "fp32,aqsgd fw3 bw6"  # text is text, wherever the script runs
+    assert recorded(64) == 64
 
 
 def test_settings_and_summaries_are_recorded_with_their_paths_relative_and_the_rest_as_it_is():

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from aqpipe.launch.local import reserved_port
 from aqpipe.pipeline.links.rendezvous import HostDisagreement, agree, interface_of, pin_socket_interface
-from tests.distributed import _CONTEXT
+from tests.distributed import run_forked
 
 FACTS = {"device": "cuda", "backend": "nccl", "world": [2, 1, 2], "config": {"lr": 0.001, "pp": 2}}
 
@@ -282,16 +282,7 @@ def _late_rank(pp: int, dp: int, phase: str, *groups: str) -> list[str]:
     """What rank 0 saw, one line per group, after rank 1 came late to each (`_late_rank_main`)."""
     with tempfile.TemporaryDirectory(prefix="aqpipe-late-") as folder, reserved_port() as port:
         out = Path(folder) / "rank-0.txt"
-        procs = [_CONTEXT.Process(target=_late_rank_main, args=(rank, port, pp, dp, phase, groups, str(out)))
-                 for rank in (0, 1)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(120)
-        hung = [proc.pid for proc in procs if proc.is_alive()]
-        for proc in procs:
-            proc.kill()
-        assert not hung, f"ranks {hung} still running after 120 s"
+        run_forked(_late_rank_main, [(rank, port, pp, dp, phase, groups, str(out)) for rank in (0, 1)], 120)
         return out.read_text().splitlines() if out.exists() else []
 
 

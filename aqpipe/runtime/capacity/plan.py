@@ -103,13 +103,17 @@ class CapacityPlan:
     cfg: ResolvedConfig
     stages: list[StageNeeds]
     links: list[LinkNeeds]
-    bandwidth_bits: int | None = None
     tied: TiedNeeds | None = None  # a tied table split over stages (None: none, or its copies share one stage)
     available: dict[str, int] = field(default_factory=dict)  # "RAM", "disk", "cuda:0", … -> free bytes
     problems: list[str] = field(default_factory=list)
     steps: int = 0  # the run's optimizer steps, and its epochs' length
     steps_per_epoch: int = 1
     evaluation: EvalNeeds | None = None  # the held-out passes' link bytes (None: the run never evaluates)
+
+    @property
+    def bandwidth_bits(self) -> int | None:
+        """The rate every link runs at, --bandwidth (None: unshaped)."""
+        return self.cfg.bandwidth_bits
 
     def run_link_bytes(self) -> tuple[int, int]:
         """Payload bytes over the whole run on every link of one replica: (sent, what lossless links would send —
@@ -220,8 +224,7 @@ def _plan_capacity(plan: RunPlan) -> CapacityPlan:
             int(sum(sides) * headroom), store_where(cfg), stage_graph_bytes(cfg, s, link_shapes),
             int(4 * kept * held), int(4 * peak * held), sync_where, shapes,
             sync_step_bytes(cfg.grad_spec, cfg.dp, shapes, freeze_step(plan.total_steps, cfg.warmup_steps))))
-    capacity = CapacityPlan(cfg, stages, links, cfg.bandwidth_bits,
-                            tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
+    capacity = CapacityPlan(cfg, stages, links, tied_needs(plan), steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
                             evaluation=eval_needs(plan, [(link.activation_shape, link.activation_dtype)
                                                          for link in links], options, rows))
     check_fits(capacity)
