@@ -96,6 +96,45 @@ def test_the_copies_run_in_a_process_of_their_own_at_the_lowest_priority_that_en
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
+def _waited_copy(rank: int, world: int, root: str):
+    """Parts of 3 and 6 MB, paced at the least rate (256 KiB/s: no link was measured; 23 s for the larger), whose
+    rank waits for them as soon as they start, as it does at the end of a run: the seconds from the start of the copy
+    to the end of the wait, and why the copy failed ("" where it did not)."""
+    import time
+
+    from aqpipe.pipeline.world.grid import Grid
+    from aqpipe.runtime.checkpoints.copier import CheckpointCopier
+
+    out = Path(root) / f"host-{rank}"
+    ck.save_rank(out, 4, rank, {"model": {"w": torch.randn(750_000 * (rank + 1))}}, SETTINGS)
+    ck.mark_complete(out, 4, world, SETTINGS)
+    copier = CheckpointCopier(out, Grid(world, 1, rank), [f"host-{r}" for r in range(world)], 1,
+                              datetime.timedelta(seconds=60), 0.05)
+    start = time.monotonic()
+    copier.start(4, leader=True)
+    copier.wait()
+    took = time.monotonic() - start
+    copier.close()
+    return took, copier.problem
+
+
+def test_copies_the_run_waits_for_go_at_the_links_whole_rate(tmp_path):
+    """Once training waits for the copies in flight (the run's last checkpoint, its end) nothing else shares the link,
+    and a pace would only make the wait longer: the copies go unpaced from then on, and the wait takes less than half
+    the larger part's paced time. (A run across three hosts ended 25 s after its last step while two checkpoints'
+    copies crossed at a twentieth of the link.)"""
+    from aqpipe.runtime.checkpoints.copies import MIN_RATE
+
+    results = run_ranks(_waited_copy, 2, str(tmp_path))
+    for status, value in results:
+        assert status == "ok", value
+        took, problem = value
+        assert problem == "" and took < 0.5 * 6_000_000 / MIN_RATE, value
+    for host in range(2):
+        assert (ck.step_dir(tmp_path / f"host-{host}", 4) / "REPLICATED").is_file()
+        ck.check_rank(tmp_path / f"host-{host}", 4, 1 - host, SETTINGS)
+
+
 def _policies(pid: int) -> set[int]:
     policies = set()
     for tid in os.listdir(f"/proc/{pid}/task"):

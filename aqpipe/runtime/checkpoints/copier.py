@@ -10,8 +10,10 @@ rendezvous store, form a gloo group of their own and copy every rank's part of e
 when their ranks ask. Why a process, not a thread of the rank: a thread that reads, hashes and writes pieces takes
 Python's lock many times a second, and the step's own Python waits for it each time (at 2 MB/s such a thread made
 SmolLM2's steps 12% slower on a host whose cores were all busy); a process of its own shares no lock with the step.
-The rank tells its process which step to copy and at what pace (one JSON line on its stdin); the process reports the
-bytes it sent and each step's end (JSON lines on its stdout), and dies with its rank. A rank under torchrun forks
+The rank tells its process which step to copy and at what pace (one JSON line on its stdin), and that training waits
+for the copies (the run's last checkpoint, its end: from then on they go unpaced, since a pace would only make the
+wait longer); the process reports the bytes it sent and each step's end (JSON lines on its stdout), and dies with
+its rank. A rank under torchrun forks
 its process from itself before it meets the others, while it holds no thread (`preforked.prefork`): the process then starts
 with torch imported, instead of importing it again in an interpreter of its own (3 s of a core on a 2-core machine,
 and a quarter GB of memory, for every rank of every start); where a fork would not be sound, it is started afresh.
@@ -21,11 +23,14 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import select
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,6 +49,7 @@ NICE = 19  # the copies' process's nice value: on a host whose cores are all bus
 # past that its process runs at its rank's priority until the copy ends
 STARVED_SECONDS = 5.0
 REPORT_SECONDS = 0.5  # the copies' process tells its rank the bytes it sent at most this often
+UNPACE = {"unpace": True}  # the line that tells the copies' process that training waits for its copies
 
 
 class CheckpointCopier:
@@ -67,6 +73,7 @@ class CheckpointCopier:
         self._pending = False  # a step asked of the process, its end not yet read
         self._asked = self._starved_after = 0.0  # when the copy in flight was asked for; when it counts as starved
         self._hurried = False  # the copies' process runs at this rank's priority (a starved copy, or one waited for)
+        self._unpaced = False  # the copies' process was told that training waits for its copies
         self.can_hurry = True  # (until Linux refuses it)
         self._unread = b""
         self.problem = ""  # why the last step's copies failed ("" where they were kept everywhere)
@@ -136,9 +143,11 @@ class CheckpointCopier:
         return self._pending
 
     def wait(self) -> None:
-        """Until the copies in flight are done (at this rank's priority: training waits for them)."""
+        """Until the copies in flight are done (at this rank's priority and unpaced from now on: training waits for
+        them)."""
         if self._pending:
             self._hurry()
+            self._unpace()
         while self._pending:
             self._read(block=True)
 
@@ -146,6 +155,19 @@ class CheckpointCopier:
         """The copy in flight takes `seconds` at its pace: it counts as starved after twice that (at least
         STARVED_SECONDS) from when it was asked for."""
         self._starved_after = self._asked + max(STARVED_SECONDS, 2 * seconds)
+
+    def _unpace(self) -> None:
+        """Tell the copies' process to send at the link's whole rate from now on: training waits for the copies, so
+        nothing else shares the link and a pace would only make the wait longer."""
+        if self._process is None or self._unpaced:
+            return
+        try:
+            assert self._process.stdin is not None
+            self._process.stdin.write(json.dumps(UNPACE).encode() + b"\n")
+            self._process.stdin.flush()
+            self._unpaced = True
+        except OSError:  # (it died: its exit was told on stderr)
+            pass
 
     def _hurry_if_starved(self) -> None:
         """Take the copies' process out of SCHED_IDLE once the copy in flight has outlasted its share of idle time."""
@@ -242,8 +264,8 @@ def run_copies(where: dict, orders, reports) -> None:
     store = dist.TCPStore(address, int(os.environ["MASTER_PORT"]), None, False, timeout)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"aqpipe/copies/{where['name']}", store), rank=rank,
                             world_size=len(plan), timeout=timeout)
-    for line in orders:
-        order = json.loads(line)
+    unpaced = threading.Event()
+    for order in _orders(orders, unpaced):
         step, unsent, told = order["step"], 0, time.monotonic()
 
         def sent(nbytes: int) -> None:
@@ -256,7 +278,8 @@ def run_copies(where: dict, orders, reports) -> None:
         problem = ""
         try:
             copy_step(Path(where["out"]), step, rank, plan, None, order["rate"], sent,
-                      planned=lambda seconds: _report(reports, {"expect": seconds}), timeout=timeout.total_seconds())
+                      planned=lambda seconds: _report(reports, {"expect": seconds}), timeout=timeout.total_seconds(),
+                      unpaced=unpaced)
         except Exception as e:  # noqa: BLE001 - told to every rank below
             problem = f"rank {rank}: {type(e).__name__}: {e}"
         verdicts: list = [None] * len(plan)
@@ -268,6 +291,25 @@ def run_copies(where: dict, orders, reports) -> None:
         elif not failed and order["leader"]:
             write_atomic(step_dir(where["out"], step) / REPLICATED, b"", durable=True)
         _report(reports, {"sent": unsent, "done": step, "problem": failed[0] if failed else ""})
+
+
+def _orders(lines, unpaced: threading.Event) -> Iterator[dict]:
+    """The copy orders among `lines` (JSON), read by a thread of their own so that the rank's UNPACE sets `unpaced`
+    while a copy travels; ends with `lines`."""
+    orders: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in lines:
+            message = json.loads(line)
+            if message == UNPACE:
+                unpaced.set()
+            else:
+                orders.put(message)
+        orders.put(None)
+
+    threading.Thread(target=read, name="aqpipe-copy-orders", daemon=True).start()
+    while (order := orders.get()) is not None:
+        yield order
 
 
 def set_priority(pid: int, idle: bool) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -40,6 +41,7 @@ COPYING = "COPYING"  # a step directory's marker: copies of its parts are kept (
 REPLICATED = "REPLICATED"  # a step directory's marker: every part of the step is on its host and on its copies' hosts
 CHUNK_BYTES = 1 << 20  # a copy is read, sent and written in pieces of at most this size (a fetch, unpaced, in these)
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # (Linux's number, where Python does not name it)
+UNLIMITED_PACING = 2**32 - 1  # SO_MAX_PACING_RATE's value for no limit (~0U)
 RECEIVE_LOW_WATER = 256 << 10  # a copy's receiver is woken once this much has arrived (see `_receive`)
 # Where the kernel cannot pace a stream, its sender sends pieces of what its pace sends in this long, so that one
 # crosses the link at its full rate in the share's part of that (1/400 s at 0.05) and a step's messages queued behind
@@ -73,12 +75,12 @@ def default_copies(hosts: list[str], asked: int | None) -> int:
 
 def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group, rate: float | None,
               sent: Callable[[int], None] | None = None, planned: Callable[[float], None] | None = None,
-              timeout: float = STREAM_TIMEOUT) -> int:
+              timeout: float = STREAM_TIMEOUT, unpaced: threading.Event | None = None) -> int:
     """Send this rank's part of `step` to its copies' ranks and keep what the others send here, every copy at once on
-    a TCP stream of its own (this rank's streams together paced to `rate` bytes/s); returns the bytes this rank sent,
-    told to `sent` as they go (from several threads, one at a time; by default counted as checkpoint traffic), and
-    tells `planned` the seconds the copy takes at that pace once the parts' sizes are known. A stream that waits
-    `timeout` seconds for its peer fails the copy. Every rank of `group` calls it."""
+    a TCP stream of its own (this rank's streams together paced to `rate` bytes/s, unpaced once `unpaced` is set);
+    returns the bytes this rank sent, told to `sent` as they go (from several threads, one at a time; by default
+    counted as checkpoint traffic), and tells `planned` the seconds the copy takes at that pace once the parts' sizes
+    are known. A stream that waits `timeout` seconds for its peer fails the copy. Every rank of `group` calls it."""
     sent = sent or (lambda nbytes: comm.TRAFFIC.add(comm.CHECKPOINT, nbytes))
     # A rank whose own disk fails it (its part unreadable, a copy it cannot write) still sends what it announced or
     # closes its streams early, and reads every byte sent to it, so that no other rank waits for one that never comes;
@@ -111,7 +113,7 @@ def copy_step(out: Path, step: int, rank: int, plan: dict[int, list[int]], group
         counted = _Counter(sent)
         share = rate / len(plan[rank]) if rate and plan[rank] else None
         workers = [threading.Thread(target=_send, args=(streams[_stream_name(step, rank, holder)], own, own_size,
-                                                        share, counted, problems, timeout))
+                                                        share, counted, problems, timeout, unpaced or threading.Event()))
                    for holder in plan[rank]]
         workers += [threading.Thread(target=_receive, args=(streams[_stream_name(step, src, rank)], src, landing[src],
                                                             sizes[src][0], problems, timeout))
@@ -151,10 +153,10 @@ class _Counter:
 
 
 def _send(stream: socket.socket, part: Path, size: int, rate: float | None, counted: _Counter, problems: list[str],
-          timeout: float) -> None:
+          timeout: float, unpaced: threading.Event) -> None:
     """Send `size` bytes of `part` on `stream` at `rate` bytes/s, paced by the kernel packet by packet where it can be
-    (Linux's SO_MAX_PACING_RATE) and, a piece at a time, by this thread; the stream closed early if the part cannot
-    be read."""
+    (Linux's SO_MAX_PACING_RATE) and, a piece at a time, by this thread, until `unpaced` is set (then at the link's
+    whole rate); the stream closed early if the part cannot be read."""
     try:
         if not size:  # (nothing to send: the stream closes at once)
             return
@@ -165,14 +167,18 @@ def _send(stream: socket.socket, part: Path, size: int, rate: float | None, coun
         with open(part, "rb") as file:
             done, start = 0, time.monotonic()
             while done < size:
+                if rate and unpaced.is_set():
+                    rate, piece = None, CHUNK_BYTES
+                    if kernel_paced:
+                        pace(stream, UNLIMITED_PACING)
                 count = stream.sendfile(file, offset=done, count=min(piece, size - done))
                 if count == 0:
                     problems.append(f"reading its part: it ended {size - done} bytes early")
                     return
                 done += count
                 counted.add(count)
-                if rate:  # (ahead of the pace: wait until the bytes sent so far fit it)
-                    time.sleep(max(0.0, done / rate - (time.monotonic() - start)))
+                if rate:  # (ahead of the pace: wait until the bytes sent so far fit it, or the pace is lifted)
+                    unpaced.wait(max(0.0, done / rate - (time.monotonic() - start)))
     except Exception as e:  # noqa: BLE001 - the copy fails with it, on every rank
         problems.append(f"sending its part: {e}")
     finally:
@@ -208,12 +214,13 @@ def _receive(stream: socket.socket, src: int, landing: Landing | None, size: int
 
 
 def pace(stream: socket.socket, rate: float) -> bool:
-    """Have the kernel send at most `rate` bytes/s on `stream`, spread packet by packet; returns whether it does
-    (Linux only)."""
+    """Have the kernel send at most `rate` bytes/s on `stream`, spread packet by packet (UNLIMITED_PACING: no limit);
+    returns whether it does (Linux only)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        stream.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(min(max(rate, 1), 2**32 - 2)))
+        # (an unsigned 32-bit value: a C int, as Python passes an int, cannot hold the upper half)
+        stream.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("=I", int(min(max(rate, 1), UNLIMITED_PACING))))
         return True
     except OSError:
         return False

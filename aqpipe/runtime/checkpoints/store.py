@@ -9,7 +9,8 @@ A checkpoint whose predecessor's copies are still on their way is written and ma
 copied (every rank decides alike): training never waits for a copy, and the newest checkpoint whose copies all
 arrived stays on disk until a newer one's have. Such a checkpoint is marked COPYING without ever being REPLICATED,
 so a restart continues from it while every host still holds its part, and from the newest copied one otherwise.
-The run's last checkpoint is copied all the same (the run waits for the copies in flight first).
+The run's last checkpoint is copied all the same (the run waits for the copies in flight first). Copies that
+training waits for go unpaced: nothing else shares the link then.
 
 Copies hold what cannot be had again: trained parameters (under LoRA the adapters), optimizer, grad-sync and codec
 state, data position and RNG, and rank 0's run log. Frozen base weights come from the model source, and an in-memory
