@@ -127,12 +127,8 @@ class CheckpointCopier:
             part_bytes = 0
         self._asked = time.monotonic()
         self._paced(part_bytes / order["rate"])
-        try:
-            assert self._process.stdin is not None
-            self._process.stdin.write(json.dumps(order).encode() + b"\n")
-            self._process.stdin.flush()
-            self._pending = True
-        except OSError:  # (it died: its exit was told on stderr)
+        self._pending = self._tell(order)
+        if not self._pending:
             self.problem = "the copies' process ended"
 
     @property
@@ -159,15 +155,20 @@ class CheckpointCopier:
     def _unpace(self) -> None:
         """Tell the copies' process to send at the link's whole rate from now on: training waits for the copies, so
         nothing else shares the link and a pace would only make the wait longer."""
-        if self._process is None or self._unpaced:
-            return
+        if not self._unpaced:
+            self._unpaced = self._tell(UNPACE)
+
+    def _tell(self, message: dict) -> bool:
+        """Write `message` to the copies' process (one JSON line on its stdin); whether it could be written."""
+        if self._process is None:
+            return False
         try:
             assert self._process.stdin is not None
-            self._process.stdin.write(json.dumps(UNPACE).encode() + b"\n")
+            self._process.stdin.write(json.dumps(message).encode() + b"\n")
             self._process.stdin.flush()
-            self._unpaced = True
+            return True
         except OSError:  # (it died: its exit was told on stderr)
-            pass
+            return False
 
     def _hurry_if_starved(self) -> None:
         """Take the copies' process out of SCHED_IDLE once the copy in flight has outlasted its share of idle time."""
