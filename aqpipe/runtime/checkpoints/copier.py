@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -256,7 +257,8 @@ class CheckpointCopier:
 
 def run_copies(where: dict, orders, reports) -> None:
     """The copies' process: join the other ranks' at the rendezvous store, then copy each step `orders` names (JSON
-    lines), writing to `reports` the bytes sent (at most every REPORT_SECONDS) and each step's end."""
+    lines; an UNPACE line lifts the pace of this copy and the next), writing to `reports` the bytes sent (at most
+    every REPORT_SECONDS) and each step's end."""
     import torch.distributed as dist
 
     rank, plan = where["rank"], {int(src): holders for src, holders in where["plan"].items()}
@@ -300,13 +302,15 @@ def _orders(lines, unpaced: threading.Event) -> Iterator[dict]:
     orders: queue.Queue = queue.Queue()
 
     def read() -> None:
-        for line in lines:
-            message = json.loads(line)
-            if message == UNPACE:
-                unpaced.set()
-            else:
-                orders.put(message)
-        orders.put(None)
+        try:
+            for line in lines:
+                message = json.loads(line)
+                if message == UNPACE:
+                    unpaced.set()
+                else:
+                    orders.put(message)
+        finally:  # (a line it cannot read ends the orders too, rather than leave the copies waiting for more)
+            orders.put(None)
 
     threading.Thread(target=read, name="aqpipe-copy-orders", daemon=True).start()
     while (order := orders.get()) is not None:
@@ -348,11 +352,17 @@ def serve(where: dict, orders, reports) -> None:
     os.dup2(2, 1)  # (anything else printed goes to the rank's stderr, never into the reports)
     set_priority(os.getpid(), idle=True)  # (before gloo starts its threads: they take it too)
     _report(reports, {"ready": True})  # (a rank that hurried it meanwhile does so again)
-    run_copies(where, orders, reports)
-    reports.close()
+    code = 0
+    try:
+        run_copies(where, orders, reports)
+        reports.close()
+    except BaseException:  # noqa: BLE001 - told on stderr; the exit below, not the interpreter's shutdown, which
+        # would wait on the orders' reader thread holding stdin's lock
+        traceback.print_exc()
+        code = 1
     # no tear-down of the group: the other ranks' copies' processes end at the same moment, and a gloo group
     # destroyed while its peers close theirs can wait on them
-    os._exit(0)
+    os._exit(code)
 
 
 def main() -> None:
