@@ -13,10 +13,10 @@ SmolLM2's steps 12% slower on a host whose cores were all busy); a process of it
 The rank tells its process which step to copy and at what pace (one JSON line on its stdin), and that training waits
 for the copies (the run's last checkpoint, its end: from then on they go unpaced, since a pace would only make the
 wait longer); the process reports the bytes it sent and each step's end (JSON lines on its stdout), and dies with
-its rank. A rank under torchrun forks
-its process from itself before it meets the others, while it holds no thread (`preforked.prefork`): the process then starts
-with torch imported, instead of importing it again in an interpreter of its own (3 s of a core on a 2-core machine,
-and a quarter GB of memory, for every rank of every start); where a fork would not be sound, it is started afresh.
+its rank. A rank under torchrun forks its process from itself before it meets the others, while it holds no thread
+(`preforked.prefork`): the process then starts with torch imported, instead of importing it again in an interpreter
+of its own (3 s of a core on a 2-core machine, and a quarter GB of memory, for every rank of every start); where a
+fork would not be sound, it is started afresh.
 """
 
 from __future__ import annotations
@@ -74,7 +74,6 @@ class CheckpointCopier:
         self._pending = False  # a step asked of the process, its end not yet read
         self._asked = self._starved_after = 0.0  # when the copy in flight was asked for; when it counts as starved
         self._hurried = False  # the copies' process runs at this rank's priority (a starved copy, or one waited for)
-        self._unpaced = False  # the copies' process was told that training waits for its copies
         self.can_hurry = True  # (until Linux refuses it)
         self._unread = b""
         self.problem = ""  # why the last step's copies failed ("" where they were kept everywhere)
@@ -144,7 +143,7 @@ class CheckpointCopier:
         them)."""
         if self._pending:
             self._hurry()
-            self._unpace()
+            self._tell(UNPACE)  # (nothing else shares the link now: a pace would only make the wait longer)
         while self._pending:
             self._read(block=True)
 
@@ -152,12 +151,6 @@ class CheckpointCopier:
         """The copy in flight takes `seconds` at its pace: it counts as starved after twice that (at least
         STARVED_SECONDS) from when it was asked for."""
         self._starved_after = self._asked + max(STARVED_SECONDS, 2 * seconds)
-
-    def _unpace(self) -> None:
-        """Tell the copies' process to send at the link's whole rate from now on: training waits for the copies, so
-        nothing else shares the link and a pace would only make the wait longer."""
-        if not self._unpaced:
-            self._unpaced = self._tell(UNPACE)
 
     def _tell(self, message: dict) -> bool:
         """Write `message` to the copies' process (one JSON line on its stdin); whether it could be written."""
@@ -356,9 +349,8 @@ def serve(where: dict, orders, reports) -> None:
     try:
         run_copies(where, orders, reports)
         reports.close()
-    except BaseException:  # noqa: BLE001 - told on stderr; the exit below, not the interpreter's shutdown, which
-        # would wait on the orders' reader thread holding stdin's lock
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - told on stderr, then os._exit: the interpreter's shutdown would abort
+        traceback.print_exc()  # on the orders' reader thread, which holds stdin's lock
         code = 1
     # no tear-down of the group: the other ranks' copies' processes end at the same moment, and a gloo group
     # destroyed while its peers close theirs can wait on them
