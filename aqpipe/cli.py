@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import atexit
-import os
 import sys
-import threading
 from typing import NoReturn
 
 from aqpipe.config import ConfigError, ResolvedConfig, build_config, load_config_file, resolve, resume_values, settings
@@ -17,6 +14,7 @@ from aqpipe.disk import DiskFullError
 from aqpipe.launch.env import in_distributed_env
 from aqpipe.launch.rundir import RunDirectory
 from aqpipe.launch.signals import dump_stacks_on_sigusr1, ignore_interrupts, interrupts_raise
+from aqpipe.lifetime import leave
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,23 +98,10 @@ def _escaped(text: str) -> str:
 
 
 def console() -> NoReturn:
-    """The `aqpipe` command (and `python -m aqpipe`): run `main`, then leave the way `sys.exit` would, less the
-    tear-down of every imported module, which takes a launcher that imported torch and transformers 1.5-2.5 s of a
-    2-core machine for nothing. Exit handlers run first; while another (non-daemon) thread still works, and in a
-    rank under torchrun or the DeepSpeed launcher, it exits the ordinary way."""
-    code = main()
-    running = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if in_distributed_env() or running:  # a thread still working ends the ordinary way, after it
-        sys.exit(code)
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # a closed pipe (`aqpipe … | head`): nothing more can reach it
-                pass
-        os._exit(code)
+    """The `aqpipe` command (and `python -m aqpipe`): run `main`, then leave without tearing down what it imported
+    (`lifetime.leave`): a launcher, and a rank under torchrun or the DeepSpeed launcher alike (a rank has left its
+    process groups before `main` returns)."""
+    leave(main())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import traceback
 
 from aqpipe.disk import disk_full_error
 from aqpipe.launch.env import CONFIG_ENV, die_with_parent, rank_from_env
+from aqpipe.lifetime import leave
 
 
 def rank_imports(model: str, lora: bool = False, store: str = "memory") -> list[str]:
@@ -60,4 +61,4 @@ def run_rank(spec_factory=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_rank())
+    leave(run_rank())
