@@ -89,7 +89,7 @@ def distributed(method: str, steps: int, world: int = 2) -> dict:
 def local_codec_times(flat: torch.Tensor) -> dict[str, dict[str, float]]:
     """Encode and decode time on one core of the methods whose two halves are separate functions."""
     from aqpipe.compress.grad import DPGroup
-    from aqpipe.compress.grad.fft import FFTSparsifier
+    from aqpipe.compress.grad.fft import FFTSparsifier, inverse
     from aqpipe.compress.grad.quantized import decode, encode
     from aqpipe.compress.grad.sidco import SIDCo
     from aqpipe.compress.grad.topk import scatter_payloads, sparse_payload
@@ -121,8 +121,8 @@ def local_codec_times(flat: torch.Tensor) -> dict[str, dict[str, float]]:
         fft.encode(flat)  # calibrate the range
     message = fft.encode(flat)
     out["fft:0.9:8"] = {"encode": timed(lambda: fft.encode(flat), repeat=1),
-                        "decode": timed(lambda: torch.fft.irfft(fft.decode_spectrum(message, flat.numel()).to(
-                            torch.complex128), n=flat.numel()), repeat=1)}
+                        "decode": timed(lambda: inverse(fft.decode_spectrum(message, flat.numel()).to(
+                            torch.complex128), flat.numel()), repeat=1)}
     return out
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aqpipe.compress.bitpack import packed_bytes
-from aqpipe.compress.grad.fft import CALIBRATION
+from aqpipe.compress.grad.fft import CALIBRATION, transform_length
 from aqpipe.compress.grad.qadam import freeze_step
 from aqpipe.compress.grad.quantized import CHUNK
 from aqpipe.compress.grad.ring import chunk_size
@@ -46,9 +46,10 @@ def powersgd_elements(shapes, rank: int) -> int:
 
 
 def fft_payload(p: int, theta: float, bits: int, step: int) -> int:
-    """One replica's FFT message for a gradient of p values: the bitmap of the p//2+1 bins, a flag byte, then the kept
-    components' real and imaginary parts, as fp32 for the CALIBRATION first steps, as `bits`-bit floats after."""
-    bins = p // 2 + 1
+    """One replica's FFT message for a gradient of p values: the bitmap of the bins of its zero-padded length, a flag
+    byte, then the kept components' real and imaginary parts, as fp32 for the CALIBRATION first steps, as `bits`-bit
+    floats after."""
+    bins = transform_length(p) // 2 + 1
     k = max(1, min(bins, math.ceil((1.0 - theta) * bins)))
     if step <= CALIBRATION:
         values = 8 * k
