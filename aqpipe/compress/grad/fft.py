@@ -218,8 +218,11 @@ class FFTSparsifier(Compressor):
     def combine(self, flat: torch.Tensor) -> torch.Tensor:
         payloads, sent = all_gather_bytes_payloads(self.dp, self.encode(flat))
         self.bytes_sent += sent
-        total = sum(self.decode_spectrum(p, flat.numel()) for p in payloads) / len(payloads)
-        return inverse(total, flat.numel())
+        spectra = [self.decode_spectrum(p, flat.numel()) for p in payloads]
+        total = spectra[0]
+        for spectrum in spectra[1:]:
+            total = total + spectrum
+        return inverse(total / len(spectra), flat.numel())
 
     def state_dict(self) -> dict:
         fmt = self.format
