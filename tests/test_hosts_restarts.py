@@ -106,7 +106,9 @@ def assert_as_on_one_machine(local, args: tuple[str, ...], done: list[dict], exp
     assert all(torch.equal(reference[k], exported[k]) for k in reference)
 
 
-@pytest.mark.parametrize("store", ["memory", "lmdb"])
+# With m(ξ) in memory the restarted ranks load it from their checkpoint parts, as after a local launch's restart
+# (tests/test_launch.py) and a resume (tests/test_finetune.py) do: across hosts, that variant runs with -m slow.
+@pytest.mark.parametrize("store", [pytest.param("memory", marks=pytest.mark.slow), "lmdb"])
 def test_a_rank_killed_under_torchruns_restarts_continues_the_run_as_if_nothing_failed(tmp_path, store):
     """3 hosts x 1 rank, AQ-SGD links, private disks, torchrun --max-restarts 3 (c10d): host 1's rank is SIGKILLed
     after the first checkpoint and its torchrun lives on. The restarted ranks continue the run (neither training
