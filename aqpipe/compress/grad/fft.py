@@ -218,11 +218,10 @@ class FFTSparsifier(Compressor):
     def combine(self, flat: torch.Tensor) -> torch.Tensor:
         payloads, sent = all_gather_bytes_payloads(self.dp, self.encode(flat))
         self.bytes_sent += sent
-        spectra = [self.decode_spectrum(p, flat.numel()) for p in payloads]
-        total = spectra[0]
-        for spectrum in spectra[1:]:
-            total = total + spectrum
-        return inverse(total / len(spectra), flat.numel())
+        total = self.decode_spectrum(payloads[0], flat.numel())
+        for payload in payloads[1:]:  # (one replica's spectrum at a time beside the sum)
+            total = total + self.decode_spectrum(payload, flat.numel())
+        return inverse(total / len(payloads), flat.numel())
 
     def state_dict(self) -> dict:
         fmt = self.format
