@@ -292,6 +292,30 @@ def test_a_gguf_of_an_uncovered_architecture_exits_2_naming_it(tmp_path, capsys)
     assert "module:function" in err
 
 
+@pytest.mark.needs("gguf")
+def test_a_gguf_files_architecture_is_read_without_parsing_its_whole_metadata(tmp_path, monkeypatch):
+    """gguf's reader parses every field, a tokenizer's whole vocabulary included: 4-5 s for SmolLM2's file before a
+    conversion could start. The architecture comes from transformers' reader, which leaves string arrays unread."""
+    import gguf
+
+    from aqpipe.stages.gguf import gguf_architecture
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(1000)])
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("gguf's reader parsed the whole file")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    assert gguf_architecture(str(path)) == "llama"
+
+
 def test_seq_len_beyond_the_context_exits_2(tmp_path, capsys):
     from aqpipe.cli import main
 
