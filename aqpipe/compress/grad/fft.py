@@ -2,10 +2,9 @@
 
 Flatten the gradient (zero-padded to the next length whose prime factors are 2, 3, 5 and 7: an FFT of a length
 with a large prime factor takes several times longer), take its real FFT, keep the (1−θ) fraction of frequency
-components of largest magnitude,
-and send a bitmap of which were kept plus their real and imaginary parts in the paper's offset-based N-bit float
-(its Algorithm 1); every replica rebuilds every replica's spectrum, averages them and inverts the FFT once (the
-transform is linear). N = 32 sends the parts as fp32.
+components of largest magnitude, and send a bitmap of which were kept plus their real and imaginary parts in the
+paper's offset-based N-bit float (its Algorithm 1); every replica rebuilds every replica's spectrum, averages them
+and inverts the FFT once (the transform is linear). N = 32 sends the parts as fp32.
 
 The N-bit float: the bit pattern of |v| shifted right by 23−m keeps the exponent and m mantissa bits; subtracting
 the pattern of the smallest representable magnitude eps (and adding 1) gives codes 1 … 2**(N−1)−1, code 0 is
