@@ -85,6 +85,24 @@ def test_a_plain_run_imports_none_of_what_only_some_runs_need(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-3000:])
 
 
+def test_a_forked_rank_of_a_model_without_transformers_makes_its_optimizer_importing_nothing_and_collects_no_module():
+    """A rank forked from the server imports nothing of its own when it makes its optimizer (torch.optim imports
+    torch._dynamo then, about half a second per rank, unless the server did), and a full collection in it walks
+    none of the server's imports (they are frozen: walking them costs a quarter of a second and copies every page
+    the fork shares)."""
+    modules = rank_imports(model="examples.custom_model:tiny_lm")
+    probe = ("import gc, sys, time, torch\n"
+             "from aqpipe.launch.forkserver import _preload\n"
+             f"_preload({modules!r})\n"
+             "before = set(sys.modules)\n"
+             "torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])\n"
+             "print(sorted(set(sys.modules) - before))\n"
+             "print(gc.get_freeze_count() > 100_000, len(gc.get_objects()) < gc.get_freeze_count() // 10)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0 and out.stdout.splitlines() == ["[]", "True True"], (out.stdout, out.stderr[-3000:])
+
+
 @pytest.mark.needs("peft")
 def test_what_the_server_imports_starts_no_thread_and_no_cuda():
     """Every module a rank of these runs needs, imported the way the server does (OPENBLAS_NUM_THREADS=1):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -299,6 +300,7 @@ def _libc() -> ctypes.CDLL:
 
 
 def _preload(modules: list[str], run: dict | None = None) -> None:
+    """Import `modules` and what the ranks of `run` import, then take all that from the garbage collector's view."""
     if run is not None:
         from aqpipe.launch.worker_entry import rank_imports
 
@@ -308,6 +310,9 @@ def _preload(modules: list[str], run: dict | None = None) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the rank imports it again and reports the error where it belongs
             pass
+    # Modules live as long as the process: a full collection walking them (a quarter of a second here) would find
+    # nothing, and in a forked rank it would also write to, and so copy, every page of them it shares.
+    gc.freeze()
 
 
 def serve(sock: socket.socket, preload: list[str], run: dict | None = None) -> None:

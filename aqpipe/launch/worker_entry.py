@@ -21,7 +21,8 @@ def rank_imports(model: str, lora: bool = False, store: str = "memory") -> list[
     to import once before it forks them; called inside the server, which may import torch."""
     from aqpipe.stages.models import model_imports
 
-    modules = ["torch", "torch.distributed", "aqpipe.runtime.rank.train", *model_imports(model)]
+    # (torch._dynamo: torch.optim's optimizers import it when the first is made, unless a model's code did already)
+    modules = ["torch", "torch.distributed", "torch._dynamo", "aqpipe.runtime.rank.train", *model_imports(model)]
     if lora:
         modules += ["peft"]
     if store == "lmdb":

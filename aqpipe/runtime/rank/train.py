@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from pathlib import Path
@@ -118,6 +119,8 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
                if grid.rank == 0 else None)
         if log is None and host_leader():  # another host's copy, for a resume there
             write_config(cfg, plan)
+        # What is loaded by now (modules, the stage, its optimizer and links) lasts the run: no collection walks it.
+        gc.freeze()
         begin_training(store, stage.groups, cfg.stall_timeout)
         emit({"event": "start", "total_steps": plan.total_steps, "rank": grid.rank, "first_step": first_step})
         wall_start = time.perf_counter() - (log.records[-1]["elapsed_seconds"] if log is not None and log.records else 0.0)
