@@ -3,12 +3,16 @@ an HF checkpoint directory cached under `$AQPIPE_CACHE`, which every rank then r
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import shutil
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 from aqpipe.stages.spec import SpecError
@@ -89,10 +93,11 @@ def _convert(path: str, target: Path) -> None:
     tmp = target.with_name(f".{target.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # a cache may be shared
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        # (the config read once: a model load without one parses the file's whole metadata for it again)
-        config = AutoConfig.from_pretrained(directory, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=config, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        with _metadata_parsed_once():
+            # (the config read once: a model load without one parses the file's whole metadata for it again)
+            config = AutoConfig.from_pretrained(directory, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=config, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
         tmp.mkdir(parents=True)
         # save_pretrained refuses a model loaded from GGUF, so the de-quantized tensors are written directly
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
@@ -108,3 +113,38 @@ def _convert(path: str, target: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def _metadata_parsed_once() -> Iterator[None]:
+    """Within a conversion, transformers' GGUF reader parses a file's metadata once, not once for the config and
+    again for the tokenizer, and gguf builds its table of tensor names once per architecture, not once per module of
+    the model (together about a third of converting SmolLM2-135M: seconds, the whole vocabulary is in the metadata).
+    Each caller gets its own copy of what was parsed; where either library names these otherwise, nothing changes."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as loader
+
+    parse, names = getattr(loader, "load_gguf_checkpoint", None), getattr(gguf, "get_tensor_name_map", None)
+    if parse is None or names is None:
+        yield
+        return
+    parsed: dict[str, dict] = {}
+
+    @functools.wraps(parse)
+    def parse_once(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:  # the weights: read once anyway, by the model's load
+            return parse(path, return_tensors, *args, **kwargs)
+        if path not in parsed:
+            parsed[path] = parse(path, return_tensors=False)
+        return copy.deepcopy(parsed[path])
+
+    # (both are looked up by their modules' names when called, so replacing the names reaches every caller)
+    replaced = {(loader, "load_gguf_checkpoint"): parse_once, (gguf, "get_tensor_name_map"): functools.cache(names)}
+    originals = {place: getattr(*place) for place in replaced}
+    for (module, attribute), value in replaced.items():
+        setattr(module, attribute, value)
+    try:
+        yield
+    finally:
+        for (module, attribute), value in originals.items():
+            setattr(module, attribute, value)
