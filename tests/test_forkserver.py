@@ -86,12 +86,12 @@ def test_a_plain_run_imports_none_of_what_only_some_runs_need(tmp_path):
 
 
 def test_a_forked_rank_of_a_model_without_transformers_makes_its_optimizer_importing_nothing_and_collects_no_module():
-    """A rank forked from the server imports nothing of its own when it makes its optimizer (torch.optim imports
-    torch._dynamo then, about half a second per rank, unless the server did), and a full collection in it walks
-    none of the server's imports (they are frozen: walking them costs a quarter of a second and copies every page
-    the fork shares)."""
+    """After the server's imports a rank forked from it imports nothing of its own when it makes its optimizer
+    (torch.optim imports torch._dynamo then, about half a second per rank, unless the server did), and a full
+    collection in it walks none of the server's imports (they are frozen: walking them costs a quarter of a second and
+    copies every page the fork shares). The probe imports as the server does and looks in its own process."""
     modules = rank_imports(model="examples.custom_model:tiny_lm")
-    probe = ("import gc, sys, time, torch\n"
+    probe = ("import gc, sys, torch\n"
              "from aqpipe.launch.forkserver import _preload\n"
              f"_preload({modules!r})\n"
              "before = set(sys.modules)\n"

@@ -125,6 +125,37 @@ def test_a_rank_that_fails_aborts_its_process_group_instead_of_waiting_on_it(tmp
         torch.set_num_threads(threads)
 
 
+def test_a_rank_freezes_what_it_loaded_for_its_steps_and_the_process_gets_it_back_when_the_run_ends(tmp_path,
+                                                                                                     monkeypatch):
+    """No collection walks what a rank loaded before its first step (modules, the stage, its optimizer, its links),
+    and however the run ends the process gets it all back under the collector: under the Python API the user's
+    script goes on after `aqpipe.train` returns."""
+    import gc
+
+    import torch.distributed as dist
+
+    from aqpipe.runtime.rank import train
+
+    monkeypatch.setattr(train, "rendezvous_store", lambda rank, world, timeout: dist.TCPStore(
+        "127.0.0.1", 0, world, True, timeout))
+    before, frozen, threads = gc.get_freeze_count(), [], torch.get_num_threads()
+
+    def steps(*args, **kwargs):
+        frozen.append(gc.get_freeze_count())
+        raise ValueError("the steps failed")
+
+    monkeypatch.setattr(train, "train_steps", steps)
+    try:
+        with pytest.raises(ValueError, match="the steps failed"), torch.random.fork_rng():  # (it seeds torch)
+            train.run_worker(small_config(tmp_path / "run", pp=1), 0, 1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(threads)
+    assert frozen and frozen[0] > before + 10_000, (before, frozen)
+    assert gc.get_freeze_count() == 0
+
+
 def test_a_rank_takes_omp_num_threads_where_set_else_its_share_of_the_hosts_cores():
     from aqpipe.runtime.rank.train import rank_threads
 

@@ -310,8 +310,9 @@ def _preload(modules: list[str], run: dict | None = None) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the rank imports it again and reports the error where it belongs
             pass
-    # Modules live as long as the process: a full collection walking them (a quarter of a second here) would find
-    # nothing, and in a forked rank it would also write to, and so copy, every page of them it shares.
+    # Modules live as long as the process (the launcher, the server and its ranks: processes of aqpipe's own): a full
+    # collection walking them (a quarter of a second after importing torch and a model's code) finds nothing, and in
+    # a forked rank it also writes to, and so copies, every page of them it shares with the server.
     gc.freeze()
 
 

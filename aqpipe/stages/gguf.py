@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from aqpipe.stages.spec import SpecError
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3": "gemma3_text",
                       "phi3": "phi3"}
 FINGERPRINT_BYTES = 8 << 20  # read from each end of the file for the cache key (a 7B GGUF is several GB)
+_LIBRARIES_PATCHED = threading.Lock()  # one conversion at a time replaces the libraries' names (and puts them back)
 
 
 def gguf_architecture(path: str) -> str:
@@ -124,27 +126,29 @@ def _metadata_parsed_once() -> Iterator[None]:
     import gguf
     from transformers import modeling_gguf_pytorch_utils as loader
 
-    parse, names = getattr(loader, "load_gguf_checkpoint", None), getattr(gguf, "get_tensor_name_map", None)
-    if parse is None or names is None:
-        yield
-        return
-    parsed: dict[str, dict] = {}
+    with _LIBRARIES_PATCHED:
+        originals = {(loader, "load_gguf_checkpoint"): getattr(loader, "load_gguf_checkpoint", None),
+                     (gguf, "get_tensor_name_map"): getattr(gguf, "get_tensor_name_map", None)}
+        parse, names = originals.values()
+        if parse is None or names is None:
+            yield
+            return
+        parsed: dict[str, dict] = {}
 
-    @functools.wraps(parse)
-    def parse_once(path, return_tensors=False, *args, **kwargs):
-        if return_tensors or args or kwargs:  # the weights: read once anyway, by the model's load
-            return parse(path, return_tensors, *args, **kwargs)
-        if path not in parsed:
-            parsed[path] = parse(path, return_tensors=False)
-        return copy.deepcopy(parsed[path])
+        @functools.wraps(parse)
+        def parse_once(path, return_tensors=False, *args, **kwargs):
+            if return_tensors or args or kwargs:  # the weights: read once anyway, by the model's load
+                return parse(path, return_tensors, *args, **kwargs)
+            if path not in parsed:
+                parsed[path] = parse(path, return_tensors=False)
+            return copy.deepcopy(parsed[path])
 
-    # (both are looked up by their modules' names when called, so replacing the names reaches every caller)
-    replaced = {(loader, "load_gguf_checkpoint"): parse_once, (gguf, "get_tensor_name_map"): functools.cache(names)}
-    originals = {place: getattr(*place) for place in replaced}
-    for (module, attribute), value in replaced.items():
-        setattr(module, attribute, value)
-    try:
-        yield
-    finally:
-        for (module, attribute), value in originals.items():
+        # (both are looked up by their modules' names when called, so replacing the names reaches every caller)
+        replaced = {(loader, "load_gguf_checkpoint"): parse_once, (gguf, "get_tensor_name_map"): functools.cache(names)}
+        for (module, attribute), value in replaced.items():
             setattr(module, attribute, value)
+        try:
+            yield
+        finally:
+            for (module, attribute), value in originals.items():
+                setattr(module, attribute, value)

@@ -88,6 +88,8 @@ def run_worker(cfg: ResolvedConfig, rank: int, world_size: int, spec_factory=Non
     except BaseException:
         comm.leave_process_groups(failed=True)
         raise
+    finally:
+        gc.unfreeze()  # (what `_train` froze: a process that goes on, the Python API's script, collects it again)
     comm.leave_process_groups(failed=False)
     return summary
 
@@ -119,7 +121,9 @@ def _train(plan: RunPlan, grid: Grid, device: torch.device, backend: str, launch
                if grid.rank == 0 else None)
         if log is None and host_leader():  # another host's copy, for a resume there
             write_config(cfg, plan)
-        # What is loaded by now (modules, the stage, its optimizer and links) lasts the run: no collection walks it.
+        # What is loaded by now (modules, the stage, its optimizer and links) lasts the run: no collection walks it
+        # until the run ends (run_worker unfreezes it). What planning and loading left as cycles goes first.
+        gc.collect()
         gc.freeze()
         begin_training(store, stage.groups, cfg.stall_timeout)
         emit({"event": "start", "total_steps": plan.total_steps, "rank": grid.rank, "first_step": first_step})
