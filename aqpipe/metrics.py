@@ -184,7 +184,7 @@ def plot_loss(records: list[dict], path: Path, title: str = "") -> None:
     ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    # (placed, not searched for: the best spot and a tight layout were a third of the time every run ends drawing it)
+    # (placed, not searched for: the best spot and a tight layout were about a fifth of the time a run spends drawing it)
     ax.legend(loc="upper right")
     fig.subplots_adjust(left=0.09, right=0.98, bottom=0.12, top=0.92)
     image = io.BytesIO()
