@@ -16,17 +16,21 @@ def train(spec_factory: Callable[..., PipelineSpec], overwrite: bool = False, **
     `overwrite=True` is `--overwrite` (replace a run already in `out`).
 
     `spec_factory` may take `vocab_size` and `seq_len`. Started plainly (`python script.py`), this process checks
-    everything and re-runs the script once per rank; inside a rank, it trains that rank. Returns the exit code.
+    everything and runs the script once more, as far as this call, to fork the ranks from (each rank runs the script
+    afresh where that run could not fork them soundly); inside a rank, it trains that rank. Returns the exit code.
     """
     from aqpipe.launch.env import CONFIG_ENV, in_distributed_env
+    from aqpipe.launch.forkserver import SCRIPT_SERVER_ENV, serve_script
     from aqpipe.launch.job import run_job
     from aqpipe.launch.worker_entry import run_rank
 
+    if SCRIPT_SERVER_ENV in os.environ:
+        serve_script(spec_factory)
     if CONFIG_ENV in os.environ and in_distributed_env():
         return run_rank(spec_factory)
     try:
         cfg = resolve(build_config({}, settings))
-        return run_job(cfg, spec_factory, worker_command=[sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]],
+        return run_job(cfg, spec_factory, script_command=[sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]],
                        overwrite=overwrite)
     except ConfigError as e:
         print(f"aqpipe: error: {one_line(str(e))}", file=sys.stderr)

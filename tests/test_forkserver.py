@@ -69,6 +69,33 @@ def test_a_server_that_started_a_thread_does_not_fork_and_ranks_start_afresh(cap
         server.close()
 
 
+# A script as the Python API runs it: serving its ranks where started as their server, else a rank run afresh.
+SCRIPT = [sys.executable, "-c", f"""
+import os, threading, time
+{{thread}}
+if {forkserver.SCRIPT_SERVER_ENV!r} in os.environ:
+    from aqpipe.launch.forkserver import serve_script
+    serve_script(None)
+print("a rank running the script afresh")
+"""]
+
+
+@pytest.mark.parametrize(("thread", "why"), [
+    ("threading.Thread(target=time.sleep, args=(60,), daemon=True).start()", "an import started 1 thread(s)"),
+    (f"if {forkserver.SCRIPT_SERVER_ENV!r} in os.environ: raise SystemExit(0)",
+     "the run of the script that was to fork them ended before it reached aqpipe.train")])
+def test_a_scripts_ranks_run_it_afresh_where_its_server_holds_a_thread_or_ended(capfd, thread, why):
+    command = [SCRIPT[0], SCRIPT[1], SCRIPT[2].format(thread=thread)]
+    server = ForkServer.for_script(command)
+    try:
+        proc = server.start(0, dict(os.environ, RANK="0", WORLD_SIZE="1"))
+        assert isinstance(proc, subprocess.Popen) and proc.args == command
+        assert proc.wait(timeout=120) == 0 and "a rank running the script afresh" in proc.stdout.read()
+        assert f"ranks start as fresh processes, not forked ({why}" in capfd.readouterr().err
+    finally:
+        server.close()
+
+
 def test_a_plain_run_imports_none_of_what_only_some_runs_need(tmp_path):
     """matplotlib (the loss plot, drawn at the end), peft (LoRA), datasets (hub data) and gguf (a GGUF model) each
     take seconds to import: the launcher's plan and the ranks' preload of a gpt2-tiny run on the built-in corpus

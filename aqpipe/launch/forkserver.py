@@ -39,7 +39,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from aqpipe.launch.fork_safety import fork, unsafe_to_fork
 from aqpipe.launch.local import CommandStarter, RankProcess
@@ -48,6 +48,8 @@ from aqpipe.lifetime import die_with
 
 WORKER_COMMAND = [sys.executable, "-m", "aqpipe.launch.worker_entry"]  # a rank as a fresh process
 RANK_TARGET = "aqpipe.launch.worker_entry:run_rank"  # what a forked rank runs
+SCRIPT_TARGET = "aqpipe.launch.forkserver:_run_script_rank"  # what a rank forked from a script (for_script) runs
+SCRIPT_SERVER_ENV = "AQPIPE_SCRIPT_SERVER"  # in a script started by for_script: its socket and what to import
 
 MAX_MESSAGE = 1 << 20  # a rank's environment with its resolved configuration is a few KiB
 PARENT_ENV = "AQPIPE_PARENT_PID"  # the pid a rank's parent must have (die_with_parent); here, the server's
@@ -87,9 +89,18 @@ def fork_safe_environment() -> Iterator[None]:
                 os.environ.pop(name, None)
 
 
-def _run(model: str, lora: int | None, store: str) -> dict:
-    """rank_imports' arguments for a run of `--model model` with that --lora and --store."""
+def _run(model: str | None, lora: int | None, store: str) -> dict:
+    """rank_imports' arguments for a run of `--model model` (None: a spec factory's) with that --lora and --store."""
     return {"model": model, "lora": lora is not None, "store": store}
+
+
+def _start_server(argv: list[str], sock: socket.socket, env: dict[str, str], stdout=None) -> subprocess.Popen:
+    """Run `argv` as a server on `sock` (its end of the pair, closed here), with `env` on top of this process's."""
+    env = dict(os.environ, **{PARENT_ENV: str(os.getpid()), **SERVER_ENV, **env})
+    # Its own session: a Ctrl-C at the terminal is the launcher's to handle, not the server's.
+    process = subprocess.Popen(argv, pass_fds=[sock.fileno()], env=env, stdout=stdout, start_new_session=True)
+    sock.close()
+    return process
 
 
 def _wait_for(poll, timeout: float | None, what: str) -> int:
@@ -154,16 +165,29 @@ class ForkServer:
         """Start a server as a fresh process that imports `preload` (modules; one that fails to import is left to
         the rank to report), then, given `run` (rank_imports' arguments), what the ranks of that run import."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = dict(os.environ, **{PARENT_ENV: str(os.getpid()), **SERVER_ENV})
-        # Its own session: a Ctrl-C at the terminal is the launcher's to handle, not the server's.
         argv = [sys.executable, "-m", "aqpipe.launch.forkserver", str(theirs.fileno()), json.dumps(run), *preload]
-        process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=env, start_new_session=True)
-        theirs.close()
-        self._attach(process, ours)
+        self._attach(_start_server(argv, theirs, {}), ours)
 
-    def _attach(self, process: subprocess.Popen | ForkedChild, sock: socket.socket) -> None:
+    @classmethod
+    def for_script(cls, command: list[str], lora: int | None = None, store: str = "memory") -> ForkServer:
+        """A server that is `command` (a Python script, run again) stopped in `serve_script` with what the ranks of
+        a run of its spec factory import (with --lora, with that --store): ranks forked from it run the factory the
+        script gave, where fresh processes would each run the script once more (they do, should the server end
+        before it serves or hold a thread there)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        given = json.dumps({"socket": theirs.fileno(), "run": _run(None, lora, store)})
+        # (its output: what the script printed before aqpipe.train, printed already by the command itself)
+        server = cls.__new__(cls)
+        server._attach(_start_server(command, theirs, {SCRIPT_SERVER_ENV: given}, subprocess.DEVNULL), ours,
+                       fallback=command, target=SCRIPT_TARGET)
+        return server
+
+    def _attach(self, process: subprocess.Popen | ForkedChild, sock: socket.socket,
+                fallback: list[str] = WORKER_COMMAND, target: str = RANK_TARGET) -> None:
         self.process = process
         self._socket = sock
+        self._fallback_command = fallback  # a rank as a fresh process, should the server not fork it
+        self._target = target
         self._replies: queue.Queue = queue.Queue()
         self._exits: dict[int, int] = {}
         self._gone = False  # the server ended: every rank it had is gone too (they die with it)
@@ -215,15 +239,21 @@ class ForkServer:
             try:
                 return self.fork(rank, env, netns)
             except UnsafeFork as e:
-                print(f"aqpipe: note: ranks start as fresh processes, not forked ({e})", file=sys.stderr, flush=True)
-                self._fallback = CommandStarter(WORKER_COMMAND)
+                why = str(e)
+            except ForkServerError:
+                if self._target != SCRIPT_TARGET or self.started:
+                    raise
+                why = "the run of the script that was to fork them ended before it reached aqpipe.train"
+            print(f"aqpipe: note: ranks start as fresh processes, not forked ({why})", file=sys.stderr, flush=True)
+            self._fallback = CommandStarter(self._fallback_command)
         return self._fallback.start(rank, env, netns)
 
-    def fork(self, rank: int, env: dict[str, str], netns: str | None = None, target: str = RANK_TARGET) -> ForkedRank:
-        """Fork a child of the server that runs `target` ("module:function" returning the exit code) as rank `rank`;
-        raises UnsafeFork when the server holds a thread or a CUDA context."""
+    def fork(self, rank: int, env: dict[str, str], netns: str | None = None, target: str | None = None) -> ForkedRank:
+        """Fork a child of the server that runs `target` ("module:function" returning the exit code; by default
+        what this server's ranks run) as rank `rank`; raises UnsafeFork when the server holds a thread or a CUDA
+        context."""
         with deferred_interrupts():  # a Ctrl-C now is delivered once the rank is the launcher's to stop
-            return self._fork(rank, env, netns, target)
+            return self._fork(rank, env, netns, target or self._target)
 
     def _fork(self, rank: int, env: dict[str, str], netns: str | None, target: str) -> ForkedRank:
         read_end, write_end = os.pipe()
@@ -431,6 +461,29 @@ def enter_namespace(name: str) -> None:
             raise OSError(ctypes.get_errno(), f"cannot enter network namespace {name}: {os.strerror(ctypes.get_errno())}")
     finally:
         os.close(fd)
+
+
+_script_spec_factory = None  # the spec factory a script stopped in serve_script gave
+
+
+def serve_script(spec_factory) -> NoReturn:
+    """In a script started by `ForkServer.for_script`, at its call of `aqpipe.train(spec_factory, ...)`: serve the
+    launcher's ranks, each running `spec_factory`, until the launcher is done; then end the process (what follows
+    the call in the script is for the command that started the run)."""
+    global _script_spec_factory
+    given = json.loads(os.environ.pop(SCRIPT_SERVER_ENV))
+    _script_spec_factory = spec_factory
+    try:
+        serve(socket.socket(fileno=given["socket"]), [], given["run"])
+    finally:
+        os._exit(0)
+
+
+def _run_script_rank() -> int:
+    """What a rank forked from a script runs: the rank, of the spec factory the script gave."""
+    from aqpipe.launch.worker_entry import run_rank
+
+    return run_rank(_script_spec_factory)
 
 
 if __name__ == "__main__":

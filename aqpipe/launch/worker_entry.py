@@ -16,13 +16,15 @@ from aqpipe.launch.env import CONFIG_ENV, die_with_parent, rank_from_env
 from aqpipe.lifetime import leave
 
 
-def rank_imports(model: str, lora: bool = False, store: str = "memory") -> list[str]:
-    """The modules every rank of a run of `--model model` imports (with LoRA, with that --store), for the fork server
-    to import once before it forks them; called inside the server, which may import torch."""
+def rank_imports(model: str | None, lora: bool = False, store: str = "memory") -> list[str]:
+    """The modules every rank of a run of `--model model` (None: of a spec factory given from Python) imports (with
+    LoRA, with that --store), for the fork server to import once before it forks them; called inside the server,
+    which may import torch."""
     from aqpipe.stages.models import model_imports
 
     # (torch._dynamo: torch.optim's optimizers import it when the first is made, unless a model's code did already)
-    modules = ["torch", "torch.distributed", "torch._dynamo", "aqpipe.runtime.rank.train", *model_imports(model)]
+    modules = ["torch", "torch.distributed", "torch._dynamo", "aqpipe.runtime.rank.train"]
+    modules += model_imports(model) if model is not None else []
     if lora:
         modules += ["peft"]
     if store == "lmdb":
