@@ -1,8 +1,10 @@
-"""Start-up and tail of `aqpipe launch`: seconds to the plan, to the first step and to exit, A/B against a baseline.
+"""Start-up and tail of `aqpipe launch` and of the Python API: seconds to the plan, to the first step and to exit,
+A/B against a baseline.
 
-Each launch runs `python -m aqpipe launch --model M --pp 4 --steps 1 --eval-every 0` with unbuffered output, and
-the clock stops at the first line starting `aqpipe: ` (the plan), at the first `step 1/` line and at exit; "tail"
-is exit minus the last step line (checkpoint, export, plot, summary). The baseline is a git commit checked out in
+Each launch runs `python -m aqpipe launch --model M --pp 4 --steps 1 --eval-every 0` (`--models python-api`:
+`python examples/custom_model.py`, 3 ranks, 30 steps) with unbuffered output, and the clock stops at the first line
+starting `aqpipe: ` (the plan), at the first `step 1/` line and at exit; "tail" is exit minus the last step line
+(checkpoint, export, plot, summary). The baseline is a git commit checked out in
 a temporary worktree and imported through PYTHONPATH (the ranks inherit it); rounds alternate baseline and
 current, and medians with their spread are reported.
 
@@ -25,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.provenance import machine  # noqa: E402
 
-MODELS = {"gpt2-tiny": [], "smollm2-135m": []}
+MODELS = {"gpt2-tiny": [], "smollm2-135m": [], "python-api": []}
+SCRIPT = Path("examples") / "custom_model.py"  # what `python-api` runs
 
 
 def launch_once(source: Path, model: str, extra: list[str], out: Path) -> dict[str, float]:
@@ -33,8 +36,12 @@ def launch_once(source: Path, model: str, extra: list[str], out: Path) -> dict[s
     env = dict(os.environ, PYTHONPATH=str(source), PYTHONUNBUFFERED="1")
     argv = [sys.executable, "-m", "aqpipe", "launch", "--model", model, "--pp", "4", "--steps", "1",
             "--eval-every", "0", "--out", str(out), *extra]
+    cwd = source
+    if model == "python-api":  # (the script puts its run under runs/ in its working directory)
+        argv, cwd = [sys.executable, str(source / SCRIPT)], out
+        out.mkdir(parents=True)
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=source, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     marks: dict[str, float] = {}
     lines = []
     for line in proc.stdout:
