@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from aqpipe.lifetime import take_script_server
+
 if TYPE_CHECKING:
     from aqpipe.api import train
     from aqpipe.config import RunConfig
@@ -26,6 +28,8 @@ __version__ = "0.1.0"
 # Ctrl-C handling) before torch is loaded.
 _HOMES = {"train": "aqpipe.api", "RunConfig": "aqpipe.config", "PipelineSpec": "aqpipe.stages",
           "partition": "aqpipe.stages"}
+
+take_script_server()  # (a no-op but in the run of a script that is to fork the ranks of its aqpipe.train)
 
 
 def __getattr__(name: str) -> Any:

@@ -12,6 +12,10 @@ import sys
 import threading
 from typing import NoReturn
 
+PARENT_ENV = "AQPIPE_PARENT_PID"  # in a helper's environment: the pid of the process it must die with
+SCRIPT_SERVER_ENV = "AQPIPE_SCRIPT_SERVER"  # in a script's run that is to fork the ranks: its socket and what to import
+script_server: dict | None = None  # in that run, once it imported aqpipe: what SCRIPT_SERVER_ENV said
+
 
 def die_with(parent: int) -> None:
     """Be killed (SIGKILL) when process `parent`, which started this one, dies; exit at once if it already has."""
@@ -22,6 +26,28 @@ def die_with(parent: int) -> None:
         return
     if os.getppid() != parent:  # it died before prctl took effect
         os._exit(1)
+
+
+def die_with_parent() -> None:
+    """die_with the process PARENT_ENV names, where the environment names one."""
+    parent = os.environ.get(PARENT_ENV)
+    if parent is not None:
+        die_with(int(parent))
+
+
+def take_script_server() -> None:
+    """In the run of a script that `aqpipe.train` started to fork its ranks from (launch/forkserver.py), at the
+    script's `import aqpipe`: die with the launcher from then on, however long the script takes to reach the call,
+    and take the server's settings out of the environment, which processes the script starts would inherit."""
+    global script_server
+    if SCRIPT_SERVER_ENV not in os.environ:
+        return
+    import json
+
+    given = json.loads(os.environ.pop(SCRIPT_SERVER_ENV))
+    parent = int(os.environ.pop(PARENT_ENV))
+    die_with(parent)
+    script_server = dict(given, parent=parent)
 
 
 def leave(code: int) -> NoReturn:

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -92,8 +93,94 @@ def test_a_scripts_ranks_run_it_afresh_where_its_server_holds_a_thread_or_ended(
         assert isinstance(proc, subprocess.Popen) and proc.args == command
         assert proc.wait(timeout=120) == 0 and "a rank running the script afresh" in proc.stdout.read()
         assert f"ranks start as fresh processes, not forked ({why}" in capfd.readouterr().err
+        assert server.process.poll() is not None  # the server is no use now: gone at once, and what it held with it
     finally:
         server.close()
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    """Whether process `pid` has ended (a zombie nobody reaped counts as ended) within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# A script whose run as the server is stuck before aqpipe.train, having started a process of its own.
+STUCK_SCRIPT = """
+import os, subprocess, sys, time
+import aqpipe
+child = subprocess.Popen(["sleep", "600"])
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(f"{os.getpid()} {child.pid}")
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(600)
+"""
+
+STUCK_LAUNCHER = """
+import os, signal, sys, threading, time
+from aqpipe.launch.forkserver import ForkServer
+from aqpipe.launch.signals import interrupts_raise
+script, pids, then = sys.argv[1:]
+interrupts_raise()
+server = ForkServer.for_script([sys.executable, script, pids])
+while not os.path.exists(pids):
+    if server.process.poll() is not None:
+        sys.exit("the script ended before it wrote its pids")
+    time.sleep(0.05)
+print("waiting", flush=True)
+if then == "interrupt":
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    server.start(0, dict(os.environ, RANK="0", WORLD_SIZE="1"))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+finally:
+    server.close()
+"""
+
+
+def _stuck_launch(tmp_path, then: str) -> tuple[subprocess.Popen, list[int]]:
+    (tmp_path / "script.py").write_text(STUCK_SCRIPT)
+    pids = tmp_path / "pids"
+    launcher = subprocess.Popen([sys.executable, "-c", STUCK_LAUNCHER, str(tmp_path / "script.py"), str(pids), then],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if launcher.stdout.readline().strip() != "waiting":
+        pytest.fail(launcher.communicate(timeout=30)[1][-3000:])
+    return launcher, [int(pid) for pid in pids.read_text().split()]
+
+
+def test_a_ctrl_c_while_a_scripts_server_has_not_reached_train_stops_the_launch_and_leaves_nothing(tmp_path):
+    """The script's run that is to fork the ranks may take long (or forever) before it calls aqpipe.train: a Ctrl-C
+    in the launcher meanwhile interrupts the wait for it, and closing the server ends it and what it started."""
+    launcher, (server, its_child) = _stuck_launch(tmp_path, "interrupt")
+    try:
+        out, _ = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+    assert out.strip() == "interrupted" and launcher.returncode == 0
+    assert _gone(server) and _gone(its_child)
+
+
+def test_a_scripts_server_that_has_not_reached_train_dies_with_a_killed_launcher(tmp_path):
+    launcher, (server, _) = _stuck_launch(tmp_path, "wait")
+    launcher.kill()
+    launcher.wait()
+    assert _gone(server)
+
+
+def test_a_scripts_server_that_fails_while_serving_says_why_and_exits_1():
+    probe = "from aqpipe.launch.forkserver import serve_script\nserve_script(None)\n"
+    env = dict(os.environ, **{forkserver.SCRIPT_SERVER_ENV: json.dumps({"socket": 999, "run": None}),
+                              forkserver.PARENT_ENV: str(os.getpid())})
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1 and "Bad file descriptor" in out.stderr, out.stderr[-3000:]
 
 
 def test_a_plain_run_imports_none_of_what_only_some_runs_need(tmp_path):

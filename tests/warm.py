@@ -89,7 +89,8 @@ def _zygote(sock: socket.socket, parent: int) -> None:
 def _become_rank_server(fd: int, zygote: int) -> None:
     """In the forked child: be a rank fork server (aqpipe's own) on socket `fd`; never returns."""
     try:
-        from aqpipe.launch.forkserver import PARENT_ENV, serve
+        from aqpipe.launch.forkserver import serve
+        from aqpipe.lifetime import PARENT_ENV
 
         os.setsid()
         os.environ[PARENT_ENV] = str(zygote)  # it dies with the zygote, its ranks with it

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from aqpipe.lifetime import die_with
-
 # The resolved configuration (JSON) `aqpipe launch` hands each rank it starts; its presence marks such a rank.
 CONFIG_ENV = "AQPIPE_CONFIG_JSON"
+# In a rank that runs a Python script afresh: which of the script's calls of `aqpipe.train` (1, 2, …) it is a rank of.
+TRAIN_CALL_ENV = "AQPIPE_TRAIN_CALL"
 
 
 def in_distributed_env() -> bool:
@@ -21,10 +21,3 @@ def rank_from_env() -> tuple[int, int]:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except (KeyError, ValueError):
         raise RuntimeError("RANK and WORLD_SIZE must be set by the launcher (aqpipe launch, torchrun, deepspeed)") from None
-
-
-def die_with_parent() -> None:
-    """Ask Linux to kill this process when the aqpipe launcher that started it dies, even by SIGKILL."""
-    parent = os.environ.get("AQPIPE_PARENT_PID")
-    if parent is not None:
-        die_with(int(parent))

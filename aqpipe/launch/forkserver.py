@@ -9,15 +9,19 @@ Why a server rather than forking the launcher when the ranks start: by then the 
 readers, OpenMP's pool after a capacity trace) and may hold a CUDA context, and neither survives a fork. The server
 does nothing but wait, and refuses to fork if a thread, a CUDA context or an initialised CUDA driver is in it (the
 driver's library merely mapped, as `import torch` leaves it in a CUDA build, is sound to fork); the ranks then
-start as fresh processes. A caller that already holds threads (the Python API, a test) gets a server started as a
-fresh process that does the imports itself (`ForkServer.for_run`). Why not `multiprocessing`'s forkserver: ranks
-must start in their own process group and network namespace with their output on a pipe of the launcher's, the
-launcher must see their exit statuses, and the server must be gone when the launcher returns.
+start as fresh processes. A caller that already holds threads (a test, a program calling `run_job`) gets a server
+started as a fresh process that does the imports itself (`ForkServer.for_run`). A script's `aqpipe.train` gets one
+more run of the script, stopped at that call (`ForkServer.for_script`): only a run of the script holds the spec
+factory it builds, and ranks forked from it skip the script's own imports and set-up. Why not `multiprocessing`'s
+forkserver: ranks must start in their own process group and network namespace with their output on a pipe of the
+launcher's, the launcher must see their exit statuses, and the server must be gone when the launcher returns.
 
-Protocol (one SOCK_SEQPACKET socket pair, one JSON object per message): the launcher sends `{"rank", "env",
-"netns", "target"}` (target: "module:function" returning the exit code) with the write end of the rank's output
-pipe attached; the server answers `{"rank", "pid"}` (or `{"rank", "unsafe"}`: it will not fork), and
-`{"exit": pid, "code": c}` when a rank ends (`c` negative: killed by signal -c, as in `subprocess`).
+Protocol (one SOCK_SEQPACKET socket pair, one JSON object per message): the server says `{"ready": true}` once it has
+imported what the ranks need (the launcher waits for that, or for the server's end, where a Ctrl-C can interrupt the
+wait); the launcher sends `{"rank", "env", "netns", "target"}` (target: "module:function" returning the exit code)
+with the write end of the rank's output pipe attached; the server answers `{"rank", "pid"}` (or `{"rank",
+"unsafe"}`: it will not fork), and `{"exit": pid, "code": c}` when a rank ends (`c` negative: killed by signal -c,
+as in `subprocess`).
 """
 
 from __future__ import annotations
@@ -41,18 +45,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn, TextIO
 
+from aqpipe import lifetime
+from aqpipe.launch.env import TRAIN_CALL_ENV
 from aqpipe.launch.fork_safety import fork, unsafe_to_fork
 from aqpipe.launch.local import CommandStarter, RankProcess
 from aqpipe.launch.signals import deferred_interrupts
-from aqpipe.lifetime import die_with
+from aqpipe.lifetime import PARENT_ENV, SCRIPT_SERVER_ENV, die_with
 
 WORKER_COMMAND = [sys.executable, "-m", "aqpipe.launch.worker_entry"]  # a rank as a fresh process
 RANK_TARGET = "aqpipe.launch.worker_entry:run_rank"  # what a forked rank runs
 SCRIPT_TARGET = "aqpipe.launch.forkserver:_run_script_rank"  # what a rank forked from a script (for_script) runs
-SCRIPT_SERVER_ENV = "AQPIPE_SCRIPT_SERVER"  # in a script started by for_script: its socket and what to import
 
 MAX_MESSAGE = 1 << 20  # a rank's environment with its resolved configuration is a few KiB
-PARENT_ENV = "AQPIPE_PARENT_PID"  # the pid a rank's parent must have (die_with_parent); here, the server's
 _CLONE_NEWNET = 0x40000000
 _PR_SET_NAME = 15
 SERVER_ENV = {
@@ -63,8 +67,6 @@ SERVER_ENV = {
     # driver, and a fork of a process that did cannot use CUDA.
     "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
 }
-
-
 
 
 class ForkServerError(RuntimeError):
@@ -94,11 +96,14 @@ def _run(model: str | None, lora: int | None, store: str) -> dict:
     return {"model": model, "lora": lora is not None, "store": store}
 
 
-def _start_server(argv: list[str], sock: socket.socket, env: dict[str, str], stdout=None) -> subprocess.Popen:
+def _start_server(argv: list[str], sock: socket.socket, env: dict[str, str],
+                  stdout: int | None = None) -> subprocess.Popen:
     """Run `argv` as a server on `sock` (its end of the pair, closed here), with `env` on top of this process's."""
     env = dict(os.environ, **{PARENT_ENV: str(os.getpid()), **SERVER_ENV, **env})
-    # Its own session: a Ctrl-C at the terminal is the launcher's to handle, not the server's.
-    process = subprocess.Popen(argv, pass_fds=[sock.fileno()], env=env, stdout=stdout, start_new_session=True)
+    # Its own session: a Ctrl-C at the terminal is the launcher's to handle, not the server's. No input: the
+    # terminal's is the launcher's too.
+    process = subprocess.Popen(argv, pass_fds=[sock.fileno()], env=env, stdin=subprocess.DEVNULL, stdout=stdout,
+                               start_new_session=True)
     sock.close()
     return process
 
@@ -169,17 +174,21 @@ class ForkServer:
         self._attach(_start_server(argv, theirs, {}), ours)
 
     @classmethod
-    def for_script(cls, command: list[str], lora: int | None = None, store: str = "memory") -> ForkServer:
-        """A server that is `command` (a Python script, run again) stopped in `serve_script` with what the ranks of
-        a run of its spec factory import (with --lora, with that --store): ranks forked from it run the factory the
-        script gave, where fresh processes would each run the script once more (they do, should the server end
-        before it serves or hold a thread there)."""
+    def for_script(cls, command: list[str], lora: int | None = None, store: str = "memory",
+                   call: int = 1) -> ForkServer:
+        """A server that is `command` (a Python script, run again) stopped in `serve_script` at its `call`-th call
+        of `aqpipe.train`, with what the ranks of a run of its spec factory import (with --lora, with that --store):
+        ranks forked from it run the factory the script gave there, where fresh processes would each run the script
+        once more (they do, should the server end before it serves or hold a thread there)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        given = json.dumps({"socket": theirs.fileno(), "run": _run(None, lora, store)})
-        # (its output: what the script printed before aqpipe.train, printed already by the command itself)
+        given = json.dumps({"socket": theirs.fileno(), "run": _run(None, lora, store), "call": call})
+        # (its output: what the script printed before aqpipe.train, printed already by the command itself; its
+        # errors and warnings are left to show, as a traceback there may be the only word of why it ended)
         server = cls.__new__(cls)
         server._attach(_start_server(command, theirs, {SCRIPT_SERVER_ENV: given}, subprocess.DEVNULL), ours,
                        fallback=command, target=SCRIPT_TARGET)
+        server._script = True
+        server._script_call = call
         return server
 
     def _attach(self, process: subprocess.Popen | ForkedChild, sock: socket.socket,
@@ -188,6 +197,9 @@ class ForkServer:
         self._socket = sock
         self._fallback_command = fallback  # a rank as a fresh process, should the server not fork it
         self._target = target
+        self._script = False  # the server is a run of the user's script (for_script), in a session of its own
+        self._script_call = 1  # (for_script) which of the script's aqpipe.train calls it stops at
+        self._ready = threading.Event()  # set once the server has imported what the ranks need, or has ended
         self._replies: queue.Queue = queue.Queue()
         self._exits: dict[int, int] = {}
         self._gone = False  # the server ended: every rank it had is gone too (they die with it)
@@ -241,17 +253,23 @@ class ForkServer:
             except UnsafeFork as e:
                 why = str(e)
             except ForkServerError:
-                if self._target != SCRIPT_TARGET or self.started:
+                if not self._script or self.started:
                     raise
                 why = "the run of the script that was to fork them ended before it reached aqpipe.train"
             print(f"aqpipe: note: ranks start as fresh processes, not forked ({why})", file=sys.stderr, flush=True)
+            if not self.started:  # no rank depends on the server: it goes now, with what it holds
+                self.close()
             self._fallback = CommandStarter(self._fallback_command)
+        if self._script:  # (a rank running the script afresh must know which of its aqpipe.train calls it is for)
+            env = dict(env, **{TRAIN_CALL_ENV: str(self._script_call)})
         return self._fallback.start(rank, env, netns)
 
     def fork(self, rank: int, env: dict[str, str], netns: str | None = None, target: str | None = None) -> ForkedRank:
         """Fork a child of the server that runs `target` ("module:function" returning the exit code; by default
         what this server's ranks run) as rank `rank`; raises UnsafeFork when the server holds a thread or a CUDA
         context."""
+        while not self._ready.wait(0.1):  # (a plain wait would hold a Ctrl-C until the server is ready, if ever)
+            pass
         with deferred_interrupts():  # a Ctrl-C now is delivered once the rank is the launcher's to stop
             return self._fork(rank, env, netns, target or self._target)
 
@@ -266,7 +284,7 @@ class ForkServer:
                 raise ForkServerError(f"the rank fork server is gone ({e.strerror})") from None
         finally:
             os.close(write_end)
-        reply = self._replies.get()  # the first answer waits for a spawned server's imports
+        reply = self._replies.get()
         if reply is not None and "unsafe" in reply:
             os.close(read_end)
             raise UnsafeFork(reply["unsafe"])
@@ -296,13 +314,26 @@ class ForkServer:
         except OSError:
             pass
         self._socket.close()
-        if not self.started:  # perhaps still importing, for a launch that ended before its ranks: no need to wait
-            self.process.kill()
+        # Perhaps still importing, for a launch that ended before its ranks: no need to wait. A script's run goes at
+        # once, with whatever the script started (its ranks, in groups of their own, have ended), while its pid, the
+        # group's, cannot yet be another process's.
+        if not self.started or self._script:
+            self._kill()
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            self._kill()
             self.process.wait()
+
+    def _kill(self) -> None:
+        """SIGKILL the server (a script's run: its whole process group)."""
+        if not self._script:
+            self.process.kill()
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it and everything in its group have ended
+            pass
 
     def _read(self) -> None:
         while True:
@@ -313,10 +344,13 @@ class ForkServer:
             if not data:
                 with self._lock:
                     self._gone = True
+                self._ready.set()
                 self._replies.put(None)
                 return
             message = json.loads(data)
-            if "exit" in message:
+            if "ready" in message:
+                self._ready.set()
+            elif "exit" in message:
                 with self._lock:
                     self._exits[message["exit"]] = message["code"]
             else:
@@ -340,9 +374,10 @@ def _preload(modules: list[str], run: dict | None = None) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the rank imports it again and reports the error where it belongs
             pass
-    # Modules live as long as the process (the launcher, the server and its ranks: processes of aqpipe's own): a full
-    # collection walking them (a quarter of a second after importing torch and a model's code) finds nothing, and in
-    # a forked rank it also writes to, and so copies, every page of them it shares with the server.
+    # Modules live as long as the process (the launcher, the server and its ranks; in a script's run, also what the
+    # script built before aqpipe.train, which its ranks keep as the script would): a full collection walking them (a
+    # quarter of a second after importing torch and a model's code) finds nothing, and in a forked rank it also
+    # writes to, and so copies, every page of them it shares with the server.
     gc.freeze()
 
 
@@ -352,6 +387,7 @@ def serve(sock: socket.socket, preload: list[str], run: dict | None = None) -> N
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with(int(os.environ[PARENT_ENV]))
     _preload(preload, run)
+    sock.send(json.dumps({"ready": True}).encode())
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
@@ -466,17 +502,27 @@ def enter_namespace(name: str) -> None:
 _script_spec_factory = None  # the spec factory a script stopped in serve_script gave
 
 
+def script_call() -> int | None:
+    """In a script's run started by `ForkServer.for_script`: which of its calls of `aqpipe.train` (1, 2, …) is to
+    serve the ranks (the calls before it return at once: their runs are done); None in any other process."""
+    return None if lifetime.script_server is None else lifetime.script_server["call"]
+
+
 def serve_script(spec_factory) -> NoReturn:
-    """In a script started by `ForkServer.for_script`, at its call of `aqpipe.train(spec_factory, ...)`: serve the
-    launcher's ranks, each running `spec_factory`, until the launcher is done; then end the process (what follows
-    the call in the script is for the command that started the run)."""
+    """In a script started by `ForkServer.for_script`, at the call of `aqpipe.train(spec_factory, ...)` it is to
+    stop at (`script_call`): serve the launcher's ranks, each running `spec_factory`, until the launcher is done;
+    then end the process (what follows the call in the script is for the command that started the run)."""
     global _script_spec_factory
-    given = json.loads(os.environ.pop(SCRIPT_SERVER_ENV))
+    given = lifetime.script_server
+    assert given is not None, "serve_script runs only in a script's run started by ForkServer.for_script"
     _script_spec_factory = spec_factory
+    os.environ[PARENT_ENV] = str(given["parent"])  # (serve's die_with; the ranks get the launcher's environment)
     try:
         serve(socket.socket(fileno=given["socket"]), [], given["run"])
-    finally:
-        os._exit(0)
+    except BaseException:  # noqa: BLE001 - the launcher learns that the server ended; here is why
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
 
 
 def _run_script_rank() -> int:

@@ -29,15 +29,16 @@ from aqpipe.runtime.plan import RunPlan, make_plan
 
 
 def run_job(cfg: ResolvedConfig, spec_factory=None, script_command: list[str] | None = None, progress: bool = True,
-            overwrite: bool = False, starter: RankStarter | None = None, restarted: bool = False) -> int:
+            overwrite: bool = False, starter: RankStarter | None = None, restarted: bool = False,
+            script_call: int = 1) -> int:
     """Run a resolved configuration; returns the exit code (0 done, 1 failed during the run).
 
     Inside torchrun or the DeepSpeed launcher this process is one rank. Otherwise the run directory is locked,
     every check runs here, then every rank starts: forked from a process that has imported what ranks need
     (launch/forkserver.py; `starter`, when the caller started one earlier, else one started here: with a
-    `script_command`, the Python script that calls `aqpipe.train`, run once more). A run directory that holds
-    another run is refused unless `overwrite`; one that holds this run continues it (`continue_in_place`:
-    `restarted` when the caller found so). The starter is closed on return.
+    `script_command`, the Python script that calls `aqpipe.train`, run once more as far as its `script_call`-th
+    call). A run directory that holds another run is refused unless `overwrite`; one that holds this run continues
+    it (`continue_in_place`: `restarted` when the caller found so). The starter is closed on return.
     """
     if in_distributed_env() and CONFIG_ENV not in os.environ:
         with fork_safe_environment():  # (its imports start no thread: it forks its copies' process below)
@@ -70,7 +71,7 @@ def run_job(cfg: ResolvedConfig, spec_factory=None, script_command: list[str] | 
                           "across hosts")
     again = restarted or continue_in_place(cfg, overwrite)
     if starter is None:  # started before planning, so that its imports run while this process plans
-        starter = (ForkServer.for_script(script_command, cfg.lora, cfg.store) if script_command
+        starter = (ForkServer.for_script(script_command, cfg.lora, cfg.store, script_call) if script_command
                    else ForkServer.for_run(cfg.model, cfg.lora, cfg.store))
     try:
         return _claim_and_run(cfg, spec_factory, starter, progress, overwrite, again)

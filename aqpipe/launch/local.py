@@ -25,6 +25,7 @@ from typing import Protocol, TextIO
 
 from aqpipe.launch.netns import INTERFACE, THROTTLED_NCCL, Topology, exec_prefix
 from aqpipe.launch.signals import deferred_interrupts
+from aqpipe.lifetime import PARENT_ENV
 from aqpipe.pipeline.links.rendezvous import LOOPBACK_ENV
 from aqpipe.runtime.events import EVENT_PREFIX, HEARTBEAT_SECONDS
 
@@ -96,7 +97,7 @@ class LaunchResult:
 
 
 class RankStarter(Protocol):
-    """What starts a rank: the fork server (`aqpipe launch`), or a command run afresh per rank (the Python API)."""
+    """What starts a rank: a fork server (launch/forkserver.py), or a command run afresh per rank."""
 
     def start(self, rank: int, env: dict[str, str], netns: str | None = None) -> RankProcess:
         """Start rank `rank` with exactly the environment `env`, inside network namespace `netns` if given."""
@@ -172,7 +173,7 @@ def launch_local(
         for rank in range(world_size):
             env = dict(os.environ, **env_extra, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       AQPIPE_EVENTS="1", AQPIPE_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
+                       AQPIPE_EVENTS="1", PYTHONUNBUFFERED="1", **{PARENT_ENV: str(os.getpid())})
             netns = None
             if topology is not None:  # rendezvous, gloo and NCCL all go over the shaped interface
                 env.update(MASTER_ADDR=topology.address(0), GLOO_SOCKET_IFNAME=INTERFACE, **THROTTLED_NCCL)

@@ -12,8 +12,8 @@ import sys
 import traceback
 
 from aqpipe.disk import disk_full_error
-from aqpipe.launch.env import CONFIG_ENV, die_with_parent, rank_from_env
-from aqpipe.lifetime import leave
+from aqpipe.launch.env import CONFIG_ENV, rank_from_env
+from aqpipe.lifetime import die_with_parent, leave
 
 
 def rank_imports(model: str | None, lora: bool = False, store: str = "memory") -> list[str]:
