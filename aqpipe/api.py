@@ -23,8 +23,8 @@ def train(spec_factory: Callable[..., PipelineSpec], overwrite: bool = False, **
     than once: each call's ranks run that call's factory. Returns the exit code.
     """
     from aqpipe.launch.env import CONFIG_ENV, TRAIN_CALL_ENV, in_distributed_env
-    from aqpipe.launch.forkserver import script_call, serve_script
     from aqpipe.launch.job import run_job
+    from aqpipe.launch.rank_server import script_call, serve_script
     from aqpipe.launch.worker_entry import run_rank
 
     global _calls

@@ -75,7 +75,7 @@ SCRIPT = [sys.executable, "-c", f"""
 import os, threading, time
 {{thread}}
 if {forkserver.SCRIPT_SERVER_ENV!r} in os.environ:
-    from aqpipe.launch.forkserver import serve_script
+    from aqpipe.launch.rank_server import serve_script
     serve_script(None)
 print("a rank running the script afresh")
 """]
@@ -176,7 +176,7 @@ def test_a_scripts_server_that_has_not_reached_train_dies_with_a_killed_launcher
 
 
 def test_a_scripts_server_that_fails_while_serving_says_why_and_exits_1():
-    probe = "from aqpipe.launch.forkserver import serve_script\nserve_script(None)\n"
+    probe = "from aqpipe.launch.rank_server import serve_script\nserve_script(None)\n"
     env = dict(os.environ, **{forkserver.SCRIPT_SERVER_ENV: json.dumps({"socket": 999, "run": None}),
                               forkserver.PARENT_ENV: str(os.getpid())})
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
@@ -189,10 +189,10 @@ def test_a_plain_run_imports_none_of_what_only_some_runs_need(tmp_path):
     load none of them."""
     modules = rank_imports(model="gpt2-tiny")
     probe = ("import sys\n"
-             "from aqpipe.launch.forkserver import _preload\n"
+             "from aqpipe.launch.rank_server import import_for_ranks\n"
              "from aqpipe.config import RunConfig, resolve\n"
              "from aqpipe.runtime.plan import make_plan\n"
-             f"_preload({modules!r})\n"
+             f"import_for_ranks({modules!r})\n"
              f"make_plan(resolve(RunConfig(model='gpt2-tiny', device='cpu', out={str(tmp_path / 'run')!r})))\n"
              "print(sorted(m for m in ('matplotlib', 'peft', 'datasets', 'gguf') if sys.modules.get(m) is not None))\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
@@ -206,8 +206,8 @@ def test_a_forked_rank_of_a_model_without_transformers_makes_its_optimizer_impor
     copies every page the fork shares). The probe imports as the server does and looks in its own process."""
     modules = rank_imports(model="examples.custom_model:tiny_lm")
     probe = ("import gc, sys, torch\n"
-             "from aqpipe.launch.forkserver import _preload\n"
-             f"_preload({modules!r})\n"
+             "from aqpipe.launch.rank_server import import_for_ranks\n"
+             f"import_for_ranks({modules!r})\n"
              "before = set(sys.modules)\n"
              "torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])\n"
              "print(sorted(set(sys.modules) - before))\n"
@@ -230,8 +230,8 @@ def test_what_the_server_imports_starts_no_thread_and_no_cuda():
              "calls = []\n"
              "torch.cuda._lazy_init = lambda *a, **k: calls.append('lazy_init')\n"
              "from aqpipe.launch.fork_safety import cuda_initialised, native_threads\n"
-             "from aqpipe.launch.forkserver import _preload\n"
-             f"_preload({modules!r})\n"
+             "from aqpipe.launch.rank_server import import_for_ranks\n"
+             f"import_for_ranks({modules!r})\n"
              f"missing = [m for m in {modules!r} if m not in sys.modules]\n"
              "print(native_threads(), calls, cuda_initialised(), missing)\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,

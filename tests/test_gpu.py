@@ -407,11 +407,11 @@ def test_the_fork_servers_imports_start_no_thread_on_a_gpu_machine():
 
     modules = sorted(set(rank_imports(model="gpt2-tiny")) | set(rank_imports(model="llama-tiny", lora=True)))
     probe = ("from aqpipe.launch.fork_safety import fork_safe, other_threads\n"
-             "from aqpipe.launch.forkserver import SERVER_ENV, _preload\n"
+             "from aqpipe.launch.forkserver import SERVER_ENV\nfrom aqpipe.launch.rank_server import import_for_ranks\n"
              "import os\n"
              "os.environ.update(SERVER_ENV)\n"
              f"for module in {modules!r}:\n"
-             "    _preload([module])\n"
+             "    import_for_ranks([module])\n"
              "    unsafe = [name for name, is_python in other_threads() if not fork_safe(name, is_python)]\n"
              "    if unsafe:\n"
              "        print(module, unsafe)\n"

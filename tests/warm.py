@@ -50,13 +50,13 @@ def _zygote(sock: socket.socket, parent: int) -> None:
     die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the terminal is pytest's
     from aqpipe.launch.fork_safety import native_threads
-    from aqpipe.launch.forkserver import _preload, _report_exits
+    from aqpipe.launch.rank_server import _report_exits, import_for_ranks
     from aqpipe.launch.worker_entry import rank_imports
 
     modules = list(PRELOAD)
     for model, lora, store in MODELS:
         modules += rank_imports(model, lora, store)
-    _preload(modules)
+    import_for_ranks(modules)
     threads = native_threads()
     sock.send(json.dumps({"ready": threads == 1, "threads": threads}).encode())
     if threads != 1:
@@ -89,7 +89,7 @@ def _zygote(sock: socket.socket, parent: int) -> None:
 def _become_rank_server(fd: int, zygote: int) -> None:
     """In the forked child: be a rank fork server (aqpipe's own) on socket `fd`; never returns."""
     try:
-        from aqpipe.launch.forkserver import serve
+        from aqpipe.launch.rank_server import serve
         from aqpipe.lifetime import PARENT_ENV
 
         os.setsid()
