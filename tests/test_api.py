@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
@@ -37,15 +35,8 @@ def test_a_scripts_ranks_are_forks_of_one_run_of_it_that_reached_train(tmp_path)
     assert "start as fresh processes" not in proc.stderr
 
 
-# In the run of the script that is to fork the ranks, a thread: a fork of it would not be sound.
-THREAD_IN_THE_SERVER_RUN = """
-if "AQPIPE_SCRIPT_SERVER" in os.environ:
-    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
-"""
-
 TWO_CALLS = """
-import json, os, sys, threading, time
-{thread}
+import json, os, sys
 sys.path.insert(0, {examples!r})
 import aqpipe
 from custom_model import tiny_lm
@@ -69,17 +60,34 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("thread", ["", THREAD_IN_THE_SERVER_RUN], ids=["forked", "afresh"])
-def test_a_script_that_calls_train_twice_trains_each_calls_model_in_its_run(tmp_path, thread):
-    """Ranks run the script again to get its spec factory (forked from one more run of it, or each running it
-    afresh): those of the second call must get the second call's."""
+def test_a_script_that_calls_train_twice_trains_each_calls_model_in_its_run(tmp_path):
+    """Ranks run the script again to get its spec factory (here forked from one more run of it): those of the second
+    call must get the second call's."""
     script = tmp_path / "script.py"
-    script.write_text(TWO_CALLS.format(examples=str(ROOT / "examples"), thread=thread))
+    script.write_text(TWO_CALLS.format(examples=str(ROOT / "examples")))
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ("ranks start as fresh processes" in proc.stderr) == bool(thread), proc.stderr[-3000:]
+    assert "ranks start as fresh processes" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stdout.splitlines().count("between the calls: 0") == 1, proc.stdout  # (the command's own line)
     built = sorted(set((tmp_path / "built.txt").read_text().splitlines()))
     assert built == ["first run1", "second run2"], built
     for run in ("run1", "run2"):
         assert json.loads((tmp_path / run / "summary.json").read_text())["steps"] == 1
+
+
+def test_a_rank_running_the_script_afresh_trains_the_call_it_was_started_for(monkeypatch):
+    """Where ranks run the script afresh (its run could not fork them), the launcher names the call in their
+    environment (tests/test_forkserver.py): the calls before it and after it return 0 in the rank, untrained."""
+    from aqpipe import api
+    from aqpipe.launch import worker_entry
+    from aqpipe.launch.env import CONFIG_ENV, TRAIN_CALL_ENV
+
+    trained = []
+    monkeypatch.setattr(worker_entry, "run_rank", lambda factory: trained.append(factory) or 7)
+    monkeypatch.setattr(api, "_calls", 0)
+    monkeypatch.setenv(CONFIG_ENV, "{}")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(TRAIN_CALL_ENV, "2")
+    assert [api.train(factory) for factory in ("first", "second", "third")] == [0, 7, 0]
+    assert trained == ["second"]

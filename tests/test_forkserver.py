@@ -77,7 +77,7 @@ import os, threading, time
 if {forkserver.SCRIPT_SERVER_ENV!r} in os.environ:
     from aqpipe.launch.rank_server import serve_script
     serve_script(None)
-print("a rank running the script afresh")
+print("a rank running the script afresh, for call", os.environ.get("AQPIPE_TRAIN_CALL"))
 """]
 
 
@@ -91,7 +91,7 @@ def test_a_scripts_ranks_run_it_afresh_where_its_server_holds_a_thread_or_ended(
     try:
         proc = server.start(0, dict(os.environ, RANK="0", WORLD_SIZE="1"))
         assert isinstance(proc, subprocess.Popen) and proc.args == command
-        assert proc.wait(timeout=120) == 0 and "a rank running the script afresh" in proc.stdout.read()
+        assert proc.wait(timeout=120) == 0 and "a rank running the script afresh, for call 1" in proc.stdout.read()
         assert f"ranks start as fresh processes, not forked ({why}" in capfd.readouterr().err
         assert server.process.poll() is not None  # the server is no use now: gone at once, and what it held with it
     finally:
