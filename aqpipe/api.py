@@ -31,8 +31,9 @@ def train(spec_factory: Callable[..., PipelineSpec], overwrite: bool = False, **
     _calls += 1
     # A run of the script started for this call's ranks (to fork them, or as one of them) gets past the calls
     # before it, whose runs the command has done, and stops at it.
-    if script_call() is not None:
-        if script_call() == _calls:
+    serving = script_call()
+    if serving is not None:
+        if serving == _calls:
             serve_script(spec_factory)
         return 0
     if CONFIG_ENV in os.environ and in_distributed_env():

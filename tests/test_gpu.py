@@ -407,7 +407,8 @@ def test_the_fork_servers_imports_start_no_thread_on_a_gpu_machine():
 
     modules = sorted(set(rank_imports(model="gpt2-tiny")) | set(rank_imports(model="llama-tiny", lora=True)))
     probe = ("from aqpipe.launch.fork_safety import fork_safe, other_threads\n"
-             "from aqpipe.launch.forkserver import SERVER_ENV\nfrom aqpipe.launch.rank_server import import_for_ranks\n"
+             "from aqpipe.launch.forkserver import SERVER_ENV\n"
+             "from aqpipe.launch.rank_server import import_for_ranks\n"
              "import os\n"
              "os.environ.update(SERVER_ENV)\n"
              f"for module in {modules!r}:\n"

@@ -178,7 +178,6 @@ class ForkServer:
         server = cls.__new__(cls)
         server._attach(_start_server(command, theirs, {SCRIPT_SERVER_ENV: given}, subprocess.DEVNULL), ours,
                        fallback=command, target=SCRIPT_TARGET)
-        server._script = True
         server._script_call = call
         return server
 
@@ -188,8 +187,9 @@ class ForkServer:
         self._socket = sock
         self._fallback_command = fallback  # a rank as a fresh process, should the server not fork it
         self._target = target
-        self._script = False  # the server is a run of the user's script (for_script), in a session of its own
-        self._script_call = 1  # (for_script) which of the script's aqpipe.train calls it stops at
+        # Set when the server is a run of the user's script (for_script, in a session of its own): which of its
+        # aqpipe.train calls it stops at.
+        self._script_call: int | None = None
         self._ready = threading.Event()  # set once the server has imported what the ranks need, or has ended
         self._replies: queue.Queue = queue.Queue()
         self._exits: dict[int, int] = {}
@@ -244,14 +244,14 @@ class ForkServer:
             except UnsafeFork as e:
                 why = str(e)
             except ForkServerError:
-                if not self._script or self.started:
+                if self._script_call is None or self.started:
                     raise
                 why = "the run of the script that was to fork them ended before it reached aqpipe.train"
             print(f"aqpipe: note: ranks start as fresh processes, not forked ({why})", file=sys.stderr, flush=True)
             if not self.started:  # no rank depends on the server: it goes now, with what it holds
                 self.close()
             self._fallback = CommandStarter(self._fallback_command)
-        if self._script:  # (a rank running the script afresh must know which of its aqpipe.train calls it is for)
+        if self._script_call is not None:  # (a rank running the script afresh must know which call it is for)
             env = dict(env, **{TRAIN_CALL_ENV: str(self._script_call)})
         return self._fallback.start(rank, env, netns)
 
@@ -308,7 +308,7 @@ class ForkServer:
         # Perhaps still importing, for a launch that ended before its ranks: no need to wait. A script's run goes at
         # once, with whatever the script started (its ranks, in groups of their own, have ended), while its pid, the
         # group's, cannot yet be another process's.
-        if not self.started or self._script:
+        if not self.started or self._script_call is not None:
             self._kill()
         try:
             self.process.wait(timeout)
@@ -318,7 +318,7 @@ class ForkServer:
 
     def _kill(self) -> None:
         """SIGKILL the server (a script's run: its whole process group)."""
-        if not self._script:
+        if self._script_call is None:
             self.process.kill()
             return
         try:
